@@ -1,0 +1,6 @@
+"""lossysim: what happens to tensor-parallel training when packets are lost."""
+from .loss_models import Bernoulli, GilbertElliott, LossModel, NoLoss, parse_loss_model
+from .network import LossyNetwork
+
+__version__ = "0.1.0"
+__all__ = ["Bernoulli", "GilbertElliott", "LossModel", "NoLoss", "parse_loss_model", "LossyNetwork"]

@@ -1,0 +1,178 @@
+"""Experiment configuration: one flat dataclass, loaded from YAML and CLI overrides.
+
+Validated once here, at the edge, so the rest of the code can trust it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from .loss_models import parse_loss_model
+
+
+@dataclass
+class ExperimentConfig:
+    # what is trained
+    name: str = "tiny-synthetic"
+    seed: int = 0
+    model: str = "tiny"               # tiny | small | a HF name (gpt2, distilgpt2) | a local dir
+    attn_implementation: str = "sdpa"  # sdpa | eager
+    dropout: Optional[float] = None    # None keeps the model's own dropout
+    # data
+    dataset: str = "synthetic"         # synthetic | mnli | a local dir or file (jsonl / tsv)
+    tokenizer: str = "auto"            # auto | bpe | bytes | a HF name or local dir
+    max_length: int = 128
+    max_train_samples: Optional[int] = 4000
+    max_eval_samples: Optional[int] = 500
+    # network
+    loss: str = "none"                 # see lossysim.parse_loss_model
+    lossy: str = "both"                # fwd | bwd | both
+    recovery: str = "zero"             # zero | rescale
+    payload_bytes: int = 1450
+    eval_lossy: bool = True
+    # parallelism
+    tp_size: int = 2
+    backend: str = "sim"               # sim | dist
+    sync_replicated: bool = True       # dist: average replicated grads over a reliable channel
+    timeout_s: float = 600.0
+    # training
+    steps: int = 300
+    batch_size: int = 16
+    eval_batch_size: int = 64
+    lr: float = 5e-4
+    weight_decay: float = 0.01
+    warmup_steps: int = 30
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    log_every: int = 10
+    amp: str = "none"                  # none | bf16 | fp16
+    activation_checkpointing: bool = False
+    device: str = "auto"               # auto | cpu | cuda | cuda:N
+    save_checkpoint: bool = False
+    out: str = "runs/tiny-synthetic"
+
+    def validate(self) -> "ExperimentConfig":
+        """Raise ValueError with the offending field on the first problem."""
+        _choice("attn_implementation", self.attn_implementation, ("sdpa", "eager"))
+        _choice("lossy", self.lossy, ("fwd", "bwd", "both"))
+        _choice("recovery", self.recovery, ("zero", "rescale"))
+        _choice("backend", self.backend, ("sim", "dist"))
+        _choice("amp", self.amp, ("none", "bf16", "fp16"))
+        for name in ("tp_size", "steps", "batch_size", "eval_batch_size", "max_length",
+                     "eval_every", "log_every", "payload_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("max_train_samples", "max_eval_samples"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be >= 1 (or null for no cap)")
+        for name in ("lr", "weight_decay", "grad_clip", "timeout_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}={value} must be a finite number >= 0")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+        try:
+            parse_loss_model(self.loss)
+        except ValueError as err:
+            raise ValueError(f"loss: {err}") from None
+        return self
+
+    @property
+    def lossy_directions(self) -> tuple[str, ...]:
+        return ("fwd", "bwd") if self.lossy == "both" else (self.lossy,)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> "ExperimentConfig":
+        return from_dict({**self.to_dict(), **changes})
+
+
+def _choice(name: str, value: str, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} must be one of {', '.join(allowed)}")
+
+
+_TYPES = get_type_hints(ExperimentConfig)
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Convert a YAML or command-line value to the field's type."""
+    kind = _TYPES[name]
+    optional = get_origin(kind) is Union and type(None) in get_args(kind)
+    if optional:
+        kind = next(t for t in get_args(kind) if t is not type(None))
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            return None
+    if isinstance(value, str) and kind is not str:
+        value = yaml.safe_load(value)
+    try:
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise TypeError
+            return value
+        if kind is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise TypeError
+            return int(value)
+        if kind is float:
+            if isinstance(value, bool):
+                raise TypeError
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r} is not a valid {kind.__name__}") from None
+
+
+def from_dict(values: dict) -> ExperimentConfig:
+    known = {f.name for f in fields(ExperimentConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown config key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+    return ExperimentConfig(**{k: _coerce(k, v) for k, v in values.items()}).validate()
+
+
+def load_yaml(path: Union[str, Path]) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {path} does not exist")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ValueError(f"{path}{where}: malformed YAML: {getattr(err, 'problem', err)}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a mapping of config keys, got {type(values).__name__}")
+    return values
+
+
+def parse_overrides(pairs: list[str]) -> dict:
+    """``["lr=1e-4", "loss=bernoulli:0.01"]`` -> dict (values converted later by field type)."""
+    out = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--set {pair!r}: expected key=value")
+        out[key.strip()] = value
+    return out
+
+
+def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[dict] = None) -> ExperimentConfig:
+    """Defaults, then the YAML file, then overrides; validated."""
+    values = load_yaml(path) if path else {}
+    values.update(overrides or {})
+    return from_dict(values)
+
+
+def save_yaml(config: ExperimentConfig, path: Union[str, Path]) -> None:
+    from .io import atomic_write_text
+    atomic_write_text(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
