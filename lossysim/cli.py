@@ -1,0 +1,47 @@
+"""The ``lossysim`` command: one subcommand per module, each imported only when used.
+
+A subcommand's module provides ``add_arguments(parser)`` and ``run(args) -> int``.
+Bad input (ValueError, FileNotFoundError) ends with a one-line error and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+SUBCOMMANDS = {
+    "demo": ("lossysim.demo", "sample each loss model: configured vs observed statistics"),
+    "train": ("lossysim.train", "train one tensor-parallel GPT-2 under packet loss"),
+    "sweep": ("lossysim.sweep", "run a grid of experiments (resumable, shardable)"),
+    "report": ("lossysim.report", "plots and a markdown table from a results folder"),
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="lossysim", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser.set_defaults(_module=module_name)
+        # Only the chosen subcommand's module is imported (torch, transformers are slow to load).
+        if name == _chosen(argv):
+            importlib.import_module(module_name).add_arguments(sub_parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"lossysim {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _chosen(argv) -> str:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return next((a for a in argv if a in SUBCOMMANDS), "")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
