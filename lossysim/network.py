@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -157,16 +156,16 @@ class LossyNetwork:
 
     # -- activation checkpointing: a recomputed forward replays its masks -----
     @contextlib.contextmanager
-    def recording(self):
-        """Keep the delivery weights drawn inside, for ``replaying``."""
-        previous, self._recording = self._recording, defaultdict(deque)
+    def recording(self, record: dict):
+        """Append the delivery weights drawn inside to ``record[(site, direction)]``."""
+        previous, self._recording = self._recording, record
         try:
-            yield self._recording
+            yield record
         finally:
             self._recording = previous
 
     @contextlib.contextmanager
-    def replaying(self, record):
+    def replaying(self, record: dict):
         """Reuse the weights of ``record`` in call order; draw and count nothing."""
         previous, self._replaying = self._replaying, record
         try:

@@ -1,0 +1,235 @@
+"""Lossy tensor-parallel collectives (the Megatron-LM f/g pattern) and the two backends.
+
+Tensors in the tensor-parallel region carry a leading rank dimension R: all
+``tp_size`` ranks stacked in one process (``SimGroup``), or R = 1 with one rank
+per process on torch.distributed (``DistGroup``). The autograd functions below
+only see a group; the group moves data and hands it to the LossyNetwork, which
+decides what arrives.
+
+Each call site has a stable name (``h.3.attn.copy``, ``h.3.attn.reduce``) that
+keys its random stream and statistics. ``copy`` sites carry gradients
+(direction ``bwd``), ``reduce`` and ``gather`` sites carry activations (``fwd``).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict, deque
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .network import LossyNetwork
+
+
+class SimGroup:
+    """All ranks simulated in one process, stacked along dim 0 (R = tp_size)."""
+
+    backend = "sim"
+
+    def __init__(self, network: LossyNetwork, seed: int = 0):
+        self.network = network
+        self.tp_size = network.tp_size
+        self.ranks = list(range(self.tp_size))
+        self.seed = int(seed)
+        self._replicated_rng: dict[torch.device, torch.Generator] = {}
+        self._record = None
+        self._replay = None
+
+    @property
+    def local_size(self) -> int:
+        return len(self.ranks)
+
+    def all_reduce(self, x: torch.Tensor, site: str, direction: str) -> torch.Tensor:
+        return self.network.all_reduce(site, direction, x, self.ranks)
+
+    def all_gather(self, x: torch.Tensor, site: str, direction: str) -> torch.Tensor:
+        """[R, ..., n] -> [R, ..., tp_size * n]: every rank's shard, concatenated along the last dim."""
+        gathered = self.network.all_gather(site, direction, x, self.ranks)  # [R, tp, ..., n]
+        return torch.cat(gathered.unbind(1), dim=-1)
+
+    def average_replicated(self, grad: torch.Tensor) -> torch.Tensor:
+        """Replicated parameters are shared here, so autograd already summed the ranks' grads."""
+        return grad / self.tp_size
+
+    def all_gather_reliable(self, x: torch.Tensor) -> torch.Tensor:
+        """[R, ...] -> [tp_size, ...] outside the lossy network (measurements, checkpoints)."""
+        return x
+
+    # -- replicated randomness (Megatron's RNG tracker) -------------------------
+    def replicated_generator(self, device: torch.device) -> torch.Generator:
+        """One stream shared by all ranks, so dropout in replicated regions draws one mask."""
+        device = torch.device(device)
+        gen = self._replicated_rng.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed)
+            self._replicated_rng[device] = gen
+        return gen
+
+    def dropout_mask(self, shape, p: float, device, dtype) -> torch.Tensor:
+        """A scaled keep-mask from the replicated stream (replayed under recomputation)."""
+        if self._replay is not None:
+            return self._replay["dropout"].popleft()
+        keep = torch.empty(shape, device=device, dtype=dtype)
+        keep.bernoulli_(1.0 - p, generator=self.replicated_generator(device)).div_(1.0 - p)
+        if self._record is not None:
+            self._record["dropout"].append(keep)
+        return keep
+
+    def rng_state(self) -> dict:
+        return {str(d): g.get_state() for d, g in self._replicated_rng.items()}
+
+    def load_rng_state(self, state: dict) -> None:
+        for device, value in state.items():
+            self.replicated_generator(torch.device(device)).set_state(value)
+
+    # -- activation checkpointing -------------------------------------------------
+    def checkpoint_contexts(self):
+        """``context_fn`` for torch.utils.checkpoint: the recomputed forward replays
+        the original forward's packet masks and dropout masks, and counts nothing twice."""
+        record = defaultdict(deque)
+        return self._recording(record), self._replaying(record)
+
+    @contextlib.contextmanager
+    def _recording(self, record):
+        previous, self._record = self._record, record
+        try:
+            with self.network.recording(record):
+                yield
+        finally:
+            self._record = previous
+
+    @contextlib.contextmanager
+    def _replaying(self, record):
+        previous, self._replay = self._replay, record
+        try:
+            with self.network.replaying(record):
+                yield
+        finally:
+            self._replay = previous
+
+
+class DistGroup(SimGroup):
+    """One rank per process on torch.distributed (R = 1).
+
+    Every process draws every link's mask from the same streams as ``SimGroup``
+    and keeps its own receiver's row, so rank r applies exactly the masks the
+    simulator applies for rank r.
+    """
+
+    backend = "dist"
+
+    def __init__(self, network: LossyNetwork, seed: int = 0, process_group=None,
+                 sync_replicated: bool = True):
+        super().__init__(network, seed)
+        if not dist.is_initialized():
+            raise RuntimeError("backend 'dist' needs torch.distributed initialised (launch with torchrun)")
+        self.process_group = process_group
+        world = dist.get_world_size(process_group)
+        if world != self.tp_size:
+            raise ValueError(f"tp_size={self.tp_size} but the process group has {world} ranks")
+        self.rank = dist.get_rank(process_group)
+        self.ranks = [self.rank]
+        self.sync_replicated = sync_replicated
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((self.tp_size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=self.process_group)
+        return out
+
+    def all_reduce(self, x: torch.Tensor, site: str, direction: str) -> torch.Tensor:
+        if not self.network.drops(direction):
+            self.network.count(site, direction, x[0])
+            out = x.clone()
+            dist.all_reduce(out, group=self.process_group)
+            return out
+        return self.network.all_reduce(site, direction, self._gather(x), self.ranks)
+
+    def all_gather(self, x: torch.Tensor, site: str, direction: str) -> torch.Tensor:
+        gathered = self.network.all_gather(site, direction, self._gather(x), self.ranks)
+        return torch.cat(gathered.unbind(1), dim=-1)
+
+    def average_replicated(self, grad: torch.Tensor) -> torch.Tensor:
+        # Without loss every rank computes the same replicated gradient: nothing to send.
+        if not self.sync_replicated or not any(self.network.drops(d) for d in ("fwd", "bwd")):
+            return grad
+        grad = grad.clone()
+        dist.all_reduce(grad, group=self.process_group)
+        return grad / self.tp_size
+
+    def all_gather_reliable(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gather(x)
+
+
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0):
+    """Initialise torch.distributed from torchrun's environment, with a clear error outside it."""
+    import os
+    missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ValueError(f"backend 'dist' must be launched by torchrun (missing {', '.join(missing)}); "
+                         "e.g. torchrun --nproc_per_node=2 -m lossysim train --backend dist ...")
+    if not dist.is_initialized():
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        kwargs = {}
+        if backend == "nccl":
+            local_rank = int(os.environ["LOCAL_RANK"])
+            torch.cuda.set_device(local_rank)
+            kwargs["device_id"] = torch.device("cuda", local_rank)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    return dist.get_rank(), dist.get_world_size()
+
+
+# -- the Megatron mappings ---------------------------------------------------------
+
+class _CopyToTP(torch.autograd.Function):
+    """forward: identity; backward: all-reduce of the input gradient (lossy ``bwd`` traffic)."""
+
+    @staticmethod
+    def forward(ctx, x, group, site):
+        ctx.group, ctx.site = group, site
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.all_reduce(grad, ctx.site, "bwd"), None, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """forward: all-reduce of the partial outputs (lossy ``fwd`` traffic); backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, group, site):
+        return group.all_reduce(x, site, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """forward: all-gather along the last dim (lossy ``fwd`` traffic); backward: keep own slice."""
+
+    @staticmethod
+    def forward(ctx, x, group, site):
+        ctx.group, ctx.width = group, x.shape[-1]
+        return group.all_gather(x, site, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        slices = [grad[i, ..., r * ctx.width:(r + 1) * ctx.width] for i, r in enumerate(ctx.group.ranks)]
+        return torch.stack(slices), None, None
+
+
+def copy_to_tp(x: torch.Tensor, group: SimGroup, site: str) -> torch.Tensor:
+    return _CopyToTP.apply(x, group, site)
+
+
+def reduce_from_tp(x: torch.Tensor, group: SimGroup, site: str) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, group, site)
+
+
+def gather_from_tp(x: torch.Tensor, group: SimGroup, site: str) -> torch.Tensor:
+    return _GatherFromTP.apply(x, group, site)
