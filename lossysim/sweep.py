@@ -1,0 +1,503 @@
+"""Sweeps: a grid of experiments, resumable after any crash and shardable across machines.
+
+A sweep spec (YAML, under ``experiments/``) is a base config plus a grid::
+
+    base: ../configs/tiny.yaml          # optional; relative to the spec file
+    model: tiny                         # ExperimentConfig keys: the base (over `base`)
+    steps: 300
+    grid:                               # every combination of these lists is one run
+      loss: [none, "bernoulli:0.01", "ge:rate=0.01,burst=8"]
+      seed: [0, 1]
+
+``grid`` may also be a list of such mappings: the runs are the union of their products.
+Quote loss specs with commas inside a YAML flow list (``[a, b]`` splits on commas).
+
+Every grid point is resolved and validated before anything trains, so a typo fails at once.
+Each run lives in ``<out>/<readable prefix>-<hash8>``, the hash being that of the resolved
+config without its non-semantic keys: the same settings always land in the same directory,
+whatever sweep or shard asks for them. A lossless loss spec (``bernoulli:0``,
+``ge:rate=0,burst=8``) is the same experiment as ``none`` whatever ``lossy`` and ``recovery``
+say, so it is normalised to ``loss=none, lossy=both, recovery=zero`` and runs once per seed.
+
+Resuming: a run whose ``summary.json`` says ``completed`` or ``diverged`` is finished (a
+divergence is a deterministic result, not an accident) and is skipped; any other run
+directory (no summary: killed; ``failed``) is deleted and the run starts again. Every file is
+written atomically or re-created, so a sweep killed at any moment (SIGKILL included) completes
+on the next call. ``summary.csv`` is rebuilt from the run directories on disk after each run,
+so shards writing to one folder merge by themselves.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import itertools
+import json
+import logging
+import math
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import pandas as pd
+import yaml
+
+from .config import ExperimentConfig, from_dict, load_yaml, parse_overrides, save_yaml
+from .io import atomic_write_text
+from .loss_models import Bernoulli, GilbertElliott, parse_loss_model
+
+log = logging.getLogger(__name__)
+
+SPEC_KEYS = ("base", "grid", "description")
+# Keys that say where or how a run is executed, not what is trained: they stay out of the
+# hash so a shard on another machine (another device, another output folder) finds the run.
+NON_SEMANTIC = ("out", "name", "device", "timeout_s", "save_checkpoint")
+FINISHED = ("completed", "diverged")
+# Always in summary.csv (the report groups by them); other config keys only when they vary.
+KEY_COLUMNS = ("loss", "lossy", "recovery", "tp_size", "seed", "model", "dataset", "backend")
+MAX_EXIT = 100
+
+TrainFn = Callable[..., dict]
+
+
+# -- the spec ------------------------------------------------------------------------------------
+@dataclass
+class SweepSpec:
+    name: str
+    base: dict                          # config keys every run starts from
+    grids: list[dict[str, list]]        # union of the products of these
+    description: str = ""
+    source: Optional[str] = None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "description": self.description, "source": self.source,
+                "base": self.base, "grid": self.grids if len(self.grids) != 1 else self.grids[0]}
+
+
+def load_spec(path: Union[str, Path], overrides: Optional[dict] = None,
+              grid_overrides: Optional[dict] = None) -> SweepSpec:
+    """Read a spec; ``overrides`` (``--set``) change the base, ``grid_overrides`` an axis."""
+    path = Path(path)
+    raw = load_yaml(path)
+    base: dict = {}
+    if raw.get("base") is not None:
+        base_path = Path(raw["base"])
+        if not base_path.is_absolute():
+            base_path = path.parent / base_path
+        base.update(load_yaml(base_path))
+    base.update({k: v for k, v in raw.items() if k not in SPEC_KEYS})
+    grids = _parse_grids(raw.get("grid"), path)
+    for key, values in (grid_overrides or {}).items():
+        if not values:
+            raise ValueError(f"--grid {key}=: give at least one value")
+        for grid in grids:
+            grid[key] = list(values)
+    overrides = dict(overrides or {})
+    for key in overrides:
+        if any(key in grid for grid in grids):
+            raise ValueError(f"--set {key}=...: {key} is a grid axis; use --grid {key}=VALUES")
+    base.update(overrides)
+    name = str(base.get("name") or path.stem)
+    return SweepSpec(name=name, base=base, grids=grids,
+                     description=str(raw.get("description") or ""), source=str(path))
+
+
+def _parse_grids(grid: Any, path: Path) -> list[dict[str, list]]:
+    if grid is None:
+        return [{}]
+    items = grid if isinstance(grid, list) else [grid]
+    grids = []
+    for item in items:
+        if not isinstance(item, dict):
+            raise ValueError(f"{path}: grid must be a mapping of key: [values] (or a list of them)")
+        parsed = {}
+        for key, values in item.items():
+            values = values if isinstance(values, list) else [values]
+            if not values:
+                raise ValueError(f"{path}: grid key {key!r} has an empty list")
+            parsed[str(key)] = values
+        grids.append(parsed)
+    return grids
+
+
+def parse_grid_overrides(pairs: list[str]) -> dict[str, list[str]]:
+    """``["seed=0 1 2", "loss=none bernoulli:0.01"]`` -> axes (values split on whitespace)."""
+    out = {}
+    for pair in pairs:
+        key, eq, values = pair.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--grid {pair!r}: expected key=VALUE [VALUE ...]")
+        out[key.strip()] = values.split()
+    return out
+
+
+# -- runs ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Run:
+    config: ExperimentConfig          # resolved; ``out`` is the run directory
+    key: str                          # 8 hex digits of the config hash
+    dir_name: str
+    point: dict = field(default_factory=dict, compare=False)   # grid values that made it
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.config.out)
+
+
+def normalise(config: ExperimentConfig) -> ExperimentConfig:
+    """Make equal experiments equal configs (a lossless run does not care which way is lossy)."""
+    if parse_loss_model(config.loss).lossless:
+        return config.replace(loss="none", lossy="both", recovery="zero")
+    return config
+
+
+def config_key(config: ExperimentConfig) -> str:
+    """Stable 8-hex-digit hash of what a config trains (its semantic keys)."""
+    values = {k: v for k, v in config.to_dict().items() if k not in NON_SEMANTIC}
+    # Two spellings of one model ("bernoulli:1%", "bernoulli:0.01") are one experiment.
+    values["loss"] = parse_loss_model(config.loss).spec
+    blob = json.dumps(values, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:8]
+
+
+def loss_label(spec: str) -> str:
+    model = parse_loss_model(spec)
+    if model.lossless:
+        return "none"
+    if isinstance(model, Bernoulli):
+        return f"bernoulli-{model.p:g}"
+    return f"ge-{model.loss_rate:.3g}-b{model.mean_burst:.3g}"
+
+
+def run_name(config: ExperimentConfig, key: str) -> str:
+    """``bernoulli-0.01_tp2_seed0-1a2b3c4d``: readable prefix, hash for uniqueness."""
+    parts = [loss_label(config.loss), f"tp{config.tp_size}", f"seed{config.seed}"]
+    if config.lossy != "both":
+        parts.append(config.lossy)
+    if config.recovery != "zero":
+        parts.append(config.recovery)
+    prefix = "".join(c if c.isalnum() or c in "._-" else "-" for c in "_".join(parts))
+    return f"{prefix}-{key}"
+
+
+def plan(spec: SweepSpec, out: Union[str, Path]) -> list[Run]:
+    """Every distinct run of the spec, validated, in grid order."""
+    out = Path(out)
+    runs: dict[str, Run] = {}
+    for grid in spec.grids:
+        keys = list(grid)
+        for values in itertools.product(*(grid[k] for k in keys)):
+            point = dict(zip(keys, values))
+            try:
+                config = normalise(from_dict({**spec.base, **point}))
+            except ValueError as err:
+                where = ", ".join(f"{k}={v}" for k, v in point.items()) or "the base config"
+                raise ValueError(f"{spec.source or spec.name}: {where}: {err}") from None
+            key = config_key(config)
+            if key in runs:
+                continue
+            name = run_name(config, key)
+            config = config.replace(name=name, out=str(out / name))
+            runs[key] = Run(config=config, key=key, dir_name=name, point=point)
+    return list(runs.values())
+
+
+def parse_shard(text: Optional[str]) -> tuple[int, int]:
+    if not text:
+        return 1, 1
+    k, slash, n = text.partition("/")
+    try:
+        k, n = int(k), int(n)
+    except ValueError:
+        raise ValueError(f"--shard {text!r}: expected K/N, e.g. 2/3") from None
+    if not slash or n < 1 or not 1 <= k <= n:
+        raise ValueError(f"--shard {text!r}: expected K/N with 1 <= K <= N")
+    return k, n
+
+
+def shard(runs: list[Run], k: int, n: int) -> list[Run]:
+    """Shard k of n (1-based): disjoint, covering, the same on every machine (sorted by hash)."""
+    ordered = sorted(runs, key=lambda r: (r.key, r.dir_name))
+    mine = {r.key for i, r in enumerate(ordered) if i % n == k - 1}
+    return [r for r in runs if r.key in mine]   # keep grid order: baselines first, as written
+
+
+# -- run directories --------------------------------------------------------------------------------
+def read_summary(run_dir: Union[str, Path]) -> Optional[dict]:
+    """The run's summary, or None when it has none (killed) or it cannot be read."""
+    try:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def run_status(run_dir: Union[str, Path]) -> Optional[str]:
+    summary = read_summary(run_dir)
+    return None if summary is None else summary.get("status")
+
+
+def failure_summary(config: ExperimentConfig, error: str) -> dict:
+    """What the sweep records for a run that ended without writing its own summary."""
+    return {"status": "failed", "error": error, "name": config.name, "dataset": None,
+            "config": config.to_dict(), "steps": 0, "wall_time_s": None, "tokens_per_s": None,
+            "final": {}, "best": {}, "packets": {"train": [], "eval": []},
+            "packets_by_site": {"train": [], "eval": []}, "disagreement": {},
+            "diverged_at": None, "versions": {}}
+
+
+def _default_train() -> TrainFn:
+    from .train import run_experiment   # torch and transformers load only when training
+    return run_experiment
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the sweep dies (even by SIGKILL), so no torchrun is orphaned."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def dist_command(config: ExperimentConfig, run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={config.tp_size}", "-m", "lossysim", "train",
+            "--config", str(run_dir / "config.yaml"), "--out", str(run_dir), "--backend", "dist"]
+
+
+def execute(run: Run, train: Optional[TrainFn] = None, progress: bool = True) -> dict:
+    """Run one experiment from a clean directory; always leaves a summary.json, returns it."""
+    run_dir = run.run_dir
+    if run_dir.exists():
+        shutil.rmtree(run_dir)   # a stale attempt: its metrics would mix with the new ones
+    run_dir.mkdir(parents=True)
+    save_yaml(run.config, run_dir / "config.yaml")
+    error = None
+    try:
+        if run.config.backend == "dist":
+            code = subprocess.call(dist_command(run.config, run_dir),
+                                   preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            if code != 0:
+                error = f"torchrun exited with status {code}"
+        else:
+            (train or _default_train())(run.config, run_dir, progress=progress, position=1)
+    except Exception as err:   # the trainer records training failures itself; this is the rest
+        log.debug("run %s raised", run.dir_name, exc_info=True)
+        error = f"{type(err).__name__}: {err}"
+    summary = read_summary(run_dir)
+    if summary is None:
+        from .io import atomic_write_json
+        summary = failure_summary(run.config, error or "the run wrote no summary.json")
+        atomic_write_json(run_dir / "summary.json", summary)
+    return summary
+
+
+# -- summary.csv --------------------------------------------------------------------------------------
+def _number(value: Any) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return math.nan
+    return value
+
+
+def primary_split(splits) -> Optional[str]:
+    """The split a single accuracy number refers to: MNLI's matched one, else the first."""
+    splits = list(splits)
+    if "validation_matched" in splits:
+        return "validation_matched"
+    return splits[0] if splits else None
+
+
+def dataset_display(summary: dict, config: dict) -> str:
+    name = summary.get("dataset") or str(config.get("dataset", ""))
+    # Never let a synthetic task pass for a real benchmark in a table or a plot title.
+    if str(config.get("dataset")) == "synthetic" and "synthetic" not in name:
+        name = f"{name} (synthetic)"
+    return name
+
+
+def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
+    """One flat row of summary.csv: the run's config and its numbers."""
+    config = dict(summary.get("config") or {})
+    if not config and (run_dir / "config.yaml").is_file():
+        config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    try:
+        model = parse_loss_model(config.get("loss", "none"))
+    except ValueError:
+        model = None
+    row: dict[str, Any] = {"run_dir": str(run_dir.relative_to(results)), "status": summary.get("status"),
+                           "error": summary.get("error")}
+    row.update({f"config.{k}": v for k, v in config.items()})
+    row["dataset_name"] = dataset_display(summary, config)
+    if model is None:
+        row.update(loss_model="unknown", loss_rate=math.nan, mean_burst=math.nan)
+    else:
+        row["loss_model"] = ("none" if model.lossless else
+                             "bernoulli" if isinstance(model, Bernoulli) else
+                             "ge" if isinstance(model, GilbertElliott) else type(model).__name__)
+        row["loss_rate"] = model.loss_rate
+        row["mean_burst"] = model.mean_burst
+    row["steps_done"] = summary.get("steps")
+    row["wall_time_s"] = _number(summary.get("wall_time_s"))
+    row["tokens_per_s"] = _number(summary.get("tokens_per_s"))
+    row["diverged_at"] = (summary.get("diverged_at") or {}).get("step")
+    final, best = summary.get("final") or {}, summary.get("best") or {}
+    for split in final:
+        row[f"final_accuracy_{split}"] = _number((final.get(split) or {}).get("accuracy"))
+        row[f"final_loss_{split}"] = _number((final.get(split) or {}).get("loss"))
+    for split in best:
+        row[f"best_accuracy_{split}"] = _number((best.get(split) or {}).get("accuracy"))
+    split = primary_split(final)
+    row["eval_split"] = split
+    row["accuracy"] = row.get(f"final_accuracy_{split}", math.nan)
+    row["best_accuracy"] = row.get(f"best_accuracy_{split}", math.nan)
+    lossy = config.get("lossy", "both")
+    lossy_dirs = ("fwd", "bwd") if lossy == "both" else (lossy,)
+    sent = lost = 0
+    for entry in (summary.get("packets") or {}).get("train") or []:
+        d = entry.get("direction")
+        for name in ("configured_loss_rate", "observed_loss_rate",
+                     "configured_mean_burst", "observed_mean_burst"):
+            row[f"{name}_{d}"] = _number(entry.get(name))
+        if d in lossy_dirs:
+            sent += entry.get("sent") or 0
+            lost += entry.get("lost") or 0
+    row["observed_loss_rate"] = lost / sent if sent else math.nan
+    disagreement = summary.get("disagreement") or {}
+    row["disagreement"] = _number(disagreement.get("final_eval"))
+    row["disagreement_train"] = _number(disagreement.get("mean_train"))
+    row["hidden_rel_diff"] = _number(disagreement.get("final_eval_hidden_rel_diff"))
+    return row
+
+
+def collect(results: Union[str, Path]) -> pd.DataFrame:
+    """summary.csv's table, built from every finished run directory under ``results``."""
+    results = Path(results)
+    rows = []
+    for path in sorted(results.glob("*/summary.json")):
+        summary = read_summary(path.parent)
+        if summary is not None:
+            rows.append(summary_row(path.parent, summary, results))
+    frame = pd.DataFrame(rows)
+    if frame.empty:
+        return pd.DataFrame(columns=["run_dir", "status", *KEY_COLUMNS])
+    config_cols = [c for c in frame.columns if c.startswith("config.")]
+    keep = [c for c in config_cols if c[7:] in KEY_COLUMNS
+            or (c[7:] not in NON_SEMANTIC and frame[c].astype(str).nunique(dropna=False) > 1)]
+    keep.sort(key=lambda c: (KEY_COLUMNS.index(c[7:]) if c[7:] in KEY_COLUMNS else len(KEY_COLUMNS), c))
+    frame = frame.drop(columns=[c for c in config_cols if c not in keep])
+    frame = frame.rename(columns={c: c[7:] for c in keep})
+    head = ["run_dir", "status", "dataset_name", *[c[7:] for c in keep], "loss_model", "loss_rate",
+            "mean_burst"]
+    frame = frame[head + [c for c in frame.columns if c not in head]]
+    order = [c for c in ("loss_model", "loss_rate", "mean_burst", "lossy", "recovery", "tp_size",
+                         "seed", "run_dir") if c in frame.columns]
+    return frame.sort_values(order, kind="stable").reset_index(drop=True)
+
+
+def write_summary_csv(results: Union[str, Path]) -> pd.DataFrame:
+    frame = collect(results)
+    atomic_write_text(Path(results) / "summary.csv", frame.to_csv(index=False))
+    return frame
+
+
+# -- the sweep ----------------------------------------------------------------------------------------
+@dataclass
+class SweepResult:
+    runs: list[Run]
+    statuses: dict[str, str]          # dir_name -> status at the end
+    ran: int = 0
+    skipped: int = 0
+
+    def count(self, status: str) -> int:
+        return sum(1 for s in self.statuses.values() if s == status)
+
+    @property
+    def exit_code(self) -> int:
+        return min(self.count("failed"), MAX_EXIT)
+
+
+def _clean_temporaries(out: Path) -> None:
+    """Remove the temporary files of atomic writes that a kill interrupted."""
+    for tmp in out.glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
+    for tmp in out.glob("*/.*.tmp"):
+        tmp.unlink(missing_ok=True)
+
+
+def run_sweep(spec: SweepSpec, out: Union[str, Path], shard_k: int = 1, shard_n: int = 1,
+              train: Optional[TrainFn] = None, progress: bool = True) -> SweepResult:
+    from tqdm import tqdm
+
+    out = Path(out)
+    runs = shard(plan(spec, out), shard_k, shard_n)   # validated before anything is touched
+    out.mkdir(parents=True, exist_ok=True)
+    _clean_temporaries(out)
+    atomic_write_text(out / "sweep.yaml", yaml.safe_dump(spec.to_dict(), sort_keys=False))
+    result = SweepResult(runs=runs, statuses={})
+    label = spec.name if shard_n == 1 else f"{spec.name} {shard_k}/{shard_n}"
+    bar = tqdm(total=len(runs), desc=label, unit="run", position=0, disable=not progress,
+               dynamic_ncols=True)
+    try:
+        for run in runs:
+            status = run_status(run.run_dir)
+            if status in FINISHED:
+                result.skipped += 1
+            else:
+                bar.set_postfix_str(run.dir_name)
+                status = execute(run, train=train, progress=progress).get("status")
+                result.ran += 1
+                if status != "completed":
+                    bar.write(f"{run.dir_name}: {status}: {read_summary(run.run_dir).get('error')}",
+                              file=sys.stderr)
+                write_summary_csv(out)
+            result.statuses[run.dir_name] = status
+            bar.update()
+    finally:
+        bar.close()
+    write_summary_csv(out)
+    return result
+
+
+# -- command line ---------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("spec", help="sweep spec (YAML): base config keys plus a `grid` of lists")
+    parser.add_argument("--out", help="results folder (default: results/<spec name>)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a base config key (repeatable)")
+    parser.add_argument("--grid", dest="grid", action="append", default=[], metavar="KEY=VALUES",
+                        help="replace or add a grid axis, values separated by spaces, "
+                             "e.g. --grid 'seed=0 1 2' (repeatable)")
+    parser.add_argument("--shard", metavar="K/N",
+                        help="run only part K of N (1-based); N machines with K=1..N cover the grid")
+    parser.add_argument("--dry-run", action="store_true", help="list the runs and their state; train nothing")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace, train: Optional[TrainFn] = None) -> int:
+    spec = load_spec(args.spec, parse_overrides(args.overrides), parse_grid_overrides(args.grid))
+    out = Path(args.out or Path("results") / Path(args.spec).stem)
+    k, n = parse_shard(args.shard)
+    if args.dry_run:
+        runs = shard(plan(spec, out), k, n)
+        for i, r in enumerate(runs, 1):
+            state = run_status(r.run_dir) or ("incomplete" if r.run_dir.exists() else "todo")
+            point = " ".join(f"{key}={value}" for key, value in r.point.items())
+            print(f"{i:4d}  {state:<10}  {r.dir_name}  {point}")
+        print(f"{len(runs)} runs (shard {k}/{n}) in {out}")
+        return 0
+    result = run_sweep(spec, out, k, n, train=train, progress=not args.no_progress)
+    failed, diverged = result.count("failed"), result.count("diverged")
+    print(f"sweep {spec.name}: {len(result.runs)} runs (shard {k}/{n}; {result.ran} run now, "
+          f"{result.skipped} already done): {result.count('completed')} completed, "
+          f"{diverged} diverged, {failed} failed")
+    print(f"summary: {out / 'summary.csv'}")
+    if failed:
+        print(f"{failed} run(s) failed (their errors are in summary.csv); run the sweep again to "
+              f"retry them; exit status {result.exit_code} = number of failed runs", file=sys.stderr)
+    return result.exit_code
