@@ -141,8 +141,11 @@ class TensorParallelGPT2(nn.Module):
             if value is not None and ranks > 1:
                 inputs[name] = value.repeat(ranks, *([1] * (value.dim() - 1)))
         out = self.model(**inputs)
-        self.rank_logits = out.logits.reshape(ranks, -1, *out.logits.shape[1:])
-        out.logits = self.rank_logits[0]
+        # GPT2Model has no head: its per-rank output is the last hidden state.
+        key = "last_hidden_state" if isinstance(self.model, GPT2Model) else "logits"
+        output = getattr(out, key)
+        self.rank_logits = output.reshape(ranks, -1, *output.shape[1:])
+        setattr(out, key, self.rank_logits[0])
         self.rank_losses = None
         if labels is not None:
             self.rank_losses = torch.stack([self._loss(logits, labels) for logits in self.rank_logits])
