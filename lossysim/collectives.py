@@ -136,7 +136,7 @@ class DistGroup(SimGroup):
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty((self.tp_size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x.contiguous(), group=self.process_group)
+        _all_gather_single(out, x.contiguous(), group=self.process_group)
         return out
 
     def all_reduce(self, x: torch.Tensor, site: str, direction: str) -> torch.Tensor:
@@ -161,6 +161,10 @@ class DistGroup(SimGroup):
 
     def all_gather_reliable(self, x: torch.Tensor) -> torch.Tensor:
         return self._gather(x)
+
+
+# torch 2.13 renamed all_gather_into_tensor (same signature); older torch has only the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0):

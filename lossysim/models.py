@@ -1,0 +1,47 @@
+"""GPT-2 sequence classifiers: named random-weight shapes or pretrained weights by name or path."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+from transformers import GPT2Config, GPT2ForSequenceClassification
+
+# Random-weight shapes: `tiny` for CPU tests and demos, `small` = GPT-2 124M.
+NAMED_SHAPES = {
+    "tiny": dict(n_layer=2, n_head=4, n_embd=128),
+    "small": dict(n_layer=12, n_head=12, n_embd=768),
+}
+
+
+def is_pretrained(name: str) -> bool:
+    return name not in NAMED_SHAPES
+
+
+def build_model(name: str, *, vocab_size: int, pad_token_id: int, num_labels: int, max_length: int,
+                attn_implementation: str = "sdpa", dropout: Optional[float] = None,
+                seed: int = 0) -> GPT2ForSequenceClassification:
+    """A GPT2ForSequenceClassification: random weights for a named shape, else from_pretrained."""
+    torch.manual_seed(seed)
+    overrides = {} if dropout is None else dict(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    if not is_pretrained(name):
+        config = GPT2Config(**NAMED_SHAPES[name], vocab_size=vocab_size, n_positions=max(max_length, 64),
+                            num_labels=num_labels, pad_token_id=pad_token_id, bos_token_id=pad_token_id,
+                            eos_token_id=pad_token_id, **overrides)
+        config._attn_implementation = attn_implementation
+        return GPT2ForSequenceClassification(config)
+    try:
+        model = GPT2ForSequenceClassification.from_pretrained(
+            name, num_labels=num_labels, attn_implementation=attn_implementation, **overrides)
+    except (OSError, ValueError) as err:
+        where = "local directory" if Path(name).exists() else "model name"
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"cannot load model {name!r} ({where}): {first}. Use a named shape "
+                         f"({', '.join(NAMED_SHAPES)}), a local directory, or go online "
+                         "(unset HF_HUB_OFFLINE)") from None
+    if model.config.n_positions < max_length:
+        raise ValueError(f"max_length={max_length} exceeds {name}'s n_positions={model.config.n_positions}")
+    if vocab_size > model.config.vocab_size:
+        model.resize_token_embeddings(vocab_size)
+    model.config.pad_token_id = pad_token_id
+    return model

@@ -1,0 +1,454 @@
+"""One experiment: fine-tune a tensor-parallel GPT-2 over a lossy network and record what happened.
+
+``run_experiment(config, run_dir)`` is the whole job; ``lossysim train`` is its
+command line. The run directory's files are described in docs/run_directory.md.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import platform
+import shutil
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import transformers
+from tqdm.auto import tqdm
+
+from . import __version__
+from .collectives import init_distributed
+from .config import ExperimentConfig, load_config, parse_overrides, save_yaml
+from .data import EVAL_SPLITS, eval_batches, prepare_data, train_batches
+from .gpt2 import TensorParallelGPT2, gather_full_model, parallelize
+from .io import append_jsonl, atomic_write_json, atomic_write_text
+from .models import build_model
+from .network import LossyNetwork, stream_seed
+
+log = logging.getLogger(__name__)
+
+# CLI flags for the common settings; everything else goes through --set key=value.
+FLAGS = {
+    "--loss": ("loss", "loss model spec, e.g. bernoulli:0.01 or ge:rate=0.01,burst=8"),
+    "--tp-size": ("tp_size", "tensor-parallel degree"),
+    "--backend": ("backend", "sim (all ranks in one process) or dist (torchrun)"),
+    "--lossy": ("lossy", "which traffic is lossy: fwd, bwd or both"),
+    "--recovery": ("recovery", "zero or rescale"),
+    "--model": ("model", "tiny | small | gpt2 | distilgpt2 | a local directory"),
+    "--dataset": ("dataset", "synthetic | mnli | a local directory or file"),
+    "--max-train-samples": ("max_train_samples", "cap on training examples"),
+    "--max-eval-samples": ("max_eval_samples", "cap on examples per eval split"),
+    "--steps": ("steps", "optimizer steps"),
+    "--seed": ("seed", "seed of data order, init, masks and dropout"),
+    "--out": ("out", "run directory"),
+}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", help="experiment YAML (see experiments/)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override any config key (repeatable)")
+    for flag, (key, help_text) in FLAGS.items():
+        parser.add_argument(flag, dest=key, help=help_text)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args) -> int:
+    overrides = parse_overrides(args.set)
+    overrides.update({key: getattr(args, key) for _, (key, _) in FLAGS.items()
+                      if getattr(args, key) is not None})
+    config = load_config(args.config, overrides)
+    summary = run_experiment(config, config.out, progress=not args.no_progress)
+    if summary["status"] != "completed":
+        print(f"lossysim train: {summary['status']}: {summary.get('error') or ''}".rstrip(": "),
+              file=__import__("sys").stderr)
+        return 1
+    return 0
+
+
+@dataclass
+class _Runtime:
+    """Where this process stands: its rank, device and whether it writes files."""
+    config: ExperimentConfig
+    run_dir: Path
+    device: torch.device
+    rank: int = 0
+    is_main: bool = True
+
+    def barrier(self):
+        if self.config.backend == "dist":
+            dist.barrier()
+
+
+def run_experiment(config: ExperimentConfig, run_dir, *, progress: bool = True, position: int = 0) -> dict:
+    """Train one configuration; write ``run_dir``; return the summary.
+
+    A training failure is recorded (status ``failed`` or ``diverged``), not raised.
+    """
+    config.validate()
+    run_dir = Path(run_dir)
+    started = time.time()
+    runtime = None
+    try:
+        runtime = _start(config, run_dir)
+        summary = _Experiment(runtime, progress, position).run(started)
+    except Exception as err:  # recorded, so a sweep goes on
+        summary = _failure(config, err, started)
+        log.debug("run failed", exc_info=True)
+        if runtime is None or runtime.is_main:
+            with contextlib.suppress(OSError):
+                run_dir.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(run_dir / "traceback.txt", traceback.format_exc())
+                atomic_write_json(run_dir / "summary.json", summary)
+    finally:
+        if config.backend == "dist" and dist.is_initialized():
+            dist.destroy_process_group()
+    return summary
+
+
+def _start(config: ExperimentConfig, run_dir: Path) -> _Runtime:
+    if config.backend == "dist":
+        rank, world = init_distributed(timeout_s=config.timeout_s)
+        if world != config.tp_size:
+            raise ValueError(f"tp_size={config.tp_size} but torchrun started {world} processes")
+        shared = [config.to_dict(), str(run_dir)]  # rank 0's config is the experiment
+        dist.broadcast_object_list(shared, src=0)
+        config = ExperimentConfig(**shared[0]).validate()
+        run_dir = Path(shared[1])
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+    else:
+        rank = 0
+        device = _device(config.device)
+    runtime = _Runtime(config, run_dir, device, rank, rank == 0)
+    if runtime.is_main:
+        _prepare_run_dir(run_dir)
+        save_yaml(config, run_dir / "config.yaml")
+    return runtime
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but CUDA is not available")
+    return device
+
+
+def _prepare_run_dir(run_dir: Path) -> None:
+    """Start clean: a stale summary or metrics from an earlier attempt must not mix in."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"output folder {run_dir} is not writable: {err.strerror or err}") from None
+    for name in ("summary.json", "metrics.jsonl", "traceback.txt"):
+        with contextlib.suppress(FileNotFoundError):
+            (run_dir / name).unlink()
+    shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
+
+
+def _failure(config: ExperimentConfig, err: BaseException, started: float) -> dict:
+    message = f"{type(err).__name__}: {err}".splitlines()[0]
+    return {"status": "failed", "error": message, "name": config.name, "config": config.to_dict(),
+            "steps": 0, "wall_time_s": time.time() - started, "versions": _versions()}
+
+
+def _versions() -> dict:
+    return {"lossysim": __version__, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LOSSYSIM_CACHE", Path.home() / ".cache" / "lossysim"))
+
+
+class _Divergence(Exception):
+    pass
+
+
+class _Experiment:
+    def __init__(self, runtime: _Runtime, progress: bool, position: int):
+        self.rt = runtime
+        self.cfg = runtime.config
+        self.progress = progress and runtime.is_main
+        self.position = position
+
+    # -- set-up ------------------------------------------------------------------
+    def _build(self):
+        cfg, rt = self.cfg, self.rt
+        self.data = prepare_data(cfg, cache_dir() / "data", is_main=rt.is_main,
+                                 barrier=rt.barrier if cfg.backend == "dist" else None)
+        model = build_model(cfg.model, vocab_size=self.data.vocab_size, pad_token_id=self.data.pad_token_id,
+                            num_labels=self.data.num_labels, max_length=cfg.max_length,
+                            attn_implementation=cfg.attn_implementation, dropout=cfg.dropout,
+                            seed=cfg.seed).to(rt.device)
+        network_args = dict(seed=cfg.seed, payload_bytes=cfg.payload_bytes, recovery=cfg.recovery,
+                            lossy=cfg.lossy_directions)
+        self.train_net = LossyNetwork(cfg.tp_size, cfg.loss, **network_args)
+        # Evaluation draws from its own streams and keeps its own statistics.
+        eval_args = dict(network_args, seed=stream_seed(cfg.seed, "eval", "network"))
+        self.eval_net = LossyNetwork(cfg.tp_size, cfg.loss if cfg.eval_lossy else "none", **eval_args)
+        self.model: TensorParallelGPT2 = parallelize(
+            model, cfg.tp_size, self.train_net, backend=cfg.backend, seed=cfg.seed,
+            sync_replicated=cfg.sync_replicated)
+        torch.manual_seed(stream_seed(cfg.seed, "sharded-dropout", str(rt.rank)))
+        if cfg.activation_checkpointing:
+            self.model.model.activation_checkpointing_enable(
+                {"use_reentrant": False, "context_fn": self.model.group.checkpoint_contexts})
+        decay, no_decay = [], []
+        for name, param in self.model.named_parameters():
+            (no_decay if name.endswith("bias") or ".ln_" in name else decay).append(param)
+        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                            {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
+        self.scheduler = transformers.get_linear_schedule_with_warmup(
+            self.optimizer, min(cfg.warmup_steps, cfg.steps), cfg.steps)
+        self.autocast = _autocast(cfg.amp, rt.device)
+        self.scaler = torch.amp.GradScaler(rt.device.type, enabled=cfg.amp == "fp16")
+
+    # -- the loop --------------------------------------------------------------------
+    def run(self, started: float) -> dict:
+        cfg, rt = self.cfg, self.rt
+        self._build()
+        metrics_path = rt.run_dir / "metrics.jsonl"
+        self.started = started
+        best: dict = {}
+        final: dict = {}
+        train_disagreement = []
+        status, diverged_at = "completed", None
+        window = _Window(rt.device)
+        batches = train_batches(self.data, cfg.batch_size, cfg.seed)
+        bar = tqdm(total=cfg.steps, desc=cfg.name, position=self.position, leave=self.position == 0,
+                   disable=not self.progress, dynamic_ncols=True)
+        step = 0
+        try:
+            for step in range(1, cfg.steps + 1):
+                batch = {k: v.to(rt.device) for k, v in next(batches).items()}
+                if not self._train_step(batch, window):
+                    raise _Divergence(step)
+                if step % cfg.log_every == 0 or step == cfg.steps:
+                    row = self._train_row(step, window)
+                    train_disagreement.append(row["disagreement"])
+                    self._write(metrics_path, row)
+                    bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}",
+                                    lost=f"{row['observed_loss_rate']:.4f}", refresh=False)
+                if step % cfg.eval_every == 0 or step == cfg.steps:
+                    for split in EVAL_SPLITS:
+                        row = self._evaluate(split, step)
+                        self._write(metrics_path, row)
+                        final[split] = {k: row[k] for k in ("accuracy", "loss", "step", "disagreement",
+                                                            "hidden_rel_diff")}
+                        if split not in best or row["accuracy"] > best[split]["accuracy"]:
+                            best[split] = dict(final[split])
+                bar.update(1)
+        except _Divergence as div:
+            status, diverged_at = "diverged", {"step": div.args[0]}
+            log.warning("loss or gradients became non-finite at step %d; run marked diverged", div.args[0])
+        finally:
+            bar.close()
+        if status == "completed" and cfg.save_checkpoint:
+            self._save_checkpoint()
+        wall = time.time() - started
+        summary = {
+            "status": status, "error": None, "name": cfg.name, "dataset": self.data.name,
+            "config": cfg.to_dict(), "steps": step if status == "completed" else diverged_at["step"],
+            "wall_time_s": wall, "tokens_per_s": self.tokens / max(self.train_time, 1e-9),
+            "final": final, "best": best,
+            "packets": {"train": self.train_net.summary(), "eval": self.eval_net.summary()},
+            "packets_by_site": {"train": self.train_net.summary(by=("site", "direction")),
+                                "eval": self.eval_net.summary(by=("site", "direction"))},
+            "disagreement": {
+                "final_eval": max((f["disagreement"] for f in final.values()), default=None),
+                "final_eval_hidden_rel_diff": max((f["hidden_rel_diff"] for f in final.values()), default=None),
+                "mean_train": sum(train_disagreement) / len(train_disagreement) if train_disagreement else None,
+            },
+            "diverged_at": diverged_at, "versions": _versions(),
+        }
+        if rt.is_main:
+            atomic_write_json(rt.run_dir / "summary.json", summary)
+        return summary
+
+    tokens = 0
+    train_time = 0.0
+
+    def _train_step(self, batch, window: _Window) -> bool:
+        """One optimizer step; False (and no update) if the loss or gradients are non-finite."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        self.model.train()
+        with self.autocast:
+            out = self.model(**batch)
+        self.scaler.scale(out.loss).backward()
+        self.scaler.unscale_(self.optimizer)
+        norm = _clip_grad_norm(self.model, cfg.grad_clip)
+        finite = torch.isfinite(norm) & torch.isfinite(self.model.rank_losses.detach()).all()
+        # Every rank must agree, or dist ranks would part ways at the next collective.
+        if not bool(self.model.group.all_gather_reliable(finite.reshape(1)).all()):
+            return False
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.tokens += batch["input_ids"].numel()
+        seconds = time.perf_counter() - t0
+        self.train_time += seconds
+        window.add(self.model.rank_losses.detach(), out.logits.detach(), batch["labels"],
+                   batch["input_ids"].numel(), seconds)
+        return True
+
+    def _train_row(self, step: int, window: _Window) -> dict:
+        values = window.flush(self.model.group)
+        disagreement = self.model.disagreement()
+        return {"step": step, "split": "train", "time_s": time.time() - self.started, **values,
+                "lr": self.scheduler.get_last_lr()[0], **_traffic(self.train_net),
+                "disagreement": disagreement["prediction"],
+                "hidden_rel_diff": disagreement["hidden_rel_diff"]}
+
+    @torch.no_grad()
+    def _evaluate(self, split: str, step: int) -> dict:
+        """Rank 0's accuracy and loss, and rank divergence, with one collective for the whole split."""
+        group = self.model.group
+        self.model.eval()
+        self.eval_net.reset_stats()
+        preds, losses, pooled = [], [], []
+        with _using_network(group, self.eval_net):
+            for batch in eval_batches(self.data.splits[split], self.cfg.eval_batch_size):
+                batch = {k: v.to(self.rt.device) for k, v in batch.items()}
+                with self.autocast:
+                    self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                logits = self.model.rank_logits.float()  # [R, B, labels]
+                preds.append(logits.argmax(-1))
+                losses.append(torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1), batch["labels"].repeat(logits.shape[0]),
+                    reduction="none").view(logits.shape[0], -1))
+                last = _last_token(batch["input_ids"], self.data.pad_token_id)
+                hidden = self.model.rank_hidden.float()
+                pooled.append(hidden[:, torch.arange(hidden.shape[1], device=hidden.device), last])
+            labels = self.data.splits[split]["labels"].to(self.rt.device)
+        local = torch.cat([torch.cat(preds, 1).float().unsqueeze(-1), torch.cat(losses, 1).unsqueeze(-1),
+                           torch.cat(pooled, 1)], dim=-1)  # [R, N, 2 + hidden]
+        every = group.all_gather_reliable(local.contiguous())  # [tp, N, 2 + hidden]
+        pred = every[..., 0].long()
+        hidden = every[..., 2:]
+        rel = (hidden - hidden[:1]).flatten(1).norm(dim=1) / hidden[0].norm().clamp_min(1e-30)
+        self.model.train()
+        return {"step": step, "split": split, "time_s": time.time() - self.started,
+                "loss": float(every[0, :, 1].mean()),
+                "accuracy": float((pred[0] == labels).float().mean()),
+                **_traffic(self.eval_net),
+                "disagreement": float((pred != pred[:1]).float().mean(-1).max()),
+                "hidden_rel_diff": float(rel.max())}
+
+    def _save_checkpoint(self) -> None:
+        """The gathered HF model and tokenizer, verified against the in-memory one before it counts."""
+        full = gather_full_model(self.model)
+        if not self.rt.is_main:
+            return
+        final = self.rt.run_dir / "checkpoint"
+        tmp = self.rt.run_dir / ".checkpoint.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        full.save_pretrained(tmp)
+        self.data.tokenizer.save_pretrained(tmp)
+        reloaded = type(full).from_pretrained(tmp)
+        for name, tensor in full.state_dict().items():
+            if not torch.equal(reloaded.state_dict()[name].to(tensor.device), tensor):
+                raise RuntimeError(f"saved checkpoint differs from the trained model at {name}")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+
+    def _write(self, path: Path, row: dict) -> None:
+        if self.rt.is_main:
+            append_jsonl(path, row)
+
+
+class _Window:
+    """Training metrics summed on the device between log steps (no host sync per step)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.loss = torch.zeros((), device=device)
+        self.correct = torch.zeros((), device=device)
+        self.examples = self.steps = self.tokens = 0
+        self.seconds = 0.0
+
+    def add(self, rank_losses, logits, labels, tokens: int, seconds: float):
+        self.loss += rank_losses.float().mean()
+        self.correct += (logits.argmax(-1) == labels).sum()
+        self.examples += labels.numel()
+        self.steps += 1
+        self.tokens += tokens
+        self.seconds += seconds
+
+    def flush(self, group) -> dict:
+        # dist: the mean over every rank's loss, through one reliable gather.
+        loss = group.all_gather_reliable((self.loss / self.steps).reshape(1)).mean()
+        values = {"loss": float(loss), "accuracy": float(self.correct) / self.examples,
+                  "tokens_per_s": self.tokens / self.seconds if self.seconds > 0 else 0.0}
+        self.__init__(self.device)
+        return values
+
+
+def _traffic(network: LossyNetwork) -> dict:
+    row = {}
+    lost_total = sent_total = 0
+    for entry in network.summary():
+        d = entry["direction"]
+        row[f"packets_sent_{d}"], row[f"packets_lost_{d}"] = entry["sent"], entry["lost"]
+        if d in network.lossy:
+            sent_total += entry["sent"]
+            lost_total += entry["lost"]
+    for d in ("fwd", "bwd"):
+        row.setdefault(f"packets_sent_{d}", 0)
+        row.setdefault(f"packets_lost_{d}", 0)
+    row["observed_loss_rate"] = lost_total / sent_total if sent_total else 0.0
+    return row
+
+
+def _clip_grad_norm(model: TensorParallelGPT2, max_norm: float) -> torch.Tensor:
+    """Global gradient norm as Megatron computes it: replicated grads once, every rank's shards."""
+    def sq(params):
+        grads = [p.grad.float().pow(2).sum() for p in params if p.grad is not None]
+        return torch.stack(grads).sum() if grads else torch.zeros((), device=next(model.parameters()).device)
+    sharded = model.group.all_gather_reliable(sq(model.sharded_parameters()).reshape(1)).sum()
+    norm = (sq(model.replicated_parameters()) + sharded).sqrt()
+    if max_norm > 0:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale.to(p.grad.dtype))
+    return norm
+
+
+def _last_token(input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """Index of the token GPT2ForSequenceClassification classifies from (rightmost non-pad)."""
+    positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
+    return (positions * (input_ids != pad_token_id)).argmax(-1)
+
+
+@contextlib.contextmanager
+def _using_network(group, network: LossyNetwork):
+    previous, group.network = group.network, network
+    try:
+        yield
+    finally:
+        group.network = previous
+
+
+def _autocast(amp: str, device: torch.device):
+    if amp == "none":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    if device.type == "cpu" and amp == "fp16":
+        raise ValueError("amp=fp16 needs a GPU; use amp=bf16 on CPU")
+    if device.type == "cuda" and amp == "bf16" and not torch.cuda.is_bf16_supported():
+        raise ValueError("this GPU does not support bf16; use amp=fp16")
+    return torch.autocast(device.type, dtype=dtype)
