@@ -305,6 +305,10 @@ def _number(value: Any) -> float:
     return value
 
 
+def _round(value: float, digits: int = 6) -> float:
+    return float(f"{value:.{digits}g}") if math.isfinite(value) else value
+
+
 def primary_split(splits) -> Optional[str]:
     """The split a single accuracy number refers to: MNLI's matched one, else the first."""
     splits = list(splits)
@@ -340,8 +344,10 @@ def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
         row["loss_model"] = ("none" if model.lossless else
                              "bernoulli" if isinstance(model, Bernoulli) else
                              "ge" if isinstance(model, GilbertElliott) else type(model).__name__)
-        row["loss_rate"] = model.loss_rate
-        row["mean_burst"] = model.mean_burst
+        # Rounded: a Gilbert-Elliott rate comes back from its chain's probabilities as 0.0499999...,
+        # and must group with Bernoulli's 0.05 in tables and plots.
+        row["loss_rate"] = _round(model.loss_rate)
+        row["mean_burst"] = _round(model.mean_burst)
     row["steps_done"] = summary.get("steps")
     row["wall_time_s"] = _number(summary.get("wall_time_s"))
     row["tokens_per_s"] = _number(summary.get("tokens_per_s"))

@@ -1,0 +1,414 @@
+"""Reports: plots and a markdown table from a results folder (the run directories of sweeps).
+
+The table is rebuilt from the run directories on disk (``lossysim.sweep.collect``), so
+shards that wrote to one folder are reported together. The plotting functions take an
+optional Matplotlib ``Axes`` (or ``Figure``) so ``notebooks/analysis.ipynb`` draws the same
+plots inline; without one they draw on a pyplot-free ``Figure`` rendered by Agg, which leaves
+the global backend (a notebook's inline one) alone.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Optional, Union
+
+import numpy as np
+import pandas as pd
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from .io import read_jsonl
+from .sweep import collect, write_summary_csv
+
+# Settings that split runs into separate lines when a sweep varies them.
+SERIES_KEYS = ("lossy", "recovery", "tp_size", "model", "dataset", "backend")
+# A lossless run does not depend on these (the sweep normalises them), so baselines ignore them.
+BASELINE_KEYS = ("tp_size", "model", "dataset", "backend")
+FAMILY_NAMES = {"bernoulli": "Bernoulli", "ge": "Gilbert-Elliott", "none": "no loss"}
+
+
+# -- loading -------------------------------------------------------------------------------------------
+def load_runs(results: Union[str, Path]) -> pd.DataFrame:
+    """One row per finished run under ``results`` (summary.csv's table, rebuilt from disk)."""
+    results = Path(results)
+    runs = collect(results)
+    if runs.empty and (results / "summary.csv").is_file():
+        runs = pd.read_csv(results / "summary.csv")
+    if runs.empty:
+        raise ValueError(f"no finished runs (*/summary.json) under {results}")
+    return runs
+
+
+def load_metrics(results: Union[str, Path], runs: pd.DataFrame) -> pd.DataFrame:
+    """Every run's metrics.jsonl rows, with the run's loss settings and seed attached."""
+    frames = []
+    attach = [c for c in ("run_dir", "status", "loss_model", "loss_rate", "mean_burst", "seed", "eval_split",
+                          *SERIES_KEYS) if c in runs.columns]
+    for _, run in runs.iterrows():
+        path = Path(results) / str(run["run_dir"]) / "metrics.jsonl"
+        if not path.is_file():
+            continue
+        rows = pd.DataFrame(read_jsonl(path))
+        if rows.empty:
+            continue
+        for column in attach:
+            rows[column] = run[column]
+        frames.append(rows)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["step", "split", *attach])
+
+
+def dataset_title(runs: pd.DataFrame) -> str:
+    names = sorted({str(n) for n in runs.get("dataset_name", pd.Series(dtype=str)).dropna()})
+    return ", ".join(names) if names else "unknown dataset"
+
+
+def split_name(runs: pd.DataFrame) -> str:
+    splits = sorted({str(s) for s in runs.get("eval_split", pd.Series(dtype=str)).dropna()})
+    return "/".join(splits) if splits else "eval"
+
+
+# -- series: which runs make one line ------------------------------------------------------------------
+def _varying(frame: pd.DataFrame, keys) -> list[str]:
+    return [k for k in keys if k in frame.columns and frame[k].astype(str).nunique() > 1]
+
+
+def add_series(runs: pd.DataFrame) -> pd.DataFrame:
+    """Add ``series`` (a line's label) and ``baseline_group`` to each run."""
+    runs = runs.copy()
+    lossy = runs[runs["loss_model"] != "none"]
+    extras = _varying(lossy, SERIES_KEYS)
+    base_extras = _varying(runs, BASELINE_KEYS)
+
+    def series(row) -> str:
+        if row["loss_model"] == "none":
+            label = "no loss"
+        else:
+            label = FAMILY_NAMES.get(row["loss_model"], str(row["loss_model"]))
+            if row["loss_model"] != "bernoulli":   # Bernoulli's burst follows from its rate
+                label += f" (burst {row['mean_burst']:.3g})"
+        parts = [f"{k}={row[k]}" for k in extras if row["loss_model"] != "none" or k in BASELINE_KEYS]
+        return label + (", " + ", ".join(parts) if parts else "")
+
+    runs["series"] = runs.apply(series, axis=1) if len(runs) else pd.Series(dtype=str)
+    runs["baseline_group"] = (runs.apply(lambda r: ", ".join(f"{k}={r[k]}" for k in base_extras), axis=1)
+                              if len(runs) else pd.Series(dtype=str))
+    return runs
+
+
+def aggregate(runs: pd.DataFrame, value: str, by=("series", "loss_rate")) -> pd.DataFrame:
+    """Mean, std and count of ``value`` over seeds, for completed runs."""
+    done = runs[(runs["status"] == "completed") & runs[value].notna()]
+    if done.empty:
+        return pd.DataFrame(columns=[*by, "mean", "std", "n"])
+    grouped = done.groupby(list(by), dropna=False)[value]
+    out = grouped.agg(["mean", "std", "count"]).reset_index().rename(columns={"count": "n"})
+    out["std"] = out["std"].fillna(0.0)   # one seed: no spread
+    return out.sort_values(list(by))
+
+
+# -- axes ---------------------------------------------------------------------------------------------
+def _new_axes(ax: Optional[Axes], figsize=(7, 4.5)) -> Axes:
+    if ax is not None:
+        return ax
+    fig = Figure(figsize=figsize, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig.add_subplot()
+
+
+def _rate_axis(ax: Axes, rates, axis: str = "x") -> None:
+    """Percent scale that is logarithmic above the smallest rate and linear down to 0."""
+    positive = sorted({float(r) for r in rates if r > 0 and math.isfinite(r)})
+    pct = [100 * r for r in positive]
+    scale = getattr(ax, f"set_{axis}scale")
+    if pct:
+        scale("symlog", linthresh=pct[0], linscale=0.5)
+    ticks = ([0.0] if any(r == 0 for r in rates) else []) + pct
+    if ticks:
+        getattr(ax, f"set_{axis}ticks")(ticks, [f"{t:g}" for t in ticks])
+        ax.minorticks_off()
+    if axis == "y":
+        ax.set_ylim(bottom=0.0)
+
+
+def _colors(n: int):
+    from matplotlib import colormaps
+    cmap = colormaps["tab10"]
+    return [cmap(i % 10) for i in range(n)]
+
+
+def _draw_baselines(ax: Axes, runs: pd.DataFrame, value: str) -> None:
+    base = aggregate(runs[runs["loss_model"] == "none"], value, by=("baseline_group",))
+    for _, row in base.iterrows():
+        label = "no loss" + (f" ({row['baseline_group']})" if row["baseline_group"] else "")
+        label += f" (n={row['n']})"
+        ax.axhline(row["mean"], color="black", linestyle="--", linewidth=1, label=label)
+        ax.errorbar([0.0], [row["mean"]], yerr=[row["std"]], color="black", marker="s", capsize=3)
+        if row["std"] > 0:
+            ax.axhspan(row["mean"] - row["std"], row["mean"] + row["std"], color="black", alpha=0.08)
+
+
+def _plot_vs_rate(runs: pd.DataFrame, value: str, ax: Optional[Axes], ylabel: str, title: str,
+                  percent: bool) -> Axes:
+    ax = _new_axes(ax)
+    runs = add_series(runs)
+    scale = 100.0 if percent else 1.0
+    lossy = runs[runs["loss_model"] != "none"]
+    stats = aggregate(lossy, value)
+    for color, (series, group) in zip(_colors(stats["series"].nunique()), stats.groupby("series", sort=True)):
+        x = 100 * group["loss_rate"].to_numpy()
+        mean, std = scale * group["mean"].to_numpy(), scale * group["std"].to_numpy()
+        ax.errorbar(x, mean, yerr=std, marker="o", capsize=3, color=color,
+                    label=f"{series} (n={int(group['n'].max())} seeds)")
+        ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.12)
+    scaled = runs.assign(**{value: scale * runs[value]})
+    _draw_baselines(ax, scaled, value)
+    _rate_axis(ax, runs["loss_rate"].dropna().tolist())
+    ax.set_xlabel("average packet loss rate (%)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{title}\n{dataset_title(runs)}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return ax
+
+
+def plot_accuracy_vs_loss(runs: pd.DataFrame, ax: Optional[Axes] = None) -> Axes:
+    """Final accuracy against average loss rate: a line per loss model, mean ± std over seeds."""
+    return _plot_vs_rate(runs, "accuracy", ax, f"final {split_name(runs)} accuracy (%)",
+                         "Accuracy against average packet loss rate", percent=True)
+
+
+def plot_disagreement(runs: pd.DataFrame, ax: Optional[Axes] = None) -> Axes:
+    """How often ranks' predictions differ (they saw different lost packets) against loss rate."""
+    return _plot_vs_rate(runs, "disagreement", ax, "eval predictions differing from rank 0 (%)",
+                         "Rank disagreement against average packet loss rate", percent=True)
+
+
+def plot_observed_vs_configured(runs: pd.DataFrame, ax: Optional[Axes] = None) -> Axes:
+    """Each run's observed training loss rate against its configured one (on y = x if all is well)."""
+    ax = _new_axes(ax)
+    runs = add_series(runs)
+    runs = runs[runs["observed_loss_rate"].notna() & runs["loss_rate"].notna()]
+    for color, (series, group) in zip(_colors(runs["series"].nunique()), runs.groupby("series", sort=True)):
+        ax.scatter(100 * group["loss_rate"], 100 * group["observed_loss_rate"], color=color, label=series,
+                   alpha=0.8, edgecolors="none")
+    rates = runs["loss_rate"].tolist() + runs["observed_loss_rate"].tolist()
+    top = 100 * max(rates, default=0.01) * 1.2 or 1.0
+    # Many points: on symlog axes a two-point segment would not follow y = x.
+    diagonal = np.concatenate([[0.0], np.geomspace(top / 1e4, top, 200)])
+    ax.plot(diagonal, diagonal, color="gray", linestyle=":", label="y = x")
+    _rate_axis(ax, runs["loss_rate"].tolist())
+    _rate_axis(ax, runs["loss_rate"].tolist(), axis="y")
+    ax.set_xlabel("configured average loss rate (%)")
+    ax.set_ylabel("observed loss rate, training traffic (%)")
+    ax.set_title(f"Observed against configured packet loss\n{dataset_title(runs)}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return ax
+
+
+def plot_accuracy_over_steps(metrics: pd.DataFrame, runs: pd.DataFrame, fig: Optional[Figure] = None) -> Figure:
+    """Eval accuracy during training: a panel per loss model, a line per rate (mean over seeds)."""
+    if fig is None:
+        fig = Figure(figsize=(12, 4.5), layout="constrained")
+        FigureCanvasAgg(fig)
+    runs = add_series(runs)
+    series_of = dict(zip(runs["run_dir"], runs["series"]))
+    split = runs["eval_split"].dropna().iloc[0] if runs["eval_split"].notna().any() else None
+    evals = metrics[(metrics["split"] == split) & metrics["accuracy"].notna()].copy() if split else metrics[:0]
+    evals = evals[evals["status"] == "completed"]
+    evals["series"] = evals["run_dir"].map(series_of)
+    panels = sorted(s for s in runs["series"].unique() if not s.startswith("no loss")) or ["no loss"]
+    axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
+    baseline = evals[evals["loss_model"] == "none"].groupby("step")["accuracy"].mean()
+    rates = sorted(r for r in evals["loss_rate"].unique() if r > 0)
+    from matplotlib import colormaps
+    cmap = colormaps["viridis"]
+    for ax, panel in zip(axes, panels):
+        if not baseline.empty:
+            ax.plot(baseline.index, 100 * baseline.to_numpy(), color="black", linestyle="--", label="no loss")
+        mine = evals[evals["series"] == panel]
+        for rate, group in mine.groupby("loss_rate"):
+            curve = group.groupby("step")["accuracy"].mean()
+            color = cmap(rates.index(rate) / max(len(rates) - 1, 1)) if rate in rates else "gray"
+            ax.plot(curve.index, 100 * curve.to_numpy(), marker=".", color=color, label=f"{100 * rate:g}%")
+        ax.set_title(panel, fontsize=10)
+        ax.set_xlabel("optimizer step")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, title="loss rate", title_fontsize=7)
+    axes[0].set_ylabel(f"{split or 'eval'} accuracy (%)")
+    fig.suptitle(f"Accuracy during training (mean over seeds)\n{dataset_title(runs)}", fontsize=10)
+    return fig
+
+
+def plot_fwd_vs_bwd(runs: pd.DataFrame, ax: Optional[Axes] = None) -> Optional[Axes]:
+    """Accuracy when only activations (fwd), only gradients (bwd) or both are lossy; None if not varied."""
+    lossy = runs[runs["loss_model"] != "none"]
+    if "lossy" not in runs.columns or lossy["lossy"].nunique() < 2:
+        return None
+    ax = _new_axes(ax)
+    runs = add_series(runs)
+    family = runs.apply(lambda r: FAMILY_NAMES.get(r["loss_model"], r["loss_model"])
+                        + (f" (burst {r['mean_burst']:.3g})" if r["loss_model"] not in ("bernoulli", "none") else ""),
+                        axis=1)
+    runs = runs.assign(family=family)
+    stats = aggregate(runs[runs["loss_model"] != "none"], "accuracy", by=("lossy", "family", "loss_rate"))
+    styles = ["-", "--", ":", "-."]
+    families = sorted(stats["family"].unique())
+    directions = sorted(stats["lossy"].unique())
+    for (direction, fam), group in stats.groupby(["lossy", "family"]):
+        color = _colors(len(directions))[directions.index(direction)]
+        ax.errorbar(100 * group["loss_rate"], 100 * group["mean"], yerr=100 * group["std"], marker="o",
+                    capsize=3, color=color, linestyle=styles[families.index(fam) % len(styles)],
+                    label=f"lossy={direction}, {fam}")
+    _draw_baselines(ax, runs.assign(accuracy=100 * runs["accuracy"]), "accuracy")
+    _rate_axis(ax, runs["loss_rate"].dropna().tolist())
+    ax.set_xlabel("average packet loss rate (%)")
+    ax.set_ylabel(f"final {split_name(runs)} accuracy (%)")
+    ax.set_title(f"Forward (activations) against backward (gradients) loss\n{dataset_title(runs)}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return ax
+
+
+# -- tables -------------------------------------------------------------------------------------------
+def _pm(mean: float, std: float, n: int, scale: float = 100.0, digits: int = 1) -> str:
+    if n == 0 or not math.isfinite(mean):
+        return "–"
+    return f"{scale * mean:.{digits}f} ± {scale * std:.{digits}f}" if n > 1 else f"{scale * mean:.{digits}f}"
+
+
+def summary_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per (loss model, rate, burst[, varied settings]): accuracy mean ± std over seeds."""
+    runs = add_series(runs)
+    extras = _varying(runs[runs["loss_model"] != "none"], SERIES_KEYS)
+    keys = ["loss_model", "loss_rate", "burst_key", *extras]
+    # Bernoulli's mean burst follows from its rate; other models' burst is part of the setting.
+    runs = runs.assign(burst_key=runs["mean_burst"].round(6))
+    rows = []
+    for key, group in runs.groupby(keys, dropna=False, sort=True):
+        setting = dict(zip(keys, key))
+        done = group[group["status"] == "completed"]
+        acc = done["accuracy"].dropna()
+        best = done["best_accuracy"].dropna() if "best_accuracy" in done else pd.Series(dtype=float)
+        dis = done["disagreement"].dropna() if "disagreement" in done else pd.Series(dtype=float)
+        obs = group["observed_loss_rate"].dropna() if "observed_loss_rate" in group else pd.Series(dtype=float)
+        row = {"loss model": FAMILY_NAMES.get(setting["loss_model"], setting["loss_model"]),
+               "rate (%)": f"{100 * setting['loss_rate']:g}",
+               "mean burst": "–" if setting["loss_model"] == "none" else f"{setting['burst_key']:.3g}"}
+        row.update({k: str(setting[k]) for k in extras})
+        row.update({
+            "accuracy (%)": _pm(acc.mean() if len(acc) else math.nan, acc.std(ddof=1) if len(acc) > 1 else 0.0, len(acc)),
+            "best accuracy (%)": _pm(best.mean() if len(best) else math.nan,
+                                     best.std(ddof=1) if len(best) > 1 else 0.0, len(best)),
+            "observed loss (%)": f"{100 * obs.mean():.3g}" if len(obs) else "–",
+            "disagreement (%)": f"{100 * dis.mean():.2f}" if len(dis) else "–",
+            "runs": len(group),
+            "failed": int((group["status"] == "failed").sum()),
+            "diverged": int((group["status"] == "diverged").sum()),
+        })
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def accuracy_pivot(runs: pd.DataFrame) -> pd.DataFrame:
+    """Accuracy (mean ± std over seeds) with loss rates down and loss models (burstiness) across."""
+    runs = add_series(runs)
+    stats = aggregate(runs, "accuracy")
+    if stats.empty:
+        return pd.DataFrame()
+    lossy = stats[~stats["series"].str.startswith("no loss")]
+    columns = sorted(lossy["series"].unique()) or ["no loss"]
+    base = stats[stats["series"].str.startswith("no loss")]
+    rows = []
+    if not base.empty:
+        b = base.iloc[0] if len(base) == 1 else None
+        cell = _pm(b["mean"], b["std"], int(b["n"])) if b is not None else "see table"
+        rows.append({"loss rate (%)": "0 (no loss)", **{c: cell for c in columns}})
+    for rate in sorted(lossy["loss_rate"].unique()):
+        row = {"loss rate (%)": f"{100 * rate:g}"}
+        for column in columns:
+            hit = lossy[(lossy["series"] == column) & (lossy["loss_rate"] == rate)]
+            row[column] = _pm(hit["mean"].iloc[0], hit["std"].iloc[0], int(hit["n"].iloc[0])) if len(hit) else "–"
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def to_markdown(frame: pd.DataFrame) -> str:
+    if frame.empty:
+        return "_no completed runs_\n"
+    cells = [[str(c) for c in frame.columns]] + [[str(v) for v in row] for row in frame.itertuples(index=False)]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
+    line = lambda r: "| " + " | ".join(v.ljust(w) for v, w in zip(r, widths)) + " |"   # noqa: E731
+    rule = "| " + " | ".join("-" * w for w in widths) + " |"
+    return "\n".join([line(cells[0]), rule, *map(line, cells[1:])]) + "\n"
+
+
+# -- the report -----------------------------------------------------------------------------------------
+PLOTS = {
+    "accuracy_vs_loss.png": "Final accuracy against average loss rate (mean ± std over seeds; dashed: no loss)",
+    "observed_vs_configured.png": "Observed against configured loss rate, one point per run (dotted: y = x)",
+    "accuracy_over_steps.png": "Eval accuracy during training, per loss model and rate",
+    "disagreement_vs_loss.png": "How often ranks disagree on a prediction, against loss rate",
+    "fwd_vs_bwd.png": "Loss on activations only (fwd), gradients only (bwd) or both",
+}
+
+
+def _save(figure_or_axes, path: Path) -> None:
+    fig = figure_or_axes if isinstance(figure_or_axes, Figure) else figure_or_axes.figure
+    fig.savefig(path, dpi=120)
+
+
+def write_report(results: Union[str, Path], out: Optional[Union[str, Path]] = None) -> dict:
+    """Write the plots, report.md and a merged summary.csv; return the tables and written paths."""
+    results = Path(results)
+    out = Path(out) if out else results
+    out.mkdir(parents=True, exist_ok=True)
+    runs = load_runs(results)
+    metrics = load_metrics(results, runs)
+    written = []
+    drawn = {
+        "accuracy_vs_loss.png": plot_accuracy_vs_loss(runs),
+        "observed_vs_configured.png": plot_observed_vs_configured(runs),
+        "accuracy_over_steps.png": plot_accuracy_over_steps(metrics, runs),
+        "disagreement_vs_loss.png": plot_disagreement(runs),
+        "fwd_vs_bwd.png": plot_fwd_vs_bwd(runs),
+    }
+    for name, drawing in drawn.items():
+        if drawing is not None:
+            _save(drawing, out / name)
+            written.append(out / name)
+    if out.resolve() == results.resolve():
+        write_summary_csv(results)   # shards that shared this folder end up in one table
+    pivot, table = accuracy_pivot(runs), summary_table(runs)
+    counts = runs["status"].value_counts()
+    lines = [
+        f"# Sweep report: {results.name}", "",
+        f"Dataset: **{dataset_title(runs)}**. {len(runs)} runs: {int(counts.get('completed', 0))} completed, "
+        f"{int(counts.get('diverged', 0))} diverged, {int(counts.get('failed', 0))} failed. Accuracy is the final "
+        f"`{split_name(runs)}` accuracy of completed runs, mean ± std over seeds.", "",
+        "## Accuracy against average loss rate and burstiness", "", to_markdown(pivot),
+        "## Every setting", "", to_markdown(table),
+        "## Plots", "",
+    ]
+    lines += [f"- {PLOTS[p.name]}: ![{p.stem}]({p.name})" for p in written]
+    report_md = out / "report.md"
+    from .io import atomic_write_text
+    atomic_write_text(report_md, "\n".join(lines) + "\n")
+    return {"runs": runs, "pivot": pivot, "table": table, "files": [report_md, *written]}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("results", help="results folder of a sweep (its run directories)")
+    parser.add_argument("--out", help="where to write the plots and report.md (default: the results folder)")
+
+
+def run(args: argparse.Namespace) -> int:
+    report = write_report(args.results, args.out)
+    print(f"Dataset: {dataset_title(report['runs'])}; accuracy = final {split_name(report['runs'])} "
+          "accuracy (%), mean ± std over seeds")
+    print(to_markdown(report["pivot"]))
+    for path in report["files"]:
+        print(f"wrote {path}")
+    return 0
