@@ -1,0 +1,194 @@
+"""Shared helpers for the tensor-parallel tests, and the worker of the ``dist`` tests.
+
+Not collected by pytest (no ``test_`` prefix). The ``dist`` worker runs in
+processes started by ``torch.multiprocessing.spawn``: it rebuilds the same tiny
+models from the same seeds as the test process, runs them tensor-parallel on
+gloo (one rank per process) and ``torch.save``s what it saw, one file per rank;
+the test process computes the references (HF, ``sim``) and compares.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model
+
+from lossysim import LossyNetwork, gather_full_model, parallelize
+from lossysim.layers import ColumnParallelConv1D, RowParallelConv1D, shard_columns
+
+CLASSES = {"model": GPT2Model, "lm": GPT2LMHeadModel, "cls": GPT2ForSequenceClassification}
+ATTENTION = ("sdpa", "eager")
+VOCAB, PAD, BOS, EOS = 100, 0, 1, 2
+BATCH, SEQ = 3, 10
+LOSSY_SPECS = {"bernoulli": "bernoulli:0.2", "ge": "ge:rate=0.2,burst=3"}
+
+
+def tiny_config(attn: str = "sdpa", dropout: float = 0.0, **overrides) -> GPT2Config:
+    kwargs = dict(n_layer=2, n_head=4, n_embd=32, vocab_size=VOCAB, n_positions=32,
+                  bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, num_labels=3,
+                  resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    kwargs.update(overrides)
+    config = GPT2Config(**kwargs)
+    config._attn_implementation = attn
+    return config
+
+
+def build(kind: str, attn: str = "sdpa", dropout: float = 0.0, seed: int = 1, **overrides):
+    """The same randomly initialised HF model in every process."""
+    torch.manual_seed(seed)
+    model = CLASSES[kind](tiny_config(attn, dropout, **overrides))
+    # HF initialises biases to 0 and layer norms to (1, 0): perturb every parameter, or a bias
+    # added on the wrong side of an all-reduce (summed tp_size times) would go unnoticed.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return model
+
+
+def make_batch(kind: str, seed: int = 2) -> dict:
+    """A right-padded batch (lengths 7, 10, 4) with its attention mask and labels."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)
+    lengths = torch.tensor([7, SEQ, 4])
+    mask = (torch.arange(SEQ)[None] < lengths[:, None]).long()
+    ids = ids.masked_fill(mask == 0, PAD)
+    batch = {"input_ids": ids, "attention_mask": mask}
+    if kind == "lm":
+        batch["labels"] = ids.masked_fill(mask == 0, -100)
+    elif kind == "cls":
+        batch["labels"] = torch.tensor([0, 2, 1])
+    return batch
+
+
+def _probe(width: int) -> torch.Tensor:
+    """Fixed weights turning a GPT2Model's hidden states into a scalar to backpropagate."""
+    return torch.randn(BATCH, SEQ, width, generator=torch.Generator().manual_seed(3))
+
+
+def hf_step(model, kind: str, batch: dict):
+    """Forward + backward of an unmodified HF model: (output, loss)."""
+    out = model(**batch)
+    if kind == "model":
+        output = out.last_hidden_state
+        loss = (output * _probe(output.shape[-1])).sum()
+    else:
+        output, loss = out.logits, out.loss
+    loss.backward()
+    return output.detach(), loss.detach()
+
+
+def tp_step(tpm, kind: str, batch: dict):
+    """Forward + backward of a TensorParallelGPT2: (rank_logits, rank_losses), each rank on its own loss."""
+    out = tpm(**batch)
+    if kind == "model":
+        # Every local rank backpropagates its own scalar, as each Megatron rank does.
+        rank_losses = (tpm.rank_logits * _probe(tpm.rank_logits.shape[-1])).flatten(1).sum(1)
+        rank_losses.sum().backward()
+    else:
+        rank_losses = tpm.rank_losses
+        out.loss.backward()
+    return tpm.rank_logits.detach().clone(), rank_losses.detach().clone()
+
+
+def tp_layout(tpm, name: str, full: torch.Tensor, ranks=None) -> torch.Tensor:
+    """A full HF tensor (parameter or gradient) cut as the TP model stores ``name`` for ``ranks``
+    (default: its local ranks)."""
+    module_name, leaf = name.rsplit(".", 1)
+    module = tpm.model.get_submodule(module_name)
+    ranks = tpm.group.ranks if ranks is None else list(ranks)
+    tp = tpm.group.tp_size
+    if isinstance(module, ColumnParallelConv1D):
+        if leaf == "weight":
+            return shard_columns(full, tp, module.chunks)[ranks]
+        return shard_columns(full[None], tp, module.chunks)[ranks, 0]
+    if isinstance(module, RowParallelConv1D) and leaf == "weight":
+        return full.reshape(tp, -1, full.shape[-1])[ranks]
+    return full
+
+
+def grads(model) -> dict:
+    """name -> gradient (as stored: TP layout for a TP model), for every parameter."""
+    module = model.model if hasattr(model, "group") else model
+    return {name: p.grad.detach().clone() for name, p in module.named_parameters()}
+
+
+def params(model) -> dict:
+    module = model.model if hasattr(model, "group") else model
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def sharded_names(tpm) -> set:
+    ids = {id(p) for p in tpm.sharded_parameters()}
+    return {name for name, p in tpm.model.named_parameters() if id(p) in ids}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (0 when both are zero)."""
+    a, b = a.double(), b.double()
+    scale = b.norm().item()
+    diff = (a - b).norm().item()
+    return diff / scale if scale > 0 else diff
+
+
+# -- the dist worker ---------------------------------------------------------------
+
+def lossy_network(spec: str, tp: int = 2, seed: int = 7, **kwargs) -> LossyNetwork:
+    return LossyNetwork(tp, spec, seed=seed, **kwargs)
+
+
+def lossy_run(tpm, batch: dict, steps: int = 2) -> list:
+    """``steps`` forward/backward passes (streams and chains advance between them)."""
+    results = []
+    for _ in range(steps):
+        tpm.zero_grad(set_to_none=True)
+        logits, losses = tp_step(tpm, "cls", batch)
+        results.append({"logits": logits, "losses": losses, "grads": grads(tpm)})
+    return results
+
+
+def dist_worker(rank: int, world: int, out_dir: str) -> None:
+    """Every dist check in one process group: results to ``out_dir/rank{rank}.pt``."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(out_dir, "init"),
+                            rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    try:
+        results = {}
+        # 1. No loss: every model class and attention kernel, against HF in the test process.
+        for kind in CLASSES:
+            for attn in ATTENTION:
+                tpm = parallelize(build(kind, attn), world, backend="dist")
+                logits, losses = tp_step(tpm, kind, make_batch(kind))
+                results[("exact", kind, attn)] = {"logits": logits, "losses": losses, "grads": grads(tpm),
+                                                  "stats": tpm.network.stats()}
+        # 2. Dropout on, no loss: both ranks must produce the same outputs.
+        for attn in ATTENTION:
+            tpm = parallelize(build("cls", attn, dropout=0.1), world, backend="dist", seed=5)
+            tpm.train()
+            logits, losses = tp_step(tpm, "cls", make_batch("cls"))
+            results[("dropout", attn)] = {"logits": logits, "losses": losses}
+        # 3. Lossy: the same masks as sim, so the same numbers (two passes each).
+        batch = make_batch("cls")
+        for name, spec in LOSSY_SPECS.items():
+            for recovery in ("zero", "rescale"):
+                network = lossy_network(spec, world, recovery=recovery)
+                tpm = parallelize(build("cls"), world, network, backend="dist")
+                runs = lossy_run(tpm, batch)
+                results[("lossy", name, recovery)] = {"runs": runs, "stats": network.stats(),
+                                                      "disagreement": tpm.disagreement()}
+        # 4. Lossy, replicated gradients left unsynchronised: each rank's own.
+        tpm = parallelize(build("cls"), world, lossy_network(LOSSY_SPECS["bernoulli"], world),
+                          backend="dist", sync_replicated=False)
+        results[("unsynced",)] = lossy_run(tpm, batch, steps=1)[0]
+        # 5. Gather over the reliable channel: every rank gets the full model.
+        tpm = parallelize(build("lm"), world, backend="dist")
+        with torch.no_grad():
+            for p in tpm.sharded_parameters():
+                p.add_(0.01 * (rank + 1))  # rank-distinct shards
+        full = gather_full_model(tpm)
+        results[("gather",)] = {"shards": params(tpm), "full": params(full)}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
