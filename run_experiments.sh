@@ -1,7 +1,233 @@
 #!/usr/bin/env bash
-# Main job. For now: a demo of the loss models (configured vs observed statistics).
+# Main job: a sweep of packet-loss experiments, then its report (table and plots).
+# With no arguments: the quick offline profile (experiments/quick.yaml). --help lists the options.
+# Options are parsed before any set-up, so --help and mistakes cost nothing.
 set -euo pipefail
 cd "$(dirname "$0")"
+
+usage() {
+  cat <<'EOF'
+Usage: ./run_experiments.sh [options]
+
+Runs a sweep of tensor-parallel GPT-2 trainings under packet loss, prints a table of
+accuracy against average loss rate and burstiness, and writes the report (plots, report.md,
+summary.csv) into the output folder. A sweep that is stopped resumes where it left off when
+the same command runs again.
+
+Profiles:
+  quick  (default) tiny GPT-2 on the synthetic NLI task (synthetic, not MNLI), offline,
+         2 simulated ranks, Bernoulli and Gilbert-Elliott loss at 0-20%, 2 seeds;
+         about 15 minutes on 2 CPU cores. Spec: experiments/quick.yaml
+  mnli   pretrained gpt2 on MNLI (20k train, 2k eval per split), tp 2; torchrun (dist)
+         with >= 2 GPUs, simulated ranks (sim) otherwise. Spec: experiments/mnli_sweep.yaml
+         (the first run downloads gpt2 and MNLI unless HF_HUB_OFFLINE=1)
+
+Options (each also read from the environment variable shown; options win):
+  --profile NAME     quick | mnli                                    [LOSSYSIM_PROFILE]
+  --rates "R ..."    average loss rates, fractions or percents,      [LOSSYSIM_RATES]
+                     e.g. "0 0.01 5%"; each gives a Bernoulli and a Gilbert-Elliott run
+                     (the loss-free baseline always runs). Default: the spec's.
+  --burst "B ..."    Gilbert-Elliott mean burst lengths in packets    [LOSSYSIM_BURST]
+                     (default 8 when --rates is given, else the spec's)
+  --tp "N ..."       tensor-parallel sizes (default: the spec's, 2)  [LOSSYSIM_TP]
+  --seeds "S ..."    seeds (default: the spec's, 0 1)                [LOSSYSIM_SEEDS]
+  --backend NAME     auto | sim | dist (default auto: dist for mnli  [LOSSYSIM_BACKEND]
+                     with >= 2 GPUs, else sim)
+  --nproc N          GPUs a dist run may use (default: detected);    [LOSSYSIM_NPROC]
+                     auto picks dist when N >= 2; tp sizes must be <= N
+  --steps N          optimizer steps per run (default: the spec's)   [LOSSYSIM_STEPS]
+  --out DIR          output folder (default results/<profile>)       [LOSSYSIM_OUT]
+  --shard K/N        run part K of N (N machines, one results folder) [LOSSYSIM_SHARD]
+  --set KEY=VALUE    any other config key (repeatable; see lossysim/config.py)
+  --dry-run          list the runs and what is already done; train nothing
+  -h, --help         this help
+
+Examples:
+  ./run_experiments.sh
+  ./run_experiments.sh --rates "0 1% 5%" --burst "4 16" --seeds "0 1 2"
+  ./run_experiments.sh --profile mnli --shard 1/2 --out /shared/results/mnli
+EOF
+}
+
+die() {
+  echo "run_experiments.sh: $1" >&2
+  exit 2
+}
+
+bad_usage() {
+  echo "run_experiments.sh: $1" >&2
+  usage >&2
+  exit 2
+}
+
+is_count() {
+  case "$1" in
+    '' | *[!0-9]*) return 1 ;;
+    *) [ "$1" -ge 1 ] ;;
+  esac
+}
+
+PROFILE="${LOSSYSIM_PROFILE:-quick}"
+RATES="${LOSSYSIM_RATES:-}"
+BURSTS="${LOSSYSIM_BURST:-}"
+TP_SIZES="${LOSSYSIM_TP:-}"
+SEEDS="${LOSSYSIM_SEEDS:-}"
+BACKEND="${LOSSYSIM_BACKEND:-auto}"
+NPROC="${LOSSYSIM_NPROC:-}"
+STEPS="${LOSSYSIM_STEPS:-}"
+OUT="${LOSSYSIM_OUT:-}"
+SHARD="${LOSSYSIM_SHARD:-}"
+DRY_RUN=0
+SETS=()
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --*=*)
+      opt="${1%%=*}"
+      val="${1#*=}"
+      shift
+      set -- "$opt" "$val" "$@"
+      continue
+      ;;
+  esac
+  case "$1" in
+    -h | --help)
+      usage
+      exit 0
+      ;;
+    --dry-run)
+      DRY_RUN=1
+      shift
+      continue
+      ;;
+    --profile | --rates | --burst | --tp | --seeds | --backend | --nproc | --steps | --out | --shard | --set)
+      [ $# -ge 2 ] || bad_usage "$1 needs a value"
+      ;;
+    *)
+      bad_usage "unknown option: $1"
+      ;;
+  esac
+  case "$1" in
+    --profile) PROFILE="$2" ;;
+    --rates) RATES="$2" ;;
+    --burst) BURSTS="$2" ;;
+    --tp) TP_SIZES="$2" ;;
+    --seeds) SEEDS="$2" ;;
+    --backend) BACKEND="$2" ;;
+    --nproc) NPROC="$2" ;;
+    --steps) STEPS="$2" ;;
+    --out) OUT="$2" ;;
+    --shard) SHARD="$2" ;;
+    --set) SETS+=(--set "$2") ;;
+  esac
+  shift 2
+done
+
+case "$PROFILE" in
+  quick) SPEC=experiments/quick.yaml ;;
+  mnli) SPEC=experiments/mnli_sweep.yaml ;;
+  *) bad_usage "unknown profile: $PROFILE (expected quick or mnli)" ;;
+esac
+case "$BACKEND" in
+  auto | sim | dist) ;;
+  *) bad_usage "unknown backend: $BACKEND (expected auto, sim or dist)" ;;
+esac
+for value in $TP_SIZES $SEEDS; do
+  case "$value" in
+    '' | *[!0-9]*) bad_usage "tp sizes and seeds are whole numbers, got: $value" ;;
+  esac
+done
+if [ -n "$STEPS" ] && ! is_count "$STEPS"; then
+  bad_usage "--steps needs a positive whole number, got: $STEPS"
+fi
+if [ -n "$NPROC" ] && ! is_count "$NPROC"; then
+  bad_usage "--nproc needs a positive whole number, got: $NPROC"
+fi
+OUT="${OUT:-results/$PROFILE}"
+
 source scripts/ensure_env.sh
-export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" HF_DATASETS_OFFLINE="${HF_DATASETS_OFFLINE:-1}"
-exec "$PY" -m lossysim demo "$@"
+export TOKENIZERS_PARALLELISM=false
+if [ "$PROFILE" = quick ]; then
+  export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" HF_DATASETS_OFFLINE="${HF_DATASETS_OFFLINE:-1}"
+fi
+
+ARGS=(sweep "$SPEC" --out "$OUT")
+if [ -n "$RATES" ] || [ -n "$BURSTS" ]; then
+  # Rate 0 gives bernoulli:0 and ge:rate=0, which the sweep merges with the baseline.
+  losses="none"
+  for rate in ${RATES:-0 0.005 0.01 0.02 0.05 0.1 0.2}; do
+    losses="$losses bernoulli:$rate"
+    for burst in ${BURSTS:-8}; do
+      losses="$losses ge:rate=$rate,burst=$burst"
+    done
+  done
+  ARGS+=(--grid "loss=$losses")
+fi
+if [ -n "$TP_SIZES" ]; then
+  ARGS+=(--grid "tp_size=$TP_SIZES")
+fi
+if [ -n "$SEEDS" ]; then
+  ARGS+=(--grid "seed=$SEEDS")
+fi
+if [ -n "$STEPS" ]; then
+  ARGS+=(--set "steps=$STEPS")
+fi
+if [ -n "$SHARD" ]; then
+  ARGS+=(--shard "$SHARD")
+fi
+
+gpu_count() {
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
+  else
+    "$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0
+  fi
+}
+
+if [ "$BACKEND" = auto ]; then
+  BACKEND=sim
+  if [ "$PROFILE" = mnli ]; then
+    NPROC="${NPROC:-$(gpu_count)}"
+    if [ "$NPROC" -ge 2 ]; then
+      BACKEND=dist
+    fi
+  fi
+fi
+if [ "$BACKEND" = dist ] && [ -n "$NPROC" ]; then
+  for tp in ${TP_SIZES:-2}; do
+    if [ "$tp" -gt "$NPROC" ]; then
+      die "tp size $tp needs $tp GPUs for the dist backend, but --nproc is $NPROC (use --backend sim)"
+    fi
+  done
+fi
+ARGS+=(--set "backend=$BACKEND")
+if [ ${#SETS[@]} -gt 0 ]; then
+  ARGS+=("${SETS[@]}")
+fi
+
+if [ "$DRY_RUN" = 1 ]; then
+  exec "$PY" -m lossysim "${ARGS[@]}" --dry-run
+fi
+
+# Validate every run first: a bad rate or key fails here, before any training, and the
+# sweep's exit status below can only mean failed runs.
+"$PY" -m lossysim "${ARGS[@]}" --dry-run >/dev/null
+echo "lossysim: profile $PROFILE, backend $BACKEND, spec $SPEC, results in $OUT" >&2
+status=0
+"$PY" -m lossysim "${ARGS[@]}" || status=$?
+
+echo
+echo "Accuracy against average packet loss rate and burstiness ($PROFILE profile):"
+"$PY" -m lossysim report "$OUT"
+
+echo
+echo "Finished in $((SECONDS / 60)) min $((SECONDS % 60)) s. Everything is in $OUT/:"
+echo "  report.md    tables (every setting: accuracy, observed loss, disagreement, failures)"
+echo "  summary.csv  one row per run"
+echo "  *.png        plots: accuracy and disagreement against loss rate, observed against"
+echo "               configured loss, accuracy during training"
+echo "  */           one directory per run: config.yaml, metrics.jsonl, summary.json"
+if [ "$status" -ne 0 ]; then
+  echo "run_experiments.sh: $status run(s) failed; run the same command again to retry them" >&2
+fi
+exit "$status"

@@ -1,0 +1,176 @@
+"""run_experiments.sh: options, usage errors and the commands it runs (no set-up, no training).
+
+The script is run for real for --help and bad options, with ensure_env.sh pointed at a venv
+path that does not exist: the script must fail or answer before sourcing it. To see what it
+would run, a copy of the script runs next to a stub ensure_env.sh whose $PY records its
+arguments instead of training.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "run_experiments.sh"
+
+
+def clean_env(tmp_path: Path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOSSYSIM_") and k != "VIRTUAL_ENV"}
+    # Were the script to set up, it would create this venv: its absence proves it did not.
+    env["LOSSYSIM_VENV"] = str(tmp_path / "must-not-be-created")
+    env.update(extra)
+    return env
+
+
+def run_script(script: Path, args, env, timeout=60) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_prints_usage_and_sets_nothing_up(tmp_path):
+    for flag in ("--help", "-h"):
+        result = run_script(SCRIPT, [flag], clean_env(tmp_path))
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("Usage: ./run_experiments.sh")
+        for option in ("--profile", "--rates", "--burst", "--tp", "--seeds", "--backend", "--nproc", "--steps",
+                       "--out", "LOSSYSIM_RATES"):
+            assert option in result.stdout
+    assert not (tmp_path / "must-not-be-created").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--bogus"], "unknown option: --bogus"),
+    (["--steps"], "--steps needs a value"),
+    (["--steps", "many"], "positive whole number"),
+    (["--profile", "huge"], "unknown profile: huge"),
+    (["--backend=mpi"], "unknown backend: mpi"),
+    (["--seeds", "0 x"], "whole numbers"),
+])
+def test_bad_options_fail_with_a_message_and_usage(tmp_path, args, message):
+    result = run_script(SCRIPT, args, clean_env(tmp_path))
+    assert result.returncode == 2
+    assert message in result.stderr and "Usage:" in result.stderr
+    assert result.stdout == ""
+    assert not (tmp_path / "must-not-be-created").exists()
+
+
+def test_bad_environment_variable_is_refused_too(tmp_path):
+    result = run_script(SCRIPT, [], clean_env(tmp_path, LOSSYSIM_PROFILE="nope"))
+    assert result.returncode == 2 and "unknown profile: nope" in result.stderr
+
+
+# -- what the script runs, with a stub environment ---------------------------------------------------
+STUB_ENV = """\
+PY="{py}"
+"""
+STUB_PY = """\
+#!/usr/bin/env bash
+# Records each call; answers the GPU probe; the sweep exits with $FAKE_SWEEP_STATUS.
+{{ printf '%s\\t' "$@"; printf '\\n'; }} >> "{log}"
+if [ "$1" = "-c" ]; then echo "${{FAKE_GPUS:-0}}"; exit 0; fi
+case " $* " in
+  *" sweep "*" --dry-run "*) exit 0 ;;
+  *" sweep "*) exit "${{FAKE_SWEEP_STATUS:-0}}" ;;
+esac
+exit 0
+"""
+
+
+@pytest.fixture
+def sandbox(tmp_path):
+    """A copy of the script whose set-up is a stub: returns (script, log, bin dir for fake tools)."""
+    box = tmp_path / "box"
+    (box / "scripts").mkdir(parents=True)
+    shutil.copy(SCRIPT, box / "run_experiments.sh")
+    log = tmp_path / "calls.log"
+    py = tmp_path / "fakepy"
+    py.write_text(STUB_PY.format(log=log))
+    py.chmod(py.stat().st_mode | stat.S_IEXEC)
+    (box / "scripts" / "ensure_env.sh").write_text(STUB_ENV.format(py=py))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    return box / "run_experiments.sh", log, bin_dir
+
+
+def calls(log: Path) -> list[list[str]]:
+    """Each recorded call's argv (the stub writes them tab-separated, one call a line)."""
+    return [line.split("\t")[:-1] for line in log.read_text().splitlines()]
+
+
+def sweep_argv(log: Path) -> list[str]:
+    (argv,) = [c for c in calls(log) if "sweep" in c and "--dry-run" not in c]
+    return argv
+
+
+def sweep_call(log: Path) -> str:
+    return " ".join(sweep_argv(log))
+
+
+def env_without_gpu_tools(tmp_path, bin_dir, **extra):
+    # PATH without nvidia-smi (the machine may or may not have one): only basic tools and ours.
+    env = clean_env(tmp_path, **extra)
+    env["PATH"] = f"{bin_dir}:/usr/bin:/bin"
+    return env
+
+
+def test_default_is_the_quick_profile_then_the_report(tmp_path, sandbox):
+    script, log, bin_dir = sandbox
+    result = run_script(script, [], env_without_gpu_tools(tmp_path, bin_dir))
+    assert result.returncode == 0, result.stderr
+    made = calls(log)
+    sweeps = [c for c in made if c[:3] == ["-m", "lossysim", "sweep"]]
+    assert sweeps[0][-1] == "--dry-run", "runs are validated before any training"
+    assert sweeps[1] == ["-m", "lossysim", "sweep", "experiments/quick.yaml", "--out", "results/quick",
+                         "--set", "backend=sim"]
+    assert made[-1] == ["-m", "lossysim", "report", "results/quick"]
+    assert "results/quick" in result.stdout and "summary.csv" in result.stdout
+
+
+def test_options_become_grid_axes_and_overrides(tmp_path, sandbox):
+    script, log, bin_dir = sandbox
+    args = ["--rates", "0 0.01 5%", "--burst", "4 16", "--seeds", "0 1 2", "--tp=4", "--steps", "50",
+            "--out", str(tmp_path / "r"), "--shard", "2/3", "--set", "lr=0.01"]
+    result = run_script(script, args, env_without_gpu_tools(tmp_path, bin_dir))
+    assert result.returncode == 0, result.stderr
+    argv = sweep_argv(log)
+    assert argv[argv.index("--grid") + 1].split() == [
+        "loss=none", "bernoulli:0", "ge:rate=0,burst=4", "ge:rate=0,burst=16", "bernoulli:0.01",
+        "ge:rate=0.01,burst=4", "ge:rate=0.01,burst=16", "bernoulli:5%", "ge:rate=5%,burst=4",
+        "ge:rate=5%,burst=16"]
+    line = sweep_call(log)
+    for piece in ("--grid tp_size=4", "--grid seed=0 1 2", "--set steps=50", "--shard 2/3", "--set backend=sim",
+                  "--set lr=0.01", f"--out {tmp_path / 'r'}"):
+        assert piece in line, piece
+
+
+def test_mnli_profile_picks_torchrun_only_with_two_gpus(tmp_path, sandbox):
+    script, log, bin_dir = sandbox
+    result = run_script(script, ["--profile", "mnli"], env_without_gpu_tools(tmp_path, bin_dir, FAKE_GPUS="0"))
+    assert result.returncode == 0, result.stderr
+    assert "experiments/mnli_sweep.yaml --out results/mnli" in sweep_call(log)
+    assert "--set backend=sim" in sweep_call(log)
+    log.unlink()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 (UUID: a)'\necho 'GPU 1: NVIDIA H100 (UUID: b)'\n")
+    smi.chmod(0o755)
+    result = run_script(script, ["--profile", "mnli"], env_without_gpu_tools(tmp_path, bin_dir))
+    assert result.returncode == 0, result.stderr
+    assert "--set backend=dist" in sweep_call(log)
+    log.unlink()
+    result = run_script(script, ["--profile", "mnli", "--tp", "4"], env_without_gpu_tools(tmp_path, bin_dir))
+    assert result.returncode == 2 and "needs 4 GPUs" in result.stderr
+    assert not log.exists() or not any("sweep" in c and "--dry-run" not in c for c in calls(log))
+    result = run_script(script, ["--profile", "mnli", "--backend", "sim"], env_without_gpu_tools(tmp_path, bin_dir))
+    assert result.returncode == 0 and "--set backend=sim" in sweep_call(log)
+
+
+def test_failed_runs_still_get_a_report_and_set_the_exit_status(tmp_path, sandbox):
+    script, log, bin_dir = sandbox
+    result = run_script(script, [], env_without_gpu_tools(tmp_path, bin_dir, FAKE_SWEEP_STATUS="3"))
+    assert result.returncode == 3
+    assert calls(log)[-1][:3] == ["-m", "lossysim", "report"]
+    assert "3 run(s) failed" in result.stderr
