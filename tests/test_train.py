@@ -1,0 +1,203 @@
+"""The experiment runner end to end, on the tiny model and the synthetic task."""
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lossysim import LossyNetwork, parallelize
+from lossysim.cli import main
+from lossysim.config import ExperimentConfig, load_config
+from lossysim.data import eval_batches, prepare_data, train_batches
+from lossysim.io import read_jsonl
+from lossysim.models import build_model
+from lossysim.train import run_experiment
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMINGS = ("time_s", "tokens_per_s", "wall_time_s")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("LOSSYSIM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def tiny(tmp_path, **changes) -> ExperimentConfig:
+    base = dict(model="tiny", dataset="synthetic", max_length=32, max_train_samples=160,
+                max_eval_samples=64, batch_size=8, eval_batch_size=32, steps=8, eval_every=4,
+                log_every=2, warmup_steps=2, dropout=0.0, lr=1e-3, out=str(tmp_path / "run"))
+    return ExperimentConfig(**{**base, **changes}).validate()
+
+
+def _drop_timings(value):
+    if isinstance(value, dict):
+        return {k: _drop_timings(v) for k, v in value.items() if k not in TIMINGS}
+    if isinstance(value, list):
+        return [_drop_timings(v) for v in value]
+    return value
+
+
+def test_run_directory_contract(tmp_path):
+    config = tiny(tmp_path, loss="ge:rate=0.05,burst=4")
+    summary = run_experiment(config, config.out, progress=False)
+    run_dir = Path(config.out)
+    assert summary["status"] == "completed", summary.get("error")
+    assert load_config(run_dir / "config.yaml") == config
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    train = [r for r in rows if r["split"] == "train"]
+    evals = [r for r in rows if r["split"] != "train"]
+    assert [r["step"] for r in train] == [2, 4, 6, 8]
+    assert {(r["step"], r["split"]) for r in evals} == {
+        (s, split) for s in (4, 8) for split in ("validation_matched", "validation_mismatched")}
+    for row in train:
+        for key in ("loss", "accuracy", "lr", "tokens_per_s", "packets_sent_fwd", "packets_lost_fwd",
+                    "packets_sent_bwd", "packets_lost_bwd", "disagreement", "hidden_rel_diff"):
+            assert key in row
+    # Counters grow monotonically; eval traffic is forward only.
+    assert all(a["packets_sent_fwd"] < b["packets_sent_fwd"] for a, b in zip(train, train[1:]))
+    assert all(r["packets_sent_bwd"] == 0 and r["packets_sent_fwd"] > 0 for r in evals)
+    on_disk = json.loads((run_dir / "summary.json").read_text())
+    assert on_disk["status"] == "completed" and on_disk["steps"] == 8
+    assert on_disk["dataset"].startswith("synthetic")
+    assert set(on_disk["final"]) == {"validation_matched", "validation_mismatched"}
+    assert set(on_disk["versions"]) >= {"lossysim", "torch", "transformers"}
+    train_fwd = next(p for p in on_disk["packets"]["train"] if p["direction"] == "fwd")
+    assert train_fwd["sent"] == train[-1]["packets_sent_fwd"]
+    assert train_fwd["configured_loss_rate"] == pytest.approx(0.05)
+    assert 0 < train_fwd["observed_loss_rate"] < 0.2
+    sites = {p["site"] for p in on_disk["packets_by_site"]["train"]}
+    assert sites == {f"h.{i}.{m}.{k}" for i in range(2) for m in ("attn", "mlp") for k in ("copy", "reduce")}
+
+
+def test_same_seed_same_metrics_and_different_seed_differs(tmp_path):
+    first = tiny(tmp_path / "a", loss="bernoulli:0.05")
+    second = first.replace(out=str(tmp_path / "b"))
+    third = first.replace(out=str(tmp_path / "c"), seed=1)
+    for config in (first, second, third):
+        assert run_experiment(config, config.out, progress=False)["status"] == "completed"
+    rows = [_drop_timings(read_jsonl(Path(c.out) / "metrics.jsonl")) for c in (first, second, third)]
+    assert rows[0] == rows[1]
+    assert rows[0] != rows[2]
+
+
+def _torchrun(args, env):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "lossysim", "train", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+
+
+def test_loss_free_sim_and_dist_agree(tmp_path):
+    config = tiny(tmp_path / "sim", loss="none")
+    sim = run_experiment(config, config.out, progress=False)
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config.to_dict()))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = _torchrun(["--config", str(config_path), "--backend", "dist", "--out", str(tmp_path / "dist"),
+                      "--no-progress"], env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dist = json.loads((tmp_path / "dist" / "summary.json").read_text())
+    assert dist["status"] == "completed"
+    for split in ("validation_matched", "validation_mismatched"):
+        assert dist["final"][split]["accuracy"] == sim["final"][split]["accuracy"]
+        assert dist["final"][split]["loss"] == pytest.approx(sim["final"][split]["loss"], rel=1e-4)
+        assert dist["final"][split]["disagreement"] == 0.0
+    assert _drop_timings(dist["packets"]) == _drop_timings(sim["packets"])
+
+
+def test_checkpoint_reloads_with_identical_predictions(tmp_path):
+    from transformers import GPT2ForSequenceClassification
+    config = tiny(tmp_path, loss="none", save_checkpoint=True)
+    summary = run_experiment(config, config.out, progress=False)
+    assert summary["status"] == "completed", summary.get("error")
+    checkpoint = Path(config.out) / "checkpoint"
+    model = GPT2ForSequenceClassification.from_pretrained(checkpoint).eval()
+    data = prepare_data(config, Path(os.environ["LOSSYSIM_CACHE"]) / "data")
+    for split in ("validation_matched", "validation_mismatched"):
+        correct = 0
+        with torch.no_grad():
+            for batch in eval_batches(data.splits[split], 32):
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                correct += int((logits.argmax(-1) == batch["labels"]).sum())
+        assert correct / len(data.splits[split]["labels"]) == pytest.approx(
+            summary["final"][split]["accuracy"], abs=1e-6)
+    assert (checkpoint / "tokenizer.json").exists() or (checkpoint / "vocab.json").exists()
+
+
+def _tp_step(config, data, checkpointing: bool):
+    model = build_model("tiny", vocab_size=data.vocab_size, pad_token_id=data.pad_token_id, num_labels=3,
+                        max_length=config.max_length, dropout=0.1, seed=0)
+    network = LossyNetwork(2, "ge:rate=0.1,burst=4", seed=3)
+    tp = parallelize(model, 2, network, seed=5)
+    if checkpointing:
+        tp.model.activation_checkpointing_enable(
+            {"use_reentrant": False, "context_fn": tp.group.checkpoint_contexts})
+    tp.train()
+    torch.manual_seed(7)  # attention dropout (sharded region) uses the global stream
+    batch = next(train_batches(data, 8, 0))
+    tp(**batch).loss.backward()
+    return {n: p.grad.clone() for n, p in tp.named_parameters()}, network.stats()
+
+
+def test_activation_checkpointing_replays_masks_and_counts_once(tmp_path):
+    config = tiny(tmp_path)
+    data = prepare_data(config, Path(os.environ["LOSSYSIM_CACHE"]) / "data")
+    plain_grads, plain_stats = _tp_step(config, data, checkpointing=False)
+    ckpt_grads, ckpt_stats = _tp_step(config, data, checkpointing=True)
+    assert ckpt_stats == plain_stats
+    assert sum(r["lost"] for r in plain_stats) > 0
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(ckpt_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_non_finite_loss_marks_run_diverged(tmp_path):
+    config = tiny(tmp_path, lr=1e30, grad_clip=0.0, warmup_steps=0, steps=20)
+    summary = run_experiment(config, config.out, progress=False)
+    assert summary["status"] == "diverged"
+    assert 1 <= summary["diverged_at"]["step"] <= 20
+    on_disk = json.loads((Path(config.out) / "summary.json").read_text())
+    assert on_disk["status"] == "diverged"
+
+
+def _cli_error(capsys, argv) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code != 0
+    assert err and len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--config", "missing.yaml"], "missing.yaml"),
+    (["--loss", "bernoulli:2"], "p=2"),
+    (["--loss", "ge:rate=0.9,burst=2"], "not reachable"),
+    (["--set", "nonsense=1"], "nonsense"),
+    (["--tp-size", "3"], "n_head=4"),
+    (["--dataset", "no-such-dataset"], "no-such-dataset"),
+    (["--model", "no-such-model"], "no-such-model"),
+    (["--backend", "dist"], "torchrun"),
+])
+def test_bad_input_gives_one_line_error(tmp_path, capsys, argv, needle):
+    err = _cli_error(capsys, ["train", "--no-progress", "--steps", "2", "--out", str(tmp_path / "r"),
+                              "--set", "max_train_samples=32", "--set", "max_eval_samples=16", *argv])
+    assert needle in err
+    summary = tmp_path / "r" / "summary.json"
+    assert not summary.exists() or json.loads(summary.read_text())["status"] == "failed"
+
+
+def test_malformed_config_names_line(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("steps: 3\nloss: [unclosed\n")
+    err = _cli_error(capsys, ["train", "--config", str(path)])
+    assert "line" in err and "bad.yaml" in err
+
+
+def test_unwritable_output_folder(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    err = _cli_error(capsys, ["train", "--no-progress", "--out", str(blocker / "run")])
+    assert "not writable" in err or "Not a directory" in err
