@@ -144,6 +144,7 @@ class DistGroup(SimGroup):
             self.network.count(site, direction, x[0])
             out = x.clone()
             dist.all_reduce(out, group=self.process_group)
+            self.network.watch(site, direction, out[0])
             return out
         return self.network.all_reduce(site, direction, self._gather(x), self.ranks)
 

@@ -53,7 +53,9 @@ class ExperimentConfig:
     amp: str = "none"                  # none | bf16 | fp16
     activation_checkpointing: bool = False
     device: str = "auto"               # auto | cpu | cuda | cuda:N
-    save_checkpoint: bool = False
+    save_checkpoint: bool = False      # the gathered HF model at the end (checkpoint/)
+    checkpoint_every: int = 0          # full training state every N steps for --resume (0: never)
+    keep_checkpoints: int = 2
     out: str = "runs/tiny-synthetic"
 
     def validate(self) -> "ExperimentConfig":
@@ -75,6 +77,9 @@ class ExperimentConfig:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name}={value} must be a finite number >= 0")
+        for name in ("checkpoint_every", "keep_checkpoints"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:

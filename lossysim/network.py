@@ -46,10 +46,11 @@ class _Channel:
     bursts: torch.Tensor               # [links] runs of consecutive losses begun
     histogram: torch.Tensor            # [links, max_burst + 1] completed runs by length
     open_run: torch.Tensor             # [links] length of the run still open at the end
+    nonfinite_at: torch.Tensor         # [] network call index of the first non-finite output, -1 none
     calls: int = 0
 
     def counters(self):
-        return ("sent", "lost", "sent_bad", "bursts", "histogram", "open_run")
+        return ("sent", "lost", "sent_bad", "bursts", "histogram", "open_run", "nonfinite_at")
 
 
 class LossyNetwork:
@@ -92,6 +93,7 @@ class LossyNetwork:
         self._channels: dict[tuple[str, str], _Channel] = {}
         self._recording: Optional[dict] = None
         self._replaying: Optional[dict] = None
+        self._watch_index = 0
 
     # -- packets ---------------------------------------------------------------
     def packets(self, numel: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -119,6 +121,7 @@ class LossyNetwork:
         if not self.drops(direction):
             self.count(site, direction, contributions[0])
             total = contributions.sum(0)
+            self.watch(site, direction, total)
             return total.unsqueeze(0).expand(len(receivers), *shape)
         weights = self._delivery(site, direction, contributions[0])[list(receivers)]
         per_packet, n_packets = self.packets(shape.numel(), contributions.dtype)
@@ -126,6 +129,7 @@ class LossyNetwork:
         out = weights[:, 0, :, None] * packed[0]
         for sender in range(1, self.tp_size):
             out = out + weights[:, sender, :, None] * packed[sender]
+        self.watch(site, direction, out)
         return out.flatten(1)[:, : shape.numel()].reshape(len(receivers), *shape)
 
     def all_gather(self, site: str, direction: str, shards: torch.Tensor,
@@ -145,6 +149,24 @@ class LossyNetwork:
         packed = self._as_packets(shards, per_packet, n_packets)
         out = keep[..., None] * packed.unsqueeze(0)
         return out.flatten(2)[..., : shape.numel()].reshape(len(receivers), *shards.shape)
+
+    def watch(self, site: str, direction: str, delivered: torch.Tensor) -> None:
+        """Remember (on the device, no sync) the first call whose delivered tensor is non-finite."""
+        if self._replaying is not None:
+            return
+        channel = self._channel(site, direction, delivered.device)
+        self._watch_index += 1
+        bad = ~torch.isfinite(delivered).all() & (channel.nonfinite_at < 0)
+        channel.nonfinite_at = torch.where(bad, self._watch_index, channel.nonfinite_at)
+
+    def first_nonfinite(self) -> Optional[dict]:
+        """The site and direction whose delivered data first became non-finite, if any (syncs)."""
+        seen = [(int(ch.nonfinite_at), site, direction)
+                for (site, direction), ch in self._channels.items() if int(ch.nonfinite_at) >= 0]
+        if not seen:
+            return None
+        _, site, direction = min(seen)
+        return {"site": site, "direction": direction}
 
     def count(self, site: str, direction: str, message: torch.Tensor) -> None:
         """Count one message per link sent without loss."""
@@ -243,7 +265,7 @@ class LossyNetwork:
             generator.manual_seed(stream_seed(self.seed, site, direction))
             zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=device)  # noqa: E731
             channel = _Channel(generator, None, zeros(n), zeros(n), zeros(n), zeros(n),
-                               zeros(n, self.max_burst + 1), zeros(n))
+                               zeros(n, self.max_burst + 1), zeros(n), zeros(()) - 1)
             self._channels[key] = channel
         elif channel.lost.device != torch.device(device):
             raise RuntimeError(f"site {site!r} moved from {channel.lost.device} to {device}; "
@@ -301,6 +323,7 @@ class LossyNetwork:
         for ch in self._channels.values():
             for name in ch.counters():
                 getattr(ch, name).zero_()
+            ch.nonfinite_at.fill_(-1)
             ch.calls = 0
 
     # -- save and restore ----------------------------------------------------------
@@ -312,7 +335,7 @@ class LossyNetwork:
                          device=str(ch.lost.device),
                          chain=None if ch.chain is None else ch.chain.cpu().clone())
             channels[f"{site}|{direction}"] = entry
-        return {"config": self.config(), "channels": channels}
+        return {"config": self.config(), "channels": channels, "watch_index": self._watch_index}
 
     def load_state_dict(self, state: dict) -> None:
         if state["config"] != self.config():
@@ -327,6 +350,7 @@ class LossyNetwork:
             for name in ch.counters():
                 setattr(ch, name, entry[name].to(device))
             ch.calls = entry["calls"]
+        self._watch_index = state.get("watch_index", 0)
 
     def config(self) -> dict:
         return {"tp_size": self.tp_size, "loss_model": self.loss_model.spec, "seed": self.seed,

@@ -6,6 +6,8 @@ command line. The run directory's files are described in docs/run_directory.md.
 from __future__ import annotations
 
 import contextlib
+import copy
+import json
 import logging
 import math
 import os
@@ -22,12 +24,12 @@ import torch.distributed as dist
 import transformers
 from tqdm.auto import tqdm
 
-from . import __version__
+from . import __version__, checkpoint
 from .collectives import init_distributed
 from .config import ExperimentConfig, load_config, parse_overrides, save_yaml
 from .data import EVAL_SPLITS, eval_batches, prepare_data, train_batches
 from .gpt2 import TensorParallelGPT2, gather_full_model, parallelize
-from .io import append_jsonl, atomic_write_json, atomic_write_text
+from .io import append_jsonl, atomic_write_json, atomic_write_text, read_jsonl
 from .models import build_model
 from .network import LossyNetwork, stream_seed
 
@@ -56,6 +58,8 @@ def add_arguments(parser) -> None:
                         help="override any config key (repeatable)")
     for flag, (key, help_text) in FLAGS.items():
         parser.add_argument(flag, dest=key, help=help_text)
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest complete checkpoint in --out (see checkpoint_every)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -64,7 +68,7 @@ def run(args) -> int:
     overrides.update({key: getattr(args, key) for _, (key, _) in FLAGS.items()
                       if getattr(args, key) is not None})
     config = load_config(args.config, overrides)
-    summary = run_experiment(config, config.out, progress=not args.no_progress)
+    summary = run_experiment(config, config.out, progress=not args.no_progress, resume=args.resume)
     if summary["status"] != "completed":
         print(f"lossysim train: {summary['status']}: {summary.get('error') or ''}".rstrip(": "),
               file=__import__("sys").stderr)
@@ -80,23 +84,27 @@ class _Runtime:
     device: torch.device
     rank: int = 0
     is_main: bool = True
+    resume: bool = False
 
     def barrier(self):
         if self.config.backend == "dist":
             dist.barrier()
 
 
-def run_experiment(config: ExperimentConfig, run_dir, *, progress: bool = True, position: int = 0) -> dict:
+def run_experiment(config: ExperimentConfig, run_dir, *, progress: bool = True, position: int = 0,
+                   resume: bool = False) -> dict:
     """Train one configuration; write ``run_dir``; return the summary.
 
-    A training failure is recorded (status ``failed`` or ``diverged``), not raised.
+    With ``resume``, continue from the newest complete checkpoint in ``run_dir``
+    (if any) and end exactly as an uninterrupted run would. A training failure
+    is recorded (status ``failed`` or ``diverged``), not raised.
     """
     config.validate()
     run_dir = Path(run_dir)
     started = time.time()
     runtime = None
     try:
-        runtime = _start(config, run_dir)
+        runtime = _start(config, run_dir, resume)
         summary = _Experiment(runtime, progress, position).run(started)
     except Exception as err:  # recorded, so a sweep goes on
         summary = _failure(config, err, started)
@@ -112,7 +120,7 @@ def run_experiment(config: ExperimentConfig, run_dir, *, progress: bool = True, 
     return summary
 
 
-def _start(config: ExperimentConfig, run_dir: Path) -> _Runtime:
+def _start(config: ExperimentConfig, run_dir: Path, resume: bool) -> _Runtime:
     if config.backend == "dist":
         rank, world = init_distributed(timeout_s=config.timeout_s)
         if world != config.tp_size:
@@ -126,9 +134,9 @@ def _start(config: ExperimentConfig, run_dir: Path) -> _Runtime:
     else:
         rank = 0
         device = _device(config.device)
-    runtime = _Runtime(config, run_dir, device, rank, rank == 0)
+    runtime = _Runtime(config, run_dir, device, rank, rank == 0, resume)
     if runtime.is_main:
-        _prepare_run_dir(run_dir)
+        _prepare_run_dir(run_dir, keep_checkpoints=resume)
         save_yaml(config, run_dir / "config.yaml")
     return runtime
 
@@ -142,8 +150,12 @@ def _device(name: str) -> torch.device:
     return device
 
 
-def _prepare_run_dir(run_dir: Path) -> None:
-    """Start clean: a stale summary or metrics from an earlier attempt must not mix in."""
+def _prepare_run_dir(run_dir: Path, keep_checkpoints: bool) -> None:
+    """Start clean: a stale summary from an earlier attempt must not mix in.
+
+    When resuming, metrics and training checkpoints stay (metrics are cut back
+    to the checkpoint's step once it is loaded).
+    """
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".write-test"
@@ -151,10 +163,12 @@ def _prepare_run_dir(run_dir: Path) -> None:
         probe.unlink()
     except OSError as err:
         raise ValueError(f"output folder {run_dir} is not writable: {err.strerror or err}") from None
-    for name in ("summary.json", "metrics.jsonl", "traceback.txt"):
+    for name in ("summary.json", "traceback.txt") + (() if keep_checkpoints else ("metrics.jsonl",)):
         with contextlib.suppress(FileNotFoundError):
             (run_dir / name).unlink()
     shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
+    if not keep_checkpoints:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
 
 
 def _failure(config: ExperimentConfig, err: BaseException, started: float) -> dict:
@@ -219,25 +233,27 @@ class _Experiment:
     def run(self, started: float) -> dict:
         cfg, rt = self.cfg, self.rt
         self._build()
-        metrics_path = rt.run_dir / "metrics.jsonl"
         self.started = started
-        best: dict = {}
-        final: dict = {}
-        train_disagreement = []
-        status, diverged_at = "completed", None
+        metrics_path = rt.run_dir / "metrics.jsonl"
+        # Everything below changes as training goes, and is saved in checkpoints.
+        self.state = {"step": 0, "best": {}, "final": {}, "train_disagreement": [],
+                      "tokens": 0, "train_time": 0.0}
         window = _Window(rt.device)
-        batches = train_batches(self.data, cfg.batch_size, cfg.seed)
-        bar = tqdm(total=cfg.steps, desc=cfg.name, position=self.position, leave=self.position == 0,
-                   disable=not self.progress, dynamic_ncols=True)
-        step = 0
+        if rt.resume:
+            self._restore(window, metrics_path)
+        status, diverged_at = "completed", None
+        batches = train_batches(self.data, cfg.batch_size, cfg.seed, start_step=self.state["step"])
+        bar = tqdm(total=cfg.steps, initial=self.state["step"], desc=cfg.name, position=self.position,
+                   leave=self.position == 0, disable=not self.progress, dynamic_ncols=True)
         try:
-            for step in range(1, cfg.steps + 1):
+            for step in range(self.state["step"] + 1, cfg.steps + 1):
                 batch = {k: v.to(rt.device) for k, v in next(batches).items()}
                 if not self._train_step(batch, window):
                     raise _Divergence(step)
+                self.state["step"] = step
                 if step % cfg.log_every == 0 or step == cfg.steps:
                     row = self._train_row(step, window)
-                    train_disagreement.append(row["disagreement"])
+                    self.state["train_disagreement"].append(row["disagreement"])
                     self._write(metrics_path, row)
                     bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}",
                                     lost=f"{row['observed_loss_rate']:.4f}", refresh=False)
@@ -245,40 +261,102 @@ class _Experiment:
                     for split in EVAL_SPLITS:
                         row = self._evaluate(split, step)
                         self._write(metrics_path, row)
-                        final[split] = {k: row[k] for k in ("accuracy", "loss", "step", "disagreement",
-                                                            "hidden_rel_diff")}
-                        if split not in best or row["accuracy"] > best[split]["accuracy"]:
-                            best[split] = dict(final[split])
+                        final = {k: row[k] for k in ("accuracy", "loss", "step", "disagreement",
+                                                     "hidden_rel_diff")}
+                        self.state["final"][split] = final
+                        best = self.state["best"].get(split)
+                        if best is None or final["accuracy"] > best["accuracy"]:
+                            self.state["best"][split] = dict(final)
+                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                    self._checkpoint(window)
                 bar.update(1)
         except _Divergence as div:
-            status, diverged_at = "diverged", {"step": div.args[0]}
-            log.warning("loss or gradients became non-finite at step %d; run marked diverged", div.args[0])
+            status = "diverged"
+            diverged_at = {"step": div.args[0], **(self.train_net.first_nonfinite() or {"site": None})}
+            log.warning("loss or gradients became non-finite at step %d (first non-finite traffic: %s); "
+                        "run marked diverged", div.args[0], diverged_at["site"] or "none")
         finally:
             bar.close()
         if status == "completed" and cfg.save_checkpoint:
             self._save_checkpoint()
-        wall = time.time() - started
+        return self._summary(status, diverged_at)
+
+    def _summary(self, status: str, diverged_at: Optional[dict]) -> dict:
+        cfg, state = self.cfg, self.state
+        final = state["final"]
+        seen = state["train_disagreement"]
         summary = {
             "status": status, "error": None, "name": cfg.name, "dataset": self.data.name,
-            "config": cfg.to_dict(), "steps": step if status == "completed" else diverged_at["step"],
-            "wall_time_s": wall, "tokens_per_s": self.tokens / max(self.train_time, 1e-9),
-            "final": final, "best": best,
+            "config": cfg.to_dict(), "steps": state["step"],
+            "wall_time_s": time.time() - self.started,
+            "tokens_per_s": state["tokens"] / max(state["train_time"], 1e-9),
+            "final": final, "best": state["best"],
             "packets": {"train": self.train_net.summary(), "eval": self.eval_net.summary()},
             "packets_by_site": {"train": self.train_net.summary(by=("site", "direction")),
                                 "eval": self.eval_net.summary(by=("site", "direction"))},
             "disagreement": {
                 "final_eval": max((f["disagreement"] for f in final.values()), default=None),
                 "final_eval_hidden_rel_diff": max((f["hidden_rel_diff"] for f in final.values()), default=None),
-                "mean_train": sum(train_disagreement) / len(train_disagreement) if train_disagreement else None,
+                "mean_train": sum(seen) / len(seen) if seen else None,
             },
             "diverged_at": diverged_at, "versions": _versions(),
         }
-        if rt.is_main:
-            atomic_write_json(rt.run_dir / "summary.json", summary)
+        if self.rt.is_main:
+            atomic_write_json(self.rt.run_dir / "summary.json", summary)
         return summary
 
-    tokens = 0
-    train_time = 0.0
+    # -- checkpoints for resume ----------------------------------------------------
+    def _training_state(self, window: "_Window") -> dict:
+        group = self.model.group
+        return {
+            "config": _resumable(self.cfg), "progress": copy.deepcopy(self.state),
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+            "window": window.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "replicated": group.rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+            "train_net": self.train_net.state_dict(), "eval_net": self.eval_net.state_dict(),
+        }
+
+    def _checkpoint(self, window: "_Window") -> None:
+        cfg, rt = self.cfg, self.rt
+        checkpoint.save(rt.run_dir, self.state["step"], self._training_state(window), rank=rt.rank,
+                        world=cfg.tp_size if cfg.backend == "dist" else 1, keep=cfg.keep_checkpoints,
+                        barrier=rt.barrier)
+
+    def _restore(self, window: "_Window", metrics_path: Path) -> None:
+        cfg, rt = self.cfg, self.rt
+        found = [str(checkpoint.latest(rt.run_dir) or "")]
+        if cfg.backend == "dist":  # every rank loads the checkpoint rank 0 chose
+            dist.broadcast_object_list(found, src=0)
+        if not found[0]:
+            log.info("no complete checkpoint in %s: starting from step 0", rt.run_dir)
+            if rt.is_main and metrics_path.exists():
+                metrics_path.unlink()
+            return
+        world = cfg.tp_size if cfg.backend == "dist" else 1
+        saved = checkpoint.load(Path(found[0]), rt.rank, world, map_location=rt.device)
+        if saved["config"] != _resumable(cfg):
+            key = next(k for k in saved["config"] if saved["config"][k] != _resumable(cfg).get(k))
+            raise ValueError(f"{found[0]} was written with {key}={saved['config'][key]!r}, this run has "
+                             f"{key}={getattr(cfg, key)!r}: resume needs the same experiment")
+        self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.scaler.load_state_dict(saved["scaler"])
+        window.load_state_dict(saved["window"])
+        torch.set_rng_state(saved["rng"]["torch"].cpu())
+        if saved["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(saved["rng"]["cuda"])
+        self.model.group.load_rng_state(saved["rng"]["replicated"])
+        self.train_net.load_state_dict(saved["train_net"])
+        self.eval_net.load_state_dict(saved["eval_net"])
+        self.state = saved["progress"]
+        if rt.is_main:  # rows after the checkpoint were written by the run that died
+            kept = [row for row in read_jsonl(metrics_path) if row["step"] <= self.state["step"]] \
+                if metrics_path.exists() else []
+            atomic_write_text(metrics_path, "".join(json.dumps(row) + "\n" for row in kept))
+        log.info("resumed from %s at step %d", found[0], self.state["step"])
 
     def _train_step(self, batch, window: _Window) -> bool:
         """One optimizer step; False (and no update) if the loss or gradients are non-finite."""
@@ -298,9 +376,9 @@ class _Experiment:
         self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.tokens += batch["input_ids"].numel()
+        self.state["tokens"] += batch["input_ids"].numel()
         seconds = time.perf_counter() - t0
-        self.train_time += seconds
+        self.state["train_time"] += seconds
         window.add(self.model.rank_losses.detach(), out.logits.detach(), batch["labels"],
                    batch["input_ids"].numel(), seconds)
         return True
@@ -388,6 +466,13 @@ class _Window:
         self.tokens += tokens
         self.seconds += seconds
 
+    def state_dict(self) -> dict:
+        return {k: v for k, v in vars(self).items() if k != "device"}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value.to(self.device) if torch.is_tensor(value) else value)
+
     def flush(self, group) -> dict:
         # dist: the mean over every rank's loss, through one reliable gather.
         loss = group.all_gather_reliable((self.loss / self.steps).reshape(1)).mean()
@@ -426,6 +511,12 @@ def _clip_grad_norm(model: TensorParallelGPT2, max_norm: float) -> torch.Tensor:
             if p.grad is not None:
                 p.grad.mul_(scale.to(p.grad.dtype))
     return norm
+
+
+def _resumable(config: ExperimentConfig) -> dict:
+    """The settings a checkpoint must share with the run resuming from it."""
+    free = ("out", "name", "timeout_s", "device", "checkpoint_every", "keep_checkpoints", "save_checkpoint")
+    return {k: v for k, v in config.to_dict().items() if k not in free}
 
 
 def _last_token(input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:

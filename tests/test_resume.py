@@ -1,0 +1,149 @@
+"""Exact resume after SIGKILL, sealed checkpoints, and faults."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lossysim import checkpoint
+from lossysim.cli import main
+from lossysim.config import ExperimentConfig
+from lossysim.io import read_jsonl
+from lossysim.train import run_experiment
+
+TIMINGS = ("time_s", "tokens_per_s", "wall_time_s")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("LOSSYSIM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def config_for(out, **changes) -> ExperimentConfig:
+    # Dropout on and bursty loss in both directions: every random stream matters.
+    base = dict(model="tiny", dataset="synthetic", max_length=32, max_train_samples=200, max_eval_samples=64,
+                batch_size=8, eval_batch_size=32, steps=12, eval_every=6, log_every=3, warmup_steps=2,
+                dropout=0.1, loss="ge:rate=0.05,burst=4", checkpoint_every=4, keep_checkpoints=0,
+                save_checkpoint=True, out=str(out))
+    return ExperimentConfig(**{**base, **changes}).validate()
+
+
+def _without_timings(value):
+    if isinstance(value, dict):
+        return {k: _without_timings(v) for k, v in value.items() if k not in TIMINGS and k != "out"}
+    if isinstance(value, list):
+        return [_without_timings(v) for v in value]
+    return value
+
+
+def assert_same_run(a: Path, b: Path):
+    assert _without_timings(read_jsonl(a / "metrics.jsonl")) == _without_timings(read_jsonl(b / "metrics.jsonl"))
+    summary_a, summary_b = (json.loads((d / "summary.json").read_text()) for d in (a, b))
+    assert summary_a["status"] == summary_b["status"] == "completed"
+    assert _without_timings(summary_a) == _without_timings(summary_b)
+    weights = "model.safetensors"
+    assert (a / "checkpoint" / weights).read_bytes() == (b / "checkpoint" / weights).read_bytes()
+
+
+def _wait_for(predicate, proc, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"process ended before the kill: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.05)
+    raise AssertionError("timed out waiting for the run to progress")
+
+
+def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
+    reference = config_for(tmp_path / "reference")
+    assert run_experiment(reference, reference.out, progress=False)["status"] == "completed"
+
+    killed = config_for(tmp_path / "killed")
+    config_path = tmp_path / "killed.yaml"
+    config_path.write_text(yaml.safe_dump(killed.to_dict()))
+    proc = subprocess.Popen([sys.executable, "-m", "lossysim", "train", "--config", str(config_path),
+                             "--no-progress"], stderr=subprocess.PIPE, text=True)
+    metrics = Path(killed.out) / "metrics.jsonl"
+
+    def past_first_checkpoint():  # somewhere after step 4's checkpoint, before the end
+        return checkpoint.latest(killed.out) is not None and metrics.exists() and \
+            any(r["step"] >= 5 for r in read_jsonl(metrics))
+    _wait_for(past_first_checkpoint, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (Path(killed.out) / "summary.json").exists()
+
+    summary = run_experiment(killed, killed.out, progress=False, resume=True)
+    assert summary["status"] == "completed", summary.get("error")
+    assert_same_run(Path(reference.out), Path(killed.out))
+
+
+def test_half_written_checkpoint_is_ignored_and_corrupt_one_is_an_error(tmp_path, capsys):
+    config = config_for(tmp_path / "run", steps=8, eval_every=4, save_checkpoint=False)
+    assert run_experiment(config, config.out, progress=False)["status"] == "completed"
+    sealed = checkpoint.complete(config.out)
+    assert [p.name for p in sealed] == ["step-0000004", "step-0000008"]
+    # A folder being written when the process died: no manifest, never chosen.
+    partial = Path(config.out) / "checkpoints" / ".step-0000012.tmp"
+    partial.mkdir()
+    (partial / "rank0.pt").write_bytes(b"truncated")
+    assert checkpoint.latest(config.out) == sealed[-1]
+    # A sealed checkpoint whose file changed: a one-line error naming it.
+    data = bytearray((sealed[-1] / "rank0.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (sealed[-1] / "rank0.pt").write_bytes(bytes(data))
+    config_path = tmp_path / "run.yaml"
+    config_path.write_text(yaml.safe_dump(config.to_dict()))
+    code = main(["train", "--config", str(config_path), "--resume", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and len(err.splitlines()) == 1
+    assert "corrupt" in err and "step-0000008" in err
+
+
+def test_resume_with_a_different_experiment_is_refused(tmp_path):
+    config = config_for(tmp_path / "run", steps=4, save_checkpoint=False)
+    assert run_experiment(config, config.out, progress=False)["status"] == "completed"
+    changed = config.replace(loss="bernoulli:0.2")
+    summary = run_experiment(changed, changed.out, progress=False, resume=True)
+    assert summary["status"] == "failed" and "loss" in summary["error"]
+
+
+def test_keep_last_k_checkpoints(tmp_path):
+    config = config_for(tmp_path / "run", steps=6, checkpoint_every=2, keep_checkpoints=2,
+                        save_checkpoint=False, eval_every=6)
+    assert run_experiment(config, config.out, progress=False)["status"] == "completed"
+    assert [p.name for p in checkpoint.complete(config.out)] == ["step-0000004", "step-0000006"]
+
+
+def _torchrun(args):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "lossysim", "train", "--no-progress", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_dist_resume_from_mid_run_checkpoint_is_exact(tmp_path):
+    config = config_for(tmp_path / "full", backend="dist", dropout=0.0)
+    config_path = tmp_path / "dist.yaml"
+    config_path.write_text(yaml.safe_dump(config.to_dict()))
+    proc = _torchrun(["--config", str(config_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The same run as if killed after step 4's checkpoint: later files gone, resume from step 4.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(config.out, resumed)
+    for later in checkpoint.complete(resumed)[1:]:
+        shutil.rmtree(later)
+    for name in ("summary.json", "checkpoint"):
+        shutil.rmtree(resumed / name, ignore_errors=True) if name == "checkpoint" else (resumed / name).unlink()
+    proc = _torchrun(["--config", str(config_path), "--out", str(resumed), "--resume"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stderr and "step-0000004" in proc.stderr
+    assert_same_run(Path(config.out), resumed)
