@@ -164,6 +164,16 @@ class DistGroup(SimGroup):
         return self._gather(x)
 
 
+def _die_with_launcher() -> None:
+    """Linux: get SIGTERM if torchrun dies (even by SIGKILL), so no rank is left orphaned."""
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 # torch 2.13 renamed all_gather_into_tensor (same signature); older torch has only the old name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -175,6 +185,7 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0):
     if missing:
         raise ValueError(f"backend 'dist' must be launched by torchrun (missing {', '.join(missing)}); "
                          "e.g. torchrun --nproc_per_node=2 -m lossysim train --backend dist ...")
+    _die_with_launcher()
     if not dist.is_initialized():
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"

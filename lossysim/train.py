@@ -13,6 +13,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -103,10 +104,16 @@ def run_experiment(config: ExperimentConfig, run_dir, *, progress: bool = True, 
     run_dir = Path(run_dir)
     started = time.time()
     runtime = None
+    previous_handler = None
+    if config.backend == "dist":  # torchrun stops the other ranks with SIGTERM when one fails
+        previous_handler = signal.signal(signal.SIGTERM, _terminated)
     try:
         runtime = _start(config, run_dir, resume)
         summary = _Experiment(runtime, progress, position).run(started)
     except Exception as err:  # recorded, so a sweep goes on
+        if config.backend == "dist" and isinstance(err, (RuntimeError, getattr(dist, "DistError", RuntimeError))):
+            err = RuntimeError(f"a peer rank failed or stopped responding (timeout_s={config.timeout_s:g}): "
+                               f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}")
         summary = _failure(config, err, started)
         log.debug("run failed", exc_info=True)
         if runtime is None or runtime.is_main:
@@ -117,7 +124,17 @@ def run_experiment(config: ExperimentConfig, run_dir, *, progress: bool = True, 
     finally:
         if config.backend == "dist" and dist.is_initialized():
             dist.destroy_process_group()
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
     return summary
+
+
+class Terminated(Exception):
+    """SIGTERM arrived (torchrun stops every rank when one of them fails)."""
+
+
+def _terminated(signum, frame):
+    raise Terminated("terminated by SIGTERM")
 
 
 def _start(config: ExperimentConfig, run_dir: Path, resume: bool) -> _Runtime:

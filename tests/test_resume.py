@@ -16,6 +16,7 @@ from lossysim.cli import main
 from lossysim.config import ExperimentConfig
 from lossysim.io import read_jsonl
 from lossysim.train import run_experiment
+from torchrun_launch import torchrun
 
 TIMINGS = ("time_s", "tokens_per_s", "wall_time_s")
 
@@ -123,18 +124,13 @@ def test_keep_last_k_checkpoints(tmp_path):
     assert [p.name for p in checkpoint.complete(config.out)] == ["step-0000004", "step-0000006"]
 
 
-def _torchrun(args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "lossysim", "train", "--no-progress", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def test_dist_resume_from_mid_run_checkpoint_is_exact(tmp_path):
     config = config_for(tmp_path / "full", backend="dist", dropout=0.0)
     config_path = tmp_path / "dist.yaml"
     config_path.write_text(yaml.safe_dump(config.to_dict()))
-    proc = _torchrun(["--config", str(config_path)])
+    proc = torchrun(["train", "--no-progress", "--config", str(config_path)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The same run as if killed after step 4's checkpoint: later files gone, resume from step 4.
     resumed = tmp_path / "resumed"
@@ -143,7 +139,7 @@ def test_dist_resume_from_mid_run_checkpoint_is_exact(tmp_path):
         shutil.rmtree(later)
     for name in ("summary.json", "checkpoint"):
         shutil.rmtree(resumed / name, ignore_errors=True) if name == "checkpoint" else (resumed / name).unlink()
-    proc = _torchrun(["--config", str(config_path), "--out", str(resumed), "--resume"])
+    proc = torchrun(["train", "--no-progress", "--config", str(config_path), "--out", str(resumed), "--resume"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr and "step-0000004" in proc.stderr
     assert_same_run(Path(config.out), resumed)

@@ -17,6 +17,7 @@ from lossysim.data import eval_batches, prepare_data, train_batches
 from lossysim.io import read_jsonl
 from lossysim.models import build_model
 from lossysim.train import run_experiment
+from torchrun_launch import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMINGS = ("time_s", "tokens_per_s", "wall_time_s")
@@ -85,10 +86,6 @@ def test_same_seed_same_metrics_and_different_seed_differs(tmp_path):
     assert rows[0] != rows[2]
 
 
-def _torchrun(args, env):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "lossysim", "train", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
 
 
 def test_loss_free_sim_and_dist_agree(tmp_path):
@@ -97,8 +94,8 @@ def test_loss_free_sim_and_dist_agree(tmp_path):
     config_path = tmp_path / "config.yaml"
     config_path.write_text(yaml.safe_dump(config.to_dict()))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = _torchrun(["--config", str(config_path), "--backend", "dist", "--out", str(tmp_path / "dist"),
-                      "--no-progress"], env)
+    proc = torchrun(["train", "--config", str(config_path), "--backend", "dist", "--out", str(tmp_path / "dist"),
+                     "--no-progress"], env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     dist = json.loads((tmp_path / "dist" / "summary.json").read_text())
     assert dist["status"] == "completed"
