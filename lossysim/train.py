@@ -250,6 +250,8 @@ class _Experiment:
     def run(self, started: float) -> dict:
         cfg, rt = self.cfg, self.rt
         self._build()
+        if rt.is_main:
+            _check_free_space(rt.run_dir, self.model, cfg)
         self.started = started
         metrics_path = rt.run_dir / "metrics.jsonl"
         # Everything below changes as training goes, and is saved in checkpoints.
@@ -528,6 +530,21 @@ def _clip_grad_norm(model: TensorParallelGPT2, max_norm: float) -> torch.Tensor:
             if p.grad is not None:
                 p.grad.mul_(scale.to(p.grad.dtype))
     return norm
+
+
+def _check_free_space(run_dir: Path, model: torch.nn.Module, cfg: ExperimentConfig) -> None:
+    """Fail before training, not at the first checkpoint, when the disk cannot hold the run."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    need = 16 << 20  # metrics, summary, tokenizer
+    if cfg.checkpoint_every:
+        kept = cfg.keep_checkpoints or max(1, cfg.steps // cfg.checkpoint_every)
+        need += (kept + 1) * 3 * weights  # weights and two AdamW moments, one more while sealing
+    if cfg.save_checkpoint:
+        need += 2 * weights
+    free = shutil.disk_usage(run_dir).free
+    if free < need:
+        raise ValueError(f"not enough free space in {run_dir}: the run writes about {need / 2**20:.0f} MiB, "
+                         f"{free / 2**20:.0f} MiB are free")
 
 
 def _resumable(config: ExperimentConfig) -> dict:

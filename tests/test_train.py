@@ -156,6 +156,9 @@ def test_non_finite_loss_marks_run_diverged(tmp_path):
     summary = run_experiment(config, config.out, progress=False)
     assert summary["status"] == "diverged"
     assert 1 <= summary["diverged_at"]["step"] <= 20
+    # After one step at lr=1e30 every weight is huge: the first all-reduce of the next forward overflows.
+    assert summary["diverged_at"]["site"] == "h.0.attn.reduce"
+    assert summary["diverged_at"]["direction"] == "fwd"
     on_disk = json.loads((Path(config.out) / "summary.json").read_text())
     assert on_disk["status"] == "diverged"
 
@@ -198,3 +201,15 @@ def test_unwritable_output_folder(tmp_path, capsys):
     blocker.write_text("not a directory")
     err = _cli_error(capsys, ["train", "--no-progress", "--out", str(blocker / "run")])
     assert "not writable" in err or "Not a directory" in err
+
+
+def test_full_disk_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    import shutil as shutil_module
+    from collections import namedtuple
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage(10 << 20, 9 << 20, 1 << 20))
+    err = _cli_error(capsys, ["train", "--no-progress", "--out", str(tmp_path / "r"), "--steps", "4",
+                              "--set", "checkpoint_every=2", "--set", "max_train_samples=32",
+                              "--set", "max_eval_samples=16", "--set", "max_length=32"])
+    assert "not enough free space" in err
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
