@@ -1,0 +1,488 @@
+"""Loss models: samples against their closed forms, exact chain semantics, spec parsing.
+
+The seeds are fixed, but every statistical threshold is chosen so that a fresh
+seed would fail a correct model with probability about 1e-5 per check, and most
+checks also assert that a slightly wrong model fails them, so no bound is vacuous.
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from lossysim.loss_models import (_BLOCK, _BLOCKED_FROM, Bernoulli, GilbertElliott, NoLoss,
+                                  parse_loss_model)
+
+GE = GilbertElliott
+ALPHA = 1e-5        # p-value threshold of every statistical check
+Z_MAX = 4.0         # loss rates: within 4 burst-aware standard errors
+N_LONG = 2**21      # packets of the long chain each model is judged on,
+N_BURSTY = 2**22    # more for mean bursts >= 20, whose runs are few
+PMF_LENGTH = 4000   # run lengths tabulated (longer ones have negligible probability here)
+
+MODELS = {
+    "bernoulli-1%": Bernoulli(0.01),
+    "bernoulli-30%": Bernoulli(0.3),
+    "gilbert-1%-burst8": GE.from_rate(0.01, 8),
+    "gilbert-5%-burst20": GE.from_rate(0.05, 20),
+    "gilbert-2%-burst50": GE.from_rate(0.02, 50),
+    "ge-good-loss": GE(0.002, 0.05, loss_good=0.01, loss_bad=0.8),
+    "ge-bursty-good-loss": GE(0.0005, 0.01, loss_good=0.001, loss_bad=1.0),
+    "anti-simple": GE(0.3, 0.9),
+    "anti-good-loss": GE(0.8, 0.7, loss_good=0.1, loss_bad=0.6),
+    "netem-gemodel-p-only": GE.from_netem(0.05),
+}
+
+
+# -- helpers ---------------------------------------------------------------------
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def is_simple(model) -> bool:
+    """Simple Gilbert: all lost in Bad, none in Good, so run lengths are geometric."""
+    return isinstance(model, GE) and model.loss_bad == 1.0 and model.loss_good == 0.0
+
+
+def run_lengths(lost: np.ndarray):
+    """Start index and length of every run of consecutive losses in a 1-D mask."""
+    edges = np.diff(np.concatenate([[0], lost.astype(np.int8), [0]]))
+    starts = np.flatnonzero(edges == 1)
+    return starts, np.flatnonzero(edges == -1) - starts
+
+
+def complete_runs(lost: np.ndarray) -> np.ndarray:
+    """Run lengths, without a last run cut short by the end of the sample."""
+    lengths = run_lengths(lost)[1]
+    return lengths[:-1] if lost[-1] else lengths
+
+
+def rate_z(lost: np.ndarray, rate: float, variance: float) -> float:
+    """Observed minus expected loss rate, in standard errors sqrt(variance / n)."""
+    return (lost.mean() - rate) / math.sqrt(variance / lost.size)
+
+
+def sample_in_calls(model, sizes, seed, channels=(), carry=True) -> np.ndarray:
+    """One chain drawn call by call, the state passed along (or dropped when ``carry`` is False)."""
+    g, state, parts = generator(seed), None, []
+    for n in sizes:
+        lost, next_state = model.sample((*channels, n), g, state)
+        parts.append(lost)
+        state = next_state if carry else None
+    return torch.cat(parts, -1).numpy()
+
+
+def geometric_pmf(mean: float, count: int) -> np.ndarray:
+    """P(L = l) = r (1 - r)^(l - 1), r = 1 / mean, for l = 1..count."""
+    r = 1.0 / mean
+    return r * (1.0 - r) ** np.arange(count)
+
+
+def chain_matrices(model):
+    """Transition matrix, per-state loss probability and stationary law (Good, Bad)."""
+    if isinstance(model, Bernoulli):
+        return np.eye(2), np.array([model.p, model.p]), np.array([1.0, 0.0])
+    move = np.array([[1 - model.p_gb, model.p_gb], [model.p_bg, 1 - model.p_bg]])
+    pi = np.array([model.p_bg, model.p_gb]) / (model.p_gb + model.p_bg)
+    return move, np.array([model.loss_good, model.loss_bad]), pi
+
+
+def phase_type_burst(model, count: int):
+    """(P(L = 1..count), mean L) of a run of losses, worked out from the chain itself.
+
+    A run starts at a loss after a delivery and goes on while the next packet is
+    lost; this is independent of the closed forms in loss_models.
+    """
+    move, loss, pi = chain_matrices(model)
+    first = (pi * (1 - loss)) @ move * loss       # law of the state of a run's first packet
+    first = first / first.sum()
+    go_on = move * loss                           # lost in s, next packet lost in s'
+    stop = 1 - go_on.sum(1)
+    pmf, v = np.empty(count), first
+    for i in range(count):
+        pmf[i], v = v @ stop, v @ go_on
+    return pmf, first @ np.linalg.solve(np.eye(2) - go_on, np.ones(2))
+
+
+def burst_pmf(model, count: int) -> np.ndarray:
+    """Theory for run lengths: geometric where the reference gives it, phase-type otherwise."""
+    if isinstance(model, Bernoulli) or is_simple(model):
+        return geometric_pmf(model.mean_burst, count)
+    return phase_type_burst(model, count)[0]
+
+
+def pooled_counts(lengths: np.ndarray, pmf: np.ndarray, runs: int):
+    """Bins 1..K then one tail bin, K as large as keeps every expected count >= 5 for ``runs``."""
+    expected = runs * pmf
+    tail = runs - np.cumsum(expected)             # expected runs longer than l
+    k = 0
+    while k < len(pmf) and expected[k] >= 5 and tail[k] >= 5:
+        k += 1
+    assert k >= 1, "too few runs for a chi-square test"
+    observed = np.bincount(np.minimum(lengths, k + 1) - 1, minlength=k + 1)
+    probs = np.append(pmf[:k], 1.0 - pmf[:k].sum())
+    return observed, probs
+
+
+def burst_chisquare(lengths: np.ndarray, pmf: np.ndarray) -> float:
+    observed, probs = pooled_counts(lengths, pmf, lengths.size)
+    return stats.chisquare(observed, probs * lengths.size).pvalue
+
+
+def mean_burst_pvalue(lost: np.ndarray, mean: float, batches: int = 64) -> float:
+    """Two-sided p-value that runs of losses average ``mean`` packets.
+
+    Runs of a general Gilbert-Elliott chain are not independent (the state
+    carries over), so the standard error is a ratio estimator's over batches of
+    runs grouped by where they start, which are nearly independent.
+    """
+    starts, lengths = run_lengths(lost)
+    batch = starts * batches // lost.size
+    lost_in = np.bincount(batch, lengths, batches)
+    runs_in = np.bincount(batch, minlength=batches)
+    ratio = lost_in.sum() / runs_in.sum()
+    se = math.sqrt(batches / (batches - 1) * ((lost_in - ratio * runs_in) ** 2).sum()) / runs_in.sum()
+    return 2 * stats.t.sf(abs(ratio - mean) / se, batches - 1)
+
+
+def block_variance(model, block: int) -> float:
+    """Var(losses in ``block`` packets) / block, finite-block form of variance_per_packet."""
+    rate = model.loss_rate
+    if isinstance(model, Bernoulli):
+        return rate * (1 - rate)
+    lam = 1 - model.p_gb - model.p_bg
+    spread = (model.loss_bad - model.loss_good) ** 2 * model.pi_bad * (1 - model.pi_bad)
+    lag_sum = lam / (1 - lam) - lam * (1 - lam**block) / (block * (1 - lam) ** 2)
+    return rate * (1 - rate) + 2 * spread * lag_sum
+
+
+def binom_ok(hits: int, trials: int, p: float) -> bool:
+    """A count agrees with Binomial(trials, p): exactly when p is 0 or 1, else by binomtest."""
+    if p in (0.0, 1.0):
+        return hits == trials * p
+    return stats.binomtest(int(hits), int(trials), p).pvalue > ALPHA
+
+
+# -- the grid ------------------------------------------------------------------------
+def test_grid_covers_bursty_good_state_loss_and_anti_persistent_chains():
+    """The statistical checks below are only as good as the parameter grid they run on."""
+    ge = [m for m in MODELS.values() if isinstance(m, GE)]
+    assert len(MODELS) >= 8
+    assert sum(m.mean_burst >= 20 for m in MODELS.values()) >= 2
+    assert sum(m.loss_good > 0 for m in ge) >= 2
+    assert sum(m.p_gb + m.p_bg > 1 for m in ge) >= 2
+    assert any(m.mean_burst >= 20 and m.loss_good > 0 for m in ge)
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def chain(request):
+    """One long stationary chain per model (one call: the blocked algorithm), shared by the checks."""
+    model = MODELS[request.param]
+    seed = 1000 + list(MODELS).index(request.param)
+    n = N_BURSTY if model.mean_burst >= 20 else N_LONG
+    lost, in_bad, _ = model.sample_with_states(n, generator(seed))
+    return SimpleNamespace(name=request.param, model=model, seed=seed,
+                           lost=lost.numpy(), in_bad=in_bad.numpy())
+
+
+@pytest.mark.parametrize("calls", ["one-call", "scan-sized-calls"])
+def test_loss_rate_within_4_standard_errors(chain, calls):
+    """Observed rate over >= 1e6 packets vs loss_rate, for both chain algorithms."""
+    model = chain.model
+    if calls == "one-call":
+        lost = chain.lost
+    else:  # calls just below the blocked threshold, the state passed along
+        lost = sample_in_calls(model, [_BLOCKED_FROM - 1] * 16, chain.seed + 1)
+    assert lost.size >= 1e6
+    var = model.variance_per_packet
+    assert abs(rate_z(lost, model.loss_rate, var)) < Z_MAX
+    wrong = 1.25 * model.loss_rate
+    if wrong - model.loss_rate > 12 * math.sqrt(var / lost.size):  # where the data can tell
+        assert abs(rate_z(lost, wrong, var)) > Z_MAX
+
+
+def test_variance_per_packet_matches_block_counts(chain):
+    """The burst-aware variance behind every rate check is right (and the i.i.d. one is not)."""
+    model, block = chain.model, 2**12
+    counts = chain.lost.reshape(-1, block).sum(1).astype(float)
+    observed = counts.var(ddof=1)
+    centred = counts - counts.mean()
+    se = math.sqrt(((centred**4).mean() - centred.var() ** 2) / counts.size)
+    expected = block * block_variance(model, block)
+    assert abs(observed - expected) < 5 * se
+    iid = block * model.loss_rate * (1 - model.loss_rate)
+    if not 1 / 8 < expected / iid < 8:
+        assert abs(observed - iid) > 5 * se
+
+
+def test_mean_burst_agrees_with_closed_form(chain):
+    model = chain.model
+    assert mean_burst_pvalue(chain.lost, model.mean_burst) > ALPHA
+    assert mean_burst_pvalue(chain.lost, 1.5 * model.mean_burst) < ALPHA
+
+
+def test_burst_length_distribution_chisquare(chain):
+    """Run lengths vs theory; the tail is pooled so every expected count is >= 5."""
+    model = chain.model
+    lengths = complete_runs(chain.lost)
+    pmf = burst_pmf(model, PMF_LENGTH)
+    assert burst_chisquare(lengths, pmf) > ALPHA
+    assert burst_chisquare(lengths, geometric_pmf(1.5 * model.mean_burst, PMF_LENGTH)) < ALPHA
+
+
+def test_state_transitions_and_per_state_losses(chain):
+    """in_bad moves Good->Bad w.p. p_gb, Bad->Good w.p. p_bg; losses follow the arrival state."""
+    model, lost, in_bad = chain.model, chain.lost, chain.in_bad
+    if isinstance(model, Bernoulli):  # no Bad state: every packet sent in Good
+        assert not in_bad.any()
+        return
+    now, after = in_bad[:-1], in_bad[1:]
+    to_bad, to_good = (after & ~now).sum(), (now & ~after).sum()
+    assert binom_ok(to_bad, (~now).sum(), model.p_gb)
+    assert binom_ok(to_good, now.sum(), model.p_bg)
+    assert binom_ok(lost[in_bad].sum(), in_bad.sum(), model.loss_bad)
+    assert binom_ok(lost[~in_bad].sum(), (~in_bad).sum(), model.loss_good)
+    assert not binom_ok(to_bad, (~now).sum(), min(1.0, 1.25 * model.p_gb))
+    assert not binom_ok(to_good, now.sum(), min(1.0, 1.25 * model.p_bg))
+
+
+# -- closed forms ---------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(MODELS))
+def test_closed_form_mean_burst_matches_phase_type(name):
+    """NTIA's general mean-burst formula against the chain worked out directly."""
+    model = MODELS[name]
+    pmf, mean = phase_type_burst(model, 200)
+    assert model.mean_burst == pytest.approx(mean, rel=1e-9)
+    if isinstance(model, Bernoulli) or is_simple(model):
+        np.testing.assert_allclose(pmf, geometric_pmf(model.mean_burst, 200), rtol=1e-9, atol=1e-15)
+
+
+def test_closed_form_loss_rate_matches_stationary_law():
+    for model in MODELS.values():
+        _, loss, pi = chain_matrices(model)
+        assert model.loss_rate == pytest.approx(pi @ loss, rel=1e-12)
+
+
+@pytest.mark.parametrize("rate,burst", [(0.01, 1), (0.01, 8), (0.05, 20), (0.3, 2), (0.5, 1)])
+def test_from_rate_hits_requested_rate_and_burst(rate, burst):
+    model = GE.from_rate(rate, burst)
+    assert is_simple(model)
+    assert model.loss_rate == pytest.approx(rate, rel=1e-12)
+    assert model.mean_burst == pytest.approx(burst, rel=1e-12)
+
+
+def test_from_netem_follows_gemodel_argument_order_and_defaults():
+    """netem `gemodel p r 1-h 1-k`; p alone is Bernoulli, losing p (not old iproute2's p/(1+p))."""
+    model = GE.from_netem(0.02, 0.3, 0.9, 0.01)
+    assert (model.p_gb, model.p_bg, model.loss_bad, model.loss_good) == (0.02, 0.3, 0.9, 0.01)
+    only_p = GE.from_netem(0.05)
+    assert only_p.loss_rate == pytest.approx(0.05)
+    assert only_p.mean_burst == pytest.approx(Bernoulli(0.05).mean_burst)
+    lost = only_p.sample(2**21, generator(5))[0].numpy()
+    var = only_p.variance_per_packet
+    assert abs(rate_z(lost, 0.05, var)) < Z_MAX
+    assert abs(rate_z(lost, 0.05 / 1.05, var)) > Z_MAX
+
+
+def test_extreme_models_are_exact():
+    g = generator(0)
+    assert not NoLoss().sample(1000, g)[0].any() and NoLoss().lossless and NoLoss().mean_burst == 0
+    assert Bernoulli(1.0).sample(1000, g)[0].all() and Bernoulli(1.0).mean_burst == math.inf
+    flip = GE(1.0, 1.0)  # deterministic alternation: rate 1/2, bursts of 1, no variance
+    assert (flip.loss_rate, flip.mean_burst, flip.variance_per_packet) == (0.5, 1.0, 0.0)
+
+
+# -- the chain algorithm, exactly --------------------------------------------------------
+def reference_chain(u, to_bad_from_good, to_bad_from_bad, start):
+    """Per-packet loop of _run_chain's docstring: s_{t+1} = Bad iff u_t < P(Bad next | s_t)."""
+    out, state = [], start
+    for x in u:
+        out.append(state)
+        state = x < (to_bad_from_bad if state else to_bad_from_good)
+    return out, state
+
+
+CHAIN_SIZES = [1, 1000, _BLOCKED_FROM - 1, _BLOCKED_FROM, _BLOCKED_FROM + 77]
+
+
+@pytest.mark.parametrize("n", CHAIN_SIZES)
+@pytest.mark.parametrize("name", ["gilbert-5%-burst20", "anti-simple", "anti-good-loss"])
+def test_scan_and_blocked_chains_match_per_packet_loop(name, n):
+    """Bit-exact against a naive loop fed the same uniforms (white box: packet j*k+c uses u[c, j])."""
+    model = MODELS[name]
+    g, start = generator(3), torch.tensor([False, True])
+    saved = g.get_state()
+    lost, in_bad, next_state = model.sample_with_states((2, n), g, start)
+    g.set_state(saved)
+    k = _BLOCK if n >= _BLOCKED_FROM else 1
+    u = torch.rand(2, k, -(-n // k), generator=g).transpose(1, 2).reshape(2, -1)[:, :n]
+    # torch compares float32 draws with float32-rounded probabilities
+    good, bad = float(np.float32(model.p_gb)), float(np.float32(1 - model.p_bg))
+    for row in range(2):
+        states, final = reference_chain(u[row].tolist(), good, bad, bool(start[row]))
+        assert in_bad[row].tolist() == states
+        assert bool(next_state[row]) == final
+    if is_simple(model):
+        assert torch.equal(lost, in_bad)
+    else:
+        v = torch.rand((2, n), generator=g)
+        threshold = torch.where(in_bad, torch.tensor(model.loss_bad), torch.tensor(model.loss_good))
+        assert torch.equal(lost, v < threshold)
+
+
+@pytest.mark.parametrize("n", [1001, _BLOCKED_FROM + 3])
+def test_anti_persistent_extreme_alternates_across_calls(n):
+    """p_gb = p_bg = 1 flips every packet: a deterministic check of the flip handling."""
+    g, state, parts = generator(0), torch.tensor([False, True]), []
+    for _ in range(3):
+        lost, state = GE(1.0, 1.0).sample((2, n), g, state)
+        parts.append(lost)
+    lost = torch.cat(parts, -1)
+    t = torch.arange(lost.shape[-1])
+    assert torch.equal(lost[0], t % 2 == 1) and torch.equal(lost[1], t % 2 == 0)
+
+
+# -- determinism -----------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(1000,), (4, 1000), (_BLOCKED_FROM + 5,), (3, _BLOCKED_FROM + 5)])
+@pytest.mark.parametrize("name", ["bernoulli-30%", "gilbert-1%-burst8", "anti-good-loss"])
+def test_same_seed_and_state_give_identical_masks(name, shape):
+    model = MODELS[name]
+    for state in (None, torch.arange(math.prod(shape[:-1])).reshape(shape[:-1]) % 2 == 0):
+        kept = None if state is None else state.clone()
+        a = model.sample_with_states(shape, generator(7), state)
+        b = model.sample_with_states(shape, generator(7), state)
+        for x, y in zip(a, b):
+            assert (x is None and y is None) or torch.equal(x, y)
+        assert state is None or torch.equal(state, kept)  # the caller's state is not modified
+
+
+@pytest.mark.parametrize("n", [50_000, _BLOCKED_FROM + 5])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_different_seeds_give_different_masks(name, n):
+    """Long enough that two equal masks (e.g. both loss-free) have negligible probability."""
+    model = MODELS[name]
+    assert not torch.equal(model.sample((4, n), generator(7))[0], model.sample((4, n), generator(8))[0])
+
+
+def test_generator_moves_on_between_calls():
+    """Never reseeded per call: two same-sized calls on one generator differ."""
+    g, model = generator(1), MODELS["gilbert-1%-burst8"]
+    first, state = model.sample(5000, g)
+    assert not torch.equal(first, model.sample(5000, g, state)[0])
+
+
+# -- a chain split over calls ------------------------------------------------------------
+SPLIT_SIZES = ([1] * 200 + [2, 3, 5, 8, 13] * 40
+               + [_BLOCKED_FROM - 1, 1, _BLOCKED_FROM, 7, _BLOCKED_FROM + 1, 1, 3 * _BLOCKED_FROM + 11] * 3)
+
+
+@pytest.mark.parametrize("name", ["gilbert-1%-burst8", "ge-good-loss", "anti-good-loss"])
+def test_split_chain_agrees_with_one_long_chain(name):
+    model = MODELS[name]
+    split = sample_in_calls(model, SPLIT_SIZES, seed=21)
+    whole = model.sample(split.size, generator(22))[0].numpy()
+    assert split.size >= 1e6
+    diff = split.mean() - whole.mean()
+    assert abs(diff) / math.sqrt(2 * model.variance_per_packet / split.size) < Z_MAX
+    a, b = complete_runs(split), complete_runs(whole)
+    pmf = burst_pmf(model, PMF_LENGTH)
+    table = [pooled_counts(x, pmf, min(a.size, b.size))[0] for x in (a, b)]
+    assert stats.chi2_contingency(np.array(table)).pvalue > ALPHA
+    assert burst_chisquare(a, pmf) > ALPHA
+
+
+@pytest.mark.parametrize("channels,sizes", [
+    (1000, [1, 2, 5, 1, 17] * 12),
+    (64, [_BLOCKED_FROM + 3, 1, 2, _BLOCKED_FROM]),
+], ids=["small-calls", "blocked-calls"])
+def test_state_is_carried_into_the_next_call(channels, sizes):
+    """First packet of call k+1 follows the last of call k: lost w.p. 1 - p_bg after a loss, p_gb after none."""
+    model = GE.from_rate(0.2, 50)
+
+    def next_first(carry):
+        g, state, last, pairs = generator(4), None, None, []
+        for n in sizes:
+            lost, next_state = model.sample((channels, n), g, state)
+            if last is not None:
+                pairs.append(torch.stack([last, lost[:, 0]], -1))
+            last, state = lost[:, -1], (next_state if carry else None)
+        pairs = torch.cat(pairs).numpy()
+        return pairs[pairs[:, 0], 1], pairs[~pairs[:, 0], 1]
+
+    after_loss, after_delivery = next_first(carry=True)
+    assert binom_ok(after_loss.sum(), after_loss.size, 1 - model.p_bg)
+    assert binom_ok(after_delivery.sum(), after_delivery.size, model.p_gb)
+    assert after_loss.mean() > 10 * after_delivery.mean()
+    forgotten, _ = next_first(carry=False)  # what a fresh chain per call would give
+    assert not binom_ok(forgotten.sum(), forgotten.size, 1 - model.p_bg)
+
+
+# -- specs --------------------------------------------------------------------------
+INVALID_SPECS = {
+    "bernoulli:1.5": ["p=1.5"],
+    "bernoulli:-0.1": ["p=-0.1"],
+    "bernoulli:150%": ["p=1.5"],
+    "bernoulli:abc": ["p=", "abc"],
+    "bernoulli:": ["p"],
+    "ge:p_gb=-0.1,p_bg=0.5": ["p_gb=-0.1"],
+    "ge:p_gb=0.1,p_bg=1.2": ["p_bg=1.2"],
+    "ge:p_gb=0.1,p_bg=0.5,loss_bad=2": ["loss_bad=2"],
+    "ge:p_gb=0.1,p_bg=0.5,loss_good=-1": ["loss_good=-1"],
+    "ge:p_gb=x,p_bg=0.5": ["p_gb=", "x"],
+    "ge:foo=1,p_gb=0.1,p_bg=0.5": ["foo=1"],
+    "ge:p_gb=0.1": ["p_bg"],
+    "ge:p_bg=0.1": ["p_gb"],
+    "ge:p_gb=0,p_bg=0": ["p_gb=0", "p_bg=0"],
+    "ge:rate=0.1,burst=0.5": ["burst=0.5"],
+    "ge:rate=0.9,burst=2": ["rate=0.9", "burst=2"],
+    "ge:rate=1.5,burst=4": ["rate=1.5"],
+    "ge:rate=-0.1,burst=4": ["rate=-0.1"],
+    "ge:rate=0.1": ["burst"],
+    "ge:burst=4": ["rate"],
+    "ge:rate=0.01,burst=4,p_gb=0.1": ["p_gb=0.1"],
+    "ge:p_gb": ["p_gb"],
+    "pareto:0.1": ["pareto"],
+    "none:0.1": ["0.1"],
+}
+
+
+@pytest.mark.parametrize("spec", list(INVALID_SPECS))
+def test_invalid_spec_names_bad_field_and_value(spec):
+    with pytest.raises(ValueError) as err:
+        parse_loss_model(spec)
+    for fragment in INVALID_SPECS[spec]:
+        assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("none", NoLoss()),
+    (None, NoLoss()),
+    ("off", NoLoss()),
+    ("bernoulli:0", NoLoss()),
+    ("bernoulli:1%", Bernoulli(0.01)),
+    ("bernoulli:0.05", Bernoulli(0.05)),
+    ("random:p=0.05", Bernoulli(0.05)),
+    ("ge:rate=0.01,burst=8", GE.from_rate(0.01, 8)),
+    ("ge:rate=1%,burst=8", GE.from_rate(0.01, 8)),
+    (" GE: p_gb=0.001 , p_bg=0.2 ", GE(0.001, 0.2)),
+    ("ge:p_gb=0.001,p_bg=0.2,loss_bad=0.9,loss_good=0.01", GE(0.001, 0.2, 0.01, 0.9)),
+])
+def test_valid_spec_parses_to_model(spec, expected):
+    model = parse_loss_model(spec)
+    assert type(model) is type(expected) and model == expected
+    assert model.loss_rate == pytest.approx(expected.loss_rate, rel=1e-12)
+    assert model.mean_burst == pytest.approx(expected.mean_burst, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_spec_round_trips(name):
+    model = MODELS[name]
+    parsed = parse_loss_model(model.spec)
+    assert parsed == model and parsed.spec == model.spec
+    assert parsed.loss_rate == pytest.approx(model.loss_rate, rel=1e-5)  # spec keeps 6 digits
+    assert parsed.mean_burst == pytest.approx(model.mean_burst, rel=1e-5)
+    assert parse_loss_model(model) is model
