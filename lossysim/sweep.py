@@ -17,7 +17,8 @@ Each run lives in ``<out>/<readable prefix>-<hash8>``, the hash being that of th
 config without its non-semantic keys: the same settings always land in the same directory,
 whatever sweep or shard asks for them. A lossless loss spec (``bernoulli:0``,
 ``ge:rate=0,burst=8``) is the same experiment as ``none`` whatever ``lossy`` and ``recovery``
-say, so it is normalised to ``loss=none, lossy=both, recovery=zero`` and runs once per seed.
+or ``eval_lossy`` say, so it is normalised to ``loss=none, lossy=both, recovery=zero,
+eval_lossy=true`` and runs once per seed.
 
 Resuming: a run whose ``summary.json`` says ``completed`` or ``diverged`` is finished (a
 divergence is a deterministic result, not an accident) and is skipped; any other run
@@ -47,7 +48,7 @@ import pandas as pd
 import yaml
 
 from .config import ExperimentConfig, from_dict, load_yaml, parse_overrides, save_yaml
-from .io import atomic_write_text
+from .io import atomic_write_json, atomic_write_text
 from .loss_models import Bernoulli, GilbertElliott, parse_loss_model
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,8 @@ log = logging.getLogger(__name__)
 SPEC_KEYS = ("base", "grid", "description")
 # Keys that say where or how a run is executed, not what is trained: they stay out of the
 # hash so a shard on another machine (another device, another output folder) finds the run.
-NON_SEMANTIC = ("out", "name", "device", "timeout_s", "save_checkpoint")
+# Checkpointing settings too: a resumed run ends exactly as an uninterrupted one.
+NON_SEMANTIC = ("out", "name", "device", "timeout_s", "save_checkpoint", "checkpoint_every", "keep_checkpoints")
 FINISHED = ("completed", "diverged")
 # Always in summary.csv (the report groups by them); other config keys only when they vary.
 KEY_COLUMNS = ("loss", "lossy", "recovery", "tp_size", "seed", "model", "dataset", "backend")
@@ -101,7 +103,7 @@ def load_spec(path: Union[str, Path], overrides: Optional[dict] = None,
         if any(key in grid for grid in grids):
             raise ValueError(f"--set {key}=...: {key} is a grid axis; use --grid {key}=VALUES")
     base.update(overrides)
-    name = str(base.get("name") or path.stem)
+    name = str(raw.get("name") or path.stem)   # the spec's own name, not its base file's
     return SweepSpec(name=name, base=base, grids=grids,
                      description=str(raw.get("description") or ""), source=str(path))
 
@@ -151,7 +153,7 @@ class Run:
 def normalise(config: ExperimentConfig) -> ExperimentConfig:
     """Make equal experiments equal configs (a lossless run does not care which way is lossy)."""
     if parse_loss_model(config.loss).lossless:
-        return config.replace(loss="none", lossy="both", recovery="zero")
+        return config.replace(loss="none", lossy="both", recovery="zero", eval_lossy=True)
     return config
 
 
@@ -263,34 +265,41 @@ def _die_with_parent() -> None:
         pass
 
 
-def dist_command(config: ExperimentConfig, run_dir: Path) -> list[str]:
+def dist_command(config: ExperimentConfig, run_dir: Path, resume: bool = False) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc_per_node={config.tp_size}", "-m", "lossysim", "train",
-            "--config", str(run_dir / "config.yaml"), "--out", str(run_dir), "--backend", "dist"]
+            "--config", str(run_dir / "config.yaml"), "--out", str(run_dir), "--backend", "dist",
+            *(["--resume"] if resume else [])]
 
 
 def execute(run: Run, train: Optional[TrainFn] = None, progress: bool = True) -> dict:
-    """Run one experiment from a clean directory; always leaves a summary.json, returns it."""
+    """Run one experiment; always leaves a summary.json, returns it.
+
+    An interrupted run starts again from a clean directory, unless it saves training
+    checkpoints (``checkpoint_every``): then the trainer resumes from its last complete one.
+    A failed run always starts clean (its state may be what made it fail).
+    """
     run_dir = run.run_dir
-    if run_dir.exists():
+    resume = getattr(run.config, "checkpoint_every", 0) > 0 and run_status(run_dir) != "failed"
+    if run_dir.exists() and not resume:
         shutil.rmtree(run_dir)   # a stale attempt: its metrics would mix with the new ones
-    run_dir.mkdir(parents=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
     save_yaml(run.config, run_dir / "config.yaml")
     error = None
     try:
         if run.config.backend == "dist":
-            code = subprocess.call(dist_command(run.config, run_dir),
+            code = subprocess.call(dist_command(run.config, run_dir, resume),
                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
             if code != 0:
                 error = f"torchrun exited with status {code}"
         else:
-            (train or _default_train())(run.config, run_dir, progress=progress, position=1)
+            extra = {"resume": True} if resume else {}
+            (train or _default_train())(run.config, run_dir, progress=progress, position=1, **extra)
     except Exception as err:   # the trainer records training failures itself; this is the rest
         log.debug("run %s raised", run.dir_name, exc_info=True)
         error = f"{type(err).__name__}: {err}"
     summary = read_summary(run_dir)
     if summary is None:
-        from .io import atomic_write_json
         summary = failure_summary(run.config, error or "the run wrote no summary.json")
         atomic_write_json(run_dir / "summary.json", summary)
     return summary

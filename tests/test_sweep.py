@@ -76,11 +76,14 @@ class Recorder:
 
     def __init__(self, outcome=None):
         self.calls: list[str] = []
+        self.resumed: list[str] = []
         self.outcome = outcome
 
-    def __call__(self, config, run_dir, *, progress=True, position=0):
+    def __call__(self, config, run_dir, *, progress=True, position=0, resume=False):
         assert position == 1, "the run's bar must sit below the sweep's"
         self.calls.append(Path(run_dir).name)
+        if resume:
+            self.resumed.append(Path(run_dir).name)
         status = self.outcome(config) if self.outcome else "completed"
         return fake_run_experiment(config, run_dir, status=status,
                                    error=None if status != "failed" else "fake failure")
@@ -255,6 +258,24 @@ def test_stale_run_directory_is_cleared(tmp_path, recorder):
     assert not list(out.glob(".*.tmp"))
 
 
+def test_checkpointing_runs_resume_instead_of_starting_over(tmp_path, recorder):
+    spec = write_spec(tmp_path / "s.yaml", {"loss": ["bernoulli:0.01", "bernoulli:0.02"]}, checkpoint_every=2)
+    out = tmp_path / "out"
+    interrupted, failed = sweep.plan(sweep.load_spec(spec), out)
+    # The checkpoint settings are not part of the experiment: same directory as without them.
+    plain = sweep.plan(sweep.load_spec(spec, {"checkpoint_every": 0}), out)
+    assert [r.dir_name for r in plain] == [interrupted.dir_name, failed.dir_name]
+    for run in (interrupted, failed):
+        (run.run_dir / "checkpoints").mkdir(parents=True)
+        (run.run_dir / "checkpoints" / "marker").write_text("state")
+    atomic_write_json(failed.run_dir / "summary.json", {"status": "failed", "error": "boom"})
+    assert cli.main(["sweep", str(spec), "--out", str(out), "--no-progress"]) == 0
+    assert sorted(recorder.calls) == sorted([interrupted.dir_name, failed.dir_name])
+    assert recorder.resumed == [interrupted.dir_name]
+    assert (interrupted.run_dir / "checkpoints" / "marker").exists()
+    assert not (failed.run_dir / "checkpoints").exists(), "a failed run starts from a clean directory"
+
+
 def test_dist_runs_go_through_torchrun(tmp_path, monkeypatch):
     launched = []
 
@@ -282,6 +303,8 @@ def test_dist_runs_go_through_torchrun(tmp_path, monkeypatch):
     assert cmd[-2:] == ["--backend", "dist"]
     run_dir = Path(cmd[cmd.index("--out") + 1])
     assert Path(cmd[cmd.index("--config") + 1]) == run_dir / "config.yaml"
+    assert "--resume" not in cmd
+    assert sweep.dist_command(sweep.from_dict({"tp_size": 2}), run_dir, resume=True)[-1] == "--resume"
     frame = pd.read_csv(out / "summary.csv").set_index("seed")
     assert frame.loc[0, "status"] == "completed"
     assert frame.loc[1, "status"] == "failed" and "torchrun exited with status 1" in frame.loc[1, "error"]
