@@ -214,9 +214,9 @@ def parallelize(model: nn.Module, tp_size: int = 2, network: Optional[LossyNetwo
         group = SimGroup(network, seed)
     elif backend == "dist":
         group = DistGroup(network, seed, process_group, sync_replicated)
+        first = torch.distributed.get_global_rank(process_group, 0) if process_group is not None else 0
         for tensor in list(model.parameters()) + list(model.buffers()):
-            torch.distributed.broadcast(tensor.data, src=torch.distributed.get_global_rank(
-                process_group, 0) if process_group is not None else 0, group=process_group)
+            torch.distributed.broadcast(tensor.data, src=first, group=process_group)
     else:
         raise ValueError(f"backend={backend!r} must be 'sim' or 'dist'")
     base = model.transformer if hasattr(model, "transformer") else model
