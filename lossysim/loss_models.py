@@ -82,7 +82,8 @@ class Bernoulli(LossModel):
 
     def __init__(self, p: float):
         self.p = _check_probability("p", p)
-        self.spec = f"bernoulli:{self.p:g}" if self.p > 0 else "none"
+        # repr: the shortest text that parses back to the same float, so specs round-trip.
+        self.spec = f"bernoulli:{self.p!r}" if self.p > 0 else "none"
 
     @property
     def loss_rate(self) -> float:
@@ -130,8 +131,8 @@ class GilbertElliott(LossModel):
         self.loss_bad = _check_probability("loss_bad", loss_bad)
         if self.p_gb + self.p_bg == 0.0:
             raise ValueError("p_gb=0 and p_bg=0: the chain never moves, so it has no stationary loss rate")
-        self.spec = (f"ge:p_gb={self.p_gb:g},p_bg={self.p_bg:g},"
-                     f"loss_bad={self.loss_bad:g},loss_good={self.loss_good:g}")
+        self.spec = (f"ge:p_gb={self.p_gb!r},p_bg={self.p_bg!r},"
+                     f"loss_bad={self.loss_bad!r},loss_good={self.loss_good!r}")
 
     @classmethod
     def from_rate(cls, loss_rate: float, mean_burst: float) -> "GilbertElliott":

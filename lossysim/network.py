@@ -83,6 +83,9 @@ class LossyNetwork:
                 raise ValueError(f"lossy direction {direction!r} must be one of {DIRECTIONS}")
         self.tp_size = int(tp_size)
         self.loss_model: LossModel = parse_loss_model(loss_model)
+        if recovery == "rescale" and self.loss_model.loss_rate >= 1.0:
+            raise ValueError(f"recovery='rescale' needs a loss rate below 1, {self.loss_model.spec} loses "
+                             "every packet")
         self.seed = int(seed)
         self.payload_bytes = int(payload_bytes)
         self.recovery = recovery
@@ -126,9 +129,11 @@ class LossyNetwork:
         weights = self._delivery(site, direction, contributions[0])[list(receivers)]
         per_packet, n_packets = self.packets(shape.numel(), contributions.dtype)
         packed = self._as_packets(contributions, per_packet, n_packets)
-        out = weights[:, 0, :, None] * packed[0]
+        # A lost packet contributes nothing, even if it held inf or NaN (0 * inf would be NaN).
+        weights = weights.unsqueeze(-1)
+        out = torch.where(weights[:, 0] > 0, packed[0], 0) * weights[:, 0]
         for sender in range(1, self.tp_size):
-            out = out + weights[:, sender, :, None] * packed[sender]
+            out = out + torch.where(weights[:, sender] > 0, packed[sender], 0) * weights[:, sender]
         self.watch(site, direction, out)
         return out.flatten(1)[:, : shape.numel()].reshape(len(receivers), *shape)
 
@@ -147,7 +152,8 @@ class LossyNetwork:
         keep = self._delivery(site, direction, shards[0], rescale=False)[list(receivers)]
         per_packet, n_packets = self.packets(shape.numel(), shards.dtype)
         packed = self._as_packets(shards, per_packet, n_packets)
-        out = keep[..., None] * packed.unsqueeze(0)
+        out = torch.where(keep[..., None] > 0, packed.unsqueeze(0), 0)
+        self.watch(site, direction, out)
         return out.flatten(2)[..., : shape.numel()].reshape(len(receivers), *shards.shape)
 
     def watch(self, site: str, direction: str, delivered: torch.Tensor) -> None:
@@ -156,7 +162,8 @@ class LossyNetwork:
             return
         channel = self._channel(site, direction, delivered.device)
         self._watch_index += 1
-        bad = ~torch.isfinite(delivered).all() & (channel.nonfinite_at < 0)
+        # inf and NaN reach the sum; one reduction is half the cost of isfinite().all().
+        bad = ~torch.isfinite(delivered.sum()) & (channel.nonfinite_at < 0)
         channel.nonfinite_at = torch.where(bad, self._watch_index, channel.nonfinite_at)
 
     def first_nonfinite(self) -> Optional[dict]:
