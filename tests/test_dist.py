@@ -20,7 +20,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -34,8 +33,6 @@ WORLD = 2
 TOL = 1e-5
 DEADLINE_S = 300
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
 
 
 @pytest.fixture(autouse=True, scope="module")
