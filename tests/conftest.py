@@ -1,6 +1,19 @@
 """Shared test setup: the suite runs offline, so Hugging Face fails fast instead of retrying."""
 import os
 
+import pytest
+import torch
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module of many small ops: on a shared 2-core machine every
+    parallel op waits for both threads to be scheduled. Results are the same bits."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -25,15 +25,7 @@ N_BURSTY = 2**22    # more for mean bursts >= 20, whose runs are few
 PMF_LENGTH = 4000   # run lengths tabulated (longer ones have negligible probability here)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """One intra-op thread here: these tests issue many mid-sized ops, which slow down many-fold
-    when other processes share the cores (every parallel op waits for both threads to be
-    scheduled). Masks are the same bits for any thread count."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 MODELS = {

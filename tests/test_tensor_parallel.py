@@ -30,13 +30,7 @@ from lossysim.layers import ColumnParallelConv1D, RowParallelConv1D, unshard_col
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: one intra-op thread is faster, and immune to a busy 2-core machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _inputs(batch: dict) -> dict:
