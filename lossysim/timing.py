@@ -170,6 +170,8 @@ def _parse_int(field: str, text: str) -> int:
 
 def _split_spec(text: str, keys: tuple[str, ...], presets: dict) -> tuple[str | None, dict]:
     """``[preset,]key=value,...`` -> (preset or None, {key: text}), one-line errors."""
+    if not text:
+        raise ValueError(f"empty spec; expected a preset ({', '.join(presets)}) or {'=..,'.join(keys)}=..")
     items = [item.strip() for item in text.split(",")]
     preset = None
     if items and "=" not in items[0]:
@@ -227,22 +229,33 @@ def packet_count(payload_bytes: int, packet_payload: int) -> int:
 
 
 def step_time(sends: Iterable[tuple]) -> float:
-    """max over sends of alpha + wire(S, P) * max(out_degree(src), in_degree(dst)) / B.
+    """max over sends of alpha + wire(S, P) * max(out_degree(src), in_degree(dst)) / B + extra.
 
-    A send is (src, dst, payload_bytes, packets, link), link the class of that pair.
-
-    Degrees count this step's sends on the same link class; a class is a Link value, so
-    give the intra- and inter-node classes different names if they must not share ports.
-    An empty step takes no time.
+    A send is (src, dst, payload_bytes, packets, link[, extra_s]): link is the class of that
+    pair; count retransmitted packets in payload_bytes and packets, and put time spent
+    waiting (timeouts, round trips to a NAK) in extra_s. Degrees count this step's sends on
+    the same class; a class is a Link value, so give the intra- and inter-node classes
+    different names if they must not share ports. An empty step takes no time.
     """
-    sends = list(sends)
-    for src, dst, *_ in sends:
-        if src == dst:
-            raise ValueError(f"a rank cannot send to itself (src=dst={src})")
-    out_degree = Counter((src, link) for src, _, _, _, link in sends)
-    in_degree = Counter((dst, link) for _, dst, _, _, link in sends)
+    sends = [tuple(send) for send in sends]
+    for send in sends:
+        if len(send) not in (5, 6):
+            raise ValueError(f"send={send!r} must be (src, dst, payload_bytes, packets, link[, extra_s])")
+        if send[0] == send[1]:
+            raise ValueError(f"a rank cannot send to itself (src=dst={send[0]})")
+        if len(send) == 6 and not send[5] >= 0:
+            raise ValueError(f"extra_s={send[5]!r} must be >= 0")
+    out_degree = Counter((send[0], send[4]) for send in sends)
+    in_degree = Counter((send[1], send[4]) for send in sends)
     return max((link.send_time(size, packets, max(out_degree[src, link], in_degree[dst, link]))
-                for src, dst, size, packets, link in sends), default=0.0)
+                + (extra[0] if extra else 0.0)
+                for src, dst, size, packets, link, *extra in sends), default=0.0)
+
+
+def _sizes(R: int, M: int) -> tuple[int, int]:
+    if int(R) != R or R < 1 or int(M) != M or M < 0:
+        raise ValueError(f"R={R}, M={M}: need a whole number of ranks >= 1 and of bytes >= 0")
+    return int(R), int(M)
 
 
 def _chunks(total_bytes: int, parts: int) -> list[int]:
@@ -262,9 +275,7 @@ def schedule(algorithm: str, ranks: int, message_bytes: int) -> list[list[tuple[
     for all-gathers. Algorithms: ring_all_reduce, ring_all_gather, tree_all_reduce,
     direct_all_reduce, direct_all_gather.
     """
-    R, M = int(ranks), int(message_bytes)
-    if R < 1 or M < 0:
-        raise ValueError(f"ranks={ranks}, message_bytes={message_bytes}: need ranks >= 1, bytes >= 0")
+    R, M = _sizes(ranks, message_bytes)
     if algorithm == "ring_all_reduce":
         chunk = _chunks(M, R)
         # reduce-scatter: at step s rank r passes partial chunk (r - s) to r + 1; all-gather:
@@ -294,12 +305,6 @@ def schedule_time(steps, link: Union[Link, Callable[[int, int], Link]], packet_p
     link_of = link if callable(link) else (lambda src, dst: link)
     return sum(step_time((src, dst, size, packet_count(size, packet_payload), link_of(src, dst))
                          for src, dst, size in step) for step in steps)
-
-
-def _sizes(R: int, M: int) -> tuple[int, int]:
-    if int(R) != R or R < 1 or int(M) != M or M < 0:
-        raise ValueError(f"R={R}, M={M}: need a whole number of ranks >= 1 and of bytes >= 0")
-    return int(R), int(M)
 
 
 def _send(link: Link, size: int, packet_payload: int, share: int = 1) -> float:

@@ -7,7 +7,6 @@ Statistical checks use a p-value threshold of 1e-5 and assert that a wrong formu
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -149,8 +148,15 @@ def test_sends_share_the_egress_and_ingress_ports_of_their_class():
     assert step_time([(0, 1, w, 1, intra), (0, 2, w, 1, inter)]) == pytest.approx(one)
     # the slowest send ends the step
     assert step_time([(0, 1, w, 1, intra), (2, 3, 5 * w, 1, inter)]) == pytest.approx(1e-6 + 5 * w / 1e9)
+    # waiting time (a timeout, a round trip to a NAK) adds to its own send only
+    assert step_time([(0, 1, w, 1, intra, 0.5), (2, 3, w, 1, intra)]) == pytest.approx(one + 0.5)
+    assert step_time([(0, 1, w, 1, intra, 0.0)]) == step_time([(0, 1, w, 1, intra)])
     with pytest.raises(ValueError, match="itself"):
         step_time([(2, 2, w, 1, intra)])
+    with pytest.raises(ValueError, match="extra_s"):
+        step_time([(0, 1, w, 1, intra, -1.0)])
+    with pytest.raises(ValueError, match="send="):
+        step_time([(0, 1, w, intra)])
 
 
 def test_schedule_time_with_a_link_per_pair():
@@ -229,7 +235,7 @@ def test_any_link_round_trips_through_its_spec(alpha, bw, header, name):
     ("alpha=2us,bw=5Gbits", "bw"), ("alpha=2us,bw=0Gbps", "bw"), ("nvlink4,alpha=-1us", "alpha"),
     ("nvlink4,header=-1", "header"), ("nvlink4,header=1.5", "header"), ("nvlink4,colour=red", "colour"),
     ("nvlink4,alpha", "alpha"), ("nvlink4,alpha=1us,alpha=2us", "alpha"), ("nvlink4,name=a b", "name"),
-    ("", "")])
+    ("", "empty")])
 def test_bad_link_specs_give_one_line_errors_naming_the_field(spec, field):
     with pytest.raises(ValueError) as err:
         parse_link(spec)
@@ -343,3 +349,37 @@ def test_timeouts():
     for bad in (-0.1, 1.0):
         with pytest.raises(ValueError, match="p="):
             selective_repeat_transmissions(bad)
+
+
+# ---------------------------------------------------------------------------- the documented example
+
+def test_worked_example_in_the_docs_matches_the_model():
+    """docs/time_model.md quotes these figures; a change to a preset or formula must update them."""
+    from pathlib import Path
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "time_model.md").read_text()
+
+    def show(seconds):
+        return f"{seconds * 1e6:.1f} us" if seconds < 1e-3 else f"{seconds * 1e3:.2f} ms"
+
+    M = 8 * 1024 * 768 * 2
+    for name in ("nvlink4", "ib-ndr400", "roce-200g", "roce-400g"):
+        link = LINK_PRESETS[name]
+        ring = ring_all_reduce_time(8, M, link)
+        row = (f"| `{name}` | {show(ring)} | {show(tree_all_reduce_time(8, M, link))} | "
+               f"{show(direct_all_reduce_time(8, M, link))} | {busbw('all_reduce', 8, M, ring) / 1e9:.1f} GB/s |")
+        assert row in doc, row
+    compute = parse_compute("h100").step_time(124_439_808, 8 * 1024, 8)
+    assert f"= {compute * 1e3:.2f} ms` per rank" in doc
+    assert f"`W = ceil(2 x 5 us x 25 GB/s / 1532 B) = {window_packets(ROCE, PP)}`" in doc
+    assert f"{go_back_n_transmissions(0.01, window_packets(ROCE, PP)):.2f} times" in doc
+
+
+def test_bad_schedule_arguments():
+    with pytest.raises(ValueError, match="algorithm='alltoall'"):
+        schedule("alltoall", 4, 100)
+    with pytest.raises(ValueError, match="R=0"):
+        schedule("ring_all_reduce", 0, 100)
+    with pytest.raises(ValueError, match="M=-1"):
+        ring_all_reduce_time(4, -1, BARE)
+    with pytest.raises(ValueError, match="bad compute spec '': empty"):
+        parse_compute("")
