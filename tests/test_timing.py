@@ -7,7 +7,6 @@ Statistical checks use a p-value threshold of 1e-5 and assert that a wrong formu
 """
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
