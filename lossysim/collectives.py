@@ -140,8 +140,8 @@ class DistGroup(SimGroup):
         return out
 
     def all_reduce(self, x: torch.Tensor, site: str, direction: str) -> torch.Tensor:
-        if not self.network.drops(direction):
-            self.network.count(site, direction, x[0])
+        if self.network.exact(direction):  # loss-free or retransmitted: the library moves the data
+            self.network.account(site, direction, x[0])
             out = x.clone()
             dist.all_reduce(out, group=self.process_group)
             self.network.watch(site, direction, out[0])
@@ -153,8 +153,8 @@ class DistGroup(SimGroup):
         return torch.cat(gathered.unbind(1), dim=-1)
 
     def average_replicated(self, grad: torch.Tensor) -> torch.Tensor:
-        # Without loss every rank computes the same replicated gradient: nothing to send.
-        if not self.sync_replicated or not any(self.network.drops(d) for d in ("fwd", "bwd")):
+        # With exact traffic every rank computes the same replicated gradient: nothing to send.
+        if not self.sync_replicated or all(self.network.exact(d) for d in ("fwd", "bwd")):
             return grad
         grad = grad.clone()
         dist.all_reduce(grad, group=self.process_group)

@@ -63,9 +63,24 @@ class LossModel:
         lost, _, state = self.sample_with_states(n, generator, state)
         return lost, state
 
-    def sample_with_states(self, n: Shape, generator: torch.Generator, state=None):
-        """Like ``sample`` but also returns which packets were sent in the Bad state."""
+    def sample_with_states(self, n: Shape, generator: torch.Generator, state=None, used=None):
+        """Like ``sample`` but also returns which packets were sent in the Bad state.
+
+        ``used`` (per chain, optional): only the first ``used`` packets are really sent,
+        so the returned state is the chain's after them.
+        """
+        lost, in_bad, next_state = self._sample(_shape(n), generator, state)
+        if used is not None:
+            next_state = self.state_after(in_bad, next_state, used)
+        return lost, in_bad, next_state
+
+    def _sample(self, shape, generator, state):
         raise NotImplementedError
+
+    def state_after(self, in_bad: torch.Tensor, next_state, used: torch.Tensor):
+        """The chain state after the first ``used`` packets of a draw whose arrival
+        states were ``in_bad`` (the later packets of that draw were never sent)."""
+        return next_state
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"
@@ -99,8 +114,7 @@ class Bernoulli(LossModel):
     def variance_per_packet(self) -> float:
         return self.p * (1.0 - self.p)
 
-    def sample_with_states(self, n, generator, state=None):
-        shape = _shape(n)
+    def _sample(self, shape, generator, state):
         if self.p == 0.0:
             lost = torch.zeros(shape, dtype=torch.bool, device=generator.device)
         else:
@@ -188,8 +202,15 @@ class GilbertElliott(LossModel):
         spread = (self.loss_bad - self.loss_good) ** 2 * pi_b * (1.0 - pi_b)
         return rate * (1.0 - rate) + 2.0 * spread * lam / (1.0 - lam)
 
-    def sample_with_states(self, n, generator, state=None):
-        shape = _shape(n)
+    def state_after(self, in_bad, next_state, used):
+        n = in_bad.shape[-1]
+        if n == 0:
+            return next_state
+        used = used.to(in_bad.device)
+        inside = in_bad.gather(-1, used.clamp(max=n - 1).unsqueeze(-1)).squeeze(-1)
+        return torch.where(used < n, inside, next_state)
+
+    def _sample(self, shape, generator, state):
         device = generator.device
         if state is None:
             state = torch.rand(shape[:-1], generator=generator, device=device) < self.pi_bad

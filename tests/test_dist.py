@@ -104,9 +104,11 @@ def test_dist_equals_sim_under_loss(ranks, loss, recovery):
                     assert torch.equal(mine["grads"][name][0], grad[r]), (r, step, name)
                 else:
                     assert rel_err(mine["grads"][name], grad) <= 1e-6, (r, step, name)
-    # The ranks really differed (so "rank r equals sim's rank r" is not trivially true).
-    assert not torch.equal(ranks[0][("lossy", loss, recovery)]["runs"][0]["logits"],
-                           ranks[1][("lossy", loss, recovery)]["runs"][0]["logits"])
+    # The ranks really differed (so "rank r equals sim's rank r" is not trivially true). Under
+    # ring, a lost reduce-scatter packet hits both ranks alike: they part only at all-gather holes.
+    first, second = (ranks[r][("lossy", loss, recovery)]["runs"] for r in (0, 1))
+    assert any(not torch.equal(a["logits"], b["logits"]) or not torch.equal(a["losses"], b["losses"])
+               for a, b in zip(first, second))
 
 
 def test_dist_replicated_gradients_average_to_sim(ranks):
