@@ -35,6 +35,18 @@ class ExperimentConfig:
     recovery: str = "zero"             # zero | rescale
     payload_bytes: int = 1450
     eval_lossy: bool = True
+    algorithm: str = "ring"            # ring | tree | direct (see lossysim.algorithms)
+    ranks_per_node: Optional[int] = None  # None: every rank on one node
+    lossy_links: str = "all"           # all | inter_node (NVLink inside a node is reliable)
+    # transport and simulated time (see docs/time_model.md)
+    transport: str = "drop"            # drop | retransmit | deadline
+    retransmit: str = "selective"      # selective | go_back_n
+    deadline: float = 1.5              # deadline: a step's budget, times its loss-free time
+    rto_s: Optional[float] = None      # retransmission timeout; None: the flavour's default
+    link_intra: str = "nvlink4"        # a preset or alpha=..,bw=..,header=.. (lossysim.timing)
+    link_inter: str = "roce-200g"
+    compute: str = "h100"              # a GPU preset [,mfu=..], flops=..,mfu=.., or measured
+    target_accuracy: float = 0.8       # time_to_accuracy is reported for this eval accuracy
     # parallelism
     tp_size: int = 2
     backend: str = "sim"               # sim | dist
@@ -85,10 +97,37 @@ class ExperimentConfig:
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
         try:
-            parse_loss_model(self.loss)
+            loss_model = parse_loss_model(self.loss)
         except ValueError as err:
             raise ValueError(f"loss: {err}") from None
+        self._validate_network(loss_model)
         return self
+
+    def _validate_network(self, loss_model) -> None:
+        from . import timing
+        from .topology import Topology
+        from .transport import Transport
+        _choice("algorithm", self.algorithm, ("ring", "tree", "direct"))
+        Topology(self.tp_size, self.ranks_per_node, self.lossy_links)
+        transport = Transport(self.transport, self.retransmit, self.deadline)
+        if self.rto_s is not None and not (math.isfinite(self.rto_s) and self.rto_s > 0):
+            raise ValueError(f"rto_s={self.rto_s} must be a positive number of seconds (or null)")
+        for name in ("link_intra", "link_inter"):
+            try:
+                timing.parse_link(getattr(self, name))
+            except ValueError as err:
+                raise ValueError(f"{name}: {err}") from None
+        try:
+            timing.parse_compute(self.compute)
+        except ValueError as err:
+            raise ValueError(f"compute: {err}") from None
+        if not 0.0 < self.target_accuracy <= 1.0:
+            raise ValueError(f"target_accuracy={self.target_accuracy} must be in (0, 1]")
+        if transport.repairs and loss_model.loss_rate >= 1.0:
+            raise ValueError(f"transport={self.transport} never finishes: {self.loss} loses every packet")
+        if transport.kind == "deadline" and self.recovery == "rescale":
+            raise ValueError("recovery=rescale with transport=deadline is not supported: the probability "
+                             "that a packet arrives by the deadline has no closed form")
 
     @property
     def lossy_directions(self) -> tuple[str, ...]:

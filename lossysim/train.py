@@ -25,7 +25,7 @@ import torch.distributed as dist
 import transformers
 from tqdm.auto import tqdm
 
-from . import __version__, checkpoint
+from . import __version__, checkpoint, timing
 from .collectives import init_distributed
 from .config import ExperimentConfig, load_config, parse_overrides, save_yaml
 from .data import EVAL_SPLITS, eval_batches, prepare_data, train_batches
@@ -43,6 +43,8 @@ FLAGS = {
     "--backend": ("backend", "sim (all ranks in one process) or dist (torchrun)"),
     "--lossy": ("lossy", "which traffic is lossy: fwd, bwd or both"),
     "--recovery": ("recovery", "zero or rescale"),
+    "--algorithm": ("algorithm", "collective algorithm: ring, tree or direct"),
+    "--transport": ("transport", "drop, retransmit or deadline"),
     "--model": ("model", "tiny | small | gpt2 | distilgpt2 | a local directory"),
     "--dataset": ("dataset", "synthetic | mnli | a local directory or file"),
     "--max-train-samples": ("max_train_samples", "cap on training examples"),
@@ -224,11 +226,20 @@ class _Experiment:
                             attn_implementation=cfg.attn_implementation, dropout=cfg.dropout,
                             seed=cfg.seed).to(rt.device)
         network_args = dict(seed=cfg.seed, payload_bytes=cfg.payload_bytes, recovery=cfg.recovery,
-                            lossy=cfg.lossy_directions)
+                            lossy=cfg.lossy_directions, algorithm=cfg.algorithm,
+                            ranks_per_node=cfg.ranks_per_node, lossy_links=cfg.lossy_links,
+                            transport=cfg.transport, retransmit=cfg.retransmit, deadline=cfg.deadline,
+                            rto_s=cfg.rto_s, link_intra=cfg.link_intra, link_inter=cfg.link_inter)
         self.train_net = LossyNetwork(cfg.tp_size, cfg.loss, **network_args)
         # Evaluation draws from its own streams and keeps its own statistics.
         eval_args = dict(network_args, seed=stream_seed(cfg.seed, "eval", "network"))
         self.eval_net = LossyNetwork(cfg.tp_size, cfg.loss if cfg.eval_lossy else "none", **eval_args)
+        # FLOPs of a training step count the whole model's parameters (6 * N * tokens / tp).
+        self.parameters = sum(p.numel() for p in model.parameters())
+        self.compute = timing.parse_compute(cfg.compute)
+        if isinstance(self.compute, timing.Measured) and not (cfg.backend == "dist" and rt.device.type == "cuda"):
+            raise ValueError("compute=measured needs backend=dist on CUDA GPUs: a simulation's own wall "
+                             "clock is not a cluster's time; name a GPU model instead (e.g. compute=h100)")
         self.model: TensorParallelGPT2 = parallelize(
             model, cfg.tp_size, self.train_net, backend=cfg.backend, seed=cfg.seed,
             sync_replicated=cfg.sync_replicated)
@@ -256,7 +267,8 @@ class _Experiment:
         metrics_path = rt.run_dir / "metrics.jsonl"
         # Everything below changes as training goes, and is saved in checkpoints.
         self.state = {"step": 0, "best": {}, "final": {}, "train_disagreement": [],
-                      "tokens": 0, "train_time": 0.0}
+                      "tokens": 0, "train_time": 0.0, "compute_s": 0.0, "reached": None,
+                      "last_row": {"step": 0, "compute_s": 0.0, **self.train_net.clock()}}
         window = _Window(rt.device)
         if rt.resume:
             self._restore(window, metrics_path)
@@ -281,7 +293,10 @@ class _Experiment:
                         row = self._evaluate(split, step)
                         self._write(metrics_path, row)
                         final = {k: row[k] for k in ("accuracy", "loss", "step", "disagreement",
-                                                     "hidden_rel_diff")}
+                                                     "hidden_rel_diff", "sim_time_s")}
+                        if split == EVAL_SPLITS[0] and self.state["reached"] is None \
+                                and row["accuracy"] >= cfg.target_accuracy:
+                            self.state["reached"] = {"step": step, "sim_time_s": row["sim_time_s"]}
                         self.state["final"][split] = final
                         best = self.state["best"].get(split)
                         if best is None or final["accuracy"] > best["accuracy"]:
@@ -311,6 +326,8 @@ class _Experiment:
             "tokens_per_s": state["tokens"] / max(state["train_time"], 1e-9),
             "final": final, "best": state["best"],
             "packets": {"train": self.train_net.summary(), "eval": self.eval_net.summary()},
+            "packets_by_class": {"train": self.train_net.summary(by=("direction", "link_class")),
+                                 "eval": self.eval_net.summary(by=("direction", "link_class"))},
             "packets_by_site": {"train": self.train_net.summary(by=("site", "direction")),
                                 "eval": self.eval_net.summary(by=("site", "direction"))},
             "disagreement": {
@@ -319,10 +336,41 @@ class _Experiment:
                 "mean_train": sum(seen) / len(seen) if seen else None,
             },
             "diverged_at": diverged_at, "versions": _versions(),
+            "sim_time": self._sim_time_summary(),
+            "time_to_accuracy": {"target": cfg.target_accuracy, "split": EVAL_SPLITS[0],
+                                 "step": (state["reached"] or {}).get("step"),
+                                 "sim_time_s": (state["reached"] or {}).get("sim_time_s")},
         }
         if self.rt.is_main:
             atomic_write_json(self.rt.run_dir / "summary.json", summary)
         return summary
+
+    def _sim_time_s(self) -> float:
+        """The simulated cluster's clock: modelled (or measured) compute plus simulated communication."""
+        return self.state["compute_s"] + self.train_net.clock()["comm_s"]
+
+    def _sim_time_summary(self) -> dict:
+        steps = max(self.state["step"], 1)
+        clock = self.train_net.clock()
+        sent = {row["direction"]: row for row in self.train_net.summary()}
+        return {"total_s": self._sim_time_s(), "compute_s_per_step": self.state["compute_s"] / steps,
+                "comm_s_per_step": clock["comm_s"] / steps, "ideal_comm_s_per_step": clock["ideal_comm_s"] / steps,
+                "retransmit_s_per_step": clock["retransmit_s"] / steps,
+                "retransmitted_packets": sum(row["resent"] for row in sent.values()),
+                "missing_packets": sum(row["missing"] for row in sent.values()),
+                "compute": self.cfg.compute, "algorithm": self.cfg.algorithm, "transport": self.cfg.transport}
+
+    def _clock_row(self, step: int) -> dict:
+        """Simulated time per step since the last row, and the cumulative clock."""
+        clock = self.train_net.clock()
+        last = self.state["last_row"]
+        steps = max(step - last["step"], 1)
+        row = {"sim_time_s": self.state["compute_s"] + clock["comm_s"],
+               "comm_s_per_step": (clock["comm_s"] - last["comm_s"]) / steps,
+               "retransmit_s_per_step": (clock["retransmit_s"] - last["retransmit_s"]) / steps,
+               "compute_s_per_step": (self.state["compute_s"] - last["compute_s"]) / steps}
+        self.state["last_row"] = {"step": step, "compute_s": self.state["compute_s"], **clock}
+        return row
 
     # -- checkpoints for resume ----------------------------------------------------
     def _training_state(self, window: "_Window") -> dict:
@@ -396,6 +444,12 @@ class _Experiment:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state["tokens"] += batch["input_ids"].numel()
+        if isinstance(self.compute, timing.Measured):
+            torch.cuda.synchronize(self.rt.device)
+            self.state["compute_s"] += time.perf_counter() - t0
+        else:
+            self.state["compute_s"] += self.compute.step_time(self.parameters, batch["input_ids"].numel(),
+                                                              cfg.tp_size)
         seconds = time.perf_counter() - t0
         self.state["train_time"] += seconds
         window.add(self.model.rank_losses.detach(), out.logits.detach(), batch["labels"],
@@ -406,6 +460,7 @@ class _Experiment:
         values = window.flush(self.model.group)
         disagreement = self.model.disagreement()
         return {"step": step, "split": "train", "time_s": time.time() - self.started, **values,
+                **self._clock_row(step),
                 "lr": self.scheduler.get_last_lr()[0], **_traffic(self.train_net),
                 "disagreement": disagreement["prediction"],
                 "hidden_rel_diff": disagreement["hidden_rel_diff"]}
@@ -439,6 +494,7 @@ class _Experiment:
         rel = (hidden - hidden[:1]).flatten(1).norm(dim=1) / hidden[0].norm().clamp_min(1e-30)
         self.model.train()
         return {"step": step, "split": split, "time_s": time.time() - self.started,
+                "sim_time_s": self._sim_time_s(),
                 "loss": float(every[0, :, 1].mean()),
                 "accuracy": float((pred[0] == labels).float().mean()),
                 **_traffic(self.eval_net),
