@@ -1,0 +1,152 @@
+"""Lossy collectives against a plain sum, and what the transports and the time model cost.
+
+Measured side by side in one run (medians of interleaved repeats, so drift hits both):
+
+1. A lossy all-reduce of a [8, 128, 768] fp32 activation per rank at 1% Bernoulli loss, for
+   each algorithm, against ``x.sum(0)`` of the same tensors (the loss-free sum a simulator
+   must do anyway), at tp 2, 4 and 8. Target: ring <= 2x at every tp, and its cost per
+   rank growing no faster than linearly with tp.
+2. The transports: retransmit (selective, go-back-N) and deadline against drop.
+3. The time model's own cost inside a sim tp2 training step of the tiny GPT-2: the clock
+   bookkeeping a drop network does per call, against the whole step. Target: < 2%.
+
+    python benchmarks/bench_collectives.py [--device cuda] [--repeats 30]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lossysim.network import LossyNetwork  # noqa: E402
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def paired(a, b, device, repeats: int) -> tuple[float, float, float]:
+    """Median seconds of a and b, and the median of the per-pair ratios a/b."""
+    for _ in range(3):
+        a(), b()
+    ta, tb, ratio = [], [], []
+    for _ in range(repeats):
+        x, y = timed(a, device), timed(b, device)
+        ta.append(x), tb.append(y), ratio.append(x / y)
+    return statistics.median(ta), statistics.median(tb), statistics.median(ratio)
+
+
+def bench_all_reduce(device, repeats):
+    print("\n1. Lossy all-reduce of [8, 128, 768] fp32 per rank, Bernoulli 1%, vs x.sum(0)")
+    print(f"{'tp':>3} {'algorithm':>9} {'lossy ms':>9} {'sum ms':>8} {'ratio':>6}  target")
+    per_rank = {}
+    for tp in (2, 4, 8):
+        g = torch.Generator(device=device).manual_seed(tp)
+        x = torch.randn(tp, 8, 128, 768, generator=g, device=device)
+        for algorithm in ("ring", "tree", "direct"):
+            net = LossyNetwork(tp, "bernoulli:0.01", seed=0, algorithm=algorithm)
+            lossy = lambda: net.all_reduce("h.0.attn.reduce", "fwd", x, range(tp))  # noqa: E731
+            plain = lambda: x.sum(0)  # noqa: E731
+            t_lossy, t_sum, ratio = paired(lossy, plain, device, repeats)
+            per_rank[(algorithm, tp)] = t_lossy / tp
+            target = ("PASS" if ratio <= 2 else "FAIL") + " <= 2x" if algorithm == "ring" else ""
+            print(f"{tp:>3} {algorithm:>9} {t_lossy * 1e3:9.3f} {t_sum * 1e3:8.3f} {ratio:6.2f}  {target}")
+    for algorithm in ("ring", "tree", "direct"):
+        growth = per_rank[(algorithm, 8)] / per_rank[(algorithm, 2)]
+        verdict = ("PASS" if growth <= 4 else "FAIL") + " <= 4 (linear)" if algorithm == "ring" else ""
+        print(f"cost per rank, tp 8 / tp 2, {algorithm}: {growth:.2f}  {verdict}")
+
+
+def bench_transports(device, repeats):
+    print("\n2. Transports, tp 4 ring, [8, 128, 768] fp32, Bernoulli 1%, vs drop")
+    tp = 4
+    x = torch.randn(tp, 8, 128, 768, device=device)
+    drop = LossyNetwork(tp, "bernoulli:0.01", seed=0)
+    base = lambda: drop.all_reduce("s", "fwd", x, range(tp))  # noqa: E731
+    for name, kwargs in (("retransmit selective", dict(transport="retransmit")),
+                         ("retransmit go_back_n", dict(transport="retransmit", retransmit="go_back_n")),
+                         ("deadline 1.5x", dict(transport="deadline"))):
+        net = LossyNetwork(tp, "bernoulli:0.01", seed=0, **kwargs)
+        t_net, t_drop, ratio = paired(lambda: net.all_reduce("s", "fwd", x, range(tp)), base, device, repeats)
+        print(f"{name:>22}: {t_net * 1e3:8.3f} ms vs drop {t_drop * 1e3:8.3f} ms  ({ratio:.2f}x)")
+
+
+def bench_time_model(device, repeats):
+    print("\n3. Time model's own cost in a sim tp2 training step of the tiny GPT-2 (drop, Bernoulli 1%)")
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+    from lossysim import parallelize
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_head=4, n_embd=128, vocab_size=512, n_positions=64, num_labels=3,
+                        pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    net = LossyNetwork(2, "bernoulli:0.01", seed=0)
+    model = parallelize(GPT2ForSequenceClassification(config).to(device), 2, net)
+    ids = torch.randint(1, 512, (32, 32), device=device)
+    labels = torch.randint(0, 3, (32,), device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step():
+        model(input_ids=ids, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    calls = []
+    original = net._deliver
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+    net._deliver = counting
+    step()
+    per_step_calls = len(calls)
+    net._deliver = original
+    plan = next(iter(net._plans.values()))
+
+    def clock_bookkeeping():  # what the time model adds to each drop call: the plan's lookup and two sums
+        for _ in range(per_step_calls):
+            net._plan("all_reduce", 32 * 32 * 128, torch.float32, device)
+            net._ideal += plan.ideal
+            net._tick(plan.ideal, device)
+    t_clock, t_step, ratio = paired(clock_bookkeeping, step, device, repeats)
+    print(f"step {t_step * 1e3:.2f} ms, clock bookkeeping for its {per_step_calls} collectives "
+          f"{t_clock * 1e6:.1f} us: {100 * ratio:.3f}%  {'PASS' if ratio < 0.02 else 'FAIL'} < 2%")
+    retransmit = LossyNetwork(2, "bernoulli:0.01", seed=0, transport="retransmit")
+    model.group.network = retransmit
+    t_re, t_drop, ratio = paired(step, lambda: None, device, max(repeats // 3, 5))
+    model.group.network = net
+    t_drop = statistics.median(timed(step, device) for _ in range(max(repeats // 3, 5)))
+    print(f"the same step with retransmit (selective): {t_re * 1e3:.2f} ms vs drop {t_drop * 1e3:.2f} ms "
+          f"({t_re / t_drop:.2f}x: the transport draws every resend)")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    bench_all_reduce(device, args.repeats)
+    bench_transports(device, args.repeats)
+    bench_time_model(device, args.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
