@@ -192,9 +192,10 @@ class LossyNetwork:
             return total.unsqueeze(0).expand(len(receivers), *shape)
         if delivery.weights is not None:
             out = self._weighted_sum(contributions, delivery.weights[list(receivers)])
+            self.watch(site, direction, out)
         else:
-            out = self._relay(contributions, delivery, list(receivers))
-        self.watch(site, direction, out)
+            out, final = self._relay(contributions, delivery, list(receivers))
+            self.watch(site, direction, final)  # receivers hold it or zeros: a tp_size-times cheaper check
         return out.reshape(len(receivers), *shape)
 
     def all_gather(self, site: str, direction: str, shards: torch.Tensor,
@@ -418,9 +419,15 @@ class LossyNetwork:
         channel.open_run[link_ids] = torch.where(used > 0, new_open, open_run)
 
     # -- applying a delivery to data -------------------------------------------------
-    def _relay(self, x: torch.Tensor, delivery: Delivery, receivers: list) -> torch.Tensor:
+    def _relay(self, x: torch.Tensor, delivery: Delivery, receivers: list, dense: Optional[bool] = None):
         """Ring or tree all-reduce: the exact sum where every contribution reached the final
-        packet, a weighted sum where some did not, times each receiver's gain (0: a hole)."""
+        packet, a weighted sum where some did not, times each receiver's gain (0: a hole).
+        Returns (what the receivers hold [receivers, n], the final packets).
+
+        On a CPU only the packets some contribution missed are recomputed (a list of them);
+        on a GPU every packet's weighted sum is computed and selected (no host sync).
+        """
+        dense = x.device.type == "cuda" if dense is None else dense
         ranks, n = x.shape[0], x[0].numel()
         per_packet, n_packets = self.packets(n, x.dtype)
         flat = x.reshape(ranks, n)
@@ -429,7 +436,16 @@ class LossyNetwork:
         final[n:] = 0
         final = final.view(n_packets, per_packet)
         coef = delivery.coef.to(x.dtype)
-        if self.recovery == "zero":
+        if dense:
+            packed = _as_packets(x, per_packet, n_packets)
+            weight = coef.unsqueeze(-1)
+            partial = (torch.where(weight > 0, packed, 0) * weight).sum(0)
+            if self.recovery == "zero":
+                final = torch.where((coef == 0).any(0).unsqueeze(-1), partial, final)
+            else:
+                final = partial
+            patch = coef[:0, :0]
+        elif self.recovery == "zero":
             patch = (coef == 0).any(0).nonzero().squeeze(1)
         else:
             patch = torch.arange(n_packets, device=x.device)
@@ -444,7 +460,7 @@ class LossyNetwork:
         out = torch.where(gain > 0, final, 0)
         if self.recovery == "rescale":
             out = out * gain
-        return out.flatten(1)[:, :n]
+        return out.flatten(1)[:, :n], final
 
     def _weighted_sum(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Direct all-reduce: receiver i adds every sender's packets with weights[i, j]."""

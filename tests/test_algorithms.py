@@ -207,3 +207,20 @@ def test_schedules_send_what_ring_and_tree_send():
     assert tree.steps == 4 and {(s.src, s.dst) for s in tree.sends if s.phase == "reduce"} == \
         {(j, (j - 1) // 2) for j in range(1, 7)}
     assert schedule("tree", "all_gather", 4, 10).algorithm == "ring"  # as NCCL: no tree all-gather
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "tree"])
+@pytest.mark.parametrize("recovery", ["zero", "rescale"])
+def test_gpu_dense_path_gives_the_cpu_bits(algorithm, recovery):
+    """The sync-free path a GPU takes computes exactly what the patch list computes."""
+    tp = 4
+    net = LossyNetwork(tp, "bernoulli:0.2", seed=3, payload_bytes=16, algorithm=algorithm, recovery=recovery)
+    x = torch.randn(tp, 4 * 50 + 3)
+    x[2, 7] = float("inf")  # a lost inf must contribute nothing on both paths
+    plan = net._plan("all_reduce", x[0].numel(), x.dtype, x.device)
+    delivery = net._deliver("s", "fwd", "all_reduce", x[0])
+    assert (delivery.coef == 0).any() and (delivery.gain == 0).any()
+    sparse, _ = net._relay(x, delivery, list(range(tp)), dense=False)
+    dense, _ = net._relay(x, delivery, list(range(tp)), dense=True)
+    assert plan.sched.algorithm == algorithm
+    torch.testing.assert_close(sparse, dense, rtol=0, atol=0, equal_nan=True)
