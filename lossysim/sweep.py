@@ -60,7 +60,8 @@ SPEC_KEYS = ("base", "grid", "description")
 # Keys that say where or how a run is executed, not what is trained: they stay out of the
 # hash so a shard on another machine (another device, another output folder) finds the run.
 # Checkpointing settings too: a resumed run ends exactly as an uninterrupted one.
-NON_SEMANTIC = ("out", "name", "device", "timeout_s", "save_checkpoint", "checkpoint_every", "keep_checkpoints")
+NON_SEMANTIC = ("out", "name", "device", "timeout_s", "save_checkpoint", "checkpoint_every", "keep_checkpoints",
+                "report_to")
 FINISHED = ("completed", "diverged")
 # Always in summary.csv (the report groups by them); other config keys only when they vary.
 KEY_COLUMNS = ("loss", "lossy", "recovery", "tp_size", "seed", "model", "dataset", "backend")

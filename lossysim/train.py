@@ -32,6 +32,7 @@ from .data import EVAL_SPLITS, eval_batches, prepare_data, train_batches
 from .gpt2 import TensorParallelGPT2, gather_full_model, parallelize
 from .io import append_jsonl, atomic_write_json, atomic_write_text, read_jsonl
 from .models import build_model, check_max_length
+from .tracking import open_tracker
 from .network import LossyNetwork, stream_seed
 
 log = logging.getLogger(__name__)
@@ -261,6 +262,8 @@ class _Experiment:
         window = _Window(rt.device)
         if rt.resume:
             self._restore(window, metrics_path)
+        self.tracker = open_tracker(cfg.report_to if rt.is_main else "none", rt.run_dir, cfg.to_dict(),
+                                    resume_step=self.state["step"])
         status, diverged_at = "completed", None
         batches = train_batches(self.data, cfg.batch_size, cfg.seed, start_step=self.state["step"])
         bar = tqdm(total=cfg.steps, initial=self.state["step"], desc=cfg.name, position=self.position,
@@ -299,6 +302,7 @@ class _Experiment:
                         "run marked diverged", div.args[0], diverged_at["site"] or "none")
         finally:
             bar.close()
+            self.tracker.close()
         if status == "completed" and cfg.save_checkpoint:
             self._save_checkpoint()
         return self._summary(status, diverged_at)
@@ -467,6 +471,7 @@ class _Experiment:
     def _write(self, path: Path, row: dict) -> None:
         if self.rt.is_main:
             append_jsonl(path, row)
+            self.tracker.log(row)
 
 
 class _Window:
@@ -551,7 +556,8 @@ def _check_free_space(run_dir: Path, model: torch.nn.Module, cfg: ExperimentConf
 
 def _resumable(config: ExperimentConfig) -> dict:
     """The settings a checkpoint must share with the run resuming from it."""
-    free = ("out", "name", "timeout_s", "device", "checkpoint_every", "keep_checkpoints", "save_checkpoint")
+    free = ("out", "name", "timeout_s", "device", "checkpoint_every", "keep_checkpoints", "save_checkpoint",
+            "report_to")
     return {k: v for k, v in config.to_dict().items() if k not in free}
 
 
