@@ -97,7 +97,10 @@ def load_spec(path: Union[str, Path], overrides: Optional[dict] = None,
         base_path = Path(given)
         if not base_path.is_absolute():
             base_path = path.parent / base_path
-        base.update(load_yaml(base_path))
+        try:
+            base.update(load_yaml(base_path))
+        except ValueError as err:
+            raise ValueError(f"{path}: base: {err}") from None
     elif given is not None:
         raise ValueError(f"{path}: base: expected a config file path or a mapping of config keys, "
                          f"got {type(given).__name__} {given!r}")
