@@ -73,9 +73,8 @@ def fake_experiment(calls):
 @CHECKS
 @given(st.lists(st.tuples(keys, st.one_of(st.text(max_size=12), scalars.map(str))), min_size=1, max_size=3))
 def test_set_overrides_work_or_fail_in_one_line_naming_the_field(pairs):
-    argv = ["train", "--no-progress"]
-    for key, value in pairs:
-        argv += ["--set", f"{key}={value}"]
+    # --set=K=V: a value starting with "-" is otherwise an option to argparse (its usage error)
+    argv = ["train", "--no-progress", *(f"--set={key}={value}" for key, value in pairs)]
     calls = []
     with mock.patch.object(train_module, "run_experiment", fake_experiment(calls)), \
             mock.patch("sys.stderr", new_callable=lambda: __import__("io").StringIO()) as err:
