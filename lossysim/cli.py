@@ -1,7 +1,9 @@
 """The ``lossysim`` command: one subcommand per module, each imported only when used.
 
 A subcommand's module provides ``add_arguments(parser)`` and ``run(args) -> int``.
-Bad input (ValueError, FileNotFoundError) ends with a one-line error and exit 2.
+Bad input (ValueError, FileNotFoundError, OSError) ends with a one-line error and exit 2; any
+other exception with a one-line error naming its type and exit 1 (``-v`` prints the traceback).
+Training failures never get here: the runner records them in the run's summary.json.
 """
 from __future__ import annotations
 
@@ -33,9 +35,19 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"lossysim {args.command}: error: {err}", file=sys.stderr)
+    except (ValueError, OSError) as err:
+        print(f"lossysim {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
+    except Exception as err:  # a bug or an input nobody foresaw: still no traceback unless asked
+        logging.getLogger("lossysim").debug("unexpected error", exc_info=True)
+        print(f"lossysim {args.command}: error: {type(err).__name__}: {_one_line(err)}"
+              + ("" if args.verbose else " (run with -v for the traceback)"), file=sys.stderr)
+        return 1
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _chosen(argv) -> str:

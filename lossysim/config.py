@@ -68,6 +68,7 @@ class ExperimentConfig:
     save_checkpoint: bool = False      # the gathered HF model at the end (checkpoint/)
     checkpoint_every: int = 0          # full training state every N steps for --resume (0: never)
     keep_checkpoints: int = 2
+    report_to: str = "none"            # none | tensorboard | wandb, several comma-separated (HF's key)
     out: str = "runs/tiny-synthetic"
 
     def validate(self) -> "ExperimentConfig":
@@ -101,6 +102,8 @@ class ExperimentConfig:
         except ValueError as err:
             raise ValueError(f"loss: {err}") from None
         self._validate_network(loss_model)
+        from .tracking import parse_report_to
+        parse_report_to(self.report_to)
         return self
 
     def _validate_network(self, loss_model) -> None:
@@ -146,6 +149,7 @@ def _choice(name: str, value: str, allowed: tuple) -> None:
 
 
 _TYPES = get_type_hints(ExperimentConfig)
+_LIST_FIELDS = ("report_to",)          # str fields that also take a list of names
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -156,8 +160,13 @@ def _coerce(name: str, value: Any) -> Any:
         kind = next(t for t in get_args(kind) if t is not type(None))
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
             return None
+    if name in _LIST_FIELDS and isinstance(value, (list, tuple)):
+        value = ",".join(str(v) for v in value)   # report_to: [tensorboard, wandb], as HF takes it
     if isinstance(value, str) and kind is not str:
-        value = yaml.safe_load(value)
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ValueError(f"{name}={value!r} is not a valid {kind.__name__}") from None
     try:
         if kind is bool:
             if not isinstance(value, bool):

@@ -12,6 +12,7 @@ Labels follow GLUE MNLI: 0 entailment, 1 neutral, 2 contradiction.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import mmap
@@ -63,7 +64,7 @@ EOS_TOKEN = "<|endoftext|>"
 # sits at the start of the hypothesis so truncating a long premise never removes it.
 HYPOTHESIS_PREFIX = "\n"
 TOKENIZE_BATCH = 8192
-CACHE_FORMAT = 2                       # bump when the cached content changes meaning
+CACHE_FORMAT = 3                       # bump when the cached content changes meaning
 
 _LABEL_IDS = {name: i for i, name in enumerate(LABELS)}
 _DROPPED_LABELS = ("-", "-1")          # annotators disagreed (jsonl "-") / unlabelled (GLUE -1)
@@ -91,8 +92,10 @@ class Examples:
 class PreparedData:
     """Tokenised splits, each ``{"input_ids", "attention_mask", "labels"}`` of long tensors.
 
-    ``input_ids`` and ``attention_mask`` are [N, max_length], right-padded with ``pad_token_id``
-    (never used inside a text, so GPT2ForSequenceClassification finds the last real token).
+    ``input_ids`` and ``attention_mask`` are [N, W], W the split's longest row (at most
+    max_length), right-padded with ``pad_token_id`` (never used inside a text, so
+    GPT2ForSequenceClassification finds the last real token). Batches are cut narrower still,
+    to their own longest row (``pad_to_longest``).
     ``info`` records what was built (sizes, label counts, dataset and tokenizer identity).
     """
     name: str
@@ -630,19 +633,28 @@ def build_tokenizer(spec: str, train_texts: Sequence[str]):
 # --------------------------------------------------------------------------- tokenisation
 
 def tokenize_examples(tokenizer, examples: Examples, max_length: int) -> dict[str, torch.Tensor]:
-    """Batched pair encoding, right-padded to ``max_length``; long premises are cut first."""
-    ids, masks = [], []
+    """Batched pair encoding, long premises cut first, right-padded to the longest row.
+
+    Rows are padded to the split's longest encoded row, not to ``max_length``: storage (and,
+    through ``pad_to_longest``, every batch) follows the real lengths, so a generous
+    ``max_length`` costs nothing on short texts.
+    """
+    rows: list[list[int]] = []
     for start in range(0, len(examples), TOKENIZE_BATCH):
         stop = start + TOKENIZE_BATCH
         encoded = tokenizer(examples.premise[start:stop],
                             [HYPOTHESIS_PREFIX + h for h in examples.hypothesis[start:stop]],
-                            truncation="longest_first", max_length=max_length, padding="max_length",
-                            return_attention_mask=True)
-        # lists -> numpy here: transformers' return_tensors flattens in Python, several times slower
-        ids.append(np.asarray(encoded["input_ids"], dtype=np.int64))
-        masks.append(np.asarray(encoded["attention_mask"], dtype=np.int64))
-    tensors = {"input_ids": torch.from_numpy(np.concatenate(ids)).long(),
-               "attention_mask": torch.from_numpy(np.concatenate(masks)).long(),
+                            truncation="longest_first", max_length=max_length, padding=False,
+                            return_attention_mask=False)
+        rows.extend(encoded["input_ids"])
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    width = max(int(lengths.max()) if len(rows) else 0, 1)
+    mask = np.arange(width) < lengths[:, None]
+    ids = np.full((len(rows), width), tokenizer.pad_token_id, dtype=np.int64)
+    # numpy fills the ragged rows in one go (row-major order matches the concatenated rows)
+    ids[mask] = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+    tensors = {"input_ids": torch.from_numpy(ids),
+               "attention_mask": torch.from_numpy(mask.astype(np.int64)),
                "labels": torch.tensor(examples.label, dtype=torch.long)}
     _check_padding(tensors, tokenizer.pad_token_id)
     return tensors
@@ -731,7 +743,10 @@ def build(config) -> tuple[Any, dict, dict]:
             "sizes": {s: len(examples[s]) for s in SPLITS},
             "label_counts": {s: np.bincount(examples[s].label, minlength=NUM_LABELS).tolist() for s in SPLITS},
             # rows that fill max_length (truncated, or exactly fitting): many -> raise max_length
-            "at_max_length": {s: int(splits[s]["attention_mask"][:, -1].sum()) for s in SPLITS},
+            "at_max_length": {s: int((splits[s]["attention_mask"].sum(1) >= config.max_length).sum())
+                              for s in SPLITS},
+            "mean_tokens": {s: float(splits[s]["attention_mask"].sum(1).float().mean()) if len(examples[s])
+                            else 0.0 for s in SPLITS},
             "labels": list(LABELS)}
     return tokenizer, splits, info
 
@@ -775,7 +790,8 @@ def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
 
 
 def train_batches(data, batch_size: int, seed: int, start_step: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-    """Training batches forever, always ``batch_size`` rows, reshuffled every epoch.
+    """Training batches forever, always ``batch_size`` rows, reshuffled every epoch, each as wide
+    as its longest row (``pad_to_longest``).
 
     Step s takes positions [s*B, (s+1)*B) of the endless sequence epoch_order(0), epoch_order(1),
     ... (a batch may straddle two epochs), so starting at ``start_step`` yields exactly what an
@@ -797,11 +813,24 @@ def train_batches(data, batch_size: int, seed: int, start_step: int = 0) -> Iter
             parts.append(order[offset:offset + take])
             offset, need = offset + take, need - take
         index = torch.cat(parts)
-        yield {key: tensor[index] for key, tensor in split.items()}
+        yield pad_to_longest({key: tensor[index] for key, tensor in split.items()})
 
 
 def eval_batches(split_tensors: dict[str, torch.Tensor], batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Consecutive batches over a whole split, in order (the last may be smaller)."""
+    """Consecutive batches over a whole split, in order (the last may be smaller), each as wide as
+    its longest row."""
     n = len(split_tensors["labels"])
     for start in range(0, n, batch_size):
-        yield {key: tensor[start:start + batch_size] for key, tensor in split_tensors.items()}
+        yield pad_to_longest({key: tensor[start:start + batch_size] for key, tensor in split_tensors.items()})
+
+
+def pad_to_longest(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Cut a right-padded batch to its longest row (HF DataCollatorWithPadding's convention):
+    a step costs what its texts hold, not max_length.
+
+    Causal attention and the last-token classifier never look at right padding, so without
+    loss the cut changes no prediction (up to float rounding); under loss, packets carry only
+    real tokens' values, none are spent on padding.
+    """
+    width = max(int(batch["attention_mask"].sum(1).max()) if len(batch["labels"]) else 1, 1)
+    return {key: tensor[:, :width].contiguous() if tensor.dim() == 2 else tensor for key, tensor in batch.items()}

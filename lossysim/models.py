@@ -14,8 +14,34 @@ NAMED_SHAPES = {
 }
 
 
+# Named shapes size their position table to max_length, up to GPT-2's own 1024 positions.
+NAMED_MAX_POSITIONS = 1024
+
+
 def is_pretrained(name: str) -> bool:
     return name not in NAMED_SHAPES
+
+
+def max_positions(name: str) -> Optional[int]:
+    """How many positions model ``name`` can embed (n_positions / max_position_embeddings), read
+    from its config alone; None when the config cannot be read here (build_model checks later)."""
+    if not is_pretrained(name):
+        return NAMED_MAX_POSITIONS
+    from transformers import AutoConfig
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except Exception:  # offline and not cached, not a model directory: build_model says why
+        return None
+    value = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+def check_max_length(name: str, max_length: int) -> None:
+    """Refuse, before any data is tokenised, a max_length the model has no positions for."""
+    limit = max_positions(name)
+    if limit is not None and max_length > limit:
+        raise ValueError(f"max_length={max_length} exceeds model {name!r}'s {limit} positions "
+                         f"(n_positions); use max_length <= {limit}")
 
 
 def build_model(name: str, *, vocab_size: int, pad_token_id: int, num_labels: int, max_length: int,
@@ -40,7 +66,8 @@ def build_model(name: str, *, vocab_size: int, pad_token_id: int, num_labels: in
                          f"({', '.join(NAMED_SHAPES)}), a local directory, or go online "
                          "(unset HF_HUB_OFFLINE)") from None
     if model.config.n_positions < max_length:
-        raise ValueError(f"max_length={max_length} exceeds {name}'s n_positions={model.config.n_positions}")
+        raise ValueError(f"max_length={max_length} exceeds model {name!r}'s {model.config.n_positions} positions "
+                         f"(n_positions); use max_length <= {model.config.n_positions}")
     if vocab_size > model.config.vocab_size:
         model.resize_token_embeddings(vocab_size)
     model.config.pad_token_id = pad_token_id

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
@@ -19,14 +20,21 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .io import read_jsonl
-from .sweep import collect, write_summary_csv
+from .config import ExperimentConfig
+from .io import atomic_write_text, read_jsonl
+from .stats import ALPHA, CONFIDENCE, mean_ci, welch_p
+from .sweep import NON_SEMANTIC, collect, write_summary_csv
 
 # Settings that split runs into separate lines when a sweep varies them.
 SERIES_KEYS = ("lossy", "recovery", "tp_size", "model", "dataset", "backend")
 # A lossless run does not depend on these (the sweep normalises them), so baselines ignore them.
 BASELINE_KEYS = ("tp_size", "model", "dataset", "backend")
 FAMILY_NAMES = {"bernoulli": "Bernoulli", "ge": "Gilbert-Elliott", "none": "no loss"}
+# A loss spec is compared by what it means, not how it is spelled.
+LOSS_KEYS = ("loss_model", "loss_rate", "mean_burst")
+# The sweep runs a lossless setting once whatever these say, so its baseline ignores them.
+LOSSLESS_FREE = ("loss", *LOSS_KEYS, "lossy", "recovery", "eval_lossy")
+CONFIG_KEYS = tuple(f for f in ExperimentConfig.__dataclass_fields__)
 
 
 # -- loading -------------------------------------------------------------------------------------------
@@ -98,14 +106,70 @@ def add_series(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def aggregate(runs: pd.DataFrame, value: str, by=("series", "loss_rate")) -> pd.DataFrame:
-    """Mean, std and count of ``value`` over seeds, for completed runs."""
+    """Mean, std, count and 95% Student-t CI half-width (``ci``) of ``value`` over seeds, for
+    completed runs (``ci`` is 0 with one seed: nothing to draw)."""
     done = runs[(runs["status"] == "completed") & runs[value].notna()]
     if done.empty:
-        return pd.DataFrame(columns=[*by, "mean", "std", "n"])
-    grouped = done.groupby(list(by), dropna=False)[value]
-    out = grouped.agg(["mean", "std", "count"]).reset_index().rename(columns={"count": "n"})
-    out["std"] = out["std"].fillna(0.0)   # one seed: no spread
-    return out.sort_values(list(by))
+        return pd.DataFrame(columns=[*by, "mean", "std", "n", "ci"])
+    rows = []
+    for key, group in done.groupby(list(by), dropna=False, sort=True):
+        est = mean_ci(group[value])
+        rows.append({**dict(zip(by, key if isinstance(key, tuple) else (key,))), "mean": est.mean,
+                     "std": 0.0 if est.n < 2 else est.std, "n": est.n,
+                     "ci": 0.0 if est.n < 2 else est.half_width})
+    return pd.DataFrame(rows).sort_values(list(by))
+
+
+# -- settings and their statistics -------------------------------------------------------------------
+def setting_keys(runs: pd.DataFrame) -> list[str]:
+    """What tells settings apart: every config column that varies except the seed, the loss spec
+    by its meaning (model, rate, burst)."""
+    skip = {"seed", "loss", *NON_SEMANTIC}
+    varying = [c for c in runs.columns if c in CONFIG_KEYS and c not in skip
+               and runs[c].astype(str).nunique(dropna=False) > 1]
+    return [k for k in LOSS_KEYS if k in runs.columns] + varying
+
+
+def _setting_groups(runs: pd.DataFrame):
+    """(setting, its runs), loss-free settings first, then by loss model, rate and burst."""
+    if "series" not in runs.columns:
+        runs = add_series(runs)
+    keys = setting_keys(runs)
+    groups = [(dict(zip(keys, key if isinstance(key, tuple) else (key,))), group)
+              for key, group in runs.groupby(keys, dropna=False, sort=True)]
+    return sorted(groups, key=lambda item: item[0]["loss_model"] != "none")   # stable: keeps the rest
+
+
+def settings(runs: pd.DataFrame, value: str = "accuracy") -> pd.DataFrame:
+    """One row per setting: ``value``'s mean, std, 95% CI half-width and n over completed seeds,
+    the loss-free baseline of the same other settings, and Welch's two-sided p against it.
+
+    Columns: the setting keys, ``series``, ``mean``, ``std``, ``ci``, ``n``, ``runs``, ``failed``,
+    ``diverged``, ``baseline_mean``, ``delta``, ``p``, ``significant`` (p < 0.05). A baseline row
+    has p = nan; so does a setting with fewer than two seeds on either side.
+    """
+    runs = add_series(runs)
+    base_keys = [k for k in setting_keys(runs) if k not in LOSSLESS_FREE]
+    done = runs[(runs["status"] == "completed") & runs[value].notna()]
+    baselines = done[done["loss_model"] == "none"]
+    rows = []
+    for setting, group in _setting_groups(runs):
+        values = done.loc[done.index.intersection(group.index), value]
+        est = mean_ci(values)
+        row = {**setting, "series": group["series"].iloc[0], "mean": est.mean,
+               "std": est.std, "ci": est.half_width, "n": est.n, "runs": len(group),
+               "failed": int((group["status"] == "failed").sum()),
+               "diverged": int((group["status"] == "diverged").sum())}
+        match = baselines
+        for k in base_keys:
+            match = match[match[k].astype(str) == str(setting[k])]
+        is_baseline = setting.get("loss_model") == "none"
+        row["baseline_mean"] = float(match[value].mean()) if len(match) else math.nan
+        row["delta"] = row["mean"] - row["baseline_mean"]
+        row["p"] = math.nan if is_baseline else welch_p(values, match[value])
+        row["significant"] = bool(row["p"] < ALPHA)
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 # -- axes ---------------------------------------------------------------------------------------------
@@ -144,9 +208,9 @@ def _draw_baselines(ax: Axes, runs: pd.DataFrame, value: str) -> None:
         label = "no loss" + (f" ({row['baseline_group']})" if row["baseline_group"] else "")
         label += f" (n={row['n']})"
         ax.axhline(row["mean"], color="black", linestyle="--", linewidth=1, label=label)
-        ax.errorbar([0.0], [row["mean"]], yerr=[row["std"]], color="black", marker="s", capsize=3)
-        if row["std"] > 0:
-            ax.axhspan(row["mean"] - row["std"], row["mean"] + row["std"], color="black", alpha=0.08)
+        ax.errorbar([0.0], [row["mean"]], yerr=[row["ci"]], color="black", marker="s", capsize=3)
+        if row["ci"] > 0:
+            ax.axhspan(row["mean"] - row["ci"], row["mean"] + row["ci"], color="black", alpha=0.08)
 
 
 def _plot_vs_rate(runs: pd.DataFrame, value: str, ax: Optional[Axes], ylabel: str, title: str,
@@ -154,14 +218,20 @@ def _plot_vs_rate(runs: pd.DataFrame, value: str, ax: Optional[Axes], ylabel: st
     ax = _new_axes(ax)
     runs = add_series(runs)
     scale = 100.0 if percent else 1.0
-    lossy = runs[runs["loss_model"] != "none"]
-    stats = aggregate(lossy, value)
+    table = settings(runs, value)
+    stats = table[(table["loss_model"] != "none") & (table["n"] > 0)].sort_values(["series", "loss_rate"])
     for color, (series, group) in zip(_colors(stats["series"].nunique()), stats.groupby("series", sort=True)):
         x = 100 * group["loss_rate"].to_numpy()
-        mean, std = scale * group["mean"].to_numpy(), scale * group["std"].to_numpy()
-        ax.errorbar(x, mean, yerr=std, marker="o", capsize=3, color=color,
+        mean, ci = scale * group["mean"].to_numpy(), scale * group["ci"].fillna(0.0).to_numpy()
+        ax.errorbar(x, mean, yerr=ci, marker="o", capsize=3, color=color,
                     label=f"{series} (n={int(group['n'].max())} seeds)")
-        ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.12)
+        ax.fill_between(x, mean - ci, mean + ci, color=color, alpha=0.12)
+        # Settings that differ from the loss-free baseline (Welch, p < 0.05): a ring and a star.
+        hit = group["significant"].to_numpy()
+        if hit.any():
+            ax.scatter(x[hit], mean[hit], s=120, facecolors="none", edgecolors=color, linewidths=1.5)
+            for xi, yi in zip(x[hit], mean[hit]):
+                ax.annotate("*", (xi, yi), textcoords="offset points", xytext=(6, 4), color=color)
     scaled = runs.assign(**{value: scale * runs[value]})
     _draw_baselines(ax, scaled, value)
     _rate_axis(ax, runs["loss_rate"].dropna().tolist())
@@ -174,7 +244,8 @@ def _plot_vs_rate(runs: pd.DataFrame, value: str, ax: Optional[Axes], ylabel: st
 
 
 def plot_accuracy_vs_loss(runs: pd.DataFrame, ax: Optional[Axes] = None) -> Axes:
-    """Final accuracy against average loss rate: a line per loss model, mean ± std over seeds."""
+    """Final accuracy against average loss rate: a line per loss model, mean and 95% CI over seeds;
+    ringed, starred points differ from the loss-free baseline (Welch's t-test, p < 0.05)."""
     return _plot_vs_rate(runs, "accuracy", ax, f"final {split_name(runs)} accuracy (%)",
                          "Accuracy against average packet loss rate", percent=True)
 
@@ -259,7 +330,7 @@ def plot_fwd_vs_bwd(runs: pd.DataFrame, ax: Optional[Axes] = None) -> Optional[A
     directions = sorted(stats["lossy"].unique())
     for (direction, fam), group in stats.groupby(["lossy", "family"]):
         color = _colors(len(directions))[directions.index(direction)]
-        ax.errorbar(100 * group["loss_rate"], 100 * group["mean"], yerr=100 * group["std"], marker="o",
+        ax.errorbar(100 * group["loss_rate"], 100 * group["mean"], yerr=100 * group["ci"], marker="o",
                     capsize=3, color=color, linestyle=styles[families.index(fam) % len(styles)],
                     label=f"lossy={direction}, {fam}")
     _draw_baselines(ax, runs.assign(accuracy=100 * runs["accuracy"]), "accuracy")
@@ -273,64 +344,92 @@ def plot_fwd_vs_bwd(runs: pd.DataFrame, ax: Optional[Axes] = None) -> Optional[A
 
 
 # -- tables -------------------------------------------------------------------------------------------
-def _pm(mean: float, std: float, n: int, scale: float = 100.0, digits: int = 1) -> str:
+def _pm(mean: float, ci: float, n: int, scale: float = 100.0, digits: int = 1) -> str:
+    """``mean ± CI half-width``; the mean alone for one seed (no interval to give)."""
     if n == 0 or not math.isfinite(mean):
         return "–"
-    return f"{scale * mean:.{digits}f} ± {scale * std:.{digits}f}" if n > 1 else f"{scale * mean:.{digits}f}"
+    if n > 1 and math.isfinite(ci):
+        return f"{scale * mean:.{digits}f} ± {scale * ci:.{digits}f}"
+    return f"{scale * mean:.{digits}f}"
+
+
+def _p_cell(p: float, significant: bool) -> str:
+    if not math.isfinite(p):
+        return "–"
+    return (f"{p:.3f}" if p >= 0.001 else "<0.001") + (" *" if significant else "")
+
+
+def _target_cell(group: pd.DataFrame) -> str:
+    """Steps to the target accuracy: mean ± CI over the seeds that reached it, and how many did."""
+    done = group[group["status"] == "completed"]
+    if "steps_to_target" not in done or done.empty:
+        return "–"
+    steps = done["steps_to_target"].dropna()
+    reached = f"{len(steps)}/{len(done)} reached"
+    if steps.empty:
+        return f"not reached ({reached})"
+    est = mean_ci(steps)
+    return f"{_pm(est.mean, est.half_width, est.n, scale=1.0, digits=0)} ({reached})"
 
 
 def summary_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """One row per (loss model, rate, burst[, varied settings]): accuracy mean ± std over seeds."""
-    runs = add_series(runs)
-    extras = _varying(runs[runs["loss_model"] != "none"], SERIES_KEYS)
-    keys = ["loss_model", "loss_rate", "burst_key", *extras]
-    # Bernoulli's mean burst follows from its rate; other models' burst is part of the setting.
-    runs = runs.assign(burst_key=runs["mean_burst"].round(6))
+    """One row per setting: accuracy mean ± 95% CI over seeds, its difference from the loss-free
+    baseline with Welch's p (``*``: p < 0.05), steps to the target accuracy, counts."""
+    stats = settings(runs, "accuracy")
+    extras = [k for k in setting_keys(add_series(runs)) if k not in LOSS_KEYS]
     rows = []
-    for key, group in runs.groupby(keys, dropna=False, sort=True):
-        setting = dict(zip(keys, key))
+    for (setting, group), (_, st) in zip(_setting_groups(runs), stats.iterrows()):
         done = group[group["status"] == "completed"]
-        acc = done["accuracy"].dropna()
-        best = done["best_accuracy"].dropna() if "best_accuracy" in done else pd.Series(dtype=float)
+        best = mean_ci(done["best_accuracy"]) if "best_accuracy" in done else mean_ci([])
         dis = done["disagreement"].dropna() if "disagreement" in done else pd.Series(dtype=float)
         obs = group["observed_loss_rate"].dropna() if "observed_loss_rate" in group else pd.Series(dtype=float)
+        lossless = setting["loss_model"] == "none"
         row = {"loss model": FAMILY_NAMES.get(setting["loss_model"], setting["loss_model"]),
                "rate (%)": f"{100 * setting['loss_rate']:g}",
-               "mean burst": "–" if setting["loss_model"] == "none" else f"{setting['burst_key']:.3g}"}
+               "mean burst": "–" if lossless else f"{setting['mean_burst']:.3g}"}
         row.update({k: str(setting[k]) for k in extras})
         row.update({
-            "accuracy (%)": _pm(acc.mean() if len(acc) else math.nan, acc.std(ddof=1) if len(acc) > 1 else 0.0, len(acc)),
-            "best accuracy (%)": _pm(best.mean() if len(best) else math.nan,
-                                     best.std(ddof=1) if len(best) > 1 else 0.0, len(best)),
+            "accuracy (%)": _pm(st["mean"], st["ci"], int(st["n"])),
+            "n": int(st["n"]),
+            "vs no loss (pp)": "baseline" if lossless else
+            (f"{100 * st['delta']:+.1f}" if math.isfinite(st["delta"]) else "–"),
+            "p (Welch)": _p_cell(st["p"], st["significant"]),
+            "best accuracy (%)": _pm(best.mean, best.half_width, best.n),
+            "steps to target": _target_cell(group),
             "observed loss (%)": f"{100 * obs.mean():.3g}" if len(obs) else "–",
             "disagreement (%)": f"{100 * dis.mean():.2f}" if len(dis) else "–",
             "runs": len(group),
-            "failed": int((group["status"] == "failed").sum()),
-            "diverged": int((group["status"] == "diverged").sum()),
+            "failed": int(st["failed"]),
+            "diverged": int(st["diverged"]),
         })
         rows.append(row)
     return pd.DataFrame(rows)
 
 
 def accuracy_pivot(runs: pd.DataFrame) -> pd.DataFrame:
-    """Accuracy (mean ± std over seeds) with loss rates down and loss models (burstiness) across."""
-    runs = add_series(runs)
-    stats = aggregate(runs, "accuracy")
+    """Accuracy (mean ± 95% CI over seeds, ``*`` when it differs from the loss-free baseline) with
+    loss rates down and loss models (burstiness) across."""
+    stats = settings(runs, "accuracy")
+    stats = stats[stats["n"] > 0]
     if stats.empty:
         return pd.DataFrame()
-    lossy = stats[~stats["series"].str.startswith("no loss")]
+    lossy = stats[stats["loss_model"] != "none"]
     columns = sorted(lossy["series"].unique()) or ["no loss"]
-    base = stats[stats["series"].str.startswith("no loss")]
+    base = stats[stats["loss_model"] == "none"]
     rows = []
     if not base.empty:
         b = base.iloc[0] if len(base) == 1 else None
-        cell = _pm(b["mean"], b["std"], int(b["n"])) if b is not None else "see table"
+        cell = _pm(b["mean"], b["ci"], int(b["n"])) if b is not None else "see table"
         rows.append({"loss rate (%)": "0 (no loss)", **{c: cell for c in columns}})
     for rate in sorted(lossy["loss_rate"].unique()):
         row = {"loss rate (%)": f"{100 * rate:g}"}
         for column in columns:
             hit = lossy[(lossy["series"] == column) & (lossy["loss_rate"] == rate)]
-            row[column] = _pm(hit["mean"].iloc[0], hit["std"].iloc[0], int(hit["n"].iloc[0])) if len(hit) else "–"
+            if len(hit) == 1:
+                h = hit.iloc[0]
+                row[column] = _pm(h["mean"], h["ci"], int(h["n"])) + (" *" if h["significant"] else "")
+            else:
+                row[column] = "–" if hit.empty else "see table"
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -347,17 +446,62 @@ def to_markdown(frame: pd.DataFrame) -> str:
 
 # -- the report -----------------------------------------------------------------------------------------
 PLOTS = {
-    "accuracy_vs_loss.png": "Final accuracy against average loss rate (mean ± std over seeds; dashed: no loss)",
+    "accuracy_vs_loss.png": "Final accuracy against average loss rate (mean and 95% CI over seeds; dashed: no "
+                            "loss; ringed *: differs from no loss, Welch p < 0.05)",
     "observed_vs_configured.png": "Observed against configured loss rate, one point per run (dotted: y = x)",
     "accuracy_over_steps.png": "Eval accuracy during training, per loss model and rate",
     "disagreement_vs_loss.png": "How often ranks disagree on a prediction, against loss rate",
     "fwd_vs_bwd.png": "Loss on activations only (fwd), gradients only (bwd) or both",
 }
+STATISTICS_NOTE = (f"Intervals are {100 * CONFIDENCE:g}% Student-t confidence intervals of the mean over seeds "
+                   f"(none with one seed); p is the two-sided Welch's t-test of a setting's accuracy against the "
+                   f"loss-free baseline with the same other settings, * marks p < {ALPHA:g} (not corrected for "
+                   f"multiple comparisons).")
+
+
+@dataclass
+class ReportInputs:
+    """What every report section reads."""
+    results: Path
+    runs: pd.DataFrame
+    metrics: pd.DataFrame
+    plots: list[Path] = field(default_factory=list)
 
 
 def _save(figure_or_axes, path: Path) -> None:
     fig = figure_or_axes if isinstance(figure_or_axes, Figure) else figure_or_axes.figure
     fig.savefig(path, dpi=120)
+
+
+def section_overview(inputs: ReportInputs) -> str:
+    runs = inputs.runs
+    counts = runs["status"].value_counts()
+    return (f"Dataset: **{dataset_title(runs)}**. {len(runs)} runs: {int(counts.get('completed', 0))} completed, "
+            f"{int(counts.get('diverged', 0))} diverged, {int(counts.get('failed', 0))} failed. Accuracy is the "
+            f"final `{split_name(runs)}` accuracy of completed runs. {STATISTICS_NOTE}\n")
+
+
+def section_accuracy(inputs: ReportInputs) -> str:
+    return ("## Accuracy against average loss rate and burstiness\n\n"
+            "Mean ± 95% CI over seeds; * differs from no loss (Welch, p < 0.05).\n\n"
+            + to_markdown(accuracy_pivot(inputs.runs)))
+
+
+def section_settings(inputs: ReportInputs) -> str:
+    runs = inputs.runs
+    targets = sorted({float(t) for t in runs.get("target_accuracy", pd.Series(dtype=float)).dropna()})
+    target = ("steps to target: first evaluation step reaching "
+              + "/".join(f"{100 * t:g}%" for t in targets) + f" `{split_name(runs)}` accuracy, "
+              "mean ± 95% CI over the seeds that reached it.\n\n") if targets else ""
+    return "## Every setting\n\n" + target + to_markdown(summary_table(runs))
+
+
+def section_plots(inputs: ReportInputs) -> str:
+    return "## Plots\n\n" + "".join(f"- {PLOTS[p.name]}: ![{p.stem}]({p.name})\n" for p in inputs.plots)
+
+
+# The report's sections, in order, each a function of ReportInputs returning markdown.
+SECTIONS = [section_overview, section_accuracy, section_settings, section_plots]
 
 
 def write_report(results: Union[str, Path], out: Optional[Union[str, Path]] = None) -> dict:
@@ -381,22 +525,12 @@ def write_report(results: Union[str, Path], out: Optional[Union[str, Path]] = No
             written.append(out / name)
     if out.resolve() == results.resolve():
         write_summary_csv(results)   # shards that shared this folder end up in one table
-    pivot, table = accuracy_pivot(runs), summary_table(runs)
-    counts = runs["status"].value_counts()
-    lines = [
-        f"# Sweep report: {results.name}", "",
-        f"Dataset: **{dataset_title(runs)}**. {len(runs)} runs: {int(counts.get('completed', 0))} completed, "
-        f"{int(counts.get('diverged', 0))} diverged, {int(counts.get('failed', 0))} failed. Accuracy is the final "
-        f"`{split_name(runs)}` accuracy of completed runs, mean ± std over seeds.", "",
-        "## Accuracy against average loss rate and burstiness", "", to_markdown(pivot),
-        "## Every setting", "", to_markdown(table),
-        "## Plots", "",
-    ]
-    lines += [f"- {PLOTS[p.name]}: ![{p.stem}]({p.name})" for p in written]
+    inputs = ReportInputs(results, runs, metrics, written)
+    text = "\n".join([f"# Sweep report: {results.name}\n", *(section(inputs) for section in SECTIONS)])
     report_md = out / "report.md"
-    from .io import atomic_write_text
-    atomic_write_text(report_md, "\n".join(lines) + "\n")
-    return {"runs": runs, "pivot": pivot, "table": table, "files": [report_md, *written]}
+    atomic_write_text(report_md, text)
+    return {"runs": runs, "pivot": accuracy_pivot(runs), "table": summary_table(runs),
+            "settings": settings(runs), "files": [report_md, *written]}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -407,7 +541,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     report = write_report(args.results, args.out)
     print(f"Dataset: {dataset_title(report['runs'])}; accuracy = final {split_name(report['runs'])} "
-          "accuracy (%), mean ± std over seeds")
+          "accuracy (%), mean ± 95% CI over seeds; * differs from no loss (Welch's t-test, p < 0.05)")
     print(to_markdown(report["pivot"]))
     for path in report["files"]:
         print(f"wrote {path}")

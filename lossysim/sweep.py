@@ -2,7 +2,8 @@
 
 A sweep spec (YAML, under ``experiments/``) is a base config plus a grid::
 
-    base: ../configs/tiny.yaml          # optional; relative to the spec file
+    base: ../configs/tiny.yaml          # optional; relative to the spec file, or an inline
+                                        # mapping of config keys (base: {model: tiny, steps: 50})
     model: tiny                         # ExperimentConfig keys: the base (over `base`)
     steps: 300
     grid:                               # every combination of these lists is one run
@@ -36,6 +37,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -48,8 +50,9 @@ import pandas as pd
 import yaml
 
 from .config import ExperimentConfig, from_dict, load_yaml, parse_overrides, save_yaml
-from .io import atomic_write_json, atomic_write_text
+from .io import atomic_write_json, atomic_write_text, read_jsonl
 from .loss_models import Bernoulli, GilbertElliott, parse_loss_model
+from .stats import DEFAULT_TARGET, time_to_target
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +60,8 @@ SPEC_KEYS = ("base", "grid", "description")
 # Keys that say where or how a run is executed, not what is trained: they stay out of the
 # hash so a shard on another machine (another device, another output folder) finds the run.
 # Checkpointing settings too: a resumed run ends exactly as an uninterrupted one.
-NON_SEMANTIC = ("out", "name", "device", "timeout_s", "save_checkpoint", "checkpoint_every", "keep_checkpoints")
+NON_SEMANTIC = ("out", "name", "device", "timeout_s", "save_checkpoint", "checkpoint_every", "keep_checkpoints",
+                "report_to")
 FINISHED = ("completed", "diverged")
 # Always in summary.csv (the report groups by them); other config keys only when they vary.
 KEY_COLUMNS = ("loss", "lossy", "recovery", "tp_size", "seed", "model", "dataset", "backend")
@@ -86,12 +90,21 @@ def load_spec(path: Union[str, Path], overrides: Optional[dict] = None,
     path = Path(path)
     raw = load_yaml(path)
     base: dict = {}
-    if raw.get("base") is not None:
-        base_path = Path(raw["base"])
+    given = raw.get("base")
+    if isinstance(given, dict):
+        base.update({str(k): v for k, v in given.items()})
+    elif isinstance(given, str) and given.strip():
+        base_path = Path(given)
         if not base_path.is_absolute():
             base_path = path.parent / base_path
-        base.update(load_yaml(base_path))
-    base.update({k: v for k, v in raw.items() if k not in SPEC_KEYS})
+        try:
+            base.update(load_yaml(base_path))
+        except ValueError as err:
+            raise ValueError(f"{path}: base: {err}") from None
+    elif given is not None:
+        raise ValueError(f"{path}: base: expected a config file path or a mapping of config keys, "
+                         f"got {type(given).__name__} {given!r}")
+    base.update({str(k): v for k, v in raw.items() if k not in SPEC_KEYS})
     grids = _parse_grids(raw.get("grid"), path)
     for key, values in (grid_overrides or {}).items():
         if not values:
@@ -208,9 +221,12 @@ def plan(spec: SweepSpec, out: Union[str, Path]) -> list[Run]:
     return list(runs.values())
 
 
-def parse_shard(text: Optional[str]) -> tuple[int, int]:
+def parse_shard(text: Optional[str], environ: Optional[dict] = None) -> tuple[int, int]:
+    """``K/N`` -> (K, N); ``auto`` reads them from a Slurm job array (see slurm_shard)."""
     if not text:
         return 1, 1
+    if text.strip() == "auto":
+        return slurm_shard(os.environ if environ is None else environ)
     k, slash, n = text.partition("/")
     try:
         k, n = int(k), int(n)
@@ -219,6 +235,38 @@ def parse_shard(text: Optional[str]) -> tuple[int, int]:
     if not slash or n < 1 or not 1 <= k <= n:
         raise ValueError(f"--shard {text!r}: expected K/N with 1 <= K <= N")
     return k, n
+
+
+def slurm_shard(environ) -> tuple[int, int]:
+    """(K, N) of this task of a Slurm job array: tasks MIN, MIN+STEP, ... are shards 1..COUNT."""
+    names = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_COUNT")
+    if not environ.get(names[0]):
+        raise ValueError("--shard auto: not a Slurm job array task (SLURM_ARRAY_TASK_ID is not set); "
+                         "submit with sbatch --array, or give --shard K/N")
+    values = {}
+    for name in (*names, "SLURM_ARRAY_TASK_STEP", "SLURM_ARRAY_TASK_MAX"):
+        text = environ.get(name)
+        if text in (None, ""):
+            continue
+        try:
+            values[name] = int(text)
+        except ValueError:
+            raise ValueError(f"--shard auto: {name}={text!r} is not a whole number") from None
+    task, low, step = values[names[0]], values.get(names[1], 0), values.get("SLURM_ARRAY_TASK_STEP", 1)
+    count = values.get(names[2])
+    if count is None and "SLURM_ARRAY_TASK_MAX" in values:
+        count = (values["SLURM_ARRAY_TASK_MAX"] - low) // max(step, 1) + 1
+    if count is None:
+        raise ValueError("--shard auto: SLURM_ARRAY_TASK_COUNT (or SLURM_ARRAY_TASK_MAX) is not set")
+    if step < 1 or (task - low) % step:
+        raise ValueError(f"--shard auto: task {task} is not in the array {low}:{step} "
+                         "(SLURM_ARRAY_TASK_MIN / SLURM_ARRAY_TASK_STEP)")
+    k = (task - low) // step + 1
+    if count < 1 or not 1 <= k <= count:
+        raise ValueError(f"--shard auto: SLURM_ARRAY_TASK_ID={task} is outside the array "
+                         f"(SLURM_ARRAY_TASK_MIN={low}, SLURM_ARRAY_TASK_COUNT={count}); an array "
+                         "with gaps (--array=1,5,9) cannot be sharded, use a range such as --array=0-7")
+    return k, count
 
 
 def shard(runs: list[Run], k: int, n: int) -> list[Run]:
@@ -371,6 +419,10 @@ def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
     row["eval_split"] = split
     row["accuracy"] = row.get(f"final_accuracy_{split}", math.nan)
     row["best_accuracy"] = row.get(f"best_accuracy_{split}", math.nan)
+    reached = _time_to_target(run_dir, summary, config, split)
+    row["target_accuracy"] = _number(reached.get("target"))
+    row["steps_to_target"] = _number(reached.get("step"))
+    row["sim_time_to_target_s"] = _number(reached.get("sim_time_s"))
     lossy = config.get("lossy", "both")
     lossy_dirs = ("fwd", "bwd") if lossy == "both" else (lossy,)
     sent = lost = 0
@@ -388,6 +440,18 @@ def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
     row["disagreement_train"] = _number(disagreement.get("mean_train"))
     row["hidden_rel_diff"] = _number(disagreement.get("final_eval_hidden_rel_diff"))
     return row
+
+
+def _time_to_target(run_dir: Path, summary: dict, config: dict, split: Optional[str]) -> dict:
+    """The run's own record when it has one, else worked out from its metrics.jsonl."""
+    if isinstance(summary.get("time_to_accuracy"), dict):
+        return summary["time_to_accuracy"]
+    target = _number(config.get("target_accuracy", DEFAULT_TARGET))
+    try:
+        rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
+    except (OSError, ValueError):
+        rows = []
+    return time_to_target(rows, target if math.isfinite(target) else DEFAULT_TARGET, split)
 
 
 def collect(results: Union[str, Path]) -> pd.DataFrame:
@@ -489,7 +553,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replace or add a grid axis, values separated by spaces, "
                              "e.g. --grid 'seed=0 1 2' (repeatable)")
     parser.add_argument("--shard", metavar="K/N",
-                        help="run only part K of N (1-based); N machines with K=1..N cover the grid")
+                        help="run only part K of N (1-based); N machines with K=1..N cover the grid; "
+                             "auto: K and N of this Slurm job array task (SLURM_ARRAY_TASK_ID, "
+                             "SLURM_ARRAY_TASK_MIN, SLURM_ARRAY_TASK_COUNT)")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and their state; train nothing")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 

@@ -31,7 +31,8 @@ from .config import ExperimentConfig, load_config, parse_overrides, save_yaml
 from .data import EVAL_SPLITS, eval_batches, prepare_data, train_batches
 from .gpt2 import TensorParallelGPT2, gather_full_model, parallelize
 from .io import append_jsonl, atomic_write_json, atomic_write_text, read_jsonl
-from .models import build_model
+from .models import build_model, check_max_length
+from .tracking import open_tracker
 from .network import LossyNetwork, stream_seed
 
 log = logging.getLogger(__name__)
@@ -219,6 +220,7 @@ class _Experiment:
     # -- set-up ------------------------------------------------------------------
     def _build(self):
         cfg, rt = self.cfg, self.rt
+        check_max_length(cfg.model, cfg.max_length)
         self.data = prepare_data(cfg, cache_dir() / "data", is_main=rt.is_main,
                                  barrier=rt.barrier if cfg.backend == "dist" else None)
         model = build_model(cfg.model, vocab_size=self.data.vocab_size, pad_token_id=self.data.pad_token_id,
@@ -272,14 +274,18 @@ class _Experiment:
         window = _Window(rt.device)
         if rt.resume:
             self._restore(window, metrics_path)
+        self.tracker = open_tracker(cfg.report_to if rt.is_main else "none", rt.run_dir, cfg.to_dict(),
+                                    resume_step=self.state["step"])
         status, diverged_at = "completed", None
         batches = train_batches(self.data, cfg.batch_size, cfg.seed, start_step=self.state["step"])
         bar = tqdm(total=cfg.steps, initial=self.state["step"], desc=cfg.name, position=self.position,
                    leave=self.position == 0, disable=not self.progress, dynamic_ncols=True)
         try:
             for step in range(self.state["step"] + 1, cfg.steps + 1):
-                batch = {k: v.to(rt.device) for k, v in next(batches).items()}
-                if not self._train_step(batch, window):
+                host = next(batches)
+                batch = {k: v.to(rt.device) for k, v in host.items()}
+                # tokens/s counts real tokens, not padding (counted on the host: no device sync)
+                if not self._train_step(batch, window, int(host["attention_mask"].sum())):
                     raise _Divergence(step)
                 self.state["step"] = step
                 if step % cfg.log_every == 0 or step == cfg.steps:
@@ -311,6 +317,7 @@ class _Experiment:
                         "run marked diverged", div.args[0], diverged_at["site"] or "none")
         finally:
             bar.close()
+            self.tracker.close()
         if status == "completed" and cfg.save_checkpoint:
             self._save_checkpoint()
         return self._summary(status, diverged_at)
@@ -425,7 +432,7 @@ class _Experiment:
             atomic_write_text(metrics_path, "".join(json.dumps(row) + "\n" for row in kept))
         log.info("resumed from %s at step %d", found[0], self.state["step"])
 
-    def _train_step(self, batch, window: _Window) -> bool:
+    def _train_step(self, batch, window: _Window, tokens: int) -> bool:
         """One optimizer step; False (and no update) if the loss or gradients are non-finite."""
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -443,17 +450,16 @@ class _Experiment:
         self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.state["tokens"] += batch["input_ids"].numel()
+        self.state["tokens"] += tokens
         if isinstance(self.compute, timing.Measured):
             torch.cuda.synchronize(self.rt.device)
             self.state["compute_s"] += time.perf_counter() - t0
-        else:
+        else:  # the GPU computes every position of the padded batch
             self.state["compute_s"] += self.compute.step_time(self.parameters, batch["input_ids"].numel(),
                                                               cfg.tp_size)
         seconds = time.perf_counter() - t0
         self.state["train_time"] += seconds
-        window.add(self.model.rank_losses.detach(), out.logits.detach(), batch["labels"],
-                   batch["input_ids"].numel(), seconds)
+        window.add(self.model.rank_losses.detach(), out.logits.detach(), batch["labels"], tokens, seconds)
         return True
 
     def _train_row(self, step: int, window: _Window) -> dict:
@@ -521,6 +527,7 @@ class _Experiment:
     def _write(self, path: Path, row: dict) -> None:
         if self.rt.is_main:
             append_jsonl(path, row)
+            self.tracker.log(row)
 
 
 class _Window:
@@ -551,7 +558,7 @@ class _Window:
     def flush(self, group) -> dict:
         # dist: the mean over every rank's loss, through one reliable gather.
         loss = group.all_gather_reliable((self.loss / self.steps).reshape(1)).mean()
-        values = {"loss": float(loss), "accuracy": float(self.correct) / self.examples,
+        values = {"loss": float(loss), "accuracy": float(self.correct) / self.examples, "tokens": self.tokens,
                   "tokens_per_s": self.tokens / self.seconds if self.seconds > 0 else 0.0}
         self.__init__(self.device)
         return values
@@ -605,7 +612,8 @@ def _check_free_space(run_dir: Path, model: torch.nn.Module, cfg: ExperimentConf
 
 def _resumable(config: ExperimentConfig) -> dict:
     """The settings a checkpoint must share with the run resuming from it."""
-    free = ("out", "name", "timeout_s", "device", "checkpoint_every", "keep_checkpoints", "save_checkpoint")
+    free = ("out", "name", "timeout_s", "device", "checkpoint_every", "keep_checkpoints", "save_checkpoint",
+            "report_to")
     return {k: v for k, v in config.to_dict().items() if k not in free}
 
 

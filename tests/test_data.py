@@ -92,7 +92,9 @@ def test_jsonl_directory_maps_labels_and_drops_dash(tmp_path):
     for split in D.SPLITS:
         tensors = prepared.splits[split]
         assert tensors["input_ids"].dtype == tensors["attention_mask"].dtype == tensors["labels"].dtype == torch.long
-        assert tensors["input_ids"].shape == tensors["attention_mask"].shape == (len(tensors["labels"]), 32)
+        width = int(tensors["attention_mask"].sum(1).max())     # the longest row, not max_length
+        assert tensors["input_ids"].shape == tensors["attention_mask"].shape == (len(tensors["labels"]), width)
+        assert width <= 32
     assert prepared.num_labels == 3 and prepared.vocab_size == len(prepared.tokenizer)
     assert prepared.pad_token_id == prepared.tokenizer.pad_token_id
     # the encoded text is premise, newline, hypothesis of the first kept row

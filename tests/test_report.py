@@ -1,12 +1,14 @@
 """Reports: plots and tables from a sweep's run directories (fake trainer: known accuracies)."""
 from __future__ import annotations
 
+import math
 import shutil
 
 import numpy as np
 import pandas as pd
 import pytest
 from matplotlib.image import imread
+from scipy import stats
 
 from lossysim import cli, report, sweep
 from lossysim.config import from_dict
@@ -33,9 +35,17 @@ def results(tmp_path, monkeypatch):
     return out
 
 
+def accuracies(loss: str, seeds=(0, 1)) -> list[float]:
+    return [100 * fake_accuracy(from_dict({"loss": loss, "seed": s})) for s in seeds]
+
+
 def expected(loss: str, seeds=(0, 1)) -> tuple[float, float]:
-    values = [100 * fake_accuracy(from_dict({"loss": loss, "seed": s})) for s in seeds]
-    return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+    """Mean and 95% Student-t half-width t_{0.975, n-1} s / sqrt(n), from the closed form."""
+    values = accuracies(loss, seeds)
+    if len(values) < 2:
+        return float(np.mean(values)), 0.0
+    half = stats.t.ppf(0.975, len(values) - 1) * np.std(values, ddof=1) / np.sqrt(len(values))
+    return float(np.mean(values)), float(half)
 
 
 def test_report_writes_plots_and_tables(results, capsys):
@@ -52,7 +62,7 @@ def test_report_writes_plots_and_tables(results, capsys):
     assert "synthetic" in md and "synthetic" in printed
     for name in report.PLOTS:
         assert f"({name})" in md
-    # The pivot: rates down, loss models across, accuracy mean ± std over the seeds.
+    # The pivot: rates down, loss models across, accuracy mean ± 95% CI over the seeds.
     mean, std = expected("none")
     assert f"| 0 (no loss)" in md and f"{mean:.1f} ± {std:.1f}" in md
     for loss, column in (("bernoulli:0.05", "Bernoulli"), ("ge:rate=0.05,burst=8", "Gilbert-Elliott (burst 8)")):
@@ -70,8 +80,8 @@ def test_summary_table_rows_and_counts(results):
     # One row per (loss model, rate, burst, lossy): 6 settings with lossy=both, 2 with fwd/bwd.
     assert len(table) == 6 + 2
     row = table[(table["loss model"] == "Gilbert-Elliott") & (table["rate (%)"] == "5")].iloc[0]
-    mean, std = expected("ge:rate=0.05,burst=8")
-    assert row["accuracy (%)"] == f"{mean:.1f} ± {std:.1f}"
+    mean, half = expected("ge:rate=0.05,burst=8")
+    assert row["accuracy (%)"] == f"{mean:.1f} ± {half:.1f}" and row["n"] == 2
     assert row["mean burst"] == "8" and row["runs"] == 2 and row["failed"] == 0
     failed = table[(table["loss model"] == "Bernoulli") & (table["rate (%)"] == "20")].iloc[0]
     assert failed["runs"] == 2 and failed["failed"] == 1
@@ -112,3 +122,61 @@ def test_report_of_an_empty_folder_fails_cleanly(tmp_path, capsys):
 def test_synthetic_data_is_labelled_synthetic():
     assert "synthetic" in sweep.dataset_display({"dataset": "nli-toy"}, {"dataset": "synthetic"})
     assert sweep.dataset_display({"dataset": "MNLI (GLUE)"}, {"dataset": "mnli"}) == "MNLI (GLUE)"
+
+
+def test_settings_compare_each_with_its_loss_free_baseline(results):
+    """Welch's p against the no-loss runs, as scipy computes it; * where p < 0.05, in table and pivot."""
+    runs = report.load_runs(results)
+    table = report.settings(runs)
+    base = accuracies("none")
+    for loss, lossy in (("bernoulli:0.01", "both"), ("bernoulli:0.05", "both"), ("ge:rate=0.05,burst=8", "both"),
+                        ("bernoulli:0.05", "fwd")):
+        model = sweep.parse_loss_model(loss)
+        row = table[(table["loss_rate"].round(6) == round(model.loss_rate, 6)) & (table["lossy"] == lossy)
+                    & (table["mean_burst"].round(3) == round(model.mean_burst, 3))].iloc[0]
+        want = stats.ttest_ind(accuracies(loss), base, equal_var=False).pvalue
+        assert row["p"] == pytest.approx(want, rel=1e-9), loss
+        assert row["significant"] == (want < 0.05)
+        assert row["delta"] == pytest.approx((np.mean(accuracies(loss)) - np.mean(base)) / 100)
+    # 5% Bernoulli loses 5 points on a spread of 0.7: significant; 1% loses 1 point: not.
+    significant = dict(zip(table["loss_rate"].round(4).astype(str) + table["loss_model"] + table["lossy"],
+                           table["significant"]))
+    assert significant["0.05bernoulliboth"] and not significant["0.01bernoulliboth"]
+    assert table[table["loss_model"] == "none"]["p"].isna().all()
+    md_table = report.summary_table(runs)
+    starred = md_table[md_table["p (Welch)"].str.endswith("*")]
+    assert set(zip(starred["loss model"], starred["rate (%)"])) >= {("Bernoulli", "5"), ("Gilbert-Elliott", "5")}
+    assert not any(md_table[(md_table["loss model"] == "Bernoulli") & (md_table["rate (%)"] == "1")]["p (Welch)"]
+                   .str.endswith("*"))
+    pivot = report.accuracy_pivot(runs)
+    row5 = pivot[pivot["loss rate (%)"] == "5"].iloc[0]
+    column = "Bernoulli, lossy=both"
+    assert row5[column].endswith(" *") and not pivot[pivot["loss rate (%)"] == "1"].iloc[0][column].endswith("*")
+
+
+def test_one_seed_gives_no_interval_and_no_test(tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep, "_default_train", lambda: Recorder())
+    spec = write_spec(tmp_path / "s.yaml", {"loss": ["none", "bernoulli:0.05"], "seed": [0]})
+    assert cli.main(["sweep", str(spec), "--out", str(tmp_path / "r"), "--no-progress"]) == 0
+    table = report.settings(report.load_runs(tmp_path / "r"))
+    assert (table["n"] == 1).all() and table["ci"].isna().all() and table["p"].isna().all()
+    assert not table["significant"].any()
+
+
+def test_steps_to_target_from_metrics_when_the_summary_lacks_it(results):
+    """The fake runs' matched accuracy rises linearly from 34% to its final value over 4 steps,
+    evaluated at steps 2 and 4: reaching 80% at step 2 needs a final value >= 126%, never; at
+    step 4 it needs a final >= 80%."""
+    frame = pd.read_csv(results / "summary.csv")
+    done = frame[frame["status"] == "completed"]
+    assert (done["target_accuracy"] == 0.8).all()
+    for _, row in done.iterrows():
+        final = row["final_accuracy_validation_matched"]
+        if final >= 0.8:
+            assert row["steps_to_target"] == 4, row["run_dir"]
+        else:
+            assert math.isnan(row["steps_to_target"]), row["run_dir"]
+    table = report.summary_table(report.load_runs(results))
+    assert table[table["loss model"] == "no loss"].iloc[0]["steps to target"] == "4 ± 0 (2/2 reached)"
+    assert table[(table["loss model"] == "Bernoulli") & (table["rate (%)"] == "20")].iloc[0][
+        "steps to target"] == "not reached (0/1 reached)"

@@ -147,6 +147,70 @@ def test_spec_base_file_and_grid_list(tmp_path):
     assert sorted(r.config.lossy for r in runs) == ["both", "both", "fwd"]
 
 
+def test_spec_base_may_be_an_inline_mapping(tmp_path, recorder, capsys):
+    (tmp_path / "s.yaml").write_text(textwrap.dedent("""\
+        base: {model: tiny, dataset: synthetic, steps: 7, lr: 0.003}
+        eval_every: 7
+        grid: {loss: [none, "bernoulli:0.01"]}
+        """))
+    runs = sweep.plan(sweep.load_spec(tmp_path / "s.yaml"), tmp_path / "out")
+    assert len(runs) == 2 and {(r.config.steps, r.config.lr, r.config.eval_every) for r in runs} == {(7, 0.003, 7)}
+    assert cli.main(["sweep", str(tmp_path / "s.yaml"), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    assert len(recorder.calls) == 2
+    for bad in ("[1, 2]", "3", "{lr: fast}", "{nope: 1}"):
+        (tmp_path / "bad.yaml").write_text(f"base: {bad}\ngrid: {{seed: [0]}}\n")
+        assert cli.main(["sweep", str(tmp_path / "bad.yaml"), "--out", str(tmp_path / "b"), "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and ("base" in err or "lr" in err or "nope" in err), err
+    assert len(recorder.calls) == 2 and not (tmp_path / "b").exists()
+
+
+def slurm(task, count, low=0, step=None):
+    env = {"SLURM_ARRAY_TASK_ID": str(task), "SLURM_ARRAY_TASK_COUNT": str(count),
+           "SLURM_ARRAY_TASK_MIN": str(low), "SLURM_ARRAY_JOB_ID": "4242"}
+    if step is not None:
+        env["SLURM_ARRAY_TASK_STEP"] = str(step)
+    return env
+
+
+def test_shard_auto_reads_the_slurm_job_array():
+    assert [sweep.parse_shard("auto", slurm(t, 4)) for t in range(4)] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    assert sweep.parse_shard("auto", slurm(7, 3, low=5)) == (3, 3)            # --array=5-7
+    assert sweep.parse_shard("auto", slurm(10, 3, low=2, step=4)) == (3, 3)   # --array=2-10:4
+    no_count = {"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_MAX": "4"}
+    assert sweep.parse_shard("auto", no_count) == (3, 4)
+    for env, needle in (({}, "SLURM_ARRAY_TASK_ID"), (slurm(9, 3), "outside"), (slurm(1, 3, low=0, step=2), "not in"),
+                        ({**slurm(1, 3), "SLURM_ARRAY_TASK_COUNT": "x"}, "SLURM_ARRAY_TASK_COUNT"),
+                        ({"SLURM_ARRAY_TASK_ID": "1"}, "SLURM_ARRAY_TASK_COUNT")):
+        with pytest.raises(ValueError, match=needle):
+            sweep.parse_shard("auto", env)
+
+
+def test_sbatch_template_runs_one_shard_per_array_task(tmp_path, monkeypatch):
+    """The template under experiments/, run as Slurm would run each task (sbatch itself faked):
+    the tasks' --dry-run listings partition the grid, and only the first task queues the report."""
+    spec = write_spec(tmp_path / "s.yaml", {"loss": LOSSES + ["bernoulli:0.05"], "seed": [0, 1, 2]})
+    out = tmp_path / "results"
+    every = {r.dir_name for r in sweep.plan(sweep.load_spec(spec), out)}
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "sbatch.log"}\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    listed = []
+    for task in (3, 4, 5):                                            # --array=3-5
+        env = {**os.environ, **slurm(task, 3, low=3), "PATH": f"{bin_dir}:{os.environ['PATH']}",
+               "SPEC": str(spec), "OUT": str(out), "SWEEP_ARGS": "--dry-run",
+               "LOSSYSIM": f"{sys.executable} -m lossysim", "PYTHONPATH": str(ROOT)}
+        done = subprocess.run(["bash", str(ROOT / "experiments" / "sweep_array.sbatch")], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert f"(shard {task - 2}/3)" in done.stdout
+        listed.append({line.split()[2] for line in done.stdout.splitlines()[:-1]})
+    assert set().union(*listed) == every and sum(map(len, listed)) == len(every)
+    queued = (tmp_path / "sbatch.log").read_text().splitlines()
+    assert len(queued) == 1 and "--dependency=afterany:4242" in queued[0] and f"report {out}" in queued[0]
+
+
 def test_bad_grid_point_fails_before_anything_trains(tmp_path, recorder, capsys):
     spec = write_spec(tmp_path / "s.yaml", {"loss": ["bernoulli:0.01", "ge:rate=0.5,burst=0.5"]})
     out = tmp_path / "out"

@@ -1,0 +1,139 @@
+"""Bad input, generated (hypothesis): loss specs, --set overrides and sweep specs either work or
+end in a one-line error naming the field, never a traceback, and nothing they leave behind
+claims success."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tempfile
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lossysim import cli, sweep
+from lossysim import train as train_module
+from lossysim.config import ExperimentConfig, from_dict
+from lossysim.loss_models import parse_loss_model
+from test_sweep import Recorder
+
+FIELDS = [f.name for f in dataclasses.fields(ExperimentConfig)]
+CHECKS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# Pieces a loss spec is made of, so generated specs come close to valid ones as often as not.
+LOSS_WORDS = ["none", "off", "bernoulli", "random", "ge", "gilbert", "rate", "burst", "p_gb", "p_bg",
+              "loss_bad", "loss_good", "p", ":", "=", ",", "%", " ", "0", "1", "0.01", "-1", "2", "1e-3",
+              "nan", "inf", "1e400", "0x1", "8", ".", "e"]
+loss_specs = st.one_of(st.lists(st.sampled_from(LOSS_WORDS), max_size=10).map("".join), st.text(max_size=20))
+# Values as YAML and the command line spell them: numbers, words, lists, mappings, junk.
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**20),
+                    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
+                    st.sampled_from(["none", "null", "1e-3", "[1, 2]", "{a: 1}", "[", "0x10", "tiny", "sdpa",
+                                     "bernoulli:0.01", "ge:rate=0.01,burst=8", "tensorboard", "fwd", "-1"]))
+values = st.one_of(scalars, st.lists(scalars, max_size=3), st.dictionaries(st.text(max_size=4), scalars, max_size=2))
+keys = st.one_of(st.sampled_from(FIELDS), st.text(max_size=8))
+
+
+def one_line(text: str) -> str:
+    text = text.strip()
+    assert text and len(text.splitlines()) == 1, text
+    assert "Traceback" not in text
+    return text
+
+
+@CHECKS
+@given(loss_specs)
+def test_loss_specs_parse_or_name_the_problem(spec):
+    try:
+        model = parse_loss_model(spec)
+    except ValueError as err:
+        assert "loss spec" in str(err)
+    else:
+        assert 0.0 <= model.loss_rate <= 1.0 and math.isfinite(model.loss_rate)
+        assert model.lossless or model.mean_burst >= 1.0
+    try:
+        config = from_dict({"loss": spec})
+    except ValueError as err:
+        assert str(err).startswith("loss:")
+    else:
+        assert parse_loss_model(config.loss).loss_rate == model.loss_rate
+
+
+def fake_experiment(calls):
+    def run_experiment(config, run_dir, **kwargs):
+        calls.append(config.validate())   # what reaches training is a valid config
+        return {"status": "completed"}
+    return run_experiment
+
+
+@CHECKS
+@given(st.lists(st.tuples(keys, st.one_of(st.text(max_size=12), scalars.map(str))), min_size=1, max_size=3))
+def test_set_overrides_work_or_fail_in_one_line_naming_the_field(pairs):
+    # --set=K=V: a value starting with "-" is otherwise an option to argparse (its usage error)
+    argv = ["train", "--no-progress", *(f"--set={key}={value}" for key, value in pairs)]
+    calls = []
+    with mock.patch.object(train_module, "run_experiment", fake_experiment(calls)), \
+            mock.patch("sys.stderr", new_callable=lambda: __import__("io").StringIO()) as err:
+        code = cli.main(argv)
+    if code == 0:
+        assert len(calls) == 1
+        return
+    message = one_line(err.getvalue())
+    assert calls == [] and code == 2, message
+    # the key is what precedes the first "=" (a generated key may hold one itself)
+    read = [f"{key}={value}".partition("=")[0].strip() for key, value in pairs]
+    named = [k for key in read for k in (key, repr(key)[1:-1])]
+    assert any(name and name in message for name in named) or "--set" in message, message
+
+
+spec_bases = st.one_of(st.none(), st.dictionaries(keys, values, max_size=3), st.text(max_size=8),
+                       st.integers(), st.lists(scalars, max_size=2))
+grid_axes = st.dictionaries(keys, st.one_of(scalars, st.lists(scalars, max_size=3)), max_size=2)
+grids = st.one_of(st.none(), grid_axes, st.lists(grid_axes, max_size=2), scalars)
+GOOD = {"model": "tiny", "dataset": "synthetic", "steps": 4, "eval_every": 2}
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(base=spec_bases, top=st.dictionaries(keys, values, max_size=3), grid=grids, good=st.booleans())
+def test_sweep_specs_run_or_fail_in_one_line_and_claim_nothing(base, top, grid, good):
+    spec = {**(GOOD if good else {}), **top}
+    if base is not None:
+        spec["base"] = base
+    if grid is not None:
+        spec["grid"] = grid
+    with tempfile.TemporaryDirectory() as tmp:
+        path, out = Path(tmp) / "spec.yaml", Path(tmp) / "out"
+        path.write_text(yaml.safe_dump(spec, sort_keys=False, allow_unicode=True))
+        rec = Recorder()
+        with mock.patch.object(sweep, "_default_train", lambda: rec), \
+                mock.patch("sys.stderr", new_callable=lambda: __import__("io").StringIO()) as err, \
+                mock.patch("sys.stdout", new_callable=lambda: __import__("io").StringIO()):
+            code = cli.main(["sweep", str(path), "--out", str(out), "--no-progress"])
+        summaries = [json.loads(p.read_text()) for p in out.glob("*/summary.json")]
+        if code == 0:
+            assert len(summaries) == len(rec.calls) and all(s["status"] == "completed" for s in summaries)
+            return
+        message = one_line(err.getvalue())
+        assert code == 2, message
+        assert rec.calls == [] and not summaries and not (out / "summary.csv").exists(), message
+        named = [n for k in  (*spec, *(base or {} if isinstance(base, dict) else {}),
+                                  *(k for g in (grid if isinstance(grid, list) else [grid]) if isinstance(g, dict)
+                                    for k in g)) for n in (str(k).strip(), repr(str(k).strip())[1:-1])]
+        assert any(name.strip() and name.strip() in message for name in named) or "grid" in message \
+            or str(path) in message, message
+
+
+def test_known_crashers_are_one_line_errors(tmp_path, capsys):
+    """Inputs that used to end in a traceback."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text("base: {model: tiny, steps: 4, eval_every: 2}\ngrid: {seed: [0]}\n")
+    with mock.patch.object(sweep, "_default_train", lambda: Recorder()):
+        assert cli.main(["sweep", str(spec), "--out", str(tmp_path / "o"), "--no-progress"]) == 0
+    with pytest.raises(ValueError, match=r"^lr='\[' is not a valid float"):
+        from_dict({"lr": "["})
+    with pytest.raises(ValueError, match=r"^steps=inf is not a valid int"):
+        from_dict({"steps": float("inf")})
