@@ -22,18 +22,24 @@ from matplotlib.figure import Figure
 
 from .config import ExperimentConfig
 from .io import atomic_write_text, read_jsonl
-from .stats import ALPHA, CONFIDENCE, mean_ci, welch_p
+from .stats import ALPHA, CONFIDENCE, mean_ci, time_to_target, welch_p
 from .sweep import NON_SEMANTIC, collect, write_summary_csv
 
 # Settings that split runs into separate lines when a sweep varies them.
-SERIES_KEYS = ("lossy", "recovery", "tp_size", "model", "dataset", "backend")
+SERIES_KEYS = ("algorithm", "transport", "retransmit", "lossy_links", "ranks_per_node", "lossy", "recovery",
+               "tp_size", "model", "dataset", "backend")
 # A lossless run does not depend on these (the sweep normalises them), so baselines ignore them.
 BASELINE_KEYS = ("tp_size", "model", "dataset", "backend")
 FAMILY_NAMES = {"bernoulli": "Bernoulli", "ge": "Gilbert-Elliott", "none": "no loss"}
 # A loss spec is compared by what it means, not how it is spelled.
 LOSS_KEYS = ("loss_model", "loss_rate", "mean_burst")
 # The sweep runs a lossless setting once whatever these say, so its baseline ignores them.
-LOSSLESS_FREE = ("loss", *LOSS_KEYS, "lossy", "recovery", "eval_lossy")
+LOSSLESS_FREE = ("loss", *LOSS_KEYS, "lossy", "recovery", "eval_lossy", "lossy_links", "transport", "retransmit",
+                 "deadline", "rto_s", "algorithm", "ranks_per_node", "link_intra", "link_inter", "compute")
+# What sets a loss-free run's simulated time (its accuracy does not depend on them).
+TIME_KEYS = ("algorithm", "ranks_per_node", "link_intra", "link_inter", "compute", "tp_size")
+# The time-to-accuracy target, as a fraction of the loss-free baseline's final accuracy.
+TIME_TARGET_FRACTION = 0.9
 CONFIG_KEYS = tuple(f for f in ExperimentConfig.__dataclass_fields__)
 
 
@@ -444,8 +450,106 @@ def to_markdown(frame: pd.DataFrame) -> str:
     return "\n".join([line(cells[0]), rule, *map(line, cells[1:])]) + "\n"
 
 
+# -- accuracy against simulated time ---------------------------------------------------------------------
+def time_target(runs: pd.DataFrame, fraction: float = TIME_TARGET_FRACTION) -> float:
+    """The accuracy the time table asks for: ``fraction`` of the loss-free baseline's mean final accuracy."""
+    base = runs[(runs["loss_model"] == "none") & (runs["status"] == "completed")]["accuracy"].dropna()
+    return fraction * float(base.mean()) if len(base) else math.nan
+
+
+def _baseline_runs(runs: pd.DataFrame, setting: dict) -> pd.DataFrame:
+    """The loss-free runs timed like this setting (same links, compute and topology; the same
+    algorithm when one was run, else any)."""
+    base = runs[(runs["loss_model"] == "none") & (runs["status"] == "completed")]
+    for key in TIME_KEYS:
+        if key in base.columns and key in setting and key != "algorithm":
+            base = base[base[key].astype(str) == str(setting[key])]
+    if "algorithm" in base.columns and "algorithm" in setting:
+        same = base[base["algorithm"].astype(str) == str(setting["algorithm"])]
+        base = same if len(same) else base
+    return base
+
+
+def time_to_accuracy_table(runs: pd.DataFrame, metrics: pd.DataFrame,
+                           fraction: float = TIME_TARGET_FRACTION) -> tuple[pd.DataFrame, float]:
+    """Per setting: simulated seconds and steps to ``fraction`` x the baseline's final accuracy
+    (mean ± 95% CI over the seeds that reached it, and how many did), next to the baseline's."""
+    runs = add_series(runs)
+    target = time_target(runs, fraction)
+    reached = {}
+    if math.isfinite(target) and "run_dir" in metrics.columns:
+        for run_dir, rows in metrics.groupby("run_dir"):
+            split = rows["eval_split"].iloc[0] if "eval_split" in rows.columns else None
+            reached[run_dir] = time_to_target(rows.to_dict("records"), target,
+                                              split if isinstance(split, str) else None)
+    rows = []
+    for setting, group in _setting_groups(runs):
+        done = group[group["status"] == "completed"]
+        hits = [reached.get(d, {}) for d in done["run_dir"]]
+        times = [h["sim_time_s"] for h in hits if h.get("sim_time_s") is not None]
+        steps = [h["step"] for h in hits if h.get("step") is not None]
+        base_hits = [reached.get(d, {}) for d in _baseline_runs(runs, setting)["run_dir"]]
+        base_times = [h["sim_time_s"] for h in base_hits if h.get("sim_time_s") is not None]
+        est, base = mean_ci(times), mean_ci(base_times)
+        rate = setting.get("loss_rate", math.nan)
+        rows.append({
+            "setting": group["series"].iloc[0] + ("" if setting.get("loss_model") == "none"
+                                                  else f", {100 * float(rate):g}%"),
+            "time to target (ms)": _pm(est.mean, est.half_width, est.n, scale=1e3, digits=3) if times else "never",
+            "reached": f"{len(times)}/{len(done)}",
+            "steps": f"{np.mean(steps):.0f}" if steps else "-",
+            "x baseline": f"{est.mean / base.mean:.2f}" if times and base_times else "-",
+            "comm per step (ms)": f"{1e3 * done['comm_s_per_step'].mean():.3g}"
+            if "comm_s_per_step" in done.columns and len(done) else "-",
+            "final accuracy (%)": _pm(*_mean_ci_tuple(done["accuracy"])),
+        })
+    return pd.DataFrame(rows), target
+
+
+def _mean_ci_tuple(values) -> tuple[float, float, int]:
+    est = mean_ci(values)
+    return est.mean, est.half_width, est.n
+
+
+def plot_accuracy_vs_time(metrics: pd.DataFrame, runs: pd.DataFrame, ax: Optional[Axes] = None) -> Optional[Axes]:
+    """Eval accuracy against simulated time: a line per setting (mean over seeds at each evaluation,
+    band: 95% CI of accuracy); None when the runs carry no simulated clock."""
+    if metrics.empty or "sim_time_s" not in metrics.columns:
+        return None
+    runs = add_series(runs)
+    evals = metrics[metrics["split"] == metrics.get("eval_split", metrics["split"])]
+    evals = evals[evals["split"] != "train"].dropna(subset=["sim_time_s", "accuracy"])
+    if evals.empty:
+        return None
+    ax = _new_axes(ax, figsize=(8, 5))
+    groups = _setting_groups(runs)
+    colors = _colors(len(groups))
+    for (setting, group), color in zip(groups, colors):
+        rows = evals[evals["run_dir"].isin(group["run_dir"])]
+        if rows.empty:
+            continue
+        curve = rows.groupby("step").agg(t=("sim_time_s", "mean"), acc=("accuracy", list)).reset_index()
+        est = [mean_ci(a) for a in curve["acc"]]
+        mean = np.array([e.mean for e in est])
+        half = np.array([0.0 if e.n < 2 else e.half_width for e in est])
+        baseline = setting.get("loss_model") == "none"
+        label = group["series"].iloc[0] + ("" if baseline else f", {100 * float(setting['loss_rate']):g}%")
+        ax.plot(curve["t"], 100 * mean, color="black" if baseline else color,
+                linestyle="--" if baseline else "-", marker=".", label=label)
+        ax.fill_between(curve["t"], 100 * (mean - half), 100 * (mean + half),
+                        color="black" if baseline else color, alpha=0.12, linewidth=0)
+    ax.set_xscale("log")
+    ax.set_xlabel("simulated time (s, log scale): modelled compute + simulated communication")
+    ax.set_ylabel(f"{split_name(runs)} accuracy (%)")
+    ax.set_title(f"Accuracy against simulated time ({dataset_title(runs)})")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.figure.tight_layout()
+    return ax
+
+
 # -- the report -----------------------------------------------------------------------------------------
 PLOTS = {
+    "accuracy_vs_time.png": "Accuracy against simulated time, one line per setting (mean over seeds, band: 95% CI)",
     "accuracy_vs_loss.png": "Final accuracy against average loss rate (mean and 95% CI over seeds; dashed: no "
                             "loss; ringed *: differs from no loss, Welch p < 0.05)",
     "observed_vs_configured.png": "Observed against configured loss rate, one point per run (dotted: y = x)",
@@ -481,6 +585,18 @@ def section_overview(inputs: ReportInputs) -> str:
             f"final `{split_name(runs)}` accuracy of completed runs. {STATISTICS_NOTE}\n")
 
 
+def section_time_to_accuracy(inputs: ReportInputs) -> str:
+    table, target = time_to_accuracy_table(inputs.runs, inputs.metrics)
+    if table.empty or not math.isfinite(target):
+        return ""
+    return (f"## Time to reach {100 * target:.1f}% accuracy\n\n"
+            f"The target is {100 * TIME_TARGET_FRACTION:g}% of the loss-free baseline's final "
+            f"`{split_name(inputs.runs)}` accuracy. Time is the simulated cluster's (modelled compute plus "
+            "simulated communication, retransmissions included; see docs/time_model.md), not this machine's: "
+            "mean ± 95% CI over the seeds that reached the target; `x baseline` divides by the reliable "
+            "loss-free run's time.\n\n" + to_markdown(table))
+
+
 def section_accuracy(inputs: ReportInputs) -> str:
     return ("## Accuracy against average loss rate and burstiness\n\n"
             "Mean ± 95% CI over seeds; * differs from no loss (Welch, p < 0.05).\n\n"
@@ -501,7 +617,7 @@ def section_plots(inputs: ReportInputs) -> str:
 
 
 # The report's sections, in order, each a function of ReportInputs returning markdown.
-SECTIONS = [section_overview, section_accuracy, section_settings, section_plots]
+SECTIONS = [section_overview, section_time_to_accuracy, section_accuracy, section_settings, section_plots]
 
 
 def write_report(results: Union[str, Path], out: Optional[Union[str, Path]] = None) -> dict:
@@ -513,6 +629,7 @@ def write_report(results: Union[str, Path], out: Optional[Union[str, Path]] = No
     metrics = load_metrics(results, runs)
     written = []
     drawn = {
+        "accuracy_vs_time.png": plot_accuracy_vs_time(metrics, runs),
         "accuracy_vs_loss.png": plot_accuracy_vs_loss(runs),
         "observed_vs_configured.png": plot_observed_vs_configured(runs),
         "accuracy_over_steps.png": plot_accuracy_over_steps(metrics, runs),

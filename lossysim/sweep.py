@@ -164,9 +164,12 @@ class Run:
 
 
 def normalise(config: ExperimentConfig) -> ExperimentConfig:
-    """Make equal experiments equal configs (a lossless run does not care which way is lossy)."""
+    """Make equal experiments equal configs (a lossless run does not care which way is lossy,
+    which links could lose packets, nor how losses would be repaired; its algorithm and links
+    still set its time)."""
     if parse_loss_model(config.loss).lossless:
-        return config.replace(loss="none", lossy="both", recovery="zero", eval_lossy=True)
+        return config.replace(loss="none", lossy="both", recovery="zero", eval_lossy=True, lossy_links="all",
+                              transport="drop", retransmit="selective", deadline=1.5, rto_s=None)
     return config
 
 
@@ -195,6 +198,10 @@ def run_name(config: ExperimentConfig, key: str) -> str:
         parts.append(config.lossy)
     if config.recovery != "zero":
         parts.append(config.recovery)
+    if config.algorithm != "ring":
+        parts.append(config.algorithm)
+    if config.transport != "drop":
+        parts.append(config.transport + ("-gbn" if config.retransmit == "go_back_n" else ""))
     prefix = "".join(c if c.isalnum() or c in "._-" else "-" for c in "_".join(parts))
     return f"{prefix}-{key}"
 
@@ -435,6 +442,19 @@ def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
             sent += entry.get("sent") or 0
             lost += entry.get("lost") or 0
     row["observed_loss_rate"] = lost / sent if sent else math.nan
+    by_class: dict[str, list] = {}
+    for entry in (summary.get("packets_by_class") or {}).get("train") or []:
+        if entry.get("direction") in lossy_dirs:
+            counts = by_class.setdefault(entry.get("link_class"), [0, 0])
+            counts[0] += entry.get("sent") or 0
+            counts[1] += entry.get("lost") or 0
+    for link_class, (class_sent, class_lost) in sorted(by_class.items()):
+        row[f"observed_loss_rate_{link_class}"] = class_lost / class_sent if class_sent else math.nan
+    sim_time = summary.get("sim_time") or {}
+    row["sim_time_s"] = _number(sim_time.get("total_s"))
+    for name in ("comm_s_per_step", "ideal_comm_s_per_step", "retransmit_s_per_step", "compute_s_per_step",
+                 "retransmitted_packets", "missing_packets"):
+        row[name] = _number(sim_time.get(name))
     disagreement = summary.get("disagreement") or {}
     row["disagreement"] = _number(disagreement.get("final_eval"))
     row["disagreement_train"] = _number(disagreement.get("mean_train"))
