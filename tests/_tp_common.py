@@ -15,7 +15,7 @@ import torch
 from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model
 
 from lossysim import LossyNetwork, gather_full_model, parallelize
-from lossysim.layers import ColumnParallelConv1D, RowParallelConv1D, shard_columns
+from lossysim.layers import ColumnParallel, RowParallel
 
 CLASSES = {"model": GPT2Model, "lm": GPT2LMHeadModel, "cls": GPT2ForSequenceClassification}
 ATTENTION = ("sdpa", "eager")
@@ -97,13 +97,10 @@ def tp_layout(tpm, name: str, full: torch.Tensor, ranks=None) -> torch.Tensor:
     module_name, leaf = name.rsplit(".", 1)
     module = tpm.model.get_submodule(module_name)
     ranks = tpm.group.ranks if ranks is None else list(ranks)
-    tp = tpm.group.tp_size
-    if isinstance(module, ColumnParallelConv1D):
-        if leaf == "weight":
-            return shard_columns(full, tp, module.chunks)[ranks]
-        return shard_columns(full[None], tp, module.chunks)[ranks, 0]
-    if isinstance(module, RowParallelConv1D) and leaf == "weight":
-        return full.reshape(tp, -1, full.shape[-1])[ranks]
+    if isinstance(module, (ColumnParallel, RowParallel)):
+        cut = module.shard(leaf, full)
+        if cut is not None:
+            return cut[ranks]
     return full
 
 
