@@ -1,0 +1,220 @@
+"""Tensor-parallel Llama, Qwen2 and Mistral (grouped-query attention, rotary, SwiGLU, RMSNorm) in ``sim``.
+
+Tolerances as in test_tensor_parallel.py: loss-free TP matches HF to 1e-5
+relative error per tensor; the same operations on the same values are bitwise
+equal. Grouped-query attention: 8 query heads with 8 (MHA), 2 or 1 kv heads,
+so tp 2 splits 2 kv heads and tp 4 and 8 give ranks copies of one kv head.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _tp_common import (ATTENTION, FAMILIES, build, grads, hf_step, make_batch, params,  # noqa: E402
+                        rel_err, sharded_names, tp_layout, tp_step)
+
+from lossysim import LossyNetwork, gather_full_model, parallelize  # noqa: E402
+
+TOL = 1e-5
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _inputs(batch: dict) -> dict:
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
+def _check_exact(ref, tpm, kind, tp):
+    batch = make_batch(kind)
+    out, loss = hf_step(ref, kind, batch)
+    rank_logits, rank_losses = tp_step(tpm, kind, batch)
+    assert rank_logits.shape == (tp, *out.shape)
+    for r in range(tp):
+        assert rel_err(rank_logits[r], out) <= TOL, r
+        assert rel_err(rank_losses[r], loss) <= TOL, r
+    ref_grads, tp_grads = grads(ref), grads(tpm)
+    assert tp_grads.keys() == ref_grads.keys()
+    for name, grad in ref_grads.items():
+        assert grad.norm() > 0, name
+        assert rel_err(tp_grads[name], tp_layout(tpm, name, grad)) <= TOL, name
+
+
+@pytest.mark.parametrize("kv_heads", [8, 2])
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("kind", ["model", "lm", "cls"])
+def test_llama_matches_hf_without_loss(kind, attn, tp, kv_heads):
+    ref = build(kind, attn, family="llama", kv_heads=kv_heads)
+    tpm = parallelize(copy.deepcopy(ref), tp)
+    assert tpm.config._attn_implementation == attn
+    _check_exact(ref, tpm, kind, tp)
+
+
+@pytest.mark.parametrize("tp, kv_heads", [(2, 2), (4, 2), (8, 1)])
+@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("kind", ["lm", "cls"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_qwen2_and_mistral_match_hf_without_loss(family, kind, attn, tp, kv_heads):
+    ref = build(kind, attn, family=family, kv_heads=kv_heads)
+    _check_exact(ref, parallelize(copy.deepcopy(ref), tp), kind, tp)
+
+
+def test_plan_shards_what_it_says():
+    """q/k/v, gate/up column-parallel, o/down row-parallel (their biases replicated), all else replicated;
+    kv heads split when tp divides them, copied when tp is a multiple of them."""
+    for tp, kv_heads, kv_rows in ((2, 2, 4), (4, 2, 4), (8, 2, 4), (4, 8, 8)):  # kv_rows: 4 per kv head
+        tpm = parallelize(build("cls", family="llama", kv_heads=kv_heads), tp)
+        layer = tpm.model.model.layers[1]
+        attn, mlp = layer.self_attn, layer.mlp
+        assert attn.q_proj.weight.shape == (tp, 32 // tp, 32)  # 8 heads of 4, over tp ranks
+        assert attn.k_proj.weight.shape == attn.v_proj.weight.shape == (tp, kv_rows, 32)
+        assert attn.num_key_value_groups == (8 // tp) // max(kv_heads // tp, 1)
+        assert attn.o_proj.weight.shape == (tp, 32, 32 // tp) and attn.o_proj.bias.shape == (32,)
+        assert mlp.gate_proj.weight.shape == mlp.up_proj.weight.shape == (tp, 64 // tp, 32)
+        assert mlp.down_proj.weight.shape == (tp, 32, 64 // tp) and mlp.down_proj.bias.shape == (32,)
+        sharded = sharded_names(tpm)
+        expected = {f"model.layers.{i}.{path}.{leaf}" for i in range(2)
+                    for path in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                                 "mlp.up_proj")
+                    for leaf in ("weight", "bias")} | \
+                   {f"model.layers.{i}.{path}.weight" for i in range(2)
+                    for path in ("self_attn.o_proj", "mlp.down_proj")}
+        assert sharded == expected
+        if kv_heads < tp:  # rank r holds kv head r // (tp / kv_heads)
+            per = tp // kv_heads
+            full = build("cls", family="llama", kv_heads=kv_heads).model.layers[1].self_attn.k_proj.weight
+            for r in range(tp):
+                head = r // per
+                assert torch.equal(attn.k_proj.weight[r], full[head * 4:(head + 1) * 4]), r
+
+
+def test_sites_and_traffic():
+    """Two copy sites (bwd) and two reduce sites (fwd) per layer, each sending one [tokens, hidden] message."""
+    tp = 4
+    network = LossyNetwork(tp, "none")
+    tpm = parallelize(build("cls", family="llama"), tp, network)
+    tp_step(tpm, "cls", make_batch("cls"))
+    sites = {(row["site"], row["direction"]) for row in network.stats()}
+    assert sites == {(f"layers.{i}.{part}.{kind}", direction) for i in range(2) for part in ("self_attn", "mlp")
+                     for kind, direction in (("copy", "bwd"), ("reduce", "fwd"))}
+    _, n_packets = network.packets(3 * 10 * 32, torch.float32)
+    assert all(row["sent"] == n_packets and row["calls"] == 1 for row in network.stats())
+
+
+def test_loss_reaches_the_model_and_kv_copies_stay_equal():
+    """Under loss the ranks diverge, yet ranks holding the same kv head keep equal weights after a step
+    (their gradients are summed), and every gradient stays finite."""
+    tp = 4
+    ref = build("cls", family="llama", kv_heads=2)
+    clean = parallelize(copy.deepcopy(ref), tp)
+    lossy = parallelize(copy.deepcopy(ref), tp, LossyNetwork(tp, "bernoulli:0.2", seed=1))
+    batch = make_batch("cls")
+    clean_logits, _ = tp_step(clean, "cls", batch)
+    logits, _ = tp_step(lossy, "cls", batch)
+    assert rel_err(logits[0], clean_logits[0]) > 1e-3
+    assert lossy.disagreement()["hidden_rel_diff"] > 1e-3
+    optimizer = torch.optim.SGD(lossy.parameters(), lr=0.5)
+    optimizer.step()
+    for i in range(2):
+        for proj in ("k_proj", "v_proj"):
+            weight = lossy.model.model.layers[i].self_attn.get_submodule(proj).weight
+            grad = weight.grad
+            assert torch.isfinite(grad).all()
+            for pair in ((0, 1), (2, 3)):  # the two holders of each kv head
+                assert torch.equal(weight[pair[0]], weight[pair[1]]), (i, proj, pair)
+                assert torch.equal(grad[pair[0]], grad[pair[1]]), (i, proj, pair)
+            assert not torch.equal(weight[0], weight[2])
+
+
+@pytest.mark.parametrize("tp, heads, kv_heads, named", [
+    (3, 8, 2, 8),   # tp does not divide the query heads
+    (6, 12, 4, 4),  # tp neither divides nor is a multiple of the kv heads
+    (4, 12, 3, 3),
+])
+def test_head_counts_tp_cannot_shard_are_one_line_errors(tp, heads, kv_heads, named):
+    with pytest.raises(ValueError) as info:
+        parallelize(build("cls", family="llama", num_attention_heads=heads, num_key_value_heads=kv_heads,
+                          hidden_size=4 * heads, intermediate_size=96), tp)
+    message = str(info.value)
+    assert "\n" not in message
+    assert re.search(rf"\btp_size={tp}\b", message) and re.search(rf"={named}\b", message), message
+
+
+def test_mlp_width_tp_cannot_split_is_an_error():
+    with pytest.raises(ValueError, match=r"tp_size=4 does not divide the 30 output features"):
+        parallelize(build("cls", family="llama", intermediate_size=30), 4)
+
+
+# -- gather -> HF -> from_pretrained ---------------------------------------------------
+
+def _trained(family: str, kind: str, tp: int, kv_heads: int, **overrides):
+    """A TP model after two lossy SGD steps: every shard moved away from the initial weights."""
+    tpm = parallelize(build(kind, family=family, kv_heads=kv_heads, **overrides), tp,
+                      LossyNetwork(tp, "bernoulli:0.1", seed=4))
+    optimizer = torch.optim.SGD(tpm.parameters(), lr=0.3)
+    for _ in range(2):
+        optimizer.zero_grad()
+        tp_step(tpm, kind, make_batch(kind))
+        optimizer.step()
+    return tpm.eval()
+
+
+@pytest.mark.parametrize("family, kind, tp, kv_heads, tie", [
+    ("llama", "lm", 2, 2, True), ("llama", "cls", 4, 2, False), ("qwen2", "cls", 2, 1, False),
+    ("mistral", "lm", 4, 8, False)])
+def test_gathered_model_loads_with_from_pretrained(tmp_path, family, kind, tp, kv_heads, tie):
+    """(Llama 3.2 1B ties its LM head to the embeddings: the tie survives sharding and gathering.)"""
+    tpm = _trained(family, kind, tp, kv_heads, tie_word_embeddings=tie)
+    if tie:
+        assert tpm.model.lm_head.weight is tpm.model.model.embed_tokens.weight
+    inputs = _inputs(make_batch(kind))
+    # The lossless forward of the trained shards is what the gathered model must compute.
+    tpm.group.network = LossyNetwork(tp)
+    with torch.no_grad():
+        tp_logits = tpm(**inputs).logits
+    full = gather_full_model(tpm)
+    assert type(full) is FAMILIES[family][2][kind]
+    if tie:
+        assert full.lm_head.weight is full.model.embed_tokens.weight
+    full.save_pretrained(tmp_path)
+    loaded = type(full).from_pretrained(tmp_path).eval()
+    saved, restored = full.state_dict(), loaded.state_dict()
+    assert saved.keys() == restored.keys()
+    for name, value in saved.items():
+        assert torch.equal(restored[name], value), name
+    with torch.no_grad():
+        assert rel_err(loaded(**inputs).logits, tp_logits) <= TOL
+    # Sharded again, the reloaded model holds the same shards bit for bit.
+    again = parallelize(loaded, tp)
+    before, after = params(tpm), params(again)
+    for name, value in before.items():
+        assert torch.equal(after[name], value), name
+
+
+# -- gather keeps the dtype -----------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_gather_keeps_the_dtype(tmp_path, family, dtype):
+    ref = build("lm", family=family).to(dtype).eval()
+    tpm = parallelize(copy.deepcopy(ref), 2).eval()
+    full = gather_full_model(tpm)
+    assert {p.dtype for p in full.parameters()} == {dtype}
+    reference = dict(ref.named_parameters())
+    for name, value in full.named_parameters():
+        assert torch.equal(value, reference[name]), name  # no round trip through float32
+    for name, value in ref.named_buffers():
+        assert torch.equal(full.get_buffer(name), value), name
+    inputs = _inputs(make_batch("lm"))
+    with torch.no_grad():
+        assert torch.equal(full(**inputs).logits, ref(**inputs).logits)
+    full.save_pretrained(tmp_path)
+    size = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+    numel = sum(p.numel() for p in ref.parameters())
+    assert numel * dtype.itemsize <= size < numel * dtype.itemsize + 65536
