@@ -65,8 +65,9 @@ class ColumnParallel(nn.Module):
         self.weight = nn.Parameter(self.shard("weight", layer.weight.data)[ranks].clone())
         has_bias = getattr(layer, "bias", None) is not None
         self.bias = nn.Parameter(self.shard("bias", layer.bias.data)[ranks].clone()) if has_bias else None
-        if self.parts < tp:
-            for param in self._own_parameters():
+        for param in self._own_parameters():
+            param.tp_copies = tp // self.parts  # ranks holding each block (a gradient norm counts it once)
+            if self.parts < tp:
                 param.register_hook(self._sum_copies)
 
     def _own_parameters(self):

@@ -70,6 +70,7 @@ GPT2 = Plan(
     layers={"attn.c_attn": Column(heads="query", packed=3), "attn.c_proj": Row("attn.reduce"),
             "mlp.c_fc": Column(), "mlp.c_proj": Row("mlp.reduce")},
     local={"num_heads": "heads", "split_size": "width"},
+    heads="n_head",
     dropouts={"attn.resid_dropout": "resid_pdrop", "mlp.dropout": "resid_pdrop"},
     base_dropouts={"drop": "embd_pdrop"},
     check=_gpt2_check,

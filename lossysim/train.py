@@ -43,7 +43,7 @@ FLAGS = {
     "--backend": ("backend", "sim (all ranks in one process) or dist (torchrun)"),
     "--lossy": ("lossy", "which traffic is lossy: fwd, bwd or both"),
     "--recovery": ("recovery", "zero or rescale"),
-    "--model": ("model", "tiny | small | gpt2 | distilgpt2 | a local directory"),
+    "--model": ("model", "tiny | small | tiny-llama | llama-1b-shape | a HF name | a local directory"),
     "--dataset": ("dataset", "synthetic | mnli | a local directory or file"),
     "--max-train-samples": ("max_train_samples", "cap on training examples"),
     "--max-eval-samples": ("max_eval_samples", "cap on examples per eval split"),
@@ -238,7 +238,7 @@ class _Experiment:
                 {"use_reentrant": False, "context_fn": self.model.group.checkpoint_contexts})
         decay, no_decay = [], []
         for name, param in self.model.named_parameters():
-            (no_decay if name.endswith("bias") or ".ln_" in name else decay).append(param)
+            (no_decay if name.endswith("bias") or ".ln_" in name or "norm" in name else decay).append(param)
         self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
         self.scheduler = transformers.get_linear_schedule_with_warmup(
@@ -520,7 +520,8 @@ def _traffic(network: LossyNetwork) -> dict:
 def _clip_grad_norm(model: TensorParallelGPT2, max_norm: float) -> torch.Tensor:
     """Global gradient norm as Megatron computes it: replicated grads once, every rank's shards."""
     def sq(params):
-        grads = [p.grad.float().pow(2).sum() for p in params if p.grad is not None]
+        # Grouped-query kv heads held by several ranks count once.
+        grads = [p.grad.float().pow(2).sum() / getattr(p, "tp_copies", 1) for p in params if p.grad is not None]
         return torch.stack(grads).sum() if grads else torch.zeros((), device=next(model.parameters()).device)
     sharded = model.group.all_gather_reliable(sq(model.sharded_parameters()).reshape(1)).sum()
     norm = (sq(model.replicated_parameters()) + sharded).sqrt()

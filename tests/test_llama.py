@@ -218,3 +218,98 @@ def test_gather_keeps_the_dtype(tmp_path, family, dtype):
     size = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
     numel = sum(p.numel() for p in ref.parameters())
     assert numel * dtype.itemsize <= size < numel * dtype.itemsize + 65536
+
+
+def test_runner_gradient_norm_counts_kv_copies_once():
+    """The norm the runner clips by is HF's global gradient norm, kv copies or not."""
+    from lossysim.train import _clip_grad_norm
+    for tp, kv_heads in ((4, 2), (8, 1), (2, 2)):
+        ref = build("cls", family="llama", kv_heads=kv_heads)
+        tpm = parallelize(copy.deepcopy(ref), tp)
+        hf_step(ref, "cls", make_batch("cls"))
+        tp_step(tpm, "cls", make_batch("cls"))
+        expected = torch.stack([p.grad.double().pow(2).sum() for p in ref.parameters()]).sum().sqrt()
+        assert rel_err(_clip_grad_norm(tpm, 0.0), expected) <= TOL, (tp, kv_heads)
+
+
+# -- the runner: named shapes and pretrained Llama-family directories ---------------------
+
+def _runner_config(tmp_path, **changes):
+    from lossysim.config import ExperimentConfig
+    base = dict(model="tiny-llama", dataset="synthetic", max_length=32, max_train_samples=96,
+                max_eval_samples=32, batch_size=8, eval_batch_size=32, steps=4, eval_every=4,
+                log_every=2, warmup_steps=1, dropout=0.0, lr=1e-3, tp_size=2,
+                loss="ge:rate=0.05,burst=4", out=str(tmp_path / "run"))
+    return ExperimentConfig(**{**base, **changes}).validate()
+
+
+@pytest.fixture
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("LOSSYSIM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def test_named_shapes_are_llama_3_2_1b_and_a_tiny_llama():
+    from lossysim.models import NAMED_SHAPES, build_model
+    from lossysim.data import BUILTIN_MODELS
+    assert set(BUILTIN_MODELS) == set(NAMED_SHAPES)
+    with torch.device("meta"):  # shapes only: no 5 GB of random weights
+        big = build_model("llama-1b-shape", vocab_size=128256, pad_token_id=0, num_labels=3, max_length=128)
+    config = big.config
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+            config.hidden_size, config.intermediate_size) == (16, 32, 8, 2048, 8192)
+    # Llama 3.2 1B has 1,235,814,400 parameters (tied embeddings); plus the 3-way score head.
+    assert sum(p.numel() for p in big.parameters()) == 1_235_814_400 + 3 * 2048
+    small = build_model("tiny-llama", vocab_size=500, pad_token_id=0, num_labels=3, max_length=32, dropout=0.1)
+    assert type(small).__name__ == "LlamaForSequenceClassification"
+    assert small.config.attention_dropout == 0.1 and small.config.num_key_value_heads == 2
+
+
+@pytest.mark.usefixtures("_cache")
+def test_runner_trains_tiny_llama_under_loss(tmp_path):
+    import json
+    from pathlib import Path
+
+    from lossysim.train import run_experiment
+    config = _runner_config(tmp_path, tp_size=4, save_checkpoint=True)  # 2 kv heads on 4 ranks: copies
+    summary = run_experiment(config, config.out, progress=False)
+    assert summary["status"] == "completed", summary.get("error")
+    sites = {p["site"] for p in summary["packets_by_site"]["train"]}
+    assert sites == {f"layers.{i}.{m}.{k}" for i in range(2) for m in ("self_attn", "mlp")
+                     for k in ("copy", "reduce")}
+    assert sum(p["lost"] for p in summary["packets"]["train"]) > 0
+    assert json.loads((Path(config.out) / "summary.json").read_text())["steps"] == 4
+    from transformers import LlamaForSequenceClassification
+    reloaded = LlamaForSequenceClassification.from_pretrained(Path(config.out) / "checkpoint")
+    assert reloaded.config.num_key_value_heads == 2
+
+
+@pytest.mark.usefixtures("_cache")
+def test_runner_loads_a_pretrained_llama_directory_with_its_tokenizer(tmp_path):
+    """A local Llama checkpoint whose tokenizer has no pad token (as Llama 3's): the runner pads with
+    EOS, which the texts never contain, and fine-tunes the classifier."""
+    from lossysim.data import _wrap, train_bpe
+    from lossysim.train import run_experiment
+    from transformers import LlamaConfig, LlamaForCausalLM
+    texts = [f"the {w} sat on {v} mats" for w in ("cat", "dog", "bird") for v in range(30)]
+    trained = train_bpe(texts, vocab_size=300)
+    tokenizer = _wrap(trained.backend_tokenizer, eos_token="<|endoftext|>")  # no pad token
+    assert tokenizer.pad_token is None
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=64, tie_word_embeddings=True))
+    directory = tmp_path / "pretrained"
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    config = _runner_config(tmp_path, model=str(directory), tp_size=2, save_checkpoint=True)
+    summary = run_experiment(config, config.out, progress=False)
+    assert summary["status"] == "completed", summary.get("error")
+    from transformers import AutoTokenizer, LlamaForSequenceClassification
+    saved = tmp_path / "run" / "checkpoint"
+    used = AutoTokenizer.from_pretrained(saved)
+    assert used.pad_token == "<|endoftext|>" and len(used) == len(tokenizer)
+    finetuned = LlamaForSequenceClassification.from_pretrained(saved)
+    assert finetuned.config.pad_token_id == used.pad_token_id
+    # Started from the pretrained weights: the embeddings moved a little, not to a fresh init.
+    moved = rel_err(finetuned.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    assert 0 < moved < 0.5
