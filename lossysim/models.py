@@ -1,4 +1,5 @@
-"""Sequence classifiers for the runner: named random-weight shapes, or pretrained weights by name or path.
+"""The runner's models: named random-weight shapes, or pretrained weights by name or path, as a
+sequence classifier (``task: classification``) or a causal LM (``task: lm``).
 
 Every model built here is one ``lossysim.plans`` can shard: GPT-2, Llama, Qwen2, Mistral.
 """
@@ -8,8 +9,9 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from transformers import (AutoConfig, AutoModelForSequenceClassification, GPT2Config,
-                          GPT2ForSequenceClassification, LlamaConfig, LlamaForSequenceClassification)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GPT2Config,
+                          GPT2ForSequenceClassification, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          LlamaForSequenceClassification)
 
 from .plans import plan_for
 
@@ -29,7 +31,9 @@ NAMED_SHAPES = {
                          "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                          "original_max_position_embeddings": 8192})),
 }
-_CLASSIFIERS = {GPT2Config: GPT2ForSequenceClassification, LlamaConfig: LlamaForSequenceClassification}
+_CLASSES = {"classification": {GPT2Config: GPT2ForSequenceClassification, LlamaConfig: LlamaForSequenceClassification},
+            "lm": {GPT2Config: GPT2LMHeadModel, LlamaConfig: LlamaForCausalLM}}
+_AUTO = {"classification": AutoModelForSequenceClassification, "lm": AutoModelForCausalLM}
 
 
 def is_pretrained(name: str) -> bool:
@@ -46,8 +50,9 @@ def _dropout_overrides(model_type: str, dropout: Optional[float]) -> dict:
 
 def build_model(name: str, *, vocab_size: int, pad_token_id: int, num_labels: int, max_length: int,
                 attn_implementation: str = "sdpa", dropout: Optional[float] = None,
-                seed: int = 0) -> torch.nn.Module:
-    """A sequence classifier: random weights for a named shape, else from_pretrained (HF name or local dir)."""
+                seed: int = 0, task: str = "classification") -> torch.nn.Module:
+    """A sequence classifier (or causal LM for ``task="lm"``): random weights for a named shape, else
+    from_pretrained (HF name or local dir)."""
     torch.manual_seed(seed)
     if not is_pretrained(name):
         config_class, shape = NAMED_SHAPES[name]
@@ -57,13 +62,13 @@ def build_model(name: str, *, vocab_size: int, pad_token_id: int, num_labels: in
                               bos_token_id=pad_token_id, eos_token_id=pad_token_id,
                               **_dropout_overrides(config_class.model_type, dropout))
         config._attn_implementation = attn_implementation
-        return _CLASSIFIERS[config_class](config)
+        return _CLASSES[task][config_class](config)
     try:
         config = AutoConfig.from_pretrained(name)
         for key, value in _dropout_overrides(config.model_type, dropout).items():
             setattr(config, key, value)
         config.num_labels = num_labels
-        model = AutoModelForSequenceClassification.from_pretrained(
+        model = _AUTO[task].from_pretrained(
             name, config=config, attn_implementation=attn_implementation)
     except (OSError, ValueError) as err:
         where = "local directory" if Path(name).exists() else "model name"

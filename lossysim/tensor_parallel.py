@@ -57,6 +57,7 @@ class TensorParallelModel(nn.Module):
         self.rank_logits: Optional[torch.Tensor] = None
         self.rank_hidden: Optional[torch.Tensor] = None
         self.rank_losses: Optional[torch.Tensor] = None
+        self._mask: Optional[torch.Tensor] = None  # the last batch's attention mask
         model.base_model.get_submodule(plan.final_norm).register_forward_hook(self._keep_hidden)
 
     @property
@@ -73,6 +74,7 @@ class TensorParallelModel(nn.Module):
     def forward(self, **inputs):
         ranks = self.group.local_size
         labels = inputs.pop("labels", None)
+        self._mask = inputs.get("attention_mask")
         if ranks > 1:
             first = inputs.get("input_ids", inputs.get("inputs_embeds"))
             batch = first.shape[0] if first is not None else None
@@ -103,14 +105,18 @@ class TensorParallelModel(nn.Module):
     def disagreement(self) -> dict:
         """Rank divergence in the last forward, measured outside the lossy network.
 
-        ``prediction``: fraction of examples whose argmax prediction differs from
-        rank 0's (worst rank); ``hidden_rel_diff``: max over ranks of
-        ||h_r - h_0|| / ||h_0|| for the final hidden states.
+        ``prediction``: fraction of examples whose argmax prediction (any of its
+        tokens' for a causal LM, padding aside) differs from rank 0's (worst rank);
+        ``hidden_rel_diff``: max over ranks of ||h_r - h_0|| / ||h_0|| for the final
+        hidden states.
         """
-        logits = self.group.all_gather_reliable(self.rank_logits.detach().float().contiguous())
+        # Predictions, not logits, cross the reliable channel: a vocabulary's logits are large.
+        pred = self.group.all_gather_reliable(self.rank_logits.detach().argmax(-1).contiguous())
         hidden = self.group.all_gather_reliable(self.rank_hidden.detach().float().contiguous())
-        pred = logits.argmax(-1).reshape(logits.shape[0], logits.shape[1], -1)
-        differs = (pred != pred[:1]).any(-1).float().mean(-1).max()
+        differs = pred != pred[:1]
+        if self.kind == "lm" and self._mask is not None:
+            differs = differs & self._mask.bool()
+        differs = differs.reshape(pred.shape[0], pred.shape[1], -1).any(-1).float().mean(-1).max()
         diff = (hidden - hidden[:1]).flatten(1).norm(dim=1) / hidden[0].norm().clamp_min(1e-30)
         return {"prediction": float(differs), "hidden_rel_diff": float(diff.max())}
 

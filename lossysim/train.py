@@ -222,7 +222,7 @@ class _Experiment:
         model = build_model(cfg.model, vocab_size=self.data.vocab_size, pad_token_id=self.data.pad_token_id,
                             num_labels=self.data.num_labels, max_length=cfg.max_length,
                             attn_implementation=cfg.attn_implementation, dropout=cfg.dropout,
-                            seed=cfg.seed).to(rt.device)
+                            seed=cfg.seed, task=cfg.task).to(rt.device)
         network_args = dict(seed=cfg.seed, payload_bytes=cfg.payload_bytes, recovery=cfg.recovery,
                             lossy=cfg.lossy_directions)
         self.train_net = LossyNetwork(cfg.tp_size, cfg.loss, **network_args)
@@ -383,7 +383,7 @@ class _Experiment:
         t0 = time.perf_counter()
         self.model.train()
         with self.autocast:
-            out = self.model(**batch)
+            out = self.model(**(_lm_inputs(batch) if cfg.task == "lm" else batch))
         self.scaler.scale(out.loss).backward()
         self.scaler.unscale_(self.optimizer)
         norm = _clip_grad_norm(self.model, cfg.grad_clip)
@@ -398,8 +398,9 @@ class _Experiment:
         self.state["tokens"] += batch["input_ids"].numel()
         seconds = time.perf_counter() - t0
         self.state["train_time"] += seconds
-        window.add(self.model.rank_losses.detach(), out.logits.detach(), batch["labels"],
-                   batch["input_ids"].numel(), seconds)
+        logits, labels = _next_tokens(out.logits.detach(), batch) if cfg.task == "lm" \
+            else (out.logits.detach(), batch["labels"])
+        window.add(self.model.rank_losses.detach(), logits, labels, batch["input_ids"].numel(), seconds)
         return True
 
     def _train_row(self, step: int, window: _Window) -> dict:
@@ -413,6 +414,8 @@ class _Experiment:
     @torch.no_grad()
     def _evaluate(self, split: str, step: int) -> dict:
         """Rank 0's accuracy and loss, and rank divergence, with one collective for the whole split."""
+        if self.cfg.task == "lm":
+            return self._evaluate_lm(split, step)
         group = self.model.group
         self.model.eval()
         self.eval_net.reset_stats()
@@ -443,6 +446,48 @@ class _Experiment:
                 "accuracy": float((pred[0] == labels).float().mean()),
                 **_traffic(self.eval_net),
                 "disagreement": float((pred != pred[:1]).float().mean(-1).max()),
+                "hidden_rel_diff": float(rel.max())}
+
+    @torch.no_grad()
+    def _evaluate_lm(self, split: str, step: int) -> dict:
+        """Causal LM: rank 0's next-token loss and accuracy over the texts' tokens; ``disagreement`` is the
+        fraction of those tokens whose predicted next token differs from rank 0's (worst rank)."""
+        group = self.model.group
+        self.model.eval()
+        self.eval_net.reset_stats()
+        rows = []
+        with _using_network(group, self.eval_net):
+            for batch in eval_batches(self.data.splits[split], self.cfg.eval_batch_size):
+                batch = {k: v.to(self.rt.device) for k, v in batch.items()}
+                with self.autocast:
+                    self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                logits = self.model.rank_logits[:, :, :-1].float()  # [R, B, S - 1, vocab]
+                ranks = logits.shape[0]
+                target = batch["input_ids"][:, 1:].expand(ranks, -1, -1)
+                valid = batch["attention_mask"][:, 1:].bool().expand(ranks, -1, -1)
+                losses = torch.nn.functional.cross_entropy(logits.flatten(0, 2), target.flatten(),
+                                                           reduction="none").view(target.shape)
+                pred = logits.argmax(-1)
+                last = _last_token(batch["input_ids"], self.data.pad_token_id)
+                hidden = self.model.rank_hidden.float()
+                pooled = hidden[:, torch.arange(hidden.shape[1], device=hidden.device), last]
+                # Per example: loss sum, correct, tokens, pooled hidden state, predictions (-1: no token),
+                # the predictions padded to one width for every batch.
+                pred = torch.nn.functional.pad(pred.masked_fill(~valid, -1).float(),
+                                               (0, self.cfg.max_length - 1 - pred.shape[-1]), value=-1)
+                rows.append(torch.cat([(losses * valid).sum(-1, keepdim=True),
+                                       ((pred[..., :target.shape[-1]] == target) & valid).sum(-1, keepdim=True),
+                                       valid.sum(-1, keepdim=True), pooled, pred], dim=-1))
+        every = group.all_gather_reliable(torch.cat(rows, 1).contiguous())  # [tp, N, 3 + hidden + S - 1]
+        width = self.model.rank_hidden.shape[-1]
+        tokens = every[0, :, 2].sum().clamp_min(1)
+        hidden, pred = every[..., 3:3 + width], every[..., 3 + width:]
+        rel = (hidden - hidden[:1]).flatten(1).norm(dim=1) / hidden[0].norm().clamp_min(1e-30)
+        differs = ((pred != pred[:1]) & (pred[:1] >= 0)).flatten(1).sum(1).max()
+        self.model.train()
+        return {"step": step, "split": split, "time_s": time.time() - self.started,
+                "loss": float(every[0, :, 0].sum() / tokens), "accuracy": float(every[0, :, 1].sum() / tokens),
+                **_traffic(self.eval_net), "disagreement": float(differs / tokens),
                 "hidden_rel_diff": float(rel.max())}
 
     def _save_checkpoint(self) -> None:
@@ -552,6 +597,17 @@ def _resumable(config: ExperimentConfig) -> dict:
     """The settings a checkpoint must share with the run resuming from it."""
     free = ("out", "name", "timeout_s", "device", "checkpoint_every", "keep_checkpoints", "save_checkpoint")
     return {k: v for k, v in config.to_dict().items() if k not in free}
+
+
+def _lm_inputs(batch: dict) -> dict:
+    """Causal-LM fine-tuning: the labels are the texts' own tokens (padding ignored)."""
+    return dict(batch, labels=batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100))
+
+
+def _next_tokens(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, targets) of every real next token: [tokens, vocab], [tokens]."""
+    valid = batch["attention_mask"][:, 1:].bool()
+    return logits[:, :-1][valid], batch["input_ids"][:, 1:][valid]
 
 
 def _last_token(input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:

@@ -313,3 +313,41 @@ def test_runner_loads_a_pretrained_llama_directory_with_its_tokenizer(tmp_path):
     # Started from the pretrained weights: the embeddings moved a little, not to a fresh init.
     moved = rel_err(finetuned.model.embed_tokens.weight, model.model.embed_tokens.weight)
     assert 0 < moved < 0.5
+
+
+@pytest.mark.usefixtures("_cache")
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny"])
+def test_runner_fine_tunes_a_causal_lm(tmp_path, model):
+    """task: lm trains the causal LM on the texts under loss; the loss-free evaluation's loss and
+    accuracy are what the saved HF model computes on every real next token of the split."""
+    from pathlib import Path
+
+    from lossysim.data import eval_batches, prepare_data
+    from lossysim.io import read_jsonl
+    from lossysim.train import run_experiment
+    from transformers import AutoModelForCausalLM
+    config = _runner_config(tmp_path, model=model, task="lm", eval_lossy=False, save_checkpoint=True,
+                            loss="bernoulli:0.05", lr=3e-3)
+    summary = run_experiment(config, config.out, progress=False)
+    assert summary["status"] == "completed", summary.get("error")
+    rows = read_jsonl(Path(config.out) / "metrics.jsonl")
+    train = [r for r in rows if r["split"] == "train"]
+    assert train[-1]["loss"] < train[0]["loss"]  # it learns the texts
+    assert all(0 <= r["disagreement"] <= 1 for r in rows)
+    assert any(r["disagreement"] > 0 for r in train)  # lossy training: the ranks' predictions differ
+    saved = AutoModelForCausalLM.from_pretrained(Path(config.out) / "checkpoint").eval()
+    data = prepare_data(config, Path(os.environ["LOSSYSIM_CACHE"]) / "data")
+    for split in ("validation_matched", "validation_mismatched"):
+        total = correct = tokens = 0
+        with torch.no_grad():
+            for batch in eval_batches(data.splits[split], 32):
+                logits = saved(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                valid = batch["attention_mask"][:, 1:].bool()
+                target = batch["input_ids"][:, 1:][valid]
+                total += float(torch.nn.functional.cross_entropy(logits[:, :-1][valid], target, reduction="sum"))
+                correct += int((logits[:, :-1][valid].argmax(-1) == target).sum())
+                tokens += int(valid.sum())
+        final = summary["final"][split]
+        assert final["loss"] == pytest.approx(total / tokens, rel=1e-5)
+        assert final["accuracy"] == pytest.approx(correct / tokens, abs=1e-6)
+        assert final["disagreement"] == 0.0  # a loss-free evaluation: every rank predicts alike
