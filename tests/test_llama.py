@@ -351,3 +351,32 @@ def test_runner_fine_tunes_a_causal_lm(tmp_path, model):
         assert final["loss"] == pytest.approx(total / tokens, rel=1e-5)
         assert final["accuracy"] == pytest.approx(correct / tokens, abs=1e-6)
         assert final["disagreement"] == 0.0  # a loss-free evaluation: every rank predicts alike
+
+
+@pytest.mark.usefixtures("_cache")
+def test_runner_dist_agrees_with_sim_on_tiny_llama_lm(tmp_path):
+    """torchrun, 2 gloo ranks: a loss-free causal-LM run of tiny-llama ends as the sim run does."""
+    import json
+
+    import yaml
+    from torchrun_launch import torchrun
+
+    from lossysim.train import run_experiment
+    config = _runner_config(tmp_path / "sim", task="lm", loss="none")
+    sim = run_experiment(config, config.out, progress=False)
+    assert sim["status"] == "completed", sim.get("error")
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config.to_dict()))
+    proc = torchrun(["train", "--config", str(config_path), "--backend", "dist", "--out", str(tmp_path / "dist"),
+                     "--no-progress"], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dist = json.loads((tmp_path / "dist" / "summary.json").read_text())
+    assert dist["status"] == "completed"
+    for split in ("validation_matched", "validation_mismatched"):
+        assert dist["final"][split]["loss"] == pytest.approx(sim["final"][split]["loss"], rel=1e-4)
+        assert dist["final"][split]["accuracy"] == pytest.approx(sim["final"][split]["accuracy"], abs=1e-3)
+        assert dist["final"][split]["disagreement"] == 0.0
+    drop = ("time_s", "tokens_per_s", "wall_time_s")
+    strip = [[{k: v for k, v in row.items() if k not in drop} for row in rows]
+             for rows in (dist["packets"]["train"], sim["packets"]["train"])]
+    assert strip[0] == strip[1]
