@@ -380,3 +380,26 @@ def test_runner_dist_agrees_with_sim_on_tiny_llama_lm(tmp_path):
     strip = [[{k: v for k, v in row.items() if k not in drop} for row in rows]
              for rows in (dist["packets"]["train"], sim["packets"]["train"])]
     assert strip[0] == strip[1]
+
+
+def test_activation_checkpointing_replays_masks_on_llama():
+    """Recomputed Llama layers see the original forward's packet masks: the same gradients and counts."""
+    results = []
+    for checkpointing in (False, True):
+        network = LossyNetwork(2, "ge:rate=0.1,burst=4", seed=3)
+        tpm = parallelize(build("cls", family="llama"), 2, network)
+        if checkpointing:
+            tpm.model.activation_checkpointing_enable(
+                {"use_reentrant": False, "context_fn": tpm.group.checkpoint_contexts})
+        tpm.train()
+        tp_step(tpm, "cls", make_batch("cls"))
+        results.append((grads(tpm), network.stats()))
+    (plain, plain_stats), (recomputed, recomputed_stats) = results
+    assert plain_stats == recomputed_stats and sum(row["lost"] for row in plain_stats) > 0
+    for name, grad in plain.items():
+        assert torch.equal(recomputed[name], grad), name
+
+
+def test_unsupported_model_is_a_type_error_naming_the_supported_classes():
+    with pytest.raises(TypeError, match=r"LlamaForCausalLM.*Qwen2Model.*not Linear"):
+        parallelize(torch.nn.Linear(2, 2), 2)
