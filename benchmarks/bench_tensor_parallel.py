@@ -1,10 +1,11 @@
 """Cost of lossysim's tensor parallelism: one training step, side by side in one run.
 
-One step = forward, backward and AdamW step of GPT2ForSequenceClassification
-(3 labels) on a right-padded batch of 8 x 128 tokens, dropout 0, sdpa attention,
-random weights, for the tiny shape (n_layer 2, n_head 4, n_embd 128, vocab 8192:
-lossysim's ``tiny`` with its default BPE vocabulary) and GPT-2 small (n_layer 12,
-n_head 12, n_embd 768, vocab 50257).
+One step = forward, backward and AdamW step of a sequence classifier (3 labels) on a
+right-padded batch of 8 x 128 tokens, dropout 0, sdpa attention, random weights, for
+the tiny shape (GPT-2, n_layer 2, n_head 4, n_embd 128, vocab 8192: lossysim's ``tiny``
+with its default BPE vocabulary), ``tiny-llama`` (Llama, 2 layers, 4 query and 2 kv
+heads, width 128, SwiGLU 352, vocab 8192: lossysim's ``tiny-llama``) and GPT-2 small
+(n_layer 12, n_head 12, n_embd 768, vocab 50257).
 
 Variants, all from the same initial weights:
   * ``hf``: the unmodified HF model;
@@ -16,7 +17,8 @@ Variants, all from the same initial weights:
     ColwiseParallel (c_attn, c_fc) / RowwiseParallel (both c_proj) on a 1-D CPU DeviceMesh,
     applied to the same HF model after converting its Conv1D layers to nn.Linear (weight
     transposed; c_attn's outputs reordered [Q_r|K_r|V_r] per rank so each rank's contiguous
-    column shard holds whole heads, and ``split_size`` set to the local width).
+    column shard holds whole heads, and ``split_size`` set to the local width); for Llama,
+    ColwiseParallel q/k/v/gate/up and RowwiseParallel o/down on the HF model as it is.
 Variants of one group are held in memory together and stepped interleaved (one step of
 each per round) after warm-up: all five for tiny; pairs for GPT-2 small, whose five
 AdamW-equipped copies do not fit in memory beside other jobs. Times are medians over
@@ -25,9 +27,10 @@ per-round ratio, so load from other processes, which drifts, hits both sides of 
 alike; the plain ratio of medians is printed next to it. ``hf`` and ``sim tp2`` are
 timed again with 1 thread, the fair baseline for the 2 x 1-thread ``dist`` runs. Peak
 memory (RSS high-water mark over 2 steps) of ``hf`` and ``sim tp4`` comes from separate
-subprocesses.
+subprocesses. ``--device cuda`` runs the in-process variants on the GPU (``dist`` and
+memory stay on the CPU, and are skipped there).
 
-    python benchmarks/bench_tensor_parallel.py [--quick] [--repeats N] [--profile VARIANT]
+    python benchmarks/bench_tensor_parallel.py [--quick] [--repeats N] [--device cpu|cuda] [--profile VARIANT]
 """
 from __future__ import annotations
 
@@ -48,14 +51,18 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-from transformers import GPT2Config, GPT2ForSequenceClassification  # noqa: E402
+from transformers import (GPT2Config, GPT2ForSequenceClassification, LlamaConfig,  # noqa: E402
+                          LlamaForSequenceClassification)
 
 from lossysim import LossyNetwork, parallelize  # noqa: E402
+from lossysim.models import NAMED_SHAPES  # noqa: E402
 
-SHAPES = {
-    "tiny": dict(n_layer=2, n_head=4, n_embd=128, vocab_size=8192),
-    "small": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257),
+SHAPES = {  # name -> (config class, shape)
+    "tiny": (GPT2Config, dict(n_layer=2, n_head=4, n_embd=128, vocab_size=8192)),
+    "tiny-llama": (LlamaConfig, dict(NAMED_SHAPES["tiny-llama"][1], vocab_size=8192)),
+    "small": (GPT2Config, dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257)),
 }
+DEVICE = torch.device("cpu")  # of the in-process variants (--device)
 BATCH, SEQ, LABELS = 8, 128, 3
 SIM_VARIANTS = {  # name -> (tp_size, loss spec); tp 0 = unmodified HF
     "hf": (0, None),
@@ -73,12 +80,30 @@ TARGETS = (  # (label, numerator, denominator, limit)
 
 # -- models and steps ------------------------------------------------------------------
 
-def make_model(shape: str, seed: int = 0) -> GPT2ForSequenceClassification:
+def make_model(shape: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    config = GPT2Config(**SHAPES[shape], n_positions=1024, num_labels=LABELS, pad_token_id=0,
-                        bos_token_id=1, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config_class, spec = SHAPES[shape]
+    common = dict(num_labels=LABELS, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if config_class is GPT2Config:
+        config = GPT2Config(**spec, n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
+        model_class = GPT2ForSequenceClassification
+    else:
+        config = LlamaConfig(**spec, max_position_embeddings=1024, attention_dropout=0.0, **common)
+        model_class = LlamaForSequenceClassification
     config._attn_implementation = "sdpa"
-    return GPT2ForSequenceClassification(config)
+    return model_class(config)
+
+
+def describe(shape: str) -> str:
+    config = make_model_config(shape)
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return (f"{type(config).__name__[:-6]}, {config.num_hidden_layers} layers, {config.num_attention_heads} heads "
+            f"({kv} kv), width {config.hidden_size}, vocab {config.vocab_size}")
+
+
+def make_model_config(shape: str):
+    config_class, spec = SHAPES[shape]
+    return config_class(**spec)
 
 
 def make_batch(vocab: int, seed: int = 0) -> dict:
@@ -93,13 +118,14 @@ def make_batch(vocab: int, seed: int = 0) -> dict:
 
 def make_variant(name: str, base: nn.Module):
     tp, spec = SIM_VARIANTS[name]
-    model = copy.deepcopy(base)
+    model = copy.deepcopy(base).to(DEVICE)
     if tp:
         model = parallelize(model, tp, LossyNetwork(tp, spec, seed=0))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
 def train_step(model, optimizer, batch) -> float:
+    """One step; ``loss.item()`` waits for the device, so wall time covers the whole step."""
     optimizer.zero_grad(set_to_none=True)
     loss = model(**batch).loss
     loss.backward()
@@ -181,6 +207,14 @@ def conv_to_linear(conv) -> nn.Linear:
 def pytorch_tensor_parallel(model, mesh):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     tp = mesh.size()
+    if isinstance(model, LlamaForSequenceClassification):  # nn.Linear already; views infer local heads
+        for block in model.model.layers:
+            parallelize_module(block, mesh, {
+                "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel()})
+        return model
     for block in model.transformer.h:
         attn, mlp = block.attn, block.mlp
         width = attn.embed_dim
@@ -279,7 +313,7 @@ def profile(shape: str, variant: str, rows: int = 25) -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile
     base = make_model(shape)
     model, optimizer = make_variant(variant, base)
-    batch = make_batch(base.config.vocab_size)
+    batch = {k: v.to(DEVICE) for k, v in make_batch(base.config.vocab_size).items()}
     for _ in range(2):
         train_step(model, optimizer, batch)
     with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
@@ -299,11 +333,10 @@ def fmt_row(name: str, stats: dict, ref_name: str = None, ratio: float = None) -
 
 def bench_shape(shape: str, warmup: int, repeats: int, with_dist: bool, with_memory: bool) -> list:
     """Run and print one shape; return [(target label, paired ratio, limit, ratio of medians)]."""
-    spec = SHAPES[shape]
-    print(f"\n== {shape}: n_layer {spec['n_layer']}, n_head {spec['n_head']}, n_embd {spec['n_embd']}, "
-          f"vocab {spec['vocab_size']}; batch {BATCH} x {SEQ}; warm-up {warmup}, median of {repeats}")
+    print(f"\n== {shape}: {describe(shape)}; batch {BATCH} x {SEQ}; warm-up {warmup}, median of {repeats}; "
+          f"device {DEVICE}")
     base = make_model(shape)
-    batch = make_batch(spec["vocab_size"])
+    batch = {k: v.to(DEVICE) for k, v in make_batch(base.config.vocab_size).items()}
     results = []
 
     threads = torch.get_num_threads()
@@ -379,17 +412,24 @@ def bench_shape(shape: str, warmup: int, repeats: int, with_dist: bool, with_mem
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny shape only (skip GPT-2 small)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes only (skip GPT-2 small)")
+    parser.add_argument("--device", default="cpu", help="device of the in-process variants (cpu, cuda)")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None,
+                        help="shapes to run (default: all; --quick: tiny and tiny-llama)")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 15 tiny, 6 small)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up rounds (default 3 tiny, 1 small)")
     parser.add_argument("--no-dist", action="store_true", help="skip the 2-process dist comparison")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--profile", metavar="VARIANT", choices=sorted(SIM_VARIANTS),
                         help="print a torch.profiler table for one step of VARIANT and exit")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="with --profile: which shape")
+    parser.add_argument("--shape", choices=list(SHAPES), default=None, help="with --profile: which shape")
     parser.add_argument("--threads", type=int, default=None, help="torch threads in this process")
     parser.add_argument("--memory-probe", nargs=2, metavar=("SHAPE", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type != "cpu":  # gloo processes and RSS measure the CPU only
+        args.no_dist = args.no_memory = True
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.memory_probe:
@@ -401,11 +441,12 @@ def main(argv=None) -> int:
 
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {torch.get_num_threads()} threads; "
           f"load average {os.getloadavg()[0]:.2f} at start")
-    shapes = ["tiny"] if args.quick else ["tiny", "small"]
+    shapes = args.shapes or (["tiny", "tiny-llama"] if args.quick else list(SHAPES))
     results = []
     for shape in shapes:
-        warmup = args.warmup if args.warmup is not None else (3 if shape == "tiny" else 1)
-        repeats = args.repeats or (15 if shape == "tiny" else 6)
+        small = shape.startswith("tiny")
+        warmup = args.warmup if args.warmup is not None else (3 if small else 1)
+        repeats = args.repeats or (15 if small else 6)
         results += bench_shape(shape, warmup, repeats, not args.no_dist, not args.no_memory)
     print(f"\n== targets (load average {os.getloadavg()[0]:.2f} at end; other processes on this "
           "machine inflate and scatter every figure)")

@@ -4,6 +4,6 @@ from .network import LossyNetwork
 
 __version__ = "0.1.0"
 __all__ = ["Bernoulli", "GilbertElliott", "LossModel", "NoLoss", "parse_loss_model", "LossyNetwork"]
-from .gpt2 import TensorParallelGPT2, gather_full_model, parallelize  # noqa: E402
+from .tensor_parallel import TensorParallelGPT2, TensorParallelModel, gather_full_model, parallelize  # noqa: E402
 
-__all__ += ["TensorParallelGPT2", "gather_full_model", "parallelize"]
+__all__ += ["TensorParallelGPT2", "TensorParallelModel", "gather_full_model", "parallelize"]

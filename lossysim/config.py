@@ -20,7 +20,8 @@ class ExperimentConfig:
     # what is trained
     name: str = "tiny-synthetic"
     seed: int = 0
-    model: str = "tiny"               # tiny | small | a HF name (gpt2, distilgpt2) | a local dir
+    model: str = "tiny"               # tiny | small | tiny-llama | llama-1b-shape | a HF name | a local dir
+    task: str = "classification"       # classification | lm (causal-LM fine-tuning on the texts)
     attn_implementation: str = "sdpa"  # sdpa | eager
     dropout: Optional[float] = None    # None keeps the model's own dropout
     # data
@@ -74,6 +75,7 @@ class ExperimentConfig:
     def validate(self) -> "ExperimentConfig":
         """Raise ValueError with the offending field on the first problem."""
         _choice("attn_implementation", self.attn_implementation, ("sdpa", "eager"))
+        _choice("task", self.task, ("classification", "lm"))
         _choice("lossy", self.lossy, ("fwd", "bwd", "both"))
         _choice("recovery", self.recovery, ("zero", "rescale"))
         _choice("backend", self.backend, ("sim", "dist"))

@@ -37,7 +37,8 @@ EVAL_SPLITS = SPLITS[1:]
 SYNTHETIC = "synthetic"
 MNLI = "mnli"
 HF_MNLI = ("nyu-mll/glue", "mnli")
-BUILTIN_MODELS = ("tiny", "small")     # models built from a config, with no tokenizer of their own
+# models built from a config, with no tokenizer of their own (lossysim.models.NAMED_SHAPES)
+BUILTIN_MODELS = ("tiny", "small", "tiny-llama", "llama-1b-shape")
 
 # Local file sets, one per format: split -> file name. A directory must hold one complete set.
 FILE_SETS = {

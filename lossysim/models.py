@@ -1,17 +1,39 @@
-"""GPT-2 sequence classifiers: named random-weight shapes or pretrained weights by name or path."""
+"""The runner's models: named random-weight shapes, or pretrained weights by name or path, as a
+sequence classifier (``task: classification``) or a causal LM (``task: lm``).
+
+Every model built here is one ``lossysim.plans`` can shard: GPT-2, Llama, Qwen2, Mistral.
+"""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
 
 import torch
-from transformers import GPT2Config, GPT2ForSequenceClassification
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GPT2Config,
+                          GPT2ForSequenceClassification, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          LlamaForSequenceClassification)
 
-# Random-weight shapes: `tiny` for CPU tests and demos, `small` = GPT-2 124M.
+from .plans import plan_for
+
+# Random-weight shapes: `tiny` and `tiny-llama` for CPU tests and demos, `small` = GPT-2 124M,
+# `llama-1b-shape` = Llama 3.2 1B (grouped-query attention, 32 query and 8 kv heads, tied embeddings).
+# The vocabulary is the data's tokenizer's.
 NAMED_SHAPES = {
-    "tiny": dict(n_layer=2, n_head=4, n_embd=128),
-    "small": dict(n_layer=12, n_head=12, n_embd=768),
+    "tiny": (GPT2Config, dict(n_layer=2, n_head=4, n_embd=128)),
+    "small": (GPT2Config, dict(n_layer=12, n_head=12, n_embd=768)),
+    "tiny-llama": (LlamaConfig, dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     hidden_size=128, intermediate_size=352, tie_word_embeddings=True)),
+    "llama-1b-shape": (LlamaConfig, dict(
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, hidden_size=2048,
+        intermediate_size=8192, head_dim=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        max_position_embeddings=131072,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                         "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192})),
 }
+_CLASSES = {"classification": {GPT2Config: GPT2ForSequenceClassification, LlamaConfig: LlamaForSequenceClassification},
+            "lm": {GPT2Config: GPT2LMHeadModel, LlamaConfig: LlamaForCausalLM}}
+_AUTO = {"classification": AutoModelForSequenceClassification, "lm": AutoModelForCausalLM}
 
 
 # Named shapes size their position table to max_length, up to GPT-2's own 1024 positions.
@@ -26,8 +48,10 @@ def max_positions(name: str) -> Optional[int]:
     """How many positions model ``name`` can embed (n_positions / max_position_embeddings), read
     from its config alone; None when the config cannot be read here (build_model checks later)."""
     if not is_pretrained(name):
-        return NAMED_MAX_POSITIONS
-    from transformers import AutoConfig
+        config_class, shape = NAMED_SHAPES[name]
+        if config_class is GPT2Config:
+            return NAMED_MAX_POSITIONS
+        return shape.get("max_position_embeddings", config_class().max_position_embeddings)
     try:
         config = AutoConfig.from_pretrained(name)
     except Exception:  # offline and not cached, not a model directory: build_model says why
@@ -41,33 +65,53 @@ def check_max_length(name: str, max_length: int) -> None:
     limit = max_positions(name)
     if limit is not None and max_length > limit:
         raise ValueError(f"max_length={max_length} exceeds model {name!r}'s {limit} positions "
-                         f"(n_positions); use max_length <= {limit}")
+                         f"(n_positions / max_position_embeddings); use max_length <= {limit}")
+
+
+def _dropout_overrides(model_type: str, dropout: Optional[float]) -> dict:
+    if dropout is None:
+        return {}
+    if model_type == "gpt2":
+        return dict(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    return dict(attention_dropout=dropout)  # the Llama family's only dropout
 
 
 def build_model(name: str, *, vocab_size: int, pad_token_id: int, num_labels: int, max_length: int,
                 attn_implementation: str = "sdpa", dropout: Optional[float] = None,
-                seed: int = 0) -> GPT2ForSequenceClassification:
-    """A GPT2ForSequenceClassification: random weights for a named shape, else from_pretrained."""
+                seed: int = 0, task: str = "classification") -> torch.nn.Module:
+    """A sequence classifier (or causal LM for ``task="lm"``): random weights for a named shape, else
+    from_pretrained (HF name or local dir)."""
     torch.manual_seed(seed)
-    overrides = {} if dropout is None else dict(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
     if not is_pretrained(name):
-        config = GPT2Config(**NAMED_SHAPES[name], vocab_size=vocab_size, n_positions=max(max_length, 64),
-                            num_labels=num_labels, pad_token_id=pad_token_id, bos_token_id=pad_token_id,
-                            eos_token_id=pad_token_id, **overrides)
+        config_class, shape = NAMED_SHAPES[name]
+        positions = "n_positions" if config_class is GPT2Config else "max_position_embeddings"
+        shape = {**shape, positions: max(max_length, shape.get(positions, 64))}
+        config = config_class(**shape, vocab_size=vocab_size, num_labels=num_labels, pad_token_id=pad_token_id,
+                              bos_token_id=pad_token_id, eos_token_id=pad_token_id,
+                              **_dropout_overrides(config_class.model_type, dropout))
         config._attn_implementation = attn_implementation
-        return GPT2ForSequenceClassification(config)
+        return _CLASSES[task][config_class](config)
     try:
-        model = GPT2ForSequenceClassification.from_pretrained(
-            name, num_labels=num_labels, attn_implementation=attn_implementation, **overrides)
+        config = AutoConfig.from_pretrained(name)
+        for key, value in _dropout_overrides(config.model_type, dropout).items():
+            setattr(config, key, value)
+        config.num_labels = num_labels
+        model = _AUTO[task].from_pretrained(
+            name, config=config, attn_implementation=attn_implementation)
     except (OSError, ValueError) as err:
         where = "local directory" if Path(name).exists() else "model name"
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"cannot load model {name!r} ({where}): {first}. Use a named shape "
                          f"({', '.join(NAMED_SHAPES)}), a local directory, or go online "
                          "(unset HF_HUB_OFFLINE)") from None
-    if model.config.n_positions < max_length:
-        raise ValueError(f"max_length={max_length} exceeds model {name!r}'s {model.config.n_positions} positions "
-                         f"(n_positions); use max_length <= {model.config.n_positions}")
+    try:
+        plan_for(model)
+    except TypeError as err:
+        raise ValueError(f"model {name!r}: {err}") from None
+    check = model.config.max_position_embeddings
+    if check < max_length:
+        raise ValueError(f"max_length={max_length} exceeds model {name!r}'s {check} positions "
+                         f"(n_positions / max_position_embeddings); use max_length <= {check}")
     if vocab_size > model.config.vocab_size:
         model.resize_token_embeddings(vocab_size)
     model.config.pad_token_id = pad_token_id

@@ -46,7 +46,7 @@ FLAGS = {
     "--recovery": ("recovery", "zero or rescale"),
     "--algorithm": ("algorithm", "collective algorithm: ring, tree or direct"),
     "--transport": ("transport", "drop, retransmit or deadline"),
-    "--model": ("model", "tiny | small | gpt2 | distilgpt2 | a local directory"),
+    "--model": ("model", "tiny | small | tiny-llama | llama-1b-shape | a HF name | a local directory"),
     "--dataset": ("dataset", "synthetic | mnli | a local directory or file"),
     "--max-train-samples": ("max_train_samples", "cap on training examples"),
     "--max-eval-samples": ("max_eval_samples", "cap on examples per eval split"),
@@ -226,7 +226,7 @@ class _Experiment:
         model = build_model(cfg.model, vocab_size=self.data.vocab_size, pad_token_id=self.data.pad_token_id,
                             num_labels=self.data.num_labels, max_length=cfg.max_length,
                             attn_implementation=cfg.attn_implementation, dropout=cfg.dropout,
-                            seed=cfg.seed).to(rt.device)
+                            seed=cfg.seed, task=cfg.task).to(rt.device)
         network_args = dict(seed=cfg.seed, payload_bytes=cfg.payload_bytes, recovery=cfg.recovery,
                             lossy=cfg.lossy_directions, algorithm=cfg.algorithm,
                             ranks_per_node=cfg.ranks_per_node, lossy_links=cfg.lossy_links,
@@ -251,7 +251,7 @@ class _Experiment:
                 {"use_reentrant": False, "context_fn": self.model.group.checkpoint_contexts})
         decay, no_decay = [], []
         for name, param in self.model.named_parameters():
-            (no_decay if name.endswith("bias") or ".ln_" in name else decay).append(param)
+            (no_decay if name.endswith("bias") or ".ln_" in name or "norm" in name else decay).append(param)
         self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
         self.scheduler = transformers.get_linear_schedule_with_warmup(
@@ -438,7 +438,7 @@ class _Experiment:
         t0 = time.perf_counter()
         self.model.train()
         with self.autocast:
-            out = self.model(**batch)
+            out = self.model(**(_lm_inputs(batch) if cfg.task == "lm" else batch))
         self.scaler.scale(out.loss).backward()
         self.scaler.unscale_(self.optimizer)
         norm = _clip_grad_norm(self.model, cfg.grad_clip)
@@ -459,7 +459,9 @@ class _Experiment:
                                                               cfg.tp_size)
         seconds = time.perf_counter() - t0
         self.state["train_time"] += seconds
-        window.add(self.model.rank_losses.detach(), out.logits.detach(), batch["labels"], tokens, seconds)
+        logits, labels = _next_tokens(out.logits.detach(), batch) if cfg.task == "lm" \
+            else (out.logits.detach(), batch["labels"])
+        window.add(self.model.rank_losses.detach(), logits, labels, tokens, seconds)
         return True
 
     def _train_row(self, step: int, window: _Window) -> dict:
@@ -474,6 +476,8 @@ class _Experiment:
     @torch.no_grad()
     def _evaluate(self, split: str, step: int) -> dict:
         """Rank 0's accuracy and loss, and rank divergence, with one collective for the whole split."""
+        if self.cfg.task == "lm":
+            return self._evaluate_lm(split, step)
         group = self.model.group
         self.model.eval()
         self.eval_net.reset_stats()
@@ -505,6 +509,49 @@ class _Experiment:
                 "accuracy": float((pred[0] == labels).float().mean()),
                 **_traffic(self.eval_net),
                 "disagreement": float((pred != pred[:1]).float().mean(-1).max()),
+                "hidden_rel_diff": float(rel.max())}
+
+    @torch.no_grad()
+    def _evaluate_lm(self, split: str, step: int) -> dict:
+        """Causal LM: rank 0's next-token loss and accuracy over the texts' tokens; ``disagreement`` is the
+        fraction of those tokens whose predicted next token differs from rank 0's (worst rank)."""
+        group = self.model.group
+        self.model.eval()
+        self.eval_net.reset_stats()
+        rows = []
+        with _using_network(group, self.eval_net):
+            for batch in eval_batches(self.data.splits[split], self.cfg.eval_batch_size):
+                batch = {k: v.to(self.rt.device) for k, v in batch.items()}
+                with self.autocast:
+                    self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                logits = self.model.rank_logits[:, :, :-1].float()  # [R, B, S - 1, vocab]
+                ranks = logits.shape[0]
+                target = batch["input_ids"][:, 1:].expand(ranks, -1, -1)
+                valid = batch["attention_mask"][:, 1:].bool().expand(ranks, -1, -1)
+                losses = torch.nn.functional.cross_entropy(logits.flatten(0, 2), target.flatten(),
+                                                           reduction="none").view(target.shape)
+                pred = logits.argmax(-1)
+                last = _last_token(batch["input_ids"], self.data.pad_token_id)
+                hidden = self.model.rank_hidden.float()
+                pooled = hidden[:, torch.arange(hidden.shape[1], device=hidden.device), last]
+                # Per example: loss sum, correct, tokens, pooled hidden state, predictions (-1: no token),
+                # the predictions padded to one width for every batch.
+                pred = torch.nn.functional.pad(pred.masked_fill(~valid, -1).float(),
+                                               (0, self.cfg.max_length - 1 - pred.shape[-1]), value=-1)
+                rows.append(torch.cat([(losses * valid).sum(-1, keepdim=True),
+                                       ((pred[..., :target.shape[-1]] == target) & valid).sum(-1, keepdim=True),
+                                       valid.sum(-1, keepdim=True), pooled, pred], dim=-1))
+        every = group.all_gather_reliable(torch.cat(rows, 1).contiguous())  # [tp, N, 3 + hidden + S - 1]
+        width = self.model.rank_hidden.shape[-1]
+        tokens = every[0, :, 2].sum().clamp_min(1)
+        hidden, pred = every[..., 3:3 + width], every[..., 3 + width:]
+        rel = (hidden - hidden[:1]).flatten(1).norm(dim=1) / hidden[0].norm().clamp_min(1e-30)
+        differs = ((pred != pred[:1]) & (pred[:1] >= 0)).flatten(1).sum(1).max()
+        self.model.train()
+        return {"step": step, "split": split, "time_s": time.time() - self.started,
+                "sim_time_s": self._sim_time_s(),
+                "loss": float(every[0, :, 0].sum() / tokens), "accuracy": float(every[0, :, 1].sum() / tokens),
+                **_traffic(self.eval_net), "disagreement": float(differs / tokens),
                 "hidden_rel_diff": float(rel.max())}
 
     def _save_checkpoint(self) -> None:
@@ -583,7 +630,8 @@ def _traffic(network: LossyNetwork) -> dict:
 def _clip_grad_norm(model: TensorParallelGPT2, max_norm: float) -> torch.Tensor:
     """Global gradient norm as Megatron computes it: replicated grads once, every rank's shards."""
     def sq(params):
-        grads = [p.grad.float().pow(2).sum() for p in params if p.grad is not None]
+        # Grouped-query kv heads held by several ranks count once.
+        grads = [p.grad.float().pow(2).sum() / getattr(p, "tp_copies", 1) for p in params if p.grad is not None]
         return torch.stack(grads).sum() if grads else torch.zeros((), device=next(model.parameters()).device)
     sharded = model.group.all_gather_reliable(sq(model.sharded_parameters()).reshape(1)).sum()
     norm = (sq(model.replicated_parameters()) + sharded).sqrt()
@@ -615,6 +663,17 @@ def _resumable(config: ExperimentConfig) -> dict:
     free = ("out", "name", "timeout_s", "device", "checkpoint_every", "keep_checkpoints", "save_checkpoint",
             "report_to")
     return {k: v for k, v in config.to_dict().items() if k not in free}
+
+
+def _lm_inputs(batch: dict) -> dict:
+    """Causal-LM fine-tuning: the labels are the texts' own tokens (padding ignored)."""
+    return dict(batch, labels=batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100))
+
+
+def _next_tokens(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, targets) of every real next token: [tokens, vocab], [tokens]."""
+    valid = batch["attention_mask"][:, 1:].bool()
+    return logits[:, :-1][valid], batch["input_ids"][:, 1:][valid]
 
 
 def _last_token(input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:

@@ -12,16 +12,31 @@ import os
 from datetime import timedelta
 
 import torch
-from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model
+from transformers import (GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model, LlamaConfig,
+                          LlamaForCausalLM, LlamaForSequenceClassification, LlamaModel, MistralConfig,
+                          MistralForCausalLM, MistralForSequenceClassification, MistralModel, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen2ForSequenceClassification, Qwen2Model)
 
 from lossysim import LossyNetwork, gather_full_model, parallelize
-from lossysim.layers import ColumnParallelConv1D, RowParallelConv1D, shard_columns
+from lossysim.layers import ColumnParallel, RowParallel
 
 CLASSES = {"model": GPT2Model, "lm": GPT2LMHeadModel, "cls": GPT2ForSequenceClassification}
+# The Llama family: (config class, family-specific settings, classes by kind). 8 query heads.
+FAMILIES = {
+    # Llama with every optional bias on: o_proj's and down_proj's must be added once, after the reduction.
+    "llama": (LlamaConfig, dict(attention_bias=True, mlp_bias=True),
+              {"model": LlamaModel, "lm": LlamaForCausalLM, "cls": LlamaForSequenceClassification}),
+    "qwen2": (Qwen2Config, {},  # biases on q/k/v, none on o_proj
+              {"model": Qwen2Model, "lm": Qwen2ForCausalLM, "cls": Qwen2ForSequenceClassification}),
+    "mistral": (MistralConfig, dict(sliding_window=4),  # a window shorter than the batch's sequences
+                {"model": MistralModel, "lm": MistralForCausalLM, "cls": MistralForSequenceClassification}),
+}
 ATTENTION = ("sdpa", "eager")
 VOCAB, PAD, BOS, EOS = 100, 0, 1, 2
 BATCH, SEQ = 3, 10
 LOSSY_SPECS = {"bernoulli": "bernoulli:0.2", "ge": "ge:rate=0.2,burst=3"}
+# (kind, attention, kv heads) of the dist Llama checks: 1 kv head gives both ranks a copy.
+LLAMA_DIST_CASES = (("cls", "sdpa", 1), ("cls", "eager", 1), ("lm", "sdpa", 2))
 
 
 def tiny_config(attn: str = "sdpa", dropout: float = 0.0, **overrides) -> GPT2Config:
@@ -34,10 +49,27 @@ def tiny_config(attn: str = "sdpa", dropout: float = 0.0, **overrides) -> GPT2Co
     return config
 
 
-def build(kind: str, attn: str = "sdpa", dropout: float = 0.0, seed: int = 1, **overrides):
-    """The same randomly initialised HF model in every process."""
+def llama_config(family: str = "llama", attn: str = "sdpa", kv_heads: int = 2, dropout: float = 0.0,
+                 **overrides):
+    config_class, specific, _ = FAMILIES[family]
+    kwargs = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=kv_heads, vocab_size=VOCAB, max_position_embeddings=32,
+                  bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, num_labels=3,
+                  tie_word_embeddings=False, attention_dropout=dropout, **specific)
+    kwargs.update(overrides)
+    config = config_class(**kwargs)
+    config._attn_implementation = attn
+    return config
+
+
+def build(kind: str, attn: str = "sdpa", dropout: float = 0.0, seed: int = 1, family: str = "gpt2",
+          **overrides):
+    """The same randomly initialised HF model in every process (GPT-2, or a Llama-family ``family``)."""
     torch.manual_seed(seed)
-    model = CLASSES[kind](tiny_config(attn, dropout, **overrides))
+    if family == "gpt2":
+        model = CLASSES[kind](tiny_config(attn, dropout, **overrides))
+    else:
+        model = FAMILIES[family][2][kind](llama_config(family, attn, dropout=dropout, **overrides))
     # HF initialises biases to 0 and layer norms to (1, 0): perturb every parameter, or a bias
     # added on the wrong side of an all-reduce (summed tp_size times) would go unnoticed.
     with torch.no_grad():
@@ -97,13 +129,10 @@ def tp_layout(tpm, name: str, full: torch.Tensor, ranks=None) -> torch.Tensor:
     module_name, leaf = name.rsplit(".", 1)
     module = tpm.model.get_submodule(module_name)
     ranks = tpm.group.ranks if ranks is None else list(ranks)
-    tp = tpm.group.tp_size
-    if isinstance(module, ColumnParallelConv1D):
-        if leaf == "weight":
-            return shard_columns(full, tp, module.chunks)[ranks]
-        return shard_columns(full[None], tp, module.chunks)[ranks, 0]
-    if isinstance(module, RowParallelConv1D) and leaf == "weight":
-        return full.reshape(tp, -1, full.shape[-1])[ranks]
+    if isinstance(module, (ColumnParallel, RowParallel)):
+        cut = module.shard(leaf, full)
+        if cut is not None:
+            return cut[ranks]
     return full
 
 
@@ -189,6 +218,20 @@ def dist_worker(rank: int, world: int, out_dir: str) -> None:
                 p.add_(0.01 * (rank + 1))  # rank-distinct shards
         full = gather_full_model(tpm)
         results[("gather",)] = {"shards": params(tpm), "full": params(full)}
+        # 6. Llama: MHA-free cases only (kv heads 1: both ranks hold a copy; 2: split), exact and lossy.
+        for kind, attn, kv_heads in LLAMA_DIST_CASES:
+            tpm = parallelize(build(kind, attn, family="llama", kv_heads=kv_heads), world, backend="dist")
+            logits, losses = tp_step(tpm, kind, make_batch(kind))
+            results[("llama-exact", kind, attn, kv_heads)] = {"logits": logits, "losses": losses,
+                                                               "grads": grads(tpm)}
+        network = lossy_network(LOSSY_SPECS["ge"], world)
+        tpm = parallelize(build("cls", family="llama", kv_heads=1), world, network, backend="dist")
+        results[("llama-lossy",)] = {"runs": lossy_run(tpm, batch), "stats": network.stats()}
+        tpm = parallelize(build("lm", family="llama"), world, backend="dist")
+        with torch.no_grad():
+            for p in tpm.sharded_parameters():
+                p.add_(0.01 * (rank + 1))
+        results[("llama-gather",)] = params(gather_full_model(tpm))
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

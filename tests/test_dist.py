@@ -1,4 +1,4 @@
-"""Tensor-parallel GPT-2 in the ``dist`` backend: 2 gloo processes, checked against HF and ``sim``.
+"""Tensor-parallel GPT-2 and Llama in the ``dist`` backend: 2 gloo processes, checked against HF and ``sim``.
 
 One spawn for the whole module (spawn + init + teardown costs seconds): the
 worker (``_tp_common.dist_worker``) runs every dist case and saves what each
@@ -23,9 +23,9 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _tp_common import (ATTENTION, CLASSES, LOSSY_SPECS, build, dist_worker, grads, hf_step,  # noqa: E402
-                        lossy_network, lossy_run, make_batch, params, rel_err, sharded_names,
-                        tp_layout, tp_step)
+from _tp_common import (ATTENTION, CLASSES, LLAMA_DIST_CASES, LOSSY_SPECS, build, dist_worker,  # noqa: E402
+                        grads, hf_step, lossy_network, lossy_run, make_batch, params, rel_err,
+                        sharded_names, tp_layout, tp_step)
 
 from lossysim import gather_full_model, parallelize  # noqa: E402
 
@@ -147,3 +147,58 @@ def test_dist_gather_full_model(ranks):
             assert torch.equal(got["full"][name], value), (r, name)  # every rank gets every shard
         for name, value in shards.items():
             assert torch.equal(got["shards"][name], value[r:r + 1] if name in sharded else value), (r, name)
+
+
+# -- Llama ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind, attn, kv_heads", LLAMA_DIST_CASES)
+def test_dist_llama_matches_hf_without_loss(ranks, kind, attn, kv_heads):
+    ref = build(kind, attn, family="llama", kv_heads=kv_heads)
+    sim = parallelize(copy.deepcopy(ref), WORLD)
+    batch = make_batch(kind)
+    out, loss = hf_step(ref, kind, batch)
+    ref_grads = grads(ref)
+    for r, seen in enumerate(ranks):
+        got = seen[("llama-exact", kind, attn, kv_heads)]
+        assert rel_err(got["logits"][0], out) <= TOL, r
+        assert rel_err(got["losses"][0], loss) <= TOL, r
+        assert got["grads"].keys() == ref_grads.keys()
+        for name, grad in ref_grads.items():
+            assert rel_err(got["grads"][name], tp_layout(sim, name, grad, ranks=[r])) <= TOL, (r, name)
+
+
+def test_dist_llama_equals_sim_under_loss(ranks):
+    """Grouped-query attention with both ranks holding the one kv head: its copies' gradients are
+    summed over the reliable channel in dist and in one tensor in sim, in the same order."""
+    network = lossy_network(LOSSY_SPECS["ge"], WORLD)
+    sim = parallelize(build("cls", family="llama", kv_heads=1), WORLD, network)
+    runs = lossy_run(sim, make_batch("cls"))
+    sharded = sharded_names(sim)
+    assert sum(row["lost"] for row in network.stats()) > 0
+    for r, seen in enumerate(ranks):
+        got = seen[("llama-lossy",)]
+        assert got["stats"] == network.stats()
+        for step, (mine, theirs) in enumerate(zip(got["runs"], runs)):
+            assert torch.equal(mine["logits"][0], theirs["logits"][r]), (r, step)
+            assert torch.equal(mine["losses"][0], theirs["losses"][r]), (r, step)
+            for name, grad in theirs["grads"].items():
+                if name in sharded:
+                    assert torch.equal(mine["grads"][name][0], grad[r]), (r, step, name)
+                else:
+                    assert rel_err(mine["grads"][name], grad) <= 1e-6, (r, step, name)
+    assert not torch.equal(ranks[0][("llama-lossy",)]["runs"][0]["logits"],
+                           ranks[1][("llama-lossy",)]["runs"][0]["logits"])
+
+
+def test_dist_llama_gather_full_model(ranks):
+    sim = parallelize(build("lm", family="llama"), WORLD)
+    with torch.no_grad():
+        for p in sim.sharded_parameters():
+            for r in range(WORLD):
+                p[r].add_(0.01 * (r + 1))
+    full = params(gather_full_model(sim))
+    for r, seen in enumerate(ranks):
+        got = seen[("llama-gather",)]
+        assert got.keys() == full.keys()
+        for name, value in full.items():
+            assert torch.equal(got[name], value), (r, name)

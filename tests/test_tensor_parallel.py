@@ -25,7 +25,7 @@ from _tp_common import (ATTENTION, BATCH, CLASSES, SEQ, build, grads, hf_step, m
 
 from lossysim import LossyNetwork, gather_full_model, parallelize  # noqa: E402
 from lossysim.collectives import SimGroup, copy_to_tp, gather_from_tp, reduce_from_tp  # noqa: E402
-from lossysim.layers import ColumnParallelConv1D, RowParallelConv1D, unshard_columns  # noqa: E402
+from lossysim.layers import ColumnParallel, RowParallel, unshard_columns  # noqa: E402
 
 TOL = 1e-5
 
@@ -141,10 +141,10 @@ def _hf_with(tpm, column, row):
     """An HF model assembled from the TP shards by the given (possibly wrong) column/row gathers."""
     state = {k: v.clone() for k, v in gather_full_model(tpm).state_dict().items()}
     for name, module in tpm.model.named_modules():
-        if isinstance(module, ColumnParallelConv1D):
+        if isinstance(module, ColumnParallel):
             state[f"{name}.weight"] = column(module.weight.detach(), module.chunks)
             state[f"{name}.bias"] = column(module.bias.detach()[:, None], module.chunks)[0]
-        elif isinstance(module, RowParallelConv1D):
+        elif isinstance(module, RowParallel):
             state[f"{name}.weight"] = row(module.weight.detach())
     model = type(tpm.model)(copy.deepcopy(tpm.config))
     model.load_state_dict(state)
