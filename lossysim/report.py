@@ -524,6 +524,7 @@ def plot_accuracy_vs_time(metrics: pd.DataFrame, runs: pd.DataFrame, ax: Optiona
     ax = _new_axes(ax, figsize=(8, 5))
     groups = _setting_groups(runs)
     colors = _colors(len(groups))
+    greys = iter(["black", "dimgray", "darkgray", "silver"] * len(groups))
     for (setting, group), color in zip(groups, colors):
         rows = evals[evals["run_dir"].isin(group["run_dir"])]
         if rows.empty:
@@ -534,10 +535,10 @@ def plot_accuracy_vs_time(metrics: pd.DataFrame, runs: pd.DataFrame, ax: Optiona
         half = np.array([0.0 if e.n < 2 else e.half_width for e in est])
         baseline = setting.get("loss_model") == "none"
         label = group["series"].iloc[0] + ("" if baseline else f", {100 * float(setting['loss_rate']):g}%")
-        ax.plot(curve["t"], 100 * mean, color="black" if baseline else color,
-                linestyle="--" if baseline else "-", marker=".", label=label)
-        ax.fill_between(curve["t"], 100 * (mean - half), 100 * (mean + half),
-                        color="black" if baseline else color, alpha=0.12, linewidth=0)
+        color = next(greys) if baseline else color
+        ax.plot(curve["t"], 100 * mean, color=color, linestyle="--" if baseline else "-", marker=".", label=label)
+        ax.fill_between(curve["t"], np.clip(100 * (mean - half), 0, 100), np.clip(100 * (mean + half), 0, 100),
+                        color=color, alpha=0.12, linewidth=0)
     ax.set_xscale("log")
     ax.set_xlabel("simulated time (s, log scale): modelled compute + simulated communication")
     ax.set_ylabel(f"{split_name(runs)} accuracy (%)")
