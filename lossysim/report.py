@@ -544,7 +544,6 @@ def plot_accuracy_vs_time(metrics: pd.DataFrame, runs: pd.DataFrame, ax: Optiona
     ax.set_ylabel(f"{split_name(runs)} accuracy (%)")
     ax.set_title(f"Accuracy against simulated time ({dataset_title(runs)})")
     ax.legend(fontsize=7, loc="lower right")
-    ax.figure.tight_layout()
     return ax
 
 
@@ -587,6 +586,8 @@ def section_overview(inputs: ReportInputs) -> str:
 
 
 def section_time_to_accuracy(inputs: ReportInputs) -> str:
+    if "sim_time_s" not in inputs.metrics.columns:  # results written before the simulated clock
+        return ""
     table, target = time_to_accuracy_table(inputs.runs, inputs.metrics)
     if table.empty or not math.isfinite(target):
         return ""

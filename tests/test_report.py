@@ -180,3 +180,49 @@ def test_steps_to_target_from_metrics_when_the_summary_lacks_it(results):
     assert table[table["loss model"] == "no loss"].iloc[0]["steps to target"] == "4 ± 0 (2/2 reached)"
     assert table[(table["loss model"] == "Bernoulli") & (table["rate (%)"] == "20")].iloc[0][
         "steps to target"] == "not reached (0/1 reached)"
+
+
+def _timed_runs():
+    """Two seeds of a loss-free baseline and of a slower lossy setting, with known clocks."""
+    runs, metrics = [], []
+    for setting, (speed, accs) in {"none": (1.0, [0.5, 0.8, 0.9]), "bernoulli:0.05": (3.0, [0.4, 0.7, 0.9])}.items():
+        for seed in (0, 1):
+            run_dir = f"{setting}-{seed}"
+            lossy = setting != "none"
+            runs.append({"run_dir": run_dir, "status": "completed", "loss": setting, "seed": seed,
+                         "loss_model": "bernoulli" if lossy else "none", "loss_rate": 0.05 if lossy else 0.0,
+                         "mean_burst": 1.05 if lossy else 0.0, "transport": "retransmit" if lossy else "drop",
+                         "accuracy": accs[-1], "eval_split": "validation_matched",
+                         "comm_s_per_step": 0.001 * speed, "dataset_name": "synthetic"})
+            for i, acc in enumerate(accs):
+                step = 10 * (i + 1)
+                metrics.append({"run_dir": run_dir, "split": "validation_matched", "eval_split": "validation_matched",
+                                "step": step, "accuracy": acc + 0.01 * seed, "sim_time_s": speed * step * (1 + seed)})
+    return pd.DataFrame(runs), pd.DataFrame(metrics)
+
+
+def test_time_to_accuracy_table_against_hand_computed_times():
+    runs, metrics = _timed_runs()
+    table, target = report.time_to_accuracy_table(runs, metrics, fraction=0.85)
+    assert target == pytest.approx(0.85 * 0.9)                  # 76.5%: reached at the third evaluation
+    base, lossy = table.iloc[0], table.iloc[1]
+    assert base["setting"].startswith("no loss") and base["reached"] == "2/2"
+    # baseline: seeds reach 76.5% at step 20 (0.8, 0.81), times 20 and 40; lossy: step 30, times 90 and 180
+    est = report.mean_ci([90.0, 180.0])
+    assert lossy["time to target (ms)"] == report._pm(est.mean, est.half_width, 2, scale=1e3, digits=3)
+    assert lossy["x baseline"] == f"{135 / 30:.2f}" and lossy["steps"] == "30" and base["steps"] == "20"
+    ax = report.plot_accuracy_vs_time(metrics, runs)
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert len(lines) == 2 and ax.get_xscale() == "log"
+    lossy_line = next(line for label, line in lines.items() if "Bernoulli" in label)
+    assert list(lossy_line.get_xdata()) == [45.0, 90.0, 135.0]   # mean simulated time over the seeds
+
+
+def test_time_section_is_first_in_the_report(tmp_path):
+    runs, metrics = _timed_runs()
+    inputs = report.ReportInputs(tmp_path, runs, metrics)
+    assert report.SECTIONS[1] is report.section_time_to_accuracy  # right after the overview
+    text = report.section_time_to_accuracy(inputs)
+    assert text.startswith("## Time to reach 81.0% accuracy") and "| no loss" in text, text
+    assert report.section_time_to_accuracy(report.ReportInputs(tmp_path, runs, metrics.drop(columns="sim_time_s"))) == ""
+    assert list(report.PLOTS)[0] == "accuracy_vs_time.png"

@@ -43,12 +43,15 @@ def fake_run_experiment(config: ExperimentConfig, run_dir, *, progress=True, pos
     metrics = run_dir / "metrics.jsonl"
     for step in range(config.eval_every, config.steps + 1, config.eval_every):
         frac = step / config.steps
-        append_jsonl(metrics, {"step": step, "split": "train", "time_s": 0.1 * step, "loss": 1.0 - 0.5 * frac,
+        clock = 1e-3 * step * (1 + 10 * model.loss_rate)  # the simulated clock every run writes
+        append_jsonl(metrics, {"step": step, "split": "train", "time_s": 0.1 * step, "sim_time_s": clock,
+                               "loss": 1.0 - 0.5 * frac,
                                "accuracy": 0.5 + 0.3 * frac, "lr": config.lr, "tokens_per_s": 1000.0,
                                "observed_loss_rate": model.loss_rate, "disagreement": model.loss_rate,
                                "hidden_rel_diff": model.loss_rate})
         for split in SPLITS:
-            append_jsonl(metrics, {"step": step, "split": split, "time_s": 0.1 * step, "loss": 1.0 - 0.5 * frac,
+            append_jsonl(metrics, {"step": step, "split": split, "time_s": 0.1 * step, "sim_time_s": clock,
+                                   "loss": 1.0 - 0.5 * frac,
                                    "accuracy": 0.34 + (fake_accuracy(config, split) - 0.34) * frac,
                                    "observed_loss_rate": model.loss_rate, "disagreement": model.loss_rate})
     final = {s: {"accuracy": fake_accuracy(config, s), "loss": 0.5, "step": config.steps} for s in SPLITS}
