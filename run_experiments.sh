@@ -9,16 +9,18 @@ usage() {
   cat <<'EOF'
 Usage: ./run_experiments.sh [options]
 
-Runs a sweep of tensor-parallel GPT-2 trainings under packet loss, prints a table of
-accuracy against average loss rate and burstiness, and writes the report (plots, report.md,
-summary.csv) into the output folder. A sweep that is stopped resumes where it left off when
+Runs a sweep of tensor-parallel trainings under packet loss, prints the simulated time to
+reach a target accuracy and accuracy against loss rate, and writes the report (accuracy
+against simulated time first, then plots, report.md, summary.csv) into the output folder. A sweep that is stopped resumes where it left off when
 the same command runs again.
 
 Profiles:
   quick  (default) tiny GPT-2 on the synthetic NLI task (synthetic, not MNLI), offline,
-         2 simulated ranks, Bernoulli and Gilbert-Elliott loss at 1%, 5%, 20%, 3 seeds
-         (95% intervals and tests against no loss); about 10 minutes on 2 idle CPU cores.
-         Spec: experiments/quick.yaml
+         2 simulated ranks on two nodes over 200G RoCE, 3 seeds (95% intervals and tests
+         against no loss): ring all-reduce under Bernoulli 1%, 5%, 20% and Gilbert-Elliott
+         5%; direct exchange at 20%; retransmit and deadline at 5% (deadline at 20%); a
+         2 nodes x 2 ranks layout losing only between nodes. 33 runs, at most 15 minutes
+         on 2 idle CPU cores. Spec: experiments/quick.yaml
   mnli   pretrained gpt2 on MNLI (20k train, 2k eval per split), tp 2; torchrun (dist)
          with >= 2 GPUs, simulated ranks (sim) otherwise. Spec: experiments/mnli_sweep.yaml
          (the first run downloads gpt2 and MNLI unless HF_HUB_OFFLINE=1)
@@ -27,7 +29,8 @@ Options (each also read from the environment variable shown; options win):
   --profile NAME     quick | mnli                                    [LOSSYSIM_PROFILE]
   --rates "R ..."    average loss rates, fractions or percents,      [LOSSYSIM_RATES]
                      e.g. "0 0.01 5%"; each gives a Bernoulli and a Gilbert-Elliott run
-                     (the loss-free baseline always runs). Default: the spec's.
+                     in every comparison of the spec (the loss-free baseline always
+                     runs). Default: the spec's.
   --burst "B ..."    Gilbert-Elliott mean burst lengths in packets    [LOSSYSIM_BURST]
                      (default 8 when --rates is given, else the spec's)
   --tp "N ..."       tensor-parallel sizes (default: the spec's, 2)  [LOSSYSIM_TP]
