@@ -35,6 +35,9 @@ ATTENTION = ("sdpa", "eager")
 VOCAB, PAD, BOS, EOS = 100, 0, 1, 2
 BATCH, SEQ = 3, 10
 LOSSY_SPECS = {"bernoulli": "bernoulli:0.2", "ge": "ge:rate=0.2,burst=3"}
+# Beside the default (ring, drop): every other algorithm, and the transports that repair.
+ALGORITHM_CASES = [{"algorithm": "tree"}, {"algorithm": "direct"}, {"transport": "deadline"},
+                   {"transport": "retransmit"}]
 # (kind, attention, kv heads) of the dist Llama checks: 1 kv head gives both ranks a copy.
 LLAMA_DIST_CASES = (("cls", "sdpa", 1), ("cls", "eager", 1), ("lm", "sdpa", 2))
 
@@ -207,6 +210,12 @@ def dist_worker(rank: int, world: int, out_dir: str) -> None:
                 runs = lossy_run(tpm, batch)
                 results[("lossy", name, recovery)] = {"runs": runs, "stats": network.stats(),
                                                       "disagreement": tpm.disagreement()}
+        # 3b. The other algorithms and the repairing transports: the same masks, deliveries and clock.
+        for extra in ALGORITHM_CASES:
+            network = lossy_network(LOSSY_SPECS["ge"], world, **extra)
+            tpm = parallelize(build("cls"), world, network, backend="dist")
+            results[("algorithm", *sorted(extra.items()))] = {"runs": lossy_run(tpm, batch), "stats": network.stats(),
+                                                              "clock": network.clock()}
         # 4. Lossy, replicated gradients left unsynchronised: each rank's own.
         tpm = parallelize(build("cls"), world, lossy_network(LOSSY_SPECS["bernoulli"], world),
                           backend="dist", sync_replicated=False)

@@ -23,7 +23,8 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _tp_common import (ATTENTION, CLASSES, LLAMA_DIST_CASES, LOSSY_SPECS, build, dist_worker,  # noqa: E402
+from _tp_common import (ALGORITHM_CASES, ATTENTION, CLASSES, LLAMA_DIST_CASES, LOSSY_SPECS, build,  # noqa: E402
+                        dist_worker,
                         grads, hf_step, lossy_network, lossy_run, make_batch, params, rel_err,
                         sharded_names, tp_layout, tp_step)
 
@@ -82,6 +83,27 @@ def test_dist_dropout_without_loss_keeps_ranks_identical(ranks, attn):
     with torch.no_grad():
         plain = ref(**{k: v for k, v in make_batch("cls").items() if k != "labels"}).logits
     assert rel_err(first["logits"][0], plain) > 1e-3  # dropout was on
+
+
+@pytest.mark.parametrize("extra", ALGORITHM_CASES, ids=lambda e: "-".join(map(str, e.values())))
+def test_dist_equals_sim_for_every_algorithm_and_transport(ranks, extra):
+    """Tree, direct, deadline: bitwise sim's rank r. Retransmit: gloo's sum moves the exact data."""
+    network = lossy_network(LOSSY_SPECS["ge"], WORLD, **extra)
+    sim = parallelize(build("cls"), WORLD, network)
+    runs = lossy_run(sim, make_batch("cls"))
+    sharded = sharded_names(sim)
+    assert sum(row["lost"] for row in network.stats()) > 0
+    for r, seen in enumerate(ranks):
+        got = seen[("algorithm", *sorted(extra.items()))]
+        assert got["stats"] == network.stats() and got["clock"] == network.clock()
+        for mine, theirs in zip(got["runs"], runs):
+            if extra.get("transport") == "retransmit":
+                assert rel_err(mine["logits"][0], theirs["logits"][r]) <= 1e-6
+                continue
+            assert torch.equal(mine["logits"][0], theirs["logits"][r]) and torch.equal(mine["losses"][0],
+                                                                                      theirs["losses"][r])
+            for name in sharded:
+                assert torch.equal(mine["grads"][name][0], theirs["grads"][name][r]), name
 
 
 @pytest.mark.parametrize("recovery", ["zero", "rescale"])
