@@ -93,23 +93,29 @@ class Schedule:
         device = torch.device(device)
         cached = self._tensors.get(device)
         if cached is None:
-            cached = self._tensors[device] = {k: torch.as_tensor(v, device=device)
-                                              for k, v in self._index_lists().items()}
+            cached = {k: torch.as_tensor(v, device=device) for k, v in self._index_lists().items()}
+            cached.update(self._packet_tensors(device))
+            self._tensors[device] = cached
         return cached
 
-    def _index_lists(self) -> dict:
-        R, S, P = self.tp_size, len(self.sends), self.max_packets
+    def _packet_tensors(self, device) -> dict:
+        """Per send and packet: where it sits in the [links, width] draw, and whether it is padding."""
         width = max(self.link_packets, default=0)
-        k = range(P)
-        out = {
-            # Flat position of each send's packets in the [links, width] draw; padding -> a
-            # position that exists (its value is ignored).
-            "gather": [[min(self.send_row[i] * width + self.send_offset[i] + j, max(len(self.links) * width - 1, 0))
-                        for j in k] for i in range(S)],
-            "padding": [[j >= s.packets for j in k] for s in self.sends],
-            "phase": self._phase_by_position(width),
-            "link_packets": self.link_packets,
-        }
+        slot = torch.arange(self.max_packets, device=device)
+        start = torch.tensor([r * width + o for r, o in zip(self.send_row, self.send_offset)],
+                             dtype=torch.long, device=device).reshape(-1, 1)
+        packets = torch.tensor([s.packets for s in self.sends], dtype=torch.long, device=device).reshape(-1, 1)
+        phase = torch.zeros(len(self.links), width, dtype=torch.long, device=device)
+        for i, s in enumerate(self.sends):
+            start_i = self.send_offset[i]
+            phase[self.send_row[i], start_i:start_i + s.packets] = PHASES.index(s.phase)
+        return {"gather": (start + slot).clamp(max=max(len(self.links) * width - 1, 0)),  # padding: any real slot
+                "padding": slot >= packets, "phase": phase,
+                "link_packets": torch.tensor(self.link_packets, dtype=torch.long, device=device)}
+
+    def _index_lists(self) -> dict:
+        R, S = self.tp_size, len(self.sends)
+        out = {}
         none = S  # index of an all-ones row appended to the weights
         key = (self.algorithm, self.collective)
         if key == ("ring", "all_reduce"):
@@ -132,13 +138,6 @@ class Schedule:
             index = {(s.src, s.dst): i for i, s in enumerate(self.sends)}
             out["pair"] = [[index.get((j, i), none) for j in range(R)] for i in range(R)]
         return out
-
-    def _phase_by_position(self, width: int) -> list[list[int]]:
-        phase = [[0] * width for _ in self.links]
-        for i, s in enumerate(self.sends):
-            start = self.send_offset[i]
-            phase[self.send_row[i]][start:start + s.packets] = [PHASES.index(s.phase)] * s.packets
-        return phase
 
     def _packet_parts(self) -> dict:
         part, pos = [], []
