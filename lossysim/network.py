@@ -340,13 +340,16 @@ class LossyNetwork:
         return lost, in_bad
 
     def _draw_fn(self, channel: _Channel, plan: _Plan, rows: list, phase: int):
-        """A transport's view of some links: draw(lengths) -> (lost, commit(used))."""
-        def draw(lengths):
-            lost, _, commit = self._sample(channel, plan, lengths, rows)
+        """A transport's view of some links: draw(lengths, known) -> (lost, commit(used)); with
+        ``known`` False only commit says how many of the drawn packets were really sent."""
+        def draw(lengths, known=True):
+            lost, _, commit = self._sample(channel, plan, lengths, rows, known)
             return lost, lambda used: commit(used, phase)
         return draw
 
-    def _sample(self, channel: _Channel, plan: _Plan, lengths: torch.Tensor, rows=None):
+    def _sample(self, channel: _Channel, plan: _Plan, lengths: torch.Tensor, rows=None, known: bool = True):
+        """Draw ``lengths`` packets per link. ``known``: exactly those are sent (the chains end
+        after them); otherwise ``commit(used)`` rewinds each chain to its ``used``-th packet."""
         device = channel.counts.device
         if rows is None:  # the whole schedule: its width is known without a sync
             rows, link_ids, width = range(len(plan.sched.links)), plan.link_ids, plan.width
@@ -364,7 +367,9 @@ class LossyNetwork:
                     (len(self.links), 0), channel.generator, None)
                 channel.started = True
             state = None if channel.chain is None else channel.chain[draw_ids]
-            drawn, bad, after = self.loss_model.sample_with_states((len(lossy), width), channel.generator, state)
+            sent = (lengths[lossy] if len(lossy) < len(rows) else lengths) if known else None
+            drawn, bad, after = self.loss_model.sample_with_states((len(lossy), width), channel.generator, state,
+                                                                   used=sent)
             if len(lossy) < len(rows):
                 lost[lossy], in_bad[lossy] = drawn, bad
             else:
@@ -375,7 +380,7 @@ class LossyNetwork:
             if lossy and channel.chain is not None:
                 sub = used[lossy] if len(lossy) < len(rows) else used
                 channel.chain = channel.chain.clone()
-                channel.chain[draw_ids] = self.loss_model.state_after(bad, after, sub)
+                channel.chain[draw_ids] = after if known else self.loss_model.state_after(bad, after, sub)
             self._record(channel, link_ids, lost, in_bad, used, phase)
         return lost, in_bad, commit
 

@@ -31,9 +31,9 @@ import torch
 TRANSPORTS = ("drop", "retransmit", "deadline")
 MODES = ("selective", "go_back_n")
 
-# Draw(rows, lengths) -> (lost [n, max(lengths)], commit(used)): packets of the next
-# transmissions on each link; commit says how many were really sent (chain and counters).
-Draw = Callable[[torch.Tensor, torch.Tensor], tuple]
+# draw(lengths, known=True) -> (lost [n, max(lengths)], commit(used)): the next transmissions on
+# each link; commit says how many were really sent (counters, and the chains when not known).
+Draw = Callable[..., tuple]
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def _go_back_n(packets, draw, alpha, tau, rto, window):
         remaining = packets - delivered
         if not bool((remaining > 0).any()):
             break
-        lost, commit = draw(remaining)
+        lost, commit = draw(remaining, known=False)  # how many go out depends on where the first loss is
         lost = lost & (torch.arange(lost.shape[1], device=lost.device) < remaining.unsqueeze(1))
         hit = lost.any(1)
         first = torch.where(hit, lost.int().argmax(1), remaining)

@@ -41,8 +41,8 @@ def spy(monkeypatch):
         masks = []
         draw = net.loss_model.sample_with_states
 
-        def recorded(n, generator, state=None):
-            lost, in_bad, next_state = draw(n, generator, state)
+        def recorded(n, generator, state=None, used=None):
+            lost, in_bad, next_state = draw(n, generator, state, used=used)
             if lost.shape[-1]:  # not the zero-length draw that starts every chain
                 masks.append(lost.clone())
             return lost, in_bad, next_state
