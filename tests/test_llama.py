@@ -97,7 +97,7 @@ def test_plan_shards_what_it_says():
 def test_sites_and_traffic():
     """Two copy sites (bwd) and two reduce sites (fwd) per layer, each sending one [tokens, hidden] message."""
     tp = 4
-    network = LossyNetwork(tp, "none")
+    network = LossyNetwork(tp, "none", algorithm="direct")  # one whole message per link
     tpm = parallelize(build("cls", family="llama"), tp, network)
     tp_step(tpm, "cls", make_batch("cls"))
     sites = {(row["site"], row["direction"]) for row in network.stats()}
