@@ -13,6 +13,7 @@ from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from .loss_models import parse_loss_model
+from .tracking import parse_report_to
 
 
 @dataclass
@@ -89,7 +90,6 @@ class ExperimentConfig:
             parse_loss_model(self.loss)
         except ValueError as err:
             raise ValueError(f"loss: {err}") from None
-        from .tracking import parse_report_to
         parse_report_to(self.report_to)
         return self
 
