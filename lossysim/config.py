@@ -13,6 +13,7 @@ from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from .loss_models import parse_loss_model
+from .tracking import parse_report_to
 
 
 @dataclass
@@ -104,7 +105,6 @@ class ExperimentConfig:
         except ValueError as err:
             raise ValueError(f"loss: {err}") from None
         self._validate_network(loss_model)
-        from .tracking import parse_report_to
         parse_report_to(self.report_to)
         return self
 

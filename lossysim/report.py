@@ -5,6 +5,10 @@ shards that wrote to one folder are reported together. The plotting functions ta
 optional Matplotlib ``Axes`` (or ``Figure``) so ``notebooks/analysis.ipynb`` draws the same
 plots inline; without one they draw on a pyplot-free ``Figure`` rendered by Agg, which leaves
 the global backend (a notebook's inline one) alone.
+
+Statistics treat seeds as samples: a setting (every varying config value but the seed) gets a
+95% Student-t interval and Welch's t-test against the loss-free baseline (``settings``).
+report.md is a list of sections (``SECTIONS``), each a function of ``ReportInputs``.
 """
 from __future__ import annotations
 
