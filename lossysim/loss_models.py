@@ -19,6 +19,7 @@ work grows with the number of losses and state changes, not with the packets.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -543,6 +544,110 @@ class FourState(LossModel):
         return _block_size(cover / mean_slot) if math.isfinite(mean_slot) else _SPARE_FIXED
 
 
+def load_trace(path: Union[str, "os.PathLike"]) -> np.ndarray:
+    """A per-packet loss indicator (bool array) from a trace file.
+
+    ``.npy``: an array of bools (or 0/1). ``.runs`` (text): run lengths that
+    alternate delivered, lost, delivered, ... starting with delivered (0 allowed).
+    Any other file: text of 0/1 per packet, separated by whitespace or commas or not
+    at all; lines starting with # are comments.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"trace file {str(path)!r} does not exist")
+    if path.suffix == ".npy":
+        values = np.load(path, allow_pickle=False).ravel()
+        if values.dtype != np.bool_ and not np.isin(values, (0, 1)).all():
+            raise ValueError(f"trace {str(path)!r}: a .npy trace holds bools or 0/1")
+        return values.astype(bool)
+    text = "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#"))
+    tokens = text.replace(",", " ").split()
+    if path.suffix == ".runs":
+        try:
+            runs = np.array([int(t) for t in tokens], dtype=np.int64)
+        except ValueError:
+            raise ValueError(f"trace {str(path)!r}: run lengths must be integers") from None
+        if (runs < 0).any():
+            raise ValueError(f"trace {str(path)!r}: negative run length {int(runs[runs < 0][0])}")
+        return np.repeat(np.arange(runs.size) % 2 == 1, runs)
+    digits = "".join(tokens)
+    if digits.strip("01"):
+        bad = next(c for c in digits if c not in "01")
+        raise ValueError(f"trace {str(path)!r}: expected 0/1 per packet, found {bad!r}")
+    return np.frombuffer(digits.encode(), dtype=np.uint8) == ord("1")
+
+
+def trace_runs(lost: np.ndarray, circular: bool = False):
+    """(burst lengths, gap lengths) of a loss indicator; ``circular`` joins the ends."""
+    lost = np.asarray(lost, dtype=bool)
+    if circular and lost.size and lost.any() and not lost.all():
+        first = int(np.argmax(lost != lost[-1]))
+        lost = np.roll(lost, -first)   # start at a change, so no run wraps around
+    edges = np.flatnonzero(np.diff(lost.astype(np.int8))) + 1
+    bounds = np.concatenate([[0], edges, [lost.size]])
+    lengths = np.diff(bounds)
+    values = lost[bounds[:-1]] if lost.size else np.zeros(0, dtype=bool)
+    return lengths[values], lengths[~values]
+
+
+class Trace(LossModel):
+    """Replays a measured per-packet loss trace (``trace:PATH``).
+
+    Each chain replays the trace from its own offset (drawn from the generator
+    for a fresh chain) and wraps around; the state is the offset of the next
+    packet. ``loss_rate`` and ``mean_burst`` are the trace's own (runs counted
+    around the wrap). A trace has no hidden state, so ``in_bad`` is all False.
+    """
+
+    def __init__(self, path: str, lost: Optional[np.ndarray] = None):
+        self.path = str(path)
+        self.lost = load_trace(self.path) if lost is None else np.asarray(lost, dtype=bool)
+        if self.lost.size == 0:
+            raise ValueError(f"trace {self.path!r} is empty")
+        self.spec = f"trace:{self.path}"
+        self._tensors = {}
+        bursts, _ = trace_runs(self.lost, circular=True)
+        self._rate = float(self.lost.mean())
+        self._burst = float(bursts.mean()) if bursts.size else (math.inf if self.lost.all() else 0.0)
+
+    @property
+    def loss_rate(self) -> float:
+        return self._rate
+
+    @property
+    def mean_burst(self) -> float:
+        return self._burst
+
+    @property
+    def variance_per_packet(self) -> float:
+        # Bartlett-weighted sum of the trace's circular autocovariance up to a quarter of its length.
+        x = self.lost.astype(np.float64) - self._rate
+        spectrum = np.abs(np.fft.rfft(x)) ** 2
+        acov = np.fft.irfft(spectrum, n=x.size) / x.size
+        lags = max(1, x.size // 4)
+        weights = 1.0 - np.arange(1, lags) / lags
+        return float(max(acov[0] + 2.0 * (weights * acov[1:lags]).sum(), 0.0))
+
+    def _on(self, device) -> torch.Tensor:
+        key = str(device)
+        if key not in self._tensors:
+            self._tensors[key] = torch.from_numpy(self.lost.copy()).to(device)
+        return self._tensors[key]
+
+    def sample_with_states(self, n, generator, state=None, used=None):
+        shape = _shape(n)
+        device = generator.device
+        chains, packets, state, used = _flat_chains(shape, state, used, device)
+        size = self.lost.size
+        if state is None:
+            state = torch.randint(0, size, (chains,), generator=generator, device=device)
+        state = state.to(torch.int64)
+        index = (state.unsqueeze(-1) + torch.arange(packets, device=device)) % size
+        lost = self._on(device)[index]
+        next_state = (state + used) % size
+        return lost.view(shape), _zeros(chains * packets, device).view(shape), next_state.view(shape[:-1])
+
+
 def _parse_number(field: str, text: str) -> float:
     text = text.strip()
     try:
@@ -551,16 +656,54 @@ def _parse_number(field: str, text: str) -> float:
         raise ValueError(f"{field}={text!r} is not a number") from None
 
 
-_SPEC_HELP = ("expected none, bernoulli:P, ge:rate=L,burst=B or "
-              "ge:p_gb=P,p_bg=R[,loss_bad=X,loss_good=Y]")
+_SPEC_HELP = ("expected none, bernoulli:P, ge:rate=L,burst=B, ge:p_gb=P,p_bg=R[,loss_bad=X,loss_good=Y], "
+              "netem:loss random P | gemodel P [R [1-H [1-K]]] | state P13 [P31 [P32 [P23 [P14]]]], "
+              "or trace:PATH")
+_NETEM_FIELDS = {"random": ("p",), "gemodel": ("p", "r", "1-h", "1-k"),
+                 "state": ("p13", "p31", "p32", "p23", "p14")}
+
+
+def _parse_netem(args: str) -> LossModel:
+    """The ``loss ...`` part of a ``tc qdisc ... netem`` line; percents or fractions."""
+    words = args.split()
+    if words and words[0].lower() == "loss":
+        words = words[1:]
+    if words and words[0][:1].isdigit():   # netem's old syntax: loss P = loss random P
+        words = ["random"] + words
+    if not words or words[0].lower() not in _NETEM_FIELDS:
+        raise ValueError(f"expected 'loss random', 'loss gemodel' or 'loss state', got {args.strip()!r}")
+    kind, values = words[0].lower(), words[1:]
+    if "ecn" in (v.lower() for v in values):
+        raise ValueError("ecn marks packets instead of dropping them; lossysim models drops only")
+    fields = _NETEM_FIELDS[kind]
+    if not values:
+        raise ValueError(f"{fields[0]} is missing (loss {kind} {' '.join(f.upper() for f in fields)})")
+    if kind == "random" and len(values) > 1:
+        raise ValueError(f"correlation={values[1]} is not supported: netem deprecated it (it distorts "
+                         "the loss rate); use loss gemodel")
+    if len(values) > len(fields):
+        raise ValueError(f"loss {kind} takes at most {len(fields)} values, got {' '.join(values)!r}")
+    numbers = [_parse_number(field, value) for field, value in zip(fields, values)]
+    if kind == "random":
+        return NoLoss() if numbers[0] == 0.0 else Bernoulli(numbers[0])
+    if kind == "gemodel":
+        keywords = dict(zip(("p", "r", "one_minus_h", "one_minus_k"), numbers))
+        for name, field in zip(("p", "r", "one_minus_h", "one_minus_k"), fields):
+            if name in keywords:
+                _check_probability(field, keywords[name])
+        return GilbertElliott.from_netem(**keywords)
+    return FourState(*numbers)
 
 
 def parse_loss_model(spec: Union[str, LossModel, None]) -> LossModel:
     """Build a loss model from a CLI/config spec.
 
     ``none``, ``bernoulli:0.01`` (or ``bernoulli:1%``), ``ge:rate=0.01,burst=4``,
-    ``ge:p_gb=0.001,p_bg=0.2,loss_bad=0.9,loss_good=0``. Raises ValueError
-    naming the bad field and value.
+    ``ge:p_gb=0.001,p_bg=0.2,loss_bad=0.9,loss_good=0``, netem's own words
+    (``netem:loss random 1%``, ``netem:loss gemodel 1% 10% 70% 0.1%``,
+    ``netem:loss state 1% 30% 2% 80% 0.5%``, netem's defaults for omitted
+    values) and ``trace:PATH`` (see ``load_trace``). Raises ValueError naming
+    the bad field and value (FileNotFoundError for a missing trace).
     """
     if isinstance(spec, LossModel):
         return spec
@@ -601,6 +744,12 @@ def parse_loss_model(spec: Union[str, LossModel, None]) -> LossModel:
                 if key not in fields:
                     raise ValueError(f"{key} is missing (ge:p_gb=P,p_bg=R)")
             return GilbertElliott(**fields)
+        if kind == "netem":
+            return _parse_netem(args)
+        if kind == "trace":
+            if not args.strip():
+                raise ValueError("PATH is missing (trace:PATH)")
+            return Trace(args.strip())
         raise ValueError(f"unknown loss model {kind!r}; {_SPEC_HELP}")
-    except ValueError as err:
+    except (ValueError, FileNotFoundError) as err:
         raise ValueError(f"bad loss spec {text!r}: {err}") from None
