@@ -54,6 +54,10 @@ def _hazard(q: float) -> float:
     return math.inf if q >= 1.0 else -math.log1p(-q)
 
 
+def _float64(x: float, device) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float64, device=device)
+
+
 def _block_size(mean: float) -> int:
     return int(mean + _SPARE_SD * math.sqrt(mean) + _SPARE_FIXED)
 
@@ -168,7 +172,7 @@ def _alternating(start: torch.Tensor, cover: int, q0: float, q1: float,
     size = _block_size(2.0 * cover / cycle) if math.isfinite(cycle) else _SPARE_FIXED
     size += size % 2  # even blocks, so the state of column j is start ^ (j odd) in every block
     lam = torch.where(start.unsqueeze(-1) ^ (torch.arange(size, device=device) % 2 == 1),
-                      _hazard(q1), _hazard(q0))
+                      _float64(_hazard(q1), device), _float64(_hazard(q0), device))
     parts, offset = [], torch.zeros(chains, 1, dtype=torch.int64, device=device)
     while True:
         e = _exponentials((chains, size), generator)
@@ -506,8 +510,8 @@ class FourState(LossModel):
             ends_period = in_burst[:, 1:] != in_burst[:, :-1]
             in_burst = in_burst[:, :-1]
             e = _exponentials((chains, slot, 2), generator)
-            primary = _geometric(e[..., 0], torch.where(in_burst, _hazard(q_burst), _hazard(q_gap)),
-                                 cover) + 1
+            primary = _geometric(e[..., 0], torch.where(in_burst, _float64(_hazard(q_burst), device),
+                                                        _float64(_hazard(q_gap), device)), cover) + 1
             secondary = torch.where(in_burst, _geometric(e[..., 1], _hazard(self.p23), cover) + 1, 1)
             secondary = torch.where(ends_period, 0, secondary)
             seg_len.append(torch.stack([primary, secondary], -1).flatten(1))

@@ -13,7 +13,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from lossysim.cli import main
 from lossysim.fit import (fit_all, fit_bernoulli, fit_four_state, fit_gilbert, log_likelihood, recommend,
