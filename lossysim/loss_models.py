@@ -65,15 +65,20 @@ def _block_size(mean: float) -> int:
 def _exponentials(shape, generator: torch.Generator) -> torch.Tensor:
     """Standard exponentials -log(1 - U), U uniform in [0, 1): finite, float64."""
     u = torch.rand(shape, generator=generator, device=generator.device, dtype=torch.float64)
-    return torch.log1p(-u).neg_()
+    return u.neg_().log1p_().neg_()
 
 
 def _geometric(e: torch.Tensor, lam, cap: int) -> torch.Tensor:
-    """Failures before the first success, floor(e / lam), capped at ``cap``; lam may be a tensor."""
+    """Failures before the first success, floor(e / lam), capped at ``cap``; lam may be a tensor.
+
+    Overwrites ``e`` when lam is a number (each draw is used once).
+    """
     if isinstance(lam, torch.Tensor):
         g = torch.where(lam > 0, e / lam, math.inf)
+    elif lam > 0:
+        g = e.mul_(1.0 / lam) if math.isfinite(lam) else e.zero_()
     else:
-        g = e / lam if lam > 0 else torch.full_like(e, math.inf)
+        g = e.fill_(math.inf)
     return g.clamp_(max=cap).floor_().to(torch.int64)
 
 
