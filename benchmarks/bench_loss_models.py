@@ -4,7 +4,8 @@ Targets (issue 12), at 1% loss: Bernoulli, simple and general Gilbert-Elliott
 and netem's 4-state model each at least 50x faster per packet than a
 per-packet Python loop on ``random.random`` (netem's algorithm written
 naively, for the same model), and general Gilbert-Elliott at most 1.5x the
-cost of Bernoulli; at 20% loss every model still at least 10x its loop.
+cost of Bernoulli (a second general model, with loss_bad 0.4, shows what the
+in_bad mask costs when the Bad state holds 2.5 sent packets per loss); at 20% loss every model still at least 10x its loop.
 Every candidate is timed round-robin in the same run (so background load hits
 them alike), several times, and the median kept; the machine is shared, so
 read the ratios, not the absolute figures. Also times LossyNetwork.all_reduce
@@ -34,14 +35,16 @@ MODELS = {
     "1%": {
         "bernoulli": Bernoulli(0.01),
         "ge-simple": GilbertElliott.from_rate(0.01, 8),
-        "ge-general": GilbertElliott(0.002, 0.1, loss_good=0.002, loss_bad=0.4),
+        "ge-general": GilbertElliott(0.001, 0.1, loss_good=0.001, loss_bad=0.9),
+        # 2.5 packets sent in Bad per loss there: in_bad alone is written for 2% of the packets
+        "ge-general-low-h": GilbertElliott(0.002, 0.1, loss_good=0.002, loss_bad=0.4),
         "4-state": FourState(0.0015, 0.3, 0.1, 0.5, 0.005),
     },
     "20%": {
         "bernoulli": Bernoulli(0.2),
         "ge-simple": GilbertElliott.from_rate(0.2, 8),
         "ge-general": GilbertElliott(0.05, 0.15, loss_good=0.05, loss_bad=0.65),
-        "4-state": FourState(0.03, 0.25, 0.15, 0.4, 0.1),
+        "4-state": FourState(0.03, 0.25, 0.15, 0.4, 0.14),
     },
 }
 
@@ -88,7 +91,7 @@ def loop_four_state(n: int, model: FourState, uniform) -> bytearray:
 
 
 LOOPS = {"bernoulli": loop_bernoulli, "ge-simple": loop_gilbert_elliott, "ge-general": loop_gilbert_elliott,
-         "4-state": loop_four_state}
+         "ge-general-low-h": loop_gilbert_elliott, "4-state": loop_four_state}
 
 
 def round_robin(candidates: dict, repeats: int, sync=lambda: None) -> dict:
@@ -141,6 +144,8 @@ def main() -> int:
 
     print()
     checks = [("general GE / Bernoulli cost, 1%", ns["ge-general 1%"] / ns["bernoulli 1%"], "<=",
+               GENERAL_OVER_BERNOULLI_MAX),
+              ("general GE (low h) / Bernoulli cost, 1%", ns["ge-general-low-h 1%"] / ns["bernoulli 1%"], "<=",
                GENERAL_OVER_BERNOULLI_MAX)]
     for level, models in MODELS.items():
         for kind in models:

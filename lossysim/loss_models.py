@@ -82,6 +82,23 @@ def _geometric(e: torch.Tensor, lam, cap: int) -> torch.Tensor:
     return g.clamp_(max=cap).floor_().to(torch.int64)
 
 
+_MAX_EXPONENTIAL = 37.0  # -log(2^-53): the largest exponential a float64 uniform gives
+
+
+def _steps(size: int, lam: float, cap: int, generator: torch.Generator) -> torch.Tensor:
+    """``size`` draws of 1 + Geometric failures, floor(E / lam) + 1 (int64), capped near ``cap``.
+
+    The same law as ``_geometric(_exponentials(...)) + 1`` in fewer passes: the
+    truncating cast is the floor (values are >= 0), and the cap is applied only
+    when a draw could exceed it.
+    """
+    u = torch.rand(size, generator=generator, device=generator.device, dtype=torch.float64)
+    x = u.neg_().log1p_().mul_(-1.0 / lam)
+    if _MAX_EXPONENTIAL / lam > cap:
+        x.clamp_(max=cap)
+    return x.add_(1.0).to(torch.int64)
+
+
 def _bernoulli_positions(total: int, p: float, generator: torch.Generator) -> torch.Tensor:
     """Sorted positions in [0, total) of i.i.d. Bernoulli(p) successes, from geometric gaps."""
     device = generator.device
@@ -91,8 +108,9 @@ def _bernoulli_positions(total: int, p: float, generator: torch.Generator) -> to
         return torch.arange(total, device=device)
     lam, parts, start = _hazard(p), [], 0
     while start < total:
-        e = _exponentials(_block_size((total - start) * p), generator)
-        pos = (_geometric(e, lam, total) + 1).cumsum_(0).add_(start - 1)
+        step = _steps(_block_size((total - start) * p), lam, total, generator)
+        step[0] += start - 1
+        pos = step.cumsum_(0)
         parts.append(pos)
         start = int(pos[-1]) + 1
     pos = torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -176,12 +194,20 @@ def _alternating(start: torch.Tensor, cover: int, q0: float, q1: float,
     cycle = (1.0 / q0 if q0 > 0 else math.inf) + (1.0 / q1 if q1 > 0 else math.inf)
     size = _block_size(2.0 * cover / cycle) if math.isfinite(cycle) else _SPARE_FIXED
     size += size % 2  # even blocks, so the state of column j is start ^ (j odd) in every block
-    lam = torch.where(start.unsqueeze(-1) ^ (torch.arange(size, device=device) % 2 == 1),
-                      _float64(_hazard(q1), device), _float64(_hazard(q0), device))
+    lam0, lam1 = _hazard(q0), _hazard(q1)
+    # log(1 - U) times -1/lam is E/lam; a state never left (lam = 0) gives inf or nan, set to the cap.
+    scale = torch.where(start.unsqueeze(-1) ^ (torch.arange(size, device=device) % 2 == 1),
+                        _float64(-1.0 / lam1 if lam1 > 0 else -math.inf, device),
+                        _float64(-1.0 / lam0 if lam0 > 0 else -math.inf, device))
     parts, offset = [], torch.zeros(chains, 1, dtype=torch.int64, device=device)
     while True:
-        e = _exponentials((chains, size), generator)
-        ends = (_geometric(e, lam, cover) + 1).cumsum_(1).add_(offset)
+        u = torch.rand((chains, size), generator=generator, device=device, dtype=torch.float64)
+        x = u.neg_().log1p_().mul_(scale)
+        if min(lam0, lam1) == 0.0:
+            x.nan_to_num_(nan=cover, posinf=cover)
+        elif _MAX_EXPONENTIAL / min(lam0, lam1) > cover:
+            x.clamp_(max=cover)
+        ends = x.add_(1.0).to(torch.int64).cumsum_(1).add_(offset)
         parts.append(ends)
         offset = ends[:, -1:]
         if chains == 0 or int(offset.min()) >= cover:
