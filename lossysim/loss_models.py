@@ -143,6 +143,16 @@ def _put(mask: torch.Tensor, index: torch.Tensor, value: bool) -> None:
         mask[index] = value
 
 
+_DENSE_SEGMENTS = 16  # with a segment per 16 packets or more, masks are written packet by packet
+
+
+def _repeat(values: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
+    """values[j] repeated counts[j] times, concatenated (numpy's repeat on a CPU: faster)."""
+    if values.device.type == "cpu":
+        return torch.from_numpy(np.repeat(values.numpy(), counts.numpy()))
+    return torch.repeat_interleave(values, counts, output_size=total)
+
+
 def _range_indices(base: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """base[j] + 0 .. base[j] + lengths[j] - 1 for every range j, concatenated."""
     total = int(lengths.sum())
@@ -557,6 +567,14 @@ class FourState(LossModel):
         seg_start = seg_end - seg_len
         which = torch.searchsorted(seg_end, (used - 1).unsqueeze(-1), right=True)
         next_state = seg_state.gather(1, which).squeeze(-1)
+        if seg_len.shape[1] * _DENSE_SEGMENTS >= packets:
+            # Dense chains (a state change every few packets): write every packet's
+            # state once, 1 byte each, rather than index lists 8 bytes per packet.
+            _, length = _segments_to_masks(seg_start, seg_end, torch.ones_like(seg_state, dtype=torch.bool),
+                                           packets)
+            states = _repeat(seg_state.to(torch.int8).flatten(), length, chains * packets)
+            lost = states >= 3
+            return lost.view(shape), (states == 2).logical_or_(states == 3).view(shape), next_state.view(shape[:-1])
         lost, in_bad = _zeros(chains * packets, device), _zeros(chains * packets, device)
         _put(lost, _range_indices(*_segments_to_masks(seg_start, seg_end, seg_state >= 3, packets)), True)
         bad = (seg_state == 2) | (seg_state == 3)
