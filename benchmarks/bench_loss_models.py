@@ -5,7 +5,8 @@ and netem's 4-state model each at least 50x faster per packet than a
 per-packet Python loop on ``random.random`` (netem's algorithm written
 naively, for the same model), and general Gilbert-Elliott at most 1.5x the
 cost of Bernoulli (a second general model, with loss_bad 0.4, shows what the
-in_bad mask costs when the Bad state holds 2.5 sent packets per loss); at 20% loss every model still at least 10x its loop.
+in_bad mask costs when the Bad state holds 2.5 sent packets per loss); at
+20% loss every model still at least 10x its loop.
 Every candidate is timed round-robin in the same run (so background load hits
 them alike), several times, and the median kept; the machine is shared, so
 read the ratios, not the absolute figures. Also times LossyNetwork.all_reduce
