@@ -143,6 +143,7 @@ def _put(mask: torch.Tensor, index: torch.Tensor, value: bool) -> None:
         mask[index] = value
 
 
+_DENSE_BELOW = 8192   # Bernoulli calls of at most this many packets draw one uniform per packet
 _DENSE_SEGMENTS = 16  # with a segment per 16 packets or more, masks are written packet by packet
 
 
@@ -321,8 +322,13 @@ class Bernoulli(LossModel):
     def sample_with_states(self, n, generator, state=None, used=None):
         shape = _shape(n)
         _flat_chains(shape, None, used, generator.device)  # validates used
-        # Chains are i.i.d. packet by packet, so one sequence of gaps covers them all.
         total = math.prod(shape)
+        if 0.0 < self.p < 1.0 and total <= _DENSE_BELOW:
+            # A short call (one collective's message): one uniform per packet costs
+            # less than the fixed overhead of drawing gaps.
+            lost = torch.rand(shape, generator=generator, device=generator.device) < self.p
+            return lost, torch.zeros_like(lost), state
+        # Chains are i.i.d. packet by packet, so one sequence of gaps covers them all.
         pos, value = _thin(total, self.p, generator)
         lost = _zeros(total, generator.device)
         if not value:
@@ -430,6 +436,9 @@ class GilbertElliott(LossModel):
         _put(in_bad, bad_idx, True)
         if self.loss_bad == 1.0 and self.loss_good == 0.0:
             lost = in_bad.clone()
+        elif chains * packets <= _DENSE_BELOW:   # short call: one uniform per packet is cheaper
+            v = torch.rand(chains * packets, generator=generator, device=device, dtype=torch.float64)
+            lost = v < torch.where(in_bad, _float64(self.loss_bad, device), _float64(self.loss_good, device))
         else:
             lost = _zeros(chains * packets, device)
             if self.loss_bad == 1.0:

@@ -819,3 +819,15 @@ def test_dense_bernoulli_draws_its_complement(p):
     lost = Bernoulli(p).sample(2**20, generator(6))[0].numpy()
     assert abs(rate_z(lost, p, p * (1 - p))) < Z_MAX
     assert burst_chisquare(complete_runs(lost), geometric_pmf(1 / (1 - p), PMF_LENGTH)) > ALPHA
+
+
+@pytest.mark.parametrize("name", ["bernoulli-1%", "bernoulli-30%", "ge-good-loss", "anti-good-loss"])
+def test_short_calls_draw_the_same_law(name):
+    """Calls of one collective's size (a uniform per packet) against the closed forms and a long call."""
+    model = MODELS[name]
+    short = sample_in_calls(model, [2000] * 1000, seed=41, channels=(2,)).ravel()
+    assert abs(rate_z(short, model.loss_rate, model.variance_per_packet)) < Z_MAX
+    wrong = 1.25 * model.loss_rate
+    assert abs(rate_z(short, wrong, model.variance_per_packet)) > Z_MAX
+    pmf = burst_pmf(model, PMF_LENGTH)
+    assert burst_chisquare(complete_runs(short), pmf) > ALPHA
