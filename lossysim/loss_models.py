@@ -143,7 +143,7 @@ def _put(mask: torch.Tensor, index: torch.Tensor, value: bool) -> None:
         mask[index] = value
 
 
-_DENSE_BELOW = 8192   # Bernoulli calls of at most this many packets draw one uniform per packet
+_DENSE_BELOW = 8192   # calls of at most this many packets (all chains) draw one uniform per packet
 _DENSE_SEGMENTS = 16  # with a segment per 16 packets or more, masks are written packet by packet
 
 
@@ -224,6 +224,41 @@ def _alternating(start: torch.Tensor, cover: int, q0: float, q1: float,
         if chains == 0 or int(offset.min()) >= cover:
             break
     return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+
+
+def _scan_chain(p_gb: float, p_bg: float, shape, generator: torch.Generator,
+                state: torch.Tensor) -> torch.Tensor:
+    """Arrival states s_0..s_n of two-state chains, one uniform u_t per packet (short calls).
+
+    s_{t+1} = Bad iff u_t < (1 - p_bg if s_t is Bad else p_gb); the whole
+    sequence comes from one scan, which for a few thousand packets costs less
+    than the fixed overhead of drawing sojourns.
+    """
+    u = torch.rand(shape, generator=generator, device=generator.device, dtype=torch.float64)
+    f_good, f_bad = u < p_gb, u < 1.0 - p_bg
+    after = _scan_maps(f_good, f_bad, state, anti=p_gb > 1.0 - p_bg)
+    return torch.cat([state.unsqueeze(-1), after], -1)
+
+
+def _scan_maps(f_good, f_bad, state, anti: bool):
+    """State after each of a sequence of maps {Good, Bad} -> {Good, Bad} (last dim)."""
+    # A map is a reset (f_good == f_bad), keep or flip. Forward-fill the last
+    # reset with one cummax: code = 2*(index+1) + value at resets, the initial
+    # state (0 or 1) elsewhere; the value sits in the low bit.
+    reset = f_good == f_bad
+    steps = f_good.shape[-1]
+    index = torch.arange(2, 2 * steps + 2, 2, device=f_good.device, dtype=torch.int32)
+    code = torch.where(reset, index + f_good, state.unsqueeze(-1).to(torch.int32))
+    last = code.cummax(-1).values
+    after = (last & 1).bool()
+    if anti:  # flips (Good->Bad, Bad->Good) exist only when p_gb > 1 - p_bg
+        flips = (f_good & ~f_bad).to(torch.int32).cumsum(-1)
+        last_reset = ((last >> 1) - 1).long().clamp(min=0)
+        before = torch.where(last >= 2, flips.gather(-1, last_reset), torch.zeros_like(flips))
+        after = after ^ ((flips - before) & 1).bool()
+    return after
+
+
 
 
 def _flat_chains(shape, state, used, device):
@@ -423,6 +458,15 @@ class GilbertElliott(LossModel):
         if state is None:
             state = torch.rand(chains, generator=generator, device=device) < self.pi_bad
         state = state.to(torch.bool)
+        if chains * packets <= _DENSE_BELOW:
+            states = _scan_chain(self.p_gb, self.p_bg, (chains, packets), generator, state)
+            in_bad, next_state = states[:, :-1].contiguous(), states.gather(1, used.unsqueeze(-1)).squeeze(-1)
+            if self.loss_bad == 1.0 and self.loss_good == 0.0:
+                lost = in_bad.clone()
+            else:
+                v = torch.rand((chains, packets), generator=generator, device=device, dtype=torch.float64)
+                lost = v < torch.where(in_bad, _float64(self.loss_bad, device), _float64(self.loss_good, device))
+            return lost.view(shape), in_bad.view(shape), next_state.view(shape[:-1])
         # Packet t arrives in the state of the sojourn covering step t; step
         # ``packets`` is where the next call's first packet arrives.
         ends = _alternating(state, packets + 1, self.p_gb, self.p_bg, generator)
@@ -436,9 +480,6 @@ class GilbertElliott(LossModel):
         _put(in_bad, bad_idx, True)
         if self.loss_bad == 1.0 and self.loss_good == 0.0:
             lost = in_bad.clone()
-        elif chains * packets <= _DENSE_BELOW:   # short call: one uniform per packet is cheaper
-            v = torch.rand(chains * packets, generator=generator, device=device, dtype=torch.float64)
-            lost = v < torch.where(in_bad, _float64(self.loss_bad, device), _float64(self.loss_good, device))
         else:
             lost = _zeros(chains * packets, device)
             if self.loss_bad == 1.0:

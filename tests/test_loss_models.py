@@ -391,7 +391,8 @@ def expand_sojourns(ends, start, n):
     return states[:n], states[n]
 
 
-CHAIN_SIZES = [0, 1, 1000, LONG_CALL + 77]
+CHAIN_SIZES = [5000, LONG_CALL + 77]   # two chains: above the short-call size, so sojourns are drawn
+SHORT_SIZES = [0, 1, 1000, 4096]        # two chains: short calls, one uniform per packet and a scan
 
 
 @pytest.mark.parametrize("n", CHAIN_SIZES)
@@ -413,6 +414,36 @@ def test_masks_expand_the_drawn_sojourns_exactly(name, n):
     else:  # losses only where the state allows them
         assert not (lost & in_bad & (model.loss_bad == 0)).any()
         assert not (lost & ~in_bad & (model.loss_good == 0)).any()
+
+
+def reference_chain(u, p_gb, p_bg, start):
+    """Per-packet loop of _scan_chain's docstring: s_{t+1} = Bad iff u_t < P(Bad next | s_t)."""
+    out, state = [], start
+    for x in u:
+        out.append(state)
+        state = x < ((1 - p_bg) if state else p_gb)
+    return out, state
+
+
+@pytest.mark.parametrize("n", SHORT_SIZES)
+@pytest.mark.parametrize("name", ["gilbert-5%-burst20", "anti-simple", "anti-good-loss"])
+def test_short_calls_match_a_per_packet_loop(name, n):
+    """White box: a short call's chain is netem's per-packet loop fed the same uniforms, bit for bit."""
+    model = MODELS[name]
+    g, start = generator(3), torch.tensor([False, True])
+    saved = g.get_state()
+    lost, in_bad, next_state = model.sample_with_states((2, n), g, start)
+    g.set_state(saved)
+    u = torch.rand((2, n), generator=g, dtype=torch.float64)
+    for row in range(2):
+        states, final = reference_chain(u[row].tolist(), model.p_gb, model.p_bg, bool(start[row]))
+        assert in_bad[row].tolist() == states
+        assert bool(next_state[row]) == final
+    if is_simple(model):
+        assert torch.equal(lost, in_bad)
+    else:
+        v = torch.rand((2, n), generator=g, dtype=torch.float64)
+        assert torch.equal(lost, v < torch.where(in_bad, model.loss_bad, model.loss_good))
 
 
 @pytest.mark.parametrize("q0,q1", [(0.01, 0.2), (0.9, 0.3), (1.0, 0.05)])
@@ -696,18 +727,19 @@ def test_four_state_edge_states_continue_exactly():
 USED_MODELS = ["bernoulli-30%", "gilbert-5%-burst20", "ge-good-loss", "anti-good-loss", "4-state-netem-example"]
 
 
+@pytest.mark.parametrize("chains", [300, 40], ids=["long-call", "short-call"])
 @pytest.mark.parametrize("name", USED_MODELS)
-def test_used_state_is_the_state_after_exactly_used_packets(name):
+def test_used_state_is_the_state_after_exactly_used_packets(name, chains):
     model = MODELS[name]
-    used = torch.tensor([0, 1, 40, 99, 100, 40] * 50)
-    state = None if isinstance(model, Bernoulli) else model.sample_with_states((300, 50), generator(2))[2]
-    lost, in_bad, next_state = model.sample_with_states((300, 100), generator(5), state, used=used)
-    full = model.sample_with_states((300, 100), generator(5), state)
+    used = torch.tensor([0, 1, 40, 99, 100, 40] * 50)[:chains]
+    state = None if isinstance(model, Bernoulli) else model.sample_with_states((chains, 50), generator(2))[2]
+    lost, in_bad, next_state = model.sample_with_states((chains, 100), generator(5), state, used=used)
+    full = model.sample_with_states((chains, 100), generator(5), state)
     assert torch.equal(lost, full[0]) and torch.equal(in_bad, full[1])   # used changes no draw
     if isinstance(model, Bernoulli):
         assert next_state is None
         return
-    for c in range(300):
+    for c in range(chains):
         u = int(used[c])
         if u == 100:
             expected = full[2][c]
