@@ -478,10 +478,10 @@ class GilbertElliott(LossModel):
         in_bad = _zeros(chains * packets, device)
         bad_idx = _range_indices(bad_base, bad_len)
         _put(in_bad, bad_idx, True)
+        lost = _zeros(chains * packets, device)   # written sparsely: cheaper than copying in_bad
         if self.loss_bad == 1.0 and self.loss_good == 0.0:
-            lost = in_bad.clone()
+            _put(lost, bad_idx, True)
         else:
-            lost = _zeros(chains * packets, device)
             if self.loss_bad == 1.0:
                 _put(lost, bad_idx, True)
             elif self.loss_bad > 0.0:
