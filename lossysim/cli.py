@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "train": ("lossysim.train", "train one tensor-parallel GPT-2 under packet loss"),
     "sweep": ("lossysim.sweep", "run a grid of experiments (resumable, shardable)"),
     "report": ("lossysim.report", "plots and a markdown table from a results folder"),
+    "fit": ("lossysim.fit", "fit loss models to a measured loss trace and recommend one"),
 }
 
 

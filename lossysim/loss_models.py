@@ -2,21 +2,27 @@
 
 Every model gives two closed forms, ``loss_rate`` (stationary probability that a
 packet is lost) and ``mean_burst`` (expected length of a run of consecutive lost
-packets), and draws loss masks with ``sample(n, generator, state)``.
+packets), and draws loss masks with ``sample_with_states(n, generator, state, used)``.
 
 ``n`` is a packet count, or a shape ``(channels, packets)`` for several
 independent chains at once; the chain runs along the last dimension. ``state``
-is the chain state the next packet arrives in (one bool per chain, True = Bad);
-pass the returned state to the next call to continue the same chain. A fresh
-chain (``state=None``) starts from the stationary distribution, so statistics
-hold from the first packet. The same generator state and chain state give the
-same mask, bit for bit.
+is the chain state the next packet arrives in; pass the returned state to the
+next call to continue the same chain. A fresh chain (``state=None``) starts from
+the stationary distribution, so statistics hold from the first packet. The same
+generator state and chain state give the same mask, bit for bit.
+
+Masks are drawn per loss *event*, not per packet: the gaps between independent
+losses and the sojourn times of a Markov chain are geometric, so they are drawn
+directly (inverse CDF of float64 uniforms) and written into a zero mask. The
+work grows with the number of losses and state changes, not with the packets.
 """
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 Shape = Union[int, Sequence[int]]
@@ -34,6 +40,248 @@ def _shape(n: Shape) -> tuple[int, ...]:
     if not shape or min(shape) < 0:
         raise ValueError(f"bad sample shape {n!r}")
     return shape
+
+
+# -- event sampling ----------------------------------------------------------------------
+# Draws are float64 so geometric gaps stay exact for probabilities down to ~1e-12;
+# there are only as many as there are events, so their cost does not matter.
+_SPARE_SD = 6.0      # events drawn per block: mean + 6 sd (+ a constant), so a second
+_SPARE_FIXED = 16    # block is needed about once in 1e9 calls (it is drawn then, exactly)
+
+
+def _hazard(q: float) -> float:
+    """Rate lam with P(Geometric >= k) = exp(-lam k): -log(1 - q); inf at q = 1, 0 at q = 0."""
+    return math.inf if q >= 1.0 else -math.log1p(-q)
+
+
+def _float64(x: float, device) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float64, device=device)
+
+
+def _block_size(mean: float) -> int:
+    return int(mean + _SPARE_SD * math.sqrt(mean) + _SPARE_FIXED)
+
+
+def _exponentials(shape, generator: torch.Generator) -> torch.Tensor:
+    """Standard exponentials -log(1 - U), U uniform in [0, 1): finite, float64."""
+    u = torch.rand(shape, generator=generator, device=generator.device, dtype=torch.float64)
+    return u.neg_().log1p_().neg_()
+
+
+def _geometric(e: torch.Tensor, lam, cap: int) -> torch.Tensor:
+    """Failures before the first success, floor(e / lam), capped at ``cap``; lam may be a tensor.
+
+    Overwrites ``e`` when lam is a number (each draw is used once).
+    """
+    if isinstance(lam, torch.Tensor):
+        g = torch.where(lam > 0, e / lam, math.inf)
+    elif lam > 0:
+        g = e.mul_(1.0 / lam) if math.isfinite(lam) else e.zero_()
+    else:
+        g = e.fill_(math.inf)
+    return g.clamp_(max=cap).floor_().to(torch.int64)
+
+
+_MAX_EXPONENTIAL = 37.0  # -log(2^-53): the largest exponential a float64 uniform gives
+
+
+def _steps(size: int, lam: float, cap: int, generator: torch.Generator) -> torch.Tensor:
+    """``size`` draws of 1 + Geometric failures, floor(E / lam) + 1 (int64), capped near ``cap``.
+
+    The same law as ``_geometric(_exponentials(...)) + 1`` in fewer passes: the
+    truncating cast is the floor (values are >= 0), and the cap is applied only
+    when a draw could exceed it.
+    """
+    u = torch.rand(size, generator=generator, device=generator.device, dtype=torch.float64)
+    x = u.neg_().log1p_().mul_(-1.0 / lam)
+    if _MAX_EXPONENTIAL / lam > cap:
+        x.clamp_(max=cap)
+    return x.add_(1.0).to(torch.int64)
+
+
+def _bernoulli_positions(total: int, p: float, generator: torch.Generator) -> torch.Tensor:
+    """Sorted positions in [0, total) of i.i.d. Bernoulli(p) successes, from geometric gaps."""
+    device = generator.device
+    if total == 0 or p == 0.0:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    if p == 1.0:
+        return torch.arange(total, device=device)
+    lam, parts, start = _hazard(p), [], 0
+    while start < total:
+        step = _steps(_block_size((total - start) * p), lam, total, generator)
+        step[0] += start - 1
+        pos = step.cumsum_(0)
+        parts.append(pos)
+        start = int(pos[-1]) + 1
+    pos = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return pos[:int(torch.searchsorted(pos, total))]
+
+
+def _thin(total: int, p: float, generator: torch.Generator):
+    """``(positions, value)``: i.i.d. Bernoulli(p) over [0, total) as sparse positions.
+
+    value True: the successes are ``positions``. value False (p > 1/2): every
+    position succeeds except ``positions``, so the events drawn stay <= total / 2.
+    """
+    if p > 0.5:
+        return _bernoulli_positions(total, 1.0 - p, generator), False
+    return _bernoulli_positions(total, p, generator), True
+
+
+def _zeros(size: int, device: torch.device) -> torch.Tensor:
+    """A False mask. On a CPU through calloc: untouched pages cost nothing until read."""
+    if torch.device(device).type == "cpu":
+        return torch.from_numpy(np.zeros(size, dtype=np.bool_))
+    return torch.zeros(size, dtype=torch.bool, device=device)
+
+
+def _put(mask: torch.Tensor, index: torch.Tensor, value: bool) -> None:
+    """mask[index] = value; on a CPU through numpy, whose scatter is several times faster."""
+    if mask.device.type == "cpu":
+        mask.numpy()[index.numpy()] = value
+    else:
+        mask[index] = value
+
+
+_DENSE_BELOW = 8192   # calls of at most this many packets (all chains) draw one uniform per packet
+_DENSE_SEGMENTS = 16  # with a segment per 16 packets or more, masks are written packet by packet
+
+
+def _repeat(values: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
+    """values[j] repeated counts[j] times, concatenated (numpy's repeat on a CPU: faster)."""
+    if values.device.type == "cpu":
+        return torch.from_numpy(np.repeat(values.numpy(), counts.numpy()))
+    return torch.repeat_interleave(values, counts, output_size=total)
+
+
+def _range_indices(base: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """base[j] + 0 .. base[j] + lengths[j] - 1 for every range j, concatenated."""
+    total = int(lengths.sum())
+    if total == 0:
+        return torch.zeros(0, dtype=torch.int64, device=base.device)
+    first = lengths.cumsum(0) - lengths
+    if base.device.type == "cpu":  # numpy's repeat is several times faster than torch's here
+        shift = np.repeat((base - first).numpy(), lengths.numpy())
+        shift += np.arange(total)
+        return torch.from_numpy(shift)
+    shift = torch.repeat_interleave(base - first, lengths, output_size=total)
+    return shift.add_(torch.arange(total, device=base.device))
+
+
+def _thin_ranges(mask: torch.Tensor, base: torch.Tensor, lengths: torch.Tensor, p: float,
+                 generator: torch.Generator) -> None:
+    """Set ``mask`` (flat) True at an i.i.d. Bernoulli(p) subset of the packets in the ranges.
+
+    The ranges are laid end to end into one coordinate, so one sequence of
+    geometric gaps serves all of them; each event is mapped back by a binary search.
+    """
+    if p == 0.0 or lengths.numel() == 0:
+        return
+    if p == 1.0:
+        _put(mask, _range_indices(base, lengths), True)
+        return
+    ends = lengths.cumsum(0)
+    total = int(ends[-1])
+    pos, value = _thin(total, p, generator)
+    j = torch.searchsorted(ends, pos, right=True)
+    idx = base[j] + pos - (ends[j] - lengths[j])
+    if not value:
+        _put(mask, _range_indices(base, lengths), True)
+    _put(mask, idx, value)
+
+
+def _alternating(start: torch.Tensor, cover: int, q0: float, q1: float,
+                 generator: torch.Generator) -> torch.Tensor:
+    """Sojourn ends of two-state chains that alternate 0, 1, 0, ... from ``start``.
+
+    Chain c is in state ``start[c] ^ (j odd)`` during sojourn j, which lasts
+    Geometric(q_state) >= 1 steps (q = the probability of leaving per step).
+    Returns the exclusive ends [chains, J] (cumulative from step 0), drawn block
+    by block until every chain's last end is >= ``cover``. Sojourns are capped
+    at cover + 1 steps, which changes nothing inside [0, cover].
+    """
+    chains = start.shape[0]
+    device = generator.device
+    cycle = (1.0 / q0 if q0 > 0 else math.inf) + (1.0 / q1 if q1 > 0 else math.inf)
+    size = _block_size(2.0 * cover / cycle) if math.isfinite(cycle) else _SPARE_FIXED
+    size += size % 2  # even blocks, so the state of column j is start ^ (j odd) in every block
+    lam0, lam1 = _hazard(q0), _hazard(q1)
+    # log(1 - U) times -1/lam is E/lam; a state never left (lam = 0) gives inf or nan, set to the cap.
+    scale = torch.where(start.unsqueeze(-1) ^ (torch.arange(size, device=device) % 2 == 1),
+                        _float64(-1.0 / lam1 if lam1 > 0 else -math.inf, device),
+                        _float64(-1.0 / lam0 if lam0 > 0 else -math.inf, device))
+    parts, offset = [], torch.zeros(chains, 1, dtype=torch.int64, device=device)
+    while True:
+        u = torch.rand((chains, size), generator=generator, device=device, dtype=torch.float64)
+        x = u.neg_().log1p_().mul_(scale)
+        if min(lam0, lam1) == 0.0:
+            x.nan_to_num_(nan=cover, posinf=cover)
+        elif _MAX_EXPONENTIAL / min(lam0, lam1) > cover:
+            x.clamp_(max=cover)
+        ends = x.add_(1.0).to(torch.int64).cumsum_(1).add_(offset)
+        parts.append(ends)
+        offset = ends[:, -1:]
+        if chains == 0 or int(offset.min()) >= cover:
+            break
+    return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+
+
+def _scan_chain(p_gb: float, p_bg: float, shape, generator: torch.Generator,
+                state: torch.Tensor) -> torch.Tensor:
+    """Arrival states s_0..s_n of two-state chains, one uniform u_t per packet (short calls).
+
+    s_{t+1} = Bad iff u_t < (1 - p_bg if s_t is Bad else p_gb); the whole
+    sequence comes from one scan, which for a few thousand packets costs less
+    than the fixed overhead of drawing sojourns.
+    """
+    u = torch.rand(shape, generator=generator, device=generator.device, dtype=torch.float64)
+    f_good, f_bad = u < p_gb, u < 1.0 - p_bg
+    after = _scan_maps(f_good, f_bad, state, anti=p_gb > 1.0 - p_bg)
+    return torch.cat([state.unsqueeze(-1), after], -1)
+
+
+def _scan_maps(f_good, f_bad, state, anti: bool):
+    """State after each of a sequence of maps {Good, Bad} -> {Good, Bad} (last dim)."""
+    # A map is a reset (f_good == f_bad), keep or flip. Forward-fill the last
+    # reset with one cummax: code = 2*(index+1) + value at resets, the initial
+    # state (0 or 1) elsewhere; the value sits in the low bit.
+    reset = f_good == f_bad
+    steps = f_good.shape[-1]
+    index = torch.arange(2, 2 * steps + 2, 2, device=f_good.device, dtype=torch.int32)
+    code = torch.where(reset, index + f_good, state.unsqueeze(-1).to(torch.int32))
+    last = code.cummax(-1).values
+    after = (last & 1).bool()
+    if anti:  # flips (Good->Bad, Bad->Good) exist only when p_gb > 1 - p_bg
+        flips = (f_good & ~f_bad).to(torch.int32).cumsum(-1)
+        last_reset = ((last >> 1) - 1).long().clamp(min=0)
+        before = torch.where(last >= 2, flips.gather(-1, last_reset), torch.zeros_like(flips))
+        after = after ^ ((flips - before) & 1).bool()
+    return after
+
+
+
+
+def _flat_chains(shape, state, used, device):
+    """(chains, packets, state flattened to [chains] or None, used flattened to [chains])."""
+    chains, packets = math.prod(shape[:-1]), shape[-1]
+    if state is not None:
+        state = state.to(device).reshape(chains)
+    if used is None:
+        used = torch.full((chains,), packets, dtype=torch.int64, device=device)
+    else:
+        used = torch.as_tensor(used, device=device).to(torch.int64).reshape(chains)
+        if chains and (int(used.min()) < 0 or int(used.max()) > packets):
+            raise ValueError(f"used must lie in [0, {packets}], got [{int(used.min())}, {int(used.max())}]")
+    return chains, packets, state, used
+
+
+def _segments_to_masks(seg_start, seg_end, flags, packets: int):
+    """Flat bases and lengths of the segments, clipped to [0, packets); 0 where not ``flags``."""
+    chains = seg_start.shape[0]
+    lo = seg_start.clamp(min=0)
+    length = (seg_end.clamp(max=packets) - lo).clamp_(min=0).mul_(flags)
+    lo += torch.arange(chains, device=seg_start.device).unsqueeze(-1) * packets
+    return lo.flatten(), length.flatten()
 
 
 class LossModel:
@@ -58,29 +306,30 @@ class LossModel:
     def lossless(self) -> bool:
         return self.loss_rate == 0.0
 
-    def sample(self, n: Shape, generator: torch.Generator, state: Optional[torch.Tensor] = None):
+    def sample(self, n: Shape, generator: torch.Generator, state: Optional[torch.Tensor] = None,
+               used: Optional[torch.Tensor] = None):
         """Return ``(lost, state)``: a bool mask of shape ``n`` and the next chain state."""
-        lost, _, state = self.sample_with_states(n, generator, state)
+        lost, _, state = self.sample_with_states(n, generator, state, used=used)
         return lost, state
 
     def sample_with_states(self, n: Shape, generator: torch.Generator, state=None, used=None):
-        """Like ``sample`` but also returns which packets were sent in the Bad state.
+        """Return ``(lost, in_bad, next_state)`` for shape ``n`` (chains along the last dim).
 
-        ``used`` (per chain, optional): only the first ``used`` packets are really sent,
-        so the returned state is the chain's after them.
+        ``in_bad`` marks packets sent while the chain is in a burst (Bad) state.
+        ``used`` (integer tensor of shape ``n[:-1]``, 0 <= used <= packets): only
+        the first ``used[c]`` packets of chain c are really sent, so ``next_state``
+        is the state after exactly that many packets (the rest are discarded).
         """
-        lost, in_bad, next_state = self._sample(_shape(n), generator, state)
-        if used is not None:
-            next_state = self.state_after(in_bad, next_state, used)
-        return lost, in_bad, next_state
-
-    def _sample(self, shape, generator, state):
         raise NotImplementedError
 
+    # Whether ``state_after`` can rewind a full draw to fewer packets (go-back-N needs it).
+    rewindable = False
+
     def state_after(self, in_bad: torch.Tensor, next_state, used: torch.Tensor):
-        """The chain state after the first ``used`` packets of a draw whose arrival
-        states were ``in_bad`` (the later packets of that draw were never sent)."""
-        return next_state
+        """The chain state after the first ``used`` packets of a full draw that returned
+        ``(lost, in_bad, next_state)``: for a transport that learns only after drawing how
+        many of the drawn packets it sent."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be rewound after a draw")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"
@@ -114,13 +363,27 @@ class Bernoulli(LossModel):
     def variance_per_packet(self) -> float:
         return self.p * (1.0 - self.p)
 
-    def _sample(self, shape, generator, state):
-        if self.p == 0.0:
-            lost = torch.zeros(shape, dtype=torch.bool, device=generator.device)
-        else:
+    rewindable = True
+
+    def state_after(self, in_bad, next_state, used):
+        return next_state  # memoryless
+
+    def sample_with_states(self, n, generator, state=None, used=None):
+        shape = _shape(n)
+        _flat_chains(shape, None, used, generator.device)  # validates used
+        total = math.prod(shape)
+        if 0.0 < self.p < 1.0 and total <= _DENSE_BELOW:
+            # A short call (one collective's message): one uniform per packet costs
+            # less than the fixed overhead of drawing gaps.
             lost = torch.rand(shape, generator=generator, device=generator.device) < self.p
-        in_bad = torch.zeros_like(lost)
-        return lost, in_bad, state
+            return lost, torch.zeros_like(lost), state
+        # Chains are i.i.d. packet by packet, so one sequence of gaps covers them all.
+        pos, value = _thin(total, self.p, generator)
+        lost = _zeros(total, generator.device)
+        if not value:
+            lost.fill_(True)
+        _put(lost, pos, value)
+        return lost.view(shape), _zeros(total, generator.device).view(shape), state
 
 
 class NoLoss(Bernoulli):
@@ -202,7 +465,10 @@ class GilbertElliott(LossModel):
         spread = (self.loss_bad - self.loss_good) ** 2 * pi_b * (1.0 - pi_b)
         return rate * (1.0 - rate) + 2.0 * spread * lam / (1.0 - lam)
 
+    rewindable = True
+
     def state_after(self, in_bad, next_state, used):
+        # in_bad holds the state each packet arrived in: packet `used`'s is the chain's state after `used`.
         n = in_bad.shape[-1]
         if n == 0:
             return next_state
@@ -210,81 +476,309 @@ class GilbertElliott(LossModel):
         inside = in_bad.gather(-1, used.clamp(max=n - 1).unsqueeze(-1)).squeeze(-1)
         return torch.where(used < n, inside, next_state)
 
-    def _sample(self, shape, generator, state):
+    def sample_with_states(self, n, generator, state=None, used=None):
+        shape = _shape(n)
         device = generator.device
+        chains, packets, state, used = _flat_chains(shape, state, used, device)
         if state is None:
-            state = torch.rand(shape[:-1], generator=generator, device=device) < self.pi_bad
-        else:
-            state = state.to(device=device, dtype=torch.bool)
-        in_bad, next_state = _run_chain(self.p_gb, 1.0 - self.p_bg, shape, generator, state)
+            state = torch.rand(chains, generator=generator, device=device) < self.pi_bad
+        state = state.to(torch.bool)
+        if chains * packets <= _DENSE_BELOW:
+            states = _scan_chain(self.p_gb, self.p_bg, (chains, packets), generator, state)
+            in_bad, next_state = states[:, :-1].contiguous(), states.gather(1, used.unsqueeze(-1)).squeeze(-1)
+            if self.loss_bad == 1.0 and self.loss_good == 0.0:
+                lost = in_bad.clone()
+            else:
+                v = torch.rand((chains, packets), generator=generator, device=device, dtype=torch.float64)
+                lost = v < torch.where(in_bad, _float64(self.loss_bad, device), _float64(self.loss_good, device))
+            return lost.view(shape), in_bad.view(shape), next_state.view(shape[:-1])
+        # Packet t arrives in the state of the sojourn covering step t; step
+        # ``packets`` is where the next call's first packet arrives.
+        ends = _alternating(state, packets + 1, self.p_gb, self.p_bg, generator)
+        bad = state.unsqueeze(-1) ^ (torch.arange(ends.shape[1], device=device) % 2 == 1)
+        starts = torch.cat([torch.zeros_like(ends[:, :1]), ends[:, :-1]], 1)
+        which = torch.searchsorted(ends, used.unsqueeze(-1), right=True).squeeze(-1)
+        next_state = state ^ (which % 2 == 1)
+        bad_base, bad_len = _segments_to_masks(starts, ends, bad, packets)
+        in_bad = _zeros(chains * packets, device)
+        bad_idx = _range_indices(bad_base, bad_len)
+        _put(in_bad, bad_idx, True)
+        lost = _zeros(chains * packets, device)   # written sparsely: cheaper than copying in_bad
         if self.loss_bad == 1.0 and self.loss_good == 0.0:
-            lost = in_bad.clone()
+            _put(lost, bad_idx, True)
         else:
-            v = torch.rand(shape, generator=generator, device=device)
-            lost = v < torch.where(in_bad, self.loss_bad, self.loss_good)
-        return lost, in_bad, next_state
+            if self.loss_bad == 1.0:
+                _put(lost, bad_idx, True)
+            elif self.loss_bad > 0.0:
+                pos, value = _thin(bad_idx.numel(), self.loss_bad, generator)
+                if not value:
+                    _put(lost, bad_idx, True)
+                _put(lost, bad_idx[pos], value)
+            _thin_ranges(lost, *_segments_to_masks(starts, ends, ~bad, packets), self.loss_good, generator)
+        return lost.view(shape), in_bad.view(shape), next_state.view(shape[:-1])
 
 
-# Scans (cummax/cumsum) cost ~8 ns per element on a CPU, elementwise ops ~1 ns,
-# so long chains are cut into blocks of _BLOCK packets: each block's K
-# transitions are composed with elementwise ops, only the block sequence is
-# scanned, then states are expanded column by column. Short chains (the usual
-# per-collective message) take the plain scan, which launches fewer ops.
-_BLOCK = 64
-_BLOCKED_FROM = 1 << 16
+class FourState(LossModel):
+    """netem's 4-state model (``loss state p13 p31 p32 p23 p14``), stepped as its loss_4state.
 
-
-def _run_chain(to_bad_from_good: float, to_bad_from_bad: float, shape, generator, state):
-    """Step a two-state chain once per packet along the last dim.
-
-    Packet t arrives in state s_t (s_0 = ``state``); a uniform draw u_t gives
-    s_{t+1} = Bad iff u_t < (to_bad_from_bad if s_t is Bad else to_bad_from_good).
-    Returns (s_0..s_{n-1}, s_n).
+    States, numbered as netem numbers them: 1 good reception in a gap period,
+    2 good reception in a burst period, 3 loss in a burst, 4 isolated loss.
+    Each packet draws one uniform u and moves from the state the previous packet
+    left: 1 -> 4 if u < p14, 1 -> 3 if u < p14 + p13, else stays 1; 2 -> 3 if
+    u < p23, else stays 2; 3 -> 2 if u < p32, 3 -> 1 if u < p32 + p31, else stays
+    3; 4 -> 1 always. The packet is lost when the state it moves to is 3 or 4
+    (ranges without gaps, as after the 2026 kernel fix). ``in_bad`` marks the
+    burst period, packets whose state is 2 or 3; the chain state passed between
+    calls is the state the last packet left (int64, 1..4).
     """
-    device = generator.device
-    n = shape[-1]
-    if n == 0:
-        return torch.zeros(shape, dtype=torch.bool, device=device), state
-    k = _BLOCK if n >= _BLOCKED_FROM else 1
-    m = -(-n // k)
-    u = torch.rand(*shape[:-1], k, m, generator=generator, device=device)
-    # Packet j*k + c uses u[..., c, j]; a step maps Good -> f_good, Bad -> f_bad.
-    f_good, f_bad = u < to_bad_from_good, u < to_bad_from_bad
-    if k * m > n:  # padded steps at the end keep the state
-        f_good[..., n - (m - 1) * k:, -1] = False
-        f_bad[..., n - (m - 1) * k:, -1] = True
-    block_good, block_bad = f_good[..., 0, :], f_bad[..., 0, :]
-    for c in range(1, k):
-        block_good = torch.where(block_good, f_bad[..., c, :], f_good[..., c, :])
-        block_bad = torch.where(block_bad, f_bad[..., c, :], f_good[..., c, :])
-    after = _scan_maps(block_good, block_bad, state, anti=to_bad_from_good > to_bad_from_bad)
-    if k == 1:
-        return torch.cat([state.unsqueeze(-1), after[..., :-1]], dim=-1), after[..., -1]
-    current = torch.cat([state.unsqueeze(-1), after[..., :-1]], dim=-1)
-    arriving = torch.empty(*shape[:-1], m, k, dtype=torch.bool, device=device)
-    for c in range(k):
-        arriving[..., c] = current
-        current = torch.where(current, f_bad[..., c, :], f_good[..., c, :])
-    return arriving.flatten(-2)[..., :n], after[..., -1]
+
+    def __init__(self, p13: float, p31: Optional[float] = None, p32: float = 0.0, p23: float = 1.0,
+                 p14: float = 0.0):
+        self.p13 = _check_probability("p13", p13)
+        self.p31 = _check_probability("p31", 1.0 - self.p13 if p31 is None else p31)
+        self.p32 = _check_probability("p32", p32)
+        self.p23 = _check_probability("p23", p23)
+        self.p14 = _check_probability("p14", p14)
+        if self.p13 + self.p14 > 1.0:
+            raise ValueError(f"p13={self.p13:g} + p14={self.p14:g} exceeds 1")
+        if self.p31 + self.p32 > 1.0:
+            raise ValueError(f"p31={self.p31:g} + p32={self.p32:g} exceeds 1")
+        if sum(self._weights()) == 0.0:
+            raise ValueError(f"p13={self.p13:g}, p31={self.p31:g}, p32={self.p32:g}, p23={self.p23:g}: "
+                             "the chain has no unique stationary distribution")
+        self.spec = (f"netem:loss state {self.p13!r} {self.p31!r} {self.p32!r} {self.p23!r} {self.p14!r}")
+
+    def _weights(self):
+        # Balance: pi3 p31 = pi1 p13, pi2 p23 = pi3 p32, pi4 = pi1 p14, scaled free of divisions.
+        return (self.p31 * self.p23, self.p13 * self.p32, self.p13 * self.p23, self.p14 * self.p31 * self.p23)
+
+    @property
+    def transition_matrix(self) -> np.ndarray:
+        """P[i, j] = P(state j+1 after a packet | state i+1 before it)."""
+        p13, p31, p32, p23, p14 = self.p13, self.p31, self.p32, self.p23, self.p14
+        return np.array([[1 - p13 - p14, 0.0, p13, p14],
+                         [0.0, 1 - p23, p23, 0.0],
+                         [p31, p32, 1 - p31 - p32, 0.0],
+                         [1.0, 0.0, 0.0, 0.0]])
+
+    @property
+    def stationary(self) -> np.ndarray:
+        w = np.array(self._weights())
+        return w / w.sum()
+
+    @property
+    def loss_rate(self) -> float:
+        pi = self.stationary
+        return float(pi[2] + pi[3])
+
+    @property
+    def mean_burst(self) -> float:
+        # Lost packets over runs started: a run starts on a move 1 -> 3, 1 -> 4 or 2 -> 3.
+        pi = self.stationary
+        starts = pi[0] * (self.p13 + self.p14) + pi[1] * self.p23
+        if self.loss_rate == 0.0:
+            return 0.0
+        return math.inf if starts == 0.0 else float(self.loss_rate / starts)
+
+    @property
+    def variance_per_packet(self) -> float:
+        # sigma^2 = Var(x) + 2 sum_k>=1 Cov(x_0, x_k) = rho(1-rho) + 2 (pi*f)(Z - I)f,
+        # with Z = (I - P + 1 pi)^-1 the fundamental matrix of the chain.
+        pi, move = self.stationary, self.transition_matrix
+        f = np.array([0.0, 0.0, 1.0, 1.0])
+        z = np.linalg.inv(np.eye(4) - move + np.outer(np.ones(4), pi))
+        rho = self.loss_rate
+        return float(max(rho * (1 - rho) + 2.0 * (pi * f) @ (z - np.eye(4)) @ f, 0.0))
+
+    def sample_with_states(self, n, generator, state=None, used=None):
+        shape = _shape(n)
+        device = generator.device
+        chains, packets, state, used = _flat_chains(shape, state, used, device)
+        if state is None:
+            cdf = torch.tensor(np.cumsum(self.stationary)[:3], device=device, dtype=torch.float64)
+            u = torch.rand(chains, generator=generator, device=device, dtype=torch.float64)
+            state = torch.searchsorted(cdf, u, right=True) + 1
+        state = state.to(torch.int64)
+        # Event view: the chain alternates gap and burst periods. A gap period is
+        # 1-sojourns (Geometric(p13 + p14) packets) separated by single 4s; each
+        # 1-sojourn ends the period w.p. p13 / (p13 + p14). A burst period is
+        # 3-sojourns (Geometric(p31 + p32)) separated by 2-sojourns (Geometric(p23));
+        # each 3-sojourn ends it w.p. p31 / (p31 + p32). A "slot" is one primary
+        # sojourn (1 or 3) plus, unless the period ends there, one secondary (4 or 2).
+        # Step -1 is the packet before this call, whose state is ``state``: it
+        # sits in the first slot's primary (memoryless), or in a leading 4 or 2.
+        q_gap, q_burst = self.p13 + self.p14, self.p31 + self.p32
+        leave_gap = self.p13 / q_gap if q_gap > 0 else 0.0
+        leave_burst = self.p31 / q_burst if q_burst > 0 else 0.0
+        cover = packets + 1                      # steps -1 .. packets - 1
+        lead = torch.where(state == 4, 1, 0)
+        e = _exponentials(chains, generator)
+        lead = torch.where(state == 2, _geometric(e, _hazard(self.p23), cover) + 1, lead)
+        burst = (state == 2) | (state == 3)
+        slot = self._slot_size(cover)
+        seg_len, seg_state = [lead.unsqueeze(-1)], [state.unsqueeze(-1)]
+        covered = lead.clone()
+        while True:
+            phase_ends = _alternating(burst, slot + 1, leave_gap, leave_burst, generator)
+            flips = torch.zeros(chains, slot + 2, dtype=torch.int32, device=device)
+            flips.scatter_add_(1, phase_ends.clamp(max=slot + 1), torch.ones_like(phase_ends, dtype=torch.int32))
+            in_burst = burst.unsqueeze(-1) ^ (flips[:, :-1].cumsum(1) % 2 == 1)   # phase of slots 0..slot
+            ends_period = in_burst[:, 1:] != in_burst[:, :-1]
+            in_burst = in_burst[:, :-1]
+            e = _exponentials((chains, slot, 2), generator)
+            primary = _geometric(e[..., 0], torch.where(in_burst, _float64(_hazard(q_burst), device),
+                                                        _float64(_hazard(q_gap), device)), cover) + 1
+            secondary = torch.where(in_burst, _geometric(e[..., 1], _hazard(self.p23), cover) + 1, 1)
+            secondary = torch.where(ends_period, 0, secondary)
+            seg_len.append(torch.stack([primary, secondary], -1).flatten(1))
+            seg_state.append(torch.stack([torch.where(in_burst, 3, 1), torch.where(in_burst, 2, 4)],
+                                         -1).flatten(1))
+            covered = covered + (primary + secondary).sum(1)
+            burst = in_burst[:, -1] ^ ends_period[:, -1]
+            if chains == 0 or int(covered.min()) >= cover:
+                break
+        seg_len, seg_state = torch.cat(seg_len, 1), torch.cat(seg_state, 1)
+        seg_end = seg_len.cumsum(1) - 1                     # exclusive, packet index (step -1 first)
+        seg_start = seg_end - seg_len
+        which = torch.searchsorted(seg_end, (used - 1).unsqueeze(-1), right=True)
+        next_state = seg_state.gather(1, which).squeeze(-1)
+        if seg_len.shape[1] * _DENSE_SEGMENTS >= packets:
+            # Dense chains (a state change every few packets): write every packet's
+            # state once, 1 byte each, rather than index lists 8 bytes per packet.
+            _, length = _segments_to_masks(seg_start, seg_end, torch.ones_like(seg_state, dtype=torch.bool),
+                                           packets)
+            states = _repeat(seg_state.to(torch.int8).flatten(), length, chains * packets)
+            lost = states >= 3
+            return lost.view(shape), (states == 2).logical_or_(states == 3).view(shape), next_state.view(shape[:-1])
+        lost, in_bad = _zeros(chains * packets, device), _zeros(chains * packets, device)
+        _put(lost, _range_indices(*_segments_to_masks(seg_start, seg_end, seg_state >= 3, packets)), True)
+        bad = (seg_state == 2) | (seg_state == 3)
+        _put(in_bad, _range_indices(*_segments_to_masks(seg_start, seg_end, bad, packets)), True)
+        return lost.view(shape), in_bad.view(shape), next_state.view(shape[:-1])
+
+    def _slot_size(self, cover: int) -> int:
+        """Slots per block: the expected number in ``cover`` steps, plus spare."""
+        q_gap, q_burst = self.p13 + self.p14, self.p31 + self.p32
+        leave_gap = self.p13 / q_gap if q_gap > 0 else 0.0
+        leave_burst = self.p31 / q_burst if q_burst > 0 else 0.0
+        gap_slot = (1 / q_gap if q_gap > 0 else math.inf) + (1 - leave_gap)
+        burst_slot = ((1 / q_burst if q_burst > 0 else math.inf)
+                      + (1 - leave_burst) * (1 / self.p23 if self.p23 > 0 else math.inf))
+        if leave_gap > 0 and leave_burst > 0:   # slots in each period: Geometric(leave)
+            share = (1 / leave_gap) / (1 / leave_gap + 1 / leave_burst)
+            mean_slot = share * gap_slot + (1 - share) * burst_slot
+        else:
+            mean_slot = min(gap_slot, burst_slot)
+        return _block_size(cover / mean_slot) if math.isfinite(mean_slot) else _SPARE_FIXED
 
 
-def _scan_maps(f_good, f_bad, state, anti: bool):
-    """State after each of a sequence of maps {Good, Bad} -> {Good, Bad} (last dim)."""
-    # A map is a reset (f_good == f_bad), keep or flip. Forward-fill the last
-    # reset with one cummax: code = 2*(index+1) + value at resets, the initial
-    # state (0 or 1) elsewhere; the value sits in the low bit.
-    reset = f_good == f_bad
-    steps = f_good.shape[-1]
-    index = torch.arange(2, 2 * steps + 2, 2, device=f_good.device, dtype=torch.int32)
-    code = torch.where(reset, index + f_good, state.unsqueeze(-1).to(torch.int32))
-    last = code.cummax(-1).values
-    after = (last & 1).bool()
-    if anti:  # flips (Good->Bad, Bad->Good) exist only when p_gb > 1 - p_bg
-        flips = (f_good & ~f_bad).to(torch.int32).cumsum(-1)
-        last_reset = ((last >> 1) - 1).long().clamp(min=0)
-        before = torch.where(last >= 2, flips.gather(-1, last_reset), torch.zeros_like(flips))
-        after = after ^ ((flips - before) & 1).bool()
-    return after
+def load_trace(path: Union[str, "os.PathLike"]) -> np.ndarray:
+    """A per-packet loss indicator (bool array) from a trace file.
+
+    ``.npy``: an array of bools (or 0/1). ``.runs`` (text): run lengths that
+    alternate delivered, lost, delivered, ... starting with delivered (0 allowed).
+    Any other file: text of 0/1 per packet, separated by whitespace or commas or not
+    at all; lines starting with # are comments.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"trace file {str(path)!r} does not exist")
+    if path.suffix == ".npy":
+        values = np.load(path, allow_pickle=False).ravel()
+        if values.dtype != np.bool_ and not np.isin(values, (0, 1)).all():
+            raise ValueError(f"trace {str(path)!r}: a .npy trace holds bools or 0/1")
+        return values.astype(bool)
+    text = "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#"))
+    tokens = text.replace(",", " ").split()
+    if path.suffix == ".runs":
+        try:
+            runs = np.array([int(t) for t in tokens], dtype=np.int64)
+        except ValueError:
+            raise ValueError(f"trace {str(path)!r}: run lengths must be integers") from None
+        if (runs < 0).any():
+            raise ValueError(f"trace {str(path)!r}: negative run length {int(runs[runs < 0][0])}")
+        return np.repeat(np.arange(runs.size) % 2 == 1, runs)
+    digits = "".join(tokens)
+    if digits.strip("01"):
+        bad = next(c for c in digits if c not in "01")
+        raise ValueError(f"trace {str(path)!r}: expected 0/1 per packet, found {bad!r}")
+    return np.frombuffer(digits.encode(), dtype=np.uint8) == ord("1")
+
+
+def trace_runs(lost: np.ndarray, circular: bool = False):
+    """(burst lengths, gap lengths) of a loss indicator; ``circular`` joins the ends."""
+    lost = np.asarray(lost, dtype=bool)
+    if circular and lost.size and lost.any() and not lost.all():
+        first = int(np.argmax(lost != lost[-1]))
+        lost = np.roll(lost, -first)   # start at a change, so no run wraps around
+    edges = np.flatnonzero(np.diff(lost.astype(np.int8))) + 1
+    bounds = np.concatenate([[0], edges, [lost.size]])
+    lengths = np.diff(bounds)
+    values = lost[bounds[:-1]] if lost.size else np.zeros(0, dtype=bool)
+    return lengths[values], lengths[~values]
+
+
+class Trace(LossModel):
+    """Replays a measured per-packet loss trace (``trace:PATH``).
+
+    Each chain replays the trace from its own offset (drawn from the generator
+    for a fresh chain) and wraps around; the state is the offset of the next
+    packet. ``loss_rate`` and ``mean_burst`` are the trace's own (runs counted
+    around the wrap). A trace has no hidden state, so ``in_bad`` is all False.
+    """
+
+    def __init__(self, path: str, lost: Optional[np.ndarray] = None):
+        self.path = str(path)
+        self.lost = load_trace(self.path) if lost is None else np.asarray(lost, dtype=bool)
+        if self.lost.size == 0:
+            raise ValueError(f"trace {self.path!r} is empty")
+        self.spec = f"trace:{self.path}"
+        self._tensors = {}
+        bursts, _ = trace_runs(self.lost, circular=True)
+        self._rate = float(self.lost.mean())
+        self._burst = float(bursts.mean()) if bursts.size else (math.inf if self.lost.all() else 0.0)
+
+    @property
+    def loss_rate(self) -> float:
+        return self._rate
+
+    @property
+    def mean_burst(self) -> float:
+        return self._burst
+
+    @property
+    def variance_per_packet(self) -> float:
+        # Bartlett-weighted sum of the trace's circular autocovariance up to a quarter of its length.
+        x = self.lost.astype(np.float64) - self._rate
+        spectrum = np.abs(np.fft.rfft(x)) ** 2
+        acov = np.fft.irfft(spectrum, n=x.size) / x.size
+        lags = max(1, x.size // 4)
+        weights = 1.0 - np.arange(1, lags) / lags
+        return float(max(acov[0] + 2.0 * (weights * acov[1:lags]).sum(), 0.0))
+
+    def _on(self, device) -> torch.Tensor:
+        key = str(device)
+        if key not in self._tensors:
+            self._tensors[key] = torch.from_numpy(self.lost.copy()).to(device)
+        return self._tensors[key]
+
+    rewindable = True
+
+    def state_after(self, in_bad, next_state, used):
+        return (next_state - in_bad.shape[-1] + used.to(next_state.device)) % self.lost.size
+
+    def sample_with_states(self, n, generator, state=None, used=None):
+        shape = _shape(n)
+        device = generator.device
+        chains, packets, state, used = _flat_chains(shape, state, used, device)
+        size = self.lost.size
+        if state is None:
+            state = torch.randint(0, size, (chains,), generator=generator, device=device)
+        state = state.to(torch.int64)
+        index = (state.unsqueeze(-1) + torch.arange(packets, device=device)) % size
+        lost = self._on(device)[index]
+        next_state = (state + used) % size
+        return lost.view(shape), _zeros(chains * packets, device).view(shape), next_state.view(shape[:-1])
 
 
 def _parse_number(field: str, text: str) -> float:
@@ -295,16 +789,54 @@ def _parse_number(field: str, text: str) -> float:
         raise ValueError(f"{field}={text!r} is not a number") from None
 
 
-_SPEC_HELP = ("expected none, bernoulli:P, ge:rate=L,burst=B or "
-              "ge:p_gb=P,p_bg=R[,loss_bad=X,loss_good=Y]")
+_SPEC_HELP = ("expected none, bernoulli:P, ge:rate=L,burst=B, ge:p_gb=P,p_bg=R[,loss_bad=X,loss_good=Y], "
+              "netem:loss random P | gemodel P [R [1-H [1-K]]] | state P13 [P31 [P32 [P23 [P14]]]], "
+              "or trace:PATH")
+_NETEM_FIELDS = {"random": ("p",), "gemodel": ("p", "r", "1-h", "1-k"),
+                 "state": ("p13", "p31", "p32", "p23", "p14")}
+
+
+def _parse_netem(args: str) -> LossModel:
+    """The ``loss ...`` part of a ``tc qdisc ... netem`` line; percents or fractions."""
+    words = args.split()
+    if words and words[0].lower() == "loss":
+        words = words[1:]
+    if words and words[0][:1].isdigit():   # netem's old syntax: loss P = loss random P
+        words = ["random"] + words
+    if not words or words[0].lower() not in _NETEM_FIELDS:
+        raise ValueError(f"expected 'loss random', 'loss gemodel' or 'loss state', got {args.strip()!r}")
+    kind, values = words[0].lower(), words[1:]
+    if "ecn" in (v.lower() for v in values):
+        raise ValueError("ecn marks packets instead of dropping them; lossysim models drops only")
+    fields = _NETEM_FIELDS[kind]
+    if not values:
+        raise ValueError(f"{fields[0]} is missing (loss {kind} {' '.join(f.upper() for f in fields)})")
+    if kind == "random" and len(values) > 1:
+        raise ValueError(f"correlation={values[1]} is not supported: netem deprecated it (it distorts "
+                         "the loss rate); use loss gemodel")
+    if len(values) > len(fields):
+        raise ValueError(f"loss {kind} takes at most {len(fields)} values, got {' '.join(values)!r}")
+    numbers = [_parse_number(field, value) for field, value in zip(fields, values)]
+    if kind == "random":
+        return NoLoss() if numbers[0] == 0.0 else Bernoulli(numbers[0])
+    if kind == "gemodel":
+        keywords = dict(zip(("p", "r", "one_minus_h", "one_minus_k"), numbers))
+        for name, field in zip(("p", "r", "one_minus_h", "one_minus_k"), fields):
+            if name in keywords:
+                _check_probability(field, keywords[name])
+        return GilbertElliott.from_netem(**keywords)
+    return FourState(*numbers)
 
 
 def parse_loss_model(spec: Union[str, LossModel, None]) -> LossModel:
     """Build a loss model from a CLI/config spec.
 
     ``none``, ``bernoulli:0.01`` (or ``bernoulli:1%``), ``ge:rate=0.01,burst=4``,
-    ``ge:p_gb=0.001,p_bg=0.2,loss_bad=0.9,loss_good=0``. Raises ValueError
-    naming the bad field and value.
+    ``ge:p_gb=0.001,p_bg=0.2,loss_bad=0.9,loss_good=0``, netem's own words
+    (``netem:loss random 1%``, ``netem:loss gemodel 1% 10% 70% 0.1%``,
+    ``netem:loss state 1% 30% 2% 80% 0.5%``, netem's defaults for omitted
+    values) and ``trace:PATH`` (see ``load_trace``). Raises ValueError naming
+    the bad field and value (FileNotFoundError for a missing trace).
     """
     if isinstance(spec, LossModel):
         return spec
@@ -345,6 +877,12 @@ def parse_loss_model(spec: Union[str, LossModel, None]) -> LossModel:
                 if key not in fields:
                     raise ValueError(f"{key} is missing (ge:p_gb=P,p_bg=R)")
             return GilbertElliott(**fields)
+        if kind == "netem":
+            return _parse_netem(args)
+        if kind == "trace":
+            if not args.strip():
+                raise ValueError("PATH is missing (trace:PATH)")
+            return Trace(args.strip())
         raise ValueError(f"unknown loss model {kind!r}; {_SPEC_HELP}")
-    except ValueError as err:
+    except (ValueError, FileNotFoundError) as err:
         raise ValueError(f"bad loss spec {text!r}: {err}") from None

@@ -133,6 +133,10 @@ class LossyNetwork:
         if recovery == "rescale" and self.transport.kind == "deadline":
             raise ValueError("recovery='rescale' with transport='deadline' is not supported: the probability "
                              "that a packet arrives by the deadline has no closed form")
+        if self.transport.kind == "retransmit" and self.transport.mode == "go_back_n" \
+                and not self.loss_model.rewindable:
+            raise ValueError(f"retransmit=go_back_n is not supported with {self.loss_model.spec}: go-back-N "
+                             "learns how many packets it sent only after drawing them; use selective")
         if self.transport.repairs and self.loss_model.loss_rate >= 1.0:
             raise ValueError(f"transport={transport!r} never finishes when {self.loss_model.spec} loses "
                              "every packet")

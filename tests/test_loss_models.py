@@ -1,6 +1,8 @@
 """Loss models: samples against their closed forms, exact chain semantics, spec parsing.
 
-The seeds are fixed, but every statistical threshold is chosen so that a fresh
+Masks are drawn per loss event (geometric gaps and sojourn times); the checks
+here judge them against closed forms, against netem's per-packet logic and
+against each other across call sizes. The seeds are fixed, but every statistical threshold is chosen so that a fresh
 seed would fail a correct model with probability about 1e-5 per check, and most
 checks also assert that a slightly wrong model fails them, so no bound is vacuous.
 """
@@ -14,8 +16,8 @@ import pytest
 import torch
 from scipy import stats
 
-from lossysim.loss_models import (_BLOCK, _BLOCKED_FROM, Bernoulli, GilbertElliott, NoLoss,
-                                  parse_loss_model)
+from lossysim.loss_models import (Bernoulli, FourState, GilbertElliott, NoLoss, Trace, _alternating,
+                                  load_trace, parse_loss_model)
 
 GE = GilbertElliott
 ALPHA = 1e-5        # p-value threshold of every statistical check
@@ -23,6 +25,7 @@ Z_MAX = 4.0         # loss rates: within 4 burst-aware standard errors
 N_LONG = 2**21      # packets of the long chain each model is judged on,
 N_BURSTY = 2**22    # more for mean bursts >= 20, whose runs are few
 PMF_LENGTH = 4000   # run lengths tabulated (longer ones have negligible probability here)
+LONG_CALL = 1 << 16  # a long call (many events per chain); sizes around it mix long and short calls
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -39,6 +42,8 @@ MODELS = {
     "anti-simple": GE(0.3, 0.9),
     "anti-good-loss": GE(0.8, 0.7, loss_good=0.1, loss_bad=0.6),
     "netem-gemodel-p-only": GE.from_netem(0.05),
+    "4-state-netem-example": FourState(0.01, 0.3, 0.02, 0.8, 0.005),
+    "4-state-bursty": FourState(0.0004, 0.05, 0.2, 0.3, 0.004),
 }
 
 
@@ -86,8 +91,51 @@ def geometric_pmf(mean: float, count: int) -> np.ndarray:
     return r * (1.0 - r) ** np.arange(count)
 
 
+def kernel_step(model: FourState, state: int, u: float) -> int:
+    """netem's loss_4state, line by line (after the 2026 fix): the state a packet moves to."""
+    if state == 1:                       # TX_IN_GAP_PERIOD
+        if u < model.p14:
+            return 4                     # LOST_IN_GAP_PERIOD
+        elif u < model.p13 + model.p14:
+            return 3                     # LOST_IN_BURST_PERIOD
+        return 1
+    if state == 2:                       # TX_IN_BURST_PERIOD
+        return 3 if u < model.p23 else 2
+    if state == 3:                       # LOST_IN_BURST_PERIOD
+        if u < model.p32:
+            return 2
+        elif u < model.p32 + model.p31:
+            return 1
+        return 3
+    return 1                             # LOST_IN_GAP_PERIOD always returns to the gap
+
+
+def kernel_matrix(model: FourState) -> np.ndarray:
+    """Transition matrix measured off ``kernel_step``, which is constant between its thresholds."""
+    cuts = sorted({0.0, 1.0} | {min(1.0, c) for c in (model.p14, model.p13 + model.p14, model.p23,
+                                                       model.p32, model.p32 + model.p31)})
+    move = np.zeros((4, 4))
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        for s in range(1, 5):
+            move[s - 1, kernel_step(model, s, (lo + hi) / 2) - 1] += hi - lo
+    return move
+
+
+def stationary_law(move: np.ndarray) -> np.ndarray:
+    values, vectors = np.linalg.eig(move.T)
+    v = np.real(vectors[:, np.argmin(np.abs(values - 1))])
+    return v / v.sum()
+
+
 def chain_matrices(model):
-    """Transition matrix, per-state loss probability and stationary law (Good, Bad)."""
+    """Transition matrix, per-state loss probability and stationary law (Good, Bad).
+
+    For the 4-state model the state is the one a packet moves to (which decides its
+    fate), states 1..4 in netem's order, the matrix measured off netem's logic.
+    """
+    if isinstance(model, FourState):
+        move = kernel_matrix(model)
+        return move, np.array([0.0, 0.0, 1.0, 1.0]), stationary_law(move)
     if isinstance(model, Bernoulli):
         return np.eye(2), np.array([model.p, model.p]), np.array([1.0, 0.0])
     move = np.array([[1 - model.p_gb, model.p_gb], [model.p_bg, 1 - model.p_bg]])
@@ -109,7 +157,7 @@ def phase_type_burst(model, count: int):
     pmf, v = np.empty(count), first
     for i in range(count):
         pmf[i], v = v @ stop, v @ go_on
-    return pmf, first @ np.linalg.solve(np.eye(2) - go_on, np.ones(2))
+    return pmf, first @ np.linalg.solve(np.eye(len(pi)) - go_on, np.ones(len(pi)))
 
 
 def burst_pmf(model, count: int) -> np.ndarray:
@@ -156,6 +204,13 @@ def mean_burst_pvalue(lost: np.ndarray, mean: float, batches: int = 64) -> float
 def block_variance(model, block: int) -> float:
     """Var(losses in ``block`` packets) / block, finite-block form of variance_per_packet."""
     rate = model.loss_rate
+    if isinstance(model, FourState):  # sum of Bartlett-weighted autocovariances, from the chain
+        move, loss, pi = chain_matrices(model)
+        v, total = loss.copy(), rate * (1 - rate)
+        for k in range(1, block):
+            v = move @ v
+            total += 2 * (1 - k / block) * ((pi * loss) @ v - rate**2)
+        return total
     if isinstance(model, Bernoulli):
         return rate * (1 - rate)
     lam = 1 - model.p_gb - model.p_bg
@@ -180,6 +235,8 @@ def test_grid_covers_bursty_good_state_loss_and_anti_persistent_chains():
     assert sum(m.loss_good > 0 for m in ge) >= 2
     assert sum(m.p_gb + m.p_bg > 1 for m in ge) >= 2
     assert any(m.mean_burst >= 20 and m.loss_good > 0 for m in ge)
+    four = [m for m in MODELS.values() if isinstance(m, FourState)]
+    assert len(four) >= 2 and all(m.p14 > 0 and m.p32 > 0 for m in four)  # isolated losses, 2-sojourns
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -193,14 +250,14 @@ def chain(request):
                            lost=lost.numpy(), in_bad=in_bad.numpy())
 
 
-@pytest.mark.parametrize("calls", ["one-call", "scan-sized-calls"])
+@pytest.mark.parametrize("calls", ["one-call", "many-calls"])
 def test_loss_rate_within_4_standard_errors(chain, calls):
     """Observed rate over >= 1e6 packets vs loss_rate, for both chain algorithms."""
     model = chain.model
     if calls == "one-call":
         lost = chain.lost
     else:  # calls just below the blocked threshold, the state passed along
-        lost = sample_in_calls(model, [_BLOCKED_FROM - 1] * 16, chain.seed + 1)
+        lost = sample_in_calls(model, [LONG_CALL - 1] * 16, chain.seed + 1)
     assert lost.size >= 1e6
     var = model.variance_per_packet
     assert abs(rate_z(lost, model.loss_rate, var)) < Z_MAX
@@ -244,6 +301,9 @@ def test_state_transitions_and_per_state_losses(chain):
     if isinstance(model, Bernoulli):  # no Bad state: every packet sent in Good
         assert not in_bad.any()
         return
+    if isinstance(model, FourState):
+        check_four_state_transitions(model, lost, in_bad)
+        return
     now, after = in_bad[:-1], in_bad[1:]
     to_bad, to_good = (after & ~now).sum(), (now & ~after).sum()
     assert binom_ok(to_bad, (~now).sum(), model.p_gb)
@@ -252,6 +312,26 @@ def test_state_transitions_and_per_state_losses(chain):
     assert binom_ok(lost[~in_bad].sum(), (~in_bad).sum(), model.loss_good)
     assert not binom_ok(to_bad, (~now).sum(), min(1.0, 1.25 * model.p_gb))
     assert not binom_ok(to_good, now.sum(), min(1.0, 1.25 * model.p_bg))
+
+
+def four_states(lost: np.ndarray, in_bad: np.ndarray) -> np.ndarray:
+    """netem's state of each packet, read off (lost, in_bad): 1 gap, 2 burst, 3 burst loss, 4 isolated loss."""
+    return np.where(lost, np.where(in_bad, 3, 4), np.where(in_bad, 2, 1))
+
+
+def check_four_state_transitions(model, lost, in_bad):
+    """Every move between consecutive packets happens as often as netem's logic says, and no other."""
+    states = four_states(lost, in_bad)
+    counts = np.zeros((4, 4), dtype=np.int64)
+    np.add.at(counts, (states[:-1] - 1, states[1:] - 1), 1)
+    move = kernel_matrix(model)
+    assert (counts[move == 0] == 0).all()
+    for i in range(4):
+        for j in range(4):
+            if move[i, j] > 0:
+                assert binom_ok(counts[i, j], counts[i].sum(), move[i, j]), (i + 1, j + 1)
+    wrong = FourState(min(1.0, 1.25 * model.p13), model.p31, model.p32, model.p23, model.p14)
+    assert not binom_ok(counts[0, 2], counts[0].sum(), kernel_matrix(wrong)[0, 2])
 
 
 # -- closed forms ---------------------------------------------------------------------
@@ -300,45 +380,92 @@ def test_extreme_models_are_exact():
     assert (flip.loss_rate, flip.mean_burst, flip.variance_per_packet) == (0.5, 1.0, 0.0)
 
 
-# -- the chain algorithm, exactly --------------------------------------------------------
-def reference_chain(u, to_bad_from_good, to_bad_from_bad, start):
-    """Per-packet loop of _run_chain's docstring: s_{t+1} = Bad iff u_t < P(Bad next | s_t)."""
-    out, state = [], start
-    for x in u:
-        out.append(state)
-        state = x < (to_bad_from_bad if state else to_bad_from_good)
-    return out, state
+# -- the event algorithm, exactly --------------------------------------------------------
+def expand_sojourns(ends, start, n):
+    """Per-packet loop: packet t arrives in the state of the sojourn covering t (states alternate)."""
+    states, j, state = [], 0, start
+    for t in range(n + 1):
+        while t >= ends[j]:
+            j, state = j + 1, not state
+        states.append(state)
+    return states[:n], states[n]
 
 
-CHAIN_SIZES = [1, 1000, _BLOCKED_FROM - 1, _BLOCKED_FROM, _BLOCKED_FROM + 77]
+CHAIN_SIZES = [5000, LONG_CALL + 77]   # two chains: above the short-call size, so sojourns are drawn
+SHORT_SIZES = [0, 1, 1000, 4096]        # two chains: short calls, one uniform per packet and a scan
 
 
 @pytest.mark.parametrize("n", CHAIN_SIZES)
 @pytest.mark.parametrize("name", ["gilbert-5%-burst20", "anti-simple", "anti-good-loss"])
-def test_scan_and_blocked_chains_match_per_packet_loop(name, n):
-    """Bit-exact against a naive loop fed the same uniforms (white box: packet j*k+c uses u[c, j])."""
+def test_masks_expand_the_drawn_sojourns_exactly(name, n):
+    """White box: the chain is the drawn sojourns, written out packet by packet, and nothing else."""
     model = MODELS[name]
     g, start = generator(3), torch.tensor([False, True])
     saved = g.get_state()
     lost, in_bad, next_state = model.sample_with_states((2, n), g, start)
     g.set_state(saved)
-    k = _BLOCK if n >= _BLOCKED_FROM else 1
-    u = torch.rand(2, k, -(-n // k), generator=g).transpose(1, 2).reshape(2, -1)[:, :n]
-    # torch compares float32 draws with float32-rounded probabilities
-    good, bad = float(np.float32(model.p_gb)), float(np.float32(1 - model.p_bg))
+    ends = _alternating(start, n + 1, model.p_gb, model.p_bg, g)
     for row in range(2):
-        states, final = reference_chain(u[row].tolist(), good, bad, bool(start[row]))
+        states, final = expand_sojourns(ends[row].tolist(), bool(start[row]), n)
+        assert in_bad[row].tolist() == states
+        assert bool(next_state[row]) == final
+    if is_simple(model):
+        assert torch.equal(lost, in_bad)
+    else:  # losses only where the state allows them
+        assert not (lost & in_bad & (model.loss_bad == 0)).any()
+        assert not (lost & ~in_bad & (model.loss_good == 0)).any()
+
+
+def reference_chain(u, p_gb, p_bg, start):
+    """Per-packet loop of _scan_chain's docstring: s_{t+1} = Bad iff u_t < P(Bad next | s_t)."""
+    out, state = [], start
+    for x in u:
+        out.append(state)
+        state = x < ((1 - p_bg) if state else p_gb)
+    return out, state
+
+
+@pytest.mark.parametrize("n", SHORT_SIZES)
+@pytest.mark.parametrize("name", ["gilbert-5%-burst20", "anti-simple", "anti-good-loss"])
+def test_short_calls_match_a_per_packet_loop(name, n):
+    """White box: a short call's chain is netem's per-packet loop fed the same uniforms, bit for bit."""
+    model = MODELS[name]
+    g, start = generator(3), torch.tensor([False, True])
+    saved = g.get_state()
+    lost, in_bad, next_state = model.sample_with_states((2, n), g, start)
+    g.set_state(saved)
+    u = torch.rand((2, n), generator=g, dtype=torch.float64)
+    for row in range(2):
+        states, final = reference_chain(u[row].tolist(), model.p_gb, model.p_bg, bool(start[row]))
         assert in_bad[row].tolist() == states
         assert bool(next_state[row]) == final
     if is_simple(model):
         assert torch.equal(lost, in_bad)
     else:
-        v = torch.rand((2, n), generator=g)
-        threshold = torch.where(in_bad, torch.tensor(model.loss_bad), torch.tensor(model.loss_good))
-        assert torch.equal(lost, v < threshold)
+        v = torch.rand((2, n), generator=g, dtype=torch.float64)
+        assert torch.equal(lost, v < torch.where(in_bad, model.loss_bad, model.loss_good))
 
 
-@pytest.mark.parametrize("n", [1001, _BLOCKED_FROM + 3])
+@pytest.mark.parametrize("q0,q1", [(0.01, 0.2), (0.9, 0.3), (1.0, 0.05)])
+def test_sojourns_are_geometric_with_the_leaving_probability(q0, q1):
+    """Sojourn lengths of each state follow Geometric(q) on 1, 2, ... (chi-square, pooled tail)."""
+    start = torch.arange(400) % 2 == 0
+    ends = _alternating(start, 20_000, q0, q1, generator(9))
+    lengths = torch.diff(ends, dim=1, prepend=torch.zeros_like(ends[:, :1]))
+    in_state1 = start.unsqueeze(-1) ^ (torch.arange(ends.shape[1]) % 2 == 1)
+    done = ends <= 20_000                           # the last sojourn of a chain is capped
+    for q, sel in ((q0, ~in_state1 & done), (q1, in_state1 & done)):
+        sample = lengths[sel].numpy()
+        if q == 1.0:
+            assert (sample == 1).all()
+            continue
+        pmf = geometric_pmf(1 / q, PMF_LENGTH)
+        assert burst_chisquare(sample, pmf) > ALPHA
+        assert burst_chisquare(sample, geometric_pmf(1.2 / q, PMF_LENGTH)) < ALPHA
+    assert (ends[:, -1] >= 20_000).all()
+
+
+@pytest.mark.parametrize("n", [1001, LONG_CALL + 3])
 def test_anti_persistent_extreme_alternates_across_calls(n):
     """p_gb = p_bg = 1 flips every packet: a deterministic check of the flip handling."""
     g, state, parts = generator(0), torch.tensor([False, True]), []
@@ -351,7 +478,7 @@ def test_anti_persistent_extreme_alternates_across_calls(n):
 
 
 # -- determinism -----------------------------------------------------------------------
-@pytest.mark.parametrize("shape", [(1000,), (4, 1000), (_BLOCKED_FROM + 5,), (3, _BLOCKED_FROM + 5)])
+@pytest.mark.parametrize("shape", [(1000,), (4, 1000), (LONG_CALL + 5,), (3, LONG_CALL + 5)])
 @pytest.mark.parametrize("name", ["bernoulli-30%", "gilbert-1%-burst8", "anti-good-loss"])
 def test_same_seed_and_state_give_identical_masks(name, shape):
     model = MODELS[name]
@@ -364,7 +491,7 @@ def test_same_seed_and_state_give_identical_masks(name, shape):
         assert state is None or torch.equal(state, kept)  # the caller's state is not modified
 
 
-@pytest.mark.parametrize("n", [50_000, _BLOCKED_FROM + 5])
+@pytest.mark.parametrize("n", [50_000, LONG_CALL + 5])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_different_seeds_give_different_masks(name, n):
     """Long enough that two equal masks (e.g. both loss-free) have negligible probability."""
@@ -381,7 +508,7 @@ def test_generator_moves_on_between_calls():
 
 # -- a chain split over calls ------------------------------------------------------------
 SPLIT_SIZES = ([1] * 200 + [2, 3, 5, 8, 13] * 40
-               + [_BLOCKED_FROM - 1, 1, _BLOCKED_FROM, 7, _BLOCKED_FROM + 1, 1, 3 * _BLOCKED_FROM + 11] * 3)
+               + [LONG_CALL - 1, 1, LONG_CALL, 7, LONG_CALL + 1, 1, 3 * LONG_CALL + 11] * 3)
 
 
 @pytest.mark.parametrize("name", ["gilbert-1%-burst8", "ge-good-loss", "anti-good-loss"])
@@ -401,7 +528,7 @@ def test_split_chain_agrees_with_one_long_chain(name):
 
 @pytest.mark.parametrize("channels,sizes", [
     (1000, [1, 2, 5, 1, 17] * 12),
-    (64, [_BLOCKED_FROM + 3, 1, 2, _BLOCKED_FROM]),
+    (64, [LONG_CALL + 3, 1, 2, LONG_CALL]),
 ], ids=["small-calls", "blocked-calls"])
 def test_state_is_carried_into_the_next_call(channels, sizes):
     """First packet of call k+1 follows the last of call k: lost w.p. 1 - p_bg after a loss, p_gb after none."""
@@ -490,3 +617,249 @@ def test_spec_round_trips(name):
     assert parsed.loss_rate == pytest.approx(model.loss_rate, rel=1e-5)  # spec keeps 6 digits
     assert parsed.mean_burst == pytest.approx(model.mean_burst, rel=1e-5)
     assert parse_loss_model(model) is model
+
+
+# -- netem's vocabulary ------------------------------------------------------------------
+@pytest.mark.parametrize("spec,expected", [
+    ("netem:loss random 1%", Bernoulli(0.01)),
+    ("netem:loss 1%", Bernoulli(0.01)),                       # netem's old syntax
+    ("netem:random 0.02", Bernoulli(0.02)),
+    ("netem:loss random 0%", NoLoss()),
+    ("netem:loss gemodel 1% 10% 70% 0.1%", GE(0.01, 0.1, loss_good=0.001, loss_bad=0.7)),
+    ("netem:loss gemodel 1% 10%", GE(0.01, 0.1)),             # 1-h = 1, 1-k = 0
+    ("netem:loss gemodel 5%", GE(0.05, 0.95)),                # r = 1 - p
+    ("netem:LOSS GEMODEL 0.01 0.1 0.7 0.001", GE(0.01, 0.1, loss_good=0.001, loss_bad=0.7)),
+    ("netem:loss state 1% 30% 2% 80% 0.5%", FourState(0.01, 0.3, 0.02, 0.8, 0.005)),
+    ("netem:loss state 1%", FourState(0.01, 0.99, 0.0, 1.0, 0.0)),   # iproute2's defaults
+    ("netem:loss state 1% 30%", FourState(0.01, 0.3, 0.0, 1.0, 0.0)),
+])
+def test_netem_spec_parses_with_netems_defaults(spec, expected):
+    model = parse_loss_model(spec)
+    assert type(model) is type(expected) and model == expected
+    assert parse_loss_model(model.spec) == model
+
+
+NETEM_INVALID = {
+    "netem:loss random 1% 25%": ["correlation=25%"],
+    "netem:loss random": ["p is missing"],
+    "netem:loss random 1% ecn": ["ecn"],
+    "netem:loss gemodel 1% 200%": ["r=2"],
+    "netem:loss gemodel 1% 10% 70% 0.1% 5%": ["at most 4"],
+    "netem:loss state 50% 30% 2% 80% 60%": ["p13=0.5", "p14=0.6"],
+    "netem:loss state 1% 80% 30%": ["p31=0.8", "p32=0.3"],
+    "netem:loss state x%": ["p13=", "x%"],
+    "netem:loss state 1% 30% 2% -80%": ["p23=-0.8"],
+    "netem:loss pareto 1%": ["pareto"],
+    "netem:": ["loss random"],
+    "trace:": ["PATH"],
+    "trace:/no/such/file.txt": ["/no/such/file.txt", "does not exist"],
+}
+
+
+@pytest.mark.parametrize("spec", list(NETEM_INVALID))
+def test_invalid_netem_or_trace_spec_is_one_line_naming_the_field(spec):
+    with pytest.raises(ValueError) as err:
+        parse_loss_model(spec)
+    assert "\n" not in str(err.value)
+    for fragment in NETEM_INVALID[spec]:
+        assert fragment in str(err.value)
+
+
+# -- the 4-state model against netem's logic ------------------------------------------------
+FOUR = [FourState(0.01, 0.3, 0.02, 0.8, 0.005), FourState(0.2, 0.5, 0.5, 1.0, 0.8),
+        FourState(0.05), FourState(0.0, 0.3, 0.1, 0.2, 0.1)]
+
+
+@pytest.mark.parametrize("model", FOUR, ids=lambda m: m.spec)
+def test_four_state_matrix_and_closed_forms_follow_the_kernel(model):
+    """Matrix, stationary law, loss rate and mean burst against netem's line-by-line logic."""
+    move = kernel_matrix(model)
+    np.testing.assert_allclose(model.transition_matrix, move, atol=1e-15)
+    pi = stationary_law(move)
+    np.testing.assert_allclose(model.stationary, pi, rtol=1e-9, atol=1e-15)
+    assert model.loss_rate == pytest.approx(pi[2] + pi[3], rel=1e-9)
+    if model.loss_rate > 0:
+        assert model.mean_burst == pytest.approx(phase_type_burst(model, 10)[1], rel=1e-9)
+
+
+def test_four_state_with_netem_defaults_is_bernoulli():
+    """iproute2's defaults (p31 = 1 - p13, no 2-state, no isolated losses) make losses independent."""
+    model = FourState(0.05)
+    assert model.loss_rate == pytest.approx(0.05)
+    assert model.mean_burst == pytest.approx(Bernoulli(0.05).mean_burst)
+    assert model.variance_per_packet == pytest.approx(0.05 * 0.95)
+
+
+def test_four_state_sampler_matches_the_kernel_loop():
+    """Runs of losses and of deliveries: event sampler vs netem's per-packet loop, two-sample chi-square."""
+    model = MODELS["4-state-netem-example"]
+    rng, state, loop = np.random.default_rng(0), 1, np.empty(400_000, dtype=bool)
+    for t, u in enumerate(rng.random(loop.size)):
+        state = kernel_step(model, state, u)
+        loop[t] = state >= 3
+    ours = model.sample(loop.size, generator(31))[0].numpy()
+    for runs_of in (True, False):
+        a, b = (complete_runs(x if runs_of else ~x) for x in (loop, ours))
+        top = 12 if runs_of else 400
+        table = np.array([np.bincount(np.minimum(r, top), minlength=top + 1)[1:] for r in (a, b)])
+        table = table[:, table.min(0) > 0]
+        assert stats.chi2_contingency(table).pvalue > ALPHA
+    # and the loop really is judged: a Bernoulli stream of the same rate differs
+    iid = np.random.default_rng(1).random(loop.size) < model.loss_rate
+    table = np.array([np.bincount(np.minimum(complete_runs(x), 12), minlength=13)[1:] for x in (loop, iid)])
+    assert stats.chi2_contingency(table[:, table.min(0) > 0]).pvalue < ALPHA
+
+
+def test_four_state_edge_states_continue_exactly():
+    """A chain left in state 4 delivers its next packet; one left in 2 loses it w.p. p23."""
+    model = FourState(0.1, 0.3, 0.4, 0.25, 0.2)
+    g = generator(4)
+    lost, in_bad, _ = model.sample_with_states((20_000, 1), g, torch.full((20_000,), 4))
+    assert not lost.any() and not in_bad.any()
+    lost, in_bad, _ = model.sample_with_states((20_000, 1), g, torch.full((20_000,), 2))
+    assert in_bad.all() and binom_ok(lost.sum(), lost.numel(), model.p23)
+    lost, in_bad, _ = model.sample_with_states((20_000, 1), g, torch.full((20_000,), 3))
+    assert binom_ok((~lost & ~in_bad).sum(), lost.numel(), model.p31)
+    assert binom_ok((~lost & in_bad).sum(), lost.numel(), model.p32)
+
+
+# -- used: packets drawn but not sent -----------------------------------------------------------
+USED_MODELS = ["bernoulli-30%", "gilbert-5%-burst20", "ge-good-loss", "anti-good-loss", "4-state-netem-example"]
+
+
+@pytest.mark.parametrize("chains", [300, 40], ids=["long-call", "short-call"])
+@pytest.mark.parametrize("name", USED_MODELS)
+def test_used_state_is_the_state_after_exactly_used_packets(name, chains):
+    model = MODELS[name]
+    used = torch.tensor([0, 1, 40, 99, 100, 40] * 50)[:chains]
+    state = None if isinstance(model, Bernoulli) else model.sample_with_states((chains, 50), generator(2))[2]
+    lost, in_bad, next_state = model.sample_with_states((chains, 100), generator(5), state, used=used)
+    full = model.sample_with_states((chains, 100), generator(5), state)
+    assert torch.equal(lost, full[0]) and torch.equal(in_bad, full[1])   # used changes no draw
+    if isinstance(model, Bernoulli):
+        assert next_state is None
+        return
+    for c in range(chains):
+        u = int(used[c])
+        if u == 100:
+            expected = full[2][c]
+        elif isinstance(model, GE):                  # the state packet u arrives in
+            expected = in_bad[c, u]
+        elif u == 0:                                 # 4-state: the state the last sent packet left
+            expected = state[c]
+        else:
+            expected = torch.tensor(four_states(lost[c, u - 1:u].numpy(), in_bad[c, u - 1:u].numpy())[0])
+        assert int(next_state[c]) == int(expected), (c, u)
+
+
+@pytest.mark.parametrize("name", ["gilbert-5%-burst20", "ge-good-loss", "4-state-netem-example"])
+def test_drawing_100_using_40_continues_like_one_chain(name):
+    """Calls of 100 packets of which 40 are sent, the state carried: the 40s join into one chain."""
+    model = MODELS[name]
+    g, state, parts = generator(8), None, []
+    for _ in range(30):
+        lost, state = model.sample((256, 100), g, state, used=torch.full((256,), 40))
+        parts.append(lost[:, :40])
+    joined = torch.cat(parts, 1).numpy()
+    whole = model.sample((256, 1200), generator(9))[0].numpy()
+    var = model.variance_per_packet
+    assert abs(rate_z(joined.ravel(), model.loss_rate, var)) < Z_MAX
+    # runs that straddle the joins: P(lost | previous lost) is the chain's, not a fresh chain's
+    for x in (joined, whole):
+        prev, nxt = x[:, 39:-1:40].ravel(), x[:, 40::40].ravel()
+        pairs_ok = binom_ok(nxt[prev].sum(), prev.sum(), (x[:, 1:][x[:, :-1]]).mean())
+        assert pairs_ok
+    table = [np.bincount(np.minimum(np.concatenate([complete_runs(r) for r in x]), 8), minlength=9)[1:]
+             for x in (joined, whole)]
+    table = np.array(table)
+    assert stats.chi2_contingency(table[:, table.min(0) > 0]).pvalue > ALPHA
+
+
+def test_used_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="used"):
+        MODELS["gilbert-1%-burst8"].sample((2, 10), generator(0), used=torch.tensor([3, 11]))
+
+
+# -- traces -----------------------------------------------------------------------------------------
+@pytest.fixture
+def trace_files(tmp_path):
+    lost = np.random.default_rng(3).random(5000) < 0.1
+    lost[100:130] = True                                    # one long burst
+    files = {"npy": tmp_path / "t.npy", "txt": tmp_path / "t.txt", "runs": tmp_path / "t.runs"}
+    np.save(files["npy"], lost)
+    files["txt"].write_text("# measured\n" + "\n".join(" ".join(str(int(v)) for v in row)
+                                                       for row in lost.reshape(50, 100)))
+    edges = np.flatnonzero(np.diff(lost.astype(int))) + 1
+    runs = np.diff(np.concatenate([[0], edges, [lost.size]]))    # alternating, from lost[0]'s kind
+    files["runs"].write_text(" ".join(map(str, np.r_[0, runs] if lost[0] else runs)))
+    return lost, files
+
+
+def test_trace_formats_load_the_same_indicator(trace_files):
+    lost, files = trace_files
+    for path in files.values():
+        assert np.array_equal(load_trace(path), lost)
+        model = parse_loss_model(f"trace:{path}")
+        assert isinstance(model, Trace) and parse_loss_model(model.spec) == model
+        assert model.loss_rate == pytest.approx(lost.mean())
+
+
+def test_trace_statistics_are_the_traces_own():
+    lost = np.array([1, 1, 0, 0, 0, 1, 0, 1, 1, 1], dtype=bool)   # runs 2, 1, 3+2 around the wrap
+    model = Trace("inline", lost)
+    assert model.loss_rate == 0.6 and model.mean_burst == pytest.approx(6 / 2)
+
+
+def test_trace_replays_from_seeded_offsets_and_wraps(trace_files):
+    lost, files = trace_files
+    model = parse_loss_model(f"trace:{files['npy']}")
+    g = generator(1)
+    first, in_bad, state = model.sample_with_states((8, 3000), g)
+    assert not in_bad.any()
+    start = (state - 3000) % lost.size
+    assert len(set(start.tolist())) == 8                     # every link its own offset
+    for c in range(8):
+        expected = np.take(lost, np.arange(int(start[c]), int(start[c]) + 3000), mode="wrap")
+        assert np.array_equal(first[c].numpy(), expected)
+    second, state2 = model.sample((8, 7000), g, state, used=torch.full((8,), 100))
+    for c in range(8):                                      # the replay continues where it stopped
+        expected = np.take(lost, np.arange(int(state[c]), int(state[c]) + 7000), mode="wrap")
+        assert np.array_equal(second[c].numpy(), expected)
+    assert torch.equal(state2, (state + 100) % lost.size)
+    again = model.sample_with_states((8, 3000), generator(1))[0]
+    assert torch.equal(again, first)
+
+
+def test_trace_errors_name_the_problem(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("0 1 2")
+    with pytest.raises(ValueError, match="'2'"):
+        parse_loss_model(f"trace:{bad}")
+    runs = tmp_path / "bad.runs"
+    runs.write_text("3 -1")
+    with pytest.raises(ValueError, match="negative run length -1"):
+        parse_loss_model(f"trace:{runs}")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("# nothing\n")
+    with pytest.raises(ValueError, match="empty"):
+        parse_loss_model(f"trace:{empty}")
+
+
+@pytest.mark.parametrize("p", [0.6, 0.97])
+def test_dense_bernoulli_draws_its_complement(p):
+    """Above 1/2 the deliveries are drawn as events; rate and independence still hold."""
+    lost = Bernoulli(p).sample(2**20, generator(6))[0].numpy()
+    assert abs(rate_z(lost, p, p * (1 - p))) < Z_MAX
+    assert burst_chisquare(complete_runs(lost), geometric_pmf(1 / (1 - p), PMF_LENGTH)) > ALPHA
+
+
+@pytest.mark.parametrize("name", ["bernoulli-1%", "bernoulli-30%", "ge-good-loss", "anti-good-loss"])
+def test_short_calls_draw_the_same_law(name):
+    """Calls of one collective's size (a uniform per packet) against the closed forms and a long call."""
+    model = MODELS[name]
+    short = sample_in_calls(model, [2000] * 1000, seed=41, channels=(2,)).ravel()
+    assert abs(rate_z(short, model.loss_rate, model.variance_per_packet)) < Z_MAX
+    wrong = 1.25 * model.loss_rate
+    assert abs(rate_z(short, wrong, model.variance_per_packet)) > Z_MAX
+    pmf = burst_pmf(model, PMF_LENGTH)
+    assert burst_chisquare(complete_runs(short), pmf) > ALPHA

@@ -183,3 +183,22 @@ def test_bad_transport_settings_are_one_line_errors():
         assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="never finishes"):
         LossyNetwork(2, "bernoulli:1", transport="retransmit")
+
+
+@pytest.mark.parametrize("spec", ["bernoulli:0.3", "ge:rate=0.3,burst=4", "ge:p_gb=0.1,p_bg=0.3,loss_bad=0.7,loss_good=0.02"])
+def test_rewinding_a_draw_equals_drawing_fewer_packets(spec):
+    """What go-back-N relies on: state_after(draw, used) is the state a draw of `used` packets leaves."""
+    from lossysim.loss_models import parse_loss_model
+    model = parse_loss_model(spec)
+    used = torch.tensor([0, 1, 40, 99, 100])
+    state = model.sample_with_states((5, 0), torch.Generator().manual_seed(1))[2]
+    full = model.sample_with_states((5, 100), torch.Generator().manual_seed(2), state)
+    known = model.sample_with_states((5, 100), torch.Generator().manual_seed(2), state, used=used)
+    assert torch.equal(full[0], known[0])
+    rewound = model.state_after(full[1], full[2], used)
+    assert (rewound is None and known[2] is None) or torch.equal(rewound, known[2])
+
+
+def test_go_back_n_refuses_a_model_it_cannot_rewind():
+    with pytest.raises(ValueError, match="go_back_n"):
+        LossyNetwork(2, "netem:loss state 1% 30% 2% 80% 0.5%", transport="retransmit", retransmit="go_back_n")
