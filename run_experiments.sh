@@ -18,8 +18,8 @@ Profiles:
   quick  (default) tiny GPT-2 on the synthetic NLI task (synthetic, not MNLI), offline,
          2 simulated ranks on two nodes over 200G RoCE, 3 seeds (95% intervals and tests
          against no loss): ring all-reduce under Bernoulli 1%, 5%, 20% and Gilbert-Elliott
-         5%; direct exchange at 20%; retransmit and deadline at 5% (deadline at 20%); a
-         2 nodes x 2 ranks layout losing only between nodes. 33 runs, at most 15 minutes
+         5%; direct exchange at 5% and 20%; retransmit and deadline at 1%, 5%, 20%; a
+         2 nodes x 2 ranks layout losing only between nodes. 45 runs, about 10 minutes
          on 2 idle CPU cores. Spec: experiments/quick.yaml
   mnli   pretrained gpt2 on MNLI (20k train, 2k eval per split), tp 2; torchrun (dist)
          with >= 2 GPUs, simulated ranks (sim) otherwise. Spec: experiments/mnli_sweep.yaml
