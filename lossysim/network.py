@@ -465,10 +465,17 @@ class LossyNetwork:
             weight = coef[:, patch].unsqueeze(-1)
             # A lost packet contributes nothing, even if it held inf or NaN (0 * inf would be NaN).
             final[patch] = torch.where(inside, (torch.where(weight > 0, parts, 0) * weight).sum(0), 0)
-        gain = delivery.gain[receivers].to(x.dtype).unsqueeze(-1)
-        out = torch.where(gain > 0, final, 0)
+        gain = delivery.gain[receivers].to(x.dtype)
         if self.recovery == "rescale":
-            out = out * gain
+            out = final * gain.unsqueeze(-1)
+        else:  # a copy per receiver (torch.where costs several times a copy on a CPU)
+            out = final.expand(len(receivers), *final.shape).clone()
+        # A hole is zero, even where the final packet held inf or NaN (0 * inf would be NaN).
+        if dense:
+            out.masked_fill_((gain == 0).unsqueeze(-1), 0)
+        else:
+            holes = (gain == 0).nonzero()
+            out[holes[:, 0], holes[:, 1]] = 0
         return out.flatten(1)[:, :n], final
 
     def _weighted_sum(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
