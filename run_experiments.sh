@@ -18,7 +18,7 @@ Profiles:
   quick  (default) tiny GPT-2 on the synthetic NLI task (synthetic, not MNLI), offline,
          2 simulated ranks on two nodes over 200G RoCE, 3 seeds (95% intervals and tests
          against no loss): ring all-reduce under Bernoulli 1%, 5%, 20% and Gilbert-Elliott
-         5%; direct exchange at 5% and 20%; retransmit and deadline at 1%, 5%, 20%; a
+         5%; direct exchange at 5% and 20%; retransmit and deadline (3x) at 1%, 5%, 20%; a
          2 nodes x 2 ranks layout losing only between nodes. 45 runs, about 10 minutes
          on 2 idle CPU cores. Spec: experiments/quick.yaml
   mnli   pretrained gpt2 on MNLI (20k train, 2k eval per split), tp 2; torchrun (dist)
@@ -227,10 +227,11 @@ echo "Accuracy against average packet loss rate and burstiness ($PROFILE profile
 
 echo
 echo "Finished in $((SECONDS / 60)) min $((SECONDS % 60)) s. Everything is in $OUT/:"
-echo "  report.md    tables (every setting: accuracy, observed loss, disagreement, failures)"
-echo "  summary.csv  one row per run"
-echo "  *.png        plots: accuracy and disagreement against loss rate, observed against"
-echo "               configured loss, accuracy during training"
+echo "  report.md    tables (simulated time to accuracy; every setting: accuracy, observed loss,"
+echo "               disagreement, failures)"
+echo "  summary.csv  one row per run (simulated clock, retransmitted and missing packets included)"
+echo "  *.png        plots: accuracy against simulated time; accuracy and disagreement against"
+echo "               loss rate, observed against configured loss, accuracy during training"
 echo "  */           one directory per run: config.yaml, metrics.jsonl, summary.json"
 if [ "$status" -ne 0 ]; then
   echo "run_experiments.sh: $status run(s) failed; run the same command again to retry them" >&2
