@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from . import timing
 from .algorithms import ALGORITHMS, PHASES, Delivery, Schedule, combine, schedule
 from .loss_models import LossModel, parse_loss_model
-from .topology import LINK_CLASSES, Topology
+from .topology import Topology
 from .transport import Transport, run_step
 
 DIRECTIONS = ("fwd", "bwd")

@@ -9,14 +9,13 @@ import contextlib
 import copy
 import json
 import logging
-import math
 import os
 import platform
 import shutil
 import signal
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 

@@ -2,7 +2,6 @@
 cost what their formulas say, deadlines hold, and retransmitted training is loss-free training."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pandas as pd
