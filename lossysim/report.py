@@ -527,8 +527,10 @@ def plot_accuracy_vs_time(metrics: pd.DataFrame, runs: pd.DataFrame, ax: Optiona
         return None
     ax = _new_axes(ax, figsize=(8, 5))
     groups = _setting_groups(runs)
-    colors = _colors(len(groups))
+    from matplotlib import colormaps
+    colors = [colormaps["tab20"](i % 20) for i in range(len(groups))]   # more settings than tab10 holds
     greys = iter(["black", "dimgray", "darkgray", "silver"] * len(groups))
+    styles = {"drop": "-", "retransmit": ":", "deadline": "-."}
     for (setting, group), color in zip(groups, colors):
         rows = evals[evals["run_dir"].isin(group["run_dir"])]
         if rows.empty:
@@ -540,7 +542,9 @@ def plot_accuracy_vs_time(metrics: pd.DataFrame, runs: pd.DataFrame, ax: Optiona
         baseline = setting.get("loss_model") == "none"
         label = group["series"].iloc[0] + ("" if baseline else f", {100 * float(setting['loss_rate']):g}%")
         color = next(greys) if baseline else color
-        ax.plot(curve["t"], 100 * mean, color=color, linestyle="--" if baseline else "-", marker=".", label=label)
+        style = "--" if baseline else styles.get(str(setting.get("transport", group.get("transport", pd.Series(
+            ["drop"])).iloc[0])), "-")
+        ax.plot(curve["t"], 100 * mean, color=color, linestyle=style, marker=".", label=label)
         ax.fill_between(curve["t"], np.clip(100 * (mean - half), 0, 100), np.clip(100 * (mean + half), 0, 100),
                         color=color, alpha=0.12, linewidth=0)
     ax.set_xscale("log")
