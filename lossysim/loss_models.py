@@ -673,7 +673,7 @@ class FourState(LossModel):
         return _block_size(cover / mean_slot) if math.isfinite(mean_slot) else _SPARE_FIXED
 
 
-def load_trace(path: Union[str, "os.PathLike"]) -> np.ndarray:
+def load_trace(path: Union[str, Path]) -> np.ndarray:
     """A per-packet loss indicator (bool array) from a trace file.
 
     ``.npy``: an array of bools (or 0/1). ``.runs`` (text): run lengths that
