@@ -76,7 +76,6 @@ class _Plan:
     lengths: torch.Tensor              # [rows] packets per link
     width: int                         # max(lengths)
     static_counts: torch.Tensor        # [phases, links] packets a call sends (loss-free)
-    per_packet: int
     send_alpha: list
     send_tau: list
     send_rto: list
@@ -537,7 +536,7 @@ class LossyNetwork:
         step_sends = [sends for sends in step_sends if sends]
         step_ideal = [max(durations[i] for i in sends) for sends in step_sends]
         return _Plan(sched, link_ids, lossy_rows, factor, flat_phase, lengths, max(sched.link_packets, default=0),
-                     static, per_packet,
+                     static,
                      alpha, tau, rto, window, step_sends, step_ideal, sum(step_ideal))
 
     # -- internals -----------------------------------------------------------------
