@@ -76,13 +76,23 @@ class _Plan:
     lengths: torch.Tensor              # [rows] packets per link
     width: int                         # max(lengths)
     static_counts: torch.Tensor        # [phases, links] packets a call sends (loss-free)
-    send_alpha: list
-    send_tau: list
-    send_rto: list
-    send_window: list
-    step_sends: list                   # [steps] send indices
-    step_ideal: list                   # [steps] loss-free duration
+    steps: list                        # per step with traffic: _Step
     ideal: float                       # loss-free duration of the collective
+
+
+@dataclass
+class _Step:
+    """One step's sends and what the transport needs of them, built once per plan."""
+    sends: list                        # send indices
+    rows: list                         # their schedule link rows
+    phase: int
+    packets: torch.Tensor              # [sends]
+    alpha: torch.Tensor                # [sends] seconds
+    tau: torch.Tensor                  # [sends] wire seconds per packet, port sharing included
+    rto: torch.Tensor                  # [sends] seconds
+    window: torch.Tensor               # [sends] packets in flight during a round trip
+    counter_index: torch.Tensor        # [sends] phase * links + link id
+    ideal: float                       # loss-free duration
 
 
 class LossyNetwork:
@@ -305,24 +315,14 @@ class LossyNetwork:
         """Run every step through the transport; returns the missing packets per send."""
         sched = plan.sched
         missing = torch.zeros(len(sched.sends), sched.max_packets, dtype=torch.bool, device=device)
-        packets = torch.tensor([s.packets for s in sched.sends], device=device)
-        as_tensor = lambda values, sends: torch.tensor([values[i] for i in sends], device=device,  # noqa: E731
-                                                        dtype=torch.float64)
-        for step, sends in enumerate(plan.step_sends):
-            rows = [sched.send_row[i] for i in sends]
-            phase = PHASES.index(sched.sends[sends[0]].phase)
-            draw = self._draw_fn(channel, plan, rows, phase)
-            result = run_step(self.transport, packets[sends], draw, as_tensor(plan.send_alpha, sends),
-                              as_tensor(plan.send_tau, sends), as_tensor(plan.send_rto, sends),
-                              torch.tensor([plan.send_window[i] for i in sends], device=device),
-                              budget=self.transport.deadline * plan.step_ideal[step])
-            width = result.missing.shape[1]
-            missing[sends, :width] = result.missing
-            link_ids = plan.link_ids[rows]
-            index = phase * len(self.links) + link_ids
-            channel.counts[COUNTERS.index("resent")].view(-1).index_add_(
-                0, index, result.transmissions - packets[sends])
-            channel.counts[COUNTERS.index("missing")].view(-1).index_add_(0, index, result.missing.sum(1))
+        for step in plan.steps:
+            draw = self._draw_fn(channel, plan, step.rows, step.phase)
+            result = run_step(self.transport, step.packets, draw, step.alpha, step.tau, step.rto, step.window,
+                              budget=self.transport.deadline * step.ideal)
+            missing[step.sends, :result.missing.shape[1]] = result.missing
+            counts = channel.counts.view(len(COUNTERS), -1)
+            counts[COUNTERS.index("resent")].index_add_(0, step.counter_index, result.transmissions - step.packets)
+            counts[COUNTERS.index("missing")].index_add_(0, step.counter_index, result.missing.sum(1))
             self._tick(result.time, device)
         return missing
 
@@ -532,12 +532,22 @@ class LossyNetwork:
             rto.append(self.rto_s if self.rto_s is not None else _default_rto(self.transport.mode))
             window.append(timing.window_packets(link, self.payload_bytes))
             durations.append(link.send_time(payload, s.packets, share) if s.packets else 0.0)
-        step_sends = [[i for i, s in enumerate(sched.sends) if s.step == k and s.packets] for k in range(sched.steps)]
-        step_sends = [sends for sends in step_sends if sends]
-        step_ideal = [max(durations[i] for i in sends) for sends in step_sends]
+        steps = []
+        for k in range(sched.steps):
+            sends = [i for i, s in enumerate(sched.sends) if s.step == k and s.packets]
+            if not sends:
+                continue
+            rows = [sched.send_row[i] for i in sends]
+            phase = PHASES.index(sched.sends[sends[0]].phase)
+            seconds = lambda values: torch.tensor([values[i] for i in sends], dtype=torch.float64,  # noqa: E731
+                                                  device=device)
+            steps.append(_Step(sends, rows, phase,
+                               torch.tensor([sched.sends[i].packets for i in sends], device=device),
+                               seconds(alpha), seconds(tau), seconds(rto),
+                               torch.tensor([window[i] for i in sends], device=device),
+                               phase * len(self.links) + link_ids[rows], max(durations[i] for i in sends)))
         return _Plan(sched, link_ids, lossy_rows, factor, flat_phase, lengths, max(sched.link_packets, default=0),
-                     static,
-                     alpha, tau, rto, window, step_sends, step_ideal, sum(step_ideal))
+                     static, steps, sum(step.ideal for step in steps))
 
     # -- internals -----------------------------------------------------------------
     def _check(self, tensor: torch.Tensor) -> None:
