@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lossysim.network import LossyNetwork  # noqa: E402
+from lossysim.net.network import LossyNetwork  # noqa: E402
 
 
 def sync(device):

@@ -12,8 +12,31 @@ from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from .loss_models import parse_loss_model
-from .tracking import parse_report_to
+from .loss import parse_loss_model
+
+
+# Keys that say where or how a run is executed, not what it trains: they stay out of a run's
+# identity (the sweep's hash, what a resumed checkpoint must match), so a shard on another
+# machine (another device, another output folder) finds the run. Checkpointing settings too:
+# a resumed run ends exactly as an uninterrupted one.
+NON_SEMANTIC = ("out", "name", "device", "timeout_s", "save_checkpoint", "checkpoint_every", "keep_checkpoints",
+                "report_to")
+TRACKERS = ("tensorboard", "wandb")
+
+
+def parse_report_to(value) -> tuple[str, ...]:
+    """``"none"``, ``"tensorboard"``, ``"tensorboard,wandb"`` or a list -> tracker names (ValueError
+    naming report_to otherwise)."""
+    items = value if isinstance(value, (list, tuple)) else str(value).replace(" ", ",").split(",")
+    names = [str(item).strip().lower() for item in items if str(item).strip()]
+    unknown = [n for n in names if n not in ("none", *TRACKERS)]
+    if unknown:
+        raise ValueError(f"report_to={value!r}: unknown tracker {unknown[0]!r} "
+                         f"(expected none, {', '.join(TRACKERS)}, or several separated by commas)")
+    if "none" in names and len(names) > 1:
+        raise ValueError(f"report_to={value!r}: 'none' cannot be combined with a tracker")
+    return tuple(dict.fromkeys(n for n in names if n != "none"))
+
 
 
 @dataclass
@@ -110,8 +133,8 @@ class ExperimentConfig:
 
     def _validate_network(self, loss_model) -> None:
         from . import timing
-        from .topology import Topology
-        from .transport import Transport
+        from .net.topology import Topology
+        from .net.transport import Transport
         _choice("algorithm", self.algorithm, ("ring", "tree", "direct"))
         Topology(self.tp_size, self.ranks_per_node, self.lossy_links)
         transport = Transport(self.transport, self.retransmit, self.deadline)

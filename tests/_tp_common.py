@@ -18,7 +18,7 @@ from transformers import (GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadM
                           Qwen2ForCausalLM, Qwen2ForSequenceClassification, Qwen2Model)
 
 from lossysim import LossyNetwork, gather_full_model, parallelize
-from lossysim.layers import ColumnParallel, RowParallel
+from lossysim.tp.layers import ColumnParallel, RowParallel
 
 CLASSES = {"model": GPT2Model, "lm": GPT2LMHeadModel, "cls": GPT2ForSequenceClassification}
 # The Llama family: (config class, family-specific settings, classes by kind). 8 query heads.

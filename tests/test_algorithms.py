@@ -13,8 +13,8 @@ import pytest
 import torch
 from scipy import stats
 
-from lossysim.algorithms import chunk_bounds, depth, schedule
-from lossysim.network import LossyNetwork
+from lossysim.net.algorithms import chunk_bounds, depth, schedule
+from lossysim.net.network import LossyNetwork
 
 ALPHA = 1e-5  # p-value threshold of the statistical checks
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

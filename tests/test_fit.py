@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from lossysim.cli import main
-from lossysim.fit import (fit_all, fit_bernoulli, fit_four_state, fit_gilbert, log_likelihood, recommend,
+from lossysim.loss.fit import (fit_all, fit_bernoulli, fit_four_state, fit_gilbert, log_likelihood, recommend,
                           run_chisquare, run_length_pmf)
-from lossysim.loss_models import Bernoulli, FourState, GilbertElliott, parse_loss_model
+from lossysim.loss import Bernoulli, FourState, GilbertElliott, parse_loss_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 from scipy import stats
 
-from lossysim.loss_models import (Bernoulli, FourState, GilbertElliott, NoLoss, Trace, _alternating,
-                                  load_trace, parse_loss_model)
+from lossysim.loss import Bernoulli, FourState, GilbertElliott, NoLoss, Trace, load_trace, parse_loss_model
+from lossysim.loss.models import _alternating
 
 GE = GilbertElliott
 ALPHA = 1e-5        # p-value threshold of every statistical check

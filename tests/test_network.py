@@ -15,7 +15,7 @@ import pytest
 import torch
 from scipy import stats
 
-from lossysim.network import LossyNetwork as _LossyNetwork
+from lossysim.net.network import LossyNetwork as _LossyNetwork
 
 ALPHA = 1e-5  # p-value threshold of the statistical checks
 

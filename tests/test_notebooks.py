@@ -7,7 +7,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from lossysim import cli, report
+from lossysim import cli
+from lossysim.results import report
 from test_sweep import tiny_spec
 
 ROOT = Path(__file__).resolve().parents[1]

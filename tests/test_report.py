@@ -10,7 +10,9 @@ import pytest
 from matplotlib.image import imread
 from scipy import stats
 
-from lossysim import cli, report, sweep
+from lossysim import cli
+from lossysim.results import report, table
+from lossysim.run import sweep
 from lossysim.config import from_dict
 from test_sweep import Recorder, fake_accuracy, write_spec
 
@@ -120,8 +122,8 @@ def test_report_of_an_empty_folder_fails_cleanly(tmp_path, capsys):
 
 
 def test_synthetic_data_is_labelled_synthetic():
-    assert "synthetic" in sweep.dataset_display({"dataset": "nli-toy"}, {"dataset": "synthetic"})
-    assert sweep.dataset_display({"dataset": "MNLI (GLUE)"}, {"dataset": "mnli"}) == "MNLI (GLUE)"
+    assert "synthetic" in table.dataset_display({"dataset": "nli-toy"}, {"dataset": "synthetic"})
+    assert table.dataset_display({"dataset": "MNLI (GLUE)"}, {"dataset": "mnli"}) == "MNLI (GLUE)"
 
 
 def test_settings_compare_each_with_its_loss_free_baseline(results):

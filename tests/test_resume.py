@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lossysim import checkpoint
+from lossysim.run import checkpoint
 from lossysim.cli import main
 from lossysim.config import ExperimentConfig
 from lossysim.io import read_jsonl
-from lossysim.train import run_experiment
+from lossysim.run.experiment import run_experiment
 from torchrun_launch import torchrun
 
 TIMINGS = ("time_s", "tokens_per_s", "wall_time_s")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from lossysim.stats import mean_ci, time_to_target, welch_p
+from lossysim.results.stats import mean_ci, time_to_target, welch_p
 
 
 def test_interval_is_the_student_t_closed_form():

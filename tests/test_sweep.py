@@ -15,10 +15,11 @@ import pandas as pd
 import pytest
 import yaml
 
-from lossysim import cli, sweep
+from lossysim import cli
+from lossysim.run import sweep
 from lossysim.config import ExperimentConfig, save_yaml
 from lossysim.io import append_jsonl, atomic_write_json, read_jsonl
-from lossysim.loss_models import parse_loss_model
+from lossysim.loss import parse_loss_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SPLITS = ("validation_matched", "validation_mismatched")

@@ -13,12 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from lossysim.timing import (ALGORITHMS, DEFAULT_MFU, GPU_PRESETS, LINK_PRESETS, MEASURED, Compute,
-                             Link, algbw, busbw, direct_all_gather_time, direct_all_reduce_time,
-                             go_back_n_transmissions, ib_timeout_s, packet_count, parse_compute,
-                             parse_link, ring_all_gather_time, ring_all_reduce_time, schedule,
-                             schedule_time, selective_repeat_transmissions, step_time,
-                             tree_all_reduce_time, window_packets)
+from lossysim.timing import (DEFAULT_MFU, GPU_PRESETS, LINK_PRESETS, MEASURED, Compute, Link, algbw, busbw,
+                             direct_all_gather_time, direct_all_reduce_time, go_back_n_transmissions, ib_timeout_s,
+                             packet_count, parse_compute, parse_link, ring_all_gather_time, ring_all_reduce_time,
+                             selective_repeat_transmissions, step_time, tree_all_reduce_time, window_packets)
+from lossysim.timing.collectives import ALGORITHMS, schedule, schedule_time
 
 ALPHA = 1e-5
 PP = 1450

@@ -20,7 +20,7 @@ from golden_runs import CASES, KEYS, config_for  # noqa: E402
 
 def main() -> None:
     from lossysim.io import read_jsonl
-    from lossysim.train import run_experiment
+    from lossysim.run.experiment import run_experiment
     torch.set_num_threads(1)
     out = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,26 +1,22 @@
-"""Lossy tensor-parallel collectives (the Megatron-LM f/g pattern) and the two backends.
+"""The two backends of a tensor-parallel group: every rank in one process, or one rank per process.
 
-Tensors in the tensor-parallel region carry a leading rank dimension R: all
-``tp_size`` ranks stacked in one process (``SimGroup``), or R = 1 with one rank
-per process on torch.distributed (``DistGroup``). The autograd functions below
-only see a group; the group moves data and hands it to the LossyNetwork, which
-decides what arrives.
+Tensors in the tensor-parallel region carry a leading rank dimension R: all ``tp_size`` ranks
+stacked in one process (``SimGroup``), or R = 1 with one rank per process on torch.distributed
+(``DistGroup``). The Megatron mappings (``lossysim.tp.mappings``) only see a group; the group
+moves data and hands it to the LossyNetwork, which decides what arrives.
 
-Each call site has a stable name (``h.3.attn.copy``, ``h.3.attn.reduce``) that
-keys its random stream and statistics. ``copy`` sites carry gradients
-(direction ``bwd``), ``reduce`` and ``gather`` sites carry activations (``fwd``).
+Each call site has a stable name (``h.3.attn.copy``, ``h.3.attn.reduce``) that keys its random
+stream and statistics.
 """
 from __future__ import annotations
 
 import contextlib
 from collections import defaultdict, deque
-from datetime import timedelta
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from .network import LossyNetwork
+from ..net import LossyNetwork
 
 
 class SimGroup:
@@ -164,88 +160,5 @@ class DistGroup(SimGroup):
         return self._gather(x)
 
 
-def _die_with_launcher() -> None:
-    """Linux: get SIGTERM if torchrun dies (even by SIGKILL), so no rank is left orphaned."""
-    import ctypes
-    import signal
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 # torch 2.13 renamed all_gather_into_tensor (same signature); older torch has only the old name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0):
-    """Initialise torch.distributed from torchrun's environment, with a clear error outside it."""
-    import os
-    missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise ValueError(f"backend 'dist' must be launched by torchrun (missing {', '.join(missing)}); "
-                         "e.g. torchrun --nproc_per_node=2 -m lossysim train --backend dist ...")
-    _die_with_launcher()
-    if not dist.is_initialized():
-        if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        kwargs = {}
-        if backend == "nccl":
-            local_rank = int(os.environ["LOCAL_RANK"])
-            torch.cuda.set_device(local_rank)
-            kwargs["device_id"] = torch.device("cuda", local_rank)
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
-    return dist.get_rank(), dist.get_world_size()
-
-
-# -- the Megatron mappings ---------------------------------------------------------
-
-class _CopyToTP(torch.autograd.Function):
-    """forward: identity; backward: all-reduce of the input gradient (lossy ``bwd`` traffic)."""
-
-    @staticmethod
-    def forward(ctx, x, group, site):
-        ctx.group, ctx.site = group, site
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.group.all_reduce(grad, ctx.site, "bwd"), None, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """forward: all-reduce of the partial outputs (lossy ``fwd`` traffic); backward: identity."""
-
-    @staticmethod
-    def forward(ctx, x, group, site):
-        return group.all_reduce(x, site, "fwd")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    """forward: all-gather along the last dim (lossy ``fwd`` traffic); backward: keep own slice."""
-
-    @staticmethod
-    def forward(ctx, x, group, site):
-        ctx.group, ctx.width = group, x.shape[-1]
-        return group.all_gather(x, site, "fwd")
-
-    @staticmethod
-    def backward(ctx, grad):
-        slices = [grad[i, ..., r * ctx.width:(r + 1) * ctx.width] for i, r in enumerate(ctx.group.ranks)]
-        return torch.stack(slices), None, None
-
-
-def copy_to_tp(x: torch.Tensor, group: SimGroup, site: str) -> torch.Tensor:
-    return _CopyToTP.apply(x, group, site)
-
-
-def reduce_from_tp(x: torch.Tensor, group: SimGroup, site: str) -> torch.Tensor:
-    return _ReduceFromTP.apply(x, group, site)
-
-
-def gather_from_tp(x: torch.Tensor, group: SimGroup, site: str) -> torch.Tensor:
-    return _GatherFromTP.apply(x, group, site)

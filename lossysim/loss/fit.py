@@ -23,7 +23,8 @@ from typing import Optional
 import numpy as np
 from scipy import stats
 
-from .loss_models import (Bernoulli, FourState, GilbertElliott, LossModel, load_trace, trace_runs)
+from .models import Bernoulli, FourState, GilbertElliott, LossModel
+from .traces import load_trace, trace_runs
 
 GOF_ALPHA = 0.01     # run lengths "fit" when both chi-square p-values reach this
 MIN_EXPECTED = 5.0   # chi-square bins are pooled until each expects this many runs

@@ -24,15 +24,17 @@ import torch.distributed as dist
 import transformers
 from tqdm.auto import tqdm
 
-from . import __version__, checkpoint, timing
-from .collectives import init_distributed
-from .config import ExperimentConfig, load_config, parse_overrides, save_yaml
-from .data import EVAL_SPLITS, eval_batches, prepare_data, train_batches
-from .gpt2 import TensorParallelGPT2, gather_full_model, parallelize
-from .io import append_jsonl, atomic_write_json, atomic_write_text, read_jsonl
-from .models import build_model, check_max_length
+from .. import __version__, timing
+from ..config import ExperimentConfig, load_config, parse_overrides, save_yaml
+from ..data import EVAL_SPLITS, eval_batches, prepare_data, train_batches
+from ..tp import TensorParallelModel, gather_full_model, parallelize
+from ..io import append_jsonl, atomic_write_json, atomic_write_text, read_jsonl
+from ..models import build_model, check_max_length
+from ..net import LossyNetwork
+from ..net.links import stream_seed
+from . import checkpoint
+from .runtime import device as _device, init_distributed
 from .tracking import open_tracker
-from .network import LossyNetwork, stream_seed
 
 log = logging.getLogger(__name__)
 
@@ -160,15 +162,6 @@ def _start(config: ExperimentConfig, run_dir: Path, resume: bool) -> _Runtime:
     return runtime
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} but CUDA is not available")
-    return device
-
-
 def _prepare_run_dir(run_dir: Path, keep_checkpoints: bool) -> None:
     """Start clean: a stale summary from an earlier attempt must not mix in.
 
@@ -241,7 +234,7 @@ class _Experiment:
         if isinstance(self.compute, timing.Measured) and not (cfg.backend == "dist" and rt.device.type == "cuda"):
             raise ValueError("compute=measured needs backend=dist on CUDA GPUs: a simulation's own wall "
                              "clock is not a cluster's time; name a GPU model instead (e.g. compute=h100)")
-        self.model: TensorParallelGPT2 = parallelize(
+        self.model: TensorParallelModel = parallelize(
             model, cfg.tp_size, self.train_net, backend=cfg.backend, seed=cfg.seed,
             sync_replicated=cfg.sync_replicated)
         torch.manual_seed(stream_seed(cfg.seed, "sharded-dropout", str(rt.rank)))
@@ -626,7 +619,7 @@ def _traffic(network: LossyNetwork) -> dict:
     return row
 
 
-def _clip_grad_norm(model: TensorParallelGPT2, max_norm: float) -> torch.Tensor:
+def _clip_grad_norm(model: TensorParallelModel, max_norm: float) -> torch.Tensor:
     """Global gradient norm as Megatron computes it: replicated grads once, every rank's shards."""
     def sq(params):
         # Grouped-query kv heads held by several ranks count once.

@@ -24,10 +24,10 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .config import ExperimentConfig
-from .io import atomic_write_text, read_jsonl
+from ..config import NON_SEMANTIC, ExperimentConfig
+from ..io import atomic_write_text, read_jsonl
 from .stats import ALPHA, CONFIDENCE, mean_ci, time_to_target, welch_p
-from .sweep import NON_SEMANTIC, collect, write_summary_csv
+from .table import collect, write_summary_csv
 
 # Settings that split runs into separate lines when a sweep varies them.
 SERIES_KEYS = ("algorithm", "transport", "retransmit", "lossy_links", "ranks_per_node", "lossy", "recovery",

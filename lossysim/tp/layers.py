@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .collectives import SimGroup, reduce_from_tp
+from .groups import SimGroup
+from .mappings import reduce_from_tp
 
 
 def shard_columns(weight: torch.Tensor, tp_size: int, chunks: int = 1) -> torch.Tensor:

@@ -13,8 +13,9 @@ import math
 import pandas as pd
 import torch
 
-from .loss_models import LossModel, parse_loss_model
-from .network import stream_seed
+from ..net.links import stream_seed
+from .models import LossModel
+from .spec import parse_loss_model
 
 DEMO_SPECS = (
     "none",

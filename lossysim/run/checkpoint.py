@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .io import atomic_write_json
+from ..io import atomic_write_json
 
 _NAME = re.compile(r"^step-(\d{7,})$")
 

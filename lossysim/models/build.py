@@ -13,7 +13,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
                           GPT2ForSequenceClassification, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
                           LlamaForSequenceClassification)
 
-from .plans import plan_for
+from ..tp.plans import plan_for
 
 # Random-weight shapes: `tiny` and `tiny-llama` for CPU tests and demos, `small` = GPT-2 124M,
 # `llama-1b-shape` = Llama 3.2 1B (grouped-query attention, 32 query and 8 kv heads, tied embeddings).

@@ -19,22 +19,9 @@ from typing import Iterable, Optional
 
 import yaml
 
-TRACKERS = ("tensorboard", "wandb")
+from ..config import parse_report_to
+
 EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb"}   # tracker -> the package it needs
-
-
-def parse_report_to(value) -> tuple[str, ...]:
-    """``"none"``, ``"tensorboard"``, ``"tensorboard,wandb"`` or a list -> tracker names (ValueError
-    naming report_to otherwise)."""
-    items = value if isinstance(value, (list, tuple)) else str(value).replace(" ", ",").split(",")
-    names = [str(item).strip().lower() for item in items if str(item).strip()]
-    unknown = [n for n in names if n not in ("none", *TRACKERS)]
-    if unknown:
-        raise ValueError(f"report_to={value!r}: unknown tracker {unknown[0]!r} "
-                         f"(expected none, {', '.join(TRACKERS)}, or several separated by commas)")
-    if "none" in names and len(names) > 1:
-        raise ValueError(f"report_to={value!r}: 'none' cannot be combined with a tracker")
-    return tuple(dict.fromkeys(n for n in names if n != "none"))
 
 
 def _require(tracker: str) -> None:

@@ -20,7 +20,6 @@ Statistics and the clock stay on the tensors' device (no host sync per call with
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -29,10 +28,11 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from . import timing
+from .. import timing
 from .algorithms import ALGORITHMS, PHASES, Delivery, Schedule, combine, schedule
-from .loss_models import LossModel, parse_loss_model
+from ..loss import LossModel, parse_loss_model
 from .topology import Topology
+from .links import stream_seed
 from .transport import Transport, run_step
 
 DIRECTIONS = ("fwd", "bwd")
@@ -41,12 +41,6 @@ COUNTERS = ("sent", "lost", "sent_bad", "bursts", "resent", "missing")
 # A selective-repeat transport's timer for a tail loss: an assumption (configurable with rto_s),
 # far below go-back-N's IB timeout, as a NIC built for selective repeat would set it.
 SELECTIVE_RTO_S = 1e-3
-
-
-def stream_seed(seed: int, site: str, direction: str) -> int:
-    """A stable 63-bit seed for one (seed, site, direction) random stream."""
-    digest = hashlib.blake2b(f"{seed}\0{site}\0{direction}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 @dataclass

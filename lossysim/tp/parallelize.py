@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .collectives import DistGroup, SimGroup, copy_to_tp
+from .groups import DistGroup, SimGroup
 from .layers import ColumnParallel, ReplicatedDropout, RowParallel
-from .network import LossyNetwork
+from ..net import LossyNetwork
+from .mappings import copy_to_tp
 from .plans import Column, Plan, plan_for
 
 

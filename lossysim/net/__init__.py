@@ -1,0 +1,4 @@
+"""The lossy network between ranks: topology, algorithms, links, transports, delivery, statistics."""
+from .network import LossyNetwork
+
+__all__ = ["LossyNetwork"]

@@ -1,0 +1,1 @@
+"""Running experiments: one training run (``experiment``), its checkpoints and tracking, and sweeps."""
