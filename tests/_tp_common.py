@@ -114,7 +114,7 @@ def hf_step(model, kind: str, batch: dict):
 
 
 def tp_step(tpm, kind: str, batch: dict):
-    """Forward + backward of a TensorParallelGPT2: (rank_logits, rank_losses), each rank on its own loss."""
+    """Forward + backward of a TensorParallelModel: (rank_logits, rank_losses), each rank on its own loss."""
     out = tpm(**batch)
     if kind == "model":
         # Every local rank backpropagates its own scalar, as each Megatron rank does.

@@ -40,7 +40,7 @@ def fake_run_experiment(config: ExperimentConfig, run_dir, *, progress=True, pos
     run_dir.mkdir(parents=True, exist_ok=True)
     save_yaml(config, run_dir / "config.yaml")
     model = parse_loss_model(config.loss)
-    lossy = config.lossy_directions
+    lossy = config.network_spec().lossy
     metrics = run_dir / "metrics.jsonl"
     for step in range(config.eval_every, config.steps + 1, config.eval_every):
         frac = step / config.steps

@@ -9,10 +9,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..models.shapes import NAMED_SHAPES
 from .examples import Examples
 
-# models built from a config, with no tokenizer of their own (lossysim.models.NAMED_SHAPES)
-BUILTIN_MODELS = ("tiny", "small", "tiny-llama", "llama-1b-shape")
 
 BPE_VOCAB_SIZE = 8192
 PAD_TOKEN = "<|pad|>"
@@ -26,7 +25,7 @@ TOKENIZE_BATCH = 8192
 def tokenizer_spec(config) -> str:
     """Resolve ``tokenizer: auto``: the model's own tokenizer for a HF model, else a trained BPE."""
     if config.tokenizer == "auto":
-        return "bpe" if config.model in BUILTIN_MODELS else config.model
+        return "bpe" if config.model in NAMED_SHAPES else config.model
     return config.tokenizer
 
 

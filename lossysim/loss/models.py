@@ -324,6 +324,8 @@ class LossModel:
 
     # Whether ``state_after`` can rewind a full draw to fewer packets (go-back-N needs it).
     rewindable = False
+    # Whether the chain has a hidden (Bad, burst) state whose packets ``in_bad`` marks.
+    hidden_state = False
 
     def state_after(self, in_bad: torch.Tensor, next_state, used: torch.Tensor):
         """The chain state after the first ``used`` packets of a full draw that returned
@@ -466,6 +468,7 @@ class GilbertElliott(LossModel):
         return rate * (1.0 - rate) + 2.0 * spread * lam / (1.0 - lam)
 
     rewindable = True
+    hidden_state = True
 
     def state_after(self, in_bad, next_state, used):
         # in_bad holds the state each packet arrived in: packet `used`'s is the chain's state after `used`.
@@ -547,6 +550,8 @@ class FourState(LossModel):
             raise ValueError(f"p13={self.p13:g}, p31={self.p31:g}, p32={self.p32:g}, p23={self.p23:g}: "
                              "the chain has no unique stationary distribution")
         self.spec = (f"netem:loss state {self.p13!r} {self.p31!r} {self.p32!r} {self.p23!r} {self.p14!r}")
+
+    hidden_state = True
 
     def _weights(self):
         # Balance: pi3 p31 = pi1 p13, pi2 p23 = pi3 p32, pi4 = pi1 p14, scaled free of divisions.

@@ -1,7 +1,7 @@
 """The runner's models: named random-weight shapes, or pretrained weights by name or path, as a
 sequence classifier (``task: classification``) or a causal LM (``task: lm``).
 
-Every model built here is one ``lossysim.plans`` can shard: GPT-2, Llama, Qwen2, Mistral.
+Every model built here is one ``lossysim.tp.plans`` can shard: GPT-2, Llama, Qwen2, Mistral.
 """
 from __future__ import annotations
 
@@ -14,30 +14,11 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
                           LlamaForSequenceClassification)
 
 from ..tp.plans import plan_for
+from .shapes import NAMED_MAX_POSITIONS, NAMED_SHAPES
 
-# Random-weight shapes: `tiny` and `tiny-llama` for CPU tests and demos, `small` = GPT-2 124M,
-# `llama-1b-shape` = Llama 3.2 1B (grouped-query attention, 32 query and 8 kv heads, tied embeddings).
-# The vocabulary is the data's tokenizer's.
-NAMED_SHAPES = {
-    "tiny": (GPT2Config, dict(n_layer=2, n_head=4, n_embd=128)),
-    "small": (GPT2Config, dict(n_layer=12, n_head=12, n_embd=768)),
-    "tiny-llama": (LlamaConfig, dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                     hidden_size=128, intermediate_size=352, tie_word_embeddings=True)),
-    "llama-1b-shape": (LlamaConfig, dict(
-        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, hidden_size=2048,
-        intermediate_size=8192, head_dim=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
-        max_position_embeddings=131072,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                         "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                         "original_max_position_embeddings": 8192})),
-}
 _CLASSES = {"classification": {GPT2Config: GPT2ForSequenceClassification, LlamaConfig: LlamaForSequenceClassification},
             "lm": {GPT2Config: GPT2LMHeadModel, LlamaConfig: LlamaForCausalLM}}
 _AUTO = {"classification": AutoModelForSequenceClassification, "lm": AutoModelForCausalLM}
-
-
-# Named shapes size their position table to max_length, up to GPT-2's own 1024 positions.
-NAMED_MAX_POSITIONS = 1024
 
 
 def is_pretrained(name: str) -> bool:

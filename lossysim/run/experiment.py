@@ -219,15 +219,9 @@ class _Experiment:
                             num_labels=self.data.num_labels, max_length=cfg.max_length,
                             attn_implementation=cfg.attn_implementation, dropout=cfg.dropout,
                             seed=cfg.seed, task=cfg.task).to(rt.device)
-        network_args = dict(seed=cfg.seed, payload_bytes=cfg.payload_bytes, recovery=cfg.recovery,
-                            lossy=cfg.lossy_directions, algorithm=cfg.algorithm,
-                            ranks_per_node=cfg.ranks_per_node, lossy_links=cfg.lossy_links,
-                            transport=cfg.transport, retransmit=cfg.retransmit, deadline=cfg.deadline,
-                            rto_s=cfg.rto_s, link_intra=cfg.link_intra, link_inter=cfg.link_inter)
-        self.train_net = LossyNetwork(cfg.tp_size, cfg.loss, **network_args)
+        self.train_net = LossyNetwork(cfg.network_spec())
         # Evaluation draws from its own streams and keeps its own statistics.
-        eval_args = dict(network_args, seed=stream_seed(cfg.seed, "eval", "network"))
-        self.eval_net = LossyNetwork(cfg.tp_size, cfg.loss if cfg.eval_lossy else "none", **eval_args)
+        self.eval_net = LossyNetwork(cfg.network_spec(evaluation=True))
         # FLOPs of a training step count the whole model's parameters (6 * N * tokens / tp).
         self.parameters = sum(p.numel() for p in model.parameters())
         self.compute = timing.parse_compute(cfg.compute)

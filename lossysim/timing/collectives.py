@@ -9,9 +9,10 @@ alpha-beta costs of the same schedules, which the tests hold against the network
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable, Iterable, Union
+from typing import NamedTuple, Sequence
 
 from .links import Link
+
 
 def packet_count(payload_bytes: int, packet_payload: int) -> int:
     """P = ceil(S / packet_payload): the last packet may be partial."""
@@ -20,28 +21,44 @@ def packet_count(payload_bytes: int, packet_payload: int) -> int:
     return -(-int(payload_bytes) // int(packet_payload))
 
 
-def step_time(sends: Iterable[tuple]) -> float:
-    """max over sends of alpha + wire(S, P) * max(out_degree(src), in_degree(dst)) / B + extra.
+class SendTime(NamedTuple):
+    """A send's loss-free cost: ``seconds = alpha + packets * tau``, tau the wire time of one packet
+    on its (shared) port."""
+    alpha: float
+    tau: float
+    seconds: float
 
-    A send is (src, dst, payload_bytes, packets, link[, extra_s]): link is the class of that
-    pair; count retransmitted packets in payload_bytes and packets, and put time spent
-    waiting (timeouts, round trips to a NAK) in extra_s. Degrees count this step's sends on
-    the same class; a class is a Link value, so give the intra- and inter-node classes
-    different names if they must not share ports. An empty step takes no time.
+
+def send_times(sends: Sequence[tuple]) -> list[SendTime]:
+    """The cost of every send of one step, its ports shared.
+
+    A send is ``(src, dst, payload_bytes, packets, link[, port])``: ``link`` is the Link of that pair
+    and ``port`` names the port class it uses (default: the link itself; the network passes
+    ``intra`` or ``inter``). Within the step a rank's sends on one port class share its egress and
+    its receives share its ingress, so a send moves ``wire(S, P) * share`` bytes' worth of time,
+    ``share = max(out_degree(src), in_degree(dst))``: ``t = alpha + wire(S, P) * share / B``.
     """
     sends = [tuple(send) for send in sends]
     for send in sends:
         if len(send) not in (5, 6):
-            raise ValueError(f"send={send!r} must be (src, dst, payload_bytes, packets, link[, extra_s])")
+            raise ValueError(f"send={send!r} must be (src, dst, payload_bytes, packets, link[, port])")
         if send[0] == send[1]:
             raise ValueError(f"a rank cannot send to itself (src=dst={send[0]})")
-        if len(send) == 6 and not send[5] >= 0:
-            raise ValueError(f"extra_s={send[5]!r} must be >= 0")
-    out_degree = Counter((send[0], send[4]) for send in sends)
-    in_degree = Counter((send[1], send[4]) for send in sends)
-    return max((link.send_time(size, packets, max(out_degree[src, link], in_degree[dst, link]))
-                + (extra[0] if extra else 0.0)
-                for src, dst, size, packets, link, *extra in sends), default=0.0)
+    port = [send[5] if len(send) == 6 else send[4] for send in sends]
+    out_degree = Counter((send[0], p) for send, p in zip(sends, port))
+    in_degree = Counter((send[1], p) for send, p in zip(sends, port))
+    times = []
+    for (src, dst, size, packets, link, *_), p in zip(sends, port):
+        share = max(out_degree[src, p], in_degree[dst, p])
+        wire = link.wire_bytes(size, packets) if packets else 0
+        times.append(SendTime(link.latency_s, wire * share / link.bandwidth_Bps / packets if packets else 0.0,
+                              link.send_time(size, packets, share) if packets else 0.0))
+    return times
+
+
+def step_time(sends: Sequence[tuple]) -> float:
+    """A step ends when its slowest send ends: max over ``send_times``; an empty step takes no time."""
+    return max((t.seconds for t in send_times(sends)), default=0.0)
 
 
 def _sizes(R: int, M: int) -> tuple[int, int]:
@@ -50,64 +67,25 @@ def _sizes(R: int, M: int) -> tuple[int, int]:
     return int(R), int(M)
 
 
-def _chunks(total_bytes: int, parts: int) -> list[int]:
-    """Near-equal split: the first total % parts chunks get one byte more."""
-    base, extra = divmod(int(total_bytes), parts)
-    return [base + (i < extra) for i in range(parts)]
-
-
 def _depth(rank: int) -> int:
     return (rank + 1).bit_length() - 1
-
-
-def schedule(algorithm: str, ranks: int, message_bytes: int) -> list[list[tuple[int, int, int]]]:
-    """The steps of a collective, each a list of (src, dst, payload_bytes); empty sends omitted.
-
-    ``message_bytes`` is M (each rank's whole message) for all-reduces and the shard S
-    for all-gathers. Algorithms: ring_all_reduce, ring_all_gather, tree_all_reduce,
-    direct_all_reduce, direct_all_gather.
-    """
-    R, M = _sizes(ranks, message_bytes)
-    if algorithm == "ring_all_reduce":
-        chunk = _chunks(M, R)
-        # reduce-scatter: at step s rank r passes partial chunk (r - s) to r + 1; all-gather:
-        # at step s rank r passes the finished chunk (r + 1 - s) on.
-        steps = [[(r, (r + 1) % R, chunk[(r - s) % R]) for r in range(R)] for s in range(R - 1)]
-        steps += [[(r, (r + 1) % R, chunk[(r + 1 - s) % R]) for r in range(R)] for s in range(R - 1)]
-    elif algorithm == "ring_all_gather":
-        steps = [[(r, (r + 1) % R, M) for r in range(R)] for _ in range(R - 1)]
-    elif algorithm == "tree_all_reduce":
-        levels = range(1, _depth(R - 1) + 1)
-        reduce = [[(r, (r - 1) // 2, M) for r in range(R) if _depth(r) == d] for d in reversed(levels)]
-        broadcast = [[((r - 1) // 2, r, M) for r in range(R) if _depth(r) == d] for d in levels]
-        steps = reduce + broadcast
-    elif algorithm in ("direct_all_reduce", "direct_all_gather"):
-        steps = [[(r, q, M) for r in range(R) for q in range(R) if q != r]] if R > 1 else []
-    else:
-        raise ValueError(f"algorithm={algorithm!r} must be one of {', '.join(ALGORITHMS)}")
-    return [kept for kept in ([send for send in step if send[2] > 0] for step in steps) if kept]
-
-
-ALGORITHMS = ("ring_all_reduce", "ring_all_gather", "tree_all_reduce", "direct_all_reduce",
-              "direct_all_gather")
-
-
-def schedule_time(steps, link: Union[Link, Callable[[int, int], Link]], packet_payload: int) -> float:
-    """Sum of step_time over the steps; ``link`` is one Link or a function (src, dst) -> Link."""
-    link_of = link if callable(link) else (lambda src, dst: link)
-    return sum(step_time((src, dst, size, packet_count(size, packet_payload), link_of(src, dst))
-                         for src, dst, size in step) for step in steps)
 
 
 def _send(link: Link, size: int, packet_payload: int, share: int = 1) -> float:
     return link.send_time(size, packet_count(size, packet_payload), share) if size > 0 else 0.0
 
 
+def _largest_chunk(R: int, M: int, packet_payload: int) -> int:
+    """Bytes of the largest ring chunk: chunks are whole packets, split as evenly as they go, so the
+    first holds ceil(P / R) packets (or the whole message when it is shorter)."""
+    return min(-(-packet_count(M, packet_payload) // R) * packet_payload, M)
+
+
 def ring_all_reduce_time(R: int, M: int, link: Link, packet_payload: int = 1450) -> float:
-    """2(R-1) (alpha + wire(C, ceil(C / pp)) / B), C = ceil(M / R) the largest chunk;
-    = 2(R-1)(alpha + M / (R B)) with no headers and R dividing M."""
+    """2(R-1) (alpha + wire(C, ceil(C / pp)) / B), C = min(ceil(P / R) pp, M) the largest chunk, P =
+    ceil(M / pp) packets; = 2(R-1)(alpha + M / (R B)) with no headers and chunks of whole packets."""
     R, M = _sizes(R, M)
-    return 2 * (R - 1) * _send(link, -(-M // R), packet_payload)
+    return 2 * (R - 1) * _send(link, _largest_chunk(R, M, packet_payload), packet_payload)
 
 
 def ring_all_gather_time(R: int, shard_bytes: int, link: Link, packet_payload: int = 1450) -> float:

@@ -10,6 +10,9 @@ import math
 
 from .links import Link
 
+# A selective-repeat transport's timer for a tail loss: an assumption (configurable with rto_s), far
+# below go-back-N's IB timeout, as a NIC built for selective repeat would set it.
+SELECTIVE_RTO_S = 1e-3
 TCP_RTO_MIN_S = 0.2       # Linux TCP_RTO_MIN (HZ / 5)
 IB_TIMEOUT_DEFAULT = 20   # NCCL_IB_TIMEOUT default in current NCCL releases (18 and 14 earlier)
 
@@ -47,3 +50,9 @@ def ib_timeout_s(t: int = IB_TIMEOUT_DEFAULT) -> float:
 def _check_loss(p: float) -> None:
     if not 0.0 <= p < 1.0:
         raise ValueError(f"p={p!r} must be a loss probability in [0, 1)")
+
+
+def default_rto(mode: str) -> float:
+    """The timeout a tail loss waits when none is configured: the IB local ACK timeout at NCCL's
+    default for go-back-N, ``SELECTIVE_RTO_S`` for selective repeat (see docs/time_model.md)."""
+    return ib_timeout_s() if mode == "go_back_n" else SELECTIVE_RTO_S

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..net import LossyNetwork
+from ..util import swapped
 
 
 class SimGroup:
@@ -90,21 +91,13 @@ class SimGroup:
 
     @contextlib.contextmanager
     def _recording(self, record):
-        previous, self._record = self._record, record
-        try:
-            with self.network.recording(record):
-                yield
-        finally:
-            self._record = previous
+        with swapped(self, "_record", record), self.network.recording(record):
+            yield
 
     @contextlib.contextmanager
     def _replaying(self, record):
-        previous, self._replay = self._replay, record
-        try:
-            with self.network.replaying(record):
-                yield
-        finally:
-            self._replay = previous
+        with swapped(self, "_replay", record), self.network.replaying(record):
+            yield
 
 
 class DistGroup(SimGroup):

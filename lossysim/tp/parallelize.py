@@ -22,7 +22,7 @@ from .groups import DistGroup, SimGroup
 from .layers import ColumnParallel, ReplicatedDropout, RowParallel
 from ..net import LossyNetwork
 from .mappings import copy_to_tp
-from .plans import Column, Plan, plan_for
+from .plans import Column, ShardingPlan, plan_for
 
 
 class _RankZeroView(torch.autograd.Function):
@@ -50,7 +50,7 @@ class TensorParallelModel(nn.Module):
     its own loss; replicated parameters receive the mean of the ranks' gradients.
     """
 
-    def __init__(self, model: nn.Module, group: SimGroup, plan: Plan, kind: str):
+    def __init__(self, model: nn.Module, group: SimGroup, plan: ShardingPlan, kind: str):
         super().__init__()
         self.model = model
         self.group = group
@@ -135,10 +135,6 @@ class TensorParallelModel(nn.Module):
         return [p for p in self.parameters() if id(p) not in sharded]
 
 
-# The old name: GPT-2 was the first (and only) sharded architecture.
-TensorParallelGPT2 = TensorParallelModel
-
-
 def _enter_tp(group: SimGroup, site: str):
     """A forward pre-hook putting a module's input (hidden states) through copy-to-TP at ``site``."""
     def hook(module, args, kwargs):
@@ -154,7 +150,7 @@ def _enter_tp(group: SimGroup, site: str):
     return hook
 
 
-def _head_counts(plan: Plan, config, tp: int) -> tuple[int, int, int]:
+def _head_counts(plan: ShardingPlan, config, tp: int) -> tuple[int, int, int]:
     """(query heads, kv heads, kv parts): kv heads are split when tp divides them, else each rank holds one."""
     heads = getattr(config, plan.heads)
     if heads % tp:

@@ -37,7 +37,7 @@ class Row:
 
 
 @dataclass(frozen=True)
-class Plan:
+class ShardingPlan:
     """How one architecture is sharded (paths are relative to the base model or to one block)."""
     name: str
     classes: dict  # HF class -> "model" (no head), "lm" or "cls"
@@ -62,7 +62,7 @@ def _gpt2_check(config) -> Optional[str]:
     return None
 
 
-GPT2 = Plan(
+GPT2 = ShardingPlan(
     name="gpt2",
     classes={GPT2Model: "model", GPT2LMHeadModel: "lm", GPT2ForSequenceClassification: "cls"},
     blocks="h", final_norm="ln_f", attention="attn",
@@ -86,17 +86,17 @@ _LLAMA_LAYOUT = dict(
     local={"num_key_value_groups": "groups"},
     kv_heads="num_key_value_heads",
 )
-LLAMA = Plan(name="llama", classes={LlamaModel: "model", LlamaForCausalLM: "lm",
+LLAMA = ShardingPlan(name="llama", classes={LlamaModel: "model", LlamaForCausalLM: "lm",
                                     LlamaForSequenceClassification: "cls"}, **_LLAMA_LAYOUT)
-QWEN2 = Plan(name="qwen2", classes={Qwen2Model: "model", Qwen2ForCausalLM: "lm",
+QWEN2 = ShardingPlan(name="qwen2", classes={Qwen2Model: "model", Qwen2ForCausalLM: "lm",
                                     Qwen2ForSequenceClassification: "cls"}, **_LLAMA_LAYOUT)
-MISTRAL = Plan(name="mistral", classes={MistralModel: "model", MistralForCausalLM: "lm",
+MISTRAL = ShardingPlan(name="mistral", classes={MistralModel: "model", MistralForCausalLM: "lm",
                                         MistralForSequenceClassification: "cls"}, **_LLAMA_LAYOUT)
 
 PLANS = (GPT2, LLAMA, QWEN2, MISTRAL)
 
 
-def plan_for(model) -> tuple[Plan, str]:
+def plan_for(model) -> tuple[ShardingPlan, str]:
     """(plan, head kind) of an HF model instance, or a TypeError naming the supported classes."""
     for plan in PLANS:
         for cls, kind in plan.classes.items():
