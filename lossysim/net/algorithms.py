@@ -14,10 +14,11 @@ whole message to every other rank in one step.
 What a loss means (``combine``): a lost packet of a reduce-scatter or reduce send
 takes every contribution it carried with it (the receiver's own contribution goes
 on alone); a lost packet of an all-gather or broadcast send is a hole that every
-rank downstream inherits (a rank forwards what it has). ``weights`` per send are
-0 for a lost packet and otherwise the factor a delivered packet is scaled by (1,
-or 1 / P(delivery) for ``rescale``: dividing what arrived by the probability that it
-arrives at every hop is what keeps the estimate of the sum unbiased).
+rank downstream inherits (a rank forwards what it has). ``combine`` follows the
+lost packets along every path; ``path_weights`` multiplies per-send factors along
+the same paths (for ``rescale``, 1 / P(delivery) at every hop: dividing what
+arrived by the probability that it arrives is what keeps the estimate of the sum
+unbiased), so a delivered path carries its product and a lost one 0.
 """
 from __future__ import annotations
 
@@ -99,32 +100,35 @@ class Schedule:
         return cached
 
     def _packet_tensors(self, device) -> dict:
-        """Per send and packet: where it sits in the [links, width] draw, and whether it is padding."""
+        """Per send and packet: where it sits in the [links, width] draw (a send shorter than the longest
+        reads some real slot past its end, which nothing reads back); the phase of every drawn packet."""
         width = max(self.link_packets, default=0)
         slot = torch.arange(self.max_packets, device=device)
         start = torch.tensor([r * width + o for r, o in zip(self.send_row, self.send_offset)],
                              dtype=torch.long, device=device).reshape(-1, 1)
-        packets = torch.tensor([s.packets for s in self.sends], dtype=torch.long, device=device).reshape(-1, 1)
         phase = torch.zeros(len(self.links), width, dtype=torch.long, device=device)
         for i, s in enumerate(self.sends):
             start_i = self.send_offset[i]
             phase[self.send_row[i], start_i:start_i + s.packets] = PHASES.index(s.phase)
-        return {"gather": (start + slot).clamp(max=max(len(self.links) * width - 1, 0)),  # padding: any real slot
-                "padding": slot >= packets, "phase": phase,
+        return {"gather": (start + slot).clamp(max=max(len(self.links) * width - 1, 0)), "phase": phase,
                 "link_packets": torch.tensor(self.link_packets, dtype=torch.long, device=device)}
 
     def _index_lists(self) -> dict:
-        R, S = self.tp_size, len(self.sends)
+        """Where, in the per-send layout ``[sends (+1 neutral row), max_packets]`` flattened, each
+        packet's hops sit; and where each rank stands on each packet's path."""
+        R, S, width = self.tp_size, len(self.sends), self.max_packets
         out = {}
-        none = S  # index of an all-ones row appended to the weights
+        none = S  # the neutral row appended to the per-send values (no send: nothing lost, factor 1)
         key = (self.algorithm, self.collective)
         if key == ("ring", "all_reduce"):
             index = {(s.step, s.src): i for i, s in enumerate(self.sends)}
-            out["rs"] = [[index[(h, (c + 1 + h) % R)] for h in range(R - 1)] for c in range(R)]
-            out["ag"] = [[index[(R - 1 + h, (c + h) % R)] for h in range(R - 1)] for c in range(R)]
-            out["contributor_pos"] = [[(j - c - 1) % R for j in range(R)] for c in range(R)]
-            out["receiver_pos"] = [[(i - c) % R for i in range(R)] for c in range(R)]
-            out.update(self._packet_parts())
+            parts = [(c, pos) for c, (_, count) in enumerate(chunk_bounds(self.n_packets, R)) for pos in range(count)]
+            # packet p of chunk c: its partial sum starts at rank c+1 (hop 0) and ends at the owner c;
+            # then it travels c -> c+1 -> ... (all-gather hop h reaches the rank h+1 after the owner).
+            out["rs"] = [[index[(h, (c + 1 + h) % R)] * width + pos for h in range(R - 1)] for c, pos in parts]
+            out["ag"] = [[index[(R - 1 + h, (c + h) % R)] * width + pos for h in range(R - 1)] for c, pos in parts]
+            out["contributor_pos"] = [[(j - c - 1) % R for j in range(R)] for c, _ in parts]  # owner: R - 1
+            out["receiver_pos"] = [[(i - c) % R for i in range(R)] for c, _ in parts]         # owner: 0
         elif key == ("tree", "all_reduce"):
             up = {s.src: i for i, s in enumerate(self.sends) if s.phase == "reduce"}
             down = {s.dst: i for i, s in enumerate(self.sends) if s.phase == "broadcast"}
@@ -138,13 +142,6 @@ class Schedule:
             index = {(s.src, s.dst): i for i, s in enumerate(self.sends)}
             out["pair"] = [[index.get((j, i), none) for j in range(R)] for i in range(R)]
         return out
-
-    def _packet_parts(self) -> dict:
-        part, pos = [], []
-        for c, (first, count) in enumerate(chunk_bounds(self.n_packets, self.tp_size)):
-            part += [c] * count
-            pos += list(range(count))
-        return {"packet_part": part, "packet_pos": pos}
 
 
 @functools.lru_cache(maxsize=512)
@@ -210,45 +207,81 @@ _SENDS = {("ring", "all_reduce"): _ring_all_reduce, ("tree", "all_reduce"): _tre
 class Delivery:
     """What each receiver holds, per packet, as weights of the ranks' contributions.
 
-    All-reduce by ring or tree: the final reduced packet p holds ``sum_j coef[j, p] x_j``
-    and receiver i holds ``gain[i, p]`` times it (``gain`` 0: a hole). Direct all-reduce and
-    all-gathers: receiver i holds ``weights[i, j, p]`` times rank j's packet p.
+    All-reduce by ring or tree: the final reduced packet p holds ``sum_j coef[j, p] x_j`` and
+    receiver i holds ``gain[i, p]`` times it. Direct all-reduce and all-gathers: receiver i holds
+    ``weights[i, j, p]`` times rank j's packet p. Weights are bool (delivered or not, weight 1) or
+    floats (``rescale``); 0 or False is lost. ``partial[p]``: some contribution missed packet p;
+    ``holes[i, p]``: receiver i got nothing of it.
     """
     coef: Optional[torch.Tensor] = None      # [R contributors, packets]
     gain: Optional[torch.Tensor] = None      # [R receivers, packets]
+    partial: Optional[torch.Tensor] = None   # [packets]
+    holes: Optional[torch.Tensor] = None     # [R receivers, packets]
     weights: Optional[torch.Tensor] = None   # [R receivers, R senders, packets]
 
 
-def combine(sched: Schedule, weights: torch.Tensor) -> Delivery:
-    """What every receiver holds, given per-send packet weights ``[sends, max_packets]``
-    (0 lost; else the factor a delivered packet carries)."""
+def _prefix(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """Along hops ``dim``: up to each hop, whether any was lost (bool) or the product of the factors."""
+    return values.cummax(dim).values if values.dtype == torch.bool else values.cumprod(dim)
+
+
+def _suffix(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """Along hops ``dim``: from each hop to the last, whether any was lost or the product of the factors."""
+    return _prefix(values.flip(dim), dim).flip(dim)
+
+
+def _paths(sched: Schedule, values: torch.Tensor) -> Delivery:
+    """Follow per-send values (``[sends, max_packets]``) along every path of the schedule: bool values
+    (lost) are or-ed, float values (factors) multiplied. Returns the Delivery's coef/gain/weights in the
+    values' kind: True (or the product) where a path is lost (or carries that product)."""
     R = sched.tp_size
-    idx = sched.tensors(weights.device)
-    w = torch.cat([weights, torch.ones_like(weights[:1])])  # row S: "no send", weight 1
+    idx = sched.tensors(values.device)
+    lost = values.dtype == torch.bool
+    neutral = torch.zeros if lost else torch.ones
     key = (sched.algorithm, sched.collective)
     if key == ("ring", "all_reduce"):
-        rs, ag = w[idx["rs"]], w[idx["ag"]]                     # [chunk, hop, packet]
-        ones = torch.ones_like(rs[:, :1])
-        # Position k on chunk c's path (rank c+1+k) reaches the owner iff hops k..R-2 deliver.
-        tail = torch.cat([rs.flip(1).cumprod(1).flip(1), ones], 1)
-        # The rank d hops after the owner holds the chunk iff all-gather hops 0..d-1 deliver.
-        head = torch.cat([ones, ag.cumprod(1)], 1)
-        coef = tail.gather(1, idx["contributor_pos"].unsqueeze(-1).expand(-1, -1, tail.shape[-1]))
-        gain = head.gather(1, idx["receiver_pos"].unsqueeze(-1).expand(-1, -1, head.shape[-1]))
-        part, pos = idx["packet_part"], idx["packet_pos"]
-        return Delivery(coef=coef[part, :, pos].T, gain=gain[part, :, pos].T)
+        flat = values.reshape(-1)
+        edge = neutral(sched.n_packets, 1, dtype=values.dtype, device=values.device)
+        # Position k on a chunk's path (rank c+1+k) reaches the owner iff hops k..R-2 deliver;
+        # the rank d hops after the owner holds the chunk iff all-gather hops 0..d-1 deliver.
+        tail = torch.cat([_suffix(flat[idx["rs"]], 1), edge], 1)          # [packet, position]
+        head = torch.cat([edge, _prefix(flat[idx["ag"]], 1)], 1)
+        return Delivery(coef=tail.gather(1, idx["contributor_pos"]).T, gain=head.gather(1, idx["receiver_pos"]).T)
+    v = torch.cat([values, neutral(1, values.shape[1], dtype=values.dtype, device=values.device)])
     if key == ("tree", "all_reduce"):
-        up, down = w[idx["up"]], w[idx["down"]]                 # [rank, packet]: edge to / from parent
+        up, down = v[idx["up"]], v[idx["down"]]                 # [rank, packet]: edge to / from parent
         coef, gain = up.clone(), down.clone()
+        join = torch.logical_or if lost else torch.mul
         for level in range(1, depth(R - 1) + 1):               # parents before children
             ranks = [r for r in range(R) if depth(r) == level]
             parents = [(r - 1) // 2 for r in ranks]
-            coef[ranks] = up[ranks] * coef[parents]
-            gain[ranks] = down[ranks] * gain[parents]
+            coef[ranks] = join(up[ranks], coef[parents])
+            gain[ranks] = join(down[ranks], gain[parents])
         return Delivery(coef=coef[:, :sched.n_packets], gain=gain[:, :sched.n_packets])
     if key == ("ring", "all_gather"):
-        hops = w[idx["hops"]]                                   # [shard, hop, packet]
-        head = torch.cat([torch.ones_like(hops[:, :1]), hops.cumprod(1)], 1)
+        hops = v[idx["hops"]]                                   # [shard, hop, packet]
+        head = torch.cat([neutral(R, 1, v.shape[1], dtype=v.dtype, device=v.device), _prefix(hops, 1)], 1)
         # receiver i holds shard j iff the hops j -> ... -> i deliver
-        return Delivery(weights=head[torch.arange(R, device=w.device)[None, :], idx["receiver_pos"]])
-    return Delivery(weights=w[idx["pair"]])                     # direct: [receiver, sender, packet]
+        return Delivery(weights=head[torch.arange(R, device=v.device)[None, :], idx["receiver_pos"]])
+    return Delivery(weights=v[idx["pair"]])                     # direct: [receiver, sender, packet]
+
+
+def path_weights(sched: Schedule, factor: torch.Tensor, dtype: torch.dtype) -> Delivery:
+    """The weights every path carries when nothing is lost: the product of its sends' factors
+    (``factor`` per send, as ``dtype``)."""
+    values = factor.to(dtype).unsqueeze(1).expand(-1, max(sched.max_packets, 1)).contiguous()
+    return _paths(sched, values[:, :sched.max_packets])
+
+
+def combine(sched: Schedule, lost: torch.Tensor, weights: Optional[Delivery] = None) -> Delivery:
+    """What every receiver holds, given which packets of each send were lost (``[sends, max_packets]``
+    bool; the slots past a send's packets are never read); ``weights``: what each path carries when delivered (``path_weights``), None
+    for weight 1 (then the Delivery's weights are bool: delivered or not)."""
+    missed = _paths(sched, lost)
+    if missed.weights is not None:
+        kept = ~missed.weights
+        return Delivery(weights=kept if weights is None else torch.where(kept, weights.weights, 0))
+    kept_coef, kept_gain = ~missed.coef, ~missed.gain
+    return Delivery(coef=kept_coef if weights is None else torch.where(kept_coef, weights.coef, 0),
+                    gain=kept_gain if weights is None else torch.where(kept_gain, weights.gain, 0),
+                    partial=missed.coef.any(0), holes=missed.gain)

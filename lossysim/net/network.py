@@ -169,13 +169,13 @@ class LossyNetwork:
             lost, in_bad, _ = channel.chains.draw(transfer.link_ids, transfer.lossy_rows, transfer.width,
                                                   transfer.lengths)
             channel.counters.record(transfer.link_ids, lost, self._bad(in_bad), transfer.lengths, transfer.slots)
-            keep = ~lost.flatten()[transfer.sched.tensors(lost.device)["gather"]]
-            delivery = self._combine(transfer, keep, collective, message.dtype)
+            per_send = lost.flatten()[transfer.sched.tensors(lost.device)["gather"]]
+            delivery = self._combine(transfer, per_send, collective, message.dtype)
             self._comm_fixed += transfer.ideal
         else:
             missing = self._repair(channel, transfer, message.device)
             if not self.transport.exact:
-                delivery = self._combine(transfer, ~missing, collective, message.dtype)
+                delivery = self._combine(transfer, missing, collective, message.dtype)
         if self._recording is not None:
             self._recording[key].append(delivery)
         return delivery
@@ -184,13 +184,13 @@ class LossyNetwork:
         """``in_bad`` when the loss model has a hidden state to be in (else nothing to count)."""
         return in_bad if self.loss_model.hidden_state else None
 
-    def _combine(self, transfer, keep: torch.Tensor, collective: str, dtype: torch.dtype) -> Delivery:
-        sched = transfer.sched
-        keep = keep | sched.tensors(keep.device)["padding"]
-        weights = keep.to(torch.promote_types(dtype, torch.float32))
+    def _combine(self, transfer, lost: torch.Tensor, collective: str, dtype: torch.dtype) -> Delivery:
+        """What arrives where, given the lost packets of each send; ``rescale`` weighs every delivered path
+        by the product of its hops' 1 / P(delivery)."""
+        weights = None
         if self.spec.recovery == "rescale" and collective == "all_reduce":
-            weights = weights * transfer.factor.to(weights.dtype).unsqueeze(1)
-        return combine(sched, weights)
+            weights = transfer.weights(torch.promote_types(dtype, torch.float32))
+        return combine(transfer.sched, lost, weights)
 
     def _repair(self, channel: _Channel, transfer, device) -> torch.Tensor:
         """Run every step through the transport; returns the missing packets per send."""

@@ -4,12 +4,12 @@ by every call of that shape, so a call does no Python work per send.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .. import timing
-from .algorithms import PHASES, Schedule, schedule
+from .algorithms import PHASES, Delivery, Schedule, path_weights, schedule
 from .spec import NetworkSpec
 
 
@@ -50,6 +50,13 @@ class Transfer:
     sent: torch.Tensor                 # [phases, links] packets a call sends
     steps: list                        # the steps with traffic
     ideal: float                       # loss-free duration of the collective
+    _weights: dict = field(default_factory=dict)
+
+    def weights(self, dtype: torch.dtype) -> Delivery:
+        """What each path carries when delivered under ``rescale`` (``algorithms.path_weights``)."""
+        if dtype not in self._weights:
+            self._weights[dtype] = path_weights(self.sched, self.factor, dtype)
+        return self._weights[dtype]
 
 
 def build(spec: NetworkSpec, links: list, collective: str, numel: int, dtype: torch.dtype, device) -> Transfer:
