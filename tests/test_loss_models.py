@@ -841,7 +841,7 @@ def test_trace_errors_name_the_problem(tmp_path):
         parse_loss_model(f"trace:{runs}")
     empty = tmp_path / "empty.txt"
     empty.write_text("# nothing\n")
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="holds no packets"):
         parse_loss_model(f"trace:{empty}")
 
 

@@ -247,6 +247,8 @@ def run(args) -> int:
     lost = load_trace(path)
     if args.max_packets < 2:
         raise ValueError(f"max-packets={args.max_packets} must be >= 2")
+    if lost.size < 2:
+        raise ValueError(f"trace {path!r} holds {lost.size} packet; fitting needs at least 2")
     total = lost.size
     lost = lost[:args.max_packets]
     bursts, gaps = _complete(lost, *trace_runs(lost))

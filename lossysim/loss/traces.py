@@ -26,7 +26,7 @@ def load_trace(path: Union[str, Path]) -> np.ndarray:
         values = np.load(path, allow_pickle=False).ravel()
         if values.dtype != np.bool_ and not np.isin(values, (0, 1)).all():
             raise ValueError(f"trace {str(path)!r}: a .npy trace holds bools or 0/1")
-        return values.astype(bool)
+        return _nonempty(values.astype(bool), path)
     text = "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#"))
     tokens = text.replace(",", " ").split()
     if path.suffix == ".runs":
@@ -36,12 +36,18 @@ def load_trace(path: Union[str, Path]) -> np.ndarray:
             raise ValueError(f"trace {str(path)!r}: run lengths must be integers") from None
         if (runs < 0).any():
             raise ValueError(f"trace {str(path)!r}: negative run length {int(runs[runs < 0][0])}")
-        return np.repeat(np.arange(runs.size) % 2 == 1, runs)
+        return _nonempty(np.repeat(np.arange(runs.size) % 2 == 1, runs), path)
     digits = "".join(tokens)
     if digits.strip("01"):
         bad = next(c for c in digits if c not in "01")
         raise ValueError(f"trace {str(path)!r}: expected 0/1 per packet, found {bad!r}")
-    return np.frombuffer(digits.encode(), dtype=np.uint8) == ord("1")
+    return _nonempty(np.frombuffer(digits.encode(), dtype=np.uint8) == ord("1"), path)
+
+
+def _nonempty(lost: np.ndarray, path: Path) -> np.ndarray:
+    if lost.size == 0:
+        raise ValueError(f"trace {str(path)!r} holds no packets")
+    return lost
 
 
 def trace_runs(lost: np.ndarray, circular: bool = False):
