@@ -222,7 +222,7 @@ def test_gather_keeps_the_dtype(tmp_path, family, dtype):
 
 def test_runner_gradient_norm_counts_kv_copies_once():
     """The norm the runner clips by is HF's global gradient norm, kv copies or not."""
-    from lossysim.run.experiment import _clip_grad_norm
+    from lossysim.run.step import _clip_grad_norm
     for tp, kv_heads in ((4, 2), (8, 1), (2, 2)):
         ref = build("cls", family="llama", kv_heads=kv_heads)
         tpm = parallelize(copy.deepcopy(ref), tp)

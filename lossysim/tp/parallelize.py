@@ -118,8 +118,7 @@ class TensorParallelModel(nn.Module):
         if self.kind == "lm" and self._mask is not None:
             differs = differs & self._mask.bool()
         differs = differs.reshape(pred.shape[0], pred.shape[1], -1).any(-1).float().mean(-1).max()
-        diff = (hidden - hidden[:1]).flatten(1).norm(dim=1) / hidden[0].norm().clamp_min(1e-30)
-        return {"prediction": float(differs), "hidden_rel_diff": float(diff.max())}
+        return {"prediction": float(differs), "hidden_rel_diff": float(relative_difference(hidden).max())}
 
     def parallel_layers(self):
         """(name, layer) of every column- and row-parallel layer, names as in the HF model."""
@@ -133,6 +132,16 @@ class TensorParallelModel(nn.Module):
     def replicated_parameters(self):
         sharded = {id(p) for p in self.sharded_parameters()}
         return [p for p in self.parameters() if id(p) not in sharded]
+
+
+def relative_difference(stacked: torch.Tensor) -> torch.Tensor:
+    """How far each rank's copy of a tensor has drifted from rank 0's: ``||x_r - x_0|| / ||x_0||``.
+
+    ``stacked`` is [ranks, ...], every rank's copy of what a loss-free network would keep identical
+    (final hidden states); the result is [ranks], 0 for rank 0. The norms run over everything but
+    the rank dimension, so one number says how much the ranks of a TP model disagree.
+    """
+    return (stacked - stacked[:1]).flatten(1).norm(dim=1) / stacked[0].norm().clamp_min(1e-30)
 
 
 def _enter_tp(group: SimGroup, site: str):
