@@ -110,7 +110,7 @@ def recorder(monkeypatch):
 LOSSES = ["none", "bernoulli:0", "bernoulli:0.01", "ge:rate=0,burst=8", "ge:rate=0.01,burst=8"]
 
 
-def test_plan_dedupes_lossless_specs_and_names_runs_stably(tmp_path):
+def test_expand_dedupes_lossless_specs_and_names_runs_stably(tmp_path):
     spec = sweep.load_spec(write_spec(tmp_path / "s.yaml", {"loss": LOSSES, "seed": [0, 1]}))
     runs = sweep.expand(spec, tmp_path / "a")
     # none, bernoulli:0 and ge:rate=0 are one experiment: 3 distinct losses x 2 seeds.
