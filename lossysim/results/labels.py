@@ -101,6 +101,11 @@ def _plain(key: str, template: str = "{}") -> Callable[[Mapping], str]:
     return lambda row: template.format(_get(row, key))
 
 
+def _named(key: str, names: Mapping[str, str]) -> Callable[[Mapping], str]:
+    """A value's readable name, the value itself when it has none."""
+    return lambda row: names.get(str(_get(row, key)), str(_get(row, key)))
+
+
 @dataclass(frozen=True)
 class Dimension:
     """One question a sweep can ask, answered by one or more columns."""
@@ -129,10 +134,10 @@ KNOWN = (
     Dimension("transport", ("transport", "retransmit", "deadline", "rto_s"), _transport,
               "Transport: drop, retransmit or deadline", without_loss=False),
     Dimension("topology", ("tp_size", "ranks_per_node", "lossy_links"), _topology, "Topology"),
-    Dimension("lossy direction", ("lossy",), lambda r: DIRECTIONS.get(str(_get(r, "lossy")), str(_get(r, "lossy"))),
+    Dimension("lossy direction", ("lossy",), _named("lossy", DIRECTIONS),
               "Lossy direction: activations (fwd), gradients (bwd)", without_loss=False),
-    Dimension("recovery", ("recovery",), lambda r: _RECOVERIES.get(str(_get(r, "recovery")), str(_get(r, "recovery"))),
-              "Recovery of lost packets", without_loss=False),
+    Dimension("recovery", ("recovery",), _named("recovery", _RECOVERIES), "Recovery of lost packets",
+              without_loss=False),
     Dimension("evaluation", ("eval_lossy",), _eval_lossy, "Lossy or reliable evaluation", without_loss=False),
     Dimension("inter-node link", ("link_inter",), _plain("link_inter", "{} between nodes"), "Inter-node link"),
     Dimension("intra-node link", ("link_intra",), _plain("link_intra", "{} inside a node"), "Intra-node link"),
