@@ -1,14 +1,17 @@
-"""Statistics over runs: confidence intervals over seeds, Welch's t-test against a baseline, and
-when a run first reached a target accuracy.
+"""Statistics over runs: confidence intervals over seeds, Welch's and the paired t-test against a
+baseline, and when a run first reached a target accuracy.
 
 Small functions on plain numbers and metrics rows, so the report, summary.csv and notebooks
 compute them one way. Seeds are the independent samples: a setting run with n seeds has n values.
+Runs with the same seed share data order and initialisation, so a setting and its baseline can
+also be compared seed by seed (``paired_difference``, ``paired_p``): the differences carry no
+between-seed spread, which the unpaired view (``mean_ci`` of each side, ``welch_p``) does.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 from scipy import stats
@@ -66,6 +69,40 @@ def welch_p(values: Iterable, baseline: Iterable) -> float:
     if a.std() == 0 and b.std() == 0:
         return 1.0 if a[0] == b[0] else 0.0
     return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+
+
+def _pairs(values: Sequence, baseline: Sequence) -> tuple[np.ndarray, np.ndarray]:
+    """The finite (value, baseline) pairs, in order; a pair with a missing side is dropped whole."""
+    if len(values) != len(baseline):
+        raise ValueError(f"paired samples need equal lengths, got {len(values)} and {len(baseline)}")
+    a = np.asarray([math.nan if v is None else float(v) for v in values], dtype=float)
+    b = np.asarray([math.nan if v is None else float(v) for v in baseline], dtype=float)
+    both = np.isfinite(a) & np.isfinite(b)
+    return a[both], b[both]
+
+
+def paired_difference(values: Sequence, baseline: Sequence, confidence: float = CONFIDENCE) -> Estimate:
+    """Mean of the paired differences ``values[i] - baseline[i]`` (the same seed at the same
+    position) and its Student-t interval t_{(1+c)/2, n-1} * s_d / sqrt(n), n the number of pairs
+    with both sides finite (half-width nan for fewer than two pairs)."""
+    a, b = _pairs(values, baseline)
+    return mean_ci(a - b, confidence)
+
+
+def paired_p(values: Sequence, baseline: Sequence) -> float:
+    """Two-sided p-value of the paired t-test (``scipy.stats.ttest_rel``) that the mean paired
+    difference is zero.
+
+    nan for fewer than two pairs. Differences without any spread say the two sides are equal
+    (p = 1) when they are all zero, and differ (p = 0) otherwise.
+    """
+    a, b = _pairs(values, baseline)
+    if len(a) < 2:
+        return math.nan
+    d = a - b
+    if d.std() == 0:
+        return 1.0 if d[0] == 0 else 0.0
+    return float(stats.ttest_rel(a, b).pvalue)
 
 
 def time_to_target(rows: Iterable[dict], target: float, split: Optional[str] = None) -> dict:

@@ -192,7 +192,7 @@ def run_name(config: ExperimentConfig, key: str) -> str:
     return f"{prefix}-{key}"
 
 
-def plan(spec: SweepSpec, out: Union[str, Path]) -> list[Run]:
+def expand(spec: SweepSpec, out: Union[str, Path]) -> list[Run]:
     """Every distinct run of the spec, validated, in grid order."""
     out = Path(out)
     runs: dict[str, Run] = {}
@@ -352,7 +352,7 @@ def run_sweep(spec: SweepSpec, out: Union[str, Path], shard_k: int = 1, shard_n:
     from tqdm import tqdm
 
     out = Path(out)
-    runs = shard(plan(spec, out), shard_k, shard_n)   # validated before anything is touched
+    runs = shard(expand(spec, out), shard_k, shard_n)   # validated before anything is touched
     out.mkdir(parents=True, exist_ok=True)
     _clean_temporaries(out)
     atomic_write_text(out / "sweep.yaml", yaml.safe_dump(spec.to_dict(), sort_keys=False))
@@ -403,7 +403,7 @@ def run(args: argparse.Namespace, train: Optional[TrainFn] = None) -> int:
     out = Path(args.out or Path("results") / Path(args.spec).stem)
     k, n = parse_shard(args.shard)
     if args.dry_run:
-        runs = shard(plan(spec, out), k, n)
+        runs = shard(expand(spec, out), k, n)
         for i, r in enumerate(runs, 1):
             state = run_status(r.run_dir) or ("incomplete" if r.run_dir.exists() else "todo")
             point = " ".join(f"{key}={value}" for key, value in r.point.items())
