@@ -86,10 +86,17 @@ def all_reduce(x: torch.Tensor, delivery: Delivery, receivers: Sequence[int], pe
 
 def _patch(x: torch.Tensor, final: torch.Tensor, delivery: Delivery, per_packet: int) -> None:
     """Sum again, with their weights, the packets some contribution missed (a list of them: few)."""
-    for (parts, span), (total, _) in zip(packets(x, per_packet), packets(final, per_packet)):
-        patch = delivery.partial[span].nonzero().squeeze(1)
-        if patch.numel():  # (index_select would first copy the whole of a non-contiguous ``parts``)
-            total.index_copy_(0, patch, _weighted(parts[:, patch], delivery.coef[:, span][:, patch]))
+    patch = delivery.partial.nonzero().squeeze(1)
+    if not patch.numel():
+        return
+    whole = x.shape[1] // per_packet
+    if int(patch[-1]) == whole:  # the short last packet (sorted: it can only be last)
+        start = whole * per_packet
+        final[start:] = _weighted(x[:, None, start:], delivery.coef[:, whole:])[0]
+        patch = patch[:-1]
+    if patch.numel():  # (index_select would first copy the whole of a non-contiguous ``parts``)
+        parts = x[:, :whole * per_packet].view(x.shape[0], whole, per_packet)[:, patch]
+        final[:whole * per_packet].view(whole, per_packet).index_copy_(0, patch, _weighted(parts, delivery.coef[:, patch]))
 
 
 def direct_sum(x: torch.Tensor, weights: torch.Tensor, per_packet: int) -> torch.Tensor:
@@ -115,11 +122,17 @@ def all_gather(shards: torch.Tensor, delivery: Delivery, receivers: Sequence[int
 
 def zero_holes(out: torch.Tensor, holes: torch.Tensor, per_packet: int, dense: bool) -> None:
     """Zero, in place, the packets of ``out`` ([..., n]) where ``holes`` ([..., packets]) is True."""
-    for held, span in packets(out, per_packet):
-        where = holes[..., span]
-        if dense:
-            held.masked_fill_(where.unsqueeze(-1), 0)
-        else:
-            index = where.nonzero(as_tuple=True)
-            if index[0].numel():
-                held[index] = 0
+    if dense:
+        for held, span in packets(out, per_packet):
+            held.masked_fill_(holes[..., span].unsqueeze(-1), 0)
+        return
+    index = holes.nonzero(as_tuple=True)
+    if not index[0].numel():
+        return
+    n = out.shape[-1]
+    whole = n // per_packet
+    if whole * per_packet < n and bool(holes[..., -1].any()):  # the short last packet
+        out[..., whole * per_packet:].masked_fill_(holes[..., -1:], 0)
+        inside = index[-1] < whole
+        index = tuple(i[inside] for i in index)
+    out[..., :whole * per_packet].unflatten(-1, (whole, per_packet))[index] = 0

@@ -168,7 +168,8 @@ class LossyNetwork:
         elif not self.transport.repairs:
             lost, in_bad, _ = channel.chains.draw(transfer.link_ids, transfer.lossy_rows, transfer.width,
                                                   transfer.lengths)
-            channel.counters.record(transfer.link_ids, lost, self._bad(in_bad), transfer.lengths, transfer.slots)
+            channel.counters.record(transfer.link_ids, lost, self._bad(in_bad), transfer.lengths, transfer.slots,
+                                    transfer.sent)
             per_send = lost.flatten()[transfer.sched.tensors(lost.device)["gather"]]
             delivery = self._combine(transfer, per_send, collective, message.dtype)
             self._comm_fixed += transfer.ideal

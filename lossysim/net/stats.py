@@ -9,7 +9,7 @@ the same link, exactly as if each call were counted alone.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -17,7 +17,17 @@ from .algorithms import PHASES
 
 COUNTERS = ("sent", "lost", "sent_bad", "bursts", "resent", "missing")
 QUEUE = 64                 # calls counted together
-QUEUE_PACKETS = 1 << 22    # or fewer, when they carry this many packets
+QUEUE_PACKETS = 1 << 20    # or fewer, when they carry this many packets
+
+
+class _Draw(NamedTuple):
+    """A queued draw: packets sent per row, counter slots (per packet, or the draw's phase), packets
+    sent per slot (with per-packet slots), columns it takes in the buffers, whether in_bad was kept."""
+    used: torch.Tensor
+    index: Union[torch.Tensor, int]
+    sent: Optional[torch.Tensor]
+    width: int
+    bad: bool
 
 
 class Counters:
@@ -32,26 +42,48 @@ class Counters:
         self.histogram = zeros(links, max_burst + 1)
         self.open_run = zeros(links)
         self.calls = 0
+        # Queued draws: their masks are copied into buffers kept from call to call (a mask kept alive
+        # until the batch is counted would split the freed blocks of large tensors, and the heap would
+        # grow), the rest is a tuple per draw.
         self._queue: list[tuple] = []
-        self._queued_packets = 0
+        self._link_ids: Optional[torch.Tensor] = None
+        self._lost = torch.zeros(0, dtype=torch.bool, device=device)
+        self._bad = torch.zeros(0, dtype=torch.bool, device=device)
+        self._columns = 0
 
     @property
     def device(self) -> torch.device:
         return self.counts.device
 
     def record(self, link_ids: torch.Tensor, lost: torch.Tensor, in_bad: Optional[torch.Tensor],
-               used: torch.Tensor, index) -> None:
+               used: torch.Tensor, index, sent: Optional[torch.Tensor] = None) -> None:
         """Count a draw: ``lost`` and ``in_bad`` ``[rows, width]`` on the links ``link_ids``, of which the
-        first ``used[row]`` packets were sent; ``index`` is the counter slot (phase * links + link) of
-        each packet (``[rows, width]``) or of each row's phase (an int)."""
-        if lost.shape[-1] == 0:
+        first ``used[row]`` packets were sent. ``index`` is the counter slot (phase * links + link) of
+        each packet (``[rows, width]``, then ``sent``, the packets sent per slot, is given) or each
+        row's phase (an int)."""
+        rows, width = lost.shape
+        if width == 0:
             return
-        if self._queue and self._queue[-1][0] is not link_ids and not torch.equal(self._queue[-1][0], link_ids):
-            self.flush()  # a batch covers one set of links
-        self._queue.append((link_ids, lost, in_bad, used, index))
-        self._queued_packets += lost.numel()
-        if len(self._queue) >= QUEUE or self._queued_packets >= QUEUE_PACKETS:
+        if self._queue and (self._link_ids is not link_ids and not torch.equal(self._link_ids, link_ids)
+                            or rows * (self._columns + width) > self._lost.numel()):
+            self.flush()  # a batch covers one set of links, and fits its buffers
+        if rows * (self._columns + width) > self._lost.numel():
+            size = max(rows * width, min(rows * width * QUEUE, QUEUE_PACKETS))
+            self._lost = torch.zeros(size, dtype=torch.bool, device=self.device)
+            self._bad = torch.zeros(size if in_bad is not None else 0, dtype=torch.bool, device=self.device)
+        span = slice(self._columns, self._columns + width)
+        self._view(self._lost, rows)[:, span].copy_(lost)
+        if in_bad is not None:
+            self._view(self._bad, rows)[:, span].copy_(in_bad)
+        self._link_ids = link_ids
+        self._queue.append(_Draw(used, index, sent, width, in_bad is not None))
+        self._columns += width
+        if len(self._queue) >= QUEUE:
             self.flush()
+
+    @staticmethod
+    def _view(buffer: torch.Tensor, rows: int) -> torch.Tensor:
+        return buffer[:buffer.numel() // rows * rows].view(rows, -1)
 
     def count_sent(self, sent: torch.Tensor) -> None:
         """A call whose packets all arrive: ``sent[phase, link]`` packets, nothing drawn."""
@@ -62,65 +94,108 @@ class Counters:
         self.counts.view(len(COUNTERS), -1)[COUNTERS.index(counter)].index_add_(0, index, values)
 
     def flush(self) -> None:
-        """Count every queued draw (in order: runs continue across draws)."""
+        """Count every queued draw, in order (runs of losses continue from one draw to the next).
+
+        Only the lost packets are looked at: each gets its link's stream position (the valid packets
+        before it in this batch), so runs are consecutive positions and cost what the losses cost."""
         if not self._queue:
             return
-        queue, self._queue, self._queued_packets = self._queue, [], 0
-        link_ids = queue[0][0]
-        n_links = self.links
-        lost = torch.cat([entry[1] for entry in queue], dim=1) if len(queue) > 1 else queue[0][1]
-        width = lost.shape[1]
-        device = lost.device
-        valid = torch.cat([torch.arange(e[1].shape[1], device=device) < e[3].unsqueeze(1) for e in queue], dim=1)
-        index = torch.cat([_slots(e[4], e[0], e[1].shape[1], n_links) for e in queue], dim=1)
-        lost = lost & valid
-        flat = index.reshape(-1)
+        queue, link_ids, columns = self._queue, self._link_ids, self._columns
+        self._queue, self._columns = [], 0
+        rows, device, links = len(link_ids), self.device, self.links
         counts = self.counts.view(len(COUNTERS), -1)
-        counts[0].index_add_(0, flat, valid.reshape(-1).long())
-        counts[1].index_add_(0, flat, lost.reshape(-1).long())
-        bad = [e[2] for e in queue]
-        if all(b is not None for b in bad):
-            in_bad = torch.cat(bad, dim=1) if len(bad) > 1 else bad[0]
-            counts[2].index_add_(0, flat, (in_bad & valid).reshape(-1).long())
-        # Runs of losses over the valid packets of each link, continuing the run left open before.
-        position = torch.arange(width, device=device)
+        starts = [0]
+        for draw in queue:
+            starts.append(starts[-1] + draw.width)
+        used = torch.stack([draw.used.to(device) for draw in queue])        # [draws, rows]
+        before = used.cumsum(0) - used                                      # valid packets before each draw
+        total = used.sum(0)                                                 # [rows]
+        # Packets sent: a draw with per-packet slots brings its count, a per-row phase sends used[row].
+        for draw in queue:
+            if draw.sent is not None:
+                counts[0] += draw.sent.view(-1)
+        phased = [(e, draw.index) for e, draw in enumerate(queue) if isinstance(draw.index, int)]
+        if phased:
+            draws = torch.tensor([e for e, _ in phased], device=device)
+            phases = torch.tensor([phase for _, phase in phased], device=device)
+            slots = phases.unsqueeze(1) * links + link_ids
+            counts[0].index_add_(0, slots.reshape(-1), used[draws].reshape(-1).long())
+        if queue[0].bad:
+            bad = self._packets(self._view(self._bad, rows)[:, :columns], starts, used)
+            counts[2].index_add_(0, self._slot(queue, bad, link_ids), torch.ones_like(bad[0]))
+        lost = self._packets(self._view(self._lost, rows)[:, :columns], starts, used)
+        row, draw, position = lost
+        slot = self._slot(queue, lost, link_ids)
+        counts[1].index_add_(0, slot, torch.ones_like(row))
+        self._runs(row, before[draw, row] + position, total, link_ids, slot)
+
+    @staticmethod
+    def _packets(masks: torch.Tensor, starts: list, used: torch.Tensor):
+        """(row, draw, position) of every True packet of the queued draws' ``masks`` that was sent."""
+        flat = masks
+        row, column = flat.nonzero(as_tuple=True)
+        bounds = torch.tensor(starts, device=flat.device)
+        draw = torch.searchsorted(bounds, column, right=True) - 1
+        position = column - bounds[draw]
+        sent = position < used[draw, row]
+        return row[sent], draw[sent], position[sent]
+
+    def _slot(self, queue, packets, link_ids: torch.Tensor) -> torch.Tensor:
+        """The counter slot of each (row, draw, position) packet: its draw's per-packet slots, or its
+        draw's phase on its row's link."""
+        row, draw, position = packets
+        slot = torch.empty_like(row)
+        draws_of: dict[int, list] = {}   # draws that share one index (the same transfer, or phase)
+        for e, queued in enumerate(queue):
+            draws_of.setdefault(id(queued.index), []).append(e)
+        for members in draws_of.values():
+            index = queue[members[0]].index
+            mine = torch.isin(draw, torch.tensor(members, device=row.device))
+            if isinstance(index, int):
+                slot[mine] = index * self.links + link_ids[row[mine]]
+            else:
+                slot[mine] = index[row[mine], position[mine]]
+        return slot
+
+    def _runs(self, row: torch.Tensor, stream: torch.Tensor, total: torch.Tensor, link_ids: torch.Tensor,
+              slot: torch.Tensor) -> None:
+        """Runs of consecutive lost packets on each link: bursts begun, lengths of the runs that ended,
+        the run left open (``row``/``stream``: each lost packet's link row and stream position, sorted)."""
         open_run = self.open_run[link_ids]
-        # The previous valid packet of every position (-1: none in this batch).
-        last_valid = torch.where(valid, position, -1).cummax(1).values
-        previous = torch.cat([torch.full_like(last_valid[:, :1], -1), last_valid[:, :-1]], 1)
-        previous_lost = torch.where(previous >= 0, lost.gather(1, previous.clamp(min=0)),
-                                    (open_run > 0).unsqueeze(1))
-        starts = lost & ~previous_lost
-        counts[3].index_add_(0, flat, starts.reshape(-1).long())
-        # Lengths count valid packets: a run's length at a lost packet is its valid packets since the start.
-        rank = valid.long().cumsum(1)                  # valid packets up to and including each position
-        start_rank = torch.where(starts, rank, 0).cummax(1).values
-        length = torch.where(start_rank > 0, rank - start_rank + 1, rank + open_run.unsqueeze(1))
-        # A run ends at a lost packet whose next valid packet is delivered (none: the run stays open).
-        next_valid = torch.where(valid, position, width).flip(1).cummin(1).values.flip(1)
-        following = torch.cat([next_valid[:, 1:], torch.full_like(next_valid[:, :1], width)], 1)
-        following_lost = lost.gather(1, following.clamp(max=width - 1)) & (following < width)
-        ends = lost & ~following_lost & (following < width)
-        bins = self.max_burst + 1
-        hist = self.histogram.view(-1)
-        hist.index_add_(0, (link_ids.unsqueeze(1) * bins + torch.where(ends, length.clamp(max=self.max_burst), 0))
-                        .reshape(-1), ends.reshape(-1).long())
-        # A run open before the batch that the batch's first valid packet closes.
-        sent_any = valid.any(1)
-        first = torch.where(valid, position, width).amin(1).clamp(max=width - 1)
-        closed = (open_run > 0) & sent_any & ~lost.gather(1, first.unsqueeze(1)).squeeze(1)
-        hist.index_add_(0, link_ids * bins + open_run.clamp(max=self.max_burst), closed.long())
-        # The run still open after the last valid packet.
-        last = last_valid[:, -1].clamp(min=0).unsqueeze(1)
-        still = lost.gather(1, last).squeeze(1) & sent_any
-        open_after = torch.where(still, length.gather(1, last).squeeze(1), 0)
+        rows = len(link_ids)
+        continues = torch.ones_like(row, dtype=torch.bool)
+        continues[1:] = (row[1:] == row[:-1]) & (stream[1:] == stream[:-1] + 1)
+        if len(row):
+            continues[0] = False
+        start = ~continues
+        # A run whose first packet is its link's first in this batch carries on the run left open before.
+        carried = start & (stream == 0) & (open_run[row] > 0)
+        begun = slot[start & ~carried]
+        self.counts.view(len(COUNTERS), -1)[3].index_add_(0, begun, torch.ones_like(begun))
+        run = start.long().cumsum(0) - 1
+        here = torch.zeros(int(start.sum()), dtype=torch.long, device=row.device).index_add_(
+            0, run, torch.ones_like(run))                          # each run's packets in this batch
+        run_row = row[start]
+        ends_open = stream[start] + here - 1 == total[run_row] - 1  # reaches its link's last packet
+        length = here + torch.where(carried[start], open_run[run_row], 0)
+        bins, hist = self.max_burst + 1, self.histogram.view(-1)
+        closed = ~ends_open
+        hist.index_add_(0, link_ids[run_row[closed]] * bins + length[closed].clamp(max=self.max_burst),
+                        torch.ones_like(length[closed]))
+        # A run left open before that this batch's first packet on its link closes.
+        first_lost = torch.zeros(rows, dtype=torch.bool, device=row.device)
+        first_lost[row[stream == 0]] = True
+        ended = (open_run > 0) & (total > 0) & ~first_lost
+        hist.index_add_(0, link_ids * bins + open_run.clamp(max=self.max_burst), ended.long())
+        after = torch.where(total > 0, 0, open_run)
+        after[run_row[ends_open]] = length[ends_open]
         moved = self.open_run.clone()
-        moved[link_ids] = torch.where(sent_any, open_after, open_run)
+        moved[link_ids] = after
         self.open_run = moved
 
     def reset(self) -> None:
         """Zero every counter; queued draws are dropped with them."""
-        self._queue, self._queued_packets = [], 0
+        self._queue, self._columns = [], 0
         self.counts.zero_()
         self.histogram.zero_()
         self.open_run.zero_()
@@ -140,43 +215,39 @@ class Counters:
                 "open_run": self.open_run.cpu().clone(), "calls": self.calls}
 
     def load_state_dict(self, state: dict) -> None:
-        self._queue, self._queued_packets = [], 0
+        self._queue, self._columns = [], 0
         for name in ("counts", "histogram", "open_run"):
             setattr(self, name, state[name].to(self.device))
         self.calls = state["calls"]
 
 
-def _slots(index, link_ids: torch.Tensor, width: int, n_links: int) -> torch.Tensor:
-    """The counter slot of every packet: ``index`` as given ([rows, width]) or one phase per draw."""
-    if isinstance(index, int):
-        return (index * n_links + link_ids).unsqueeze(1).expand(-1, width)
-    return index
-
-
 class NonFinite:
     """The first of a channel's calls whose delivered tensor was not finite, found without a host sync
-    per call: each call's sum waits on the device until many have gathered or someone asks."""
+    per call: each call's sum waits in a buffer on the device until it is full or someone asks."""
 
     def __init__(self, first: int = -1):
         self.first = first                 # network call number, -1: none yet
-        self._pending: list[tuple[int, torch.Tensor]] = []
+        self._calls: list[int] = []
+        self._sums: Optional[torch.Tensor] = None
 
     def see(self, call: int, delivered: torch.Tensor) -> None:
         if self.first >= 0:
             return
+        if self._sums is None:
+            self._sums = torch.zeros(4 * QUEUE, dtype=torch.float64, device=delivered.device)
         # inf and NaN reach the sum; one reduction is half the cost of isfinite().all().
-        self._pending.append((call, delivered.sum()))
-        if len(self._pending) >= 4 * QUEUE:
+        self._sums[len(self._calls)] = delivered.sum()
+        self._calls.append(call)
+        if len(self._calls) == len(self._sums):
             self.settle()
 
     def settle(self) -> int:
         """Look at the waiting sums (one sync); returns ``first``."""
-        if self._pending and self.first < 0:
-            sums = torch.stack([s.float() for _, s in self._pending])
-            bad = (~torch.isfinite(sums)).nonzero()
+        if self._calls and self.first < 0:
+            bad = (~torch.isfinite(self._sums[:len(self._calls)])).nonzero()
             if len(bad):
-                self.first = self._pending[int(bad[0])][0]
-        self._pending = []
+                self.first = self._calls[int(bad[0])]
+        self._calls = []
         return self.first
 
 
