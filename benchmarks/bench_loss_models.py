@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from lossysim.loss_models import Bernoulli, FourState, GilbertElliott
-from lossysim.network import LossyNetwork
+from lossysim.loss import Bernoulli, FourState, GilbertElliott
+from lossysim.net.network import LossyNetwork
 
 VECTOR_PACKETS = 10**7
 LOOP_PACKETS = 10**5

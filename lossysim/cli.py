@@ -13,11 +13,11 @@ import logging
 import sys
 
 SUBCOMMANDS = {
-    "demo": ("lossysim.demo", "sample each loss model: configured vs observed statistics"),
-    "train": ("lossysim.train", "train one tensor-parallel GPT-2 under packet loss"),
-    "sweep": ("lossysim.sweep", "run a grid of experiments (resumable, shardable)"),
-    "report": ("lossysim.report", "plots and a markdown table from a results folder"),
-    "fit": ("lossysim.fit", "fit loss models to a measured loss trace and recommend one"),
+    "demo": ("lossysim.loss.demo", "sample each loss model: configured vs observed statistics"),
+    "train": ("lossysim.run.experiment", "train one tensor-parallel model under packet loss"),
+    "sweep": ("lossysim.run.sweep", "run a grid of experiments (resumable, shardable)"),
+    "report": ("lossysim.results.report", "plots and a markdown table from a results folder"),
+    "fit": ("lossysim.loss.fit", "fit loss models to a measured loss trace and recommend one"),
 }
 
 

@@ -12,8 +12,33 @@ from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from .loss_models import parse_loss_model
-from .tracking import parse_report_to
+from .net.links import stream_seed
+from .net.spec import SETTINGS, NetworkSpec
+from .timing import parse_compute
+
+
+# Keys that say where or how a run is executed, not what it trains: they stay out of a run's
+# identity (the sweep's hash, what a resumed checkpoint must match), so a shard on another
+# machine (another device, another output folder) finds the run. Checkpointing settings too:
+# a resumed run ends exactly as an uninterrupted one.
+NON_SEMANTIC = ("out", "name", "device", "timeout_s", "save_checkpoint", "checkpoint_every", "keep_checkpoints",
+                "report_to")
+TRACKERS = ("tensorboard", "wandb")
+
+
+def parse_report_to(value) -> tuple[str, ...]:
+    """``"none"``, ``"tensorboard"``, ``"tensorboard,wandb"`` or a list -> tracker names (ValueError
+    naming report_to otherwise)."""
+    items = value if isinstance(value, (list, tuple)) else str(value).replace(" ", ",").split(",")
+    names = [str(item).strip().lower() for item in items if str(item).strip()]
+    unknown = [n for n in names if n not in ("none", *TRACKERS)]
+    if unknown:
+        raise ValueError(f"report_to={value!r}: unknown tracker {unknown[0]!r} "
+                         f"(expected none, {', '.join(TRACKERS)}, or several separated by commas)")
+    if "none" in names and len(names) > 1:
+        raise ValueError(f"report_to={value!r}: 'none' cannot be combined with a tracker")
+    return tuple(dict.fromkeys(n for n in names if n != "none"))
+
 
 
 @dataclass
@@ -77,12 +102,9 @@ class ExperimentConfig:
         """Raise ValueError with the offending field on the first problem."""
         _choice("attn_implementation", self.attn_implementation, ("sdpa", "eager"))
         _choice("task", self.task, ("classification", "lm"))
-        _choice("lossy", self.lossy, ("fwd", "bwd", "both"))
-        _choice("recovery", self.recovery, ("zero", "rescale"))
         _choice("backend", self.backend, ("sim", "dist"))
         _choice("amp", self.amp, ("none", "bf16", "fp16"))
-        for name in ("tp_size", "steps", "batch_size", "eval_batch_size", "max_length",
-                     "eval_every", "log_every", "payload_bytes"):
+        for name in ("steps", "batch_size", "eval_batch_size", "max_length", "eval_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("max_train_samples", "max_eval_samples"):
@@ -100,43 +122,24 @@ class ExperimentConfig:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+        self.network_spec()
         try:
-            loss_model = parse_loss_model(self.loss)
-        except ValueError as err:
-            raise ValueError(f"loss: {err}") from None
-        self._validate_network(loss_model)
-        parse_report_to(self.report_to)
-        return self
-
-    def _validate_network(self, loss_model) -> None:
-        from . import timing
-        from .topology import Topology
-        from .transport import Transport
-        _choice("algorithm", self.algorithm, ("ring", "tree", "direct"))
-        Topology(self.tp_size, self.ranks_per_node, self.lossy_links)
-        transport = Transport(self.transport, self.retransmit, self.deadline)
-        if self.rto_s is not None and not (math.isfinite(self.rto_s) and self.rto_s > 0):
-            raise ValueError(f"rto_s={self.rto_s} must be a positive number of seconds (or null)")
-        for name in ("link_intra", "link_inter"):
-            try:
-                timing.parse_link(getattr(self, name))
-            except ValueError as err:
-                raise ValueError(f"{name}: {err}") from None
-        try:
-            timing.parse_compute(self.compute)
+            parse_compute(self.compute)
         except ValueError as err:
             raise ValueError(f"compute: {err}") from None
         if not 0.0 < self.target_accuracy <= 1.0:
             raise ValueError(f"target_accuracy={self.target_accuracy} must be in (0, 1]")
-        if transport.repairs and loss_model.loss_rate >= 1.0:
-            raise ValueError(f"transport={self.transport} never finishes: {self.loss} loses every packet")
-        if transport.kind == "deadline" and self.recovery == "rescale":
-            raise ValueError("recovery=rescale with transport=deadline is not supported: the probability "
-                             "that a packet arrives by the deadline has no closed form")
+        parse_report_to(self.report_to)
+        return self
 
-    @property
-    def lossy_directions(self) -> tuple[str, ...]:
-        return ("fwd", "bwd") if self.lossy == "both" else (self.lossy,)
+    def network_spec(self, evaluation: bool = False) -> NetworkSpec:
+        """The training network's settings; ``evaluation``: the evaluation network's, which draws from
+        its own streams (and loses nothing unless ``eval_lossy``)."""
+        settings = {name: getattr(self, name) for name in SETTINGS if hasattr(self, name)}
+        if evaluation:
+            settings.update(seed=stream_seed(self.seed, "eval", "network"),
+                            loss=self.loss if self.eval_lossy else "none")
+        return NetworkSpec(**settings)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

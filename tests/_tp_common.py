@@ -18,7 +18,7 @@ from transformers import (GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadM
                           Qwen2ForCausalLM, Qwen2ForSequenceClassification, Qwen2Model)
 
 from lossysim import LossyNetwork, gather_full_model, parallelize
-from lossysim.layers import ColumnParallel, RowParallel
+from lossysim.tp.layers import ColumnParallel, RowParallel
 
 CLASSES = {"model": GPT2Model, "lm": GPT2LMHeadModel, "cls": GPT2ForSequenceClassification}
 # The Llama family: (config class, family-specific settings, classes by kind). 8 query heads.
@@ -114,7 +114,7 @@ def hf_step(model, kind: str, batch: dict):
 
 
 def tp_step(tpm, kind: str, batch: dict):
-    """Forward + backward of a TensorParallelGPT2: (rank_logits, rank_losses), each rank on its own loss."""
+    """Forward + backward of a TensorParallelModel: (rank_logits, rank_losses), each rank on its own loss."""
     out = tpm(**batch)
     if kind == "model":
         # Every local rank backpropagates its own scalar, as each Megatron rank does.

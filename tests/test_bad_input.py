@@ -15,10 +15,11 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lossysim import cli, sweep
-from lossysim import train as train_module
+from lossysim import cli
+from lossysim.run import sweep
+from lossysim.run import experiment as train_module
 from lossysim.config import ExperimentConfig, from_dict
-from lossysim.loss_models import parse_loss_model
+from lossysim.loss import parse_loss_model
 from test_sweep import Recorder
 
 FIELDS = [f.name for f in dataclasses.fields(ExperimentConfig)]

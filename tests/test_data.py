@@ -167,8 +167,8 @@ def test_cap_parses_only_the_rows_it_keeps(tmp_path, monkeypatch):
     path = tmp_path / "big.jsonl"
     write_jsonl(path, cycle_labels(2000))
     parsed = []
-    original = D._LineFile._row
-    monkeypatch.setattr(D._LineFile, "_row", lambda self, i: parsed.append(i) or original(self, i))
+    original = D.sources._LineFile._row
+    monkeypatch.setattr(D.sources._LineFile, "_row", lambda self, i: parsed.append(i) or original(self, i))
     examples = D.load_examples(config(path, max_train_samples=25, max_eval_samples=5))
     assert len(examples["train"]) == 25
     assert len(parsed) == 25 + 5        # no dropped rows here: exactly one parse per kept row
@@ -191,7 +191,7 @@ def test_cache_hit_reuses_tensors_without_tokenising(tmp_path, monkeypatch):
         calls["tokenize"] += 1
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(D, "tokenize_examples", counting)
+    monkeypatch.setattr(D.prepare, "tokenize_examples", counting)
     first = D.prepare_data(config(folder, max_train_samples=20), tmp_path / "cache")
     assert calls["tokenize"] == 3
     second = D.prepare_data(config(folder, max_train_samples=20), tmp_path / "cache")
@@ -224,7 +224,7 @@ def test_other_ranks_wait_then_read_the_same_cache(tmp_path, monkeypatch):
     barrier = threading.Barrier(2, timeout=120)
     loads = []
     original = D.load_examples
-    monkeypatch.setattr(D, "load_examples", lambda c: loads.append(threading.current_thread().name) or original(c))
+    monkeypatch.setattr(D.prepare, "load_examples", lambda c: loads.append(threading.current_thread().name) or original(c))
     results = {}
 
     def rank(is_main):
@@ -448,9 +448,9 @@ def test_synthetic_is_deterministic_by_seed_and_balanced():
 
 
 def test_synthetic_splits_differ_in_sentence_frames():
-    slots = {**{w: "NAME" for w in D._SYN_NAMES}, **{w: "PLACE" for w in D._SYN_PLACES},
-             **{w: "N" for w in D._SYN_COUNT_WORDS}, **{w: "TOL" for w in D._SYN_TOLERANCE},
-             **{t: "THING" for t in D._SYN_THINGS}, **{t + "s": "THING" for t in D._SYN_THINGS}}
+    slots = {**{w: "NAME" for w in D.synthetic._SYN_NAMES}, **{w: "PLACE" for w in D.synthetic._SYN_PLACES},
+             **{w: "N" for w in D.synthetic._SYN_COUNT_WORDS}, **{w: "TOL" for w in D.synthetic._SYN_TOLERANCE},
+             **{t: "THING" for t in D.synthetic._SYN_THINGS}, **{t + "s": "THING" for t in D.synthetic._SYN_THINGS}}
 
     def frames(split):
         examples = D.synthetic_examples(split, 600, seed=0)

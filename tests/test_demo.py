@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from lossysim import demo
+from lossysim.loss import demo
 from lossysim.cli import main
-from lossysim.loss_models import parse_loss_model
+from lossysim.loss import parse_loss_model
 
 
 def test_demo_prints_a_row_per_model(capsys):

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from lossysim.cli import main
-from lossysim.fit import (fit_all, fit_bernoulli, fit_four_state, fit_gilbert, log_likelihood, recommend,
+from lossysim.loss.fit import (fit_all, fit_bernoulli, fit_four_state, fit_gilbert, log_likelihood, recommend,
                           run_chisquare, run_length_pmf)
-from lossysim.loss_models import Bernoulli, FourState, GilbertElliott, parse_loss_model
+from lossysim.loss import Bernoulli, FourState, GilbertElliott, parse_loss_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -125,3 +125,12 @@ def test_cli_fit_prints_every_model_and_a_recommendation(tmp_path, capsys):
     assert model.loss_rate == pytest.approx(0.03, rel=0.2)
     assert main(["fit", str(tmp_path / "missing.npy")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "1\n"])
+def test_cli_fit_names_a_trace_too_short_to_fit(tmp_path, capsys, text):
+    path = tmp_path / "short.txt"
+    path.write_text(text)
+    assert main(["fit", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(path) in err and "packet" in err, err

@@ -16,8 +16,8 @@ import pytest
 import torch
 from scipy import stats
 
-from lossysim.loss_models import (Bernoulli, FourState, GilbertElliott, NoLoss, Trace, _alternating,
-                                  load_trace, parse_loss_model)
+from lossysim.loss import Bernoulli, FourState, GilbertElliott, NoLoss, Trace, load_trace, parse_loss_model
+from lossysim.loss.models import _alternating
 
 GE = GilbertElliott
 ALPHA = 1e-5        # p-value threshold of every statistical check
@@ -841,7 +841,7 @@ def test_trace_errors_name_the_problem(tmp_path):
         parse_loss_model(f"trace:{runs}")
     empty = tmp_path / "empty.txt"
     empty.write_text("# nothing\n")
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="holds no packets"):
         parse_loss_model(f"trace:{empty}")
 
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 from scipy import stats
 
-from lossysim.network import LossyNetwork as _LossyNetwork
+from lossysim.net import stats as counting
+from lossysim.net.network import LossyNetwork as _LossyNetwork
 
 ALPHA = 1e-5  # p-value threshold of the statistical checks
 
@@ -233,6 +234,24 @@ def test_stats_and_burst_histogram_match_numpy_runs_across_calls(spy):
         observed = np.zeros(max_burst + 1, dtype=np.int64)
         observed[mine.length.to_numpy()] = mine["count"].to_numpy()
         assert observed.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("settings", [dict(algorithm="ring"), dict(algorithm="tree", payload_bytes=16),
+                                      dict(algorithm="ring", transport="retransmit"),
+                                      dict(algorithm="ring", transport="deadline", deadline=3.0)])
+def test_counting_draws_together_equals_counting_each_alone(monkeypatch, settings):
+    """Queued draws are counted in batches: the counters and every run length come out as if each
+    call were counted at once (runs spanning calls and padded links included)."""
+    def counted(queue):
+        monkeypatch.setattr(counting, "QUEUE", queue)
+        net = _LossyNetwork(4, "ge:rate=0.2,burst=5", seed=9, max_burst=6, **settings)
+        g = torch.Generator().manual_seed(1)
+        for n in [5, 900, 3, 2000, 17, 1, 362 * 4 + 1] * 3:
+            net.all_reduce("s", "fwd", torch.randn(4, n, generator=g), range(4))
+            net.all_gather("t", "bwd", torch.randn(4, n, generator=g), range(4))
+        return net.stats(), net.burst_histogram()
+    alone, together = counted(1), counted(64)
+    assert alone == together and sum(r["bursts"] for r in alone[0]) > 20
 
 
 def test_stats_drop_into_a_dataframe():

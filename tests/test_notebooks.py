@@ -7,7 +7,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from lossysim import cli, report
+from lossysim import cli
+from lossysim.results import report
 from test_sweep import tiny_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,11 +67,13 @@ def test_analysis_notebook_runs_on_a_tiny_sweep(tiny_results):
     assert not outputs(notebook, "error")
     text = "".join(outputs(notebook, "text"))
     assert f"3 runs in {tiny_results}" in text and "synthetic" in text
-    # accuracy, observed loss, accuracy over steps, disagreement (lossy is not varied: no fwd/bwd plot)
-    assert len(outputs(notebook, "image/png")) == 4
-    assert "did not vary `lossy`" in text
+    # accuracy against time, against loss, observed loss, accuracy over steps, disagreement (lossy is not
+    # varied: no fwd/bwd plot)
+    assert len(outputs(notebook, "image/png")) == 5
+    assert "did not vary `lossy`" in text and "target: " in text
     tables = "".join(outputs(notebook, "text/html"))
     assert "Gilbert-Elliott (burst 4)" in tables and "Bernoulli" in tables
+    assert "vs no loss, paired (pp)" in tables and "paired_p" in tables
 
 
 def test_report_on_a_tiny_real_sweep(tiny_results, tmp_path):

@@ -11,7 +11,7 @@ from lossysim.cli import main
 from lossysim.config import ExperimentConfig
 from lossysim.io import read_jsonl
 from lossysim.models import NAMED_MAX_POSITIONS, check_max_length
-from lossysim.train import run_experiment
+from lossysim.run.experiment import run_experiment
 
 
 @pytest.fixture(autouse=True)

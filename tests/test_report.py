@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -10,7 +11,9 @@ import pytest
 from matplotlib.image import imread
 from scipy import stats
 
-from lossysim import cli, report, sweep
+from lossysim import cli
+from lossysim.results import labels, report, table
+from lossysim.run import sweep
 from lossysim.config import from_dict
 from test_sweep import Recorder, fake_accuracy, write_spec
 
@@ -120,8 +123,8 @@ def test_report_of_an_empty_folder_fails_cleanly(tmp_path, capsys):
 
 
 def test_synthetic_data_is_labelled_synthetic():
-    assert "synthetic" in sweep.dataset_display({"dataset": "nli-toy"}, {"dataset": "synthetic"})
-    assert sweep.dataset_display({"dataset": "MNLI (GLUE)"}, {"dataset": "mnli"}) == "MNLI (GLUE)"
+    assert "synthetic" in table.dataset_display({"dataset": "nli-toy"}, {"dataset": "synthetic"})
+    assert table.dataset_display({"dataset": "MNLI (GLUE)"}, {"dataset": "mnli"}) == "MNLI (GLUE)"
 
 
 def test_settings_compare_each_with_its_loss_free_baseline(results):
@@ -150,8 +153,11 @@ def test_settings_compare_each_with_its_loss_free_baseline(results):
                    .str.endswith("*"))
     pivot = report.accuracy_pivot(runs)
     row5 = pivot[pivot["loss rate (%)"] == "5"].iloc[0]
-    column = "Bernoulli, lossy=both"
-    assert row5[column].endswith(" *") and not pivot[pivot["loss rate (%)"] == "1"].iloc[0][column].endswith("*")
+    # lossy=both is the usual direction: the column names only the loss model.
+    column = "Bernoulli"
+    assert set(pivot.columns) == {"loss rate (%)", "Bernoulli", "Bernoulli, fwd only", "Bernoulli, bwd only",
+                                  "Gilbert-Elliott (burst 8)"}
+    assert "*" in row5[column] and "*" not in pivot[pivot["loss rate (%)"] == "1"].iloc[0][column]
 
 
 def test_one_seed_gives_no_interval_and_no_test(tmp_path, monkeypatch):
@@ -206,16 +212,21 @@ def test_time_to_accuracy_table_against_hand_computed_times():
     table, target = report.time_to_accuracy_table(runs, metrics, fraction=0.85)
     assert target == pytest.approx(0.85 * 0.9)                  # 76.5%: reached at the third evaluation
     base, lossy = table.iloc[0], table.iloc[1]
-    assert base["setting"].startswith("no loss") and base["reached"] == "2/2"
+    assert base["loss"] == "no loss" and lossy["loss"] == "5% Bernoulli" and base["reached"] == "2/2"
+    # Nothing but the loss varies: no other setting column, nothing spelled key=value.
+    assert "transport" not in table.columns
+    assert not table.astype(str).apply(lambda c: c.str.contains("=")).any().any()
     # baseline: seeds reach 76.5% at step 20 (0.8, 0.81), times 20 and 40; lossy: step 30, times 90 and 180
     est = report.mean_ci([90.0, 180.0])
     assert lossy["time to target (ms)"] == report._pm(est.mean, est.half_width, 2, scale=1e3, digits=3)
     assert lossy["x baseline"] == f"{135 / 30:.2f}" and lossy["steps"] == "30" and base["steps"] == "20"
-    ax = report.plot_accuracy_vs_time(metrics, runs)
+    fig = report.plot_accuracy_vs_time(metrics, runs)
+    (ax,) = fig.axes                                            # nothing varies but the loss: one panel
     lines = {line.get_label(): line for line in ax.get_lines()}
-    assert len(lines) == 2 and ax.get_xscale() == "log"
-    lossy_line = next(line for label, line in lines.items() if "Bernoulli" in label)
-    assert list(lossy_line.get_xdata()) == [45.0, 90.0, 135.0]   # mean simulated time over the seeds
+    assert set(lines) == {"no loss", "Bernoulli"} and ax.get_xscale() == "log"
+    # mean simulated time over the seeds, 45 s, 90 s and 135 s, in minutes (runs last up to 3 minutes)
+    assert list(lines["Bernoulli"].get_xdata()) == pytest.approx([0.75, 1.5, 2.25])
+    assert "(min, log scale)" in ax.get_xlabel()
 
 
 def test_time_section_is_first_in_the_report(tmp_path):
@@ -223,6 +234,196 @@ def test_time_section_is_first_in_the_report(tmp_path):
     inputs = report.ReportInputs(tmp_path, runs, metrics)
     assert report.SECTIONS[1] is report.section_time_to_accuracy  # right after the overview
     text = report.section_time_to_accuracy(inputs)
-    assert text.startswith("## Time to reach 81.0% accuracy") and "| no loss" in text, text
+    assert text.startswith("## Accuracy against simulated time") and "### Time to reach 81.0% accuracy" in text
+    assert "| no loss" in text, text
+    with_plot = report.ReportInputs(tmp_path, runs, metrics, [tmp_path / "accuracy_vs_time.png"])
+    text = report.section_time_to_accuracy(with_plot)
+    assert text.index("](accuracy_vs_time.png)") < text.index("### Time to reach"), "the plot opens the section"
     assert report.section_time_to_accuracy(report.ReportInputs(tmp_path, runs, metrics.drop(columns="sim_time_s"))) == ""
     assert list(report.PLOTS)[0] == "accuracy_vs_time.png"
+
+
+# -- labels, panels and paired statistics on a sweep shaped like experiments/quick.yaml ------------------
+QUICK_LIKE = [
+    {"loss": ["none", "bernoulli:0.01", "bernoulli:0.05", "bernoulli:0.2", "ge:rate=0.05,burst=8"], "seed": [0, 1]},
+    {"loss": ["bernoulli:0.05", "bernoulli:0.2"], "algorithm": ["direct"], "seed": [0, 1]},
+    {"loss": ["bernoulli:0.01", "bernoulli:0.05", "bernoulli:0.2"], "transport": ["retransmit", "deadline"],
+     "seed": [0, 1]},
+    {"loss": ["none", "bernoulli:0.05"], "tp_size": [4], "ranks_per_node": [2], "lossy_links": ["inter_node"],
+     "seed": [0, 1]},
+]
+QUESTIONS = ("Collective algorithm", "Transport", "Topology", "Burstiness")
+
+
+@pytest.fixture
+def quick_like(tmp_path, monkeypatch):
+    """15 settings x 2 seeds as the quick profile asks them (fake trainer), and their metrics."""
+    monkeypatch.setattr(sweep, "_default_train", lambda: Recorder())
+    spec = write_spec(tmp_path / "q.yaml", QUICK_LIKE, tp_size=2, ranks_per_node=1, deadline=3.0)
+    out = tmp_path / "quick"
+    assert cli.main(["sweep", str(spec), "--out", str(out), "--no-progress"]) == 0
+    runs = report.load_runs(out)
+    return out, runs, report.load_metrics(out, runs)
+
+
+def legend_labels(ax) -> list[str]:
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_time_plot_has_a_panel_per_question_with_its_own_baselines(quick_like):
+    _, runs, metrics = quick_like
+    fig = report.plot_accuracy_vs_time(metrics, runs)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert len(fig.axes) == len(QUESTIONS), titles
+    for ax, question in zip(fig.axes, QUESTIONS):
+        assert ax.get_title().startswith(question)
+    panel = dict(zip(QUESTIONS, fig.axes))
+    # Each panel names only what varies in it: the question's answer and, where it varies, the rate.
+    assert legend_labels(panel["Collective algorithm"]) == ["no loss", "ring, 5%", "ring, 20%", "direct, 5%",
+                                                            "direct, 20%"]
+    transport = legend_labels(panel["Transport"])
+    assert transport[0] == "no loss" and len(transport) == 1 + 3 * 3
+    assert {"drop, 1%", "retransmit, 20%", "deadline 3x, 5%"} <= set(transport)
+    assert legend_labels(panel["Topology"]) == ["no loss, 2 nodes x 1 rank", "no loss, 2 nodes x 2 ranks",
+                                                "2 nodes x 1 rank", "2 nodes x 2 ranks, loss between nodes"]
+    assert legend_labels(panel["Burstiness"]) == ["no loss", "Bernoulli", "Gilbert-Elliott (burst 8)"]
+    # What a panel holds is said once, under its title, and never on a line.
+    assert "ring" in panel["Transport"].get_title() and "5% loss" in panel["Burstiness"].get_title()
+    for ax in fig.axes:
+        for label in legend_labels(ax):
+            assert "=" not in label and "tp_size" not in label and "lossy_links" not in label, label
+    for word, question in (("ring", "Transport"), ("Bernoulli", "Transport"), ("drop", "Collective algorithm"),
+                           ("2 nodes", "Burstiness"), ("%", "Topology")):
+        assert not any(word in label for label in legend_labels(panel[question])), (word, question)
+    # Every legend sits beside its axes, clear of the curves.
+    fig.canvas.draw()
+    for ax in fig.axes:
+        assert ax.get_legend().get_window_extent().x0 >= ax.get_window_extent().x1
+    # A baseline line is the mean over the loss-free runs timed like the panel's settings.
+    (tp4,) = [line for line in panel["Topology"].get_lines() if line.get_label() == "no loss, 2 nodes x 2 ranks"]
+    want = metrics[(metrics["split"] == "validation_matched") & (metrics["loss_model"] == "none")
+                   & (metrics["tp_size"] == 4)].groupby("step")["accuracy"].mean()
+    assert list(tp4.get_ydata()) == pytest.approx(list(100 * want))
+
+
+def test_time_plot_of_the_quick_profile_asks_its_four_questions(tmp_path, monkeypatch):
+    """The main job's own spec, run by the fake trainer: the report opens with these four panels."""
+    monkeypatch.setattr(sweep, "_default_train", lambda: Recorder())
+    spec = Path(__file__).resolve().parents[1] / "experiments" / "quick.yaml"
+    out = tmp_path / "quick"
+    assert cli.main(["sweep", str(spec), "--out", str(out), "--set", "steps=4", "--set", "eval_every=2",
+                     "--grid", "seed=0 1", "--no-progress"]) == 0
+    runs = report.load_runs(out)
+    fig = report.plot_accuracy_vs_time(report.load_metrics(out, runs), runs)
+    titles = [ax.get_title() for ax in fig.axes]
+    for question in QUESTIONS:
+        assert sum(t.startswith(question) for t in titles) == 1, (question, titles)
+
+
+def test_tables_name_settings_readably(quick_like):
+    _, runs, metrics = quick_like
+    table, _ = report.time_to_accuracy_table(runs, metrics)
+    assert list(table.columns[:4]) == ["loss", "algorithm", "transport", "topology"]
+    # "–": a loss-free run has nothing to send again
+    assert set(table["transport"]) == {"–", "drop", "retransmit", "deadline 3x"}
+    assert set(table["topology"]) == {"2 nodes x 1 rank", "2 nodes x 2 ranks",
+                                      "2 nodes x 2 ranks, loss between nodes"}
+    assert "5% Gilbert-Elliott (burst 8)" in set(table["loss"])
+    summary = report.summary_table(runs)
+    # lossy and recovery are the same for every lossy setting: no column for them.
+    assert "lossy direction" not in summary.columns and "recovery" not in summary.columns
+    for frame in (table, summary, report.accuracy_pivot(runs)):
+        cells = frame.astype(str).to_numpy().ravel().tolist() + list(frame.columns)
+        assert not [c for c in cells if "=" in c], frame
+    pivot = report.accuracy_pivot(runs)
+    assert "Bernoulli, 2 nodes x 2 ranks, loss between nodes" in pivot.columns and "Bernoulli" in pivot.columns
+    # each column's first row is its own baseline: the 2x2 layout's is the tp=4 loss-free run
+    base = report.settings(runs)
+    tp4 = base[(base["loss_model"] == "none") & (base["tp_size"] == 4)].iloc[0]
+    assert pivot.iloc[0]["Bernoulli, 2 nodes x 2 ranks, loss between nodes"] == report._pm(tp4["mean"], tp4["ci"], 2)
+
+
+def test_paired_view_finds_what_the_seed_spread_hides(results):
+    """The fake accuracy moves 1 point per seed and 1% Bernoulli loss costs every seed 1 point: Welch's
+    test sees two groups that overlap, the paired one a constant shift."""
+    runs = report.load_runs(results)
+    table = report.settings(runs)
+    row = table[(table["loss_model"] == "bernoulli") & (table["loss_rate"] == 0.01)].iloc[0]
+    assert row["p"] > 0.05 and row["paired_p"] < 0.05 and row["paired_significant"]
+    assert row["paired_delta"] == pytest.approx(-0.01) and row["paired_ci"] == pytest.approx(0.0, abs=1e-9)
+    assert row["paired_n"] == 2
+    summary = report.summary_table(runs)
+    cells = summary[(summary["loss model"] == "Bernoulli") & (summary["rate (%)"] == "1")].iloc[0]
+    assert cells["vs no loss, paired (pp)"] == "-1.0 ± 0.0" and cells["p (paired)"].endswith("*")
+    assert not cells["p (Welch)"].endswith("*")
+    pivot = report.accuracy_pivot(runs)
+    assert pivot[pivot["loss rate (%)"] == "1"].iloc[0]["Bernoulli"].endswith("†")
+    # 20% lost a seed: one pair left, no interval and no test
+    failed = table[(table["loss_model"] == "bernoulli") & (table["loss_rate"] == 0.2)].iloc[0]
+    assert failed["paired_n"] == 1 and math.isnan(failed["paired_p"]) and math.isnan(failed["paired_ci"])
+    assert table[table["loss_model"] == "none"]["paired_p"].isna().all()
+
+
+def test_paired_statistics_pair_runs_by_seed():
+    """Hand-made runs in shuffled order, one lossy seed without a baseline: pairs are matched by seed,
+    the numbers are scipy's."""
+    base = {0: 0.80, 1: 0.90, 2: 0.95}
+    lossy = {2: 0.94, 0: 0.78, 1: 0.885, 3: 0.70}
+    rows = [{"run_dir": f"none-{s}", "status": "completed", "loss": "none", "loss_model": "none", "loss_rate": 0.0,
+             "mean_burst": 0.0, "seed": s, "accuracy": a} for s, a in base.items()]
+    rows += [{"run_dir": f"b-{s}", "status": "completed", "loss": "bernoulli:0.05", "loss_model": "bernoulli",
+              "loss_rate": 0.05, "mean_burst": 1.05, "seed": s, "accuracy": a} for s, a in lossy.items()]
+    row = report.settings(pd.DataFrame(rows)).iloc[1]
+    a, b = np.array([lossy[s] for s in (0, 1, 2)]), np.array([base[s] for s in (0, 1, 2)])
+    assert row["paired_n"] == 3 and row["n"] == 4
+    assert row["paired_delta"] == pytest.approx((a - b).mean())
+    assert row["paired_ci"] == pytest.approx(stats.t.ppf(0.975, 2) * (a - b).std(ddof=1) / np.sqrt(3))
+    assert row["paired_p"] == pytest.approx(stats.ttest_rel(a, b).pvalue, rel=1e-9)
+    assert row["p"] == pytest.approx(stats.ttest_ind(list(lossy.values()), list(base.values()),
+                                                     equal_var=False).pvalue, rel=1e-9)
+    cells = report.summary_table(pd.DataFrame(rows)).iloc[1]
+    assert cells["vs no loss, paired (pp)"].endswith("(3 pairs)")
+
+
+def settings_frame(**columns) -> pd.DataFrame:
+    n = len(next(iter(columns.values())))
+    base = {"loss_model": ["bernoulli"] * n, "loss_rate": [0.05] * n, "mean_burst": [1.05] * n}
+    return pd.DataFrame({**base, **columns})
+
+
+def test_comparisons_hold_the_other_questions_at_their_usual_value():
+    # algorithm x transport fully crossed: a tie everywhere, broken by the config's defaults
+    crossed = settings_frame(algorithm=["ring", "ring", "direct", "direct"],
+                             transport=["drop", "retransmit", "drop", "retransmit"])
+    panels = labels.comparisons(crossed)
+    assert [p.question.name for p in panels] == ["algorithm", "transport"]
+    assert panels[0].held == ["drop", "5% loss"] and panels[1].held == ["ring", "5% loss"]
+    assert set(panels[0].settings["transport"]) == {"drop"} and set(panels[1].settings["algorithm"]) == {"ring"}
+    # two keys changed together (as one grid row would) are one question, not two empty ones
+    together = settings_frame(link_inter=["roce-200g", "roce-100g"], compute=["h100", "a100"])
+    (panel,) = labels.comparisons(together)
+    assert len(panel.settings) == 2 and "link" in panel.title and "compute" in panel.title
+    # only the rate varies: one panel of everything, labelled by the rate alone
+    rates = settings_frame(loss_rate=[0.01, 0.05, 0.2])
+    (panel,) = labels.comparisons(rates)
+    assert panel.question is None and len(panel.settings) == 3
+    dims = labels.varying(panel.settings)
+    assert [labels.describe(r, dims) for _, r in panel.settings.iterrows()] == ["1%", "5%", "20%"]
+
+
+def test_labels_leave_out_what_is_equal_or_usual():
+    frame = settings_frame(transport=["drop", "deadline", "retransmit"], deadline=[3.0, 3.0, 3.0],
+                           retransmit=["selective", "selective", "go_back_n"], tp_size=[2, 2, 2])
+    dims = labels.varying(frame)
+    assert [d.name for d in dims] == ["transport"]            # deadline, tp_size: equal, not written
+    ref = labels.reference(frame, dims)
+    assert ref == {"transport": "drop"}
+    named = [labels.describe(r, dims, ref) for _, r in frame.iterrows()]
+    assert named == ["Bernoulli", "deadline 3x", "retransmit (go-back-N)"]
+    lossless = {"loss_model": "none", "loss_rate": 0.0, "transport": "drop", "tp_size": 4, "ranks_per_node": 2,
+                "lossy_links": "all"}
+    topology = next(d for d in labels.KNOWN if d.name == "topology")
+    assert labels.describe(lossless, [topology]) == "no loss, 2 nodes x 2 ranks"
+    assert topology.value({**lossless, "loss_model": "ge", "lossy_links": "inter_node"}) == \
+        "2 nodes x 2 ranks, loss between nodes"
+    assert topology.value({"loss_model": "ge", "tp_size": 4, "ranks_per_node": None}) == "1 node x 4 ranks"

@@ -1,4 +1,5 @@
 """Exact resume after SIGKILL, sealed checkpoints, and faults."""
+import hashlib
 import json
 import os
 import shutil
@@ -9,13 +10,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
-from lossysim import checkpoint
+from lossysim.run import checkpoint
 from lossysim.cli import main
 from lossysim.config import ExperimentConfig
 from lossysim.io import read_jsonl
-from lossysim.train import run_experiment
+from lossysim.run.experiment import run_experiment
 from torchrun_launch import torchrun
 
 TIMINGS = ("time_s", "tokens_per_s", "wall_time_s")
@@ -115,6 +117,32 @@ def test_resume_with_a_different_experiment_is_refused(tmp_path):
     changed = config.replace(loss="bernoulli:0.2")
     summary = run_experiment(changed, changed.out, progress=False, resume=True)
     assert summary["status"] == "failed" and "loss" in summary["error"]
+
+
+def test_progress_is_saved_and_resumed_as_a_plain_dict(tmp_path):
+    """Checkpoints hold the run's progress as the plain dict they always held, so a checkpoint written
+    before the progress had a class of its own resumes exactly, and the other way round."""
+    config = config_for(tmp_path / "full", steps=8, eval_every=4)
+    assert run_experiment(config, config.out, progress=False)["status"] == "completed"
+    resumed = tmp_path / "resumed"
+    shutil.copytree(config.out, resumed)
+    first, *later = checkpoint.complete(resumed)
+    for path in later:
+        shutil.rmtree(path)
+    (resumed / "summary.json").unlink()
+    saved = torch.load(first / "rank0.pt", weights_only=False)
+    assert type(saved["progress"]) is dict
+    assert list(saved["progress"]) == ["step", "best", "final", "train_disagreement", "tokens", "train_time",
+                                       "compute_s", "reached", "last_row"]
+    # Plain values only, as an older version wrote them: nothing that needs this version's classes.
+    saved["progress"] = json.loads(json.dumps(saved["progress"]))
+    torch.save(saved, first / "rank0.pt")
+    manifest = json.loads((first / "manifest.json").read_text())
+    manifest["files"]["rank0.pt"] = hashlib.sha256((first / "rank0.pt").read_bytes()).hexdigest()
+    (first / "manifest.json").write_text(json.dumps(manifest))
+    summary = run_experiment(config.replace(out=str(resumed)), resumed, progress=False, resume=True)
+    assert summary["status"] == "completed", summary.get("error")
+    assert_same_run(Path(config.out), resumed)
 
 
 def test_keep_last_k_checkpoints(tmp_path):

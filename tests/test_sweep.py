@@ -15,10 +15,11 @@ import pandas as pd
 import pytest
 import yaml
 
-from lossysim import cli, sweep
+from lossysim import cli
+from lossysim.run import sweep
 from lossysim.config import ExperimentConfig, save_yaml
 from lossysim.io import append_jsonl, atomic_write_json, read_jsonl
-from lossysim.loss_models import parse_loss_model
+from lossysim.loss import parse_loss_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SPLITS = ("validation_matched", "validation_mismatched")
@@ -39,7 +40,7 @@ def fake_run_experiment(config: ExperimentConfig, run_dir, *, progress=True, pos
     run_dir.mkdir(parents=True, exist_ok=True)
     save_yaml(config, run_dir / "config.yaml")
     model = parse_loss_model(config.loss)
-    lossy = config.lossy_directions
+    lossy = config.network_spec().lossy
     metrics = run_dir / "metrics.jsonl"
     for step in range(config.eval_every, config.steps + 1, config.eval_every):
         frac = step / config.steps
@@ -109,9 +110,9 @@ def recorder(monkeypatch):
 LOSSES = ["none", "bernoulli:0", "bernoulli:0.01", "ge:rate=0,burst=8", "ge:rate=0.01,burst=8"]
 
 
-def test_plan_dedupes_lossless_specs_and_names_runs_stably(tmp_path):
+def test_expand_dedupes_lossless_specs_and_names_runs_stably(tmp_path):
     spec = sweep.load_spec(write_spec(tmp_path / "s.yaml", {"loss": LOSSES, "seed": [0, 1]}))
-    runs = sweep.plan(spec, tmp_path / "a")
+    runs = sweep.expand(spec, tmp_path / "a")
     # none, bernoulli:0 and ge:rate=0 are one experiment: 3 distinct losses x 2 seeds.
     assert len(runs) == 6
     names = sorted(r.dir_name for r in runs)
@@ -122,14 +123,14 @@ def test_plan_dedupes_lossless_specs_and_names_runs_stably(tmp_path):
         assert run.dir_name.endswith("-" + run.key)
         assert Path(run.config.out) == tmp_path / "a" / run.dir_name
     # The output folder, the name and the device do not change what is trained; lr does.
-    again = sweep.plan(sweep.load_spec(tmp_path / "s.yaml", {"device": "cpu", "name": "other"}), tmp_path / "b")
+    again = sweep.expand(sweep.load_spec(tmp_path / "s.yaml", {"device": "cpu", "name": "other"}), tmp_path / "b")
     assert sorted(r.dir_name for r in again) == names
-    changed = sweep.plan(sweep.load_spec(tmp_path / "s.yaml", {"lr": "1e-3"}), tmp_path / "a")
+    changed = sweep.expand(sweep.load_spec(tmp_path / "s.yaml", {"lr": "1e-3"}), tmp_path / "a")
     assert not set(r.dir_name for r in changed) & set(names)
     # Lossless runs are normalised whatever the grid said about direction and recovery.
     spec = sweep.load_spec(write_spec(tmp_path / "d.yaml", {"loss": ["none", "bernoulli:0.02"],
                                                              "lossy": ["fwd", "bwd"], "recovery": ["zero", "rescale"]}))
-    runs = sweep.plan(spec, tmp_path / "d")
+    runs = sweep.expand(spec, tmp_path / "d")
     assert len(runs) == 1 + 4
     baseline = [r for r in runs if r.config.loss == "none"]
     assert len(baseline) == 1 and baseline[0].config.lossy == "both" and baseline[0].config.recovery == "zero"
@@ -144,7 +145,7 @@ def test_spec_base_file_and_grid_list(tmp_path):
           - {loss: ["bernoulli:0.01", "bernoulli:0.02"]}
           - {loss: ["bernoulli:0.01"], lossy: [fwd]}
         """))
-    runs = sweep.plan(sweep.load_spec(tmp_path / "s.yaml"), tmp_path / "out")
+    runs = sweep.expand(sweep.load_spec(tmp_path / "s.yaml"), tmp_path / "out")
     assert len(runs) == 3
     assert {r.config.steps for r in runs} == {5} and {r.config.lr for r in runs} == {0.002}
     assert sorted(r.config.lossy for r in runs) == ["both", "both", "fwd"]
@@ -156,7 +157,7 @@ def test_spec_base_may_be_an_inline_mapping(tmp_path, recorder, capsys):
         eval_every: 7
         grid: {loss: [none, "bernoulli:0.01"]}
         """))
-    runs = sweep.plan(sweep.load_spec(tmp_path / "s.yaml"), tmp_path / "out")
+    runs = sweep.expand(sweep.load_spec(tmp_path / "s.yaml"), tmp_path / "out")
     assert len(runs) == 2 and {(r.config.steps, r.config.lr, r.config.eval_every) for r in runs} == {(7, 0.003, 7)}
     assert cli.main(["sweep", str(tmp_path / "s.yaml"), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
     assert len(recorder.calls) == 2
@@ -194,7 +195,7 @@ def test_sbatch_template_runs_one_shard_per_array_task(tmp_path, monkeypatch):
     the tasks' --dry-run listings partition the grid, and only the first task queues the report."""
     spec = write_spec(tmp_path / "s.yaml", {"loss": LOSSES + ["bernoulli:0.05"], "seed": [0, 1, 2]})
     out = tmp_path / "results"
-    every = {r.dir_name for r in sweep.plan(sweep.load_spec(spec), out)}
+    every = {r.dir_name for r in sweep.expand(sweep.load_spec(spec), out)}
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "sbatch.log"}\n')
@@ -253,7 +254,7 @@ def test_dry_run_lists_without_training(tmp_path, recorder, capsys):
 def test_shards_cover_the_grid_exactly_once(tmp_path, recorder):
     spec_path = write_spec(tmp_path / "s.yaml", {"loss": LOSSES + ["bernoulli:0.05"], "seed": [0, 1, 2]})
     out = tmp_path / "out"
-    every = {r.dir_name for r in sweep.plan(sweep.load_spec(spec_path), out)}
+    every = {r.dir_name for r in sweep.expand(sweep.load_spec(spec_path), out)}
     assert len(every) == 12
     parts = []
     for k in (1, 2, 3):
@@ -313,7 +314,7 @@ def test_failed_runs_are_recorded_counted_and_retried(tmp_path, monkeypatch, cap
 def test_stale_run_directory_is_cleared(tmp_path, recorder):
     spec = write_spec(tmp_path / "s.yaml", {"loss": ["bernoulli:0.01"]})
     out = tmp_path / "out"
-    (run,) = sweep.plan(sweep.load_spec(spec), out)
+    (run,) = sweep.expand(sweep.load_spec(spec), out)
     run.run_dir.mkdir(parents=True)
     append_jsonl(run.run_dir / "metrics.jsonl", {"step": 999, "split": "train", "time_s": 0.0})
     (run.run_dir / "metrics.jsonl").open("a").write('{"step": 1000, "spl')   # torn by a kill
@@ -328,9 +329,9 @@ def test_stale_run_directory_is_cleared(tmp_path, recorder):
 def test_checkpointing_runs_resume_instead_of_starting_over(tmp_path, recorder):
     spec = write_spec(tmp_path / "s.yaml", {"loss": ["bernoulli:0.01", "bernoulli:0.02"]}, checkpoint_every=2)
     out = tmp_path / "out"
-    interrupted, failed = sweep.plan(sweep.load_spec(spec), out)
+    interrupted, failed = sweep.expand(sweep.load_spec(spec), out)
     # The checkpoint settings are not part of the experiment: same directory as without them.
-    plain = sweep.plan(sweep.load_spec(spec, {"checkpoint_every": 0}), out)
+    plain = sweep.expand(sweep.load_spec(spec, {"checkpoint_every": 0}), out)
     assert [r.dir_name for r in plain] == [interrupted.dir_name, failed.dir_name]
     for run in (interrupted, failed):
         (run.run_dir / "checkpoints").mkdir(parents=True)
@@ -412,7 +413,7 @@ def test_sigkilled_sweep_finishes_on_the_next_call(tmp_path):
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "1 already done" in result.stdout or f"{len(done_before)} already done" in result.stdout
-    runs = sweep.plan(sweep.load_spec(spec), out)
+    runs = sweep.expand(sweep.load_spec(spec), out)
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted(r.dir_name for r in runs)
     for run in runs:
         summary = json.loads((run.run_dir / "summary.json").read_text())

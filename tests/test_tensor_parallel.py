@@ -24,8 +24,9 @@ from _tp_common import (ATTENTION, BATCH, CLASSES, SEQ, build, grads, hf_step, m
                         params, rel_err, sharded_names, tp_layout, tp_step)
 
 from lossysim import LossyNetwork, gather_full_model, parallelize  # noqa: E402
-from lossysim.collectives import SimGroup, copy_to_tp, gather_from_tp, reduce_from_tp  # noqa: E402
-from lossysim.layers import ColumnParallel, RowParallel, unshard_columns  # noqa: E402
+from lossysim.tp.groups import SimGroup
+from lossysim.tp.mappings import copy_to_tp, gather_from_tp, reduce_from_tp  # noqa: E402
+from lossysim.tp.layers import ColumnParallel, RowParallel, unshard_columns  # noqa: E402
 
 TOL = 1e-5
 

@@ -1,24 +1,30 @@
-"""Time model: closed forms against step lists built here, nccl-tests bus bandwidth, specs,
-compute arithmetic, and retransmission expectations against simulated transports.
+"""Time model: closed forms against step lists built here and against the network's own clock,
+nccl-tests bus bandwidth, specs, compute arithmetic, and retransmission expectations against
+simulated transports.
 
-Step lists are built in this file from the textbook descriptions (not from
-``timing.schedule``), then timed with ``step_time``; ``schedule`` is checked against them.
-Statistical checks use a p-value threshold of 1e-5 and assert that a wrong formula fails.
+Step lists are built in this file from the textbook descriptions (not from the network's
+schedules), then timed with ``step_time``; the network's schedules are checked against them, and
+its clock against the closed forms. Statistical checks use a p-value threshold of 1e-5 and
+assert that a wrong formula fails.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from lossysim.timing import (ALGORITHMS, DEFAULT_MFU, GPU_PRESETS, LINK_PRESETS, MEASURED, Compute,
-                             Link, algbw, busbw, direct_all_gather_time, direct_all_reduce_time,
-                             go_back_n_transmissions, ib_timeout_s, packet_count, parse_compute,
-                             parse_link, ring_all_gather_time, ring_all_reduce_time, schedule,
-                             schedule_time, selective_repeat_transmissions, step_time,
-                             tree_all_reduce_time, window_packets)
+from lossysim.timing import (DEFAULT_MFU, GPU_PRESETS, LINK_PRESETS, MEASURED, Compute, Link, algbw, busbw,
+                             direct_all_gather_time, direct_all_reduce_time, go_back_n_transmissions, ib_timeout_s,
+                             packet_count, parse_compute, parse_link, ring_all_gather_time, ring_all_reduce_time,
+                             selective_repeat_transmissions, send_times, step_time, tree_all_reduce_time,
+                             window_packets)
+from lossysim.net import LossyNetwork
+from lossysim.net.algorithms import schedule
+
+ALGORITHMS = ("ring_all_reduce", "ring_all_gather", "tree_all_reduce", "direct_all_reduce", "direct_all_gather")
 
 ALPHA = 1e-5
 PP = 1450
@@ -31,17 +37,21 @@ SIZES = [0, 1, 7, 1000, 4096, 12345, 8 * 1024 * 768 * 2]   # bytes; last: GPT-2 
 
 # ---------------------------------------------------------------------------- step lists built here
 
-def ring_all_reduce_steps(R, M):
-    """Reduce-scatter then all-gather: in every one of 2(R-1) steps each rank passes one chunk on."""
-    sizes = [len(range(M)[i::R]) for i in range(R)]     # bytes i, i + R, ... form chunk i
-    steps = []
-    for s in range(2 * (R - 1)):
-        offset = s if s < R - 1 else s - (R - 1) - 1
-        steps.append([(r, (r + 1) % R, sizes[(r - offset) % R]) for r in range(R)])
+def ring_all_reduce_steps(R, M, pp=PP):
+    """Reduce-scatter then all-gather: in every one of 2(R-1) steps each rank passes one chunk on.
+    Chunk c is rank c's: a run of whole packets, the first P % R chunks one packet longer. In
+    reduce-scatter step s rank r passes chunk r - 1 - s (a partial sum that ends at its owner), in
+    all-gather step s chunk r - s (finished, travelling on)."""
+    P = -(-M // pp)
+    counts = [P // R + (i < P % R) for i in range(R)]
+    starts = [sum(counts[:i]) for i in range(R)]
+    sizes = [min(M, (starts[i] + counts[i]) * pp) - starts[i] * pp if counts[i] else 0 for i in range(R)]
+    steps = [[(r, (r + 1) % R, sizes[(r - 1 - s) % R]) for r in range(R)] for s in range(R - 1)]
+    steps += [[(r, (r + 1) % R, sizes[(r - s) % R]) for r in range(R)] for s in range(R - 1)]
     return steps
 
 
-def ring_all_gather_steps(R, S):
+def ring_all_gather_steps(R, S, pp=PP):
     return [[(r, (r + 1) % R, S) for r in range(R)] for _ in range(R - 1)]
 
 
@@ -52,7 +62,7 @@ def depth(rank):
     return d
 
 
-def tree_all_reduce_steps(R, M):
+def tree_all_reduce_steps(R, M, pp=PP):
     """Binary heap tree: reduce level by level from the leaves, then broadcast back down."""
     by_depth = {}
     for r in range(1, R):
@@ -62,7 +72,7 @@ def tree_all_reduce_steps(R, M):
     return reduce + broadcast
 
 
-def direct_steps(R, M):
+def direct_steps(R, M, pp=PP):
     return [[(src, dst, M) for src in range(R) for dst in range(R) if src != dst]] if R > 1 else []
 
 
@@ -88,7 +98,7 @@ def test_closed_forms_equal_step_lists(algorithm, link):
     for R in range(1, 9):
         for M in SIZES:
             for pp in (PP, 64):
-                expected = timed(BUILT[algorithm](R, M), link, pp)
+                expected = timed(BUILT[algorithm](R, M, pp), link, pp)
                 got = CLOSED[algorithm](R, M, link, pp)
                 assert got == pytest.approx(expected, rel=1e-12, abs=0), (R, M, pp)
                 if R == 1 or M == 0:
@@ -98,12 +108,38 @@ def test_closed_forms_equal_step_lists(algorithm, link):
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_schedule_matches_the_step_lists(algorithm):
-    for R in range(1, 9):
-        for M in SIZES:
-            built = [sorted(s for s in step if s[2] > 0) for step in BUILT[algorithm](R, M)]
-            built = [step for step in built if step]
-            assert [sorted(step) for step in schedule(algorithm, R, M)] == built, (R, M)
+def test_the_networks_schedules_are_the_step_lists(algorithm):
+    """The sends the network makes, in bytes, step by step, are the textbook's."""
+    kind, collective = algorithm.split("_", 1)
+    for R in range(2, 9):
+        for M in [m for m in SIZES if m % 4 == 0 and m]:
+            P = -(-M // PP)
+            sched = schedule(kind, collective, R, P)
+            sent = [[] for _ in range(sched.steps)]
+            for s in sched.sends:
+                if s.packets:
+                    sent[s.step].append((s.src, s.dst, min(M, (s.first + s.packets) * PP) - s.first * PP))
+            built = [sorted(step) for step in (sorted(x for x in st if x[2] > 0) for st in BUILT[algorithm](R, M))
+                     if step]
+            assert [sorted(step) for step in sent if step] == built, (R, M)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "direct"])
+def test_the_networks_clock_is_the_closed_form(algorithm):
+    """What the network charges a loss-free collective is its closed form, for any size."""
+    link = "alpha=2us,bw=100Gbps,header=40"
+    for R in range(2, 9):
+        for M in [4, 40, 1448, 1452, 4 * 362 * 7 * R + 8, 123452]:
+            net = LossyNetwork(R, "none", payload_bytes=1448, algorithm=algorithm, link_intra=link)
+            net.all_reduce("s", "fwd", torch.zeros(R, M // 4), range(R))
+            form = {"ring": ring_all_reduce_time, "tree": tree_all_reduce_time, "direct": direct_all_reduce_time}
+            assert net.clock()["comm_s"] == pytest.approx(form[algorithm](R, M, parse_link(link), 1448),
+                                                          rel=1e-12), (R, M)
+            if algorithm != "tree":
+                net.reset_stats()
+                net.all_gather("g", "fwd", torch.zeros(R, M // 4), range(R))
+                gather = ring_all_gather_time if algorithm == "ring" else direct_all_gather_time
+                assert net.clock()["comm_s"] == pytest.approx(gather(R, M, parse_link(link), 1448), rel=1e-12)
 
 
 def test_textbook_alpha_beta_formulas_without_headers():
@@ -121,8 +157,8 @@ def test_textbook_alpha_beta_formulas_without_headers():
 
 
 def test_headers_count_once_per_packet():
-    M = 8 * 1450 * 10 + 8                    # each chunk: 10 full packets and an 1-byte one
-    chunk = M // 8
+    M = 8 * 1450 * 10 + 8                    # 81 packets, the last of 8 bytes: the first chunk holds 11
+    chunk = 11 * 1450
     wire = chunk + 11 * ROCE.header_bytes
     assert ring_all_reduce_time(8, M, ROCE) == pytest.approx(
         14 * (ROCE.latency_s + wire / ROCE.bandwidth_Bps), rel=1e-12)
@@ -147,23 +183,26 @@ def test_sends_share_the_egress_and_ingress_ports_of_their_class():
     assert step_time([(0, 1, w, 1, intra), (0, 2, w, 1, inter)]) == pytest.approx(one)
     # the slowest send ends the step
     assert step_time([(0, 1, w, 1, intra), (2, 3, 5 * w, 1, inter)]) == pytest.approx(1e-6 + 5 * w / 1e9)
-    # waiting time (a timeout, a round trip to a NAK) adds to its own send only
-    assert step_time([(0, 1, w, 1, intra, 0.5), (2, 3, w, 1, intra)]) == pytest.approx(one + 0.5)
-    assert step_time([(0, 1, w, 1, intra, 0.0)]) == step_time([(0, 1, w, 1, intra)])
+    # a port class may be named: equal links on different ports do not share
+    assert step_time([(0, 1, w, 1, intra, "intra"), (0, 2, w, 1, intra, "inter")]) == pytest.approx(one)
+    assert step_time([(0, 1, w, 1, intra, "a"), (0, 2, w, 1, inter, "a")]) == pytest.approx(1e-6 + 2 * w / 1e9)
+    # per send: alpha, the wire time of one packet on its shared port, and the whole
+    (first, second), = [send_times([(0, 1, w, 4, intra), (0, 2, w, 4, intra)])]
+    assert first.alpha == 1e-6 and first.tau == pytest.approx(2 * w / 1e9 / 4)
+    assert first.seconds == pytest.approx(first.alpha + 4 * first.tau) and second == first
     with pytest.raises(ValueError, match="itself"):
         step_time([(2, 2, w, 1, intra)])
-    with pytest.raises(ValueError, match="extra_s"):
-        step_time([(0, 1, w, 1, intra, -1.0)])
     with pytest.raises(ValueError, match="send="):
         step_time([(0, 1, w, intra)])
 
 
-def test_schedule_time_with_a_link_per_pair():
-    """Two nodes of four ranks: the ring crosses the slow link twice per step, which sets every step."""
+def test_two_nodes_of_four_ranks_wait_for_the_slow_link():
+    """The ring crosses the slow link twice per step, which sets every step."""
     fast, slow = LINK_PRESETS["nvlink4"], ROCE
-    link_of = lambda src, dst: fast if src // 4 == dst // 4 else slow  # noqa: E731
     M = 8 * 1024 * 768 * 2
-    t = schedule_time(schedule("ring_all_reduce", 8, M), link_of, PP)
+    net = LossyNetwork(8, "none", ranks_per_node=4, link_intra="nvlink4", link_inter="roce-200g")
+    net.all_reduce("s", "fwd", torch.zeros(8, M // 2, dtype=torch.bfloat16), range(8))
+    t = net.clock()["comm_s"]
     assert t == pytest.approx(ring_all_reduce_time(8, M, slow), rel=1e-12)
     assert t > 10 * ring_all_reduce_time(8, M, fast)
 
@@ -375,9 +414,9 @@ def test_worked_example_in_the_docs_matches_the_model():
 
 def test_bad_schedule_arguments():
     with pytest.raises(ValueError, match="algorithm='alltoall'"):
-        schedule("alltoall", 4, 100)
+        schedule("alltoall", "all_reduce", 4, 100)
     with pytest.raises(ValueError, match="R=0"):
-        schedule("ring_all_reduce", 0, 100)
+        ring_all_reduce_time(0, 100, BARE)
     with pytest.raises(ValueError, match="M=-1"):
         ring_all_reduce_time(4, -1, BARE)
     with pytest.raises(ValueError, match="bad compute spec '': empty"):

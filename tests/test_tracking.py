@@ -6,11 +6,11 @@ import math
 import pytest
 import yaml
 
-from lossysim import tracking
+from lossysim.run import tracking
 from lossysim.cli import main
 from lossysim.config import ExperimentConfig, from_dict
 from lossysim.io import read_jsonl
-from lossysim.train import run_experiment
+from lossysim.run.experiment import run_experiment
 
 
 @pytest.fixture(autouse=True)

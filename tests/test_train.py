@@ -16,7 +16,7 @@ from lossysim.config import ExperimentConfig, load_config
 from lossysim.data import eval_batches, prepare_data, train_batches
 from lossysim.io import read_jsonl
 from lossysim.models import build_model
-from lossysim.train import run_experiment
+from lossysim.run.experiment import run_experiment
 from torchrun_launch import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ from scipy import stats
 
 from _tp_common import build, lossy_network, lossy_run, make_batch, parallelize
 from lossysim import timing
-from lossysim.network import LossyNetwork
+from lossysim.net.network import LossyNetwork
 
 ALPHA = 1e-5
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -187,7 +187,7 @@ def test_bad_transport_settings_are_one_line_errors():
 @pytest.mark.parametrize("spec", ["bernoulli:0.3", "ge:rate=0.3,burst=4", "ge:p_gb=0.1,p_bg=0.3,loss_bad=0.7,loss_good=0.02"])
 def test_rewinding_a_draw_equals_drawing_fewer_packets(spec):
     """What go-back-N relies on: state_after(draw, used) is the state a draw of `used` packets leaves."""
-    from lossysim.loss_models import parse_loss_model
+    from lossysim.loss import parse_loss_model
     model = parse_loss_model(spec)
     used = torch.tensor([0, 1, 40, 99, 100])
     state = model.sample_with_states((5, 0), torch.Generator().manual_seed(1))[2]

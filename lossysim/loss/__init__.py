@@ -1,0 +1,7 @@
+"""Packet-loss models stepped once per packet as Linux netem steps them, their specs, and traces."""
+from .models import Bernoulli, FourState, GilbertElliott, LossModel, NoLoss
+from .spec import parse_loss_model
+from .traces import Trace, load_trace, trace_runs
+
+__all__ = ["Bernoulli", "FourState", "GilbertElliott", "LossModel", "NoLoss", "Trace", "load_trace", "trace_runs",
+           "parse_loss_model"]

@@ -1,0 +1,99 @@
+"""The runner's models: named random-weight shapes, or pretrained weights by name or path, as a
+sequence classifier (``task: classification``) or a causal LM (``task: lm``).
+
+Every model built here is one ``lossysim.tp.plans`` can shard: GPT-2, Llama, Qwen2, Mistral.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GPT2Config,
+                          GPT2ForSequenceClassification, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          LlamaForSequenceClassification)
+
+from ..tp.plans import plan_for
+from .shapes import NAMED_MAX_POSITIONS, NAMED_SHAPES
+
+_CLASSES = {"classification": {GPT2Config: GPT2ForSequenceClassification, LlamaConfig: LlamaForSequenceClassification},
+            "lm": {GPT2Config: GPT2LMHeadModel, LlamaConfig: LlamaForCausalLM}}
+_AUTO = {"classification": AutoModelForSequenceClassification, "lm": AutoModelForCausalLM}
+
+
+def is_pretrained(name: str) -> bool:
+    return name not in NAMED_SHAPES
+
+
+def max_positions(name: str) -> Optional[int]:
+    """How many positions model ``name`` can embed (n_positions / max_position_embeddings), read
+    from its config alone; None when the config cannot be read here (build_model checks later)."""
+    if not is_pretrained(name):
+        config_class, shape = NAMED_SHAPES[name]
+        if config_class is GPT2Config:
+            return NAMED_MAX_POSITIONS
+        return shape.get("max_position_embeddings", config_class().max_position_embeddings)
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except Exception:  # offline and not cached, not a model directory: build_model says why
+        return None
+    value = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+def check_max_length(name: str, max_length: int) -> None:
+    """Refuse, before any data is tokenised, a max_length the model has no positions for."""
+    limit = max_positions(name)
+    if limit is not None and max_length > limit:
+        raise ValueError(f"max_length={max_length} exceeds model {name!r}'s {limit} positions "
+                         f"(n_positions / max_position_embeddings); use max_length <= {limit}")
+
+
+def _dropout_overrides(model_type: str, dropout: Optional[float]) -> dict:
+    if dropout is None:
+        return {}
+    if model_type == "gpt2":
+        return dict(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    return dict(attention_dropout=dropout)  # the Llama family's only dropout
+
+
+def build_model(name: str, *, vocab_size: int, pad_token_id: int, num_labels: int, max_length: int,
+                attn_implementation: str = "sdpa", dropout: Optional[float] = None,
+                seed: int = 0, task: str = "classification") -> torch.nn.Module:
+    """A sequence classifier (or causal LM for ``task="lm"``): random weights for a named shape, else
+    from_pretrained (HF name or local dir)."""
+    torch.manual_seed(seed)
+    if not is_pretrained(name):
+        config_class, shape = NAMED_SHAPES[name]
+        positions = "n_positions" if config_class is GPT2Config else "max_position_embeddings"
+        shape = {**shape, positions: max(max_length, shape.get(positions, 64))}
+        config = config_class(**shape, vocab_size=vocab_size, num_labels=num_labels, pad_token_id=pad_token_id,
+                              bos_token_id=pad_token_id, eos_token_id=pad_token_id,
+                              **_dropout_overrides(config_class.model_type, dropout))
+        config._attn_implementation = attn_implementation
+        return _CLASSES[task][config_class](config)
+    try:
+        config = AutoConfig.from_pretrained(name)
+        for key, value in _dropout_overrides(config.model_type, dropout).items():
+            setattr(config, key, value)
+        config.num_labels = num_labels
+        model = _AUTO[task].from_pretrained(
+            name, config=config, attn_implementation=attn_implementation)
+    except (OSError, ValueError) as err:
+        where = "local directory" if Path(name).exists() else "model name"
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"cannot load model {name!r} ({where}): {first}. Use a named shape "
+                         f"({', '.join(NAMED_SHAPES)}), a local directory, or go online "
+                         "(unset HF_HUB_OFFLINE)") from None
+    try:
+        plan_for(model)
+    except TypeError as err:
+        raise ValueError(f"model {name!r}: {err}") from None
+    check = model.config.max_position_embeddings
+    if check < max_length:
+        raise ValueError(f"max_length={max_length} exceeds model {name!r}'s {check} positions "
+                         f"(n_positions / max_position_embeddings); use max_length <= {check}")
+    if vocab_size > model.config.vocab_size:
+        model.resize_token_embeddings(vocab_size)
+    model.config.pad_token_id = pad_token_id
+    return model

@@ -1,0 +1,24 @@
+"""Named model shapes, as data: random-weight configurations the runner builds without a download."""
+from __future__ import annotations
+
+from transformers import GPT2Config, LlamaConfig
+
+# Random-weight shapes: `tiny` and `tiny-llama` for CPU tests and demos, `small` = GPT-2 124M,
+# `llama-1b-shape` = Llama 3.2 1B (grouped-query attention, 32 query and 8 kv heads, tied embeddings).
+# The vocabulary is the data's tokenizer's.
+NAMED_SHAPES = {
+    "tiny": (GPT2Config, dict(n_layer=2, n_head=4, n_embd=128)),
+    "small": (GPT2Config, dict(n_layer=12, n_head=12, n_embd=768)),
+    "tiny-llama": (LlamaConfig, dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     hidden_size=128, intermediate_size=352, tie_word_embeddings=True)),
+    "llama-1b-shape": (LlamaConfig, dict(
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, hidden_size=2048,
+        intermediate_size=8192, head_dim=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        max_position_embeddings=131072,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                         "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192})),
+}
+
+# Named shapes size their position table to max_length, up to GPT-2's own 1024 positions.
+NAMED_MAX_POSITIONS = 1024

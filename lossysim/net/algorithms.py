@@ -1,0 +1,287 @@
+"""Collective algorithms: who sends which part of a message to whom, step by step,
+and what each receiver ends up holding when packets of those sends are lost.
+
+A message of ``n_packets`` packets (the packetising rule is the network's) is
+moved by a *schedule*: a sequence of steps, each a set of sends on distinct
+directed links. ``ring`` cuts the message into ``tp_size`` chunks of whole packets
+(split as evenly as ``torch.tensor_split`` splits; a chunk may be empty when the
+message has fewer packets than ranks) and runs tp_size-1 reduce-scatter steps then
+tp_size-1 all-gather steps around the ring 0 -> 1 -> ... -> R-1 -> 0. ``tree``
+reduces up one binary tree in heap layout (the parent of rank r is (r-1)//2, rank 0
+the root) level by level, then broadcasts back down. ``direct`` sends every rank's
+whole message to every other rank in one step.
+
+What a loss means (``combine``): a lost packet of a reduce-scatter or reduce send
+takes every contribution it carried with it (the receiver's own contribution goes
+on alone); a lost packet of an all-gather or broadcast send is a hole that every
+rank downstream inherits (a rank forwards what it has). ``combine`` follows the
+lost packets along every path; ``path_weights`` multiplies per-send factors along
+the same paths (for ``rescale``, 1 / P(delivery) at every hop: dividing what
+arrived by the probability that it arrives is what keeps the estimate of the sum
+unbiased), so a delivered path carries its product and a lost one 0.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+ALGORITHMS = ("ring", "tree", "direct")
+COLLECTIVES = ("all_reduce", "all_gather")
+PHASES = ("reduce_scatter", "all_gather", "reduce", "broadcast", "exchange")
+
+
+@dataclass(frozen=True)
+class Send:
+    """One message on one directed link in one step: packets [first, first + packets) of a part."""
+    step: int
+    phase: str
+    src: int
+    dst: int
+    part: int        # ring chunk, or all-gather shard owner; 0 for the whole message
+    first: int
+    packets: int
+
+
+def chunk_bounds(n_packets: int, parts: int) -> list[tuple[int, int]]:
+    """(first, packets) of each part when n_packets are split as evenly as possible."""
+    base, extra = divmod(n_packets, parts)
+    return [(c * base + min(c, extra), base + (c < extra)) for c in range(parts)]
+
+
+def depth(rank: int) -> int:
+    """Depth of a rank in the heap-layout binary tree (root 0 at depth 0)."""
+    return (rank + 1).bit_length() - 1
+
+
+class Schedule:
+    """The sends of one collective on one message size, and the index maps that
+    turn per-send packet weights into what each receiver holds."""
+
+    def __init__(self, algorithm: str, collective: str, tp_size: int, n_packets: int):
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm={algorithm!r} must be one of {', '.join(ALGORITHMS)}")
+        if collective not in COLLECTIVES:
+            raise ValueError(f"collective={collective!r} must be one of {', '.join(COLLECTIVES)}")
+        # NCCL has no tree all-gather either: trees run all-reduce, rings the rest.
+        if collective == "all_gather" and algorithm == "tree":
+            algorithm = "ring"
+        self.algorithm, self.collective = algorithm, collective
+        self.tp_size, self.n_packets = int(tp_size), int(n_packets)
+        self.sends: tuple[Send, ...] = tuple(_SENDS[(algorithm, collective)](self.tp_size, self.n_packets))
+        self.steps = 1 + max((s.step for s in self.sends), default=-1)
+        self.max_packets = max((s.packets for s in self.sends), default=0)
+        # Each directed link carries its sends in step order: its packets are one chain segment.
+        self.links = sorted({(s.src, s.dst) for s in self.sends})
+        row = {link: i for i, link in enumerate(self.links)}
+        self.link_packets = [0] * len(self.links)
+        self.send_row, self.send_offset = [], []
+        for s in self.sends:
+            r = row[(s.src, s.dst)]
+            self.send_row.append(r)
+            self.send_offset.append(self.link_packets[r])
+            self.link_packets[r] += s.packets
+        self._tensors: dict = {}
+
+    def __repr__(self) -> str:
+        return (f"Schedule({self.algorithm}, {self.collective}, tp_size={self.tp_size}, "
+                f"n_packets={self.n_packets}, steps={self.steps}, sends={len(self.sends)})")
+
+    # -- index tensors, built once per device ------------------------------------------
+    def tensors(self, device) -> dict:
+        device = torch.device(device)
+        cached = self._tensors.get(device)
+        if cached is None:
+            cached = {k: torch.as_tensor(v, device=device) for k, v in self._index_lists().items()}
+            cached.update(self._packet_tensors(device))
+            self._tensors[device] = cached
+        return cached
+
+    def _packet_tensors(self, device) -> dict:
+        """Per send and packet: where it sits in the [links, width] draw (a send shorter than the longest
+        reads some real slot past its end, which nothing reads back); the phase of every drawn packet."""
+        width = max(self.link_packets, default=0)
+        slot = torch.arange(self.max_packets, device=device)
+        start = torch.tensor([r * width + o for r, o in zip(self.send_row, self.send_offset)],
+                             dtype=torch.long, device=device).reshape(-1, 1)
+        phase = torch.zeros(len(self.links), width, dtype=torch.long, device=device)
+        for i, s in enumerate(self.sends):
+            start_i = self.send_offset[i]
+            phase[self.send_row[i], start_i:start_i + s.packets] = PHASES.index(s.phase)
+        return {"gather": (start + slot).clamp(max=max(len(self.links) * width - 1, 0)), "phase": phase,
+                "link_packets": torch.tensor(self.link_packets, dtype=torch.long, device=device)}
+
+    def _index_lists(self) -> dict:
+        """Where, in the per-send layout ``[sends (+1 neutral row), max_packets]`` flattened, each
+        packet's hops sit; and where each rank stands on each packet's path."""
+        R, S, width = self.tp_size, len(self.sends), self.max_packets
+        out = {}
+        none = S  # the neutral row appended to the per-send values (no send: nothing lost, factor 1)
+        key = (self.algorithm, self.collective)
+        if key == ("ring", "all_reduce"):
+            index = {(s.step, s.src): i for i, s in enumerate(self.sends)}
+            parts = [(c, pos) for c, (_, count) in enumerate(chunk_bounds(self.n_packets, R)) for pos in range(count)]
+            # packet p of chunk c: its partial sum starts at rank c+1 (hop 0) and ends at the owner c;
+            # then it travels c -> c+1 -> ... (all-gather hop h reaches the rank h+1 after the owner).
+            out["rs"] = [[index[(h, (c + 1 + h) % R)] * width + pos for h in range(R - 1)] for c, pos in parts]
+            out["ag"] = [[index[(R - 1 + h, (c + h) % R)] * width + pos for h in range(R - 1)] for c, pos in parts]
+            out["contributor_pos"] = [[(j - c - 1) % R for j in range(R)] for c, _ in parts]  # owner: R - 1
+            out["receiver_pos"] = [[(i - c) % R for i in range(R)] for c, _ in parts]         # owner: 0
+        elif key == ("tree", "all_reduce"):
+            up = {s.src: i for i, s in enumerate(self.sends) if s.phase == "reduce"}
+            down = {s.dst: i for i, s in enumerate(self.sends) if s.phase == "broadcast"}
+            out["up"] = [up.get(r, none) for r in range(R)]
+            out["down"] = [down.get(r, none) for r in range(R)]
+        elif key == ("ring", "all_gather"):
+            index = {(s.step, s.src): i for i, s in enumerate(self.sends)}
+            out["hops"] = [[index[(h, (j + h) % R)] for h in range(R - 1)] for j in range(R)]
+            out["receiver_pos"] = [[(i - j) % R for j in range(R)] for i in range(R)]
+        else:  # direct
+            index = {(s.src, s.dst): i for i, s in enumerate(self.sends)}
+            out["pair"] = [[index.get((j, i), none) for j in range(R)] for i in range(R)]
+        return out
+
+
+@functools.lru_cache(maxsize=512)
+def schedule(algorithm: str, collective: str, tp_size: int, n_packets: int) -> Schedule:
+    """The (cached) schedule of one collective on a message of ``n_packets`` packets."""
+    return Schedule(algorithm, collective, tp_size, n_packets)
+
+
+# -- the sends of each algorithm ---------------------------------------------------------
+
+def _ring_all_reduce(R: int, n: int):
+    chunks = chunk_bounds(n, R)
+    for h in range(R - 1):  # reduce-scatter: chunk c's partial sum starts at c+1 and ends at its owner c
+        for r in range(R):
+            c = (r - 1 - h) % R
+            yield Send(h, "reduce_scatter", r, (r + 1) % R, c, *chunks[c])
+    for h in range(R - 1):  # all-gather: the owner's reduced chunk travels on round the ring
+        for r in range(R):
+            c = (r - h) % R
+            yield Send(R - 1 + h, "all_gather", r, (r + 1) % R, c, *chunks[c])
+
+
+def _tree_all_reduce(R: int, n: int):
+    levels = depth(R - 1)
+    for step, level in enumerate(range(levels, 0, -1)):  # deepest level first
+        for r in range(R):
+            if depth(r) == level:
+                yield Send(step, "reduce", r, (r - 1) // 2, 0, 0, n)
+    for level in range(1, levels + 1):
+        for r in range(R):
+            if depth(r) == level:
+                yield Send(levels + level - 1, "broadcast", (r - 1) // 2, r, 0, 0, n)
+
+
+def _direct_all_reduce(R: int, n: int):
+    for src in range(R):
+        for dst in range(R):
+            if src != dst:
+                yield Send(0, "exchange", src, dst, 0, 0, n)
+
+
+def _ring_all_gather(R: int, n: int):
+    for h in range(R - 1):  # rank j's shard travels j -> j+1 -> ... -> j-1
+        for r in range(R):
+            yield Send(h, "all_gather", r, (r + 1) % R, (r - h) % R, 0, n)
+
+
+def _direct_all_gather(R: int, n: int):
+    for src in range(R):
+        for dst in range(R):
+            if src != dst:
+                yield Send(0, "exchange", src, dst, src, 0, n)
+
+
+_SENDS = {("ring", "all_reduce"): _ring_all_reduce, ("tree", "all_reduce"): _tree_all_reduce,
+          ("direct", "all_reduce"): _direct_all_reduce, ("ring", "all_gather"): _ring_all_gather,
+          ("direct", "all_gather"): _direct_all_gather}
+
+
+# -- what arrives ------------------------------------------------------------------------------
+
+@dataclass
+class Delivery:
+    """What each receiver holds, per packet, as weights of the ranks' contributions.
+
+    All-reduce by ring or tree: the final reduced packet p holds ``sum_j coef[j, p] x_j`` and
+    receiver i holds ``gain[i, p]`` times it. Direct all-reduce and all-gathers: receiver i holds
+    ``weights[i, j, p]`` times rank j's packet p. Weights are bool (delivered or not, weight 1) or
+    floats (``rescale``); 0 or False is lost. ``partial[p]``: some contribution missed packet p;
+    ``holes[i, p]``: receiver i got nothing of it.
+    """
+    coef: Optional[torch.Tensor] = None      # [R contributors, packets]
+    gain: Optional[torch.Tensor] = None      # [R receivers, packets]
+    partial: Optional[torch.Tensor] = None   # [packets]
+    holes: Optional[torch.Tensor] = None     # [R receivers, packets]
+    weights: Optional[torch.Tensor] = None   # [R receivers, R senders, packets]
+
+
+def _prefix(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """Along hops ``dim``: up to each hop, whether any was lost (bool) or the product of the factors."""
+    return values.cummax(dim).values if values.dtype == torch.bool else values.cumprod(dim)
+
+
+def _suffix(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """Along hops ``dim``: from each hop to the last, whether any was lost or the product of the factors."""
+    return _prefix(values.flip(dim), dim).flip(dim)
+
+
+def _paths(sched: Schedule, values: torch.Tensor) -> Delivery:
+    """Follow per-send values (``[sends, max_packets]``) along every path of the schedule: bool values
+    (lost) are or-ed, float values (factors) multiplied. Returns the Delivery's coef/gain/weights in the
+    values' kind: True (or the product) where a path is lost (or carries that product)."""
+    R = sched.tp_size
+    idx = sched.tensors(values.device)
+    lost = values.dtype == torch.bool
+    neutral = torch.zeros if lost else torch.ones
+    key = (sched.algorithm, sched.collective)
+    if key == ("ring", "all_reduce"):
+        flat = values.reshape(-1)
+        edge = neutral(sched.n_packets, 1, dtype=values.dtype, device=values.device)
+        # Position k on a chunk's path (rank c+1+k) reaches the owner iff hops k..R-2 deliver;
+        # the rank d hops after the owner holds the chunk iff all-gather hops 0..d-1 deliver.
+        tail = torch.cat([_suffix(flat[idx["rs"]], 1), edge], 1)          # [packet, position]
+        head = torch.cat([edge, _prefix(flat[idx["ag"]], 1)], 1)
+        return Delivery(coef=tail.gather(1, idx["contributor_pos"]).T, gain=head.gather(1, idx["receiver_pos"]).T)
+    v = torch.cat([values, neutral(1, values.shape[1], dtype=values.dtype, device=values.device)])
+    if key == ("tree", "all_reduce"):
+        up, down = v[idx["up"]], v[idx["down"]]                 # [rank, packet]: edge to / from parent
+        coef, gain = up.clone(), down.clone()
+        join = torch.logical_or if lost else torch.mul
+        for level in range(1, depth(R - 1) + 1):               # parents before children
+            ranks = [r for r in range(R) if depth(r) == level]
+            parents = [(r - 1) // 2 for r in ranks]
+            coef[ranks] = join(up[ranks], coef[parents])
+            gain[ranks] = join(down[ranks], gain[parents])
+        return Delivery(coef=coef[:, :sched.n_packets], gain=gain[:, :sched.n_packets])
+    if key == ("ring", "all_gather"):
+        hops = v[idx["hops"]]                                   # [shard, hop, packet]
+        head = torch.cat([neutral(R, 1, v.shape[1], dtype=v.dtype, device=v.device), _prefix(hops, 1)], 1)
+        # receiver i holds shard j iff the hops j -> ... -> i deliver
+        return Delivery(weights=head[torch.arange(R, device=v.device)[None, :], idx["receiver_pos"]])
+    return Delivery(weights=v[idx["pair"]])                     # direct: [receiver, sender, packet]
+
+
+def path_weights(sched: Schedule, factor: torch.Tensor, dtype: torch.dtype) -> Delivery:
+    """The weights every path carries when nothing is lost: the product of its sends' factors
+    (``factor`` per send, as ``dtype``)."""
+    values = factor.to(dtype).unsqueeze(1).expand(-1, max(sched.max_packets, 1)).contiguous()
+    return _paths(sched, values[:, :sched.max_packets])
+
+
+def combine(sched: Schedule, lost: torch.Tensor, weights: Optional[Delivery] = None) -> Delivery:
+    """What every receiver holds, given which packets of each send were lost (``[sends, max_packets]``
+    bool; the slots past a send's packets are never read); ``weights``: what each path carries when delivered (``path_weights``), None
+    for weight 1 (then the Delivery's weights are bool: delivered or not)."""
+    missed = _paths(sched, lost)
+    if missed.weights is not None:
+        kept = ~missed.weights
+        return Delivery(weights=kept if weights is None else torch.where(kept, weights.weights, 0))
+    kept_coef, kept_gain = ~missed.coef, ~missed.gain
+    return Delivery(coef=kept_coef if weights is None else torch.where(kept_coef, weights.coef, 0),
+                    gain=kept_gain if weights is None else torch.where(kept_gain, weights.gain, 0),
+                    partial=missed.coef.any(0), holes=missed.gain)

@@ -1,0 +1,138 @@
+"""Delivery: from which packets arrived to the tensors each receiver holds.
+
+``lossysim.net.algorithms.combine`` says, per packet, with which weight each rank's contribution
+reaches each receiver (a ``Delivery``); this module applies it to the ranks' tensors. A message
+of ``n`` elements is cut into packets of ``per_packet`` elements, the last one possibly shorter;
+tensors are never padded: the whole packets and the short one are two views (``packets``).
+
+Ring and tree all-reduces: every packet holds the plain sum unless some contribution missed it, so
+the sum is computed once and only the packets that lost a contribution are summed again with
+their weights (on a GPU every packet's weighted sum is computed and selected instead, so there is
+no host sync); each receiver then holds that, times its gain, and nothing where it has a hole. A
+lost packet contributes nothing, even if it held inf or NaN (0 * inf would be NaN), and a hole is
+zero.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .algorithms import Delivery
+
+
+def packets(t: torch.Tensor, per_packet: int) -> list[tuple[torch.Tensor, slice]]:
+    """Views of ``t`` ([..., n]) as ``[..., packets, length]``: the whole packets, then the short last
+    one if there is one, each with the packet numbers it covers."""
+    n = t.shape[-1]
+    whole = n // per_packet
+    views = [(t[..., :whole * per_packet].unflatten(-1, (whole, per_packet)), slice(0, whole))] if whole else []
+    if n > whole * per_packet:
+        views.append((t[..., whole * per_packet:].unsqueeze(-2), slice(whole, whole + 1)))
+    return views
+
+
+def _weighted(parts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """sum_j weight[j] * parts[j] over the ranks (dim 0); a lost part (weight False or 0) counts as 0,
+    and a bool weight (delivered or not) multiplies by nothing."""
+    return _term(parts, weight).sum(0)
+
+
+def _term(parts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``parts`` ([..., packets, length]) as their weights ([..., packets]) leave them."""
+    weight = weight.unsqueeze(-1)
+    if weight.dtype == torch.bool:
+        return torch.where(weight, parts, 0)
+    return torch.where(weight > 0, parts, 0) * weight.to(parts.dtype)
+
+
+def all_reduce(x: torch.Tensor, delivery: Delivery, receivers: Sequence[int], per_packet: int,
+               rescale: bool, watch: Callable[[torch.Tensor], None], dense: Optional[bool] = None) -> torch.Tensor:
+    """What each receiver holds after an all-reduce of ``x`` ([ranks, n]): ``[len(receivers), n]``.
+
+    ``watch`` sees what was delivered before any hole is zeroed (the final packets of a ring or tree,
+    every receiver's sum of a direct exchange)."""
+    receivers = list(receivers)
+    if delivery.weights is not None:
+        out = direct_sum(x, delivery.weights[receivers], per_packet)
+        watch(out)
+        return out
+    dense = x.device.type == "cuda" if dense is None else dense
+    n = x.shape[1]
+    out = torch.empty(len(receivers), n, dtype=x.dtype, device=x.device)
+    # The final packets: the plain sum, summed again where a contribution is missing; rescale weighs all.
+    final = torch.empty(n, dtype=x.dtype, device=x.device) if rescale else out[0]
+    if rescale or dense:
+        for (parts, span), (total, _) in zip(packets(x, per_packet), packets(final, per_packet)):
+            weighted = _weighted(parts, delivery.coef[:, span])
+            if rescale:
+                total.copy_(weighted)
+            else:
+                torch.sum(parts, 0, out=total)
+                total.copy_(torch.where(delivery.partial[span].unsqueeze(-1), weighted, total))
+    else:
+        torch.sum(x, 0, out=final)
+        _patch(x, final, delivery, per_packet)
+    if rescale:
+        gain = delivery.gain[receivers].to(x.dtype)
+        for (held, span), (total, _) in zip(packets(out, per_packet), packets(final, per_packet)):
+            torch.mul(total, gain[:, span].unsqueeze(-1), out=held)
+    elif len(receivers) > 1:
+        out[1:].copy_(final.expand(len(receivers) - 1, n))
+    watch(final)  # receivers hold it or zeros: a cheaper check than all of them
+    zero_holes(out, delivery.holes[receivers], per_packet, dense)
+    return out
+
+
+def _patch(x: torch.Tensor, final: torch.Tensor, delivery: Delivery, per_packet: int) -> None:
+    """Sum again, with their weights, the packets some contribution missed (a list of them: few)."""
+    patch = delivery.partial.nonzero().squeeze(1)
+    if not patch.numel():
+        return
+    whole = x.shape[1] // per_packet
+    if int(patch[-1]) == whole:  # the short last packet (sorted: it can only be last)
+        start = whole * per_packet
+        final[start:] = _weighted(x[:, None, start:], delivery.coef[:, whole:])[0]
+        patch = patch[:-1]
+    if patch.numel():  # (index_select would first copy the whole of a non-contiguous ``parts``)
+        parts = x[:, :whole * per_packet].view(x.shape[0], whole, per_packet)[:, patch]
+        final[:whole * per_packet].view(whole, per_packet).index_copy_(0, patch, _weighted(parts, delivery.coef[:, patch]))
+
+
+def direct_sum(x: torch.Tensor, weights: torch.Tensor, per_packet: int) -> torch.Tensor:
+    """The direct exchange: receiver i adds every sender's packets with ``weights[i, j, packet]``."""
+    out = torch.empty(weights.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+    for (parts, span), (held, _) in zip(packets(x, per_packet), packets(out, per_packet)):
+        w = weights[..., span]                                     # [receivers, senders, packets]
+        total = _term(parts[0], w[:, 0])
+        for sender in range(1, x.shape[0]):
+            total = total + _term(parts[sender], w[:, sender])
+        held.copy_(total)
+    return out
+
+
+def all_gather(shards: torch.Tensor, delivery: Delivery, receivers: Sequence[int], per_packet: int) -> torch.Tensor:
+    """Every rank's shard ([ranks, n]) as each receiver sees it: ``[len(receivers), ranks, n]``, lost
+    packets as zeros (a gathered shard is not a sum: nothing to rescale)."""
+    kept = delivery.weights[list(receivers)]                    # [receivers, senders, packets]
+    out = shards.unsqueeze(0).expand(len(receivers), *shards.shape).clone()
+    zero_holes(out, ~kept, per_packet, shards.device.type == "cuda")
+    return out
+
+
+def zero_holes(out: torch.Tensor, holes: torch.Tensor, per_packet: int, dense: bool) -> None:
+    """Zero, in place, the packets of ``out`` ([..., n]) where ``holes`` ([..., packets]) is True."""
+    if dense:
+        for held, span in packets(out, per_packet):
+            held.masked_fill_(holes[..., span].unsqueeze(-1), 0)
+        return
+    index = holes.nonzero(as_tuple=True)
+    if not index[0].numel():
+        return
+    n = out.shape[-1]
+    whole = n // per_packet
+    if whole * per_packet < n and bool(holes[..., -1].any()):  # the short last packet
+        out[..., whole * per_packet:].masked_fill_(holes[..., -1:], 0)
+        inside = index[-1] < whole
+        index = tuple(i[inside] for i in index)
+    out[..., :whole * per_packet].unflatten(-1, (whole, per_packet))[index] = 0

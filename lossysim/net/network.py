@@ -1,0 +1,339 @@
+"""The lossy network between ranks: one object that runs collectives, counts and keeps the clock.
+
+A collective moves a message (one rank's tensor) by the sends of its algorithm's schedule
+(``algorithms``) over directed links between ranks placed on nodes (``topology``). Per call:
+
+1. its ``Transfer`` (packets, sends, links, loss-free step times; built once per shape),
+2. the links draw which packets are lost (``links``: one chain per directed link),
+3. the transport repairs what it repairs and charges the time it takes (``transport``),
+4. ``algorithms.combine`` says what each receiver holds and ``delivery`` applies it to the tensors,
+5. the counters (``stats``) and the simulated clock move on.
+
+Statistics and the clock stay on the tensors' device (no host sync per call with the ``drop``
+transport) until ``stats()`` / ``clock()``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+
+from ..util import swapped
+from . import delivery as deliver
+from . import transfer as transfers
+from .algorithms import PHASES, Delivery, combine
+from .links import Chains, stream_seed
+from .spec import DIRECTIONS, NetworkSpec
+from .stats import COUNTERS, Counters, NonFinite, summarise
+from .transport import run_step
+
+
+@dataclass
+class _Channel:
+    """One call site and direction: its link chains, its counters and its non-finite watch."""
+    chains: Chains
+    counters: Counters
+    watch: NonFinite = field(default_factory=NonFinite)
+
+
+class LossyNetwork:
+    """Links between ranks with a loss model, an algorithm, a transport, statistics and a clock.
+
+    ``LossyNetwork(spec)`` takes a ``NetworkSpec``; ``LossyNetwork(tp_size, loss_model, **settings)``
+    builds one (``settings``: any of ``NetworkSpec``'s fields, e.g. ``seed``, ``algorithm``,
+    ``transport``, ``recovery``).
+    """
+
+    def __init__(self, tp_size: Union[int, NetworkSpec], loss_model="none", **settings):
+        self.spec = tp_size if isinstance(tp_size, NetworkSpec) else NetworkSpec(tp_size, loss_model, **settings)
+        spec = self.spec
+        self.tp_size = spec.tp_size
+        self.loss_model = spec.loss
+        self.topology, self.transport = spec.topology, spec.transport_model
+        self.lossy = spec.lossy
+        self.links = [(src, dst) for src in range(self.tp_size) for dst in range(self.tp_size) if src != dst]
+        self._channels: dict[tuple[str, str], _Channel] = {}
+        self._transfers: dict[tuple, transfers.Transfer] = {}
+        self._recording: Optional[dict] = None
+        self._replaying: Optional[dict] = None
+        self._watched = 0                           # calls watched so far: orders the first non-finite one
+        self._comm: Optional[torch.Tensor] = None   # simulated seconds of repaired steps, on the device
+        self._comm_fixed = 0.0                      # simulated seconds of steps that took their loss-free time
+        self._ideal = 0.0                           # all the traffic without loss
+
+    # -- what the spec says ------------------------------------------------------
+    def packets(self, numel: int, dtype: torch.dtype) -> tuple[int, int]:
+        """(elements per packet, packets per message) for a message of ``numel`` elements."""
+        return transfers.packets(self.spec.payload_bytes, numel, dtype)
+
+    def drops(self, direction: str) -> bool:
+        """Whether traffic in this direction can lose packets."""
+        return direction in self.lossy and not self.loss_model.lossless
+
+    def exact(self, direction: str) -> bool:
+        """Whether tensors in this direction always arrive exact (no loss, or retransmitted)."""
+        return not self.drops(direction) or self.transport.exact
+
+    def link_class(self, src: int, dst: int) -> str:
+        return self.topology.link_class(src, dst)
+
+    # -- collectives -------------------------------------------------------------
+    def all_reduce(self, site: str, direction: str, contributions: torch.Tensor,
+                   receivers: Sequence[int]) -> torch.Tensor:
+        """Sum every rank's contribution as each receiver sees it.
+
+        ``contributions`` is ``[tp_size, *shape]`` (rank j's message at j). Returns
+        ``[len(receivers), *shape]``: what the algorithm leaves at each receiver.
+        """
+        self._check(contributions)
+        shape = contributions.shape[1:]
+        delivery = self._deliver(site, direction, "all_reduce", contributions[0])
+        if delivery is None:
+            total = contributions.sum(0)
+            self.watch(site, direction, total)
+            return total.unsqueeze(0).expand(len(receivers), *shape)
+        per_packet, _ = self.packets(shape.numel(), contributions.dtype)
+        out = deliver.all_reduce(contributions.reshape(self.tp_size, -1), delivery, receivers, per_packet,
+                                 rescale=self.spec.recovery == "rescale",
+                                 watch=lambda seen: self.watch(site, direction, seen))
+        return out.view(len(receivers), *shape)
+
+    def all_gather(self, site: str, direction: str, shards: torch.Tensor,
+                   receivers: Sequence[int]) -> torch.Tensor:
+        """Every rank's shard as each receiver sees it: ``[len(receivers), tp_size, *shape]``.
+
+        Lost packets of a shard arrive as zeros (a gathered shard is not a sum, so ``rescale`` does
+        not apply to it).
+        """
+        self._check(shards)
+        delivery = self._deliver(site, direction, "all_gather", shards[0])
+        if delivery is None:
+            return shards.unsqueeze(0).expand(len(receivers), *shards.shape)
+        per_packet, _ = self.packets(shards[0].numel(), shards.dtype)
+        out = deliver.all_gather(shards.reshape(self.tp_size, -1), delivery, receivers, per_packet)
+        self.watch(site, direction, out)
+        return out.view(len(receivers), *shards.shape)
+
+    def account(self, site: str, direction: str, message: torch.Tensor, collective: str = "all_reduce") -> None:
+        """Count and time one collective whose data a real library moves (dist, loss-free or
+        retransmitted): ``message`` is one rank's tensor."""
+        if self._deliver(site, direction, collective, message) is not None:
+            raise RuntimeError(f"{site} {direction}: traffic is lossy, it must go through the network")
+
+    def watch(self, site: str, direction: str, delivered: torch.Tensor) -> None:
+        """Remember (on the device, no sync) whether this call's delivered tensor is finite."""
+        if self._replaying is not None:
+            return
+        self._watched += 1
+        self._channel(site, direction, delivered.device).watch.see(self._watched, delivered)
+
+    def first_nonfinite(self) -> Optional[dict]:
+        """The site and direction whose delivered data first became non-finite, if any (syncs)."""
+        seen = [(ch.watch.settle(), site, direction) for (site, direction), ch in self._channels.items()]
+        seen = [s for s in seen if s[0] >= 0]
+        if not seen:
+            return None
+        _, site, direction = min(seen)
+        return {"site": site, "direction": direction}
+
+    # -- activation checkpointing: a recomputed forward replays its masks -----
+    def recording(self, record: dict):
+        """Append the deliveries drawn inside to ``record[(site, direction)]``."""
+        return swapped(self, "_recording", record)
+
+    def replaying(self, record: dict):
+        """Reuse the deliveries of ``record`` in call order; draw, count and time nothing."""
+        return swapped(self, "_replaying", record)
+
+    # -- one collective: draw, repair, time ------------------------------------------
+    def _deliver(self, site: str, direction: str, collective: str, message: torch.Tensor) -> Optional[Delivery]:
+        """What the receivers hold (None: the exact result), counting and timing the traffic."""
+        key = (site, direction)
+        if self._replaying is not None:
+            return self._replaying[key].popleft()
+        if self.tp_size == 1:
+            return None
+        channel = self._channel(site, direction, message.device)
+        shape = (collective, message.numel(), message.dtype, message.device)
+        transfer = self._transfers.get(shape)
+        if transfer is None:
+            transfer = self._transfers[shape] = transfers.build(self.spec, self.links, *shape)
+        channel.counters.calls += 1
+        self._ideal += transfer.ideal
+        delivery = None
+        if not self.drops(direction):
+            channel.counters.count_sent(transfer.sent)
+            self._comm_fixed += transfer.ideal
+        elif not self.transport.repairs:
+            lost, in_bad, _ = channel.chains.draw(transfer.link_ids, transfer.lossy_rows, transfer.width,
+                                                  transfer.lengths)
+            channel.counters.record(transfer.link_ids, lost, self._bad(in_bad), transfer.lengths, transfer.slots,
+                                    transfer.sent)
+            per_send = lost.flatten()[transfer.sched.tensors(lost.device)["gather"]]
+            delivery = self._combine(transfer, per_send, collective, message.dtype)
+            self._comm_fixed += transfer.ideal
+        else:
+            missing = self._repair(channel, transfer, message.device)
+            if not self.transport.exact:
+                delivery = self._combine(transfer, missing, collective, message.dtype)
+        if self._recording is not None:
+            self._recording[key].append(delivery)
+        return delivery
+
+    def _bad(self, in_bad: torch.Tensor) -> Optional[torch.Tensor]:
+        """``in_bad`` when the loss model has a hidden state to be in (else nothing to count)."""
+        return in_bad if self.loss_model.hidden_state else None
+
+    def _combine(self, transfer, lost: torch.Tensor, collective: str, dtype: torch.dtype) -> Delivery:
+        """What arrives where, given the lost packets of each send; ``rescale`` weighs every delivered path
+        by the product of its hops' 1 / P(delivery)."""
+        weights = None
+        if self.spec.recovery == "rescale" and collective == "all_reduce":
+            weights = transfer.weights(torch.promote_types(dtype, torch.float32))
+        return combine(transfer.sched, lost, weights)
+
+    def _repair(self, channel: _Channel, transfer, device) -> torch.Tensor:
+        """Run every step through the transport; returns the missing packets per send."""
+        sched = transfer.sched
+        missing = torch.zeros(len(sched.sends), sched.max_packets, dtype=torch.bool, device=device)
+        for step in transfer.steps:
+            link_ids = transfer.link_ids[step.rows]
+            lossy = [i for i, r in enumerate(step.rows) if r in transfer.lossy_rows]
+
+            def draw(lengths, known=True, link_ids=link_ids, lossy=lossy, phase=step.phase):
+                width = int(lengths.max()) if lengths.numel() else 0
+                lost, in_bad, advance = channel.chains.draw(link_ids, lossy, width, lengths if known else None)
+
+                def commit(used):
+                    if not known:
+                        advance(used)
+                    channel.counters.record(link_ids, lost, self._bad(in_bad), used.to(lost.device), phase)
+                return lost, commit
+
+            result = run_step(self.transport, step.packets, draw, step.alpha, step.tau, step.rto, step.window,
+                              budget=self.transport.deadline * step.ideal)
+            missing[step.sends, :result.missing.shape[1]] = result.missing
+            channel.counters.add("resent", step.slots, result.transmissions - step.packets)
+            channel.counters.add("missing", step.slots, result.missing.sum(1))
+            self._tick(result.time, device)
+        return missing
+
+    def _tick(self, seconds: torch.Tensor, device) -> None:
+        if self._comm is None:
+            self._comm = torch.zeros((), dtype=torch.float64, device=device)
+        self._comm += seconds
+
+    def _check(self, tensor: torch.Tensor) -> None:
+        if tensor.shape[0] != self.tp_size:
+            raise ValueError(f"expected {self.tp_size} ranks along dim 0, got shape {tuple(tensor.shape)}")
+
+    def _channel(self, site: str, direction: str, device) -> _Channel:
+        key = (site, direction)
+        channel = self._channels.get(key)
+        if channel is None:
+            chains = Chains(self.loss_model, len(self.links), stream_seed(self.spec.seed, site, direction), device)
+            channel = self._channels[key] = _Channel(chains, Counters(len(self.links), self.spec.max_burst, device))
+        elif channel.counters.device != torch.device(device):
+            raise RuntimeError(f"site {site!r} moved from {channel.counters.device} to {device}; "
+                               "create the network after moving the model")
+        return channel
+
+    # -- statistics ------------------------------------------------------------------
+    def stats(self) -> list[dict]:
+        """One record per (site, direction, phase, link) that carried traffic: ready for
+        ``pandas.DataFrame``. ``bursts`` counts runs of consecutive losses begun in that
+        phase (a run still open at the end counts); ``lost / bursts`` is the observed mean
+        burst length. ``resent`` counts retransmissions, ``missing`` packets never delivered.
+        """
+        rows = []
+        for (site, direction), ch in self._channels.items():
+            ch.counters.flush()
+            counts = ch.counters.counts.tolist()
+            for p, phase in enumerate(PHASES):
+                for i, (src, dst) in enumerate(self.links):
+                    values = {name: counts[c][p][i] for c, name in enumerate(COUNTERS)}
+                    if values["sent"] == 0:
+                        continue
+                    rows.append({"site": site, "direction": direction, "phase": phase, "src": src, "dst": dst,
+                                 "link_class": self.link_class(src, dst), "calls": ch.counters.calls, **values})
+        return rows
+
+    def burst_histogram(self) -> list[dict]:
+        """Records (site, direction, src, dst, length, count) of loss runs, open runs included."""
+        rows = []
+        for (site, direction), ch in self._channels.items():
+            hist = ch.counters.closed_histogram()
+            for i, (src, dst) in enumerate(self.links):
+                for length, count in enumerate(hist[i].tolist()):
+                    if length and count:
+                        rows.append({"site": site, "direction": direction, "src": src, "dst": dst,
+                                     "length": length, "count": count})
+        return rows
+
+    def configured_loss_rate(self, direction: str, src: int, dst: int) -> float:
+        """The loss rate a link is configured with for one direction's traffic."""
+        lossy = direction in self.lossy and self.topology.lossy(src, dst)
+        return self.loss_model.loss_rate if lossy else 0.0
+
+    def summary(self, by: Sequence[str] = ("direction",)) -> list[dict]:
+        """Totals grouped by any of site/direction/phase/src/dst/link_class, with configured
+        (packet-weighted over the group's links) and observed loss rates and mean bursts."""
+        return summarise(self.stats(), by, lambda row: self.configured_loss_rate(row["direction"], row["src"],
+                                                                                 row["dst"]) > 0,
+                         self.loss_model.loss_rate, self.loss_model.mean_burst)
+
+    def clock(self) -> dict:
+        """Simulated communication time so far (syncs): with loss and repairs, and without loss."""
+        comm = self._comm_fixed + (float(self._comm) if self._comm is not None else 0.0)
+        return {"comm_s": comm, "ideal_comm_s": self._ideal, "retransmit_s": max(comm - self._ideal, 0.0)}
+
+    def reset_stats(self) -> None:
+        """Zero every counter and the clock; chain states and random streams go on."""
+        for ch in self._channels.values():
+            ch.counters.reset()
+            ch.watch = NonFinite()
+        self._comm = None
+        self._comm_fixed = 0.0
+        self._ideal = 0.0
+
+    # -- save and restore ----------------------------------------------------------
+    def state_dict(self) -> dict:
+        channels = {}
+        for (site, direction), ch in self._channels.items():
+            counters = ch.counters.state_dict()
+            chains = ch.chains.state_dict()
+            channels[f"{site}|{direction}"] = {
+                "counts": counters["counts"], "histogram": counters["histogram"], "open_run": counters["open_run"],
+                "nonfinite_at": torch.tensor(ch.watch.settle()), "generator": chains["generator"],
+                "calls": counters["calls"], "started": chains["started"], "device": str(ch.counters.device),
+                "chain": chains["chain"]}
+        return {"config": self.config(), "channels": channels, "watch_index": self._watched,
+                "clock": {"comm_s": None if self._comm is None else self._comm.cpu().clone(),
+                          "fixed_comm_s": self._comm_fixed, "ideal_comm_s": self._ideal}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["config"] != self.config():
+            raise ValueError(f"network state was saved with {state['config']}, this network is {self.config()}")
+        self._channels = {}
+        for key, entry in state["channels"].items():
+            site, direction = key.rsplit("|", 1)
+            ch = self._channel(site, direction, torch.device(entry["device"]))
+            ch.chains.load_state_dict(entry)
+            ch.counters.load_state_dict(entry)
+            ch.watch = NonFinite(int(entry["nonfinite_at"]))
+        self._watched = state.get("watch_index", 0)
+        comm = state["clock"]["comm_s"]
+        device = next(iter(self._channels.values())).counters.device if self._channels else "cpu"
+        self._comm = None if comm is None else comm.to(device)
+        self._comm_fixed = state["clock"]["fixed_comm_s"]
+        self._ideal = state["clock"]["ideal_comm_s"]
+
+    def config(self) -> dict:
+        return self.spec.as_dict()
+
+    def __repr__(self) -> str:
+        return "LossyNetwork(" + ", ".join(f"{k}={v!r}" for k, v in self.config().items()) + ")"
+
+
+__all__ = ["LossyNetwork", "NetworkSpec", "DIRECTIONS"]

@@ -1,0 +1,145 @@
+"""The network's settings, in one frozen spec checked once where it is built.
+
+Every rule about what the network accepts, and every message saying what is wrong, lives in
+``NetworkSpec.__post_init__`` (and in the value types it builds: ``Topology``, ``Transport``,
+``Link``, the loss model). The experiment config builds one spec from its keys (the spec's field
+names are the config's keys) and Python callers build one through ``LossyNetwork(tp_size, ...)``;
+the network takes it whole and never checks again.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Optional, Sequence, Union
+
+from ..loss import LossModel, parse_loss_model
+from ..timing import Link, parse_link
+from .algorithms import ALGORITHMS
+from .topology import Topology
+from .transport import Transport
+
+DIRECTIONS = ("fwd", "bwd")
+RECOVERY_POLICIES = ("zero", "rescale")
+
+
+def _directions(lossy: Union[str, Sequence[str]]) -> tuple[str, ...]:
+    """``both``, ``fwd``, ``bwd`` or a sequence of directions -> a tuple in fwd, bwd order."""
+    given = DIRECTIONS if lossy == "both" else ((lossy,) if isinstance(lossy, str) else tuple(lossy))
+    for direction in given:
+        if direction not in DIRECTIONS:
+            raise ValueError(f"lossy={direction!r} must be one of fwd, bwd, both")
+    return tuple(d for d in DIRECTIONS if d in given)
+
+
+def _choice(name: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} must be one of {', '.join(allowed)}")
+
+
+@dataclass(frozen=True)
+class NetworkSpec:
+    """Everything that decides what a network drops, repairs and charges (see docs/semantics.md,
+    docs/time_model.md). Strings are parsed: ``loss`` by ``parse_loss_model``, links by ``parse_link``.
+
+    Args:
+        tp_size: number of ranks.
+        loss: the loss model of every lossy link.
+        seed: root of every call site's random stream.
+        payload_bytes: tensor bytes per packet (1450 = UDP in a 1500-byte MTU).
+        recovery: ``zero`` (a lost packet contributes nothing) or ``rescale`` (what arrives is divided
+            by the probability that it arrives: an unbiased estimate of the sum).
+        lossy: directions whose traffic can be lost (``fwd``, ``bwd``, or ``both``); the others are
+            delivered intact but still counted and timed.
+        max_burst: burst-length histogram bins; the last one holds longer runs.
+        algorithm: ``ring``, ``tree`` or ``direct`` (``lossysim.net.algorithms``).
+        ranks_per_node, lossy_links: the topology (``lossysim.net.topology``).
+        transport, retransmit, deadline: what a loss costs (``lossysim.net.transport``).
+        rto_s: retransmission timeout in seconds (None: the flavour's default).
+        link_intra, link_inter: the links of each class (``lossysim.timing.links``).
+    """
+    tp_size: int
+    loss: Union[str, LossModel] = "none"
+    seed: int = 0
+    payload_bytes: int = 1450
+    recovery: str = "zero"
+    lossy: Union[str, Sequence[str]] = DIRECTIONS
+    max_burst: int = 256
+    algorithm: str = "ring"
+    ranks_per_node: Optional[int] = None
+    lossy_links: str = "all"
+    transport: str = "drop"
+    retransmit: str = "selective"
+    deadline: float = 1.5
+    rto_s: Optional[float] = None
+    link_intra: Union[str, Link] = "nvlink4"
+    link_inter: Union[str, Link] = "roce-200g"
+    # Derived once from the fields above.
+    topology: Topology = field(init=False, repr=False, compare=False)
+    transport_model: Transport = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        def put(name, value):
+            object.__setattr__(self, name, value)
+        if int(self.payload_bytes) < 8:
+            raise ValueError(f"payload_bytes={self.payload_bytes} must be >= 8")
+        if int(self.max_burst) < 1:
+            raise ValueError(f"max_burst={self.max_burst} must be >= 1")
+        _choice("recovery", self.recovery, RECOVERY_POLICIES)
+        _choice("algorithm", self.algorithm, ALGORITHMS)
+        try:
+            loss = parse_loss_model(self.loss)
+        except ValueError as err:
+            raise ValueError(f"loss: {err}") from None
+        links = {}
+        for name in ("link_intra", "link_inter"):
+            try:
+                links[name] = parse_link(getattr(self, name))
+            except ValueError as err:
+                raise ValueError(f"{name}: {err}") from None
+        if self.rto_s is not None and not (math.isfinite(self.rto_s) and self.rto_s > 0):
+            raise ValueError(f"rto_s={self.rto_s} must be a positive number of seconds (or null)")
+        topology = Topology(int(self.tp_size), self.ranks_per_node, self.lossy_links)
+        transport = Transport(self.transport, self.retransmit, float(self.deadline))
+        if transport.repairs and loss.loss_rate >= 1.0:
+            raise ValueError(f"transport={self.transport} never finishes: {loss.spec} loses every packet")
+        if self.recovery == "rescale" and loss.loss_rate >= 1.0:
+            raise ValueError(f"recovery=rescale needs a loss rate below 1: {loss.spec} loses every packet")
+        if self.recovery == "rescale" and transport.kind == "deadline":
+            raise ValueError("recovery=rescale with transport=deadline is not supported: the probability "
+                             "that a packet arrives by the deadline has no closed form")
+        if transport.kind == "retransmit" and transport.mode == "go_back_n" and not loss.rewindable:
+            raise ValueError(f"retransmit=go_back_n is not supported with {loss.spec}: go-back-N learns how "
+                             "many packets it sent only after drawing them; use retransmit=selective")
+        put("tp_size", topology.tp_size)
+        put("ranks_per_node", topology.ranks_per_node)
+        put("loss", loss)
+        put("seed", int(self.seed))
+        put("payload_bytes", int(self.payload_bytes))
+        put("lossy", _directions(self.lossy))
+        put("max_burst", int(self.max_burst))
+        put("deadline", float(self.deadline))
+        put("rto_s", None if self.rto_s is None else float(self.rto_s))
+        put("link_intra", links["link_intra"])
+        put("link_inter", links["link_inter"])
+        put("topology", topology)
+        put("transport_model", transport)
+
+    def replace(self, **changes) -> "NetworkSpec":
+        """A copy with some settings changed (checked again)."""
+        return replace(self, **changes)
+
+    def link(self, link_class: str) -> Link:
+        """The Link of class ``intra`` or ``inter``."""
+        return self.link_intra if link_class == "intra" else self.link_inter
+
+    def as_dict(self) -> dict:
+        """The settings as plain values: what a saved network state records and is checked against."""
+        return {"tp_size": self.tp_size, "loss_model": self.loss.spec, "seed": self.seed,
+                "payload_bytes": self.payload_bytes, "recovery": self.recovery, "lossy": list(self.lossy),
+                "max_burst": self.max_burst, "algorithm": self.algorithm, "ranks_per_node": self.ranks_per_node,
+                "lossy_links": self.lossy_links, "transport": self.transport, "retransmit": self.retransmit,
+                "deadline": self.deadline, "link_intra": self.link_intra.spec, "link_inter": self.link_inter.spec,
+                "rto_s": self.rto_s}
+
+
+SETTINGS = tuple(f.name for f in fields(NetworkSpec) if f.init)

@@ -1,0 +1,273 @@
+"""Statistics of the traffic: packets sent, lost, resent and never delivered, runs of losses, and the
+first delivered tensor that was not finite. Kept per (call site, direction) on the tensors' device.
+
+Counting costs a few dozen small tensor operations whatever the number of packets, so the draws
+of a call site are queued and counted together, every ``QUEUE`` calls or when statistics are read
+(``flush``): a call adds one entry to a list. Runs of losses continue from one call to the next on
+the same link, exactly as if each call were counted alone.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple, Optional, Sequence, Union
+
+import torch
+
+from .algorithms import PHASES
+
+COUNTERS = ("sent", "lost", "sent_bad", "bursts", "resent", "missing")
+QUEUE = 64                 # calls counted together
+QUEUE_PACKETS = 1 << 20    # or fewer, when they carry this many packets
+
+
+class _Draw(NamedTuple):
+    """A queued draw: packets sent per row, counter slots (per packet, or the draw's phase), packets
+    sent per slot (with per-packet slots), columns it takes in the buffers, whether in_bad was kept."""
+    used: torch.Tensor
+    index: Union[torch.Tensor, int]
+    sent: Optional[torch.Tensor]
+    width: int
+    bad: bool
+
+
+class Counters:
+    """Counts of one call site and direction: ``counts[counter, phase, link]``, the lengths of finished
+    runs of losses per link (``histogram[link, length]``, the last bin holding longer runs) and the run
+    still open at the end of each link (``open_run``)."""
+
+    def __init__(self, links: int, max_burst: int, device):
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=device)  # noqa: E731
+        self.links, self.max_burst = links, max_burst
+        self.counts = zeros(len(COUNTERS), len(PHASES), links)
+        self.histogram = zeros(links, max_burst + 1)
+        self.open_run = zeros(links)
+        self.calls = 0
+        # Queued draws: their masks are copied into buffers kept from call to call (a mask kept alive
+        # until the batch is counted would split the freed blocks of large tensors, and the heap would
+        # grow), the rest is a tuple per draw.
+        self._queue: list[tuple] = []
+        self._link_ids: Optional[torch.Tensor] = None
+        self._lost = torch.zeros(0, dtype=torch.bool, device=device)
+        self._bad = torch.zeros(0, dtype=torch.bool, device=device)
+        self._columns = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.counts.device
+
+    def record(self, link_ids: torch.Tensor, lost: torch.Tensor, in_bad: Optional[torch.Tensor],
+               used: torch.Tensor, index, sent: Optional[torch.Tensor] = None) -> None:
+        """Count a draw: ``lost`` and ``in_bad`` ``[rows, width]`` on the links ``link_ids``, of which the
+        first ``used[row]`` packets were sent. ``index`` is the counter slot (phase * links + link) of
+        each packet (``[rows, width]``, then ``sent``, the packets sent per slot, is given) or each
+        row's phase (an int)."""
+        rows, width = lost.shape
+        if width == 0:
+            return
+        if self._queue and (self._link_ids is not link_ids and not torch.equal(self._link_ids, link_ids)
+                            or rows * (self._columns + width) > self._lost.numel()):
+            self.flush()  # a batch covers one set of links, and fits its buffers
+        if rows * (self._columns + width) > self._lost.numel():
+            size = max(rows * width, min(rows * width * QUEUE, QUEUE_PACKETS))
+            self._lost = torch.zeros(size, dtype=torch.bool, device=self.device)
+            self._bad = torch.zeros(size if in_bad is not None else 0, dtype=torch.bool, device=self.device)
+        span = slice(self._columns, self._columns + width)
+        self._view(self._lost, rows)[:, span].copy_(lost)
+        if in_bad is not None:
+            self._view(self._bad, rows)[:, span].copy_(in_bad)
+        self._link_ids = link_ids
+        self._queue.append(_Draw(used, index, sent, width, in_bad is not None))
+        self._columns += width
+        if len(self._queue) >= QUEUE:
+            self.flush()
+
+    @staticmethod
+    def _view(buffer: torch.Tensor, rows: int) -> torch.Tensor:
+        return buffer[:buffer.numel() // rows * rows].view(rows, -1)
+
+    def count_sent(self, sent: torch.Tensor) -> None:
+        """A call whose packets all arrive: ``sent[phase, link]`` packets, nothing drawn."""
+        self.counts[0] += sent
+
+    def add(self, counter: str, index: torch.Tensor, values: torch.Tensor) -> None:
+        """Add ``values`` to ``counter`` at the slots ``index`` (phase * links + link)."""
+        self.counts.view(len(COUNTERS), -1)[COUNTERS.index(counter)].index_add_(0, index, values)
+
+    def flush(self) -> None:
+        """Count every queued draw, in order (runs of losses continue from one draw to the next).
+
+        Only the lost packets are looked at: each gets its link's stream position (the valid packets
+        before it in this batch), so runs are consecutive positions and cost what the losses cost."""
+        if not self._queue:
+            return
+        queue, link_ids, columns = self._queue, self._link_ids, self._columns
+        self._queue, self._columns = [], 0
+        rows, device, links = len(link_ids), self.device, self.links
+        counts = self.counts.view(len(COUNTERS), -1)
+        starts = [0]
+        for draw in queue:
+            starts.append(starts[-1] + draw.width)
+        used = torch.stack([draw.used.to(device) for draw in queue])        # [draws, rows]
+        before = used.cumsum(0) - used                                      # valid packets before each draw
+        total = used.sum(0)                                                 # [rows]
+        # Packets sent: a draw with per-packet slots brings its count, a per-row phase sends used[row].
+        for draw in queue:
+            if draw.sent is not None:
+                counts[0] += draw.sent.view(-1)
+        phased = [(e, draw.index) for e, draw in enumerate(queue) if isinstance(draw.index, int)]
+        if phased:
+            draws = torch.tensor([e for e, _ in phased], device=device)
+            phases = torch.tensor([phase for _, phase in phased], device=device)
+            slots = phases.unsqueeze(1) * links + link_ids
+            counts[0].index_add_(0, slots.reshape(-1), used[draws].reshape(-1).long())
+        if queue[0].bad:
+            bad = self._packets(self._view(self._bad, rows)[:, :columns], starts, used)
+            counts[2].index_add_(0, self._slot(queue, bad, link_ids), torch.ones_like(bad[0]))
+        lost = self._packets(self._view(self._lost, rows)[:, :columns], starts, used)
+        row, draw, position = lost
+        slot = self._slot(queue, lost, link_ids)
+        counts[1].index_add_(0, slot, torch.ones_like(row))
+        self._runs(row, before[draw, row] + position, total, link_ids, slot)
+
+    @staticmethod
+    def _packets(masks: torch.Tensor, starts: list, used: torch.Tensor):
+        """(row, draw, position) of every True packet of the queued draws' ``masks`` that was sent."""
+        flat = masks
+        row, column = flat.nonzero(as_tuple=True)
+        bounds = torch.tensor(starts, device=flat.device)
+        draw = torch.searchsorted(bounds, column, right=True) - 1
+        position = column - bounds[draw]
+        sent = position < used[draw, row]
+        return row[sent], draw[sent], position[sent]
+
+    def _slot(self, queue, packets, link_ids: torch.Tensor) -> torch.Tensor:
+        """The counter slot of each (row, draw, position) packet: its draw's per-packet slots, or its
+        draw's phase on its row's link."""
+        row, draw, position = packets
+        slot = torch.empty_like(row)
+        draws_of: dict[int, list] = {}   # draws that share one index (the same transfer, or phase)
+        for e, queued in enumerate(queue):
+            draws_of.setdefault(id(queued.index), []).append(e)
+        for members in draws_of.values():
+            index = queue[members[0]].index
+            mine = torch.isin(draw, torch.tensor(members, device=row.device))
+            if isinstance(index, int):
+                slot[mine] = index * self.links + link_ids[row[mine]]
+            else:
+                slot[mine] = index[row[mine], position[mine]]
+        return slot
+
+    def _runs(self, row: torch.Tensor, stream: torch.Tensor, total: torch.Tensor, link_ids: torch.Tensor,
+              slot: torch.Tensor) -> None:
+        """Runs of consecutive lost packets on each link: bursts begun, lengths of the runs that ended,
+        the run left open (``row``/``stream``: each lost packet's link row and stream position, sorted)."""
+        open_run = self.open_run[link_ids]
+        rows = len(link_ids)
+        continues = torch.ones_like(row, dtype=torch.bool)
+        continues[1:] = (row[1:] == row[:-1]) & (stream[1:] == stream[:-1] + 1)
+        if len(row):
+            continues[0] = False
+        start = ~continues
+        # A run whose first packet is its link's first in this batch carries on the run left open before.
+        carried = start & (stream == 0) & (open_run[row] > 0)
+        begun = slot[start & ~carried]
+        self.counts.view(len(COUNTERS), -1)[3].index_add_(0, begun, torch.ones_like(begun))
+        run = start.long().cumsum(0) - 1
+        here = torch.zeros(int(start.sum()), dtype=torch.long, device=row.device).index_add_(
+            0, run, torch.ones_like(run))                          # each run's packets in this batch
+        run_row = row[start]
+        ends_open = stream[start] + here - 1 == total[run_row] - 1  # reaches its link's last packet
+        length = here + torch.where(carried[start], open_run[run_row], 0)
+        bins, hist = self.max_burst + 1, self.histogram.view(-1)
+        closed = ~ends_open
+        hist.index_add_(0, link_ids[run_row[closed]] * bins + length[closed].clamp(max=self.max_burst),
+                        torch.ones_like(length[closed]))
+        # A run left open before that this batch's first packet on its link closes.
+        first_lost = torch.zeros(rows, dtype=torch.bool, device=row.device)
+        first_lost[row[stream == 0]] = True
+        ended = (open_run > 0) & (total > 0) & ~first_lost
+        hist.index_add_(0, link_ids * bins + open_run.clamp(max=self.max_burst), ended.long())
+        after = torch.where(total > 0, 0, open_run)
+        after[run_row[ends_open]] = length[ends_open]
+        moved = self.open_run.clone()
+        moved[link_ids] = after
+        self.open_run = moved
+
+    def reset(self) -> None:
+        """Zero every counter; queued draws are dropped with them."""
+        self._queue, self._columns = [], 0
+        self.counts.zero_()
+        self.histogram.zero_()
+        self.open_run.zero_()
+        self.calls = 0
+
+    def closed_histogram(self) -> torch.Tensor:
+        """Runs by length per link, the runs still open counted at their length so far."""
+        self.flush()
+        hist = self.histogram.clone()
+        hist.scatter_add_(1, self.open_run.clamp(max=self.max_burst).unsqueeze(-1),
+                          (self.open_run > 0).long().unsqueeze(-1))
+        return hist
+
+    def state_dict(self) -> dict:
+        self.flush()
+        return {"counts": self.counts.cpu().clone(), "histogram": self.histogram.cpu().clone(),
+                "open_run": self.open_run.cpu().clone(), "calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._queue, self._columns = [], 0
+        for name in ("counts", "histogram", "open_run"):
+            setattr(self, name, state[name].to(self.device))
+        self.calls = state["calls"]
+
+
+class NonFinite:
+    """The first of a channel's calls whose delivered tensor was not finite, found without a host sync
+    per call: each call's sum waits in a buffer on the device until it is full or someone asks."""
+
+    def __init__(self, first: int = -1):
+        self.first = first                 # network call number, -1: none yet
+        self._calls: list[int] = []
+        self._sums: Optional[torch.Tensor] = None
+
+    def see(self, call: int, delivered: torch.Tensor) -> None:
+        if self.first >= 0:
+            return
+        if self._sums is None:
+            self._sums = torch.zeros(4 * QUEUE, dtype=torch.float64, device=delivered.device)
+        # inf and NaN reach the sum; one reduction is half the cost of isfinite().all().
+        self._sums[len(self._calls)] = delivered.sum()
+        self._calls.append(call)
+        if len(self._calls) == len(self._sums):
+            self.settle()
+
+    def settle(self) -> int:
+        """Look at the waiting sums (one sync); returns ``first``."""
+        if self._calls and self.first < 0:
+            bad = (~torch.isfinite(self._sums[:len(self._calls)])).nonzero()
+            if len(bad):
+                self.first = self._calls[int(bad[0])]
+        self._calls = []
+        return self.first
+
+
+def summarise(rows: Sequence[dict], by: Sequence[str], lossy: Callable[[dict], bool], loss_rate: float,
+              mean_burst: float) -> list[dict]:
+    """Totals of ``rows`` (``stats()`` records) grouped by any of site/direction/phase/src/dst/link_class,
+    with the configured loss rate (``loss_rate`` on the rows ``lossy`` says can lose packets, 0 on the
+    others; packet-weighted over the group) and mean burst, and the observed ones."""
+    totals: dict[tuple, dict] = {}
+    for row in rows:
+        key = tuple(row[k] for k in by)
+        acc = totals.setdefault(key, {**dict(zip(by, key)), **{name: 0 for name in COUNTERS}, "_lossy": 0})
+        for name in COUNTERS:
+            acc[name] += row[name]
+        if lossy(row):
+            acc["_lossy"] += row["sent"]
+    for acc in totals.values():
+        lossy_sent = acc.pop("_lossy")
+        acc["configured_loss_rate"] = loss_rate * lossy_sent / acc["sent"] if acc["sent"] else 0.0
+        acc["configured_mean_burst"] = mean_burst if lossy_sent else 0.0
+        acc["observed_loss_rate"] = acc["lost"] / acc["sent"] if acc["sent"] else math.nan
+        acc["observed_mean_burst"] = acc["lost"] / acc["bursts"] if acc["bursts"] else 0.0
+    return list(totals.values())

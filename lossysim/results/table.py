@@ -1,0 +1,180 @@
+"""summary.csv: one row per finished run directory, read from disk.
+
+Rows are rebuilt from the run directories under a results folder (``summary.json``, and
+``metrics.jsonl`` where a summary lacks something), so shards that wrote to one folder merge by
+themselves, and reports, notebooks and the sweep read runs one way. Nothing here trains.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import pandas as pd
+import yaml
+
+from ..config import NON_SEMANTIC
+from ..io import atomic_write_text, read_jsonl
+from ..loss import parse_loss_model
+from ..loss.spec import family
+from .stats import DEFAULT_TARGET, time_to_target
+
+# Always in summary.csv (the report groups by them); other config keys only when they vary.
+KEY_COLUMNS = ("loss", "lossy", "recovery", "tp_size", "seed", "model", "dataset", "backend")
+
+
+def read_summary(run_dir: Union[str, Path]) -> Optional[dict]:
+    """The run's summary, or None when it has none (killed) or it cannot be read."""
+    try:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def run_status(run_dir: Union[str, Path]) -> Optional[str]:
+    summary = read_summary(run_dir)
+    return None if summary is None else summary.get("status")
+
+
+def _number(value: Any) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return math.nan
+    return value
+
+
+def _round(value: float, digits: int = 6) -> float:
+    return float(f"{value:.{digits}g}") if math.isfinite(value) else value
+
+
+def primary_split(splits) -> Optional[str]:
+    """The split a single accuracy number refers to: MNLI's matched one, else the first."""
+    splits = list(splits)
+    if "validation_matched" in splits:
+        return "validation_matched"
+    return splits[0] if splits else None
+
+
+def dataset_display(summary: dict, config: dict) -> str:
+    name = summary.get("dataset") or str(config.get("dataset", ""))
+    # Never let a synthetic task pass for a real benchmark in a table or a plot title.
+    if str(config.get("dataset")) == "synthetic" and "synthetic" not in name:
+        name = f"{name} (synthetic)"
+    return name
+
+
+def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
+    """One flat row of summary.csv: the run's config and its numbers."""
+    config = dict(summary.get("config") or {})
+    if not config and (run_dir / "config.yaml").is_file():
+        config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    try:
+        model = parse_loss_model(config.get("loss", "none"))
+    except ValueError:
+        model = None
+    row: dict[str, Any] = {"run_dir": str(run_dir.relative_to(results)), "status": summary.get("status"),
+                           "error": summary.get("error")}
+    row.update({f"config.{k}": v for k, v in config.items()})
+    row["dataset_name"] = dataset_display(summary, config)
+    if model is None:
+        row.update(loss_model="unknown", loss_rate=math.nan, mean_burst=math.nan)
+    else:
+        row["loss_model"] = family(model)
+        # Rounded: a Gilbert-Elliott rate comes back from its chain's probabilities as 0.0499999...,
+        # and must group with Bernoulli's 0.05 in tables and plots.
+        row["loss_rate"] = _round(model.loss_rate)
+        row["mean_burst"] = _round(model.mean_burst)
+    row["steps_done"] = summary.get("steps")
+    row["wall_time_s"] = _number(summary.get("wall_time_s"))
+    row["tokens_per_s"] = _number(summary.get("tokens_per_s"))
+    row["diverged_at"] = (summary.get("diverged_at") or {}).get("step")
+    final, best = summary.get("final") or {}, summary.get("best") or {}
+    for split in final:
+        row[f"final_accuracy_{split}"] = _number((final.get(split) or {}).get("accuracy"))
+        row[f"final_loss_{split}"] = _number((final.get(split) or {}).get("loss"))
+    for split in best:
+        row[f"best_accuracy_{split}"] = _number((best.get(split) or {}).get("accuracy"))
+    split = primary_split(final)
+    row["eval_split"] = split
+    row["accuracy"] = row.get(f"final_accuracy_{split}", math.nan)
+    row["best_accuracy"] = row.get(f"best_accuracy_{split}", math.nan)
+    reached = _time_to_target(run_dir, summary, config, split)
+    row["target_accuracy"] = _number(reached.get("target"))
+    row["steps_to_target"] = _number(reached.get("step"))
+    row["sim_time_to_target_s"] = _number(reached.get("sim_time_s"))
+    lossy = config.get("lossy", "both")
+    lossy_dirs = ("fwd", "bwd") if lossy == "both" else (lossy,)
+    sent = lost = 0
+    for entry in (summary.get("packets") or {}).get("train") or []:
+        d = entry.get("direction")
+        for name in ("configured_loss_rate", "observed_loss_rate",
+                     "configured_mean_burst", "observed_mean_burst"):
+            row[f"{name}_{d}"] = _number(entry.get(name))
+        if d in lossy_dirs:
+            sent += entry.get("sent") or 0
+            lost += entry.get("lost") or 0
+    row["observed_loss_rate"] = lost / sent if sent else math.nan
+    by_class: dict[str, list] = {}
+    for entry in (summary.get("packets_by_class") or {}).get("train") or []:
+        if entry.get("direction") in lossy_dirs:
+            counts = by_class.setdefault(entry.get("link_class"), [0, 0])
+            counts[0] += entry.get("sent") or 0
+            counts[1] += entry.get("lost") or 0
+    for link_class, (class_sent, class_lost) in sorted(by_class.items()):
+        row[f"observed_loss_rate_{link_class}"] = class_lost / class_sent if class_sent else math.nan
+    sim_time = summary.get("sim_time") or {}
+    row["sim_time_s"] = _number(sim_time.get("total_s"))
+    for name in ("comm_s_per_step", "ideal_comm_s_per_step", "retransmit_s_per_step", "compute_s_per_step",
+                 "retransmitted_packets", "missing_packets"):
+        row[name] = _number(sim_time.get(name))
+    disagreement = summary.get("disagreement") or {}
+    row["disagreement"] = _number(disagreement.get("final_eval"))
+    row["disagreement_train"] = _number(disagreement.get("mean_train"))
+    row["hidden_rel_diff"] = _number(disagreement.get("final_eval_hidden_rel_diff"))
+    return row
+
+
+def _time_to_target(run_dir: Path, summary: dict, config: dict, split: Optional[str]) -> dict:
+    """The run's own record when it has one, else worked out from its metrics.jsonl."""
+    if isinstance(summary.get("time_to_accuracy"), dict):
+        return summary["time_to_accuracy"]
+    target = _number(config.get("target_accuracy", DEFAULT_TARGET))
+    try:
+        rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
+    except (OSError, ValueError):
+        rows = []
+    return time_to_target(rows, target if math.isfinite(target) else DEFAULT_TARGET, split)
+
+
+def collect(results: Union[str, Path]) -> pd.DataFrame:
+    """summary.csv's table, built from every finished run directory under ``results``."""
+    results = Path(results)
+    rows = []
+    for path in sorted(results.glob("*/summary.json")):
+        summary = read_summary(path.parent)
+        if summary is not None:
+            rows.append(summary_row(path.parent, summary, results))
+    frame = pd.DataFrame(rows)
+    if frame.empty:
+        return pd.DataFrame(columns=["run_dir", "status", *KEY_COLUMNS])
+    config_cols = [c for c in frame.columns if c.startswith("config.")]
+    keep = [c for c in config_cols if c[7:] in KEY_COLUMNS
+            or (c[7:] not in NON_SEMANTIC and frame[c].astype(str).nunique(dropna=False) > 1)]
+    keep.sort(key=lambda c: (KEY_COLUMNS.index(c[7:]) if c[7:] in KEY_COLUMNS else len(KEY_COLUMNS), c))
+    frame = frame.drop(columns=[c for c in config_cols if c not in keep])
+    frame = frame.rename(columns={c: c[7:] for c in keep})
+    head = ["run_dir", "status", "dataset_name", *[c[7:] for c in keep], "loss_model", "loss_rate",
+            "mean_burst"]
+    frame = frame[head + [c for c in frame.columns if c not in head]]
+    order = [c for c in ("loss_model", "loss_rate", "mean_burst", "lossy", "recovery", "tp_size",
+                         "seed", "run_dir") if c in frame.columns]
+    return frame.sort_values(order, kind="stable").reset_index(drop=True)
+
+
+def write_summary_csv(results: Union[str, Path]) -> pd.DataFrame:
+    frame = collect(results)
+    atomic_write_text(Path(results) / "summary.csv", frame.to_csv(index=False))
+    return frame

@@ -1,0 +1,101 @@
+"""What a run trains with, built from its config: data, the TP model, its networks, the optimiser."""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+import transformers
+
+from .. import timing
+from ..config import ExperimentConfig
+from ..data import PreparedData, prepare_data
+from ..models import build_model, check_max_length
+from ..net import LossyNetwork
+from ..net.links import stream_seed
+from ..tp import TensorParallelModel, parallelize
+
+
+@dataclass
+class Parts:
+    """What one rank trains with; the loop, the evaluator and checkpoints read it."""
+    data: PreparedData
+    model: TensorParallelModel
+    train_net: LossyNetwork
+    eval_net: LossyNetwork  # evaluation draws from its own streams and keeps its own statistics
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler
+    autocast: Any  # the context every forward runs in (mixed precision or none)
+    compute: Union[timing.Compute, timing.Measured]  # how a step's compute time is modelled
+    parameters: int  # the whole model's, before sharding: a step's FLOPs are 6 * N * tokens / tp
+
+
+def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bool,
+          barrier: Optional[Callable[[], None]]) -> Parts:
+    """Everything this rank trains with. ``barrier``: dist's, so other ranks wait for rank 0's data."""
+    check_max_length(config.model, config.max_length)
+    data = prepare_data(config, _cache_dir() / "data", is_main=is_main, barrier=barrier)
+    model = build_model(config.model, vocab_size=data.vocab_size, pad_token_id=data.pad_token_id,
+                        num_labels=data.num_labels, max_length=config.max_length,
+                        attn_implementation=config.attn_implementation, dropout=config.dropout,
+                        seed=config.seed, task=config.task).to(device)
+    train_net = LossyNetwork(config.network_spec())
+    eval_net = LossyNetwork(config.network_spec(evaluation=True))
+    parameters = sum(p.numel() for p in model.parameters())
+    compute = _compute(config, device)
+    tp_model = _parallel_model(config, model, train_net, rank)
+    optimizer = _optimizer(config, tp_model)
+    scheduler = transformers.get_linear_schedule_with_warmup(
+        optimizer, min(config.warmup_steps, config.steps), config.steps)
+    return Parts(data, tp_model, train_net, eval_net, optimizer, scheduler,
+                 autocast=_autocast(config.amp, device),
+                 scaler=torch.amp.GradScaler(device.type, enabled=config.amp == "fp16"),
+                 compute=compute, parameters=parameters)
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("LOSSYSIM_CACHE", Path.home() / ".cache" / "lossysim"))
+
+
+def _compute(config: ExperimentConfig, device: torch.device):
+    compute = timing.parse_compute(config.compute)
+    if isinstance(compute, timing.Measured) and not (config.backend == "dist" and device.type == "cuda"):
+        raise ValueError("compute=measured needs backend=dist on CUDA GPUs: a simulation's own wall "
+                         "clock is not a cluster's time; name a GPU model instead (e.g. compute=h100)")
+    return compute
+
+
+def _parallel_model(config: ExperimentConfig, model: torch.nn.Module, network: LossyNetwork,
+                    rank: int) -> TensorParallelModel:
+    tp_model = parallelize(model, config.tp_size, network, backend=config.backend, seed=config.seed,
+                           sync_replicated=config.sync_replicated)
+    # Dropout outside the replicated regions draws from the global generator: one stream per rank,
+    # as Megatron seeds its model-parallel stream with the TP rank.
+    torch.manual_seed(stream_seed(config.seed, "sharded-dropout", str(rank)))
+    if config.activation_checkpointing:
+        tp_model.model.activation_checkpointing_enable(
+            {"use_reentrant": False, "context_fn": tp_model.group.checkpoint_contexts})
+    return tp_model
+
+
+def _optimizer(config: ExperimentConfig, model: TensorParallelModel) -> torch.optim.AdamW:
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        (no_decay if name.endswith("bias") or ".ln_" in name or "norm" in name else decay).append(param)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=config.lr)
+
+
+def _autocast(amp: str, device: torch.device):
+    if amp == "none":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    if device.type == "cpu" and amp == "fp16":
+        raise ValueError("amp=fp16 needs a GPU; use amp=bf16 on CPU")
+    if device.type == "cuda" and amp == "bf16" and not torch.cuda.is_bf16_supported():
+        raise ValueError("this GPU does not support bf16; use amp=fp16")
+    return torch.autocast(device.type, dtype=dtype)

@@ -1,0 +1,265 @@
+"""One experiment: fine-tune a tensor-parallel model over a lossy network and record what happened.
+
+``run_experiment(config, run_dir)`` is the whole job; ``lossysim train`` is its command line.
+A run builds what it trains with (``build``), then loops: a training step (``step``), a metrics
+row, evaluations (``evaluate``), a checkpoint now and then (``checkpoint``). What it writes
+(``record``) is described in docs/run_directory.md.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from ..config import ExperimentConfig, load_config, parse_overrides, save_yaml
+from ..data import EVAL_SPLITS, train_batches
+from ..io import atomic_write_json, atomic_write_text
+from . import checkpoint, record
+from .build import Parts, build
+from .evaluate import evaluate
+from .runtime import device as _device, init_distributed
+from .state import TrainState, Window
+from .step import train_step
+
+log = logging.getLogger(__name__)
+
+# CLI flags for the common settings; everything else goes through --set key=value.
+FLAGS = {
+    "--loss": ("loss", "loss model spec, e.g. bernoulli:0.01 or ge:rate=0.01,burst=8"),
+    "--tp-size": ("tp_size", "tensor-parallel degree"),
+    "--backend": ("backend", "sim (all ranks in one process) or dist (torchrun)"),
+    "--lossy": ("lossy", "which traffic is lossy: fwd, bwd or both"),
+    "--recovery": ("recovery", "zero or rescale"),
+    "--algorithm": ("algorithm", "collective algorithm: ring, tree or direct"),
+    "--transport": ("transport", "drop, retransmit or deadline"),
+    "--model": ("model", "tiny | small | tiny-llama | llama-1b-shape | a HF name | a local directory"),
+    "--dataset": ("dataset", "synthetic | mnli | a local directory or file"),
+    "--max-train-samples": ("max_train_samples", "cap on training examples"),
+    "--max-eval-samples": ("max_eval_samples", "cap on examples per eval split"),
+    "--steps": ("steps", "optimizer steps"),
+    "--seed": ("seed", "seed of data order, init, masks and dropout"),
+    "--out": ("out", "run directory"),
+}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", help="experiment YAML (see experiments/)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override any config key (repeatable)")
+    for flag, (key, help_text) in FLAGS.items():
+        parser.add_argument(flag, dest=key, help=help_text)
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest complete checkpoint in --out (see checkpoint_every)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args) -> int:
+    overrides = parse_overrides(args.set)
+    overrides.update({key: getattr(args, key) for _, (key, _) in FLAGS.items()
+                      if getattr(args, key) is not None})
+    config = load_config(args.config, overrides)
+    summary = run_experiment(config, config.out, progress=not args.no_progress, resume=args.resume)
+    if summary["status"] != "completed":
+        print(f"lossysim train: {summary['status']}: {summary.get('error') or ''}".rstrip(": "), file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_experiment(config: ExperimentConfig, run_dir, *, progress: bool = True, position: int = 0,
+                   resume: bool = False) -> dict:
+    """Train one configuration; write ``run_dir``; return the summary.
+
+    With ``resume``, continue from the newest complete checkpoint in ``run_dir``
+    (if any) and end exactly as an uninterrupted run would. A training failure
+    is recorded (status ``failed`` or ``diverged``), not raised.
+    """
+    config.validate()
+    run_dir = Path(run_dir)
+    started = time.time()
+    runtime = None
+    previous_handler = None
+    if config.backend == "dist":  # torchrun stops the other ranks with SIGTERM when one fails
+        previous_handler = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        runtime = _start(config, run_dir, resume)
+        summary = _train(runtime, progress and runtime.is_main, position, started)
+    except Exception as err:  # recorded, so a sweep goes on
+        if config.backend == "dist" and isinstance(err, (RuntimeError, getattr(dist, "DistError", RuntimeError))):
+            err = RuntimeError(f"a peer rank failed or stopped responding (timeout_s={config.timeout_s:g}): "
+                               f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}")
+        summary = record.failure(config, err, started)
+        log.debug("run failed", exc_info=True)
+        if runtime is None or runtime.is_main:
+            with contextlib.suppress(OSError):
+                run_dir.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(run_dir / "traceback.txt", traceback.format_exc())
+                atomic_write_json(run_dir / "summary.json", summary)
+    finally:
+        if config.backend == "dist" and dist.is_initialized():
+            dist.destroy_process_group()
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
+    return summary
+
+
+def _train(rt: _Runtime, progress: bool, position: int, started: float) -> dict:
+    """Build, then train to ``config.steps``, logging, evaluating and checkpointing on the way."""
+    config = rt.config
+    parts = build(config, rt.device, rt.rank, rt.is_main, rt.barrier if config.backend == "dist" else None)
+    if rt.is_main:
+        _check_free_space(rt.run_dir, parts.model, config)
+    state = TrainState(last_row=record.clock_mark(0, 0.0, parts.train_net))
+    window = Window(rt.device)
+    if rt.resume:
+        state = _resume(rt, parts, window) or state
+    metrics = record.Metrics(rt.run_dir, config, rt.is_main, resume_step=state.step)
+    status, diverged_at = "completed", None
+    batches = train_batches(parts.data, config.batch_size, config.seed, start_step=state.step)
+    bar = tqdm(total=config.steps, initial=state.step, desc=config.name, position=position,
+               leave=position == 0, disable=not progress, dynamic_ncols=True)
+    try:
+        for step in range(state.step + 1, config.steps + 1):
+            if not train_step(parts, config, state, window, next(batches), rt.device):
+                raise _Divergence(step)
+            state.step = step
+
+            if step % config.log_every == 0 or step == config.steps:
+                averages = window.flush(parts.model.group)
+                disagreement = parts.model.disagreement()
+                row = record.train_row(step, started, averages, state, parts.train_net,
+                                       parts.scheduler.get_last_lr()[0], disagreement)
+                state.train_disagreement.append(row["disagreement"])
+                metrics.write(row)
+                bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}",
+                                lost=f"{row['observed_loss_rate']:.4f}", refresh=False)
+
+            if step % config.eval_every == 0 or step == config.steps:
+                for split in EVAL_SPLITS:
+                    scores = evaluate(parts, split, config, rt.device)
+                    row = record.eval_row(step, split, started, scores, state, parts.train_net, parts.eval_net)
+                    metrics.write(row)
+                    # time to accuracy is measured on the first (primary) split
+                    state.record_evaluation(row, config.target_accuracy if split == EVAL_SPLITS[0] else None)
+
+            if config.checkpoint_every and step % config.checkpoint_every == 0:
+                checkpoint.save_training(rt.run_dir, parts, state, window, config, rt.rank, rt.barrier)
+            bar.update(1)
+    except _Divergence as div:
+        status = "diverged"
+        diverged_at = {"step": div.args[0], **(parts.train_net.first_nonfinite() or {"site": None})}
+        log.warning("loss or gradients became non-finite at step %d (first non-finite traffic: %s); "
+                    "run marked diverged", div.args[0], diverged_at["site"] or "none")
+    finally:
+        bar.close()
+        metrics.close()
+
+    if status == "completed" and config.save_checkpoint:
+        checkpoint.export_model(parts, rt.run_dir, rt.is_main)
+    summary = record.summary(status, diverged_at, config, parts.data.name, state, parts.train_net,
+                             parts.eval_net, started)
+    if rt.is_main:
+        atomic_write_json(rt.run_dir / "summary.json", summary)
+    return summary
+
+
+def _resume(rt: _Runtime, parts: Parts, window: Window) -> Optional[TrainState]:
+    resumed = checkpoint.resume(rt.run_dir, parts, window, rt.config, rt.rank, rt.device)
+    if rt.is_main:  # rows after the checkpoint were written by the run that died
+        record.cut_metrics(rt.run_dir, resumed.step if resumed else None)
+    return resumed
+
+
+class _Divergence(Exception):
+    """A step's loss or gradients became non-finite (its argument: the step)."""
+
+
+class Terminated(Exception):
+    """SIGTERM arrived (torchrun stops every rank when one of them fails)."""
+
+
+def _terminated(signum, frame):
+    raise Terminated("terminated by SIGTERM")
+
+
+@dataclass
+class _Runtime:
+    """Where this process stands: its rank, device and whether it writes files."""
+    config: ExperimentConfig
+    run_dir: Path
+    device: torch.device
+    rank: int = 0
+    is_main: bool = True
+    resume: bool = False
+
+    def barrier(self):
+        if self.config.backend == "dist":
+            dist.barrier()
+
+
+def _start(config: ExperimentConfig, run_dir: Path, resume: bool) -> _Runtime:
+    if config.backend == "dist":
+        rank, world = init_distributed(timeout_s=config.timeout_s)
+        if world != config.tp_size:
+            raise ValueError(f"tp_size={config.tp_size} but torchrun started {world} processes")
+        shared = [config.to_dict(), str(run_dir)]  # rank 0's config is the experiment
+        dist.broadcast_object_list(shared, src=0)
+        config = ExperimentConfig(**shared[0]).validate()
+        run_dir = Path(shared[1])
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+    else:
+        rank = 0
+        device = _device(config.device)
+    runtime = _Runtime(config, run_dir, device, rank, rank == 0, resume)
+    if runtime.is_main:
+        _prepare_run_dir(run_dir, keep_checkpoints=resume)
+        save_yaml(config, run_dir / "config.yaml")
+    return runtime
+
+
+def _prepare_run_dir(run_dir: Path, keep_checkpoints: bool) -> None:
+    """Start clean: a stale summary from an earlier attempt must not mix in.
+
+    When resuming, metrics and training checkpoints stay (metrics are cut back
+    to the checkpoint's step once it is loaded).
+    """
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"output folder {run_dir} is not writable: {err.strerror or err}") from None
+    for name in ("summary.json", "traceback.txt") + (() if keep_checkpoints else ("metrics.jsonl",)):
+        with contextlib.suppress(FileNotFoundError):
+            (run_dir / name).unlink()
+    shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
+    if not keep_checkpoints:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+
+
+def _check_free_space(run_dir: Path, model: torch.nn.Module, cfg: ExperimentConfig) -> None:
+    """Fail before training, not at the first checkpoint, when the disk cannot hold the run."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    need = 16 << 20  # metrics, summary, tokenizer
+    if cfg.checkpoint_every:
+        kept = cfg.keep_checkpoints or max(1, cfg.steps // cfg.checkpoint_every)
+        need += (kept + 1) * 3 * weights  # weights and two AdamW moments, one more while sealing
+    if cfg.save_checkpoint:
+        need += 2 * weights
+    free = shutil.disk_usage(run_dir).free
+    if free < need:
+        raise ValueError(f"not enough free space in {run_dir}: the run writes about {need / 2**20:.0f} MiB, "
+                         f"{free / 2**20:.0f} MiB are free")

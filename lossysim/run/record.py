@@ -1,0 +1,164 @@
+"""What a run writes: metrics.jsonl rows (with the simulated clock) and summary.json.
+
+The files and their keys are described in docs/run_directory.md; reports read only them.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import transformers
+
+from .. import __version__
+from ..config import ExperimentConfig
+from ..data import EVAL_SPLITS
+from ..io import append_jsonl, atomic_write_text, read_jsonl
+from ..net import LossyNetwork
+from .state import TrainState
+from .tracking import open_tracker
+
+
+class Metrics:
+    """metrics.jsonl, mirrored to the trackers ``report_to`` names; only the main process writes."""
+
+    def __init__(self, run_dir: Path, config: ExperimentConfig, is_main: bool, resume_step: int = 0):
+        self.path = run_dir / "metrics.jsonl"
+        self.is_main = is_main
+        self.tracker = open_tracker(config.report_to if is_main else "none", run_dir, config.to_dict(),
+                                    resume_step=resume_step)
+
+    def write(self, row: dict) -> None:
+        if self.is_main:
+            append_jsonl(self.path, row)
+            self.tracker.log(row)
+
+    def close(self) -> None:
+        self.tracker.close()
+
+
+def cut_metrics(run_dir: Path, step: Optional[int]) -> None:
+    """Resuming at ``step``: drop the rows the run that died wrote after it (all of them for None)."""
+    path = run_dir / "metrics.jsonl"
+    if step is None:
+        if path.exists():
+            path.unlink()
+        return
+    kept = [row for row in read_jsonl(path) if row["step"] <= step] if path.exists() else []
+    atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in kept))
+
+
+def train_row(step: int, started: float, averages: dict, state: TrainState, network: LossyNetwork, lr: float,
+              disagreement: dict) -> dict:
+    """A logged training step: the window's averages (``Window.flush``), the clock, traffic so far
+    and rank divergence."""
+    return {"step": step, "split": "train", "time_s": time.time() - started, **averages,
+            **clock_row(state, network, step), "lr": lr, **traffic(network),
+            "disagreement": disagreement["prediction"], "hidden_rel_diff": disagreement["hidden_rel_diff"]}
+
+
+def eval_row(step: int, split: str, started: float, scores: dict, state: TrainState,
+             train_net: LossyNetwork, eval_net: LossyNetwork) -> dict:
+    """An evaluation: its scores, this evaluation's traffic, and the training clock it happened at."""
+    return {"step": step, "split": split, "time_s": time.time() - started,
+            "sim_time_s": sim_time_s(state, train_net), "loss": scores["loss"], "accuracy": scores["accuracy"],
+            **traffic(eval_net), "disagreement": scores["disagreement"],
+            "hidden_rel_diff": scores["hidden_rel_diff"]}
+
+
+def traffic(network: LossyNetwork) -> dict:
+    """Packets sent and lost per direction so far, and the loss rate over the lossy directions."""
+    row = {}
+    lost_total = sent_total = 0
+    for entry in network.summary():
+        d = entry["direction"]
+        row[f"packets_sent_{d}"], row[f"packets_lost_{d}"] = entry["sent"], entry["lost"]
+        if d in network.lossy:
+            sent_total += entry["sent"]
+            lost_total += entry["lost"]
+    for d in ("fwd", "bwd"):
+        row.setdefault(f"packets_sent_{d}", 0)
+        row.setdefault(f"packets_lost_{d}", 0)
+    row["observed_loss_rate"] = lost_total / sent_total if sent_total else 0.0
+    return row
+
+
+# -- the simulated clock ------------------------------------------------------------------------
+
+def clock_mark(step: int, compute_s: float, network: LossyNetwork) -> dict:
+    """The clock at ``step``, kept so the next train row can report per-step rates since it."""
+    return {"step": step, "compute_s": compute_s, **network.clock()}
+
+
+def sim_time_s(state: TrainState, network: LossyNetwork) -> float:
+    """The simulated cluster's clock: modelled (or measured) compute plus simulated communication."""
+    return state.compute_s + network.clock()["comm_s"]
+
+
+def clock_row(state: TrainState, network: LossyNetwork, step: int) -> dict:
+    """Simulated time per step since the last row, and the cumulative clock; marks this row."""
+    clock = network.clock()
+    last = state.last_row
+    steps = max(step - last["step"], 1)
+    row = {"sim_time_s": state.compute_s + clock["comm_s"],
+           "comm_s_per_step": (clock["comm_s"] - last["comm_s"]) / steps,
+           "retransmit_s_per_step": (clock["retransmit_s"] - last["retransmit_s"]) / steps,
+           "compute_s_per_step": (state.compute_s - last["compute_s"]) / steps}
+    state.last_row = clock_mark(step, state.compute_s, network)
+    return row
+
+
+def _sim_time_summary(state: TrainState, network: LossyNetwork, config: ExperimentConfig) -> dict:
+    steps = max(state.step, 1)
+    clock = network.clock()
+    sent = {row["direction"]: row for row in network.summary()}
+    return {"total_s": sim_time_s(state, network), "compute_s_per_step": state.compute_s / steps,
+            "comm_s_per_step": clock["comm_s"] / steps, "ideal_comm_s_per_step": clock["ideal_comm_s"] / steps,
+            "retransmit_s_per_step": clock["retransmit_s"] / steps,
+            "retransmitted_packets": sum(row["resent"] for row in sent.values()),
+            "missing_packets": sum(row["missing"] for row in sent.values()),
+            "compute": config.compute, "algorithm": config.algorithm, "transport": config.transport}
+
+
+# -- summary.json ---------------------------------------------------------------------------------
+
+def summary(status: str, diverged_at: Optional[dict], config: ExperimentConfig, dataset: str,
+            state: TrainState, train_net: LossyNetwork, eval_net: LossyNetwork, started: float) -> dict:
+    """How the run ended and what it measured."""
+    final, seen, reached = state.final, state.train_disagreement, state.reached or {}
+    return {
+        "status": status, "error": None, "name": config.name, "dataset": dataset,
+        "config": config.to_dict(), "steps": state.step,
+        "wall_time_s": time.time() - started,
+        "tokens_per_s": state.tokens / max(state.train_time, 1e-9),
+        "final": final, "best": state.best,
+        "packets": {"train": train_net.summary(), "eval": eval_net.summary()},
+        "packets_by_class": {"train": train_net.summary(by=("direction", "link_class")),
+                             "eval": eval_net.summary(by=("direction", "link_class"))},
+        "packets_by_site": {"train": train_net.summary(by=("site", "direction")),
+                            "eval": eval_net.summary(by=("site", "direction"))},
+        "disagreement": {
+            "final_eval": max((f["disagreement"] for f in final.values()), default=None),
+            "final_eval_hidden_rel_diff": max((f["hidden_rel_diff"] for f in final.values()), default=None),
+            "mean_train": sum(seen) / len(seen) if seen else None,
+        },
+        "diverged_at": diverged_at, "versions": versions(),
+        "sim_time": _sim_time_summary(state, train_net, config),
+        "time_to_accuracy": {"target": config.target_accuracy, "split": EVAL_SPLITS[0],
+                             "step": reached.get("step"), "sim_time_s": reached.get("sim_time_s")},
+    }
+
+
+def failure(config: ExperimentConfig, err: BaseException, started: float) -> dict:
+    """The summary of a run an exception ended."""
+    message = f"{type(err).__name__}: {err}".splitlines()[0]
+    return {"status": "failed", "error": message, "name": config.name, "config": config.to_dict(),
+            "steps": 0, "wall_time_s": time.time() - started, "versions": versions()}
+
+
+def versions() -> dict:
+    return {"lossysim": __version__, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version()}

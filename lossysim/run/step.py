@@ -1,0 +1,80 @@
+"""One optimizer step of the tensor-parallel model, and the Megatron gradient clipping it uses."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import timing
+from ..config import ExperimentConfig
+from ..tp import TensorParallelModel
+from .build import Parts
+from .state import TrainState, Window
+
+
+def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window: Window, batch: dict,
+               device: torch.device) -> bool:
+    """Train on one host batch; False (and no update) if the loss or gradients are non-finite."""
+    # tokens/s counts real tokens, not padding (counted on the host: no device sync)
+    tokens = int(batch["attention_mask"].sum())
+    batch = {k: v.to(device) for k, v in batch.items()}
+    model = parts.model
+    t0 = time.perf_counter()
+    model.train()
+    with parts.autocast:
+        out = model(**(_lm_inputs(batch) if config.task == "lm" else batch))
+    parts.scaler.scale(out.loss).backward()
+    parts.scaler.unscale_(parts.optimizer)
+    norm = _clip_grad_norm(model, config.grad_clip)
+    finite = torch.isfinite(norm) & torch.isfinite(model.rank_losses.detach()).all()
+    # Every rank must agree, or dist ranks would part ways at the next collective.
+    if not bool(model.group.all_gather_reliable(finite.reshape(1)).all()):
+        return False
+    parts.scaler.step(parts.optimizer)
+    parts.scaler.update()
+    parts.scheduler.step()
+    parts.optimizer.zero_grad(set_to_none=True)
+    state.tokens += tokens
+    state.compute_s += _compute_seconds(parts, config, batch, t0, device)
+    seconds = time.perf_counter() - t0
+    state.train_time += seconds
+    logits, labels = _next_tokens(out.logits.detach(), batch) if config.task == "lm" \
+        else (out.logits.detach(), batch["labels"])
+    window.add(model.rank_losses.detach(), logits, labels, tokens, seconds)
+    return True
+
+
+def _compute_seconds(parts: Parts, config: ExperimentConfig, batch: dict, t0: float, device: torch.device) -> float:
+    """The step's compute on the simulated cluster: measured on this GPU, or modelled from FLOPs."""
+    if isinstance(parts.compute, timing.Measured):
+        torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+    # The GPU computes every position of the padded batch.
+    return parts.compute.step_time(parts.parameters, batch["input_ids"].numel(), config.tp_size)
+
+
+def _clip_grad_norm(model: TensorParallelModel, max_norm: float) -> torch.Tensor:
+    """Global gradient norm as Megatron computes it: replicated grads once, every rank's shards."""
+    def sq(params):
+        # Grouped-query kv heads held by several ranks count once.
+        grads = [p.grad.float().pow(2).sum() / getattr(p, "tp_copies", 1) for p in params if p.grad is not None]
+        return torch.stack(grads).sum() if grads else torch.zeros((), device=next(model.parameters()).device)
+    sharded = model.group.all_gather_reliable(sq(model.sharded_parameters()).reshape(1)).sum()
+    norm = (sq(model.replicated_parameters()) + sharded).sqrt()
+    if max_norm > 0:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale.to(p.grad.dtype))
+    return norm
+
+
+def _lm_inputs(batch: dict) -> dict:
+    """Causal-LM fine-tuning: the labels are the texts' own tokens (padding ignored)."""
+    return dict(batch, labels=batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100))
+
+
+def _next_tokens(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, targets) of every real next token: [tokens, vocab], [tokens]."""
+    valid = batch["attention_mask"][:, 1:].bool()
+    return logits[:, :-1][valid], batch["input_ids"][:, 1:][valid]
