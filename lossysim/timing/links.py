@@ -1,9 +1,10 @@
-"""Links: the alpha-beta model of one link class, its presets and its spec.
+"""Links: one link class (intra-node, inter-node), its presets and its spec.
 
-A message of ``w`` wire bytes takes ``alpha + w * beta`` with ``beta = 1 / B`` (Hockney;
-Thakur, Rabenseifner and Gropp 2005). Each rank has one port per link class (intra-node,
-inter-node) with bandwidth ``B`` per direction, and every packet adds ``header_bytes`` on the
-wire. docs/time_model.md gives the presets' sources.
+A link has a one-way wire latency ``alpha`` (a round trip is 2 alpha: what a NAK or an ACK costs),
+a bandwidth ``B`` per direction of one rank's port, ``header_bytes`` added to every packet on the
+wire, and the hardware class NCCL's cost model times it as (``hw``: nvlink, pci or net; see
+``lossysim.timing.nccl``). A message of ``w`` wire bytes takes ``alpha + w / B`` (Hockney; Thakur,
+Rabenseifner and Gropp 2005). docs/time_model.md gives the presets' sources.
 """
 from __future__ import annotations
 
@@ -14,14 +15,18 @@ from typing import Union
 from .specs import NAME_PATTERN, format_rate, format_time, parse_bytes, parse_rate, parse_time, split_spec
 
 
+HW_CLASSES = ("nvlink", "pci", "net")
+
+
 @dataclass(frozen=True)
 class Link:
-    """One link class: alpha (one-way latency per message), bandwidth per direction of
-    one rank's port in bytes/s, and wire bytes added to every packet."""
+    """One link class: alpha (one-way wire latency), bandwidth per direction of one rank's port in
+    bytes/s, wire bytes added to every packet, and NCCL's hardware class for its per-hop latency."""
     name: str
     latency_s: float
     bandwidth_Bps: float
     header_bytes: int = 0
+    hw: str = "net"
 
     def __post_init__(self):
         if not NAME_PATTERN.match(str(self.name)):
@@ -32,6 +37,8 @@ class Link:
             raise ValueError(f"bw={self.bandwidth_Bps!r} must be a finite rate > 0 B/s")
         if int(self.header_bytes) != self.header_bytes or self.header_bytes < 0:
             raise ValueError(f"header={self.header_bytes!r} must be an integer >= 0 bytes")
+        if self.hw not in HW_CLASSES:
+            raise ValueError(f"hw={self.hw!r} must be one of {', '.join(HW_CLASSES)}")
         object.__setattr__(self, "latency_s", float(self.latency_s))
         object.__setattr__(self, "bandwidth_Bps", float(self.bandwidth_Bps))
         object.__setattr__(self, "header_bytes", int(self.header_bytes))
@@ -66,14 +73,14 @@ class Link:
         if base == self:
             return self.name
         items = {"alpha": format_time(self.latency_s), "bw": format_rate(self.bandwidth_Bps),
-                 "header": str(self.header_bytes)}
+                 "header": str(self.header_bytes), "hw": self.hw}
         if base is not None:
             keep = {"alpha": base.latency_s == self.latency_s,
                     "bw": base.bandwidth_Bps == self.bandwidth_Bps,
-                    "header": base.header_bytes == self.header_bytes}
+                    "header": base.header_bytes == self.header_bytes, "hw": base.hw == self.hw}
             return ",".join([self.name] + [f"{k}={v}" for k, v in items.items() if not keep[k]])
         named = [] if self.name == "custom" else [f"name={self.name}"]
-        return ",".join(named + [f"{k}={v}" for k, v in items.items()])
+        return ",".join(named + [f"{k}={v}" for k, v in items.items() if k != "hw" or self.hw != "net"])
 
 
 # RoCEv2 per packet: Ethernet 14 + IPv4 20 + UDP 8 + BTH 12 + ICRC 4 + FCS 4 = 62 bytes in the
@@ -82,24 +89,24 @@ ROCE_HEADER_BYTES = 14 + 20 + 8 + 12 + 4 + 4 + 20
 # InfiniBand per packet on a subnet: LRH 8 + BTH 12 + ICRC 4 + VCRC 2 = 26 bytes (no GRH).
 IB_HEADER_BYTES = 8 + 12 + 4 + 2
 
-# Latencies are assumptions, not facts about any site: NCCL's own tuning model charges
-# 0.5-3.4 us per NVLink hop and 2.7-14 us per network hop, depending on the protocol.
+# Wire latencies are assumptions, not facts about any site (a few microseconds per RDMA hop); a
+# collective's per-hop latency comes from NCCL's model for the link's hardware class instead.
 LINK_PRESETS = {
-    "nvlink4": Link("nvlink4", 1e-6, 450e9, 0),            # H100: 18 links, 450 GB/s per direction
-    "ib-ndr400": Link("ib-ndr400", 3e-6, 400e9 / 8, IB_HEADER_BYTES),
-    "roce-100g": Link("roce-100g", 5e-6, 100e9 / 8, ROCE_HEADER_BYTES),
-    "roce-200g": Link("roce-200g", 5e-6, 200e9 / 8, ROCE_HEADER_BYTES),
-    "roce-400g": Link("roce-400g", 5e-6, 400e9 / 8, ROCE_HEADER_BYTES),
+    "nvlink4": Link("nvlink4", 1e-6, 450e9, 0, "nvlink"),     # H100: 18 links, 450 GB/s per direction
+    "ib-ndr400": Link("ib-ndr400", 3e-6, 400e9 / 8, IB_HEADER_BYTES, "net"),
+    "roce-100g": Link("roce-100g", 5e-6, 100e9 / 8, ROCE_HEADER_BYTES, "net"),
+    "roce-200g": Link("roce-200g", 5e-6, 200e9 / 8, ROCE_HEADER_BYTES, "net"),
+    "roce-400g": Link("roce-400g", 5e-6, 400e9 / 8, ROCE_HEADER_BYTES, "net"),
 }
 
 
 def parse_link(spec: Union[str, Link]) -> Link:
-    """A Link from ``nvlink4``, ``roce-200g,alpha=10us`` or ``alpha=2us,bw=200Gbps,header=82``."""
+    """A Link from ``nvlink4``, ``roce-200g,alpha=10us`` or ``alpha=2us,bw=200Gbps,header=82[,hw=net]``."""
     if isinstance(spec, Link):
         return spec
     text = str(spec).strip()
     try:
-        preset, values = split_spec(text, ("alpha", "bw", "header", "name"), LINK_PRESETS)
+        preset, values = split_spec(text, ("alpha", "bw", "header", "hw", "name"), LINK_PRESETS)
         if preset is None:
             missing = [k for k in ("alpha", "bw") if k not in values]
             if missing:
@@ -114,6 +121,8 @@ def parse_link(spec: Union[str, Link]) -> Link:
             changes["bandwidth_Bps"] = parse_rate("bw", values["bw"])
         if "header" in values:
             changes["header_bytes"] = parse_bytes("header", values["header"])
+        if "hw" in values:
+            changes["hw"] = values["hw"]
         return replace(link, **changes)
     except ValueError as err:
         raise ValueError(f"bad link spec {text!r}: {err}") from None

@@ -1,20 +1,92 @@
-"""Retransmission: what repairing a lost packet costs, in transmissions and in timers.
+"""Retransmission: how real transports detect and repair a lost packet, and what it costs.
 
-Expected transmissions of selective repeat and go-back-N under independent loss, the window a
-go-back-N sender wastes (the bandwidth-delay product in packets) and the timeouts real
-transports wait for a loss nothing reveals (docs/time_model.md gives the sources).
+A loss is revealed by a later packet on the same connection (a NAK, a SACK, the receiver's bitmap:
+one round trip), or by three duplicate ACKs for TCP; only a loss with nothing behind it on its
+connection (a *tail* loss) waits for a timer. ``Nic`` presets say which repair a transport does
+(selective repeat or go-back-N), what a tail loss waits for, and after how many retries it gives
+up; each preset's source is in docs/time_model.md. Also: expected transmissions under independent
+loss, the window a go-back-N sender wastes, and the InfiniBand ACK timeout.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
 
 from .links import Link
 
-# A selective-repeat transport's timer for a tail loss: an assumption (configurable with rto_s), far
-# below go-back-N's IB timeout, as a NIC built for selective repeat would set it.
-SELECTIVE_RTO_S = 1e-3
 TCP_RTO_MIN_S = 0.2       # Linux TCP_RTO_MIN (HZ / 5)
 IB_TIMEOUT_DEFAULT = 20   # NCCL_IB_TIMEOUT default in current NCCL releases (18 and 14 earlier)
+IB_RETRY_COUNT = 7        # NCCL_IB_RETRY_CNT default: retries before the queue pair errors
+
+
+@dataclass(frozen=True)
+class Nic:
+    """How a transport detects and repairs loss.
+
+    ``mode``: selective repeat or go-back-N. ``dupacks``: how many later packets on a connection
+    reveal a gap (1: a NAK or SACK on the next packet; TCP: 3 duplicate ACKs). ``timer``: what a
+    loss nothing reveals waits for, a function of the round trip and of how many timeouts in a row
+    the same packet has waited (``timer_s``). ``retries``: retransmissions of one packet before the
+    transport gives up and the collective fails (None: never). ``rto_s`` fixes every timer (an
+    explicit override)."""
+    name: str
+    mode: str = "selective"
+    dupacks: int = 1
+    timer: str = "rtt"            # rtt | fixed | rtt_multiple | backoff | probe_then_rto
+    timer_value: float = 0.0      # fixed: seconds; rtt_multiple: the multiple; backoff: first timer (s)
+    retries: Optional[int] = None
+    rto_s: Optional[float] = None
+
+    def timer_s(self, rtt: torch.Tensor, timeouts: torch.Tensor) -> torch.Tensor:
+        """The wait of a tail loss: ``rtt`` per connection, ``timeouts`` it already waited in a row. Never
+        less than a round trip: a timer firing sooner would resend packets that were not lost."""
+        return torch.maximum(self._timer(rtt, timeouts), rtt)
+
+    def _timer(self, rtt: torch.Tensor, timeouts: torch.Tensor) -> torch.Tensor:
+        if self.rto_s is not None:
+            return torch.full_like(rtt, self.rto_s)
+        if self.timer == "rtt":
+            return rtt
+        if self.timer == "fixed":
+            return torch.full_like(rtt, self.timer_value)
+        if self.timer == "rtt_multiple":
+            return rtt * self.timer_value
+        if self.timer == "backoff":  # doubling over four ranges, then the queue pair's ACK timeout
+            return torch.where(timeouts < 4, self.timer_value * 2.0 ** timeouts.clamp(max=3).to(rtt.dtype),
+                               torch.full_like(rtt, ib_timeout_s()))
+        # probe_then_rto: a tail-loss probe after two round trips, then the retransmission timeout
+        return torch.where(timeouts == 0, 2 * rtt, torch.full_like(rtt, TCP_RTO_MIN_S))
+
+    def override(self, retransmit: Optional[str] = None, rto_s: Optional[float] = None) -> "Nic":
+        """This preset with the repair mode or every timer set explicitly."""
+        changes = {}
+        if retransmit is not None:
+            changes["mode"] = retransmit
+        if rto_s is not None:
+            changes["rto_s"] = float(rto_s)
+        return replace(self, **changes) if changes else self
+
+
+NIC_PRESETS = {
+    # A loss costs one resend and one round trip, wherever it falls: the lower bound.
+    "ideal": Nic("ideal", "selective", 1, "rtt"),
+    # IRN (Mittal et al., SIGCOMM 2018): selective repeat, a NACK on the first out-of-order packet,
+    # RTO_low = 100 us when few packets are in flight (a tail loss), RoCE's retry counter.
+    "irn": Nic("irn", "selective", 1, "fixed", 100e-6, IB_RETRY_COUNT),
+    # AWS SRD (Shalev et al., IEEE Micro 2020): selective repeat, timers from measured round trips;
+    # modelled as RFC 6298's first timeout from one sample, SRTT + 4 RTTVAR = 3 RTT.
+    "srd": Nic("srd", "selective", 1, "rtt_multiple", 3.0),
+    # ConnectX RC (RoCE): go-back-N on a NAK; adaptive retransmission starting near 4 us and doubling
+    # over four ranges, then the ACK timeout (4.096 us x 2^NCCL_IB_TIMEOUT); NCCL_IB_RETRY_CNT = 7.
+    "roce-gbn": Nic("roce-gbn", "go_back_n", 1, "backoff", 4e-6, IB_RETRY_COUNT),
+    # TCP (gloo over sockets): fast retransmit after 3 duplicate ACKs, a tail-loss probe after 2 RTT
+    # (RFC 8985), then RTO >= 200 ms (Linux TCP_RTO_MIN); tcp_retries2 = 15.
+    "tcp": Nic("tcp", "selective", 3, "probe_then_rto", 0.0, 15),
+}
+DEFAULT_NIC = "irn"
 
 
 def selective_repeat_transmissions(p: float) -> float:
@@ -52,7 +124,10 @@ def _check_loss(p: float) -> None:
         raise ValueError(f"p={p!r} must be a loss probability in [0, 1)")
 
 
-def default_rto(mode: str) -> float:
-    """The timeout a tail loss waits when none is configured: the IB local ACK timeout at NCCL's
-    default for go-back-N, ``SELECTIVE_RTO_S`` for selective repeat (see docs/time_model.md)."""
-    return ib_timeout_s() if mode == "go_back_n" else SELECTIVE_RTO_S
+def parse_nic(name) -> Nic:
+    """A NIC preset by name (``ideal``, ``irn``, ``srd``, ``roce-gbn``, ``tcp``)."""
+    if isinstance(name, Nic):
+        return name
+    if name not in NIC_PRESETS:
+        raise ValueError(f"nic={name!r} must be one of {', '.join(NIC_PRESETS)}")
+    return NIC_PRESETS[name]
