@@ -1,0 +1,92 @@
+"""What one training step of a model costs a GPU: its FLOPs and its kernel launches.
+
+FLOPs: 6 N T for the weights (forward 2, backward 4 per parameter and token) plus attention's
+12 L s^2 h per sequence of s tokens (its two matmuls, forward and backward). Kernels: counted, as
+the ATen operators one forward, backward and optimizer step dispatches (views launch nothing), on
+a narrow copy of the architecture: the same layers and ops, widths of a few elements (a width
+changes no kernel count, and the copy runs in milliseconds on a CPU). A kernel launch costs a few
+microseconds, so a small model's step is bound by its launches, not its FLOPs
+(``lossysim.timing.compute``).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def step_flops(parameters: float, tokens: float, layers: int, hidden: int, seq_len: int) -> float:
+    """FLOPs of one training step over ``tokens`` tokens in sequences of ``seq_len``: 6 N T for the
+    weights plus 12 L s^2 h per sequence for attention."""
+    sequences = tokens / max(seq_len, 1)
+    return 6.0 * parameters * tokens + 12.0 * layers * seq_len ** 2 * hidden * sequences
+
+
+def dims(config) -> tuple[int, int]:
+    """(layers, hidden size) of an HF config."""
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer")
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
+    return int(layers), int(hidden)
+
+
+class _Launches(TorchDispatchMode):
+    """Counts the operators dispatched to kernels (views and aliases launch none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def kernels_per_step(model: torch.nn.Module, task: str = "classification") -> int:
+    """Kernel launches of one training step (forward, backward, AdamW) of ``model``'s architecture."""
+    return _count(type(model), model.config.to_json_string(use_diff=False), task)
+
+
+@functools.lru_cache(maxsize=32)
+def _count(cls, config_json: str, task: str) -> int:
+    import json
+    config = type_config(cls).from_dict(_narrow(json.loads(config_json)))
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):  # the run's own random streams must not move
+        torch.manual_seed(0)
+        model = cls(config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        ids = torch.randint(1, config.vocab_size, (2, 8))
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        batch["labels"] = ids if task == "lm" else torch.zeros(2, dtype=torch.long)
+        launches = _Launches()
+        with launches:
+            model(**batch).loss.backward()
+            optimizer.step()
+    return launches.count
+
+
+def type_config(cls):
+    return cls.config_class
+
+
+def _narrow(values: dict) -> dict:
+    """The same architecture (layers, heads, kv heads, activation, tying) with tiny widths."""
+    values = copy.deepcopy(values)
+    heads = values.get("num_attention_heads") or values.get("n_head") or 1
+    kv = values.get("num_key_value_heads") or heads
+    width = 4 * heads
+    for key, value in (("hidden_size", width), ("n_embd", width), ("intermediate_size", 2 * width),
+                       ("n_inner", None), ("head_dim", 4), ("vocab_size", 64), ("max_position_embeddings", 64),
+                       ("n_positions", 64)):
+        if key in values:
+            values[key] = value
+    values["num_key_value_heads"] = kv if "num_key_value_heads" in values else values.get("num_key_value_heads")
+    values.pop("rope_scaling", None)
+    if isinstance(values.get("rope_parameters"), dict):
+        values["rope_parameters"] = {"rope_type": "default", "rope_theta": values["rope_parameters"].get("rope_theta",
+                                                                                                          10000.0)}
+    values["pad_token_id"] = 0
+    return values
