@@ -67,9 +67,15 @@ class ExperimentConfig:
     lossy_links: str = "all"           # all | inter_node (NVLink inside a node is reliable)
     # transport and simulated time (see docs/time_model.md)
     transport: str = "drop"            # drop | retransmit | deadline
-    retransmit: str = "selective"      # selective | go_back_n
-    deadline: float = 1.5              # deadline: a step's budget, times its loss-free time
-    rto_s: Optional[float] = None      # retransmission timeout; None: the flavour's default
+    nic: str = "irn"                   # how losses are found and repaired: ideal | irn | srd | roce-gbn | tcp
+    retransmit: Optional[str] = None   # selective | go_back_n: overrides the nic's (None: the nic's)
+    deadline: float = 1.5              # deadline: a collective's budget, times its loss-free time
+    rto_s: Optional[float] = None      # every retransmission timer, seconds (None: the nic's timers)
+    channels: int = 2                  # connections per link (NCCL channels): each has its own tail
+    nics_per_node: Optional[int] = None  # NICs a node's inter-node traffic spreads over; None: one per rank
+    restart_s: float = 300.0           # a failed collective restarts the job: this long (an assumption) ...
+    restart_lost_steps: int = 50       # ... plus this many steps redone since the last checkpoint
+    max_failures: int = 0              # end the run after this many failed collectives (0: never)
     link_intra: str = "nvlink4"        # a preset or alpha=..,bw=..,header=.. (lossysim.timing)
     link_inter: str = "roce-200g"
     compute: str = "h100"              # a GPU preset [,mfu=..], flops=..,mfu=.., or measured
@@ -111,11 +117,11 @@ class ExperimentConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be >= 1 (or null for no cap)")
-        for name in ("lr", "weight_decay", "grad_clip", "timeout_s"):
+        for name in ("lr", "weight_decay", "grad_clip", "timeout_s", "restart_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name}={value} must be a finite number >= 0")
-        for name in ("checkpoint_every", "keep_checkpoints"):
+        for name in ("checkpoint_every", "keep_checkpoints", "restart_lost_steps", "max_failures"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.warmup_steps < 0:
@@ -146,6 +152,15 @@ class ExperimentConfig:
 
     def replace(self, **changes) -> "ExperimentConfig":
         return from_dict({**self.to_dict(), **changes})
+
+
+def upgrade(values: dict) -> dict:
+    """A config (dict) an earlier version wrote, as this version reads it: keys it lacks take their
+    defaults, and 0.2's ``retransmit: selective`` (before ``nic`` existed) is the nic's own repair."""
+    values = dict(values)
+    if "nic" not in values and values.get("retransmit") == "selective":
+        values["retransmit"] = None
+    return {**{k: v for k, v in ExperimentConfig().to_dict().items() if k not in values}, **values}
 
 
 def _choice(name: str, value: str, allowed: tuple) -> None:

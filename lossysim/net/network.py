@@ -58,9 +58,8 @@ class LossyNetwork:
         self._recording: Optional[dict] = None
         self._replaying: Optional[dict] = None
         self._watched = 0                           # calls watched so far: orders the first non-finite one
-        self._comm: Optional[torch.Tensor] = None   # simulated seconds of repaired steps, on the device
-        self._comm_fixed = 0.0                      # simulated seconds of steps that took their loss-free time
-        self._ideal = 0.0                           # all the traffic without loss
+        self._repairs: Optional[torch.Tensor] = None  # seconds repairs added: configured nic, ideal nic
+        self._ideal = 0.0                             # all the traffic without loss
 
     # -- what the spec says ------------------------------------------------------
     def packets(self, numel: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -150,8 +149,12 @@ class LossyNetwork:
     def _deliver(self, site: str, direction: str, collective: str, message: torch.Tensor) -> Optional[Delivery]:
         """What the receivers hold (None: the exact result), counting and timing the traffic."""
         key = (site, direction)
-        if self._replaying is not None:
-            return self._replaying[key].popleft()
+        if self._replaying is not None:  # a recomputed forward sends again: its time counts again
+            delivery, ideal, repairs = self._replaying[key].popleft()
+            self._ideal += ideal
+            if repairs is not None:
+                self._tick(repairs)
+            return delivery
         if self.tp_size == 1:
             return None
         channel = self._channel(site, direction, message.device)
@@ -161,10 +164,9 @@ class LossyNetwork:
             transfer = self._transfers[shape] = transfers.build(self.spec, self.links, *shape)
         channel.counters.calls += 1
         self._ideal += transfer.ideal
-        delivery = None
+        delivery, repairs = None, None
         if not self.drops(direction):
             channel.counters.count_sent(transfer.sent)
-            self._comm_fixed += transfer.ideal
         elif not self.transport.repairs:
             lost, in_bad, _ = channel.chains.draw(transfer.link_ids, transfer.lossy_rows, transfer.width,
                                                   transfer.lengths)
@@ -172,13 +174,12 @@ class LossyNetwork:
                                     transfer.sent)
             per_send = lost.flatten()[transfer.sched.tensors(lost.device)["gather"]]
             delivery = self._combine(transfer, per_send, collective, message.dtype)
-            self._comm_fixed += transfer.ideal
         else:
-            missing = self._repair(channel, transfer, message.device)
+            missing, repairs = self._repair(channel, transfer, message.device)
             if not self.transport.exact:
                 delivery = self._combine(transfer, missing, collective, message.dtype)
         if self._recording is not None:
-            self._recording[key].append(delivery)
+            self._recording[key].append((delivery, transfer.ideal, repairs))
         return delivery
 
     def _bad(self, in_bad: torch.Tensor) -> Optional[torch.Tensor]:
@@ -193,10 +194,12 @@ class LossyNetwork:
             weights = transfer.weights(torch.promote_types(dtype, torch.float32))
         return combine(transfer.sched, lost, weights)
 
-    def _repair(self, channel: _Channel, transfer, device) -> torch.Tensor:
-        """Run every step through the transport; returns the missing packets per send."""
+    def _repair(self, channel: _Channel, transfer, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run every step through the transport; returns the missing packets per send and the seconds
+        the repairs added (under the configured nic, and under the ideal one)."""
         sched = transfer.sched
         missing = torch.zeros(len(sched.sends), sched.max_packets, dtype=torch.bool, device=device)
+        repairs = torch.zeros(2, dtype=torch.float64, device=device)
         for step in transfer.steps:
             link_ids = transfer.link_ids[step.rows]
             lossy = [i for i, r in enumerate(step.rows) if r in transfer.lossy_rows]
@@ -211,18 +214,20 @@ class LossyNetwork:
                     channel.counters.record(link_ids, lost, self._bad(in_bad), used.to(lost.device), phase)
                 return lost, commit
 
-            result = run_step(self.transport, step.packets, draw, step.alpha, step.tau, step.rto, step.window,
-                              budget=self.transport.deadline * step.ideal)
+            result = run_step(self.transport, self.spec.nic_model, step.transport, draw, step.budget)
             missing[step.sends, :result.missing.shape[1]] = result.missing
-            channel.counters.add("resent", step.slots, result.transmissions - step.packets)
-            channel.counters.add("missing", step.slots, result.missing.sum(1))
-            self._tick(result.time, device)
-        return missing
+            counters = channel.counters
+            counters.add("resent", step.slots, result.transmissions - step.transport.packets)
+            counters.add("missing", step.slots, result.missing.sum(1))
+            counters.add("timeouts", step.slots, result.timeouts)
+            counters.add("failures", step.slots, result.failed.long())
+            repairs += torch.stack([result.extra, result.shadow])
+        self._tick(repairs)
+        return missing, repairs
 
-    def _tick(self, seconds: torch.Tensor, device) -> None:
-        if self._comm is None:
-            self._comm = torch.zeros((), dtype=torch.float64, device=device)
-        self._comm += seconds
+    def _tick(self, repairs: torch.Tensor) -> None:
+        """Add a call's repair time (and the same repairs under the ideal preset) to the clock."""
+        self._repairs = repairs.clone() if self._repairs is None else self._repairs + repairs
 
     def _check(self, tensor: torch.Tensor) -> None:
         if tensor.shape[0] != self.tp_size:
@@ -284,17 +289,24 @@ class LossyNetwork:
                          self.loss_model.loss_rate, self.loss_model.mean_burst)
 
     def clock(self) -> dict:
-        """Simulated communication time so far (syncs): with loss and repairs, and without loss."""
-        comm = self._comm_fixed + (float(self._comm) if self._comm is not None else 0.0)
-        return {"comm_s": comm, "ideal_comm_s": self._ideal, "retransmit_s": max(comm - self._ideal, 0.0)}
+        """Simulated communication time so far (syncs): with loss and repairs (``comm_s``), without loss
+        (``ideal_comm_s``), the repairs alone, and what the repairs would take under the ideal nic preset
+        (one resend and one round trip per loss: ``comm_s_ideal_nic``)."""
+        repairs = self._repairs.tolist() if self._repairs is not None else [0.0, 0.0]
+        return {"comm_s": self._ideal + repairs[0], "ideal_comm_s": self._ideal, "retransmit_s": repairs[0],
+                "comm_s_ideal_nic": self._ideal + repairs[1]}
+
+    def failures(self) -> int:
+        """Collectives the transport gave up on so far (syncs)."""
+        index = COUNTERS.index("failures")
+        return sum(int(ch.counters.counts[index].sum()) for ch in self._channels.values())
 
     def reset_stats(self) -> None:
         """Zero every counter and the clock; chain states and random streams go on."""
         for ch in self._channels.values():
             ch.counters.reset()
             ch.watch = NonFinite()
-        self._comm = None
-        self._comm_fixed = 0.0
+        self._repairs = None
         self._ideal = 0.0
 
     # -- save and restore ----------------------------------------------------------
@@ -309,12 +321,16 @@ class LossyNetwork:
                 "calls": counters["calls"], "started": chains["started"], "device": str(ch.counters.device),
                 "chain": chains["chain"]}
         return {"config": self.config(), "channels": channels, "watch_index": self._watched,
-                "clock": {"comm_s": None if self._comm is None else self._comm.cpu().clone(),
-                          "fixed_comm_s": self._comm_fixed, "ideal_comm_s": self._ideal}}
+                "clock": {"repairs_s": None if self._repairs is None else self._repairs.cpu().clone(),
+                          "ideal_comm_s": self._ideal}}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["config"] != self.config():
-            raise ValueError(f"network state was saved with {state['config']}, this network is {self.config()}")
+        saved = dict(state["config"])
+        if "nic" not in saved:  # written by 0.2: no nic, its selective repeat is the nic's own
+            saved = {**self.config(), **saved, "retransmit": None if saved.get("retransmit") == "selective"
+                     else saved.get("retransmit")}
+        if saved != self.config():
+            raise ValueError(f"network state was saved with {saved}, this network is {self.config()}")
         self._channels = {}
         for key, entry in state["channels"].items():
             site, direction = key.rsplit("|", 1)
@@ -323,11 +339,16 @@ class LossyNetwork:
             ch.counters.load_state_dict(entry)
             ch.watch = NonFinite(int(entry["nonfinite_at"]))
         self._watched = state.get("watch_index", 0)
-        comm = state["clock"]["comm_s"]
         device = next(iter(self._channels.values())).counters.device if self._channels else "cpu"
-        self._comm = None if comm is None else comm.to(device)
-        self._comm_fixed = state["clock"]["fixed_comm_s"]
-        self._ideal = state["clock"]["ideal_comm_s"]
+        clock = state["clock"]
+        if "repairs_s" in clock:
+            repairs = clock["repairs_s"]
+        else:  # written by 0.2: its clock kept the loss-free and the repaired steps apart
+            comm = clock["fixed_comm_s"] + (float(clock["comm_s"]) if clock["comm_s"] is not None else 0.0)
+            extra = comm - clock["ideal_comm_s"]
+            repairs = torch.tensor([extra, extra], dtype=torch.float64) if extra > 0 else None
+        self._repairs = None if repairs is None else repairs.to(device)
+        self._ideal = clock["ideal_comm_s"]
 
     def config(self) -> dict:
         return self.spec.as_dict()

@@ -14,6 +14,7 @@ from typing import Optional, Sequence, Union
 
 from ..loss import LossModel, parse_loss_model
 from ..timing import Link, parse_link
+from ..timing.retransmission import DEFAULT_NIC, Nic, parse_nic
 from .algorithms import ALGORITHMS
 from .topology import Topology
 from .transport import Transport
@@ -53,8 +54,12 @@ class NetworkSpec:
         max_burst: burst-length histogram bins; the last one holds longer runs.
         algorithm: ``ring``, ``tree`` or ``direct`` (``lossysim.net.algorithms``).
         ranks_per_node, lossy_links: the topology (``lossysim.net.topology``).
-        transport, retransmit, deadline: what a loss costs (``lossysim.net.transport``).
-        rto_s: retransmission timeout in seconds (None: the flavour's default).
+        transport, deadline: what a loss costs (``lossysim.net.transport``).
+        nic: how lost packets are detected and repaired (a preset of ``lossysim.timing.retransmission``:
+            ideal, irn, srd, roce-gbn, tcp); ``retransmit`` (selective or go_back_n) and ``rto_s`` (every
+            timer, seconds) override it.
+        channels: connections per link (NCCL's channels): each one's last packets are its tail losses.
+        nics_per_node: NICs a node's inter-node traffic spreads over (None: one per rank).
         link_intra, link_inter: the links of each class (``lossysim.timing.links``).
     """
     tp_size: int
@@ -68,14 +73,18 @@ class NetworkSpec:
     ranks_per_node: Optional[int] = None
     lossy_links: str = "all"
     transport: str = "drop"
-    retransmit: str = "selective"
+    nic: str = DEFAULT_NIC
+    retransmit: Optional[str] = None
     deadline: float = 1.5
     rto_s: Optional[float] = None
+    channels: int = 2
+    nics_per_node: Optional[int] = None
     link_intra: Union[str, Link] = "nvlink4"
     link_inter: Union[str, Link] = "roce-200g"
     # Derived once from the fields above.
     topology: Topology = field(init=False, repr=False, compare=False)
     transport_model: Transport = field(init=False, repr=False, compare=False)
+    nic_model: Nic = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         def put(name, value):
@@ -98,8 +107,13 @@ class NetworkSpec:
                 raise ValueError(f"{name}: {err}") from None
         if self.rto_s is not None and not (math.isfinite(self.rto_s) and self.rto_s > 0):
             raise ValueError(f"rto_s={self.rto_s} must be a positive number of seconds (or null)")
+        if int(self.channels) < 1:
+            raise ValueError(f"channels={self.channels} must be >= 1")
+        nic = parse_nic(self.nic).override(self.retransmit, self.rto_s)
         topology = Topology(int(self.tp_size), self.ranks_per_node, self.lossy_links)
-        transport = Transport(self.transport, self.retransmit, float(self.deadline))
+        if self.nics_per_node is not None and int(self.nics_per_node) < 1:
+            raise ValueError(f"nics_per_node={self.nics_per_node} must be >= 1 (or null: one per rank)")
+        transport = Transport(self.transport, nic.mode, float(self.deadline))
         if transport.repairs and loss.loss_rate >= 1.0:
             raise ValueError(f"transport={self.transport} never finishes: {loss.spec} loses every packet")
         if self.recovery == "rescale" and loss.loss_rate >= 1.0:
@@ -108,8 +122,9 @@ class NetworkSpec:
             raise ValueError("recovery=rescale with transport=deadline is not supported: the probability "
                              "that a packet arrives by the deadline has no closed form")
         if transport.kind == "retransmit" and transport.mode == "go_back_n" and not loss.rewindable:
-            raise ValueError(f"retransmit=go_back_n is not supported with {loss.spec}: go-back-N learns how "
-                             "many packets it sent only after drawing them; use retransmit=selective")
+            raise ValueError(f"go-back-N (nic={self.nic}, retransmit={nic.mode}) is not supported with {loss.spec}: "
+                             "go-back-N learns how many packets it sent only after drawing them; use a selective "
+                             "repeat nic or retransmit=selective")
         put("tp_size", topology.tp_size)
         put("ranks_per_node", topology.ranks_per_node)
         put("loss", loss)
@@ -119,10 +134,13 @@ class NetworkSpec:
         put("max_burst", int(self.max_burst))
         put("deadline", float(self.deadline))
         put("rto_s", None if self.rto_s is None else float(self.rto_s))
+        put("channels", int(self.channels))
+        put("nics_per_node", topology.ranks_per_node if self.nics_per_node is None else int(self.nics_per_node))
         put("link_intra", links["link_intra"])
         put("link_inter", links["link_inter"])
         put("topology", topology)
         put("transport_model", transport)
+        put("nic_model", nic)
 
     def replace(self, **changes) -> "NetworkSpec":
         """A copy with some settings changed (checked again)."""
@@ -132,6 +150,13 @@ class NetworkSpec:
         """The Link of class ``intra`` or ``inter``."""
         return self.link_intra if link_class == "intra" else self.link_inter
 
+    def bus_bandwidth(self) -> float:
+        """Bytes/s a rank's collective traffic sustains: its NVLink port inside a node; across nodes the
+        slower of that and the node's NICs together (NCCL spreads its channels over them)."""
+        if self.topology.nodes == 1:
+            return self.link_intra.bandwidth_Bps
+        return min(self.link_intra.bandwidth_Bps, self.nics_per_node * self.link_inter.bandwidth_Bps)
+
     def as_dict(self) -> dict:
         """The settings as plain values: what a saved network state records and is checked against."""
         return {"tp_size": self.tp_size, "loss_model": self.loss.spec, "seed": self.seed,
@@ -139,7 +164,7 @@ class NetworkSpec:
                 "max_burst": self.max_burst, "algorithm": self.algorithm, "ranks_per_node": self.ranks_per_node,
                 "lossy_links": self.lossy_links, "transport": self.transport, "retransmit": self.retransmit,
                 "deadline": self.deadline, "link_intra": self.link_intra.spec, "link_inter": self.link_inter.spec,
-                "rto_s": self.rto_s}
+                "rto_s": self.rto_s, "nic": self.nic, "channels": self.channels, "nics_per_node": self.nics_per_node}
 
 
 SETTINGS = tuple(f.name for f in fields(NetworkSpec) if f.init)

@@ -15,7 +15,7 @@ import torch
 
 from .algorithms import PHASES
 
-COUNTERS = ("sent", "lost", "sent_bad", "bursts", "resent", "missing")
+COUNTERS = ("sent", "lost", "sent_bad", "bursts", "resent", "missing", "timeouts", "failures")
 QUEUE = 64                 # calls counted together
 QUEUE_PACKETS = 1 << 20    # or fewer, when they carry this many packets
 
@@ -218,6 +218,10 @@ class Counters:
         self._queue, self._columns = [], 0
         for name in ("counts", "histogram", "open_run"):
             setattr(self, name, state[name].to(self.device))
+        if len(self.counts) < len(COUNTERS):  # saved before the later counters existed: they were 0
+            grown = torch.zeros(len(COUNTERS), *self.counts.shape[1:], dtype=torch.long, device=self.device)
+            grown[:len(self.counts)] = self.counts
+            self.counts = grown
         self.calls = state["calls"]
 
 

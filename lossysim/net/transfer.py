@@ -1,6 +1,11 @@
-"""One collective on one message shape: its packets, the sends of its schedule, the links they use
-and what each step costs without loss. Built once per (collective, size, dtype, device) and reused
-by every call of that shape, so a call does no Python work per send.
+"""One collective on one message shape: its packets, the sends of its schedule, the links they use,
+how long it takes without loss and what its repairs need. Built once per (collective, size, dtype,
+device) and reused by every call of that shape, so a call does no Python work per send.
+
+Time: a ring or tree collective takes what NCCL's cost model says (``lossysim.timing.nccl``: its
+latency, and its wire bytes over the bus bandwidth our links give); the direct exchange (not an
+NCCL algorithm) takes one alpha-beta step with its ports shared (``timing.send_times``). Repairs
+add to that step by step (``lossysim.net.transport``).
 """
 from __future__ import annotations
 
@@ -9,8 +14,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import timing
+from ..timing import nccl
 from .algorithms import PHASES, Delivery, Schedule, path_weights, schedule
 from .spec import NetworkSpec
+from .transport import Sends
 
 
 def packets(payload_bytes: int, numel: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -23,17 +30,13 @@ def packets(payload_bytes: int, numel: int, dtype: torch.dtype) -> tuple[int, in
 
 @dataclass
 class Step:
-    """One step's sends, and what the transport needs of them."""
+    """One step's sends and what the transport needs of them."""
     sends: list                        # send indices
     rows: list                         # their schedule link rows
     phase: int
-    packets: torch.Tensor              # [sends]
-    alpha: torch.Tensor                # [sends] seconds
-    tau: torch.Tensor                  # [sends] wire seconds per packet, port sharing included
-    rto: torch.Tensor                  # [sends] seconds
-    window: torch.Tensor               # [sends] packets in flight during a round trip
+    transport: Sends                   # packets, tau, rtt, window, tails per send
     slots: torch.Tensor                # [sends] counter slot: phase * links + link id
-    ideal: float                       # loss-free duration
+    budget: float                      # seconds of repairs a deadline allows this step
 
 
 @dataclass
@@ -76,28 +79,74 @@ def build(spec: NetworkSpec, links: list, collective: str, numel: int, dtype: to
     for s, row in zip(sched.sends, sched.send_row):
         sent[PHASES.index(s.phase), link_ids[row]] += s.packets
     itemsize = torch.empty((), dtype=dtype).element_size()
+    ideal = loss_free_time(spec, sched, numel * itemsize, per_packet * itemsize)
+    steps = _steps(spec, sched, link_ids, len(links), numel, itemsize, per_packet, ideal, device)
+    return Transfer(sched, per_packet, link_ids, lossy_rows, factor, slots, tensors["link_packets"].to(torch.long),
+                    max(sched.link_packets, default=0), sent, steps, ideal)
 
-    def payload(s) -> int:
-        return (min(numel, (s.first + s.packets) * per_packet) - s.first * per_packet) * itemsize
 
-    rto = spec.rto_s if spec.rto_s is not None else timing.default_rto(spec.transport_model.mode)
+def loss_free_time(spec: NetworkSpec, sched: Schedule, message_bytes: int, packet_bytes: int) -> float:
+    """A collective's loss-free duration: NCCL's model for ring and tree, one alpha-beta step for direct."""
+    topology = spec.topology
+    R, nodes = spec.tp_size, topology.nodes
+    if R < 2 or message_bytes == 0:
+        return 0.0
+    if sched.algorithm == "direct":
+        sends = [(s.src, s.dst, message_bytes, sched.n_packets, spec.link(topology.link_class(s.src, s.dst)),
+                  topology.link_class(s.src, s.dst)) for s in sched.sends]
+        return timing.step_time(sends)
+    # The busiest link class carries the wire bytes: headers count once per packet.
+    bottleneck = spec.link_inter if nodes > 1 else spec.link_intra
+    wire = message_bytes + -(-message_bytes // packet_bytes) * bottleneck.header_bytes
+    nbytes = wire * R if sched.collective == "all_gather" else wire   # nccl-tests: all-gather's whole output
+    return nccl.estimate(sched.collective, sched.algorithm, R, nodes, nbytes, spec.bus_bandwidth(),
+                         spec.link_intra.hw, spec.link_inter.hw).seconds
+
+
+def _steps(spec, sched, link_ids, n_links, numel, itemsize, per_packet, ideal, device) -> list:
+    """Per step with traffic: its sends as the transport needs them."""
+    topology, nic = spec.topology, spec.nic_model
+    last_step = {}
+    for s in sched.sends:  # the step in which each link sends for the last time: its connections end there
+        if s.packets:
+            last_step[(s.src, s.dst)] = max(last_step.get((s.src, s.dst), -1), s.step)
+    active = [k for k in range(sched.steps) if any(s.step == k and s.packets for s in sched.sends)]
     steps = []
-    for k in range(sched.steps):
+    for k in active:
         sends = [i for i, s in enumerate(sched.sends) if s.step == k and s.packets]
-        if not sends:
-            continue
         hops = [sched.sends[i] for i in sends]
-        classes = [topology.link_class(s.src, s.dst) for s in hops]
-        times = timing.send_times([(s.src, s.dst, payload(s), s.packets, spec.link(c), c)
-                                   for s, c in zip(hops, classes)])
+        links = [spec.link(topology.link_class(s.src, s.dst)) for s in hops]
+        payload = [(min(numel, (s.first + s.packets) * per_packet) - s.first * per_packet) * itemsize for s in hops]
+        final = [last_step[(s.src, s.dst)] == k for s in hops]
+        width = max(s.packets for s in hops)
+        tails = torch.zeros(len(hops), width, dtype=torch.bool)
+        for i, (s, is_final) in enumerate(zip(hops, final)):
+            if is_final:  # the last packets of each channel's share of the send: nothing follows them
+                for end in _channel_ends(s.packets, spec.channels):
+                    tails[i, max(end - nic.dupacks + 1, 0):end + 1] = True
+        seconds = lambda values: torch.tensor(values, dtype=torch.float64, device=device)  # noqa: E731
+        transport = Sends(
+            packets=torch.tensor([s.packets for s in hops], device=device),
+            tau=seconds([link.wire_bytes(b, s.packets) / link.bandwidth_Bps / s.packets
+                         for link, b, s in zip(links, payload, hops)]),
+            rtt=seconds([2 * link.latency_s for link in links]),
+            window=torch.tensor([timing.window_packets(link, spec.payload_bytes) for link in links], device=device),
+            final=torch.tensor(final, device=device), tails=tails.to(device),
+            tail_resends=torch.tensor([nic.dupacks * spec.channels if f else 0 for f in final], device=device))
         rows = [sched.send_row[i] for i in sends]
         phase = PHASES.index(hops[0].phase)
-        seconds = lambda values: torch.tensor(values, dtype=torch.float64, device=device)  # noqa: E731
-        steps.append(Step(sends, rows, phase, torch.tensor([s.packets for s in hops], device=device),
-                          seconds([t.alpha for t in times]), seconds([t.tau for t in times]),
-                          seconds([rto] * len(hops)),
-                          torch.tensor([timing.window_packets(spec.link(c), spec.payload_bytes) for c in classes],
-                                       device=device),
-                          phase * len(links) + link_ids[rows], max(t.seconds for t in times)))
-    return Transfer(sched, per_packet, link_ids, lossy_rows, factor, slots, tensors["link_packets"].to(torch.long),
-                    max(sched.link_packets, default=0), sent, steps, sum(step.ideal for step in steps))
+        steps.append(Step(sends, rows, phase, transport, phase * n_links + link_ids[rows],
+                          (spec.deadline - 1.0) * ideal / len(active)))
+    return steps
+
+
+def _channel_ends(packets: int, channels: int) -> list[int]:
+    """The last packet of each channel's contiguous share of a send."""
+    base, extra = divmod(packets, channels)
+    ends, first = [], 0
+    for c in range(channels):
+        count = base + (c < extra)
+        if count:
+            ends.append(first + count - 1)
+        first += count
+    return ends

@@ -64,6 +64,9 @@ def _transport(row: Mapping) -> str:
         return kind
     deadline = _get(row, "deadline")
     text = f"deadline {float(deadline):g}x" if kind == "deadline" and deadline is not None else kind
+    nic = _get(row, "nic")
+    if nic is not None:
+        text += f" ({nic})"
     if _get(row, "retransmit") == "go_back_n":
         text += " (go-back-N)"
     rto = _get(row, "rto_s")
@@ -131,7 +134,7 @@ LOSS_RATE = Dimension("loss rate", ("loss_rate",), _loss_rate, "Average loss rat
 KNOWN = (
     LOSS_MODEL, LOSS_RATE,
     Dimension("algorithm", ("algorithm",), _plain("algorithm"), "Collective algorithm"),
-    Dimension("transport", ("transport", "retransmit", "deadline", "rto_s"), _transport,
+    Dimension("transport", ("transport", "nic", "retransmit", "deadline", "rto_s"), _transport,
               "Transport: drop, retransmit or deadline", without_loss=False),
     Dimension("topology", ("tp_size", "ranks_per_node", "lossy_links"), _topology, "Topology"),
     Dimension("lossy direction", ("lossy",), _named("lossy", DIRECTIONS),

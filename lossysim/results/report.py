@@ -40,7 +40,7 @@ from .table import collect, write_summary_csv
 LOSS_KEYS = ("loss_model", "loss_rate", "mean_burst")
 # The sweep runs a lossless setting once whatever these say, so its baseline ignores them.
 LOSSLESS_FREE = ("loss", *LOSS_KEYS, "lossy", "recovery", "eval_lossy", "lossy_links", "transport", "retransmit",
-                 "deadline", "rto_s", "algorithm", "ranks_per_node", "link_intra", "link_inter", "compute")
+                 "deadline", "rto_s", "nic", "channels", "algorithm", "ranks_per_node", "link_intra", "link_inter", "compute")
 # What sets a loss-free run's simulated time (its accuracy does not depend on them).
 TIME_KEYS = ("algorithm", "ranks_per_node", "link_intra", "link_inter", "compute", "tp_size")
 # The time-to-accuracy target, as a fraction of the loss-free baseline's final accuracy.

@@ -13,7 +13,7 @@ import transformers
 from .. import timing
 from ..config import ExperimentConfig
 from ..data import PreparedData, prepare_data
-from ..models import build_model, check_max_length
+from ..models import build_model, check_max_length, cost
 from ..net import LossyNetwork
 from ..net.links import stream_seed
 from ..tp import TensorParallelModel, parallelize
@@ -32,6 +32,9 @@ class Parts:
     autocast: Any  # the context every forward runs in (mixed precision or none)
     compute: Union[timing.Compute, timing.Measured]  # how a step's compute time is modelled
     parameters: int  # the whole model's, before sharding: a step's FLOPs are 6 * N * tokens / tp
+    layers: int      # with hidden: attention's FLOPs
+    hidden: int
+    kernels: int     # kernel launches of one rank's training step, the TP collectives included
 
 
 def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bool,
@@ -46,6 +49,9 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
     train_net = LossyNetwork(config.network_spec())
     eval_net = LossyNetwork(config.network_spec(evaluation=True))
     parameters = sum(p.numel() for p in model.parameters())
+    layers, hidden = cost.dims(model.config)
+    # Each rank launches the whole model's kernels on its shards, and 2 all-reduces a block each way.
+    kernels = cost.kernels_per_step(model, config.task) + (4 * layers if config.tp_size > 1 else 0)
     compute = _compute(config, device)
     tp_model = _parallel_model(config, model, train_net, rank)
     optimizer = _optimizer(config, tp_model)
@@ -54,7 +60,7 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
     return Parts(data, tp_model, train_net, eval_net, optimizer, scheduler,
                  autocast=_autocast(config.amp, device),
                  scaler=torch.amp.GradScaler(device.type, enabled=config.amp == "fp16"),
-                 compute=compute, parameters=parameters)
+                 compute=compute, parameters=parameters, layers=layers, hidden=hidden, kernels=kernels)
 
 
 def _cache_dir() -> Path:

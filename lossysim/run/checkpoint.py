@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..config import NON_SEMANTIC, ExperimentConfig
+from ..config import NON_SEMANTIC, ExperimentConfig, upgrade
 from ..io import atomic_write_json
 from ..tp import gather_full_model
 from .state import TrainState, Window
@@ -136,9 +136,10 @@ def resume(run_dir: Path, parts: "Parts", window: Window, config: ExperimentConf
         return None
     saved = load(Path(found[0]), rank, _world(config), map_location=device)
     expected = _resumable(config)
-    if saved["config"] != expected:
-        key = next(k for k in saved["config"] if saved["config"][k] != expected.get(k))
-        raise ValueError(f"{found[0]} was written with {key}={saved['config'][key]!r}, this run has "
+    written = {k: v for k, v in upgrade(saved["config"]).items() if k not in NON_SEMANTIC}
+    if written != expected:
+        key = next(k for k in written if written[k] != expected.get(k))
+        raise ValueError(f"{found[0]} was written with {key}={written[key]!r}, this run has "
                          f"{key}={getattr(config, key)!r}: resume needs the same experiment")
     parts.model.load_state_dict(saved["model"])
     parts.optimizer.load_state_dict(saved["optimizer"])

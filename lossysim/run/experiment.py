@@ -139,16 +139,19 @@ def _train(rt: _Runtime, progress: bool, position: int, started: float) -> dict:
                 averages = window.flush(parts.model.group)
                 disagreement = parts.model.disagreement()
                 row = record.train_row(step, started, averages, state, parts.train_net,
-                                       parts.scheduler.get_last_lr()[0], disagreement)
+                                       parts.scheduler.get_last_lr()[0], disagreement, config)
                 state.train_disagreement.append(row["disagreement"])
                 metrics.write(row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}",
                                 lost=f"{row['observed_loss_rate']:.4f}", refresh=False)
+                if config.max_failures and row["failures"] >= config.max_failures:
+                    raise _GaveUp(step, row["failures"])
 
             if step % config.eval_every == 0 or step == config.steps:
                 for split in EVAL_SPLITS:
                     scores = evaluate(parts, split, config, rt.device)
-                    row = record.eval_row(step, split, started, scores, state, parts.train_net, parts.eval_net)
+                    row = record.eval_row(step, split, started, scores, state, parts.train_net, parts.eval_net,
+                                          config)
                     metrics.write(row)
                     # time to accuracy is measured on the first (primary) split
                     state.record_evaluation(row, config.target_accuracy if split == EVAL_SPLITS[0] else None)
@@ -161,6 +164,10 @@ def _train(rt: _Runtime, progress: bool, position: int, started: float) -> dict:
         diverged_at = {"step": div.args[0], **(parts.train_net.first_nonfinite() or {"site": None})}
         log.warning("loss or gradients became non-finite at step %d (first non-finite traffic: %s); "
                     "run marked diverged", div.args[0], diverged_at["site"] or "none")
+    except _GaveUp as stop:
+        status = "gave_up"
+        log.warning("the transport gave up on %d collectives by step %d (max_failures=%d): run ended",
+                    stop.args[1], stop.args[0], config.max_failures)
     finally:
         bar.close()
         metrics.close()
@@ -183,6 +190,10 @@ def _resume(rt: _Runtime, parts: Parts, window: Window) -> Optional[TrainState]:
 
 class _Divergence(Exception):
     """A step's loss or gradients became non-finite (its argument: the step)."""
+
+
+class _GaveUp(Exception):
+    """The transport gave up on max_failures collectives (arguments: the step, the failures)."""
 
 
 class Terminated(Exception):

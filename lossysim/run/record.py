@@ -52,19 +52,21 @@ def cut_metrics(run_dir: Path, step: Optional[int]) -> None:
 
 
 def train_row(step: int, started: float, averages: dict, state: TrainState, network: LossyNetwork, lr: float,
-              disagreement: dict) -> dict:
+              disagreement: dict, config: ExperimentConfig) -> dict:
     """A logged training step: the window's averages (``Window.flush``), the clock, traffic so far
     and rank divergence."""
     return {"step": step, "split": "train", "time_s": time.time() - started, **averages,
-            **clock_row(state, network, step), "lr": lr, **traffic(network),
+            **clock_row(state, network, step, config), "lr": lr, **traffic(network),
             "disagreement": disagreement["prediction"], "hidden_rel_diff": disagreement["hidden_rel_diff"]}
 
 
 def eval_row(step: int, split: str, started: float, scores: dict, state: TrainState,
-             train_net: LossyNetwork, eval_net: LossyNetwork) -> dict:
+             train_net: LossyNetwork, eval_net: LossyNetwork, config: ExperimentConfig) -> dict:
     """An evaluation: its scores, this evaluation's traffic, and the training clock it happened at."""
+    now = clock(state, train_net, config)
     return {"step": step, "split": split, "time_s": time.time() - started,
-            "sim_time_s": sim_time_s(state, train_net), "loss": scores["loss"], "accuracy": scores["accuracy"],
+            "sim_time_s": now["sim_time_s"], "sim_time_s_ideal_nic": now["sim_time_s_ideal_nic"],
+            "loss": scores["loss"], "accuracy": scores["accuracy"],
             **traffic(eval_net), "disagreement": scores["disagreement"],
             "hidden_rel_diff": scores["hidden_rel_diff"]}
 
@@ -93,34 +95,56 @@ def clock_mark(step: int, compute_s: float, network: LossyNetwork) -> dict:
     return {"step": step, "compute_s": compute_s, **network.clock()}
 
 
-def sim_time_s(state: TrainState, network: LossyNetwork) -> float:
-    """The simulated cluster's clock: modelled (or measured) compute plus simulated communication."""
-    return state.compute_s + network.clock()["comm_s"]
+def clock(state: TrainState, network: LossyNetwork, config: ExperimentConfig) -> dict:
+    """The simulated cluster's clock (see docs/time_model.md): modelled (or measured) compute, simulated
+    communication with its repairs, and a restart for every collective the transport gave up on
+    (``restart_s`` plus ``restart_lost_steps`` steps at the run's mean step time); beside it the same
+    run's clock under the ideal nic (one resend and one round trip per loss, never a failure)."""
+    comm = network.clock()
+    failures = network.failures()
+    per_step = (state.compute_s + comm["comm_s"]) / max(state.step, 1)
+    restart = failures * (config.restart_s + config.restart_lost_steps * per_step)
+    return {"sim_time_s": state.compute_s + comm["comm_s"] + restart,
+            "sim_time_s_ideal_nic": state.compute_s + comm["comm_s_ideal_nic"],
+            "restart_s": restart, "failures": failures, **comm}
 
 
-def clock_row(state: TrainState, network: LossyNetwork, step: int) -> dict:
-    """Simulated time per step since the last row, and the cumulative clock; marks this row."""
-    clock = network.clock()
+def clock_row(state: TrainState, network: LossyNetwork, step: int, config: ExperimentConfig) -> dict:
+    """Simulated time per step since the last row, the cumulative clock, and the waits on retransmission
+    timers per link class (so the time can be recomputed for other timers); marks this row."""
+    now = clock(state, network, config)
     last = state.last_row
     steps = max(step - last["step"], 1)
-    row = {"sim_time_s": state.compute_s + clock["comm_s"],
-           "comm_s_per_step": (clock["comm_s"] - last["comm_s"]) / steps,
-           "retransmit_s_per_step": (clock["retransmit_s"] - last["retransmit_s"]) / steps,
-           "compute_s_per_step": (state.compute_s - last["compute_s"]) / steps}
+    row = {"sim_time_s": now["sim_time_s"], "sim_time_s_ideal_nic": now["sim_time_s_ideal_nic"],
+           "comm_s_per_step": (now["comm_s"] - last["comm_s"]) / steps,
+           "retransmit_s_per_step": (now["retransmit_s"] - last["retransmit_s"]) / steps,
+           "compute_s_per_step": (state.compute_s - last["compute_s"]) / steps,
+           "failures": now["failures"], **repairs_by_class(network)}
     state.last_row = clock_mark(step, state.compute_s, network)
+    return row
+
+
+def repairs_by_class(network: LossyNetwork) -> dict:
+    """Timer waits so far per link class (``timeouts_intra``, ``timeouts_inter``)."""
+    row = {"timeouts_intra": 0, "timeouts_inter": 0}
+    for entry in network.summary(by=("link_class",)):
+        row[f"timeouts_{entry['link_class']}"] = entry["timeouts"]
     return row
 
 
 def _sim_time_summary(state: TrainState, network: LossyNetwork, config: ExperimentConfig) -> dict:
     steps = max(state.step, 1)
-    clock = network.clock()
+    now = clock(state, network, config)
     sent = {row["direction"]: row for row in network.summary()}
-    return {"total_s": sim_time_s(state, network), "compute_s_per_step": state.compute_s / steps,
-            "comm_s_per_step": clock["comm_s"] / steps, "ideal_comm_s_per_step": clock["ideal_comm_s"] / steps,
-            "retransmit_s_per_step": clock["retransmit_s"] / steps,
+    return {"total_s": now["sim_time_s"], "total_s_ideal_nic": now["sim_time_s_ideal_nic"],
+            "compute_s_per_step": state.compute_s / steps,
+            "comm_s_per_step": now["comm_s"] / steps, "ideal_comm_s_per_step": now["ideal_comm_s"] / steps,
+            "retransmit_s_per_step": now["retransmit_s"] / steps,
             "retransmitted_packets": sum(row["resent"] for row in sent.values()),
             "missing_packets": sum(row["missing"] for row in sent.values()),
-            "compute": config.compute, "algorithm": config.algorithm, "transport": config.transport}
+            "failures": now["failures"], "restart_s": now["restart_s"], **repairs_by_class(network),
+            "compute": config.compute, "algorithm": config.algorithm, "transport": config.transport,
+            "nic": config.nic}
 
 
 # -- summary.json ---------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import torch
 
 from .. import timing
 from ..config import ExperimentConfig
+from ..models import cost
 from ..tp import TensorParallelModel
 from .build import Parts
 from .state import TrainState, Window
@@ -50,7 +51,10 @@ def _compute_seconds(parts: Parts, config: ExperimentConfig, batch: dict, t0: fl
         torch.cuda.synchronize(device)
         return time.perf_counter() - t0
     # The GPU computes every position of the padded batch.
-    return parts.compute.step_time(parts.parameters, batch["input_ids"].numel(), config.tp_size)
+    rows, seq_len = batch["input_ids"].shape
+    attention = cost.step_flops(0, rows * seq_len, parts.layers, parts.hidden, seq_len)
+    return parts.compute.step_time(parts.parameters, rows * seq_len, config.tp_size, attention_flops=attention,
+                                   kernels=parts.kernels)
 
 
 def _clip_grad_norm(model: TensorParallelModel, max_norm: float) -> torch.Tensor:

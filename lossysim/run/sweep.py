@@ -21,7 +21,7 @@ whatever sweep or shard asks for them. A lossless loss spec (``bernoulli:0``,
 or ``eval_lossy`` say, so it is normalised to ``loss=none, lossy=both, recovery=zero,
 eval_lossy=true`` and runs once per seed.
 
-Resuming: a run whose ``summary.json`` says ``completed`` or ``diverged`` is finished (a
+Resuming: a run whose ``summary.json`` says ``completed``, ``diverged`` or ``gave_up`` is finished (a
 divergence is a deterministic result, not an accident) and is skipped; any other run
 directory (no summary: killed; ``failed``) is deleted and the run starts again. Every file is
 written atomically or re-created, so a sweep killed at any moment (SIGKILL included) completes
@@ -58,7 +58,7 @@ SPEC_KEYS = ("base", "grid", "description")
 # Keys that say where or how a run is executed, not what is trained: they stay out of the
 # hash so a shard on another machine (another device, another output folder) finds the run.
 # Checkpointing settings too: a resumed run ends exactly as an uninterrupted one.
-FINISHED = ("completed", "diverged")
+FINISHED = ("completed", "diverged", "gave_up")
 # Always in summary.csv (the report groups by them); other config keys only when they vary.
 MAX_EXIT = 100
 
@@ -164,7 +164,7 @@ def normalise(config: ExperimentConfig) -> ExperimentConfig:
     still set its time)."""
     if parse_loss_model(config.loss).lossless:
         return config.replace(loss="none", lossy="both", recovery="zero", eval_lossy=True, lossy_links="all",
-                              transport="drop", retransmit="selective", deadline=1.5, rto_s=None)
+                              transport="drop", nic="irn", retransmit=None, deadline=1.5, rto_s=None, channels=2)
     return config
 
 
@@ -187,7 +187,8 @@ def run_name(config: ExperimentConfig, key: str) -> str:
     if config.algorithm != "ring":
         parts.append(config.algorithm)
     if config.transport != "drop":
-        parts.append(config.transport + ("-gbn" if config.retransmit == "go_back_n" else ""))
+        parts.append(config.transport + ("" if config.nic == "irn" else f"-{config.nic}")
+                     + ("-gbn" if config.retransmit == "go_back_n" else ""))
     prefix = "".join(c if c.isalnum() or c in "._-" else "-" for c in "_".join(parts))
     return f"{prefix}-{key}"
 

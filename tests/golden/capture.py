@@ -1,6 +1,7 @@
-"""Write tests/golden/runs.json: short lossy runs as the code stood before the layout change.
+"""Write tests/golden/runs.json: short lossy runs, every number they report.
 
-Run once, by hand, on the code whose numbers are to be kept (``python tests/golden/capture.py``);
+Run by hand, on the code whose numbers are to be kept (``python tests/golden/capture.py``), and
+only when a change is meant to move a number (say which, and why, in the commit);
 ``tests/test_golden.py`` then checks that today's code reproduces every number in it exactly.
 """
 from __future__ import annotations
