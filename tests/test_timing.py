@@ -21,7 +21,9 @@ from lossysim.timing import (DEFAULT_MFU, GPU_PRESETS, LINK_PRESETS, MEASURED, C
                              packet_count, parse_compute, parse_link, ring_all_gather_time, ring_all_reduce_time,
                              selective_repeat_transmissions, send_times, step_time, tree_all_reduce_time,
                              window_packets)
+from lossysim.models.cost import step_flops
 from lossysim.net import LossyNetwork
+from lossysim.timing import nccl
 from lossysim.net.algorithms import schedule
 
 ALGORITHMS = ("ring_all_reduce", "ring_all_gather", "tree_all_reduce", "direct_all_reduce", "direct_all_gather")
@@ -126,20 +128,24 @@ def test_the_networks_schedules_are_the_step_lists(algorithm):
 
 @pytest.mark.parametrize("algorithm", ["ring", "tree", "direct"])
 def test_the_networks_clock_is_the_closed_form(algorithm):
-    """What the network charges a loss-free collective is its closed form, for any size."""
-    link = "alpha=2us,bw=100Gbps,header=40"
+    """What the network charges a loss-free collective, for any size: NCCL's model for ring and tree
+    (the wire bytes of its packets over the link's bus bandwidth), the alpha-beta form for direct."""
+    spec = "alpha=2us,bw=100Gbps,header=40"
+    link = parse_link(spec)
+
+    def form(collective, R, M):
+        if algorithm == "direct":
+            return (direct_all_reduce_time if collective == "all_reduce" else direct_all_gather_time)(R, M, link, 1448)
+        return nccl.collective_time(collective, algorithm, R, 1, M, 1448, link, link, link.bandwidth_Bps)
     for R in range(2, 9):
         for M in [4, 40, 1448, 1452, 4 * 362 * 7 * R + 8, 123452]:
-            net = LossyNetwork(R, "none", payload_bytes=1448, algorithm=algorithm, link_intra=link)
+            net = LossyNetwork(R, "none", payload_bytes=1448, algorithm=algorithm, link_intra=spec)
             net.all_reduce("s", "fwd", torch.zeros(R, M // 4), range(R))
-            form = {"ring": ring_all_reduce_time, "tree": tree_all_reduce_time, "direct": direct_all_reduce_time}
-            assert net.clock()["comm_s"] == pytest.approx(form[algorithm](R, M, parse_link(link), 1448),
-                                                          rel=1e-12), (R, M)
+            assert net.clock()["comm_s"] == pytest.approx(form("all_reduce", R, M), rel=1e-12), (R, M)
             if algorithm != "tree":
                 net.reset_stats()
                 net.all_gather("g", "fwd", torch.zeros(R, M // 4), range(R))
-                gather = ring_all_gather_time if algorithm == "ring" else direct_all_gather_time
-                assert net.clock()["comm_s"] == pytest.approx(gather(R, M, parse_link(link), 1448), rel=1e-12)
+                assert net.clock()["comm_s"] == pytest.approx(form("all_gather", R, M), rel=1e-12)
 
 
 def test_textbook_alpha_beta_formulas_without_headers():
@@ -196,15 +202,22 @@ def test_sends_share_the_egress_and_ingress_ports_of_their_class():
         step_time([(0, 1, w, intra)])
 
 
-def test_two_nodes_of_four_ranks_wait_for_the_slow_link():
-    """The ring crosses the slow link twice per step, which sets every step."""
-    fast, slow = LINK_PRESETS["nvlink4"], ROCE
+def test_two_nodes_spread_their_traffic_over_their_nics():
+    """Across nodes a rank's traffic shares the node's NICs (NCCL spreads its channels over them):
+    bus bandwidth is the slower of NVLink and the NICs together; one NIC per node is the bottleneck."""
     M = 8 * 1024 * 768 * 2
-    net = LossyNetwork(8, "none", ranks_per_node=4, link_intra="nvlink4", link_inter="roce-200g")
-    net.all_reduce("s", "fwd", torch.zeros(8, M // 2, dtype=torch.bfloat16), range(8))
-    t = net.clock()["comm_s"]
-    assert t == pytest.approx(ring_all_reduce_time(8, M, slow), rel=1e-12)
-    assert t > 10 * ring_all_reduce_time(8, M, fast)
+    x = torch.zeros(8, M // 2, dtype=torch.bfloat16)
+    times = {}
+    for nics in (4, 1):
+        net = LossyNetwork(8, "none", ranks_per_node=4, link_intra="nvlink4", link_inter="roce-200g",
+                           nics_per_node=nics)
+        net.all_reduce("s", "fwd", x, range(8))
+        fast = LINK_PRESETS["nvlink4"]
+        expected = nccl.collective_time("all_reduce", "ring", 8, 2, M, net.spec.payload_bytes, fast, ROCE,
+                                        min(fast.bandwidth_Bps, nics * ROCE.bandwidth_Bps))
+        times[nics] = net.clock()["comm_s"]
+        assert times[nics] == pytest.approx(expected, rel=1e-12)
+    assert 3 < times[1] / times[4] < 4
 
 
 # ---------------------------------------------------------------------------- bus bandwidth
@@ -227,6 +240,25 @@ def test_busbw_of_the_ring_recovers_the_link_bandwidth(R):
     assert busbw("all_reduce", R, M, direct_all_reduce_time(R, M, link)) == pytest.approx(2 * B / R, rel=1e-12)
 
 
+@pytest.mark.parametrize("R", [2, 4, 8])
+def test_nccls_bus_bandwidth_approaches_the_links_at_large_sizes(R):
+    """Latency fades, headers stay: the ring's busbw(1 GiB) is B x payload / (payload + header) to within
+    2%; NCCL's pipelined double binary tree moves 2M at B/2 x 0.92 (Simple), whatever R: busbw = that
+    algbw x 2(R-1)/R. Small messages pay latency."""
+    for link in (LINK_PRESETS["nvlink4"], ROCE):
+        net = link.hw == "net"
+        nodes = R if net else 1
+        ceiling = link.bandwidth_Bps * PP / (PP + link.header_bytes)
+        for algorithm in ("ring", "tree"):
+            t = nccl.collective_time("all_reduce", algorithm, R, nodes, 2 ** 30, PP, link, link, link.bandwidth_Bps)
+            efficiency = 1.0 if algorithm == "ring" else 0.92 * (R - 1) / R
+            assert busbw("all_reduce", R, 2 ** 30, t) == pytest.approx(ceiling * efficiency, rel=0.02)
+            small = nccl.collective_time("all_reduce", algorithm, R, nodes, 2 ** 16, PP, link, link, link.bandwidth_Bps)
+            assert busbw("all_reduce", R, 2 ** 16, small) < 0.5 * ceiling
+        t = nccl.collective_time("all_gather", "ring", R, nodes, 2 ** 30 // R, PP, link, link, link.bandwidth_Bps)
+        assert busbw("all_gather", R, 2 ** 30, t) == pytest.approx(ceiling, rel=0.02)
+
+
 def test_busbw_factors():
     assert busbw("reduce_scatter", 4, 100.0, 1.0) == pytest.approx(75.0)
     assert busbw("broadcast", 4, 100.0, 1.0) == busbw("reduce", 4, 100.0, 1.0) == 100.0
@@ -239,7 +271,7 @@ def test_busbw_factors():
 def test_presets_parse_and_round_trip():
     for name, link in LINK_PRESETS.items():
         assert parse_link(name) == link and link.spec == name and link.name == name
-    assert LINK_PRESETS["nvlink4"].bandwidth_Bps == 450e9
+    assert LINK_PRESETS["nvlink4-line"].bandwidth_Bps == 450e9 > LINK_PRESETS["nvlink4"].bandwidth_Bps
     assert LINK_PRESETS["ib-ndr400"].bandwidth_Bps == LINK_PRESETS["roce-400g"].bandwidth_Bps == 50e9
     assert LINK_PRESETS["roce-100g"].bandwidth_Bps * 4 == LINK_PRESETS["roce-400g"].bandwidth_Bps
     modified = parse_link("roce-200g,alpha=10us")
@@ -301,6 +333,37 @@ def test_compute_model_arithmetic():
     # dense peaks are half the vendors' 2:4-sparsity headline figures, never above them
     assert GPU_PRESETS["h200"] == GPU_PRESETS["h100"] > GPU_PRESETS["a100"] > GPU_PRESETS["l4"]
     assert GPU_PRESETS["b200"] > GPU_PRESETS["mi300x"] > GPU_PRESETS["h100"]
+
+
+def test_a_small_models_step_is_bound_by_its_kernel_launches():
+    h100 = parse_compute("h100")
+    assert h100.launch_s == 5e-6 and parse_compute("h100,launch=8us").launch_s == 8e-6
+    tiny = h100.step_time(1e5, 512, 2, kernels=400)
+    assert tiny == pytest.approx(400 * 5e-6, rel=1e-12)      # the FLOPs would take nanoseconds
+    N, T = 8.03e9, 8 * 8192                                 # Llama-3.1-8B, 8 sequences of 8192
+    attention = step_flops(0, T, 32, 4096, 8192)
+    assert attention == pytest.approx(12 * 32 * 8192 ** 2 * 4096 * 8, rel=1e-12)
+    big = h100.step_time(N, T, 8, attention_flops=attention, kernels=3000)
+    assert big == pytest.approx((6 * N * T + attention) / 8 / (989.4e12 * 0.4), rel=1e-12)
+    assert big > 3000 * 5e-6
+    assert step_flops(N, T, 32, 4096, 8192) == pytest.approx(6 * N * T + attention, rel=1e-12)
+
+
+def test_kernels_are_counted_per_layer_without_moving_the_runs_random_streams():
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+    from lossysim.models.cost import kernels_per_step
+    counts = {}
+    for layers in (1, 2, 3):
+        config = GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=100, n_positions=32, pad_token_id=0)
+        model = GPT2ForSequenceClassification(config)
+        state = torch.get_rng_state()
+        counts[layers] = kernels_per_step(model)
+        assert torch.equal(state, torch.get_rng_state())
+    per_layer = counts[2] - counts[1]
+    assert per_layer > 20 and counts[3] - counts[2] == per_layer    # every block launches the same kernels
+    wide = GPT2ForSequenceClassification(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=500,
+                                                    n_positions=32, pad_token_id=0))
+    assert kernels_per_step(wide) == counts[2]                       # widths change no count
 
 
 @pytest.mark.parametrize("spec,field", [("h1000", "h1000"), ("mfu=0.3", "flops"), ("h100,mfu=1.5", "mfu"),

@@ -137,15 +137,23 @@ def _tp_step(config, data, checkpointing: bool):
     torch.manual_seed(7)  # attention dropout (sharded region) uses the global stream
     batch = next(train_batches(data, 8, 0))
     tp(**batch).loss.backward()
-    return {n: p.grad.clone() for n, p in tp.named_parameters()}, network.stats()
+    return {n: p.grad.clone() for n, p in tp.named_parameters()}, network.stats(), network.clock(), batch
 
 
 def test_activation_checkpointing_replays_masks_and_counts_once(tmp_path):
+    """A replay redraws nothing and counts no packet twice, but its forward all-reduces take time again."""
     config = tiny(tmp_path)
     data = prepare_data(config, Path(os.environ["LOSSYSIM_CACHE"]) / "data")
-    plain_grads, plain_stats = _tp_step(config, data, checkpointing=False)
-    ckpt_grads, ckpt_stats = _tp_step(config, data, checkpointing=True)
+    plain_grads, plain_stats, plain_clock, batch = _tp_step(config, data, checkpointing=False)
+    ckpt_grads, ckpt_stats, ckpt_clock, _ = _tp_step(config, data, checkpointing=True)
     assert ckpt_stats == plain_stats
+    # every block's two forward all-reduces (attention and MLP outputs, [batch, seq, hidden]) again
+    model = build_model("tiny", vocab_size=data.vocab_size, pad_token_id=data.pad_token_id, num_labels=3,
+                        max_length=config.max_length)
+    one = LossyNetwork(2, "none")
+    one.all_reduce("s", "fwd", torch.zeros(2, *batch["input_ids"].shape, model.config.n_embd), range(2))
+    replays = 2 * model.config.n_layer * one.clock()["comm_s"]
+    assert ckpt_clock["comm_s"] - plain_clock["comm_s"] == pytest.approx(replays, rel=1e-9)
     assert sum(r["lost"] for r in plain_stats) > 0
     for name, grad in plain_grads.items():
         torch.testing.assert_close(ckpt_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
@@ -213,3 +221,24 @@ def test_full_disk_is_refused_before_training(tmp_path, capsys, monkeypatch):
                               "--set", "max_eval_samples=16", "--set", "max_length=32"])
     assert "not enough free space" in err
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_a_transport_that_gives_up_costs_a_restart_or_ends_the_run(tmp_path):
+    """Bursty loss outlasts IRN's seven retries: each failure is charged restart_s plus restart_lost_steps
+    steps once, the clock never runs backwards, and max_failures ends the run as gave_up."""
+    lossy = dict(loss="ge:rate=0.1,burst=8", transport="retransmit", nic="irn", restart_s=10.0,
+                 restart_lost_steps=5, steps=12, log_every=2, eval_every=6)
+    summary = run_experiment(tiny(tmp_path / "a", **lossy), tmp_path / "a" / "run", progress=False)
+    rows = [r for r in read_jsonl(tmp_path / "a" / "run" / "metrics.jsonl") if r["split"] == "train"]
+    failures, time = summary["sim_time"]["failures"], summary["sim_time"]
+    assert summary["status"] == "completed" and failures > 0
+    assert all(a["sim_time_s"] <= b["sim_time_s"] for a, b in zip(rows, rows[1:]))
+    assert [r["failures"] for r in rows] == sorted(r["failures"] for r in rows)
+    per_step = time["compute_s_per_step"] + time["comm_s_per_step"]
+    assert failures * 10.0 < time["restart_s"] < failures * (10.0 + 5 * 2 * per_step)
+    assert time["total_s"] == pytest.approx(12 * per_step + time["restart_s"], rel=1e-9)
+    assert time["total_s_ideal_nic"] < 12 * per_step
+
+    ended = run_experiment(tiny(tmp_path / "b", max_failures=1, **lossy), tmp_path / "b" / "run", progress=False)
+    assert ended["status"] == "gave_up" and ended["sim_time"]["failures"] >= 1
+    assert ended["steps"] < 12

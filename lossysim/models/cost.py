@@ -52,7 +52,7 @@ def kernels_per_step(model: torch.nn.Module, task: str = "classification") -> in
 @functools.lru_cache(maxsize=32)
 def _count(cls, config_json: str, task: str) -> int:
     import json
-    config = type_config(cls).from_dict(_narrow(json.loads(config_json)))
+    config = cls.config_class.from_dict(_narrow(json.loads(config_json)))
     config._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):  # the run's own random streams must not move
         torch.manual_seed(0)
@@ -66,10 +66,6 @@ def _count(cls, config_json: str, task: str) -> int:
             model(**batch).loss.backward()
             optimizer.step()
     return launches.count
-
-
-def type_config(cls):
-    return cls.config_class
 
 
 def _narrow(values: dict) -> dict:

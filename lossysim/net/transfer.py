@@ -95,12 +95,8 @@ def loss_free_time(spec: NetworkSpec, sched: Schedule, message_bytes: int, packe
         sends = [(s.src, s.dst, message_bytes, sched.n_packets, spec.link(topology.link_class(s.src, s.dst)),
                   topology.link_class(s.src, s.dst)) for s in sched.sends]
         return timing.step_time(sends)
-    # The busiest link class carries the wire bytes: headers count once per packet.
-    bottleneck = spec.link_inter if nodes > 1 else spec.link_intra
-    wire = message_bytes + -(-message_bytes // packet_bytes) * bottleneck.header_bytes
-    nbytes = wire * R if sched.collective == "all_gather" else wire   # nccl-tests: all-gather's whole output
-    return nccl.estimate(sched.collective, sched.algorithm, R, nodes, nbytes, spec.bus_bandwidth(),
-                         spec.link_intra.hw, spec.link_inter.hw).seconds
+    return nccl.collective_time(sched.collective, sched.algorithm, R, nodes, message_bytes, packet_bytes,
+                                spec.link_intra, spec.link_inter, spec.bus_bandwidth())
 
 
 def _steps(spec, sched, link_ids, n_links, numel, itemsize, per_packet, ideal, device) -> list:

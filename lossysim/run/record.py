@@ -97,16 +97,19 @@ def clock_mark(step: int, compute_s: float, network: LossyNetwork) -> dict:
 
 def clock(state: TrainState, network: LossyNetwork, config: ExperimentConfig) -> dict:
     """The simulated cluster's clock (see docs/time_model.md): modelled (or measured) compute, simulated
-    communication with its repairs, and a restart for every collective the transport gave up on
-    (``restart_s`` plus ``restart_lost_steps`` steps at the run's mean step time); beside it the same
-    run's clock under the ideal nic (one resend and one round trip per loss, never a failure)."""
+    communication with its repairs, and a restart for every collective the transport gave up on;
+    beside it the same run's clock under the ideal nic (one resend and one round trip per loss, never
+    a failure). A failure noticed here is charged once, into ``state``: ``restart_s`` plus
+    ``restart_lost_steps`` steps at the run's mean step time so far."""
     comm = network.clock()
     failures = network.failures()
-    per_step = (state.compute_s + comm["comm_s"]) / max(state.step, 1)
-    restart = failures * (config.restart_s + config.restart_lost_steps * per_step)
-    return {"sim_time_s": state.compute_s + comm["comm_s"] + restart,
+    if failures > state.failures:
+        per_step = (state.compute_s + comm["comm_s"]) / max(state.step, 1)
+        state.restart_s += (failures - state.failures) * (config.restart_s + config.restart_lost_steps * per_step)
+        state.failures = failures
+    return {"sim_time_s": state.compute_s + comm["comm_s"] + state.restart_s,
             "sim_time_s_ideal_nic": state.compute_s + comm["comm_s_ideal_nic"],
-            "restart_s": restart, "failures": failures, **comm}
+            "restart_s": state.restart_s, "failures": failures, **comm}
 
 
 def clock_row(state: TrainState, network: LossyNetwork, step: int, config: ExperimentConfig) -> dict:

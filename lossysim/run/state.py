@@ -24,6 +24,8 @@ class TrainState:
     compute_s: float = 0.0                       # simulated compute seconds (see lossysim.timing)
     reached: Optional[dict] = None               # when the primary split first reached target_accuracy
     last_row: dict = field(default_factory=dict)  # the clock at the last train row (per-step rates)
+    failures: int = 0                            # collectives the transport gave up on, charged so far
+    restart_s: float = 0.0                       # simulated seconds their restarts cost
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)  # a deep copy: later steps must not change a saved checkpoint

@@ -91,8 +91,15 @@ IB_HEADER_BYTES = 8 + 12 + 4 + 2
 
 # Wire latencies are assumptions, not facts about any site (a few microseconds per RDMA hop); a
 # collective's per-hop latency comes from NCCL's model for the link's hardware class instead.
+# NVLink presets carry the bus bandwidth NCCL sustains, not the line rate: NCCL's protocol costs
+# about 20% of an H100's 450 GB/s, leaving about 370 GB/s (NVIDIA/nccl-tests#212); an 8 x A100 node
+# measures 232 GB/s of its 300 (NVIDIA/nccl-tests#175). The ``-line`` presets keep the line rates.
 LINK_PRESETS = {
-    "nvlink4": Link("nvlink4", 1e-6, 450e9, 0, "nvlink"),     # H100: 18 links, 450 GB/s per direction
+    "nvlink4": Link("nvlink4", 1e-6, 370e9, 0, "nvlink"),
+    "nvlink4-line": Link("nvlink4-line", 1e-6, 450e9, 0, "nvlink"),   # H100: 18 links x 25 GB/s
+    "nvlink3": Link("nvlink3", 1e-6, 232e9, 0, "nvlink"),
+    "nvlink3-line": Link("nvlink3-line", 1e-6, 300e9, 0, "nvlink"),   # A100: 12 links x 25 GB/s
+    "ib-hdr200": Link("ib-hdr200", 3e-6, 200e9 / 8, IB_HEADER_BYTES, "net"),
     "ib-ndr400": Link("ib-ndr400", 3e-6, 400e9 / 8, IB_HEADER_BYTES, "net"),
     "roce-100g": Link("roce-100g", 5e-6, 100e9 / 8, ROCE_HEADER_BYTES, "net"),
     "roce-200g": Link("roce-200g", 5e-6, 200e9 / 8, ROCE_HEADER_BYTES, "net"),

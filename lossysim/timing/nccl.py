@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from .links import Link
+
 PROTOCOLS = ("LL", "LL128", "Simple")
 ALGORITHMS = ("ring", "tree")
 
@@ -95,7 +97,8 @@ def algorithm_bandwidth(collective: str, algorithm: str, protocol: str, ranks: i
         efficiency = 7 / 9 if nodes == 1 else 120 / 128
     bandwidth = busbw_Bps * efficiency * 0.5
     size = int(math.log2(max(int(nbytes) >> 6, 1)))
-    return bandwidth * TREE_CORRECTION[protocol][min(size, len(TREE_CORRECTION[protocol]) - 1)]
+    factors = TREE_CORRECTION[protocol]
+    return bandwidth * (factors[size] if size < len(factors) else 1.0)   # none beyond 256 MiB
 
 
 def estimate(collective: str, algorithm: str, ranks: int, nodes: int, nbytes: float, busbw_Bps: float,
@@ -119,3 +122,17 @@ def estimate(collective: str, algorithm: str, ranks: int, nodes: int, nbytes: fl
         if best is None or guess.seconds < best.seconds:
             best = guess
     return best
+
+
+def collective_time(collective: str, algorithm: str, ranks: int, nodes: int, message_bytes: int,
+                    packet_bytes: int, intra: Link, inter: Link, busbw_Bps: float) -> float:
+    """Seconds a loss-free ring or tree collective takes on our links: ``message_bytes`` is each
+    rank's message (an all-reduce's input, an all-gather's shard), cut into packets of
+    ``packet_bytes``; the busiest link class (``inter`` across nodes) adds its header to every
+    packet; ``busbw_Bps`` is what a rank's busiest link class sustains."""
+    if ranks < 2 or message_bytes == 0:
+        return 0.0
+    bottleneck = inter if nodes > 1 else intra
+    wire = bottleneck.wire_bytes(message_bytes, -(-message_bytes // packet_bytes))
+    nbytes = wire * ranks if collective == "all_gather" else wire   # nccl-tests: all-gather's whole output
+    return estimate(collective, algorithm, ranks, nodes, nbytes, busbw_Bps, intra.hw, inter.hw).seconds

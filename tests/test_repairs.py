@@ -1,0 +1,148 @@
+"""What a lost packet costs in time, per NIC preset: the transport's repairs against their exact
+expectation (``timing.expected_repair_s``), failures at the rate the retry count implies, the
+ideal preset as a lower bound, and every preset at zero loss costing what the loss-free model says."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from lossysim import timing
+from lossysim.net.network import LossyNetwork
+from lossysim.net.transport import Sends, Transport, run_step
+from lossysim.timing import NIC_PRESETS, expected_repair_s, nccl
+
+ALPHA = 1e-5
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+TAU, RTT, WINDOW = 0.12e-6, 6e-6, 8
+
+
+def one_connection(nic, packets: int, final: bool = True) -> Sends:
+    tails = torch.zeros(1, packets, dtype=torch.bool)
+    if final:
+        tails[0, packets - nic.dupacks:] = True
+    f64 = dict(dtype=torch.float64)
+    return Sends(torch.tensor([packets]), torch.tensor([TAU], **f64), torch.tensor([RTT], **f64),
+                 torch.tensor([WINDOW]), torch.tensor([final]), tails,
+                 torch.tensor([nic.dupacks if final else 0]))
+
+
+def bernoulli(p: float, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(lengths, known=True):
+        return torch.rand(len(lengths), int(lengths.max()), generator=gen) < p, lambda used: None
+    return draw
+
+
+def repairs(nic, p, packets, trials, final=True, seed=0):
+    """(extra seconds, timer waits, failed) of ``trials`` independent messages on one connection."""
+    sends, draw = one_connection(nic, packets, final), bernoulli(p, seed)
+    transport = Transport("retransmit", nic.mode)
+    out = [run_step(transport, nic, sends, draw, math.inf) for _ in range(trials)]
+    return (np.array([float(r.extra) for r in out]), np.array([int(r.timeouts.sum()) for r in out]),
+            np.array([bool(r.failed.any()) for r in out]))
+
+
+# p where each preset's timers matter, and few enough packets that runs are quick; roce-gbn's fifth
+# timeout in a row waits seconds (the IB ACK timeout), so its p keeps that out of reach.
+CASES = {"ideal": (0.1, 60), "irn": (0.1, 60), "srd": (0.1, 60), "roce-gbn": (0.02, 150), "tcp": (0.2, 20)}
+
+
+@pytest.mark.parametrize("name", list(NIC_PRESETS))
+def test_repair_time_is_its_closed_form(name):
+    nic = NIC_PRESETS[name]
+    p, n = CASES[name]
+    extra, _, failed = repairs(nic, p, n, 1500)
+    assert not failed.any()
+    expected = expected_repair_s(nic, n, p, TAU, RTT, WINDOW)
+    assert stats.ttest_1samp(extra, expected).pvalue > ALPHA
+    other = "irn" if name == "ideal" else "ideal"   # and the formula tells the presets apart
+    wrong = expected_repair_s(NIC_PRESETS[other], n, p, TAU, RTT, WINDOW)
+    assert stats.ttest_1samp(extra, wrong).pvalue < ALPHA
+
+
+@pytest.mark.parametrize("name", ["irn", "roce-gbn"])
+def test_a_step_that_is_not_the_connections_last_waits_no_timer(name):
+    """Later traffic on the same connection reveals every loss: one round trip each, never a timer."""
+    nic = NIC_PRESETS[name]
+    extra, timeouts, _ = repairs(nic, 0.1, 60, 600, final=False)
+    assert timeouts.sum() == 0
+    expected = expected_repair_s(nic, 60, 0.1, TAU, RTT, WINDOW, final=False)
+    assert stats.ttest_1samp(extra, expected).pvalue > ALPHA
+    assert expected < expected_repair_s(nic, 60, 0.1, TAU, RTT, WINDOW)
+
+
+@pytest.mark.parametrize("mode", ["selective", "go_back_n"])
+def test_failures_occur_at_the_rate_the_retry_count_implies(mode):
+    """A packet lost retries + 1 times in a row fails the collective: 1 - (1 - p^(retries+1))^n."""
+    nic = replace(NIC_PRESETS["irn"], mode=mode, retries=2)
+    p, n, trials = 0.1, 50, 3000
+    _, _, failed = repairs(nic, p, n, trials, seed=3)
+    rate = 1 - (1 - p ** 3) ** n
+    assert stats.binomtest(int(failed.sum()), trials, rate).pvalue > ALPHA
+    assert stats.binomtest(int(failed.sum()), trials, 1 - (1 - p ** 2) ** n).pvalue < ALPHA
+
+
+def lossy_clock(nic: str, loss: str, tp=4, transport="retransmit", **kwargs) -> dict:
+    net = LossyNetwork(tp, loss, transport=transport, nic=nic, seed=5, **kwargs)
+    x = torch.zeros(tp, 362 * 60)
+    for _ in range(5):
+        net.all_reduce("s", "fwd", x, range(tp))
+        net.all_gather("s", "fwd", x[:, :362 * 15], range(tp))
+    return net.clock()
+
+
+@pytest.mark.parametrize("nic", list(NIC_PRESETS))
+def test_zero_loss_costs_the_loss_free_time_and_ideal_is_a_lower_bound(nic):
+    kwargs = dict(ranks_per_node=2, link_inter="roce-200g")
+    clean = lossy_clock(nic, "bernoulli:0", **kwargs)
+    assert clean["comm_s"] == clean["ideal_comm_s"] == clean["comm_s_ideal_nic"] > 0
+    assert clean["comm_s"] == lossy_clock("ideal", "none", transport="drop", **kwargs)["comm_s"]
+    if NIC_PRESETS[nic].mode == "go_back_n":
+        kwargs["loss_model"] = "bernoulli:0.03"
+    lossy = lossy_clock(nic, kwargs.pop("loss_model", "ge:rate=0.05,burst=3"), **kwargs)
+    assert lossy["comm_s_ideal_nic"] <= lossy["comm_s"] and lossy["comm_s_ideal_nic"] > clean["comm_s"]
+    if nic == "ideal":
+        assert lossy["comm_s_ideal_nic"] == lossy["comm_s"]
+
+
+def test_what_receivers_get_does_not_depend_on_the_nic():
+    """Only the clock moves: drop delivers the same packets, retransmit the same exact tensors."""
+    x = torch.randn(4, 362 * 20, generator=torch.Generator().manual_seed(0))
+    for transport in ("drop", "retransmit"):
+        outs, clocks = [], []
+        for nic in NIC_PRESETS:
+            if transport == "retransmit" and NIC_PRESETS[nic].mode == "go_back_n":
+                continue
+            net = LossyNetwork(4, "bernoulli:0.2", transport=transport, nic=nic, seed=2)
+            outs.append(net.all_reduce("s", "fwd", x, range(4)))
+            clocks.append(net.clock()["comm_s"])
+        assert all(torch.equal(outs[0], o) for o in outs)
+        assert (len(set(clocks)) == 1) == (transport == "drop")
+
+
+# Published bus bandwidths of large all-reduces (nccl-tests, 1 GiB and up) against the model's, for
+# the link presets they back: (tp, ranks per node, intra, inter, GB/s, source).
+PUBLISHED_BUSBW = [
+    (8, 8, "nvlink4", "ib-ndr400", 370, "8 x H100, NCCL_ALGO=Ring (NVIDIA/nccl-tests#212)"),
+    (8, 8, "nvlink3", "ib-hdr200", 232.5, "8 x A100 SXM4 (NVIDIA/nccl-tests#175)"),
+    (16, 8, "nvlink3", "ib-hdr200", 192, "2 x DGX-A100, 8 x HDR 200G (NVIDIA/nccl#812)"),
+    (2, 1, "nvlink4", "ib-ndr400", 48.5, "ConnectX-7 NDR: 48-49 GB/s per NIC (NVIDIA/nccl-tests#267)"),
+]
+
+
+@pytest.mark.parametrize("tp,per_node,intra,inter,published,source", PUBLISHED_BUSBW)
+def test_large_all_reduces_reach_the_published_bus_bandwidth(tp, per_node, intra, inter, published, source):
+    """Within 5% of what nccl-tests measured on the hardware the presets describe."""
+    from lossysim.net.algorithms import schedule
+    from lossysim.net.spec import NetworkSpec
+    from lossysim.net.transfer import loss_free_time
+    spec = NetworkSpec(tp, "none", ranks_per_node=per_node, link_intra=intra, link_inter=inter)
+    size = 2 ** 30
+    t = loss_free_time(spec, schedule("ring", "all_reduce", tp, 1), size, spec.payload_bytes)
+    assert timing.busbw("all_reduce", tp, size, t) / 1e9 == pytest.approx(published, rel=0.05), source
