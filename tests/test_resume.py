@@ -133,7 +133,7 @@ def test_progress_is_saved_and_resumed_as_a_plain_dict(tmp_path):
     saved = torch.load(first / "rank0.pt", weights_only=False)
     assert type(saved["progress"]) is dict
     assert list(saved["progress"]) == ["step", "best", "final", "train_disagreement", "tokens", "train_time",
-                                       "compute_s", "reached", "last_row"]
+                                       "compute_s", "reached", "last_row", "failures", "restart_s"]
     # Plain values only, as an older version wrote them: nothing that needs this version's classes.
     saved["progress"] = json.loads(json.dumps(saved["progress"]))
     torch.save(saved, first / "rank0.pt")
@@ -143,6 +143,51 @@ def test_progress_is_saved_and_resumed_as_a_plain_dict(tmp_path):
     summary = run_experiment(config.replace(out=str(resumed)), resumed, progress=False, resume=True)
     assert summary["status"] == "completed", summary.get("error")
     assert_same_run(Path(config.out), resumed)
+
+
+def _as_written_by_0_2(path: Path) -> None:
+    """Rewrite a checkpoint as lossysim 0.2 wrote it: no nic settings (its selective repeat), no
+    failures, the network clock as one repaired total beside the loss-free one, fewer counters."""
+    saved = torch.load(path / "rank0.pt", weights_only=False)
+    new_keys = ("nic", "channels", "nics_per_node", "restart_s", "restart_lost_steps", "max_failures")
+    saved["config"] = {k: v for k, v in saved["config"].items() if k not in new_keys}
+    saved["config"]["retransmit"] = "selective"
+    for key in ("failures", "restart_s"):
+        saved["progress"].pop(key)
+    for net in ("train_net", "eval_net"):
+        state = saved[net]
+        state["config"] = {k: v for k, v in state["config"].items() if k not in ("nic", "channels", "nics_per_node")}
+        state["config"]["retransmit"] = "selective"
+        for entry in state["channels"].values():
+            entry["counts"] = entry["counts"][:6]     # sent, lost, sent_bad, bursts, resent, missing
+        ideal, repairs = state["clock"]["ideal_comm_s"], state["clock"]["repairs_s"]
+        state["clock"] = {"comm_s": None if repairs is None else ideal + repairs[0], "fixed_comm_s": 0.0,
+                          "ideal_comm_s": ideal}
+    torch.save(saved, path / "rank0.pt")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["rank0.pt"] = hashlib.sha256((path / "rank0.pt").read_bytes()).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_written_by_0_2_resumes_exactly(tmp_path):
+    """The same losses, masks, weights and clock; what 0.2 did not keep (the ideal-nic clock, timer
+    waits) is counted from the resume on."""
+    config = config_for(tmp_path / "full", steps=8, eval_every=4, loss="bernoulli:0.05", transport="retransmit")
+    assert run_experiment(config, config.out, progress=False)["status"] == "completed"
+    resumed = tmp_path / "resumed"
+    shutil.copytree(config.out, resumed)
+    first, *later = checkpoint.complete(resumed)
+    for path in later:
+        shutil.rmtree(path)
+    (resumed / "summary.json").unlink()
+    _as_written_by_0_2(first)
+    summary = run_experiment(config.replace(out=str(resumed)), resumed, progress=False, resume=True)
+    assert summary["status"] == "completed", summary.get("error")
+    ideal = ("sim_time_s_ideal_nic", "total_s_ideal_nic", "timeouts_intra", "timeouts_inter")
+    strip = lambda value: _without_timings({k: v for k, v in value.items() if k not in ideal})  # noqa: E731
+    full = [strip(r) for r in read_jsonl(Path(config.out) / "metrics.jsonl")]
+    assert [strip(r) for r in read_jsonl(resumed / "metrics.jsonl")] == full
+    assert strip(summary["sim_time"]) == strip(json.loads((Path(config.out) / "summary.json").read_text())["sim_time"])
 
 
 def test_keep_last_k_checkpoints(tmp_path):
