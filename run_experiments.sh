@@ -18,8 +18,10 @@ Profiles:
   quick  (default) tiny GPT-2 on the synthetic NLI task (synthetic, not MNLI), offline,
          2 simulated ranks on two nodes over 200G RoCE, 3 seeds (95% intervals and tests
          against no loss): ring all-reduce under Bernoulli 1%, 5%, 20% and Gilbert-Elliott
-         5%; direct exchange at 5% and 20%; retransmit and deadline (3x) at 1%, 5%, 20%; a
-         2 nodes x 2 ranks layout losing only between nodes. 45 runs, about 10 minutes
+         5%; direct exchange at 20%; at 1%, 5%, 20%: retransmit as a selective-repeat
+         NIC (irn) and RoCE go-back-N (roce-gbn) repair, each also timed under the ideal
+         NIC, and deadline (3x); a 2 nodes x 2 ranks layout losing only between nodes.
+         51 runs, about 12 minutes
          on 2 idle CPU cores. Spec: experiments/quick.yaml
   mnli   pretrained gpt2 on MNLI (20k train, 2k eval per split), tp 2; torchrun (dist)
          with >= 2 GPUs, simulated ranks (sim) otherwise. Spec: experiments/mnli_sweep.yaml

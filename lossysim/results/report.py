@@ -583,6 +583,7 @@ def time_to_accuracy_table(runs: pd.DataFrame, metrics: pd.DataFrame,
         done = group[group["status"] == "completed"]
         hits = [reached.get(d, {}) for d in done["run_dir"]]
         times = [h["sim_time_s"] for h in hits if h.get("sim_time_s") is not None]
+        ideal = [h["sim_time_s_ideal_nic"] for h in hits if h.get("sim_time_s_ideal_nic") is not None]
         steps = [h["step"] for h in hits if h.get("step") is not None]
         base_hits = [reached.get(d, {}) for d in _baseline_runs(runs, setting)["run_dir"]]
         base_times = [h["sim_time_s"] for h in base_hits if h.get("sim_time_s") is not None]
@@ -593,6 +594,7 @@ def time_to_accuracy_table(runs: pd.DataFrame, metrics: pd.DataFrame,
                      else f"{LOSS_RATE.value(first)} {LOSS_MODEL.value(first)}"),
             **{d.name: d.value(first) for d in columns},
             "time to target (ms)": _pm(est.mean, est.half_width, est.n, scale=1e3, digits=3) if times else "never",
+            "ideal nic (ms)": _pm(*_mean_ci_tuple(ideal), scale=1e3, digits=3) if ideal else "-",
             "reached": f"{len(times)}/{len(done)}",
             "steps": f"{np.mean(steps):.0f}" if steps else "-",
             "x baseline": f"{est.mean / base.mean:.2f}" if times and base_times else "-",
@@ -809,7 +811,10 @@ def section_time_to_accuracy(inputs: ReportInputs) -> str:
             + f"The target is {100 * TIME_TARGET_FRACTION:g}% of the loss-free baseline's final "
             f"`{split_name(inputs.runs)}` accuracy. Time is the simulated cluster's (modelled compute plus "
             "simulated communication, retransmissions included; see docs/time_model.md), not this machine's: "
-            "mean ± 95% CI over the seeds that reached the target; `x baseline` divides by the time of the "
+            "mean ± 95% CI over the seeds that reached the target. Lost packets are repaired as the run's NIC "
+            "preset does (`nic`: its timers, go-back-N or selective repeat, retries, restarts after a failure); "
+            "`ideal nic` is the same runs' time had every loss cost one resend and one round trip, so the gap "
+            "between the two columns is what the preset's timers and failures cost. `x baseline` divides by the time of the "
             "loss-free run timed like the setting (same topology, links and compute). The last two columns compare "
             "final accuracy with the loss-free run of the same seed (see the statistics note above).\n\n"
             + to_markdown(table))

@@ -110,8 +110,8 @@ def time_to_target(rows: Iterable[dict], target: float, split: Optional[str] = N
 
     ``rows`` are metrics.jsonl rows; ``split`` defaults to the primary eval split (MNLI's
     matched one, else the first eval split seen). Returns ``{"target", "split", "step",
-    "sim_time_s"}``, step and sim_time_s None when the target was never reached (sim_time_s
-    also when the rows carry no simulated clock).
+    "sim_time_s", "sim_time_s_ideal_nic"}``, step and the times None when the target was never
+    reached (the times also when the rows carry no simulated clock).
     """
     evals = [r for r in rows if r.get("split") not in (None, "train") and r.get("accuracy") is not None]
     if split is None:
@@ -119,5 +119,6 @@ def time_to_target(rows: Iterable[dict], target: float, split: Optional[str] = N
         split = "validation_matched" if "validation_matched" in seen else (seen[0] if seen else None)
     hit = next((r for r in sorted((r for r in evals if r["split"] == split), key=lambda r: r["step"])
                 if float(r["accuracy"]) >= target), None)
+    seconds = lambda key: None if hit is None or hit.get(key) is None else float(hit[key])  # noqa: E731
     return {"target": float(target), "split": split, "step": None if hit is None else int(hit["step"]),
-            "sim_time_s": None if hit is None or hit.get("sim_time_s") is None else float(hit["sim_time_s"])}
+            "sim_time_s": seconds("sim_time_s"), "sim_time_s_ideal_nic": seconds("sim_time_s_ideal_nic")}

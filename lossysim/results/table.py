@@ -105,6 +105,7 @@ def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
     row["target_accuracy"] = _number(reached.get("target"))
     row["steps_to_target"] = _number(reached.get("step"))
     row["sim_time_to_target_s"] = _number(reached.get("sim_time_s"))
+    row["sim_time_to_target_s_ideal_nic"] = _number(reached.get("sim_time_s_ideal_nic"))
     lossy = config.get("lossy", "both")
     lossy_dirs = ("fwd", "bwd") if lossy == "both" else (lossy,)
     sent = lost = 0
@@ -127,8 +128,10 @@ def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
         row[f"observed_loss_rate_{link_class}"] = class_lost / class_sent if class_sent else math.nan
     sim_time = summary.get("sim_time") or {}
     row["sim_time_s"] = _number(sim_time.get("total_s"))
+    row["sim_time_s_ideal_nic"] = _number(sim_time.get("total_s_ideal_nic"))
     for name in ("comm_s_per_step", "ideal_comm_s_per_step", "retransmit_s_per_step", "compute_s_per_step",
-                 "retransmitted_packets", "missing_packets"):
+                 "retransmitted_packets", "missing_packets", "failures", "restart_s", "timeouts_intra",
+                 "timeouts_inter"):
         row[name] = _number(sim_time.get(name))
     disagreement = summary.get("disagreement") or {}
     row["disagreement"] = _number(disagreement.get("final_eval"))

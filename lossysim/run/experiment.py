@@ -44,6 +44,7 @@ FLAGS = {
     "--recovery": ("recovery", "zero or rescale"),
     "--algorithm": ("algorithm", "collective algorithm: ring, tree or direct"),
     "--transport": ("transport", "drop, retransmit or deadline"),
+    "--nic": ("nic", "how lost packets are detected and repaired: ideal, irn, srd, roce-gbn or tcp"),
     "--model": ("model", "tiny | small | tiny-llama | llama-1b-shape | a HF name | a local directory"),
     "--dataset": ("dataset", "synthetic | mnli | a local directory or file"),
     "--max-train-samples": ("max_train_samples", "cap on training examples"),

@@ -175,7 +175,8 @@ def summary(status: str, diverged_at: Optional[dict], config: ExperimentConfig, 
         "diverged_at": diverged_at, "versions": versions(),
         "sim_time": _sim_time_summary(state, train_net, config),
         "time_to_accuracy": {"target": config.target_accuracy, "split": EVAL_SPLITS[0],
-                             "step": reached.get("step"), "sim_time_s": reached.get("sim_time_s")},
+                             "step": reached.get("step"), "sim_time_s": reached.get("sim_time_s"),
+                             "sim_time_s_ideal_nic": reached.get("sim_time_s_ideal_nic")},
     }
 
 

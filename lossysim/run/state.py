@@ -40,7 +40,8 @@ class TrainState:
         split = row["split"]
         final = {k: row[k] for k in ("accuracy", "loss", "step", "disagreement", "hidden_rel_diff", "sim_time_s")}
         if target_accuracy is not None and self.reached is None and row["accuracy"] >= target_accuracy:
-            self.reached = {"step": row["step"], "sim_time_s": row["sim_time_s"]}
+            self.reached = {"step": row["step"], "sim_time_s": row["sim_time_s"],
+                            "sim_time_s_ideal_nic": row.get("sim_time_s_ideal_nic")}
         self.final[split] = final
         best = self.best.get(split)
         if best is None or final["accuracy"] > best["accuracy"]:
