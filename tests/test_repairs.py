@@ -14,7 +14,7 @@ from scipy import stats
 from lossysim import timing
 from lossysim.net.network import LossyNetwork
 from lossysim.net.transport import Sends, Transport, run_step
-from lossysim.timing import NIC_PRESETS, expected_repair_s, nccl
+from lossysim.timing import NIC_PRESETS, expected_repair_s
 
 ALPHA = 1e-5
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

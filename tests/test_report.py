@@ -67,7 +67,7 @@ def test_report_writes_plots_and_tables(results, capsys):
         assert f"({name})" in md
     # The pivot: rates down, loss models across, accuracy mean ± 95% CI over the seeds.
     mean, std = expected("none")
-    assert f"| 0 (no loss)" in md and f"{mean:.1f} ± {std:.1f}" in md
+    assert "| 0 (no loss)" in md and f"{mean:.1f} ± {std:.1f}" in md
     for loss, column in (("bernoulli:0.05", "Bernoulli"), ("ge:rate=0.05,burst=8", "Gilbert-Elliott (burst 8)")):
         mean, std = expected(loss)
         assert f"{mean:.1f} ± {std:.1f}" in md, loss

@@ -1,7 +1,6 @@
 """Exact resume after SIGKILL, sealed checkpoints, and faults."""
 import hashlib
 import json
-import os
 import shutil
 import signal
 import subprocess

@@ -1,9 +1,6 @@
 """The experiment runner end to end, on the tiny model and the synthetic task."""
-import copy
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest

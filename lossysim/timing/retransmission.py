@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
+import numpy as np
 import torch
 
 from .links import Link
@@ -155,31 +156,29 @@ def expected_repair_s(nic: Nic, packets: int, p: float, tau: float, rtt: float, 
 
 def _selective_expectation(n, p, tau, rtt, dupacks, timers) -> float:
     """F(m, s): expected extra seconds once a round sends m packets with s timeouts in a row behind it.
-    Of the m, the last min(dupacks, m) are tails; m' = all lost ones go again after a round trip, or
-    after timers[s] when a tail was lost."""
+    Of the m, the last min(dupacks, m) are tails; the lost ones (t tails, u others) go again after a
+    round trip, or after timers[s] when a tail was lost."""
     from scipy.stats import binom
     cap = _STREAK_CAP
-    F = [[0.0] * (cap + 1) for _ in range(n + 1)]
+    F = np.zeros((n + 1, cap + 1))
     for m in range(1, n + 1):
         k = min(dupacks, m)
-        t_pmf, u_pmf = binom.pmf(range(k + 1), k, p), binom.pmf(range(m - k + 1), m - k, p)
-        for s in range(cap, -1, -1):
-            nxt = min(s + 1, cap)
+        u = np.arange(m - k + 1)
+        u_pmf = binom.pmf(u, m - k, p)
+        t_pmf = binom.pmf(np.arange(k + 1), k, p)
+        # the all-lost outcome returns to m: with a tail in it to (m, s + 1), else to (m, 0)
+        order = range(cap, -1, -1) if k else [0, *range(1, cap + 1)]
+        for s in order:
             rest, self_loop = 0.0, 0.0
             for t in range(k + 1):
-                for u in range(m - k + 1):
-                    q = t_pmf[t] * u_pmf[u]
-                    m2 = t + u
-                    if m2 == 0:
-                        continue
-                    wait, s2 = (timers[s], nxt) if t else (rtt, 0)
-                    rest += q * (wait + m2 * tau)
-                    if m2 == m and s2 == s:
-                        self_loop += q
-                    else:
-                        rest += q * F[m2][s2]
-            F[m][s] = rest / (1.0 - self_loop)
-    return F[n][0]
+                q, m2 = t_pmf[t] * u_pmf, t + u
+                wait, s2 = (timers[s], min(s + 1, cap)) if t else (rtt, 0)
+                q = np.where(m2 > 0, q, 0.0)
+                here = (m2 == m) & (s2 == s)
+                self_loop += q[here].sum()
+                rest += (q * (wait + m2 * tau)).sum() + (q * np.where(here, 0.0, F[m2, s2])).sum()
+            F[m, s] = rest / (1.0 - self_loop)
+    return float(F[n, 0])
 
 
 def _go_back_n_expectation(n, p, tau, rtt, window, dupacks, timers) -> float:
@@ -188,26 +187,19 @@ def _go_back_n_expectation(n, p, tau, rtt, window, dupacks, timers) -> float:
     ``window`` wasted ones go out; the lost packet waits for the NAK (a round trip less the
     window's wire time) or, with fewer than ``dupacks`` packets behind it, a timer."""
     cap = _STREAK_CAP
-    G = [[0.0] * (cap + 1) for _ in range(n + 1)]
+    G = np.zeros((n + 1, cap + 1))
     for r in range(1, n + 1):
-        def branches(s):  # (probability, seconds now, next state) per outcome of a round
-            out = [((1 - p) ** r, r * tau, None)]
-            for f in range(r):
-                after = r - f - 1
-                wasted = min(window, after)
-                tail = after < dupacks
-                wait = timers[s] if tail else max(rtt - wasted * tau, 0.0)
-                out.append((p * (1 - p) ** f, (f + 1 + wasted) * tau + wait,
-                            (r - f, min(s + 1, cap) if tail else 0)))
-            return out
-        order = range(cap, -1, -1) if dupacks >= r else [0, *range(1, cap + 1)]
+        f = np.arange(r)
+        after = r - f - 1
+        wasted = np.minimum(window, after)
+        tail = after < dupacks
+        q = p * (1 - p) ** f
+        order = range(cap, -1, -1) if tail[0] else [0, *range(1, cap + 1)]
         for s in order:
-            rest, self_loop = 0.0, 0.0
-            for q, now, state in branches(s):
-                rest += q * now
-                if state == (r, s):
-                    self_loop += q
-                elif state is not None:
-                    rest += q * G[state[0]][state[1]]
-            G[r][s] = rest / (1.0 - self_loop)
-    return G[n][0]
+            wait = np.where(tail, timers[s], np.maximum(rtt - wasted * tau, 0.0))
+            s2 = np.where(tail, min(s + 1, cap), 0)
+            here = (f == 0) & (s2 == s)
+            rest = (1 - p) ** r * r * tau + (q * ((f + 1 + wasted) * tau + wait)).sum()
+            rest += (q * np.where(here, 0.0, G[r - f, s2])).sum()
+            G[r, s] = rest / (1.0 - q[here].sum())
+    return float(G[n, 0])
