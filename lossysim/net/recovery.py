@@ -167,18 +167,34 @@ def blocks(n: int, block: int) -> list[tuple[int, int, int]]:
 
 
 def walsh_hadamard(y: torch.Tensor) -> torch.Tensor:
-    """The orthonormal Walsh-Hadamard transform of the last dim (a power of two), its own inverse: a
-    butterfly per bit, by reshapes. Every element is computed by the same additions whatever the
-    leading dims, so one receiver alone gets the bits of the simulator's row."""
+    """The orthonormal Walsh-Hadamard transform of the last dim (a power of two), its own inverse.
+
+    A butterfly per bit, by reshapes, two bits per pass: a pass combines the four quarters of the
+    last dim (its top two bits) and interleaves the results, which moves the bits it transformed to
+    the bottom; once every bit has had its turn each is back in place. Every element is computed
+    by the same additions whatever the leading dims, so one receiver alone gets the bits of the
+    simulator's row."""
     size = y.shape[-1]
-    lead = y.shape[:-1]
-    half = 1
-    while half < size:
-        pairs = y.reshape(*lead, size // (2 * half), 2, half)
-        a, b = pairs[..., 0, :], pairs[..., 1, :]
-        y = torch.stack((a + b, a - b), dim=-2)
-        half *= 2
-    return y.reshape(*lead, size) * size ** -0.5
+    bits = size.bit_length() - 1
+    buffers = [torch.empty_like(y) for _ in range(min((bits + 1) // 2, 2))]
+    src = y
+    for k in range((bits + 1) // 2):
+        dst = buffers[k % 2]
+        if bits - 2 * k == 1:              # an odd bit left: one butterfly
+            a, b = src.unflatten(-1, (2, size // 2)).unbind(-2)
+            out = dst.unflatten(-1, (size // 2, 2))
+            torch.add(a, b, out=out[..., 0])
+            torch.sub(a, b, out=out[..., 1])
+        else:
+            a, b, c, d = src.unflatten(-1, (4, size // 4)).unbind(-2)
+            top_sum, top_diff, low_sum, low_diff = a + c, a - c, b + d, b - d
+            out = dst.unflatten(-1, (size // 4, 4))
+            torch.add(top_sum, low_sum, out=out[..., 0])
+            torch.sub(top_sum, low_sum, out=out[..., 1])
+            torch.add(top_diff, low_diff, out=out[..., 2])
+            torch.sub(top_diff, low_diff, out=out[..., 3])
+        src = dst
+    return src * size ** -0.5
 
 
 def _by_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -190,15 +206,19 @@ def _by_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return out
 
 
+def _signs(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """+1 or -1 per bit (1: -1)."""
+    return 1 - 2 * bits.to(dtype)
+
+
 def transform(x: torch.Tensor, bits: torch.Tensor, block: int) -> torch.Tensor:
     """H D x: random signs (``bits``: 1 flips), then the blockwise transform, on the last dim."""
-    return _by_blocks(torch.where(bits.bool(), -x, x), block)
+    return _by_blocks(x * _signs(bits, x.dtype), block)
 
 
 def inverse(y: torch.Tensor, bits: torch.Tensor, block: int) -> torch.Tensor:
     """D H y: the inverse of ``transform`` (H and D are their own inverses)."""
-    z = _by_blocks(y, block)
-    return torch.where(bits.bool(), -z, z)
+    return _by_blocks(y, block).mul_(_signs(bits, y.dtype))
 
 
 def hadamard_flops(n: int, block: int) -> float:
@@ -249,6 +269,7 @@ class Hops:
     sched: Schedule
     lost: torch.Tensor          # [sends, max_packets]
     key: str
+    held: Optional[torch.Tensor] = None   # what every rank held after the call, for a replay
 
 
 def _elements(sched: Schedule, per_packet: int, numel: int, end: str) -> int:
@@ -263,7 +284,8 @@ class SendBySend(Policy):
     """A policy acting on every send: ``arrive`` says what a round's receivers take."""
     keeps_memory = True
     computes = True
-    buffers: tuple[tuple[str, bool], ...] = ()   # (name, boolean) of each per-send buffer
+    buffers: tuple[str, ...] = ()   # per-send buffers, one payload each, zeros until written
+    remembers = False               # a replay returns what the call delivered (it cannot recompute it)
 
     def draw(self, transfer, lost, collective, message, memory):
         if collective != "all_reduce":
@@ -274,14 +296,16 @@ class SendBySend(Policy):
         sched = drawn.sched
 
         def fresh() -> dict:
-            shape = (len(sched.sends), sched.max_packets)
-            return {name: torch.zeros(shape if boolean else (*shape, per_packet),
-                                      dtype=torch.bool if boolean else x.dtype, device=x.device)
-                    for name, boolean in self.buffers}
+            shape = (len(sched.sends), sched.max_packets, per_packet)
+            return {name: torch.zeros(shape, dtype=x.dtype, device=x.device) for name in self.buffers}
 
         state = memory.sends(drawn.key, fresh)
-        held = deliver.send_by_send(x, sched, drawn.lost, per_packet,
-                                    lambda hop, payload, lost: self.arrive(state, hop, payload, lost, update))
+        held = None if update else drawn.held
+        if held is None:
+            held = deliver.send_by_send(x, sched, drawn.lost, per_packet,
+                                        lambda hop, payload, lost: self.arrive(state, hop, payload, lost, update))
+            if self.remembers:
+                drawn.held = held
         out = held[list(receivers)]
         watch(out)
         return out
@@ -293,18 +317,16 @@ class SendBySend(Policy):
 
 class Stale(SendBySend):
     """A lost packet of a send takes the last values that arrived on that send; nothing yet: zero.
-    The receiver keeps one buffer per send it receives (``last``) and which packets ever arrived."""
+    The receiver keeps one buffer per send it receives (``last``: zeros until a packet arrives, and
+    zeros on padding, which never arrives)."""
     name = "stale"
-    buffers = (("last", False), ("seen", True))
+    buffers = ("last",)
 
     def arrive(self, state, hop, payload, lost, update):
         width = payload.shape[1]
-        last, seen = state["last"][hop.sends, :width], state["seen"][hop.sends, :width]
-        kept = (hop.valid & ~lost).unsqueeze(-1)
-        taken = torch.where(kept, payload, torch.where((lost & seen).unsqueeze(-1), last, 0))
+        taken = torch.where((hop.valid & ~lost).unsqueeze(-1), payload, state["last"][hop.sends, :width])
         if update:
-            state["last"][hop.sends, :width] = torch.where(kept, payload, last)
-            state["seen"][hop.sends, :width] = seen | kept.squeeze(-1)
+            state["last"][hop.sends, :width] = taken
         return taken
 
     def flops(self, sched, per_packet, numel):
@@ -316,7 +338,8 @@ class ErrorFeedback(SendBySend):
     its payload; what it fails to deliver now is owed next time. Gradients only: on activations it is
     ``zero``."""
     name = "error_feedback"
-    buffers = (("owed", False),)
+    buffers = ("owed",)
+    remembers = True    # the call moved what is owed on: replaying it must not add it again
 
     def on(self, direction):
         return ZERO if direction == ACTIVATIONS else self
