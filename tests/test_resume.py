@@ -145,6 +145,23 @@ def test_progress_is_saved_and_resumed_as_a_plain_dict(tmp_path):
     assert_same_run(Path(config.out), resumed)
 
 
+@pytest.mark.parametrize("recovery", ["hadamard", "error_feedback"])
+def test_resume_keeps_what_a_recovery_policy_keeps(tmp_path, recovery):
+    """The Hadamard signs' streams and the per-send buffers of error feedback (stale keeps its buffers
+    the same way) travel in the checkpoint with the networks: a run resumed from step 4 ends exactly
+    as the uninterrupted one."""
+    config = config_for(tmp_path / "full", steps=8, eval_every=4, recovery=recovery, hadamard_block=256)
+    assert run_experiment(config, config.out, progress=False)["status"] == "completed"
+    resumed = tmp_path / "resumed"
+    shutil.copytree(config.out, resumed)
+    for path in checkpoint.complete(resumed)[1:]:
+        shutil.rmtree(path)
+    (resumed / "summary.json").unlink()
+    summary = run_experiment(config.replace(out=str(resumed)), resumed, progress=False, resume=True)
+    assert summary["status"] == "completed", summary.get("error")
+    assert_same_run(Path(config.out), resumed)
+
+
 def test_keep_last_k_checkpoints(tmp_path):
     config = config_for(tmp_path / "run", steps=6, checkpoint_every=2, keep_checkpoints=2,
                         save_checkpoint=False, eval_every=6)
