@@ -424,6 +424,20 @@ def test_a_replayed_call_repeats_itself_and_moves_nothing_on(policy):
     assert net.clock() == plain.clock()
 
 
+def test_a_saved_state_records_the_policy_settings_it_depends_on():
+    """hadamard_block and compute are recorded (and checked on load) only where the policy uses
+    them: a zero or rescale network's state is what it was before these settings existed."""
+    before = {"tp_size", "loss_model", "seed", "payload_bytes", "recovery", "lossy", "max_burst", "algorithm",
+              "ranks_per_node", "lossy_links", "transport", "retransmit", "deadline", "link_intra", "link_inter",
+              "rto_s"}
+    for policy, extra in (("zero", set()), ("rescale", set()), ("hadamard", {"hadamard_block", "compute"}),
+                          ("stale", {"compute"}), ("error_feedback", {"compute"})):
+        assert set(LossyNetwork(2, "bernoulli:0.1", recovery=policy).config()) == before | extra, policy
+    state = LossyNetwork(2, "bernoulli:0.1", recovery="hadamard", hadamard_block=64).state_dict()
+    with pytest.raises(ValueError, match="hadamard_block"):
+        LossyNetwork(2, "bernoulli:0.1", recovery="hadamard", hadamard_block=128).load_state_dict(state)
+
+
 # -- the clock ---------------------------------------------------------------------------------------
 def test_policy_compute_is_charged_at_the_gpu_rate():
     """recovery_s = calls x FLOPs / (peak x MFU): the transform and its inverse, n (log2 block + 2)

@@ -152,13 +152,20 @@ class NetworkSpec:
         return self.link_intra if link_class == "intra" else self.link_inter
 
     def as_dict(self) -> dict:
-        """The settings as plain values: what a saved network state records and is checked against."""
-        return {"tp_size": self.tp_size, "loss_model": self.loss.spec, "seed": self.seed,
-                "payload_bytes": self.payload_bytes, "recovery": self.recovery, "lossy": list(self.lossy),
-                "max_burst": self.max_burst, "algorithm": self.algorithm, "ranks_per_node": self.ranks_per_node,
-                "lossy_links": self.lossy_links, "transport": self.transport, "retransmit": self.retransmit,
-                "deadline": self.deadline, "link_intra": self.link_intra.spec, "link_inter": self.link_inter.spec,
-                "rto_s": self.rto_s, "hadamard_block": self.hadamard_block, "compute": self.compute.spec}
+        """The settings as plain values: what a saved network state records and is checked against.
+        The recovery policy's settings appear only where the policy uses them, so a zero or rescale
+        network's state saved before they existed still loads."""
+        out = {"tp_size": self.tp_size, "loss_model": self.loss.spec, "seed": self.seed,
+               "payload_bytes": self.payload_bytes, "recovery": self.recovery, "lossy": list(self.lossy),
+               "max_burst": self.max_burst, "algorithm": self.algorithm, "ranks_per_node": self.ranks_per_node,
+               "lossy_links": self.lossy_links, "transport": self.transport, "retransmit": self.retransmit,
+               "deadline": self.deadline, "link_intra": self.link_intra.spec, "link_inter": self.link_inter.spec,
+               "rto_s": self.rto_s}
+        if self.recovery.startswith("hadamard"):
+            out["hadamard_block"] = self.hadamard_block
+        if self.recovery not in ("zero", "rescale"):
+            out["compute"] = self.compute.spec      # what the policy's compute is charged at
+        return out
 
 
 SETTINGS = tuple(f.name for f in fields(NetworkSpec) if f.init)
