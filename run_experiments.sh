@@ -23,12 +23,17 @@ Profiles:
          NIC, and deadline (3x); a 2 nodes x 2 ranks layout losing only between nodes.
          51 runs, about 12 minutes
          on 2 idle CPU cores. Spec: experiments/quick.yaml
+  mitigations
+         the quick profile's model and cluster, ring all-reduce, drop: the recovery
+         policies zero, rescale, hadamard, hadamard+rescale, stale and error_feedback
+         under Bernoulli 5% and 20% and Gilbert-Elliott 5% (burst 8), 3 seeds, beside
+         the loss-free baseline. 57 runs. Spec: experiments/mitigations.yaml
   mnli   pretrained gpt2 on MNLI (20k train, 2k eval per split), tp 2; torchrun (dist)
          with >= 2 GPUs, simulated ranks (sim) otherwise. Spec: experiments/mnli_sweep.yaml
          (the first run downloads gpt2 and MNLI unless HF_HUB_OFFLINE=1)
 
 Options (each also read from the environment variable shown; options win):
-  --profile NAME     quick | mnli                                    [LOSSYSIM_PROFILE]
+  --profile NAME     quick | mitigations | mnli                      [LOSSYSIM_PROFILE]
   --rates "R ..."    average loss rates, fractions or percents,      [LOSSYSIM_RATES]
                      e.g. "0 0.01 5%"; each gives a Bernoulli and a Gilbert-Elliott run
                      in every comparison of the spec (the loss-free baseline always
@@ -52,6 +57,7 @@ Options (each also read from the environment variable shown; options win):
 Examples:
   ./run_experiments.sh
   ./run_experiments.sh --rates "0 1% 5%" --burst "4 16" --seeds "0 1 2"
+  ./run_experiments.sh --profile mitigations
   ./run_experiments.sh --profile mnli --shard 1/2 --out /shared/results/mnli
 EOF
 }
@@ -132,8 +138,9 @@ done
 
 case "$PROFILE" in
   quick) SPEC=experiments/quick.yaml ;;
+  mitigations) SPEC=experiments/mitigations.yaml ;;
   mnli) SPEC=experiments/mnli_sweep.yaml ;;
-  *) bad_usage "unknown profile: $PROFILE (expected quick or mnli)" ;;
+  *) bad_usage "unknown profile: $PROFILE (expected quick, mitigations or mnli)" ;;
 esac
 case "$BACKEND" in
   auto | sim | dist) ;;
@@ -154,7 +161,7 @@ OUT="${OUT:-results/$PROFILE}"
 
 source scripts/ensure_env.sh
 export TOKENIZERS_PARALLELISM=false
-if [ "$PROFILE" = quick ]; then
+if [ "$PROFILE" != mnli ]; then
   export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" HF_DATASETS_OFFLINE="${HF_DATASETS_OFFLINE:-1}"
 fi
 

@@ -59,7 +59,8 @@ class ExperimentConfig:
     # network
     loss: str = "none"                 # see lossysim.parse_loss_model
     lossy: str = "both"                # fwd | bwd | both
-    recovery: str = "zero"             # zero | rescale
+    recovery: str = "zero"             # zero | rescale | hadamard | hadamard+rescale | stale | error_feedback
+    hadamard_block: int = 16384        # hadamard: elements per transform block (a power of two)
     payload_bytes: int = 1450
     eval_lossy: bool = True
     algorithm: str = "ring"            # ring | tree | direct (see lossysim.algorithms)

@@ -38,6 +38,10 @@ LOSSY_SPECS = {"bernoulli": "bernoulli:0.2", "ge": "ge:rate=0.2,burst=3"}
 # Beside the default (ring, drop): every other algorithm, and the transports that repair.
 ALGORITHM_CASES = [{"algorithm": "tree"}, {"algorithm": "direct"}, {"transport": "deadline"},
                    {"transport": "retransmit"}]
+# The recovery policies beside zero and rescale, each through every algorithm (block: the tiny
+# model's messages hold a few blocks and a remainder).
+POLICY_CASES = ("hadamard", "hadamard+rescale", "stale", "error_feedback")
+POLICY_BLOCK = 64
 # (kind, attention, kv heads) of the dist Llama checks: 1 kv head gives both ranks a copy.
 LLAMA_DIST_CASES = (("cls", "sdpa", 1), ("cls", "eager", 1), ("lm", "sdpa", 2))
 
@@ -216,6 +220,14 @@ def dist_worker(rank: int, world: int, out_dir: str) -> None:
             tpm = parallelize(build("cls"), world, network, backend="dist")
             results[("algorithm", *sorted(extra.items()))] = {"runs": lossy_run(tpm, batch), "stats": network.stats(),
                                                               "clock": network.clock()}
+        # 3c. The recovery policies: the same masks, signs and per-send buffers as sim.
+        for policy in POLICY_CASES:
+            for algorithm in ("ring", "tree", "direct"):
+                network = lossy_network(LOSSY_SPECS["ge"], world, recovery=policy, algorithm=algorithm,
+                                        hadamard_block=POLICY_BLOCK)
+                tpm = parallelize(build("cls"), world, network, backend="dist")
+                results[("policy", policy, algorithm)] = {"runs": lossy_run(tpm, batch), "stats": network.stats(),
+                                                          "clock": network.clock()}
         # 4. Lossy, replicated gradients left unsynchronised: each rank's own.
         tpm = parallelize(build("cls"), world, lossy_network(LOSSY_SPECS["bernoulli"], world),
                           backend="dist", sync_replicated=False)

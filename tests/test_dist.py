@@ -23,8 +23,8 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _tp_common import (ALGORITHM_CASES, ATTENTION, CLASSES, LLAMA_DIST_CASES, LOSSY_SPECS, build,  # noqa: E402
-                        dist_worker,
+from _tp_common import (ALGORITHM_CASES, ATTENTION, CLASSES, LLAMA_DIST_CASES, LOSSY_SPECS, POLICY_BLOCK,  # noqa: E402
+                        POLICY_CASES, build, dist_worker,
                         grads, hf_step, lossy_network, lossy_run, make_batch, params, rel_err,
                         sharded_names, tp_layout, tp_step)
 
@@ -100,6 +100,27 @@ def test_dist_equals_sim_for_every_algorithm_and_transport(ranks, extra):
             if extra.get("transport") == "retransmit":
                 assert rel_err(mine["logits"][0], theirs["logits"][r]) <= 1e-6
                 continue
+            assert torch.equal(mine["logits"][0], theirs["logits"][r]) and torch.equal(mine["losses"][0],
+                                                                                      theirs["losses"][r])
+            for name in sharded:
+                assert torch.equal(mine["grads"][name][0], theirs["grads"][name][r]), name
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "direct"])
+@pytest.mark.parametrize("policy", POLICY_CASES)
+def test_dist_equals_sim_for_every_recovery_policy(ranks, policy, algorithm):
+    """Each rank, holding only its own row, applies the same signs and keeps the same per-send buffers
+    as sim: bitwise sim's rank r over two steps (what a policy keeps carries over), same clock."""
+    network = lossy_network(LOSSY_SPECS["ge"], WORLD, recovery=policy, algorithm=algorithm,
+                            hadamard_block=POLICY_BLOCK)
+    sim = parallelize(build("cls"), WORLD, network)
+    runs = lossy_run(sim, make_batch("cls"))
+    sharded = sharded_names(sim)
+    assert sum(row["lost"] for row in network.stats()) > 0
+    for r, seen in enumerate(ranks):
+        got = seen[("policy", policy, algorithm)]
+        assert got["stats"] == network.stats() and got["clock"] == network.clock()
+        for mine, theirs in zip(got["runs"], runs):
             assert torch.equal(mine["logits"][0], theirs["logits"][r]) and torch.equal(mine["losses"][0],
                                                                                       theirs["losses"][r])
             for name in sharded:

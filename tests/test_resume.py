@@ -148,7 +148,8 @@ def _as_written_by_0_2(path: Path) -> None:
     """Rewrite a checkpoint as lossysim 0.2 wrote it: no nic settings (its selective repeat), no
     failures, the network clock as one repaired total beside the loss-free one, fewer counters."""
     saved = torch.load(path / "rank0.pt", weights_only=False)
-    new_keys = ("nic", "channels", "nics_per_node", "restart_s", "restart_lost_steps", "max_failures")
+    new_keys = ("nic", "channels", "nics_per_node", "restart_s", "restart_lost_steps", "max_failures",
+                "hadamard_block")
     saved["config"] = {k: v for k, v in saved["config"].items() if k not in new_keys}
     saved["config"]["retransmit"] = "selective"
     for key in ("failures", "restart_s"):
@@ -187,6 +188,23 @@ def test_a_checkpoint_written_by_0_2_resumes_exactly(tmp_path):
     full = [strip(r) for r in read_jsonl(Path(config.out) / "metrics.jsonl")]
     assert [strip(r) for r in read_jsonl(resumed / "metrics.jsonl")] == full
     assert strip(summary["sim_time"]) == strip(json.loads((Path(config.out) / "summary.json").read_text())["sim_time"])
+
+
+@pytest.mark.parametrize("recovery", ["hadamard", "error_feedback"])
+def test_resume_keeps_what_a_recovery_policy_keeps(tmp_path, recovery):
+    """The Hadamard signs' streams and the per-send buffers of error feedback (stale keeps its buffers
+    the same way) travel in the checkpoint with the networks: a run resumed from step 4 ends exactly
+    as the uninterrupted one."""
+    config = config_for(tmp_path / "full", steps=8, eval_every=4, recovery=recovery, hadamard_block=256)
+    assert run_experiment(config, config.out, progress=False)["status"] == "completed"
+    resumed = tmp_path / "resumed"
+    shutil.copytree(config.out, resumed)
+    for path in checkpoint.complete(resumed)[1:]:
+        shutil.rmtree(path)
+    (resumed / "summary.json").unlink()
+    summary = run_experiment(config.replace(out=str(resumed)), resumed, progress=False, resume=True)
+    assert summary["status"] == "completed", summary.get("error")
+    assert_same_run(Path(config.out), resumed)
 
 
 def test_keep_last_k_checkpoints(tmp_path):

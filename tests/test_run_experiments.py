@@ -174,3 +174,18 @@ def test_failed_runs_still_get_a_report_and_set_the_exit_status(tmp_path, sandbo
     assert result.returncode == 3
     assert calls(log)[-1][:3] == ["-m", "lossysim", "report"]
     assert "3 run(s) failed" in result.stderr
+
+
+def test_mitigations_profile_compares_every_recovery_policy(tmp_path, sandbox):
+    from lossysim.net.recovery import RECOVERY_POLICIES
+    from lossysim.run import sweep
+    script, log, bin_dir = sandbox
+    result = run_script(script, ["--profile", "mitigations"], env_without_gpu_tools(tmp_path, bin_dir))
+    assert result.returncode == 0, result.stderr
+    assert sweep_argv(log)[3:] == ["experiments/mitigations.yaml", "--out", "results/mitigations",
+                                   "--set", "backend=sim"]
+    runs = sweep.expand(sweep.load_spec(ROOT / "experiments" / "mitigations.yaml"), tmp_path / "m")
+    lossy = [run.config for run in runs if run.config.loss != "none"]
+    assert len(runs) == 57 and len(runs) - len(lossy) == 3   # one loss-free baseline per seed
+    for loss in ("bernoulli:0.05", "bernoulli:0.2", "ge:rate=0.05,burst=8"):
+        assert sorted(c.recovery for c in lossy if c.loss == loss) == sorted(RECOVERY_POLICIES * 3), loss

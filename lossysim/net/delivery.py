@@ -11,14 +11,20 @@ their weights (on a GPU every packet's weighted sum is computed and selected ins
 no host sync); each receiver then holds that, times its gain, and nothing where it has a hole. A
 lost packet contributes nothing, even if it held inf or NaN (0 * inf would be NaN), and a hole is
 zero.
+
+Policies that act on every send (``stale``, ``error_feedback``: ``lossysim.net.recovery``) run the
+schedule send by send instead (``send_by_send``): each send carries what its sender holds of its
+packets and the policy says what its receiver takes.
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from .algorithms import Delivery
+from .algorithms import Delivery, Schedule
 
 
 def packets(t: torch.Tensor, per_packet: int) -> list[tuple[torch.Tensor, slice]]:
@@ -136,3 +142,75 @@ def zero_holes(out: torch.Tensor, holes: torch.Tensor, per_packet: int, dense: b
         inside = index[-1] < whole
         index = tuple(i[inside] for i in index)
     out[..., :whole * per_packet].unflatten(-1, (whole, per_packet))[index] = 0
+
+
+# -- send by send --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Round:
+    """Sends of one step that reach distinct receivers, run together."""
+    sends: torch.Tensor     # [k] send numbers
+    src: torch.Tensor       # [k, 1]
+    dst: torch.Tensor       # [k, 1]
+    packets: torch.Tensor   # [k, width] packet numbers; padding points at the spare packet
+    valid: torch.Tensor     # [k, width] False on padding
+    adds: bool              # the receiver adds what it takes (reduce, exchange) or holds it (all-gather, broadcast)
+
+
+# What a receiver does with a send of each phase; an exchange sends the sender's own message.
+_ADDS = {"reduce_scatter": True, "reduce": True, "exchange": True, "all_gather": False, "broadcast": False}
+
+
+@functools.lru_cache(maxsize=256)
+def rounds(sched: Schedule, device: torch.device) -> tuple[Round, ...]:
+    """The schedule's sends grouped in rounds: step by step, and within a step as many rounds as a
+    rank receives sends (a tree parent hears from two children; a direct exchange from every peer),
+    in schedule order."""
+    out = []
+    for step in range(sched.steps):
+        queue = [i for i, s in enumerate(sched.sends) if s.step == step and s.packets]
+        while queue:
+            taken, seen = [], set()
+            for i in queue:
+                if sched.sends[i].dst not in seen:
+                    taken.append(i)
+                    seen.add(sched.sends[i].dst)
+            queue = [i for i in queue if i not in taken]
+            hops = [sched.sends[i] for i in taken]
+            width = max(s.packets for s in hops)
+            slot = torch.arange(width)
+            first = torch.tensor([s.first for s in hops]).unsqueeze(1)
+            count = torch.tensor([s.packets for s in hops]).unsqueeze(1)
+            valid = slot < count
+            column = lambda values: torch.tensor(values, device=device).unsqueeze(1)  # noqa: E731
+            out.append(Round(torch.tensor(taken, device=device), column([s.src for s in hops]),
+                             column([s.dst for s in hops]),
+                             torch.where(valid, first + slot, sched.n_packets).to(device), valid.to(device),
+                             _ADDS[hops[0].phase]))
+    return tuple(out)
+
+
+def send_by_send(x: torch.Tensor, sched: Schedule, lost: torch.Tensor, per_packet: int,
+                 arrive: Callable[[Round, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Run the all-reduce ``sched`` on ``x`` ([ranks, n]) round by round: what every rank holds at
+    the end, ``[ranks, n]``.
+
+    A send carries what its sender holds of its packets (an exchange: the sender's own message);
+    ``arrive(round, payload, lost)`` gets what the round's sends carry (``[k, width, per_packet]``) and
+    their lost packets (``[k, width]``, False on padding) and returns what their receivers take
+    (zero on padding). ``lost``: ``[sends, max_packets]``, as ``combine`` takes it. Messages are held
+    padded to whole packets plus one spare packet that padding reads and writes (zeros).
+    """
+    ranks, n = x.shape
+    held = x.new_zeros(ranks, (sched.n_packets + 1) * per_packet)
+    held[:, :n] = x
+    held = held.view(ranks, sched.n_packets + 1, per_packet)
+    own = held.clone() if sched.algorithm == "direct" else held
+    for hop in rounds(sched, x.device):
+        payload = own[hop.src, hop.packets]
+        lost_here = lost[hop.sends, :hop.packets.shape[1]] & hop.valid
+        taken = arrive(hop, payload, lost_here)
+        if hop.adds:
+            held[hop.dst, hop.packets] += taken
+        else:
+            held[hop.dst, hop.packets] = taken
+    return held.view(ranks, -1)[:, :n]

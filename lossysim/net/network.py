@@ -6,8 +6,9 @@ A collective moves a message (one rank's tensor) by the sends of its algorithm's
 1. its ``Transfer`` (packets, sends, links, loss-free step times; built once per shape),
 2. the links draw which packets are lost (``links``: one chain per directed link),
 3. the transport repairs what it repairs and charges the time it takes (``transport``),
-4. ``algorithms.combine`` says what each receiver holds and ``delivery`` applies it to the tensors,
-5. the counters (``stats``) and the simulated clock move on.
+4. the recovery policy (``recovery``) says what each receiver holds (``algorithms.combine``) and
+   applies it to the tensors (``delivery``),
+5. the counters (``stats``) and the simulated clock move on (the policy's compute included).
 
 Statistics and the clock stay on the tensors' device (no host sync per call with the ``drop``
 transport) until ``stats()`` / ``clock()``.
@@ -21,8 +22,9 @@ import torch
 
 from ..util import swapped
 from . import delivery as deliver
+from . import recovery as recoveries
 from . import transfer as transfers
-from .algorithms import PHASES, Delivery, combine
+from .algorithms import PHASES, Delivery
 from .links import Chains, stream_seed
 from .spec import DIRECTIONS, NetworkSpec
 from .stats import COUNTERS, Counters, NonFinite, summarise
@@ -31,10 +33,12 @@ from .transport import run_step
 
 @dataclass
 class _Channel:
-    """One call site and direction: its link chains, its counters and its non-finite watch."""
+    """One call site and direction: its link chains, its counters, its non-finite watch and what the
+    recovery policy keeps there."""
     chains: Chains
     counters: Counters
     watch: NonFinite = field(default_factory=NonFinite)
+    memory: Optional[recoveries.Memory] = None
 
 
 class LossyNetwork:
@@ -52,6 +56,7 @@ class LossyNetwork:
         self.loss_model = spec.loss
         self.topology, self.transport = spec.topology, spec.transport_model
         self.lossy = spec.lossy
+        self.recovery = recoveries.policy(spec.recovery, spec.hadamard_block)
         self.links = [(src, dst) for src in range(self.tp_size) for dst in range(self.tp_size) if src != dst]
         self._channels: dict[tuple[str, str], _Channel] = {}
         self._transfers: dict[tuple, transfers.Transfer] = {}
@@ -60,6 +65,8 @@ class LossyNetwork:
         self._watched = 0                           # calls watched so far: orders the first non-finite one
         self._repairs: Optional[torch.Tensor] = None  # seconds repairs added: configured nic, ideal nic
         self._ideal = 0.0                             # all the traffic without loss
+        self._recovery_s = 0.0                      # simulated seconds of the recovery policy's compute
+        self._recovery_cost: dict[tuple, float] = {}   # per policy and message shape: seconds per call
 
     # -- what the spec says ------------------------------------------------------
     def packets(self, numel: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -93,17 +100,18 @@ class LossyNetwork:
             self.watch(site, direction, total)
             return total.unsqueeze(0).expand(len(receivers), *shape)
         per_packet, _ = self.packets(shape.numel(), contributions.dtype)
-        out = deliver.all_reduce(contributions.reshape(self.tp_size, -1), delivery, receivers, per_packet,
-                                 rescale=self.spec.recovery == "rescale",
-                                 watch=lambda seen: self.watch(site, direction, seen))
+        out = self.recovery.on(direction).all_reduce(
+            delivery, contributions.reshape(self.tp_size, -1), receivers, per_packet,
+            watch=lambda seen: self.watch(site, direction, seen), memory=self._channels[(site, direction)].memory,
+            update=self._replaying is None)
         return out.view(len(receivers), *shape)
 
     def all_gather(self, site: str, direction: str, shards: torch.Tensor,
                    receivers: Sequence[int]) -> torch.Tensor:
         """Every rank's shard as each receiver sees it: ``[len(receivers), tp_size, *shape]``.
 
-        Lost packets of a shard arrive as zeros (a gathered shard is not a sum, so ``rescale`` does
-        not apply to it).
+        Lost packets of a shard arrive as zeros whatever the recovery policy (a gathered shard is not
+        a sum: recovery policies act on all-reduces).
         """
         self._check(shards)
         delivery = self._deliver(site, direction, "all_gather", shards[0])
@@ -147,11 +155,13 @@ class LossyNetwork:
 
     # -- one collective: draw, repair, time ------------------------------------------
     def _deliver(self, site: str, direction: str, collective: str, message: torch.Tensor) -> Optional[Delivery]:
-        """What the receivers hold (None: the exact result), counting and timing the traffic."""
+        """What the receivers hold (None: the exact result; the recovery policy's draw, a Delivery for
+        zero and rescale), counting and timing the traffic."""
         key = (site, direction)
         if self._replaying is not None:  # a recomputed forward sends again: its time counts again
-            delivery, ideal, repairs = self._replaying[key].popleft()
+            delivery, ideal, repairs, recovered = self._replaying[key].popleft()
             self._ideal += ideal
+            self._recovery_s += recovered
             if repairs is not None:
                 self._tick(repairs)
             return delivery
@@ -164,7 +174,7 @@ class LossyNetwork:
             transfer = self._transfers[shape] = transfers.build(self.spec, self.links, *shape)
         channel.counters.calls += 1
         self._ideal += transfer.ideal
-        delivery, repairs = None, None
+        delivery, repairs, recovery_before = None, None, self._recovery_s
         if not self.drops(direction):
             channel.counters.count_sent(transfer.sent)
         elif not self.transport.repairs:
@@ -173,26 +183,32 @@ class LossyNetwork:
             channel.counters.record(transfer.link_ids, lost, self._bad(in_bad), transfer.lengths, transfer.slots,
                                     transfer.sent)
             per_send = lost.flatten()[transfer.sched.tensors(lost.device)["gather"]]
-            delivery = self._combine(transfer, per_send, collective, message.dtype)
+            delivery = self._draw(channel, transfer, per_send, collective, direction, message)
         else:
             missing, repairs = self._repair(channel, transfer, message.device)
             if not self.transport.exact:
-                delivery = self._combine(transfer, missing, collective, message.dtype)
+                delivery = self._draw(channel, transfer, missing, collective, direction, message)
         if self._recording is not None:
-            self._recording[key].append((delivery, transfer.ideal, repairs))
+            self._recording[key].append((delivery, transfer.ideal, repairs, self._recovery_s - recovery_before))
         return delivery
 
     def _bad(self, in_bad: torch.Tensor) -> Optional[torch.Tensor]:
         """``in_bad`` when the loss model has a hidden state to be in (else nothing to count)."""
         return in_bad if self.loss_model.hidden_state else None
 
-    def _combine(self, transfer, lost: torch.Tensor, collective: str, dtype: torch.dtype) -> Delivery:
-        """What arrives where, given the lost packets of each send; ``rescale`` weighs every delivered path
-        by the product of its hops' 1 / P(delivery)."""
-        weights = None
-        if self.spec.recovery == "rescale" and collective == "all_reduce":
-            weights = transfer.weights(torch.promote_types(dtype, torch.float32))
-        return combine(transfer.sched, lost, weights)
+    def _draw(self, channel: _Channel, transfer, lost: torch.Tensor, collective: str, direction: str,
+              message: torch.Tensor):
+        """What arrives where, given the lost packets of each send (the policy's view of it), and the
+        clock charged with the compute the policy adds to the collective."""
+        policy = self.recovery.on(direction)
+        if policy.computes and collective == "all_reduce":
+            key = (policy.name, message.numel(), message.dtype)
+            seconds = self._recovery_cost.get(key)
+            if seconds is None:
+                flops = policy.flops(transfer.sched, transfer.per_packet, message.numel())
+                seconds = self._recovery_cost[key] = self.spec.compute.seconds(flops)
+            self._recovery_s += seconds
+        return policy.draw(transfer, lost, collective, message, channel.memory)
 
     def _repair(self, channel: _Channel, transfer, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Run every step through the transport; returns the missing packets per send and the seconds
@@ -239,6 +255,8 @@ class LossyNetwork:
         if channel is None:
             chains = Chains(self.loss_model, len(self.links), stream_seed(self.spec.seed, site, direction), device)
             channel = self._channels[key] = _Channel(chains, Counters(len(self.links), self.spec.max_burst, device))
+            if self.recovery.keeps_memory:
+                channel.memory = recoveries.Memory(self.spec.seed, site, direction, device)
         elif channel.counters.device != torch.device(device):
             raise RuntimeError(f"site {site!r} moved from {channel.counters.device} to {device}; "
                                "create the network after moving the model")
@@ -289,12 +307,14 @@ class LossyNetwork:
                          self.loss_model.loss_rate, self.loss_model.mean_burst)
 
     def clock(self) -> dict:
-        """Simulated communication time so far (syncs): with loss and repairs (``comm_s``), without loss
-        (``ideal_comm_s``), the repairs alone, and what the repairs would take under the ideal nic preset
+        """Simulated communication time so far (syncs): with loss, repairs and the recovery policy's compute
+        (``comm_s``), without loss (``ideal_comm_s``), the repairs alone (``retransmit_s``), the policy's
+        compute alone (``recovery_s``), and ``comm_s`` with the repairs the ideal nic preset would take
         (one resend and one round trip per loss: ``comm_s_ideal_nic``)."""
         repairs = self._repairs.tolist() if self._repairs is not None else [0.0, 0.0]
-        return {"comm_s": self._ideal + repairs[0], "ideal_comm_s": self._ideal, "retransmit_s": repairs[0],
-                "comm_s_ideal_nic": self._ideal + repairs[1]}
+        return {"comm_s": self._ideal + repairs[0] + self._recovery_s, "ideal_comm_s": self._ideal,
+                "retransmit_s": repairs[0], "recovery_s": self._recovery_s,
+                "comm_s_ideal_nic": self._ideal + repairs[1] + self._recovery_s}
 
     def failures(self) -> int:
         """Collectives the transport gave up on so far (syncs)."""
@@ -302,12 +322,14 @@ class LossyNetwork:
         return sum(int(ch.counters.counts[index].sum()) for ch in self._channels.values())
 
     def reset_stats(self) -> None:
-        """Zero every counter and the clock; chain states and random streams go on."""
+        """Zero every counter and the clock; chain states, random streams and what recovery policies
+        keep go on."""
         for ch in self._channels.values():
             ch.counters.reset()
             ch.watch = NonFinite()
         self._repairs = None
         self._ideal = 0.0
+        self._recovery_s = 0.0
 
     # -- save and restore ----------------------------------------------------------
     def state_dict(self) -> dict:
@@ -319,10 +341,11 @@ class LossyNetwork:
                 "counts": counters["counts"], "histogram": counters["histogram"], "open_run": counters["open_run"],
                 "nonfinite_at": torch.tensor(ch.watch.settle()), "generator": chains["generator"],
                 "calls": counters["calls"], "started": chains["started"], "device": str(ch.counters.device),
-                "chain": chains["chain"]}
+                "chain": chains["chain"], "recovery": None if ch.memory is None else ch.memory.state_dict()}
         return {"config": self.config(), "channels": channels, "watch_index": self._watched,
                 "clock": {"repairs_s": None if self._repairs is None else self._repairs.cpu().clone(),
-                          "ideal_comm_s": self._ideal}}
+                          "ideal_comm_s": self._ideal,
+                          "recovery_s": self._recovery_s}}
 
     def load_state_dict(self, state: dict) -> None:
         saved = dict(state["config"])
@@ -338,6 +361,8 @@ class LossyNetwork:
             ch.chains.load_state_dict(entry)
             ch.counters.load_state_dict(entry)
             ch.watch = NonFinite(int(entry["nonfinite_at"]))
+            if ch.memory is not None and entry.get("recovery") is not None:
+                ch.memory.load_state_dict(entry["recovery"])
         self._watched = state.get("watch_index", 0)
         device = next(iter(self._channels.values())).counters.device if self._channels else "cpu"
         clock = state["clock"]
@@ -349,6 +374,7 @@ class LossyNetwork:
             repairs = torch.tensor([extra, extra], dtype=torch.float64) if extra > 0 else None
         self._repairs = None if repairs is None else repairs.to(device)
         self._ideal = clock["ideal_comm_s"]
+        self._recovery_s = clock.get("recovery_s", 0.0)
 
     def config(self) -> dict:
         return self.spec.as_dict()

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Sequence, Union
 
 from ..loss import LossModel, parse_loss_model
-from ..timing import Link, parse_link
+from ..timing import Compute, Link, Measured, parse_compute, parse_link
 from ..timing.retransmission import DEFAULT_NIC, Nic, parse_nic
 from .algorithms import ALGORITHMS
+from .recovery import ACTIVATIONS, DEFAULT_HADAMARD_BLOCK, RECOVERY_POLICIES, check_block
 from .topology import Topology
 from .transport import Transport
 
 DIRECTIONS = ("fwd", "bwd")
-RECOVERY_POLICIES = ("zero", "rescale")
 
 
 def _directions(lossy: Union[str, Sequence[str]]) -> tuple[str, ...]:
@@ -47,8 +47,11 @@ class NetworkSpec:
         loss: the loss model of every lossy link.
         seed: root of every call site's random stream.
         payload_bytes: tensor bytes per packet (1450 = UDP in a 1500-byte MTU).
-        recovery: ``zero`` (a lost packet contributes nothing) or ``rescale`` (what arrives is divided
-            by the probability that it arrives: an unbiased estimate of the sum).
+        recovery: ``zero`` (a lost packet contributes nothing), ``rescale`` (what arrives is divided
+            by the probability that it arrives: an unbiased estimate of the sum), ``hadamard`` or
+            ``hadamard+rescale`` (a randomized Hadamard transform around the collective), ``stale``
+            (the last values that arrived) or ``error_feedback`` (what was lost is sent with the next
+            call; gradients only): ``lossysim.net.recovery``.
         lossy: directions whose traffic can be lost (``fwd``, ``bwd``, or ``both``); the others are
             delivered intact but still counted and timed.
         max_burst: burst-length histogram bins; the last one holds longer runs.
@@ -61,6 +64,9 @@ class NetworkSpec:
         channels: connections per link (NCCL's channels): each one's last packets are its tail losses.
         nics_per_node: NICs a node's inter-node traffic spreads over (None: one per rank).
         link_intra, link_inter: the links of each class (``lossysim.timing.links``).
+        hadamard_block: elements per Hadamard transform block (a power of two).
+        compute: the GPU model a recovery policy's compute is charged at (``lossysim.timing.compute``;
+            ``measured``: nothing is charged, the measured step already holds it).
     """
     tp_size: int
     loss: Union[str, LossModel] = "none"
@@ -81,6 +87,8 @@ class NetworkSpec:
     nics_per_node: Optional[int] = None
     link_intra: Union[str, Link] = "nvlink4"
     link_inter: Union[str, Link] = "roce-200g"
+    hadamard_block: int = DEFAULT_HADAMARD_BLOCK
+    compute: Union[str, Compute, Measured] = "h100"
     # Derived once from the fields above.
     topology: Topology = field(init=False, repr=False, compare=False)
     transport_model: Transport = field(init=False, repr=False, compare=False)
@@ -94,6 +102,11 @@ class NetworkSpec:
         if int(self.max_burst) < 1:
             raise ValueError(f"max_burst={self.max_burst} must be >= 1")
         _choice("recovery", self.recovery, RECOVERY_POLICIES)
+        block = check_block(self.hadamard_block)
+        try:
+            compute = parse_compute(self.compute)
+        except ValueError as err:
+            raise ValueError(f"compute: {err}") from None
         _choice("algorithm", self.algorithm, ALGORITHMS)
         try:
             loss = parse_loss_model(self.loss)
@@ -116,11 +129,15 @@ class NetworkSpec:
         transport = Transport(self.transport, nic.mode, float(self.deadline))
         if transport.repairs and loss.loss_rate >= 1.0:
             raise ValueError(f"transport={self.transport} never finishes: {loss.spec} loses every packet")
-        if self.recovery == "rescale" and loss.loss_rate >= 1.0:
-            raise ValueError(f"recovery=rescale needs a loss rate below 1: {loss.spec} loses every packet")
-        if self.recovery == "rescale" and transport.kind == "deadline":
-            raise ValueError("recovery=rescale with transport=deadline is not supported: the probability "
+        rescale = self.recovery.endswith("rescale")
+        if rescale and loss.loss_rate >= 1.0:
+            raise ValueError(f"recovery={self.recovery} needs a loss rate below 1: {loss.spec} loses every packet")
+        if rescale and transport.kind == "deadline":
+            raise ValueError(f"recovery={self.recovery} with transport=deadline is not supported: the probability "
                              "that a packet arrives by the deadline has no closed form")
+        if self.recovery == "error_feedback" and _directions(self.lossy) == (ACTIVATIONS,):
+            raise ValueError("recovery=error_feedback feeds lost gradients back into the next call; with "
+                             "lossy=fwd only activations lose packets: use lossy=bwd or both")
         if transport.kind == "retransmit" and transport.mode == "go_back_n" and not loss.rewindable:
             raise ValueError(f"go-back-N (nic={self.nic}, retransmit={nic.mode}) is not supported with {loss.spec}: "
                              "go-back-N learns how many packets it sent only after drawing them; use a selective "
@@ -138,6 +155,8 @@ class NetworkSpec:
         put("nics_per_node", topology.ranks_per_node if self.nics_per_node is None else int(self.nics_per_node))
         put("link_intra", links["link_intra"])
         put("link_inter", links["link_inter"])
+        put("hadamard_block", block)
+        put("compute", compute)
         put("topology", topology)
         put("transport_model", transport)
         put("nic_model", nic)
@@ -158,13 +177,21 @@ class NetworkSpec:
         return min(self.link_intra.bandwidth_Bps, self.nics_per_node * self.link_inter.bandwidth_Bps)
 
     def as_dict(self) -> dict:
-        """The settings as plain values: what a saved network state records and is checked against."""
-        return {"tp_size": self.tp_size, "loss_model": self.loss.spec, "seed": self.seed,
-                "payload_bytes": self.payload_bytes, "recovery": self.recovery, "lossy": list(self.lossy),
-                "max_burst": self.max_burst, "algorithm": self.algorithm, "ranks_per_node": self.ranks_per_node,
-                "lossy_links": self.lossy_links, "transport": self.transport, "retransmit": self.retransmit,
-                "deadline": self.deadline, "link_intra": self.link_intra.spec, "link_inter": self.link_inter.spec,
-                "rto_s": self.rto_s, "nic": self.nic, "channels": self.channels, "nics_per_node": self.nics_per_node}
+        """The settings as plain values: what a saved network state records and is checked against.
+        The recovery policy's settings appear only where the policy uses them, so a zero or rescale
+        network's state saved before they existed still loads."""
+        out = {"tp_size": self.tp_size, "loss_model": self.loss.spec, "seed": self.seed,
+               "payload_bytes": self.payload_bytes, "recovery": self.recovery, "lossy": list(self.lossy),
+               "max_burst": self.max_burst, "algorithm": self.algorithm, "ranks_per_node": self.ranks_per_node,
+               "lossy_links": self.lossy_links, "transport": self.transport, "retransmit": self.retransmit,
+               "deadline": self.deadline, "link_intra": self.link_intra.spec, "link_inter": self.link_inter.spec,
+               "rto_s": self.rto_s, "nic": self.nic, "channels": self.channels,
+               "nics_per_node": self.nics_per_node}
+        if self.recovery.startswith("hadamard"):
+            out["hadamard_block"] = self.hadamard_block
+        if self.recovery not in ("zero", "rescale"):
+            out["compute"] = self.compute.spec      # what the policy's compute is charged at
+        return out
 
 
 SETTINGS = tuple(f.name for f in fields(NetworkSpec) if f.init)

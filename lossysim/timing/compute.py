@@ -62,6 +62,12 @@ class Compute:
         flops = (6.0 * parameters * tokens + attention_flops) / tp_size
         return max(flops / (self.peak_flops * self.mfu), kernels * self.launch_s)
 
+    def seconds(self, flops: float) -> float:
+        """t = flops / (peak * mfu): extra work (a recovery policy's) at the model's rate."""
+        if flops < 0:
+            raise ValueError(f"flops={flops} must be >= 0")
+        return flops / (self.peak_flops * self.mfu)
+
     @property
     def spec(self) -> str:
         """A string ``parse_compute`` turns back into this exact model."""
@@ -77,6 +83,10 @@ class Compute:
 class Measured:
     """Compute time measured on the GPU that runs the simulation (refused on a CPU)."""
     spec = "measured"
+
+    def seconds(self, flops: float) -> float:
+        """Nothing: the measured step time already holds whatever the GPU computed."""
+        return 0.0
 
 
 MEASURED = Measured()

@@ -1,0 +1,358 @@
+"""Recovery: what a receiver does with what arrived, and what a sender does about what did not.
+
+One policy per network (``recovery`` in ``NetworkSpec``; docs/semantics.md compares them):
+
+- ``zero``: a lost packet contributes nothing (``algorithms.combine``, applied by ``delivery``).
+- ``rescale``: what arrives is divided by the probability that it arrives, hop by hop: an unbiased
+  sum.
+- ``hadamard``, ``hadamard+rescale``: every sender applies a randomized Hadamard transform (random
+  signs, then an orthonormal Walsh-Hadamard transform over blocks of ``hadamard_block`` elements)
+  to its contribution; the collective runs on the transformed messages with ``zero`` or
+  ``rescale``, and every receiver inverts the transform. The transform is linear and the same on
+  every rank, so it commutes with the sum: it sits once around the whole collective, whatever the
+  algorithm. A lost packet becomes small noise spread over its block instead of a hole. The signs
+  come from a stream keyed by (seed, call site, direction), drawn afresh every call.
+- ``stale``: a lost packet of a send is replaced by the last values that arrived on that send
+  (the same step, link and packets of this call site and direction); nothing yet: zero.
+- ``error_feedback``: a sender keeps what a send failed to deliver and adds it to what that send
+  carries at the next call of the call site, so the sum over calls is conserved at every receiver.
+  It feeds gradients back: on activations (direction ``fwd``) it is ``zero``.
+
+``zero``, ``rescale`` and the Hadamard policies act on what a whole collective delivers (its
+``Delivery``); ``stale`` and ``error_feedback`` act on every send, so they run the schedule send by
+send (``delivery.send_by_send``). What a policy keeps between calls (signs' stream, per-send
+buffers) is a call site's ``Memory``, saved with the network. The compute a policy adds to a
+collective is counted in FLOPs (``flops``); the network charges them at the compute model's rate.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from . import delivery as deliver
+from .algorithms import Delivery, Schedule, combine
+from .links import stream_seed
+
+RECOVERY_POLICIES = ("zero", "rescale", "hadamard", "hadamard+rescale", "stale", "error_feedback")
+ACTIVATIONS = "fwd"            # the direction whose values are never summed again later
+DEFAULT_HADAMARD_BLOCK = 1 << 14
+
+
+def check_block(block: int) -> int:
+    """``block`` as an int, or ValueError unless it is a power of two >= 2."""
+    value = int(block)
+    if value != block or value < 2 or value & (value - 1):
+        raise ValueError(f"hadamard_block={block} must be a power of two >= 2 (e.g. {DEFAULT_HADAMARD_BLOCK})")
+    return value
+
+
+def policy(name: str, hadamard_block: int = DEFAULT_HADAMARD_BLOCK) -> "Policy":
+    """The policy called ``name`` (one of RECOVERY_POLICIES)."""
+    if name not in RECOVERY_POLICIES:
+        raise ValueError(f"recovery={name!r} must be one of {', '.join(RECOVERY_POLICIES)}")
+    if name.startswith("hadamard"):
+        return Hadamard(RESCALE if name.endswith("+rescale") else ZERO, hadamard_block)
+    return {"zero": ZERO, "rescale": RESCALE, "stale": STALE, "error_feedback": ERROR_FEEDBACK}[name]
+
+
+# -- what a policy keeps at a call site ------------------------------------------------------------
+class Memory:
+    """What a policy keeps at one call site and direction between calls: the stream of the Hadamard
+    signs, and per message size the buffers of every send (``sends``)."""
+
+    def __init__(self, seed: int, site: str, direction: str, device):
+        self.device = torch.device(device)
+        self._seed = stream_seed(seed, site, direction + "/recovery")
+        self._generator: Optional[torch.Generator] = None
+        self.buffers: dict[str, dict[str, torch.Tensor]] = {}
+
+    @property
+    def generator(self) -> torch.Generator:
+        if self._generator is None:
+            self._generator = torch.Generator(device=self.device)
+            self._generator.manual_seed(self._seed)
+        return self._generator
+
+    def signs(self, numel: int) -> torch.Tensor:
+        """The next ``numel`` random signs, as bits (1: negative)."""
+        return torch.randint(0, 2, (numel,), generator=self.generator, device=self.device, dtype=torch.uint8)
+
+    def sends(self, key: str, make: Callable[[], dict]) -> dict:
+        """The per-send buffers of messages of one size (``make``: fresh ones, for the first call)."""
+        found = self.buffers.get(key)
+        if found is None:
+            found = self.buffers[key] = make()
+        return found
+
+    def state_dict(self) -> dict:
+        return {"generator": None if self._generator is None else self._generator.get_state(),
+                "buffers": {key: {name: t.cpu().clone() for name, t in values.items()}
+                            for key, values in self.buffers.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._generator = None
+        if state["generator"] is not None:
+            self.generator.set_state(state["generator"])
+        self.buffers = {key: {name: t.to(self.device) for name, t in values.items()}
+                        for key, values in state["buffers"].items()}
+
+
+# -- the policies ----------------------------------------------------------------------------------
+Watch = Callable[[torch.Tensor], None]
+
+
+class Policy:
+    """``zero``: a lost packet contributes nothing. The base of every policy: ``draw`` says what arrived
+    (called once per lossy collective, before activation checkpointing records it), ``all_reduce``
+    applies it to the contributions, ``flops`` is the compute it adds per rank and call."""
+    name = "zero"
+    rescale = False
+    keeps_memory = False    # needs a Memory per call site
+    computes = False        # adds compute to a collective
+
+    def on(self, direction: str) -> "Policy":
+        """The policy that applies to traffic in ``direction``."""
+        return self
+
+    def draw(self, transfer, lost: torch.Tensor, collective: str, message: torch.Tensor,
+             memory: Optional[Memory]):
+        """What arrives where, given the lost packets of each send (``[sends, max_packets]``);
+        ``rescale`` weighs every delivered path by the product of its hops' 1 / P(delivery)."""
+        weights = None
+        if self.rescale and collective == "all_reduce":
+            weights = transfer.weights(torch.promote_types(message.dtype, torch.float32))
+        return combine(transfer.sched, lost, weights)
+
+    def all_reduce(self, drawn, x: torch.Tensor, receivers: Sequence[int], per_packet: int, watch: Watch,
+                   memory: Optional[Memory], update: bool) -> torch.Tensor:
+        """What each receiver holds, ``[len(receivers), n]``, given ``x`` ([ranks, n]) and what ``draw``
+        drew; ``update``: move the memory on (False when a recomputed forward replays a call)."""
+        return deliver.all_reduce(x, drawn, receivers, per_packet, rescale=self.rescale, watch=watch)
+
+    def flops(self, sched: Schedule, per_packet: int, numel: int) -> float:
+        """Floating-point operations a rank adds to one all-reduce of ``numel`` elements."""
+        return 0.0
+
+    def __repr__(self) -> str:
+        return f"recovery={self.name}"
+
+
+class Rescale(Policy):
+    """What arrives, divided by the probability that it arrives."""
+    name = "rescale"
+    rescale = True
+
+
+ZERO, RESCALE = Policy(), Rescale()
+
+
+# -- Hadamard ----------------------------------------------------------------------------------------
+def blocks(n: int, block: int) -> list[tuple[int, int, int]]:
+    """How ``n`` elements are cut into transform blocks: ``(start, count, size)``, ``count`` blocks of
+    ``size`` elements from ``start``: whole blocks, then the binary digits of the remainder, largest
+    first (1000 elements with block 256: 3 x 256, 128, 64, 32, 8)."""
+    whole = n // block
+    out = [(0, whole, block)] if whole else []
+    start = whole * block
+    size = block // 2
+    while start < n:
+        if n - start >= size:
+            out.append((start, 1, size))
+            start += size
+        size //= 2
+    return out
+
+
+def walsh_hadamard(y: torch.Tensor) -> torch.Tensor:
+    """The orthonormal Walsh-Hadamard transform of the last dim (a power of two), its own inverse.
+
+    A butterfly per bit, by reshapes, two bits per pass: a pass combines the four quarters of the
+    last dim (its top two bits) and interleaves the results, which moves the bits it transformed to
+    the bottom; once every bit has had its turn each is back in place. Every element is computed
+    by the same additions whatever the leading dims, so one receiver alone gets the bits of the
+    simulator's row."""
+    size = y.shape[-1]
+    bits = size.bit_length() - 1
+    buffers = [torch.empty_like(y) for _ in range(min((bits + 1) // 2, 2))]
+    src = y
+    for k in range((bits + 1) // 2):
+        dst = buffers[k % 2]
+        if bits - 2 * k == 1:              # an odd bit left: one butterfly
+            a, b = src.unflatten(-1, (2, size // 2)).unbind(-2)
+            out = dst.unflatten(-1, (size // 2, 2))
+            torch.add(a, b, out=out[..., 0])
+            torch.sub(a, b, out=out[..., 1])
+        else:
+            a, b, c, d = src.unflatten(-1, (4, size // 4)).unbind(-2)
+            top_sum, top_diff, low_sum, low_diff = a + c, a - c, b + d, b - d
+            out = dst.unflatten(-1, (size // 4, 4))
+            torch.add(top_sum, low_sum, out=out[..., 0])
+            torch.sub(top_sum, low_sum, out=out[..., 1])
+            torch.add(top_diff, low_diff, out=out[..., 2])
+            torch.sub(top_diff, low_diff, out=out[..., 3])
+        src = dst
+    return src * size ** -0.5
+
+
+def _by_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``walsh_hadamard`` of every block of the last dim of ``x`` (``blocks``)."""
+    out = torch.empty_like(x)
+    for start, count, size in blocks(x.shape[-1], block):
+        end = start + count * size
+        out[..., start:end] = walsh_hadamard(x[..., start:end].unflatten(-1, (count, size))).flatten(-2)
+    return out
+
+
+def _signs(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """+1 or -1 per bit (1: -1)."""
+    return 1 - 2 * bits.to(dtype)
+
+
+def transform(x: torch.Tensor, bits: torch.Tensor, block: int) -> torch.Tensor:
+    """H D x: random signs (``bits``: 1 flips), then the blockwise transform, on the last dim."""
+    return _by_blocks(x * _signs(bits, x.dtype), block)
+
+
+def inverse(y: torch.Tensor, bits: torch.Tensor, block: int) -> torch.Tensor:
+    """D H y: the inverse of ``transform`` (H and D are their own inverses)."""
+    return _by_blocks(y, block).mul_(_signs(bits, y.dtype))
+
+
+def hadamard_flops(n: int, block: int) -> float:
+    """One transform of ``n`` elements: a sign and a scale per element, an addition per element and bit."""
+    return float(sum(count * size * (math.log2(size) + 2) for _, count, size in blocks(n, block)))
+
+
+@dataclass
+class Transformed:
+    """A draw of a Hadamard policy: what arrives (of the transformed messages) and this call's signs."""
+    delivery: Delivery
+    bits: torch.Tensor
+
+
+class Hadamard(Policy):
+    """The randomized Hadamard transform around the collective, ``inner`` (zero or rescale) inside."""
+    keeps_memory = True
+    computes = True
+
+    def __init__(self, inner: Policy, block: int):
+        self.inner, self.block = inner, check_block(block)
+        self.name = "hadamard" + ("+rescale" if inner.rescale else "")
+        self.rescale = inner.rescale
+
+    def draw(self, transfer, lost, collective, message, memory):
+        delivery = self.inner.draw(transfer, lost, collective, message, memory)
+        if collective != "all_reduce":
+            return delivery          # a gathered shard is not a sum: holes stay zeros
+        return Transformed(delivery, memory.signs(message.numel()))
+
+    def all_reduce(self, drawn, x, receivers, per_packet, watch, memory, update):
+        work = torch.promote_types(x.dtype, torch.float32)
+        sent = transform(x.to(work), drawn.bits, self.block).to(x.dtype)   # what the wire carries
+        held = self.inner.all_reduce(drawn.delivery, sent, receivers, per_packet, lambda seen: None, memory, update)
+        out = inverse(held.to(work), drawn.bits, self.block).to(x.dtype)
+        watch(out)
+        return out
+
+    def flops(self, sched, per_packet, numel):
+        return 2 * hadamard_flops(numel, self.block)   # the sender's transform, the receiver's inverse
+
+
+# -- send by send: stale and error feedback ----------------------------------------------------------
+@dataclass
+class Hops:
+    """A draw of a send-by-send policy: the schedule, the lost packets of every send, and which
+    message size's buffers apply."""
+    sched: Schedule
+    lost: torch.Tensor          # [sends, max_packets]
+    key: str
+    held: Optional[torch.Tensor] = None   # what every rank held after the call, for a replay
+
+
+def _elements(sched: Schedule, per_packet: int, numel: int, end: str) -> int:
+    """The most elements one rank sends (``end="src"``) or receives (``"dst"``) in the schedule."""
+    count = [0] * sched.tp_size
+    for s in sched.sends:
+        count[getattr(s, end)] += max(0, min(numel, (s.first + s.packets) * per_packet) - s.first * per_packet)
+    return max(count, default=0)
+
+
+class SendBySend(Policy):
+    """A policy acting on every send: ``arrive`` says what a round's receivers take."""
+    keeps_memory = True
+    computes = True
+    buffers: tuple[str, ...] = ()   # per-send buffers, one payload each, zeros until written
+    remembers = False               # a replay returns what the call delivered (it cannot recompute it)
+
+    def draw(self, transfer, lost, collective, message, memory):
+        if collective != "all_reduce":
+            return super().draw(transfer, lost, collective, message, memory)
+        return Hops(transfer.sched, lost, f"{message.numel()}:{str(message.dtype).removeprefix('torch.')}")
+
+    def all_reduce(self, drawn, x, receivers, per_packet, watch, memory, update):
+        sched = drawn.sched
+
+        def fresh() -> dict:
+            shape = (len(sched.sends), sched.max_packets, per_packet)
+            return {name: torch.zeros(shape, dtype=x.dtype, device=x.device) for name in self.buffers}
+
+        state = memory.sends(drawn.key, fresh)
+        held = None if update else drawn.held
+        if held is None:
+            held = deliver.send_by_send(x, sched, drawn.lost, per_packet,
+                                        lambda hop, payload, lost: self.arrive(state, hop, payload, lost, update))
+            if self.remembers:
+                drawn.held = held
+        out = held[list(receivers)]
+        watch(out)
+        return out
+
+    def arrive(self, state: dict, hop: deliver.Round, payload: torch.Tensor, lost: torch.Tensor,
+               update: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Stale(SendBySend):
+    """A lost packet of a send takes the last values that arrived on that send; nothing yet: zero.
+    The receiver keeps one buffer per send it receives (``last``: zeros until a packet arrives, and
+    zeros on padding, which never arrives)."""
+    name = "stale"
+    buffers = ("last",)
+
+    def arrive(self, state, hop, payload, lost, update):
+        width = payload.shape[1]
+        taken = torch.where((hop.valid & ~lost).unsqueeze(-1), payload, state["last"][hop.sends, :width])
+        if update:
+            state["last"][hop.sends, :width] = taken
+        return taken
+
+    def flops(self, sched, per_packet, numel):
+        return 2.0 * _elements(sched, per_packet, numel, "dst")   # choose, and keep, what arrived
+
+
+class ErrorFeedback(SendBySend):
+    """A send carries what it failed to deliver at the call site's previous call (``owed``) on top of
+    its payload; what it fails to deliver now is owed next time. Gradients only: on activations it is
+    ``zero``."""
+    name = "error_feedback"
+    buffers = ("owed",)
+    remembers = True    # the call moved what is owed on: replaying it must not add it again
+
+    def on(self, direction):
+        return ZERO if direction == ACTIVATIONS else self
+
+    def arrive(self, state, hop, payload, lost, update):
+        width = payload.shape[1]
+        payload = payload + state["owed"][hop.sends, :width]
+        if update:
+            state["owed"][hop.sends, :width] = torch.where(lost.unsqueeze(-1), payload, 0)
+        return torch.where((hop.valid & ~lost).unsqueeze(-1), payload, 0)
+
+    def flops(self, sched, per_packet, numel):
+        return 2.0 * _elements(sched, per_packet, numel, "src")   # add what is owed, keep what is lost
+
+
+STALE, ERROR_FEEDBACK = Stale(), ErrorFeedback()
