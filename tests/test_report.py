@@ -427,3 +427,20 @@ def test_labels_leave_out_what_is_equal_or_usual():
     assert topology.value({**lossless, "loss_model": "ge", "lossy_links": "inter_node"}) == \
         "2 nodes x 2 ranks, loss between nodes"
     assert topology.value({"loss_model": "ge", "tp_size": 4, "ranks_per_node": None}) == "1 node x 4 ranks"
+
+
+def test_a_runs_restart_total_does_not_overwrite_the_restart_setting(tmp_path):
+    """restart_s is a setting (seconds per restart) and the run's charged total: the table keeps both apart, so
+    runs that failed a different number of times still group as one setting."""
+    import json
+    for name, total in (("a", 600.4), ("b", 900.5)):
+        run = tmp_path / name
+        run.mkdir()
+        summary = {"status": "completed", "config": {"loss": "bernoulli:0.2", "seed": 0 if name == "a" else 1,
+                                                     "restart_s": 300.0},
+                   "sim_time": {"total_s": 1.0 + total, "restart_s": total, "failures": total // 300}}
+        (run / "summary.json").write_text(json.dumps(summary))
+    frame = table.collect(tmp_path)
+    assert sorted(frame["restart_total_s"]) == [600.4, 900.5]
+    assert "restart_s" not in frame.columns or set(frame["restart_s"]) == {300.0}
+    assert not any(c.endswith(".1") for c in frame.columns)

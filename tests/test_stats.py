@@ -119,6 +119,7 @@ def rows(values, split="validation_matched", sim=False):
         row = {"step": step, "split": split, "accuracy": acc}
         if sim:
             row["sim_time_s"] = step * 0.5
+            row["sim_time_s_ideal_nic"] = step * 0.25
         out.append(row)
     return out
 
@@ -126,10 +127,10 @@ def rows(values, split="validation_matched", sim=False):
 def test_time_to_target_first_evaluation_at_or_above_target():
     history = rows([(10, 0.5), (20, 0.79), (30, 0.8), (40, 0.95)], sim=True)
     assert time_to_target(history, 0.8) == {"target": 0.8, "split": "validation_matched", "step": 30,
-                                            "sim_time_s": 15.0}
+                                            "sim_time_s": 15.0, "sim_time_s_ideal_nic": 7.5}
     assert time_to_target(list(reversed(history)), 0.9)["step"] == 40         # order of rows does not matter
     never = time_to_target(history, 0.96)
-    assert never["step"] is None and never["sim_time_s"] is None
+    assert never["step"] is None and never["sim_time_s"] is None and never["sim_time_s_ideal_nic"] is None
     assert time_to_target(rows([(5, 0.9)]), 0.8)["sim_time_s"] is None       # no simulated clock recorded
 
 
@@ -138,5 +139,5 @@ def test_time_to_target_uses_the_primary_split():
     assert time_to_target(mixed, 0.8)["step"] == 20                           # matched, not mismatched
     assert time_to_target(mixed, 0.8, split="validation_mismatched")["step"] == 10
     assert time_to_target(rows([(3, 0.9)], split="test"), 0.8) == {
-        "target": 0.8, "split": "test", "step": 3, "sim_time_s": None}
+        "target": 0.8, "split": "test", "step": 3, "sim_time_s": None, "sim_time_s_ideal_nic": None}
     assert time_to_target([], 0.8)["split"] is None

@@ -130,9 +130,11 @@ def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
     row["sim_time_s"] = _number(sim_time.get("total_s"))
     row["sim_time_s_ideal_nic"] = _number(sim_time.get("total_s_ideal_nic"))
     for name in ("comm_s_per_step", "ideal_comm_s_per_step", "retransmit_s_per_step", "compute_s_per_step",
-                 "retransmitted_packets", "missing_packets", "failures", "restart_s", "timeouts_intra",
-                 "timeouts_inter"):
+                 "retransmitted_packets", "missing_packets", "failures", "timeouts_intra", "timeouts_inter"):
         row[name] = _number(sim_time.get(name))
+    # restart_s is also the setting (seconds per restart); the total the run was charged gets its own name,
+    # or it would overwrite the setting and split every lossy group by its own outcome.
+    row["restart_total_s"] = _number(sim_time.get("restart_s"))
     disagreement = summary.get("disagreement") or {}
     row["disagreement"] = _number(disagreement.get("final_eval"))
     row["disagreement_train"] = _number(disagreement.get("mean_train"))
