@@ -16,6 +16,8 @@ import logging
 import os
 import socket
 import sys
+import threading
+import urllib.request
 from typing import Optional
 from urllib.parse import urlsplit
 
@@ -36,22 +38,41 @@ def offline_vars() -> list[str]:
     return [v for v in OFFLINE_VARS if os.environ.get(v, "").strip().lower() in _TRUE]
 
 
-def _probe(url: str, timeout: float) -> Optional[str]:
-    """None when a TCP connection to the endpoint opens within ``timeout``, else why not."""
+def _address(url: str) -> tuple[Optional[str], int]:
+    """Where a connection to ``url`` goes first: the configured proxy for its scheme, if any
+    (HTTPS_PROXY, ALL_PROXY, ...) and the host is not in NO_PROXY, else the host itself."""
     parts = urlsplit(url)
-    host = parts.hostname
+    scheme = parts.scheme or "https"
+    proxy = urllib.request.getproxies().get(scheme) or urllib.request.getproxies().get("all")
+    if proxy and parts.hostname and not urllib.request.proxy_bypass(parts.hostname):
+        parts = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        scheme = parts.scheme
+    return parts.hostname, parts.port or (443 if scheme == "https" else 80)
+
+
+def _probe(url: str, timeout: float) -> Optional[str]:
+    """None when a TCP connection to the endpoint (or its proxy) opens within ``timeout``, else
+    why not. Name resolution counts against the timeout too (it runs in a thread)."""
+    host, port = _address(url)
     if not host:
         return f"HF_ENDPOINT={url!r} names no host"
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return None
-    except socket.gaierror:
-        return f"cannot resolve {host}"
-    except socket.timeout:
-        return f"no answer from {host}:{port} within {timeout:g} s"
-    except OSError as err:
-        return f"{host}:{port}: {err.strerror or err}"
+    answer: list = []
+
+    def connect():
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                answer.append(None)
+        except socket.gaierror:
+            answer.append(f"cannot resolve {host}")
+        except socket.timeout:
+            answer.append(f"no answer from {host}:{port} within {timeout:g} s")
+        except OSError as err:
+            answer.append(f"{host}:{port}: {err.strerror or err}")
+
+    worker = threading.Thread(target=connect, name="hub-probe", daemon=True)
+    worker.start()
+    worker.join(timeout + 0.5)
+    return answer[0] if answer else f"no answer from {host}:{port} within {timeout:g} s"
 
 
 def hub_reachable(timeout: float = PROBE_TIMEOUT_S) -> bool:

@@ -75,6 +75,16 @@ def test_user_offline_mode_is_honoured_without_probing(unreachable, monkeypatch)
     assert "HF_DATASETS_OFFLINE=1" in hub.why_unavailable()
 
 
+def test_probe_goes_to_the_proxy_when_one_is_set(unreachable, monkeypatch):
+    """On a cluster whose only way out is a proxy, the proxy is what must answer."""
+    for var in ("NO_PROXY", "no_proxy", "https_proxy", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://huggingface.co")
+    monkeypatch.setenv("HTTPS_PROXY", CLOSED)
+    assert hub.hub_reachable() is False
+    assert unreachable == [("127.0.0.1", 9)]
+
+
 def test_train_with_hub_model_fails_fast_in_one_line(unreachable, tmp_path, capsys):
     started = time.monotonic()
     code = cli.main(["train", "--model", "gpt2", "--dataset", "synthetic", "--out", str(tmp_path / "run"), *SMALL])
