@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    from .hub import quiet_retries
+    quiet_retries()   # hub retry warnings at most once (all of them with -v)
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except (ValueError, OSError) as err:

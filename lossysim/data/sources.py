@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from ..hub import hub_reachable, why_unavailable
 from .examples import MNLI, SPLITS, SYNTHETIC, Examples, normalize_label, u64
 from .synthetic import SYNTHETIC_SIZES, SYNTHETIC_VERSION, synthetic_examples
 
@@ -308,13 +309,12 @@ def _file_sources(fmt: str, files: dict[str, Path]) -> dict:
 
 def _hub_sources() -> dict:
     """GLUE MNLI from the hub (needs the network or the local HF cache)."""
+    hub_reachable()   # once per process: offline mode if not, so the load fails at once
     import datasets
     try:
         loaded = datasets.load_dataset(*HF_MNLI)
     except Exception as err:  # the hub raises many types (ConnectionError, OSError, HTTP errors)
-        offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v, "").lower() in ("1", "true", "yes", "on")]
-        why = f"offline mode is on ({', '.join(offline)}=1) and it is not in the local cache" if offline \
-            else "the hub could not be reached and it is not in the local cache"
+        why = f"{why_unavailable() or 'the hub could not be reached'} and it is not in the local cache"
         raise ValueError(
             f"dataset=mnli: cannot load {'/'.join(HF_MNLI)}: {why} ({type(err).__name__}: {err}). "
             f"Go online once so datasets caches it, or set dataset to a local directory with "

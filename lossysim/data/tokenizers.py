@@ -9,6 +9,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..hub import hub_reachable, why_unavailable
 from ..models.shapes import NAMED_SHAPES
 from .examples import Examples
 
@@ -79,11 +80,14 @@ def byte_tokenizer():
 
 def load_pretrained_tokenizer(spec: str):
     """A HF tokenizer by name or local dir, with a pad token that no text uses."""
+    if not Path(spec).expanduser().is_dir():
+        hub_reachable()   # once per process: offline mode if not, so the load fails at once
     from transformers import AutoTokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(spec)
     except Exception as err:  # OSError offline, EnvironmentError/ValueError for bad dirs
-        raise ValueError(f"tokenizer {spec!r} could not be loaded ({type(err).__name__}: {str(err).splitlines()[0]}). "
+        why = "" if Path(spec).expanduser().is_dir() or not why_unavailable() else f"{why_unavailable()}; "
+        raise ValueError(f"tokenizer {spec!r} could not be loaded ({why}{type(err).__name__}: {_first_line(err)}). "
                          f"{_TOKENIZER_ADVICE}") from None
     check_vocabulary(tokenizer, spec)
     tokenizer.padding_side = "right"
@@ -91,6 +95,11 @@ def load_pretrained_tokenizer(spec: str):
     if tokenizer.pad_token_id is None:
         _set_pad(tokenizer)
     return tokenizer
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 _TOKENIZER_ADVICE = ("Use tokenizer: bpe (trained here on the training texts, no download), a local directory "

@@ -13,6 +13,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
                           GPT2ForSequenceClassification, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
                           LlamaForSequenceClassification)
 
+from ..hub import hub_reachable, why_unavailable
 from ..tp.plans import plan_for
 from .shapes import NAMED_MAX_POSITIONS, NAMED_SHAPES
 
@@ -33,6 +34,7 @@ def max_positions(name: str) -> Optional[int]:
         if config_class is GPT2Config:
             return NAMED_MAX_POSITIONS
         return shape.get("max_position_embeddings", config_class().max_position_embeddings)
+    _use_hub(name)
     try:
         config = AutoConfig.from_pretrained(name)
     except Exception:  # offline and not cached, not a model directory: build_model says why
@@ -72,6 +74,7 @@ def build_model(name: str, *, vocab_size: int, pad_token_id: int, num_labels: in
                               **_dropout_overrides(config_class.model_type, dropout))
         config._attn_implementation = attn_implementation
         return _CLASSES[task][config_class](config)
+    _use_hub(name)
     try:
         config = AutoConfig.from_pretrained(name)
         for key, value in _dropout_overrides(config.model_type, dropout).items():
@@ -80,11 +83,7 @@ def build_model(name: str, *, vocab_size: int, pad_token_id: int, num_labels: in
         model = _AUTO[task].from_pretrained(
             name, config=config, attn_implementation=attn_implementation)
     except (OSError, ValueError) as err:
-        where = "local directory" if Path(name).exists() else "model name"
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"cannot load model {name!r} ({where}): {first}. Use a named shape "
-                         f"({', '.join(NAMED_SHAPES)}), a local directory, or go online "
-                         "(unset HF_HUB_OFFLINE)") from None
+        raise _cannot_load(name, err) from None
     try:
         plan_for(model)
     except TypeError as err:
@@ -97,3 +96,31 @@ def build_model(name: str, *, vocab_size: int, pad_token_id: int, num_labels: in
         model.resize_token_embeddings(vocab_size)
     model.config.pad_token_id = pad_token_id
     return model
+
+
+def _use_hub(name: str) -> None:
+    """Before a pretrained load by name: ask once per process whether the hub can be reached
+    (offline mode if not, so the load answers from the cache at once)."""
+    if not Path(name).exists():
+        hub_reachable()
+
+
+def check_model(name: str) -> None:
+    """Raise build_model's one-line reason when model ``name`` cannot be loaded here (its config
+    is read: from a directory, the cache, or the hub)."""
+    if not is_pretrained(name):
+        return
+    _use_hub(name)
+    try:
+        AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        raise _cannot_load(name, err) from None
+
+
+def _cannot_load(name: str, err: BaseException) -> ValueError:
+    where = "local directory" if Path(name).exists() else "model name"
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    why = why_unavailable() if where == "model name" else None
+    return ValueError(f"cannot load model {name!r} ({where}): {why + '; ' if why else ''}{first}. Use a named shape "
+                      f"({', '.join(NAMED_SHAPES)}), a local directory, or go online "
+                      "(unset HF_HUB_OFFLINE), or cache it once on a machine that can reach the hub")

@@ -324,6 +324,64 @@ def execute(run: Run, train: Optional[TrainFn] = None, progress: bool = True) ->
     return summary
 
 
+# -- what the runs need -----------------------------------------------------------------------------
+# Words of the one-line reasons that say a failure comes from this machine, not from the run's
+# settings: the same for every run that needs the same model, tokenizer and data.
+ENVIRONMENTAL = ("could not be reached", "offline mode is on", "not in the local cache", "file not found",
+                 "No such file", "not enough free space", "is not writable")
+
+
+def needs(config: ExperimentConfig) -> tuple[tuple[str, str], ...]:
+    """(kind, name) of the model, tokenizer and data set a run loads."""
+    tokenizer = config.tokenizer
+    if tokenizer == "auto":   # as data.tokenizers.tokenizer_spec
+        tokenizer = "bpe" if config.model in _named_shapes() else config.model
+    return (("model", config.model), ("tokenizer", tokenizer), ("dataset", config.dataset))
+
+
+def _named_shapes() -> tuple[str, ...]:
+    from ..models.shapes import NAMED_SHAPES
+    return tuple(NAMED_SHAPES)
+
+
+def _check(kind: str, name: str) -> None:
+    """Raise the run's own one-line reason when ``name`` cannot be loaded on this machine."""
+    if kind == "model":
+        if name not in _named_shapes():
+            from ..models.build import check_model
+            check_model(name)
+    elif kind == "tokenizer":
+        if name not in ("bpe", "bytes"):
+            from ..data.tokenizers import load_pretrained_tokenizer
+            load_pretrained_tokenizer(name)
+    elif name != "synthetic":
+        from ..data.sources import MNLI, _hub_sources, dataset_identity
+        dataset_identity(name)   # a local path: its files exist
+        if name == MNLI:
+            _hub_sources()
+
+
+def check_inputs(runs: list[Run]) -> None:
+    """Load each distinct model, tokenizer and data set the unfinished runs need, once; raise one
+    line naming the first that cannot be loaded and how many runs need it."""
+    todo = [r for r in runs if run_status(r.run_dir) not in FINISHED]
+    counts: dict[tuple[str, str], int] = {}
+    for r in todo:
+        for need in needs(r.config):
+            counts[need] = counts.get(need, 0) + 1
+    for (kind, name), count in counts.items():
+        try:
+            _check(kind, name)
+        except (ValueError, OSError) as err:
+            text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"{kind} {name!r} cannot be loaded here, so {count} of the {len(todo)} runs "
+                             f"to do would fail; no run was started: {text}") from None
+
+
+def _environmental(error: Optional[str]) -> bool:
+    return bool(error) and any(word in error for word in ENVIRONMENTAL)
+
+
 # -- the sweep ----------------------------------------------------------------------------------------
 @dataclass
 class SweepResult:
@@ -349,11 +407,15 @@ def _clean_temporaries(out: Path) -> None:
 
 
 def run_sweep(spec: SweepSpec, out: Union[str, Path], shard_k: int = 1, shard_n: int = 1,
-              train: Optional[TrainFn] = None, progress: bool = True) -> SweepResult:
+              train: Optional[TrainFn] = None, progress: bool = True, check: bool = True) -> SweepResult:
+    """Run every unfinished run of the spec; ``check``: first make sure each model, tokenizer and
+    data set they need can be loaded here (see check_inputs)."""
     from tqdm import tqdm
 
     out = Path(out)
     runs = shard(expand(spec, out), shard_k, shard_n)   # validated before anything is touched
+    if check:
+        check_inputs(runs)   # what the runs load can be loaded here, before anything is written
     out.mkdir(parents=True, exist_ok=True)
     _clean_temporaries(out)
     atomic_write_text(out / "sweep.yaml", yaml.safe_dump(spec.to_dict(), sort_keys=False))
@@ -362,7 +424,7 @@ def run_sweep(spec: SweepSpec, out: Union[str, Path], shard_k: int = 1, shard_n:
     bar = tqdm(total=len(runs), desc=label, unit="run", position=0, disable=not progress,
                dynamic_ncols=True)
     try:
-        for run in runs:
+        for i, run in enumerate(runs):
             status = run_status(run.run_dir)
             if status in FINISHED:
                 result.skipped += 1
@@ -370,10 +432,15 @@ def run_sweep(spec: SweepSpec, out: Union[str, Path], shard_k: int = 1, shard_n:
                 bar.set_postfix_str(run.dir_name)
                 status = execute(run, train=train, progress=progress).get("status")
                 result.ran += 1
+                error = read_summary(run.run_dir).get("error")
                 if status != "completed":
-                    bar.write(f"{run.dir_name}: {status}: {read_summary(run.run_dir).get('error')}",
-                              file=sys.stderr)
+                    bar.write(f"{run.dir_name}: {status}: {error}", file=sys.stderr)
                 write_summary_csv(out)
+                if status == "failed" and _environmental(error):
+                    rest = [r for r in runs[i + 1:] if run_status(r.run_dir) not in FINISHED]
+                    if rest and all(needs(r.config) == needs(run.config) for r in rest):
+                        raise ValueError(f"sweep stopped: {run.dir_name} failed for a reason of this machine "
+                                         f"that the {len(rest)} remaining runs share: {error}")
             result.statuses[run.dir_name] = status
             bar.update()
     finally:
