@@ -148,6 +148,13 @@ class LossyNetwork:
     # -- one collective: draw, repair, time ------------------------------------------
     def _deliver(self, site: str, direction: str, collective: str, message: torch.Tensor) -> Optional[Delivery]:
         """What the receivers hold (None: the exact result), counting and timing the traffic."""
+        return self.simulate(site, direction, message.numel(), message.dtype, collective, message.device)
+
+    def simulate(self, site: str, direction: str, numel: int, dtype: torch.dtype, collective: str = "all_reduce",
+                 device="cpu") -> Optional[Delivery]:
+        """One collective of a message of ``numel`` elements of ``dtype``, without its data: draw the
+        packets' fates, repair, count and move the clock exactly as a call with tensors would (every
+        collective goes through here). Returns what the receivers hold (None: the exact result)."""
         key = (site, direction)
         if self._replaying is not None:  # a recomputed forward sends again: its time counts again
             delivery, ideal, repairs = self._replaying[key].popleft()
@@ -157,8 +164,9 @@ class LossyNetwork:
             return delivery
         if self.tp_size == 1:
             return None
-        channel = self._channel(site, direction, message.device)
-        shape = (collective, message.numel(), message.dtype, message.device)
+        device = torch.device(device)
+        channel = self._channel(site, direction, device)
+        shape = (collective, int(numel), dtype, device)
         transfer = self._transfers.get(shape)
         if transfer is None:
             transfer = self._transfers[shape] = transfers.build(self.spec, self.links, *shape)
@@ -173,11 +181,11 @@ class LossyNetwork:
             channel.counters.record(transfer.link_ids, lost, self._bad(in_bad), transfer.lengths, transfer.slots,
                                     transfer.sent)
             per_send = lost.flatten()[transfer.sched.tensors(lost.device)["gather"]]
-            delivery = self._combine(transfer, per_send, collective, message.dtype)
+            delivery = self._combine(transfer, per_send, collective, dtype)
         else:
-            missing, repairs = self._repair(channel, transfer, message.device)
+            missing, repairs = self._repair(channel, transfer, device)
             if not self.transport.exact:
-                delivery = self._combine(transfer, missing, collective, message.dtype)
+                delivery = self._combine(transfer, missing, collective, dtype)
         if self._recording is not None:
             self._recording[key].append((delivery, transfer.ideal, repairs))
         return delivery
