@@ -4,8 +4,10 @@ Per block, in forward, every row-parallel layer all-reduces its partial output a
 site (``fwd``); in backward, every ``copy`` site all-reduces the gradient of its module's input
 (``bwd``), blocks in reverse and modules in reverse inside a block. With activation checkpointing
 each block's forward runs again when the backward reaches it, and its all-reduces replay the masks
-drawn the first time (their time counts again, nothing is drawn). Every message is one rank's
-micro-batch x sequence x hidden activations.
+drawn the first time (their time counts again, nothing is drawn). PyTorch's non-reentrant
+checkpoint stops that recompute as soon as every tensor saved for backward is back: a block's last
+all-reduce feeds only the residual sum, so it runs again only when a dropout after it draws a mask
+(GPT-2's residual dropout). Every message is one rank's micro-batch x sequence x hidden activations.
 """
 from __future__ import annotations
 
@@ -56,8 +58,11 @@ def step_calls(shape: Shape, checkpointing: bool) -> list[Call]:
     copies = list(plan.inputs.values())[::-1]
     blocks = [f"{plan.blocks}.{i}" for i in range(shape.layers)]
     calls = [Call(f"{block}.{site}", "fwd", False) for block in blocks for site in reduces]
+    module = reduces[-1].split(".")[0]
+    masked = any(path.startswith(f"{module}.") and getattr(shape.config, p, 0) > 0 for path, p in plan.dropouts.items())
+    replayed = reduces if masked else reduces[:-1]
     for block in reversed(blocks):
         if checkpointing:
-            calls += [Call(f"{block}.{site}", "fwd", True) for site in reduces]
+            calls += [Call(f"{block}.{site}", "fwd", True) for site in replayed]
         calls += [Call(f"{block}.{site}", "bwd", False) for site in copies]
     return calls
