@@ -1,7 +1,8 @@
 """``lossysim estimate``: a grid of network settings for one model and workload, one row per setting.
 
-Every network key takes several values (comma lists or repeated flags; loss specs contain commas,
-so ``--loss`` is repeated instead); the command runs their product and writes ``estimate.csv``,
+Every network key takes several values (comma lists or repeated flags; loss and link specs contain
+commas, so ``--loss``, ``--link-intra`` and ``--link-inter`` are repeated instead); the command runs
+their product and writes ``estimate.csv``,
 ``estimate.json`` and, for several loss rates, ``slowdown.png`` (slowdown against loss rate, one
 line per transport).
 """
@@ -25,6 +26,7 @@ from .workload import DTYPES, Workload
 GRID = {"--loss": "loss", "--transport": "transport", "--nic": "nic", "--algorithm": "algorithm",
         "--link-intra": "link_intra", "--link-inter": "link_inter", "--lossy-links": "lossy_links",
         "--recovery": "recovery", "--lossy": "lossy"}
+WHOLE = ("loss", "link_intra", "link_inter")   # their specs contain commas: one value per flag
 # Columns printed on the terminal (every column goes to the files).
 SHOWN = ("loss", "transport", "nic", "algorithm", "loss_free_step_s", "step_mean_s", "step_p99_s", "slowdown",
          "comm_share", "packets_lost", "packets_resent", "elements_lost_fwd", "failures_per_1000_steps")
@@ -44,7 +46,7 @@ def add_arguments(parser) -> None:
         if isinstance(default, tuple):
             default = "both"
         parser.add_argument(flag, dest=key, action="append", metavar="VALUE",
-                            help=f"{key} (repeatable{'' if key == 'loss' else ' or comma-separated'}; "
+                            help=f"{key} (repeatable{'' if key in WHOLE else ' or comma-separated'}; "
                                  f"default {default})")
     parser.add_argument("--seed", type=int, default=0, help="root of every call site's random stream")
     parser.add_argument("--compute", default="h100", help="GPU model for compute time (default h100)")
@@ -72,7 +74,7 @@ def grid(values: dict, **fixed) -> list[NetworkSpec]:
     for key, given in values.items():
         if not given:
             continue
-        items = given if key == "loss" else [v.strip() for value in given for v in value.split(",") if v.strip()]
+        items = given if key in WHOLE else [v.strip() for value in given for v in value.split(",") if v.strip()]
         axes[key] = list(dict.fromkeys(items))
     keys, specs, refused = list(axes), [], []
     for combo in itertools.product(*axes.values()):
