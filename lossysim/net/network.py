@@ -157,6 +157,13 @@ class LossyNetwork:
     def _deliver(self, site: str, direction: str, collective: str, message: torch.Tensor) -> Optional[Delivery]:
         """What the receivers hold (None: the exact result; the recovery policy's draw, a Delivery for
         zero and rescale), counting and timing the traffic."""
+        return self.simulate(site, direction, message.numel(), message.dtype, collective, message.device)
+
+    def simulate(self, site: str, direction: str, numel: int, dtype: torch.dtype, collective: str = "all_reduce",
+                 device="cpu"):
+        """One collective of a message of ``numel`` elements of ``dtype``, without its data: draw the
+        packets' fates, repair, count and move the clock exactly as a call with tensors would (every
+        collective goes through here). Returns what the receivers hold (None: the exact result)."""
         key = (site, direction)
         if self._replaying is not None:  # a recomputed forward sends again: its time counts again
             delivery, ideal, repairs, recovered = self._replaying[key].popleft()
@@ -167,8 +174,9 @@ class LossyNetwork:
             return delivery
         if self.tp_size == 1:
             return None
-        channel = self._channel(site, direction, message.device)
-        shape = (collective, message.numel(), message.dtype, message.device)
+        device = torch.device(device)
+        channel = self._channel(site, direction, device)
+        shape = (collective, int(numel), dtype, device)
         transfer = self._transfers.get(shape)
         if transfer is None:
             transfer = self._transfers[shape] = transfers.build(self.spec, self.links, *shape)
@@ -183,11 +191,11 @@ class LossyNetwork:
             channel.counters.record(transfer.link_ids, lost, self._bad(in_bad), transfer.lengths, transfer.slots,
                                     transfer.sent)
             per_send = lost.flatten()[transfer.sched.tensors(lost.device)["gather"]]
-            delivery = self._draw(channel, transfer, per_send, collective, direction, message)
+            delivery = self._draw(channel, transfer, per_send, collective, direction, numel, dtype)
         else:
-            missing, repairs = self._repair(channel, transfer, message.device)
+            missing, repairs = self._repair(channel, transfer, device)
             if not self.transport.exact:
-                delivery = self._draw(channel, transfer, missing, collective, direction, message)
+                delivery = self._draw(channel, transfer, missing, collective, direction, numel, dtype)
         if self._recording is not None:
             self._recording[key].append((delivery, transfer.ideal, repairs, self._recovery_s - recovery_before))
         return delivery
@@ -197,18 +205,18 @@ class LossyNetwork:
         return in_bad if self.loss_model.hidden_state else None
 
     def _draw(self, channel: _Channel, transfer, lost: torch.Tensor, collective: str, direction: str,
-              message: torch.Tensor):
+              numel: int, dtype: torch.dtype):
         """What arrives where, given the lost packets of each send (the policy's view of it), and the
         clock charged with the compute the policy adds to the collective."""
         policy = self.recovery.on(direction)
         if policy.computes and collective == "all_reduce":
-            key = (policy.name, message.numel(), message.dtype)
+            key = (policy.name, numel, dtype)
             seconds = self._recovery_cost.get(key)
             if seconds is None:
-                flops = policy.flops(transfer.sched, transfer.per_packet, message.numel())
+                flops = policy.flops(transfer.sched, transfer.per_packet, numel)
                 seconds = self._recovery_cost[key] = self.spec.compute.seconds(flops)
             self._recovery_s += seconds
-        return policy.draw(transfer, lost, collective, message, channel.memory)
+        return policy.draw(transfer, lost, collective, numel, dtype, channel.memory)
 
     def _repair(self, channel: _Channel, transfer, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Run every step through the transport; returns the missing packets per send and the seconds

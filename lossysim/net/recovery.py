@@ -117,13 +117,13 @@ class Policy:
         """The policy that applies to traffic in ``direction``."""
         return self
 
-    def draw(self, transfer, lost: torch.Tensor, collective: str, message: torch.Tensor,
+    def draw(self, transfer, lost: torch.Tensor, collective: str, numel: int, dtype: torch.dtype,
              memory: Optional[Memory]):
         """What arrives where, given the lost packets of each send (``[sends, max_packets]``);
         ``rescale`` weighs every delivered path by the product of its hops' 1 / P(delivery)."""
         weights = None
         if self.rescale and collective == "all_reduce":
-            weights = transfer.weights(torch.promote_types(message.dtype, torch.float32))
+            weights = transfer.weights(torch.promote_types(dtype, torch.float32))
         return combine(transfer.sched, lost, weights)
 
     def all_reduce(self, drawn, x: torch.Tensor, receivers: Sequence[int], per_packet: int, watch: Watch,
@@ -233,6 +233,16 @@ class Transformed:
     bits: torch.Tensor
 
 
+def packets_of(drawn) -> Delivery:
+    """What arrived packet by packet, before a policy filled or transformed anything (a Delivery for any
+    policy's draw): which elements a loss touched, whatever the policy then makes of them."""
+    if isinstance(drawn, Transformed):
+        return drawn.delivery
+    if isinstance(drawn, Hops):
+        return combine(drawn.sched, drawn.lost, None)
+    return drawn
+
+
 class Hadamard(Policy):
     """The randomized Hadamard transform around the collective, ``inner`` (zero or rescale) inside."""
     keeps_memory = True
@@ -243,11 +253,11 @@ class Hadamard(Policy):
         self.name = "hadamard" + ("+rescale" if inner.rescale else "")
         self.rescale = inner.rescale
 
-    def draw(self, transfer, lost, collective, message, memory):
-        delivery = self.inner.draw(transfer, lost, collective, message, memory)
+    def draw(self, transfer, lost, collective, numel, dtype, memory):
+        delivery = self.inner.draw(transfer, lost, collective, numel, dtype, memory)
         if collective != "all_reduce":
             return delivery          # a gathered shard is not a sum: holes stay zeros
-        return Transformed(delivery, memory.signs(message.numel()))
+        return Transformed(delivery, memory.signs(numel))
 
     def all_reduce(self, drawn, x, receivers, per_packet, watch, memory, update):
         work = torch.promote_types(x.dtype, torch.float32)
@@ -287,10 +297,10 @@ class SendBySend(Policy):
     buffers: tuple[str, ...] = ()   # per-send buffers, one payload each, zeros until written
     remembers = False               # a replay returns what the call delivered (it cannot recompute it)
 
-    def draw(self, transfer, lost, collective, message, memory):
+    def draw(self, transfer, lost, collective, numel, dtype, memory):
         if collective != "all_reduce":
-            return super().draw(transfer, lost, collective, message, memory)
-        return Hops(transfer.sched, lost, f"{message.numel()}:{str(message.dtype).removeprefix('torch.')}")
+            return super().draw(transfer, lost, collective, numel, dtype, memory)
+        return Hops(transfer.sched, lost, f"{numel}:{str(dtype).removeprefix('torch.')}")
 
     def all_reduce(self, drawn, x, receivers, per_packet, watch, memory, update):
         sched = drawn.sched

@@ -17,7 +17,8 @@ from .algorithms import PHASES
 
 COUNTERS = ("sent", "lost", "sent_bad", "bursts", "resent", "missing", "timeouts", "failures")
 QUEUE = 64                 # calls counted together
-QUEUE_PACKETS = 1 << 20    # or fewer, when they carry this many packets
+QUEUE_PACKETS = 1 << 18    # or fewer, when they carry this many packets: each call site keeps a buffer
+                           # this large, and a 70B model's step has 640 of them
 
 
 class _Draw(NamedTuple):

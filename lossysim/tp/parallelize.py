@@ -159,7 +159,7 @@ def _enter_tp(group: SimGroup, site: str):
     return hook
 
 
-def _head_counts(plan: ShardingPlan, config, tp: int) -> tuple[int, int, int]:
+def head_counts(plan: ShardingPlan, config, tp: int) -> tuple[int, int, int]:
     """(query heads, kv heads, kv parts): kv heads are split when tp divides them, else each rank holds one."""
     heads = getattr(config, plan.heads)
     if heads % tp:
@@ -185,7 +185,7 @@ def parallelize(model: nn.Module, tp_size: int = 2, network: Optional[LossyNetwo
     """
     plan, kind = plan_for(model)
     config = model.config
-    heads, kv_heads, kv_parts = _head_counts(plan, config, tp_size)
+    heads, kv_heads, kv_parts = head_counts(plan, config, tp_size)
     problem = plan.check(config) if plan.check else None
     if problem:
         raise ValueError(problem)

@@ -1,0 +1,130 @@
+"""Model shapes for estimates: published configs shipped as data, local configs, and the runner's shapes.
+
+An estimate needs a model's shape, never its weights: the sharding plan (which sites all-reduce),
+the hidden size (every TP message is tokens x hidden), the layers, and the parameter count for the
+compute time. The model is built on the meta device, so even 70B costs no memory.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from ..models import NAMED_SHAPES as RUNNER_SHAPES
+from ..models import cost
+from ..tp.parallelize import head_counts
+from ..tp.plans import ShardingPlan, plan_for
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "high_freq_factor": 4.0,
+                "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}
+
+# The published configs (huggingface.co/<org>/<model>/config.json): only what shapes the model.
+PUBLISHED = {
+    "gpt2": ("gpt2", dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024)),
+    "gpt2-medium": ("gpt2", dict(n_embd=1024, n_layer=24, n_head=16, vocab_size=50257, n_positions=1024)),
+    "gpt2-large": ("gpt2", dict(n_embd=1280, n_layer=36, n_head=20, vocab_size=50257, n_positions=1024)),
+    "gpt2-xl": ("gpt2", dict(n_embd=1600, n_layer=48, n_head=25, vocab_size=50257, n_positions=1024)),
+    "llama-3.2-1b": ("llama", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                                   num_key_value_heads=8, intermediate_size=8192, head_dim=64, vocab_size=128256,
+                                   tie_word_embeddings=True, max_position_embeddings=131072,
+                                   rms_norm_eps=1e-5, rope_parameters=_LLAMA3_ROPE)),
+    "llama-3.2-3b": ("llama", dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24,
+                                   num_key_value_heads=8, intermediate_size=8192, head_dim=128, vocab_size=128256,
+                                   tie_word_embeddings=True, max_position_embeddings=131072,
+                                   rms_norm_eps=1e-5, rope_parameters=_LLAMA3_ROPE)),
+    "llama-3.1-8b": ("llama", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                   num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                                   tie_word_embeddings=False, max_position_embeddings=131072,
+                                   rms_norm_eps=1e-5, rope_parameters={**_LLAMA3_ROPE, "factor": 8.0})),
+    "llama-3.1-70b": ("llama", dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                                    num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
+                                    tie_word_embeddings=False, max_position_embeddings=131072,
+                                    rms_norm_eps=1e-5, rope_parameters={**_LLAMA3_ROPE, "factor": 8.0})),
+    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                                 num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
+                                 tie_word_embeddings=False, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "mistral-7b": ("mistral", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                   num_key_value_heads=8, intermediate_size=14336, vocab_size=32000,
+                                   tie_word_embeddings=False, max_position_embeddings=32768, rms_norm_eps=1e-5,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+}
+# The runner's random-weight CPU shapes, so an estimate can be held against a training run.
+RUNNER = ("tiny", "tiny-llama")
+NAMES = tuple(PUBLISHED) + RUNNER
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What an estimate needs of a model."""
+    name: str
+    config: PretrainedConfig
+    plan: ShardingPlan
+    parameters: int      # the whole model's (a causal LM), before sharding
+    layers: int
+    hidden: int
+    kernels: int         # kernel launches of one training step on one rank (``models.cost``)
+
+    def check_tp(self, tp_size: int) -> None:
+        """A one-line ValueError when ``tp_size`` cannot shard this model as ``parallelize`` would."""
+        head_counts(self.plan, self.config, tp_size)
+        width = getattr(self.config, "intermediate_size", None) or getattr(self.config, "n_inner", None) \
+            or 4 * self.hidden
+        if width % tp_size:
+            raise ValueError(f"tp_size={tp_size} does not divide the MLP width {width} of {self.name}")
+
+
+def config_of(name: str) -> PretrainedConfig:
+    """The HF config of a named shape, a config.json file or a model directory holding one."""
+    if name in PUBLISHED:
+        model_type, values = PUBLISHED[name]
+        return AutoConfig.for_model(model_type, **values)
+    if name in RUNNER:
+        config_class, values = RUNNER_SHAPES[name]
+        return config_class(**values)
+    path = Path(name)
+    if not path.exists():
+        raise ValueError(f"unknown model {name!r}: name one of {', '.join(NAMES)}, or a config.json or "
+                         "model directory")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(f"{path} holds no config.json")
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{path} is not a model config: {first}") from None
+
+
+def load(name: str) -> Shape:
+    """The Shape of a named model or a local config (ValueError, one line, when it is not one)."""
+    config = config_of(name)
+    config._attn_implementation = "sdpa"
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except ValueError as err:
+        raise ValueError(f"{name}: {str(err).strip().splitlines()[0]}") from None
+    try:
+        plan, _ = plan_for(model)
+    except TypeError as err:
+        raise ValueError(f"{name}: {err}") from None
+    layers, hidden = cost.dims(config)
+    return Shape(name, config, plan, sum(p.numel() for p in model.parameters()), layers, hidden,
+                 _kernels(config, layers))
+
+
+def _kernels(config: PretrainedConfig, layers: int) -> int:
+    """Kernel launches of a training step, from copies of one and two blocks: every block launches the
+    same kernels, and counting 80 of them takes half a minute."""
+    key = "n_layer" if hasattr(config, "n_layer") else "num_hidden_layers"
+    counts = []
+    for depth in (1, 2):
+        values = {**config.to_dict(), key: depth}
+        values.pop("layer_types", None)  # one entry per layer: rebuilt for the copy's depth
+        with torch.device("meta"):
+            copy = AutoModelForCausalLM.from_config(type(config).from_dict(values))
+        counts.append(cost.kernels_per_step(copy, "lm"))
+    return counts[0] + (counts[1] - counts[0]) * (layers - 1)

@@ -1,0 +1,148 @@
+"""lossysim estimate: the closed forms at zero loss, the very counts and clock of a training run, the
+published shapes, and one-line errors."""
+import json
+
+import pytest
+import torch
+
+from lossysim.cli import main
+from lossysim.config import ExperimentConfig
+from lossysim.estimate import Workload, estimate, load
+from lossysim.estimate.grid import grid, run_grid, write
+from lossysim.estimate.shapes import PUBLISHED
+from lossysim.net import NetworkSpec
+from lossysim.net.transfer import packets
+from lossysim.run.experiment import run_experiment
+from lossysim.timing import direct_all_reduce_time, nccl
+
+# Published parameter counts (model cards; ../shared/REFERENCE.md), rounded as published: 3 digits.
+PUBLISHED_PARAMETERS = {"gpt2": 124e6, "gpt2-medium": 355e6, "gpt2-large": 774e6, "gpt2-xl": 1.56e9,
+                        "llama-3.2-1b": 1.24e9, "llama-3.2-3b": 3.21e9, "llama-3.1-8b": 8.03e9,
+                        "llama-3.1-70b": 70.6e9, "qwen2.5-7b": 7.62e9, "mistral-7b": 7.24e9}
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("LOSSYSIM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.mark.parametrize("algorithm, tp, nodes, checkpointing", [
+    ("ring", 4, 2, False), ("tree", 4, 2, True), ("ring", 2, 1, True), ("direct", 4, 1, False)])
+def test_zero_loss_step_is_the_closed_forms_summed_over_its_collectives(algorithm, tp, nodes, checkpointing):
+    spec = NetworkSpec(tp, "none", algorithm=algorithm, ranks_per_node=tp // nodes, link_inter="roce-400g")
+    workload = Workload(seq=24, micro_batch=3, dtype="bf16", activation_checkpointing=checkpointing)
+    row = estimate("tiny-llama", spec, workload, steps=2)
+    per_packet, n = packets(spec.payload_bytes, 24 * 3 * 128, torch.bfloat16)
+    M = 24 * 3 * 128 * 2
+    if algorithm == "direct":
+        one = direct_all_reduce_time(tp, M, spec.link_intra, per_packet * 2)
+    else:
+        one = nccl.collective_time("all_reduce", algorithm, tp, nodes, M, per_packet * 2, spec.link_intra,
+                                   spec.link_inter, spec.bus_bandwidth())
+    layers = 2
+    # per block 2 fwd and 2 bwd; a recompute replays the attention's (Llama has no dropout after the MLP)
+    calls = layers * (2 + 2) + (layers if checkpointing else 0)
+    assert row["loss_free_comm_s"] == pytest.approx(calls * one, rel=1e-12)
+    assert row["step_mean_s"] == pytest.approx(row["compute_s"] + calls * one, rel=1e-12)
+    assert row["slowdown"] == pytest.approx(1.0) and row["packets_lost"] == 0 and row["elements_lost_fwd"] == 0
+    assert row["collectives_per_step"] == 4 * layers and row["message_bytes"] == M
+
+
+@pytest.mark.parametrize("model, changes", [
+    ("tiny", dict(loss="bernoulli:0.05", transport="drop")),
+    ("tiny", dict(loss="ge:rate=0.03,burst=4", transport="retransmit", nic="roce-gbn", tp_size=4,
+                  activation_checkpointing=True, dropout=None)),   # GPT-2's own residual dropout, 0.1
+    ("tiny-llama", dict(loss="bernoulli:0.05", transport="retransmit", nic="srd", activation_checkpointing=True)),
+    ("tiny-llama", dict(loss="bernoulli:0.05", transport="deadline", algorithm="tree", tp_size=2)),
+    ("tiny-llama", dict(loss="bernoulli:0.02", transport="retransmit", nic="irn", ranks_per_node=1)),
+])
+def test_an_estimate_counts_and_times_what_a_training_run_does(tmp_path, model, changes):
+    """One loss process, two uses: the same seed and settings give a training run's packets and clock."""
+    # max_length 16 cuts every synthetic example, so every batch is 8 x 16 tokens.
+    config = ExperimentConfig(model=model, dataset="synthetic", max_length=16, max_train_samples=64,
+                              max_eval_samples=8, batch_size=8, eval_batch_size=8, steps=3, eval_every=3,
+                              log_every=3, seed=5, out=str(tmp_path / "run"), **{"dropout": 0.0, **changes}).validate()
+    summary = run_experiment(config, config.out, progress=False)
+    assert summary["status"] == "completed", summary.get("error")
+    workload = Workload(seq=16, micro_batch=8, dtype="fp32", activation_checkpointing=config.activation_checkpointing)
+    row = estimate(model, config.network_spec(), workload, steps=3)
+    trained = summary["packets"]["train"]
+    for name in ("sent", "lost", "resent"):
+        assert row[f"packets_{name}"] * 3 == sum(entry[name] for entry in trained), name
+    assert row["packets_lost"] > 0
+    assert row["step_mean_s"] - row["compute_s"] == pytest.approx(summary["sim_time"]["comm_s_per_step"], rel=1e-12)
+    assert row["loss_free_comm_s"] == pytest.approx(summary["sim_time"]["ideal_comm_s_per_step"], rel=1e-12)
+
+
+def test_published_shapes_have_their_published_parameter_counts():
+    assert set(PUBLISHED) == set(PUBLISHED_PARAMETERS)
+    for name, published in PUBLISHED_PARAMETERS.items():
+        shape = load(name)
+        assert shape.parameters == pytest.approx(published, rel=0.005), name   # within the published rounding
+    assert load("llama-3.1-70b").hidden == 8192 and load("llama-3.1-70b").layers == 80
+
+
+def test_a_config_file_or_model_directory_is_a_shape(tmp_path):
+    config = load("llama-3.2-1b").config
+    config.save_pretrained(tmp_path)
+    for where in (tmp_path, tmp_path / "config.json"):
+        shape = load(str(where))
+        assert shape.parameters == load("llama-3.2-1b").parameters and shape.plan.name == "llama"
+
+
+def _error(capsys, *argv) -> str:
+    assert main(["estimate", *argv, "--steps", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err, err
+    return err
+
+
+def test_bad_input_is_a_one_line_error(tmp_path, capsys):
+    assert "gpt2, gpt2-medium" in _error(capsys, "gpt-5")
+    assert "tp_size=8 does not divide n_head=12" in _error(capsys, "gpt2", "--tp-size", "8")
+    assert "num_attention_heads=28" in _error(capsys, "qwen2.5-7b", "--tp-size", "8")
+    (tmp_path / "config.json").write_text(json.dumps({"learning_rate": 0.1}))
+    assert "is not a model config" in _error(capsys, str(tmp_path / "config.json"))
+    (tmp_path / "broken.json").write_text("{not json")
+    assert "is not a model config" in _error(capsys, str(tmp_path / "broken.json"))
+    (tmp_path / "empty").mkdir()
+    assert "holds no config.json" in _error(capsys, str(tmp_path / "empty"))
+    assert "loss" in _error(capsys, "tiny", "--tp-size", "2", "--loss", "bernoulli:7")
+
+
+def test_the_grid_runs_every_setting_and_writes_its_files(tmp_path, capsys):
+    specs = grid({"loss": ["bernoulli:0.01", "bernoulli:0.05"], "transport": ["drop,retransmit,deadline"],
+                  "nic": ["irn", "roce-gbn"]}, tp_size=2)
+    # drop repairs nothing (one nic is enough); deadline with go-back-N is refused and skipped
+    assert len(specs) == 2 * (1 + 2 + 1)
+    assert "skipped" in capsys.readouterr().err
+    rows = run_grid("tiny", specs, Workload(seq=8, micro_batch=2), steps=2, progress=False)
+    paths = write(rows, tmp_path)
+    assert [p.name for p in paths] == ["estimate.csv", "estimate.json", "slowdown.png"]
+    assert json.loads((tmp_path / "estimate.json").read_text()) == rows
+    for row in rows:
+        assert row["step_p50_s"] <= row["step_p99_s"] and 0 < row["comm_share"] < 1
+        if row["transport"] == "retransmit":
+            assert row["slowdown"] > 1 and row["elements_lost_fwd"] == 0
+        if row["transport"] == "drop":
+            assert row["slowdown"] == pytest.approx(1) and row["elements_lost_fwd"] > 0
+    assert main(["estimate", "tiny", "--tp-size", "2", "--seq", "8", "--steps", "1", "--no-progress",
+                 "--loss", "bernoulli:0.01", "--transport", "retransmit", "--nic", "irn,tcp"]) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 3
+
+
+def test_every_recovery_policy_sees_the_same_losses_and_only_its_compute_costs_time(capsys):
+    """A policy copes after the packets' fates are drawn: the same seed loses the same packets and elements
+    under each, and a policy that computes (Hadamard) adds its compute to the step, nothing else does."""
+    rows = {r: estimate("tiny", dict(tp_size=2, loss="bernoulli:0.05", recovery=r), Workload(seq=8, micro_batch=2),
+                        steps=2)
+            for r in ("zero", "rescale", "hadamard", "stale", "error_feedback")}
+    for row in rows.values():
+        assert row["packets_lost"] == rows["zero"]["packets_lost"] > 0
+        assert row["elements_lost_fwd"] == rows["zero"]["elements_lost_fwd"] > 0
+    assert rows["rescale"]["step_mean_s"] == rows["zero"]["step_mean_s"]
+    assert rows["hadamard"]["step_mean_s"] > rows["zero"]["step_mean_s"]
+    assert main(["estimate", "tiny", "--tp-size", "2", "--seq", "8", "--steps", "1", "--no-progress",
+                 "--loss", "bernoulli:0.05", "--recovery", "zero,stale"]) == 0
+    header, *lines = capsys.readouterr().out.strip().splitlines()
+    assert "recovery" in header.split() and len(lines) == 2
