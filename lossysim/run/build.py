@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ import transformers
 from .. import timing
 from ..config import ExperimentConfig
 from ..data import PreparedData, prepare_data
+from ..dp import DataParallel, Replica
 from ..models import build_model, check_max_length, cost
 from ..net import LossyNetwork
 from ..net.links import stream_seed
@@ -35,6 +37,9 @@ class Parts:
     layers: int      # with hidden: attention's FLOPs
     hidden: int
     kernels: int     # kernel launches of one rank's training step, the TP collectives included
+    # dp_size > 1: every replica (replica 0 is model, train_net, optimizer, scheduler above) and the
+    # data-parallel networks between them; None without data parallelism
+    dp: Optional[DataParallel] = None
 
 
 def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bool,
@@ -53,14 +58,31 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
     # Each rank launches the whole model's kernels on its shards, and 2 all-reduces a block each way.
     kernels = cost.kernels_per_step(model, config.task) + (4 * layers if config.tp_size > 1 else 0)
     compute = _compute(config, device)
+    # Every replica starts from the same weights (DDP broadcasts rank 0's); replica 0 is built last so
+    # the global generator ends seeded exactly as without data parallelism.
+    copies = [copy.deepcopy(model) for _ in range(config.dp_size - 1)]
+    others = [_replica(config, copies[r - 1], LossyNetwork(config.replica_network_spec(r)), rank)
+              for r in range(1, config.dp_size)]
     tp_model = _parallel_model(config, model, train_net, rank)
+    first = _replica(config, tp_model, train_net, rank, parallel=False)
+    dp = None
+    if config.dp_size > 1:
+        networks = [LossyNetwork(config.dp_network_spec(t)) for t in range(config.tp_size)]
+        dp = DataParallel([first, *others], networks, config.dp_bucket_mb * (1 << 20))
+    return Parts(data, tp_model, train_net, eval_net, first.optimizer, first.scheduler,
+                 autocast=_autocast(config.amp, device),
+                 scaler=torch.amp.GradScaler(device.type, enabled=config.amp == "fp16"),
+                 compute=compute, parameters=parameters, layers=layers, hidden=hidden, kernels=kernels, dp=dp)
+
+
+def _replica(config: ExperimentConfig, model: torch.nn.Module, network: LossyNetwork, rank: int,
+             parallel: bool = True) -> Replica:
+    """A replica's TP model (on its own network), optimiser and learning-rate schedule."""
+    tp_model = _parallel_model(config, model, network, rank) if parallel else model
     optimizer = _optimizer(config, tp_model)
     scheduler = transformers.get_linear_schedule_with_warmup(
         optimizer, min(config.warmup_steps, config.steps), config.steps)
-    return Parts(data, tp_model, train_net, eval_net, optimizer, scheduler,
-                 autocast=_autocast(config.amp, device),
-                 scaler=torch.amp.GradScaler(device.type, enabled=config.amp == "fp16"),
-                 compute=compute, parameters=parameters, layers=layers, hidden=hidden, kernels=kernels)
+    return Replica(tp_model, optimizer, scheduler)
 
 
 def _cache_dir() -> Path:
