@@ -24,6 +24,9 @@ from .timing import parse_compute
 NON_SEMANTIC = ("out", "name", "device", "timeout_s", "save_checkpoint", "checkpoint_every", "keep_checkpoints",
                 "report_to")
 TRACKERS = ("tensorboard", "wandb")
+# Keys added with data parallelism: at their defaults they stay out of a run's identity (the sweep's
+# hash), so sweeps written before them still find their runs.
+IDENTITY_AT_DEFAULT_OMITTED = ("dp_size", "dp_bucket_mb", "dp_overlap", "dp_sync_every", "lossy_traffic")
 
 
 def parse_report_to(value) -> tuple[str, ...]:
