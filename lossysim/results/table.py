@@ -137,6 +137,12 @@ def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
     row["disagreement"] = _number(disagreement.get("final_eval"))
     row["disagreement_train"] = _number(disagreement.get("mean_train"))
     row["hidden_rel_diff"] = _number(disagreement.get("final_eval_hidden_rel_diff"))
+    data_parallel = summary.get("data_parallel")
+    if data_parallel:  # only runs with dp_size > 1 have these columns
+        row["drift"] = _number(data_parallel.get("drift_final"))
+        row["drift_max"] = _number(data_parallel.get("drift_max"))
+        row["observed_loss_rate_dp"] = _number(data_parallel.get("observed_loss_rate_dp"))
+        row["dp_s_per_step"] = _number(data_parallel.get("dp_s_per_step"))
     return row
 
 
