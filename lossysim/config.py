@@ -158,8 +158,6 @@ class ExperimentConfig:
         if self.batch_size % self.dp_size:
             raise ValueError(f"batch_size={self.batch_size} must be a multiple of dp_size={self.dp_size}: "
                              "each replica trains on an equal shard of the global batch")
-        if self.backend == "dist":
-            raise ValueError("dp_size > 1 runs on backend=sim only (dist's 2-D process groups are not built yet)")
         if self.checkpoint_every:
             raise ValueError("checkpoint_every with dp_size > 1 is not supported yet (replicas are not checkpointed)")
         if self.ranks_per_node is not None:

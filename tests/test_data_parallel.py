@@ -4,6 +4,7 @@ and as often as configured, rescale is unbiased, drift, and the clock's closed f
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -256,7 +257,6 @@ def test_buckets_are_reverse_parameter_order_and_capped():
 @pytest.mark.parametrize("changes,message", [
     (dict(dp_size=0), "dp_size=0"),
     (dict(dp_size=3), "batch_size=8 must be a multiple of dp_size=3"),
-    (dict(dp_size=2, backend="dist"), "dp_size > 1 runs on backend=sim"),
     (dict(dp_size=2, tp_size=2, ranks_per_node=3), "ranks_per_node=3"),
     (dict(lossy_traffic="tp,dp"), "lossy_traffic"),
     (dict(dp_bucket_mb=0), "dp_bucket_mb"),
@@ -264,3 +264,42 @@ def test_buckets_are_reverse_parameter_order_and_capped():
 def test_bad_data_parallel_settings_are_one_line_errors(changes, message, tmp_path):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         tiny(tmp_path, **changes)
+
+
+def test_dist_equals_sim_under_loss(tmp_path):
+    """tp 2 x dp 2 as 4 gloo processes (2-D process groups) against sim, Gilbert-Elliott loss on every
+    kind of traffic: every packet count, loss rate, accuracy and the clock bit for bit; the training
+    loss and drift (sums taken in another order across processes) to 1e-6; replica 0's weights to
+    fp32 rounding (the runner's TP-only dist and sim runs already differ there by a few ulps)."""
+    import yaml
+    from safetensors.torch import load_file
+
+    from torchrun_launch import torchrun
+
+    settings = dict(model="tiny", dataset="synthetic", max_length=32, max_train_samples=96, max_eval_samples=32,
+                    batch_size=8, eval_batch_size=32, steps=3, eval_every=3, log_every=1, warmup_steps=1,
+                    dropout=0.0, lr=1e-3, tp_size=2, dp_size=2, dp_bucket_mb=0.05, loss="ge:rate=0.05,burst=4",
+                    save_checkpoint=True)
+    spec = tmp_path / "dp.yaml"
+    spec.write_text(yaml.safe_dump(settings))
+    sim = tiny(tmp_path, **settings, out=str(tmp_path / "sim"))
+    assert run_experiment(sim, sim.out, progress=False)["status"] == "completed"
+    result = torchrun(["train", "--config", str(spec), "--backend", "dist", "--out", str(tmp_path / "dist"),
+                       "--no-progress"], nproc=4, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {name: read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("sim", "dist")}
+    assert len(rows["sim"]) == len(rows["dist"])
+    for a, b in zip(rows["sim"], rows["dist"]):
+        for key, value in a.items():
+            if key in ("time_s", "tokens_per_s"):
+                continue
+            if key in ("loss", "drift", "hidden_rel_diff"):
+                assert b[key] == pytest.approx(value, rel=1e-6), (a["step"], key)
+            else:
+                assert b[key] == value, (a["step"], a["split"], key)
+    last = [r for r in rows["sim"] if r["split"] == "train"][-1]
+    assert last["packets_lost_dp"] > 0 and last["packets_lost_fwd"] > 0 and last["drift"] > 0
+    weights = [load_file(tmp_path / name / "checkpoint" / "model.safetensors") for name in ("sim", "dist")]
+    assert weights[0].keys() == weights[1].keys()
+    for name in weights[0]:
+        torch.testing.assert_close(weights[1][name], weights[0][name], rtol=1e-5, atol=1e-6, msg=name)

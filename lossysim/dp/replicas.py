@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..net import LossyNetwork
 from ..timing import nccl
@@ -34,13 +35,23 @@ class Replica:
 
 
 class DataParallel:
-    """dp_size replicas, one data-parallel network per TP position, the bucket plan."""
+    """``sim``: every replica in this process, one data-parallel network per TP position, the bucket plan.
+
+    ``replicas`` are the replicas this process runs (numbered from ``first``); the methods below that
+    cross replicas (times, logits, finiteness, statistics) are the ones ``DistDataParallel`` moves over
+    process groups instead.
+    """
+
+    first = 0
 
     def __init__(self, replicas: Sequence[Replica], networks: Sequence[LossyNetwork], bucket_bytes: float):
         self.replicas = list(replicas)
         self.networks = list(networks)          # one per TP position
         self.dp_size = len(self.replicas)
         self.tp_size = len(self.networks)
+        self._init_buckets(bucket_bytes)
+
+    def _init_buckets(self, bucket_bytes: float) -> None:
         model = self.replicas[0].model
         sharded_ids = {id(q) for q in model.sharded_parameters()}
         self._sharded = {i for i, p in enumerate(model.parameters()) if id(p) in sharded_ids}
@@ -76,6 +87,19 @@ class DataParallel:
                 p.grad = grad
         return seconds
 
+    # -- what crosses replicas ---------------------------------------------------------
+    def gather_replicas(self, local: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Every replica's tensor (this process's ``local`` ones), concatenated in replica order."""
+        return torch.cat(list(local))
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank."""
+        return flag
+
+    def summaries(self, by: Sequence[str] = ("direction",)) -> list[list[dict]]:
+        """Every data-parallel group's traffic summary (``LossyNetwork.summary``)."""
+        return [network.summary(by=by) for network in self.networks]
+
     @torch.no_grad()
     def drift(self) -> float:
         """How far the replicas' parameters have drifted from replica 0's: max over r of
@@ -97,6 +121,92 @@ class DataParallel:
         for replica in self.replicas[1:]:
             for p, source in zip(replica.model.parameters(), params):
                 p.copy_(source)
+        local = sum((p[0] if i in self._sharded else p).numel() * p.element_size() for i, p in enumerate(params))
+        return broadcast_time(self.networks[0], local)
+
+
+class DistDataParallel(DataParallel):
+    """``dist``: this process is TP rank ``tp_rank`` of replica ``replica`` (global rank
+    ``replica * tp_size + tp_rank``); ``dp_group`` holds its data-parallel peers, ``tp_group`` its
+    replica's TP ranks. Every rank gathers its group's bucket messages over a reliable channel and
+    draws every link's packets from the same streams as ``sim``, keeping its own receiver's row, so it
+    applies exactly the masks ``sim`` applies for it."""
+
+    def __init__(self, replica: Replica, network: LossyNetwork, bucket_bytes: float, *, replica_index: int,
+                 tp_rank: int, dp_size: int, tp_size: int, dp_group, tp_group):
+        self.replicas = [replica]
+        self.networks = [network]
+        self.first, self.tp_rank = replica_index, tp_rank
+        self.dp_size, self.tp_size = dp_size, tp_size
+        self.dp_group, self.tp_group = dp_group, tp_group
+        self._init_buckets(bucket_bytes)
+
+    def _gather(self, x: torch.Tensor, group, size: int) -> torch.Tensor:
+        out = torch.empty(size * x.numel(), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x.contiguous().reshape(-1), group=group)
+        return out.view(size, *x.shape)
+
+    def average_gradients(self) -> list[float]:
+        network, r = self.networks[0], self.first
+        grads = [_grad(p) for p in self.replicas[0].model.parameters()]
+        seconds = []
+        for b, bucket in enumerate(self.buckets):
+            before = network.clock()["comm_s"]
+            contributions = self._gather(bucketing.flatten(grads, bucket, 0), self.dp_group, self.dp_size)
+            delivered = network.all_reduce(f"dp.bucket{b}", "bwd", contributions, [r])
+            averaged = delivered[0] / self.dp_size
+            for k, piece in enumerate(bucketing.pieces(averaged, bucket)):
+                i = bucket.params[k]
+                if bucket.sharded[k]:
+                    grads[i][0].copy_(piece.view_as(grads[i][0]))
+                else:  # the groups' deliveries, summed in TP order as sim sums them
+                    every = self._gather(piece, self.tp_group, self.tp_size)
+                    summed = every[0].clone()
+                    for t in range(1, self.tp_size):
+                        summed = summed + every[t]
+                    grads[i].copy_((summed / self.tp_size).view_as(grads[i]))
+            slowest = torch.tensor([network.clock()["comm_s"] - before], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.tp_group)
+            seconds.append(float(slowest))
+        for p, grad in zip(self.replicas[0].model.parameters(), grads):
+            p.grad = grad
+        return seconds
+
+    def gather_replicas(self, local: Sequence[torch.Tensor]) -> torch.Tensor:
+        gathered = self._gather(torch.cat(list(local)), self.dp_group, self.dp_size)
+        return gathered.flatten(0, 1)
+
+    def all_true(self, flag: bool) -> bool:
+        value = torch.tensor([1 if flag else 0])
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        return bool(value)
+
+    def summaries(self, by: Sequence[str] = ("direction",)) -> list[list[dict]]:
+        every: list = [None] * self.tp_size
+        dist.all_gather_object(every, self.networks[0].summary(by=by), group=self.tp_group)
+        return every
+
+    @torch.no_grad()
+    def drift(self) -> float:
+        """As ``sim``'s: each rank sums its local squares (a replicated parameter counted on TP rank 0
+        only), the replica's TP ranks add theirs, the worst replica wins."""
+        params = list(self.replicas[0].model.parameters())
+        sums = torch.zeros(2, dtype=torch.float64)
+        for i, p in enumerate(params):
+            base = p.detach().float().clone()
+            dist.broadcast(base, src=dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
+            if i in self._sharded or self.tp_rank == 0:
+                sums += torch.stack([(p.detach().float() - base).pow(2).sum(), base.pow(2).sum()]).double()
+        dist.all_reduce(sums, group=self.tp_group)
+        rel = (sums[0].sqrt() / sums[1].sqrt().clamp_min(1e-30)).reshape(1)
+        dist.all_reduce(rel, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return float(rel)
+
+    @torch.no_grad()
+    def synchronise(self) -> float:
+        params = list(self.replicas[0].model.parameters())
+        for p in params:
+            dist.broadcast(p.data, src=dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
         local = sum((p[0] if i in self._sharded else p).numel() * p.element_size() for i, p in enumerate(params))
         return broadcast_time(self.networks[0], local)
 

@@ -159,8 +159,8 @@ def _sim_time_summary(state: TrainState, network: LossyNetwork, config: Experime
 def dp_traffic(dp) -> dict:
     """Gradient-bucket packets sent and lost so far over every data-parallel group, and their loss rate."""
     sent = lost = 0
-    for network in dp.networks:
-        for entry in network.summary():
+    for summary in dp.summaries():
+        for entry in summary:
             sent, lost = sent + entry["sent"], lost + entry["lost"]
     return {"packets_sent_dp": sent, "packets_lost_dp": lost, "observed_loss_rate_dp": lost / sent if sent else 0.0}
 
@@ -175,8 +175,8 @@ def dp_row(dp, state: TrainState) -> dict:
 def dp_summary(dp, config: ExperimentConfig, state: TrainState) -> dict:
     """summary.json's ``data_parallel``: layout, buckets, traffic per link class, drift and time."""
     by_class: dict = {}
-    for network in dp.networks:
-        for entry in network.summary(by=("link_class",)):
+    for summary in dp.summaries(by=("link_class",)):
+        for entry in summary:
             merged = by_class.setdefault(entry["link_class"], {"sent": 0, "lost": 0})
             merged["sent"] += entry["sent"]
             merged["lost"] += entry["lost"]

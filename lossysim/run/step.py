@@ -59,8 +59,9 @@ def _train_step_data_parallel(parts: Parts, config: ExperimentConfig, state: Tra
     batch = {k: v.to(device) for k, v in batch.items()}
     rows = batch["input_ids"].shape[0] // dp.dp_size
     t0 = time.perf_counter()
-    outs, shards, computes, forward_s, backward_s = [], [], [], [], []
-    for r, replica in enumerate(dp.replicas):
+    outs, computes, times = [], [], []
+    for index, replica in enumerate(dp.replicas):   # sim: every replica; dist: this rank's
+        r = dp.first + index
         shard = {k: v[r * rows:(r + 1) * rows] for k, v in batch.items()}
         model, network = replica.model, replica.model.network
         start = network.clock()["comm_s"]
@@ -73,17 +74,17 @@ def _train_step_data_parallel(parts: Parts, config: ExperimentConfig, state: Tra
         compute = _compute_seconds(parts, config, shard, t0, device)
         computes.append(compute)
         # 2N FLOPs per token forward, 4N backward: a third of the compute is forward.
-        forward_s.append(compute / 3 + forward_end - start)
-        backward_s.append(compute * 2 / 3 + backward_end - forward_end)
+        times.append(torch.tensor([[compute / 3 + forward_end - start, compute * 2 / 3 + backward_end - forward_end]],
+                                  dtype=torch.float64))
         outs.append(out)
-        shards.append(shard)
+    times = dp.gather_replicas(times)              # [dp, 2]: every replica's forward and backward
     bucket_s = dp.average_gradients()
     finite = True
     for replica in dp.replicas:
         parts.scaler.unscale_(replica.optimizer)
         norm = _clip_grad_norm(replica.model, config.grad_clip)
         finite &= bool(torch.isfinite(norm) & torch.isfinite(replica.model.rank_losses.detach()).all())
-    if not finite:
+    if not dp.all_true(finite):
         return False
     for replica in dp.replicas:
         parts.scaler.step(replica.optimizer)
@@ -92,20 +93,23 @@ def _train_step_data_parallel(parts: Parts, config: ExperimentConfig, state: Tra
         replica.scheduler.step()
         replica.optimizer.zero_grad(set_to_none=True)
     state.tokens += tokens
-    state.compute_s += computes[0]   # replica 0's TP traffic is on its network's clock (train_net)
-    # Replicas step side by side: the slowest replica's compute path, then the buckets it waits for.
-    end = step_seconds(max(forward_s), max(backward_s), [b.ready for b in dp.buckets], bucket_s, config.dp_overlap)
-    state.dp_s += end - forward_s[0] - backward_s[0]
+    # Compute as without data parallelism (every shard has the global batch's padded shape, so every
+    # replica's is the same); replica 0's TP traffic is on its network's clock (train_net). Replicas
+    # step side by side: the slowest replica's path, then the buckets it waits for.
+    first = times[0]
+    state.compute_s += computes[0]
+    slowest = times.max(0).values
+    end = step_seconds(float(slowest[0]), float(slowest[1]), [b.ready for b in dp.buckets], bucket_s,
+                       config.dp_overlap)
+    state.dp_s += end - float(first[0]) - float(first[1])
     if config.dp_sync_every and (state.step + 1) % config.dp_sync_every == 0:
         state.dp_s += dp.synchronise()
     seconds = time.perf_counter() - t0
     state.train_time += seconds
-    losses = torch.cat([r.model.rank_losses.detach() for r in dp.replicas])
-    if config.task == "lm":
-        pairs = [_next_tokens(out.logits.detach(), shard) for out, shard in zip(outs, shards)]
-        logits, labels = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
-    else:
-        logits, labels = torch.cat([out.logits.detach() for out in outs]), batch["labels"]
+    losses = dp.gather_replicas([r.model.group.all_gather_reliable(r.model.rank_losses.detach())
+                                 for r in dp.replicas])
+    logits = dp.gather_replicas([out.logits.detach() for out in outs])
+    logits, labels = _next_tokens(logits, batch) if config.task == "lm" else (logits, batch["labels"])
     window.add(losses, logits, labels, tokens, seconds)
     return True
 
