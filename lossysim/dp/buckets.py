@@ -61,5 +61,5 @@ def flatten(grads: list, bucket: Bucket, tp_rank: int) -> torch.Tensor:
 
 
 def pieces(flat: torch.Tensor, bucket: Bucket) -> list[torch.Tensor]:
-    """The bucket's message cut back into its parameters' local (flat) gradients."""
-    return list(flat.split(list(bucket.numels)))
+    """The bucket's message (its last dimension) cut back into its parameters' local (flat) gradients."""
+    return list(flat.split(list(bucket.numels), dim=-1))

@@ -71,16 +71,17 @@ class DataParallel:
                 delivered = network.all_reduce(f"dp.bucket{b}", "bwd", contributions, range(self.dp_size))
                 slowest = max(slowest, network.clock()["comm_s"] - before)
                 averaged = delivered / self.dp_size
-                for k, piece in enumerate(bucketing.pieces(averaged.transpose(0, 1), bucket)):
-                    i = bucket.params[k]                 # piece: [numel, dp]
+                for k, piece in enumerate(bucketing.pieces(averaged, bucket)):
+                    i = bucket.params[k]                 # piece: [dp, numel]
                     if bucket.sharded[k]:
                         for r, g in enumerate(grads):
-                            g[i][t].copy_(piece[:, r].view_as(g[i][t]))
+                            g[i][t].copy_(piece[r].view_as(g[i][t]))
                     else:
                         replicated[i] = piece.clone() if t == 0 else replicated[i] + piece
             for i, summed in replicated.items():
+                summed = summed / self.tp_size
                 for r, g in enumerate(grads):
-                    g[i].copy_((summed[:, r] / self.tp_size).view_as(g[i]))
+                    g[i].copy_(summed[r].view_as(g[i]))
             seconds.append(slowest)
         for replica, g in zip(self.replicas, grads):
             for p, grad in zip(replica.model.parameters(), g):
