@@ -147,7 +147,9 @@ def _train(rt: _Runtime, progress: bool, position: int, started: float) -> dict:
                 state.train_disagreement.append(row["disagreement"])
                 metrics.write(row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}",
-                                lost=f"{row['observed_loss_rate']:.4f}", refresh=False)
+                                lost=f"{row['observed_loss_rate']:.4f}", refresh=False,
+                                **({"lost_dp": f"{row['observed_loss_rate_dp']:.4f}", "drift": f"{row['drift']:.2g}"}
+                                   if parts.dp is not None else {}))
                 if config.max_failures and row["failures"] >= config.max_failures:
                     raise _GaveUp(step, row["failures"])
 

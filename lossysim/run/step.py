@@ -74,8 +74,8 @@ def _train_step_data_parallel(parts: Parts, config: ExperimentConfig, state: Tra
         compute = _compute_seconds(parts, config, shard, t0, device)
         computes.append(compute)
         # 2N FLOPs per token forward, 4N backward: a third of the compute is forward.
-        times.append(torch.tensor([[compute / 3 + forward_end - start, compute * 2 / 3 + backward_end - forward_end]],
-                                  dtype=torch.float64))
+        times.append(torch.tensor([[compute / 3 + forward_end - start,
+                                    compute * 2 / 3 + backward_end - forward_end]], dtype=torch.float64))
         outs.append(out)
     times = dp.gather_replicas(times)              # [dp, 2]: every replica's forward and backward
     bucket_s = dp.average_gradients()
@@ -93,9 +93,9 @@ def _train_step_data_parallel(parts: Parts, config: ExperimentConfig, state: Tra
         replica.scheduler.step()
         replica.optimizer.zero_grad(set_to_none=True)
     state.tokens += tokens
-    # Compute as without data parallelism (every shard has the global batch's padded shape, so every
-    # replica's is the same); replica 0's TP traffic is on its network's clock (train_net). Replicas
-    # step side by side: the slowest replica's path, then the buckets it waits for.
+    # Replica 0's compute (every shard has the same padded shape, so every replica's is the same) and
+    # its TP traffic (on train_net's clock) are charged as without data parallelism. Replicas step
+    # side by side: the slowest replica's path, then the buckets it waits for, add dp_s.
     first = times[0]
     state.compute_s += computes[0]
     slowest = times.max(0).values
