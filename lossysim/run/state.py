@@ -30,7 +30,12 @@ class TrainState:
     drift: list = field(default_factory=list)    # data parallelism: every train row's replica drift
 
     def state_dict(self) -> dict:
-        return dataclasses.asdict(self)  # a deep copy: later steps must not change a saved checkpoint
+        saved = dataclasses.asdict(self)  # a deep copy: later steps must not change a saved checkpoint
+        # Data parallelism's counters only when used: other runs' checkpoints keep the keys they always had.
+        for key, unused in (("dp_s", 0.0), ("drift", [])):
+            if saved[key] == unused:
+                del saved[key]
+        return saved
 
     @classmethod
     def from_dict(cls, saved: dict) -> "TrainState":
