@@ -140,6 +140,8 @@ class DistDataParallel(DataParallel):
         self.first, self.tp_rank = replica_index, tp_rank
         self.dp_size, self.tp_size = dp_size, tp_size
         self.dp_group, self.tp_group = dp_group, tp_group
+        # nccl moves only tensors on the rank's GPU; gloo takes these on the CPU too
+        self.device = next(replica.model.parameters()).device
         self._init_buckets(bucket_bytes)
 
     def _gather(self, x: torch.Tensor, group, size: int) -> torch.Tensor:
@@ -166,7 +168,7 @@ class DistDataParallel(DataParallel):
                     for t in range(1, self.tp_size):
                         summed = summed + every[t]
                     grads[i].copy_((summed / self.tp_size).view_as(grads[i]))
-            slowest = torch.tensor([network.clock()["comm_s"] - before], dtype=torch.float64)
+            slowest = torch.tensor([network.clock()["comm_s"] - before], dtype=torch.float64, device=self.device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.tp_group)
             seconds.append(float(slowest))
         for p, grad in zip(self.replicas[0].model.parameters(), grads):
@@ -174,11 +176,12 @@ class DistDataParallel(DataParallel):
         return seconds
 
     def gather_replicas(self, local: Sequence[torch.Tensor]) -> torch.Tensor:
-        gathered = self._gather(torch.cat(list(local)), self.dp_group, self.dp_size)
-        return gathered.flatten(0, 1)
+        local = torch.cat(list(local))
+        gathered = self._gather(local.to(self.device), self.dp_group, self.dp_size)
+        return gathered.flatten(0, 1).to(local.device)
 
     def all_true(self, flag: bool) -> bool:
-        value = torch.tensor([1 if flag else 0])
+        value = torch.tensor([1 if flag else 0], device=self.device)
         dist.all_reduce(value, op=dist.ReduceOp.MIN)
         return bool(value)
 
@@ -192,7 +195,7 @@ class DistDataParallel(DataParallel):
         """As ``sim``'s: each rank sums its local squares (a replicated parameter counted on TP rank 0
         only), the replica's TP ranks add theirs, the worst replica wins."""
         params = list(self.replicas[0].model.parameters())
-        sums = torch.zeros(2, dtype=torch.float64)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         for i, p in enumerate(params):
             base = p.detach().float().clone()
             dist.broadcast(base, src=dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
