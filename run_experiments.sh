@@ -28,12 +28,17 @@ Profiles:
          policies zero, rescale, hadamard, hadamard+rescale, stale and error_feedback
          under Bernoulli 5% and 20% and Gilbert-Elliott 5% (burst 8), 3 seeds, beside
          the loss-free baseline. 57 runs. Spec: experiments/mitigations.yaml
+  dp     which traffic should the lossy network carry? tp 2 x dp 2 on the quick profile's
+         task: loss only between nodes on data-parallel gradients (tp inside nodes; zero
+         and rescale) or on tensor-parallel traffic (tp across nodes), at 1% and 5%,
+         3 seeds; accuracy, drift and time side by side. 21 runs, about 8 minutes.
+         Spec: experiments/data_parallel.yaml
   mnli   pretrained gpt2 on MNLI (20k train, 2k eval per split), tp 2; torchrun (dist)
          with >= 2 GPUs, simulated ranks (sim) otherwise. Spec: experiments/mnli_sweep.yaml
          (the first run downloads gpt2 and MNLI unless HF_HUB_OFFLINE=1)
 
 Options (each also read from the environment variable shown; options win):
-  --profile NAME     quick | mitigations | mnli                      [LOSSYSIM_PROFILE]
+  --profile NAME     quick | mitigations | dp | mnli                 [LOSSYSIM_PROFILE]
   --rates "R ..."    average loss rates, fractions or percents,      [LOSSYSIM_RATES]
                      e.g. "0 0.01 5%"; each gives a Bernoulli and a Gilbert-Elliott run
                      in every comparison of the spec (the loss-free baseline always
@@ -139,8 +144,9 @@ done
 case "$PROFILE" in
   quick) SPEC=experiments/quick.yaml ;;
   mitigations) SPEC=experiments/mitigations.yaml ;;
+  dp) SPEC=experiments/data_parallel.yaml ;;
   mnli) SPEC=experiments/mnli_sweep.yaml ;;
-  *) bad_usage "unknown profile: $PROFILE (expected quick, mitigations or mnli)" ;;
+  *) bad_usage "unknown profile: $PROFILE (expected quick, mitigations, dp or mnli)" ;;
 esac
 case "$BACKEND" in
   auto | sim | dist) ;;

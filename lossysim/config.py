@@ -24,6 +24,9 @@ from .timing import parse_compute
 NON_SEMANTIC = ("out", "name", "device", "timeout_s", "save_checkpoint", "checkpoint_every", "keep_checkpoints",
                 "report_to")
 TRACKERS = ("tensorboard", "wandb")
+# Keys added with data parallelism: at their defaults they stay out of a run's identity (the sweep's
+# hash), so sweeps written before them still find their runs.
+IDENTITY_AT_DEFAULT_OMITTED = ("dp_size", "dp_bucket_mb", "dp_overlap", "dp_sync_every", "lossy_traffic")
 
 
 def parse_report_to(value) -> tuple[str, ...]:
@@ -85,6 +88,11 @@ class ExperimentConfig:
     tp_size: int = 2
     backend: str = "sim"               # sim | dist
     sync_replicated: bool = True       # dist: average replicated grads over a reliable channel
+    dp_size: int = 1                   # data-parallel replicas of the TP group: world = tp_size x dp_size
+    dp_bucket_mb: float = 25.0         # DDP gradient bucket cap, MiB (PyTorch DDP's bucket_cap_mb)
+    dp_overlap: bool = True            # bucket all-reduces overlap the backward pass, as DDP's do
+    dp_sync_every: int = 0             # reliable broadcast of replica 0's parameters every K steps (0: never)
+    lossy_traffic: str = "all"         # which traffic can lose packets: all, or tp_forward,tp_backward,dp
     timeout_s: float = 600.0
     # training
     steps: int = 300
@@ -122,13 +130,14 @@ class ExperimentConfig:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name}={value} must be a finite number >= 0")
-        for name in ("checkpoint_every", "keep_checkpoints", "restart_lost_steps", "max_failures"):
+        for name in ("checkpoint_every", "keep_checkpoints", "restart_lost_steps", "max_failures", "dp_sync_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+        self._validate_data_parallel()
         self.network_spec()
         try:
             parse_compute(self.compute)
@@ -139,13 +148,59 @@ class ExperimentConfig:
         parse_report_to(self.report_to)
         return self
 
+    def _validate_data_parallel(self) -> None:
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size={self.dp_size} must be >= 1")
+        traffic_kinds(self.lossy_traffic)
+        if not (math.isfinite(self.dp_bucket_mb) and self.dp_bucket_mb > 0):
+            raise ValueError(f"dp_bucket_mb={self.dp_bucket_mb} must be a positive number of MiB")
+        if self.dp_size == 1:
+            return
+        if self.batch_size % self.dp_size:
+            raise ValueError(f"batch_size={self.batch_size} must be a multiple of dp_size={self.dp_size}: "
+                             "each replica trains on an equal shard of the global batch")
+        if self.checkpoint_every:
+            raise ValueError("checkpoint_every with dp_size > 1 is not supported yet (replicas are not checkpointed)")
+        if self.ranks_per_node is not None:
+            world, per = self.tp_size * self.dp_size, self.ranks_per_node
+            if per < 1 or world % per or (self.tp_size % per and per % self.tp_size):
+                raise ValueError(f"ranks_per_node={per} must divide tp_size={self.tp_size} or be a multiple of it, "
+                                 f"and divide the world tp_size x dp_size = {world}")
+
     def network_spec(self, evaluation: bool = False) -> NetworkSpec:
         """The training network's settings; ``evaluation``: the evaluation network's, which draws from
-        its own streams (and loses nothing unless ``eval_lossy``)."""
+        its own streams (and loses nothing unless ``eval_lossy``). With ``dp_size`` > 1 this is the
+        network inside replica 0; ``replica_network_spec`` and ``dp_network_spec`` give the others."""
         settings = {name: getattr(self, name) for name in SETTINGS if hasattr(self, name)}
+        kinds = traffic_kinds(self.lossy_traffic)
+        if kinds != TRAFFIC_KINDS:  # only then: the default keeps every spec (and its saved config) as it was
+            wanted = {"fwd": "tp_forward", "bwd": "tp_backward"}
+            directions = (self.lossy,) if self.lossy != "both" else ("fwd", "bwd")
+            settings["lossy"] = tuple(d for d in directions if wanted[d] in kinds)
+        if self.ranks_per_node is not None and self.dp_size > 1:
+            settings["ranks_per_node"] = min(self.ranks_per_node, self.tp_size)
         if evaluation:
             settings.update(seed=stream_seed(self.seed, "eval", "network"),
                             loss=self.loss if self.eval_lossy else "none")
+        return NetworkSpec(**settings)
+
+    def replica_network_spec(self, replica: int) -> NetworkSpec:
+        """The TP network inside replica ``replica``: its links have their own chains (replica 0's is
+        ``network_spec()``, unchanged from a run without data parallelism)."""
+        spec = self.network_spec()
+        return spec if replica == 0 else spec.replace(seed=stream_seed(self.seed, f"tp.replica{replica}", "network"))
+
+    def dp_network_spec(self, tp_rank: int) -> NetworkSpec:
+        """The network of the data-parallel group of TP position ``tp_rank``: its ranks are the dp_size
+        global ranks ``r * tp_size + tp_rank``, one per replica, on links (and chains) of their own.
+
+        Ranks are tp-major, ``ranks_per_node`` (default tp_size: one replica per node) to a node, so
+        the group's ranks share a node only when a node holds several replicas."""
+        per_node = self.tp_size if self.ranks_per_node is None else self.ranks_per_node
+        settings = {name: getattr(self, name) for name in SETTINGS if hasattr(self, name)}
+        settings.update(tp_size=self.dp_size, ranks_per_node=max(1, per_node // self.tp_size), nics_per_node=None,
+                        seed=stream_seed(self.seed, f"dp.group{tp_rank}", "network"),
+                        lossy=("bwd",) if "dp" in traffic_kinds(self.lossy_traffic) else ())
         return NetworkSpec(**settings)
 
     def to_dict(self) -> dict:
@@ -164,13 +219,29 @@ def upgrade(values: dict) -> dict:
     return {**{k: v for k, v in ExperimentConfig().to_dict().items() if k not in values}, **values}
 
 
+TRAFFIC_KINDS = ("tp_forward", "tp_backward", "dp")
+
+
+def traffic_kinds(value) -> tuple[str, ...]:
+    """``lossy_traffic``: ``all`` or kinds separated by commas -> the kinds, in TRAFFIC_KINDS order."""
+    items = value if isinstance(value, (list, tuple)) else str(value).replace(" ", ",").split(",")
+    names = {str(item).strip().lower() for item in items if str(item).strip()}
+    if names == {"all"}:
+        return TRAFFIC_KINDS
+    unknown = sorted(names - set(TRAFFIC_KINDS))
+    if unknown or not names:
+        raise ValueError(f"lossy_traffic={value!r} must be all, or some of {', '.join(TRAFFIC_KINDS)} "
+                         "separated by commas")
+    return tuple(k for k in TRAFFIC_KINDS if k in names)
+
+
 def _choice(name: str, value: str, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} must be one of {', '.join(allowed)}")
 
 
 _TYPES = get_type_hints(ExperimentConfig)
-_LIST_FIELDS = ("report_to",)          # str fields that also take a list of names
+_LIST_FIELDS = ("report_to", "lossy_traffic")          # str fields that also take a list of names
 
 
 def _coerce(name: str, value: Any) -> Any:

@@ -79,11 +79,14 @@ def _topology(row: Mapping) -> str:
     if tp is None:
         return "?"
     tp = int(tp)
+    dp = int(_get(row, "replicas") or 1)   # data-parallel replicas (summary.csv has it for dp runs only)
     if per_node is _MISSING:      # constant over the sweep, value unknown: say only what is known
-        text = _plural(tp, "rank")
+        text = _plural(tp * dp, "rank")
     else:
-        per_node = tp if per_node is None else int(per_node)   # None: every rank on one node
-        text = f"{_plural(max(tp // per_node, 1), 'node')} x {_plural(per_node, 'rank')}"
+        per_node = tp if per_node is None else int(per_node)   # None: a replica's ranks on one node
+        text = f"{_plural(max(tp * dp // per_node, 1), 'node')} x {_plural(per_node, 'rank')}"
+    if dp > 1:
+        text += f", tp {tp} x dp {dp}"
     # A loss-free run loses nothing anywhere: where loss could happen says nothing about it.
     if _get(row, "lossy_links") == "inter_node" and not _lossless(row):
         text += ", loss between nodes"
@@ -136,7 +139,7 @@ KNOWN = (
     Dimension("algorithm", ("algorithm",), _plain("algorithm"), "Collective algorithm"),
     Dimension("transport", ("transport", "nic", "retransmit", "deadline", "rto_s"), _transport,
               "Transport: drop, retransmit or deadline", without_loss=False),
-    Dimension("topology", ("tp_size", "ranks_per_node", "lossy_links"), _topology, "Topology"),
+    Dimension("topology", ("tp_size", "ranks_per_node", "lossy_links", "replicas"), _topology, "Topology"),
     Dimension("lossy direction", ("lossy",), _named("lossy", DIRECTIONS),
               "Lossy direction: activations (fwd), gradients (bwd)", without_loss=False),
     Dimension("recovery", ("recovery",), _named("recovery", _RECOVERIES), "Recovery of lost packets",

@@ -485,6 +485,7 @@ def summary_table(runs: pd.DataFrame) -> pd.DataFrame:
             "steps to target": _target_cell(group),
             "observed loss (%)": f"{100 * obs.mean():.3g}" if len(obs) else "–",
             "disagreement (%)": f"{100 * dis.mean():.2f}" if len(dis) else "–",
+            **_drift_cell(runs, done),
             "runs": len(group),
             "failed": int(st["failed"]),
             "diverged": int(st["diverged"]),
@@ -600,11 +601,23 @@ def time_to_accuracy_table(runs: pd.DataFrame, metrics: pd.DataFrame,
             "x baseline": f"{est.mean / base.mean:.2f}" if times and base_times else "-",
             "comm per step (ms)": f"{1e3 * done['comm_s_per_step'].mean():.3g}"
             if "comm_s_per_step" in done.columns and len(done) else "-",
+            **({"DP per step (ms)": f"{1e3 * done['dp_s_per_step'].mean():.3g}" if len(done) else "-"}
+               if "dp_s_per_step" in done.columns else {}),
             "final accuracy (%)": _pm(*_mean_ci_tuple(done["accuracy"])),
+            **_drift_cell(runs, done),
             "vs no loss, paired (pp)": _comparison_cells(st)["vs no loss, paired (pp)"],
             "p (paired)": _comparison_cells(st)["p (paired)"],
         })
     return pd.DataFrame(rows), target
+
+
+def _drift_cell(runs: pd.DataFrame, done: pd.DataFrame) -> dict:
+    """Data-parallel sweeps: the replicas' final drift (||p_r - p_0|| / ||p_0||, worst replica), mean
+    over seeds; nothing for sweeps without data parallelism."""
+    if "drift" not in runs.columns:
+        return {}
+    drift = done["drift"].dropna()
+    return {"drift (%)": f"{100 * drift.mean():.3g}" if len(drift) else "–"}
 
 
 def _mean_ci_tuple(values) -> tuple[float, float, int]:

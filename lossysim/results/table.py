@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 import pandas as pd
 import yaml
 
-from ..config import NON_SEMANTIC
+from ..config import NON_SEMANTIC, TRAFFIC_KINDS, traffic_kinds
 from ..io import atomic_write_text, read_jsonl
 from ..loss import parse_loss_model
 from ..loss.spec import family
@@ -108,7 +108,12 @@ def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
     row["sim_time_to_target_s_ideal_nic"] = _number(reached.get("sim_time_s_ideal_nic"))
     lossy = config.get("lossy", "both")
     lossy_dirs = ("fwd", "bwd") if lossy == "both" else (lossy,)
+    kinds = _traffic_kinds(config)
+    lossy_dirs = tuple(d for d in lossy_dirs if {"fwd": "tp_forward", "bwd": "tp_backward"}[d] in kinds)
+    data_parallel = summary.get("data_parallel")
     sent = lost = 0
+    if data_parallel and "dp" in kinds:   # gradient buckets between replicas lose packets too
+        sent, lost = data_parallel.get("packets_sent_dp") or 0, data_parallel.get("packets_lost_dp") or 0
     for entry in (summary.get("packets") or {}).get("train") or []:
         d = entry.get("direction")
         for name in ("configured_loss_rate", "observed_loss_rate",
@@ -139,7 +144,21 @@ def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
     row["disagreement"] = _number(disagreement.get("final_eval"))
     row["disagreement_train"] = _number(disagreement.get("mean_train"))
     row["hidden_rel_diff"] = _number(disagreement.get("final_eval_hidden_rel_diff"))
+    if data_parallel:  # only runs with dp_size > 1 have these columns
+        row["replicas"] = data_parallel.get("dp_size")
+        row["drift"] = _number(data_parallel.get("drift_final"))
+        row["drift_max"] = _number(data_parallel.get("drift_max"))
+        row["observed_loss_rate_dp"] = _number(data_parallel.get("observed_loss_rate_dp"))
+        row["dp_s_per_step"] = _number(data_parallel.get("dp_s_per_step"))
     return row
+
+
+def _traffic_kinds(config: dict) -> tuple[str, ...]:
+    """The kinds of traffic (``lossy_traffic``) a run let lose packets; all for runs before the key."""
+    try:
+        return traffic_kinds(config.get("lossy_traffic", "all"))
+    except ValueError:
+        return TRAFFIC_KINDS
 
 
 def _time_to_target(run_dir: Path, summary: dict, config: dict, split: Optional[str]) -> dict:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,8 @@ import transformers
 from .. import timing
 from ..config import ExperimentConfig
 from ..data import PreparedData, prepare_data
+from ..dp import DataParallel, Replica
+from ..dp.replicas import DistDataParallel
 from ..models import build_model, check_max_length, cost
 from ..net import LossyNetwork
 from ..net.links import stream_seed
@@ -35,6 +38,9 @@ class Parts:
     layers: int      # with hidden: attention's FLOPs
     hidden: int
     kernels: int     # kernel launches of one rank's training step, the TP collectives included
+    # dp_size > 1: every replica (replica 0 is model, train_net, optimizer, scheduler above) and the
+    # data-parallel networks between them; None without data parallelism
+    dp: Optional[DataParallel] = None
 
 
 def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bool,
@@ -46,21 +52,50 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
                         num_labels=data.num_labels, max_length=config.max_length,
                         attn_implementation=config.attn_implementation, dropout=config.dropout,
                         seed=config.seed, task=config.task).to(device)
-    train_net = LossyNetwork(config.network_spec())
+    distributed = config.backend == "dist"
+    # Ranks are tp-major: this rank is TP rank tp_rank of replica `replica` (dist; sim runs them all).
+    replica, tp_rank = divmod(rank, config.tp_size) if distributed else (0, 0)
+    train_net = LossyNetwork(config.replica_network_spec(replica))
     eval_net = LossyNetwork(config.network_spec(evaluation=True))
     parameters = sum(p.numel() for p in model.parameters())
     layers, hidden = cost.dims(model.config)
     # Each rank launches the whole model's kernels on its shards, and 2 all-reduces a block each way.
     kernels = cost.kernels_per_step(model, config.task) + (4 * layers if config.tp_size > 1 else 0)
     compute = _compute(config, device)
-    tp_model = _parallel_model(config, model, train_net, rank)
+    bucket_bytes = config.dp_bucket_mb * (1 << 20)
+    if distributed and config.dp_size > 1:
+        groups = _process_groups(config.tp_size, config.dp_size)
+        tp_model = _parallel_model(config, model, train_net, rank, groups["tp"][replica])
+        first = _replica(config, tp_model, train_net, rank, parallel=False)
+        dp = DistDataParallel(first, LossyNetwork(config.dp_network_spec(tp_rank)), bucket_bytes,
+                              replica_index=replica, tp_rank=tp_rank, dp_size=config.dp_size,
+                              tp_size=config.tp_size, dp_group=groups["dp"][tp_rank], tp_group=groups["tp"][replica])
+    else:
+        # Every replica starts from the same weights (DDP broadcasts rank 0's); replica 0 is built last
+        # so the global generator ends seeded exactly as without data parallelism.
+        copies = [copy.deepcopy(model) for _ in range(config.dp_size - 1)]
+        others = [_replica(config, copies[r - 1], LossyNetwork(config.replica_network_spec(r)), rank)
+                  for r in range(1, config.dp_size)]
+        tp_model = _parallel_model(config, model, train_net, rank)
+        first = _replica(config, tp_model, train_net, rank, parallel=False)
+        dp = None
+        if config.dp_size > 1:
+            networks = [LossyNetwork(config.dp_network_spec(t)) for t in range(config.tp_size)]
+            dp = DataParallel([first, *others], networks, bucket_bytes)
+    return Parts(data, tp_model, train_net, eval_net, first.optimizer, first.scheduler,
+                 autocast=_autocast(config.amp, device),
+                 scaler=torch.amp.GradScaler(device.type, enabled=config.amp == "fp16"),
+                 compute=compute, parameters=parameters, layers=layers, hidden=hidden, kernels=kernels, dp=dp)
+
+
+def _replica(config: ExperimentConfig, model: torch.nn.Module, network: LossyNetwork, rank: int,
+             parallel: bool = True) -> Replica:
+    """A replica's TP model (on its own network), optimiser and learning-rate schedule."""
+    tp_model = _parallel_model(config, model, network, rank) if parallel else model
     optimizer = _optimizer(config, tp_model)
     scheduler = transformers.get_linear_schedule_with_warmup(
         optimizer, min(config.warmup_steps, config.steps), config.steps)
-    return Parts(data, tp_model, train_net, eval_net, optimizer, scheduler,
-                 autocast=_autocast(config.amp, device),
-                 scaler=torch.amp.GradScaler(device.type, enabled=config.amp == "fp16"),
-                 compute=compute, parameters=parameters, layers=layers, hidden=hidden, kernels=kernels)
+    return Replica(tp_model, optimizer, scheduler)
 
 
 def _cache_dir() -> Path:
@@ -75,10 +110,18 @@ def _compute(config: ExperimentConfig, device: torch.device):
     return compute
 
 
+def _process_groups(tp: int, dp: int) -> dict:
+    """dist's 2-D mesh: each replica's TP ranks, and each TP position's data-parallel ranks (every
+    process creates every group, in the same order, as torch.distributed requires)."""
+    import torch.distributed as dist
+    return {"tp": [dist.new_group(list(range(r * tp, (r + 1) * tp))) for r in range(dp)],
+            "dp": [dist.new_group([r * tp + t for r in range(dp)]) for t in range(tp)]}
+
+
 def _parallel_model(config: ExperimentConfig, model: torch.nn.Module, network: LossyNetwork,
-                    rank: int) -> TensorParallelModel:
+                    rank: int, process_group=None) -> TensorParallelModel:
     tp_model = parallelize(model, config.tp_size, network, backend=config.backend, seed=config.seed,
-                           sync_replicated=config.sync_replicated)
+                           process_group=process_group, sync_replicated=config.sync_replicated)
     # Dropout outside the replicated regions draws from the global generator: one stream per rank,
     # as Megatron seeds its model-parallel stream with the TP rank.
     torch.manual_seed(stream_seed(config.seed, "sharded-dropout", str(rank)))

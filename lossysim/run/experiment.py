@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 FLAGS = {
     "--loss": ("loss", "loss model spec, e.g. bernoulli:0.01 or ge:rate=0.01,burst=8"),
     "--tp-size": ("tp_size", "tensor-parallel degree"),
+    "--dp-size": ("dp_size", "data-parallel replicas of the tensor-parallel group (world = tp x dp)"),
     "--backend": ("backend", "sim (all ranks in one process) or dist (torchrun)"),
     "--lossy": ("lossy", "which traffic is lossy: fwd, bwd or both"),
     "--recovery": ("recovery", "zero or rescale"),
@@ -141,10 +142,14 @@ def _train(rt: _Runtime, progress: bool, position: int, started: float) -> dict:
                 disagreement = parts.model.disagreement()
                 row = record.train_row(step, started, averages, state, parts.train_net,
                                        parts.scheduler.get_last_lr()[0], disagreement, config)
+                if parts.dp is not None:
+                    row.update(record.dp_row(parts.dp, state))
                 state.train_disagreement.append(row["disagreement"])
                 metrics.write(row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}",
-                                lost=f"{row['observed_loss_rate']:.4f}", refresh=False)
+                                lost=f"{row['observed_loss_rate']:.4f}", refresh=False,
+                                **({"lost_dp": f"{row['observed_loss_rate_dp']:.4f}", "drift": f"{row['drift']:.2g}"}
+                                   if parts.dp is not None else {}))
                 if config.max_failures and row["failures"] >= config.max_failures:
                     raise _GaveUp(step, row["failures"])
 
@@ -153,6 +158,8 @@ def _train(rt: _Runtime, progress: bool, position: int, started: float) -> dict:
                     scores = evaluate(parts, split, config, rt.device)
                     row = record.eval_row(step, split, started, scores, state, parts.train_net, parts.eval_net,
                                           config)
+                    if parts.dp is not None:  # replica 0 is evaluated; how far the others are from it
+                        row["drift"] = parts.dp.drift()
                     metrics.write(row)
                     # time to accuracy is measured on the first (primary) split
                     state.record_evaluation(row, config.target_accuracy if split == EVAL_SPLITS[0] else None)
@@ -177,6 +184,8 @@ def _train(rt: _Runtime, progress: bool, position: int, started: float) -> dict:
         checkpoint.export_model(parts, rt.run_dir, rt.is_main)
     summary = record.summary(status, diverged_at, config, parts.data.name, state, parts.train_net,
                              parts.eval_net, started)
+    if parts.dp is not None:
+        summary["data_parallel"] = record.dp_summary(parts.dp, config, state)
     if rt.is_main:
         atomic_write_json(rt.run_dir / "summary.json", summary)
     return summary
@@ -223,8 +232,9 @@ class _Runtime:
 def _start(config: ExperimentConfig, run_dir: Path, resume: bool) -> _Runtime:
     if config.backend == "dist":
         rank, world = init_distributed(timeout_s=config.timeout_s)
-        if world != config.tp_size:
-            raise ValueError(f"tp_size={config.tp_size} but torchrun started {world} processes")
+        if world != config.tp_size * config.dp_size:
+            raise ValueError(f"tp_size={config.tp_size} x dp_size={config.dp_size} but torchrun started "
+                             f"{world} processes")
         shared = [config.to_dict(), str(run_dir)]  # rank 0's config is the experiment
         dist.broadcast_object_list(shared, src=0)
         config = ExperimentConfig(**shared[0]).validate()

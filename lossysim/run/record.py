@@ -107,8 +107,8 @@ def clock(state: TrainState, network: LossyNetwork, config: ExperimentConfig) ->
         per_step = (state.compute_s + comm["comm_s"]) / max(state.step, 1)
         state.restart_s += (failures - state.failures) * (config.restart_s + config.restart_lost_steps * per_step)
         state.failures = failures
-    return {"sim_time_s": state.compute_s + comm["comm_s"] + state.restart_s,
-            "sim_time_s_ideal_nic": state.compute_s + comm["comm_s_ideal_nic"],
+    return {"sim_time_s": state.compute_s + comm["comm_s"] + state.dp_s + state.restart_s,
+            "sim_time_s_ideal_nic": state.compute_s + comm["comm_s_ideal_nic"] + state.dp_s,
             "restart_s": state.restart_s, "failures": failures, **comm}
 
 
@@ -123,7 +123,11 @@ def clock_row(state: TrainState, network: LossyNetwork, step: int, config: Exper
            "retransmit_s_per_step": (now["retransmit_s"] - last["retransmit_s"]) / steps,
            "compute_s_per_step": (state.compute_s - last["compute_s"]) / steps,
            "failures": now["failures"], **repairs_by_class(network)}
+    if config.dp_size > 1:
+        row["dp_s_per_step"] = (state.dp_s - last.get("dp_s", 0.0)) / steps
     state.last_row = clock_mark(step, state.compute_s, network)
+    if config.dp_size > 1:
+        state.last_row["dp_s"] = state.dp_s
     return row
 
 
@@ -148,6 +152,41 @@ def _sim_time_summary(state: TrainState, network: LossyNetwork, config: Experime
             "failures": now["failures"], "restart_s": now["restart_s"], **repairs_by_class(network),
             "compute": config.compute, "algorithm": config.algorithm, "transport": config.transport,
             "nic": config.nic}
+
+
+# -- data parallelism -----------------------------------------------------------------------------
+
+def dp_traffic(dp) -> dict:
+    """Gradient-bucket packets sent and lost so far over every data-parallel group, and their loss rate."""
+    sent = lost = 0
+    for summary in dp.summaries():
+        for entry in summary:
+            sent, lost = sent + entry["sent"], lost + entry["lost"]
+    return {"packets_sent_dp": sent, "packets_lost_dp": lost, "observed_loss_rate_dp": lost / sent if sent else 0.0}
+
+
+def dp_row(dp, state: TrainState) -> dict:
+    """A train row's data-parallel columns: traffic and the replicas' drift (kept in ``state``)."""
+    drift = dp.drift()
+    state.drift.append(drift)
+    return {**dp_traffic(dp), "drift": drift}
+
+
+def dp_summary(dp, config: ExperimentConfig, state: TrainState) -> dict:
+    """summary.json's ``data_parallel``: layout, buckets, traffic per link class, drift and time."""
+    by_class: dict = {}
+    for summary in dp.summaries(by=("link_class",)):
+        for entry in summary:
+            merged = by_class.setdefault(entry["link_class"], {"sent": 0, "lost": 0})
+            merged["sent"] += entry["sent"]
+            merged["lost"] += entry["lost"]
+    for merged in by_class.values():
+        merged["observed_loss_rate"] = merged["lost"] / merged["sent"] if merged["sent"] else 0.0
+    return {"dp_size": config.dp_size, "tp_size": config.tp_size, "buckets": len(dp.buckets),
+            "bucket_mb": config.dp_bucket_mb, "overlap": config.dp_overlap, "sync_every": config.dp_sync_every,
+            "lossy_traffic": config.lossy_traffic, **dp_traffic(dp), "packets_by_class": by_class,
+            "drift_final": dp.drift(), "drift_max": max(state.drift, default=0.0),
+            "dp_s_per_step": state.dp_s / max(state.step, 1)}
 
 
 # -- summary.json ---------------------------------------------------------------------------------

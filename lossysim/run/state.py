@@ -26,9 +26,16 @@ class TrainState:
     last_row: dict = field(default_factory=dict)  # the clock at the last train row (per-step rates)
     failures: int = 0                            # collectives the transport gave up on, charged so far
     restart_s: float = 0.0                       # simulated seconds their restarts cost
+    dp_s: float = 0.0                            # data parallelism: seconds the buckets (and syncs) add
+    drift: list = field(default_factory=list)    # data parallelism: every train row's replica drift
 
     def state_dict(self) -> dict:
-        return dataclasses.asdict(self)  # a deep copy: later steps must not change a saved checkpoint
+        saved = dataclasses.asdict(self)  # a deep copy: later steps must not change a saved checkpoint
+        # Data parallelism's counters only when used: other runs' checkpoints keep the keys they always had.
+        for key, unused in (("dp_s", 0.0), ("drift", [])):
+            if saved[key] == unused:
+                del saved[key]
+        return saved
 
     @classmethod
     def from_dict(cls, saved: dict) -> "TrainState":

@@ -7,6 +7,7 @@ import torch
 
 from .. import timing
 from ..config import ExperimentConfig
+from ..dp import step_seconds
 from ..models import cost
 from ..tp import TensorParallelModel
 from .build import Parts
@@ -16,6 +17,8 @@ from .state import TrainState, Window
 def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window: Window, batch: dict,
                device: torch.device) -> bool:
     """Train on one host batch; False (and no update) if the loss or gradients are non-finite."""
+    if parts.dp is not None:
+        return _train_step_data_parallel(parts, config, state, window, batch, device)
     # tokens/s counts real tokens, not padding (counted on the host: no device sync)
     tokens = int(batch["attention_mask"].sum())
     batch = {k: v.to(device) for k, v in batch.items()}
@@ -42,6 +45,72 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
     logits, labels = _next_tokens(out.logits.detach(), batch) if config.task == "lm" \
         else (out.logits.detach(), batch["labels"])
     window.add(model.rank_losses.detach(), logits, labels, tokens, seconds)
+    return True
+
+
+def _train_step_data_parallel(parts: Parts, config: ExperimentConfig, state: TrainState, window: Window,
+                              batch: dict, device: torch.device) -> bool:
+    """One DDP step: every replica trains on its own equal shard of the global batch (the same shard on
+    all its TP ranks), the gradient buckets are averaged over the data-parallel networks, then every
+    replica clips and steps on what it received. The clock charges replica 0's compute and TP traffic,
+    as without data parallelism, plus the time the buckets add (``lossysim.dp.timeline``)."""
+    dp = parts.dp
+    tokens = int(batch["attention_mask"].sum())
+    batch = {k: v.to(device) for k, v in batch.items()}
+    rows = batch["input_ids"].shape[0] // dp.dp_size
+    t0 = time.perf_counter()
+    outs, computes, times = [], [], []
+    for index, replica in enumerate(dp.replicas):   # sim: every replica; dist: this rank's
+        r = dp.first + index
+        shard = {k: v[r * rows:(r + 1) * rows] for k, v in batch.items()}
+        model, network = replica.model, replica.model.network
+        start = network.clock()["comm_s"]
+        model.train()
+        with parts.autocast:
+            out = model(**(_lm_inputs(shard) if config.task == "lm" else shard))
+        forward_end = network.clock()["comm_s"]
+        parts.scaler.scale(out.loss).backward()
+        backward_end = network.clock()["comm_s"]
+        compute = _compute_seconds(parts, config, shard, t0, device)
+        computes.append(compute)
+        # 2N FLOPs per token forward, 4N backward: a third of the compute is forward.
+        times.append(torch.tensor([[compute / 3 + forward_end - start,
+                                    compute * 2 / 3 + backward_end - forward_end]], dtype=torch.float64))
+        outs.append(out)
+    times = dp.gather_replicas(times)              # [dp, 2]: every replica's forward and backward
+    bucket_s = dp.average_gradients()
+    finite = True
+    for replica in dp.replicas:
+        parts.scaler.unscale_(replica.optimizer)
+        norm = _clip_grad_norm(replica.model, config.grad_clip)
+        finite &= bool(torch.isfinite(norm) & torch.isfinite(replica.model.rank_losses.detach()).all())
+    if not dp.all_true(finite):
+        return False
+    for replica in dp.replicas:
+        parts.scaler.step(replica.optimizer)
+    parts.scaler.update()
+    for replica in dp.replicas:
+        replica.scheduler.step()
+        replica.optimizer.zero_grad(set_to_none=True)
+    state.tokens += tokens
+    # Replica 0's compute (every shard has the same padded shape, so every replica's is the same) and
+    # its TP traffic (on train_net's clock) are charged as without data parallelism. Replicas step
+    # side by side: the slowest replica's path, then the buckets it waits for, add dp_s.
+    first = times[0]
+    state.compute_s += computes[0]
+    slowest = times.max(0).values
+    end = step_seconds(float(slowest[0]), float(slowest[1]), [b.ready for b in dp.buckets], bucket_s,
+                       config.dp_overlap)
+    state.dp_s += end - float(first[0]) - float(first[1])
+    if config.dp_sync_every and (state.step + 1) % config.dp_sync_every == 0:
+        state.dp_s += dp.synchronise()
+    seconds = time.perf_counter() - t0
+    state.train_time += seconds
+    losses = dp.gather_replicas([r.model.group.all_gather_reliable(r.model.rank_losses.detach())
+                                 for r in dp.replicas])
+    logits = dp.gather_replicas([out.logits.detach() for out in outs])
+    logits, labels = _next_tokens(logits, batch) if config.task == "lm" else (logits, batch["labels"])
+    window.add(losses, logits, labels, tokens, seconds)
     return True
 
 

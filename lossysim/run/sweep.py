@@ -45,7 +45,8 @@ from typing import Any, Callable, Optional, Union
 
 import yaml
 
-from ..config import NON_SEMANTIC, ExperimentConfig, from_dict, load_yaml, parse_overrides, save_yaml
+from ..config import (IDENTITY_AT_DEFAULT_OMITTED, NON_SEMANTIC, ExperimentConfig, from_dict, load_yaml,
+                      parse_overrides, save_yaml)
 from ..io import atomic_write_json, atomic_write_text
 from ..loss import parse_loss_model
 from ..loss.spec import label
@@ -164,13 +165,16 @@ def normalise(config: ExperimentConfig) -> ExperimentConfig:
     still set its time)."""
     if parse_loss_model(config.loss).lossless:
         return config.replace(loss="none", lossy="both", recovery="zero", eval_lossy=True, lossy_links="all",
-                              transport="drop", nic="irn", retransmit=None, deadline=1.5, rto_s=None, channels=2)
+                              transport="drop", nic="irn", retransmit=None, deadline=1.5, rto_s=None, channels=2,
+                              lossy_traffic="all")
     return config
 
 
 def config_key(config: ExperimentConfig) -> str:
     """Stable 8-hex-digit hash of what a config trains (its semantic keys)."""
-    values = {k: v for k, v in config.to_dict().items() if k not in NON_SEMANTIC}
+    defaults = ExperimentConfig().to_dict()
+    values = {k: v for k, v in config.to_dict().items() if k not in NON_SEMANTIC
+              and not (k in IDENTITY_AT_DEFAULT_OMITTED and v == defaults[k])}
     # Two spellings of one model ("bernoulli:1%", "bernoulli:0.01") are one experiment.
     values["loss"] = parse_loss_model(config.loss).spec
     blob = json.dumps(values, sort_keys=True, separators=(",", ":"))

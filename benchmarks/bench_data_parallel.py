@@ -1,0 +1,67 @@
+"""What data parallelism costs the simulator, measured side by side (medians of interleaved repeats).
+
+1. A sim tp 2 x dp 2 training step of the tiny GPT-2 against a sim tp 2 step, each replica on the same
+   per-replica batch (so the dp step does twice the compute plus the DP buckets), DP links lossy at 1%.
+   Target: <= 2.3x.
+2. A lossy DP bucket all-reduce at dp 2 (ring, Bernoulli 1%) against ``x.sum(0)`` of the same
+   contributions, for the tiny model's whole gradient and for one 25 MiB DDP bucket. Target: <= 2x.
+
+    python benchmarks/bench_data_parallel.py [--repeats 20]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_collectives import paired  # noqa: E402
+
+from lossysim import LossyNetwork  # noqa: E402
+from lossysim.config import ExperimentConfig  # noqa: E402
+from lossysim.data import train_batches  # noqa: E402
+from lossysim.run.build import build  # noqa: E402
+from lossysim.run.state import TrainState, Window  # noqa: E402
+from lossysim.run.step import train_step  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def stepper(per_replica: int, dp: int):
+    config = ExperimentConfig(model="tiny", dataset="synthetic", max_length=32, max_train_samples=800,
+                              batch_size=per_replica * dp, steps=10_000, dropout=0.0, tp_size=2, dp_size=dp,
+                              ranks_per_node=2, lossy_links="inter_node", loss="bernoulli:0.01",
+                              out=tempfile.mkdtemp()).validate()
+    parts = build(config, CPU, 0, True, None)
+    state, window, batches = TrainState(), Window(CPU), train_batches(parts.data, config.batch_size, 0)
+    return lambda: train_step(parts, config, state, window, next(batches), CPU)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    os.environ.setdefault("LOSSYSIM_CACHE", tempfile.mkdtemp())
+    torch.manual_seed(0)
+
+    print("1. sim training step, tiny GPT-2, 16 rows per replica, DP links lossy at 1%")
+    dp_ms, tp_ms, ratio = paired(stepper(16, 2), stepper(16, 1), CPU, args.repeats)
+    print(f"   tp2 x dp2 {dp_ms * 1e3:.1f} ms, tp2 {tp_ms * 1e3:.1f} ms, ratio {ratio:.2f} (target <= 2.3)")
+
+    print("2. DP bucket all-reduce at dp 2, ring, Bernoulli 1%, vs x.sum(0)")
+    network = LossyNetwork(2, "bernoulli:0.01", seed=0)
+    for label, numel in (("tiny model's gradient", 468_864), ("one 25 MiB bucket", 25 * (1 << 20) // 4)):
+        x = torch.randn(2, numel)
+        lossy, plain, ratio = paired(lambda: network.all_reduce("dp.bucket0", "bwd", x, range(2)),
+                                     lambda: x.sum(0), CPU, args.repeats)
+        print(f"   {label} ({numel} elements): lossy {lossy * 1e3:.2f} ms, sum {plain * 1e3:.2f} ms, "
+              f"ratio {ratio:.2f} (target <= 2)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Replicas of the tensor-parallel group and the data-parallel traffic between them.
+
+Global ranks are laid out tp-major: replica r's TP ranks are ``r * tp_size .. r * tp_size + tp_size - 1``.
+TP position t of every replica forms data-parallel group t (ranks ``t, tp_size + t, ...``), with its own
+``LossyNetwork`` of dp_size ranks: its own links, chains and statistics, apart from the TP links'.
+
+After every replica's backward, each bucket (``buckets``) of every group is all-reduced through the
+group's network (site ``dp.bucket{i}``, direction ``bwd``): receiver r's sum is divided by dp_size and
+written back as replica r's gradient. ``recovery: zero`` drops what was lost; ``rescale`` divides what
+arrives by the probability that it arrives, hop by hop, as for TP traffic (unbiased for any
+contributions; see docs/semantics.md). A replicated parameter (embeddings, norms, head) has one copy
+per TP rank, each in its own group; a replica keeps the mean of what its groups delivered, as the
+reliable channel that keeps replicated parameters equal inside a TP group would average them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..net import LossyNetwork
+from ..timing import nccl
+from . import buckets as bucketing
+from .buckets import Bucket
+
+
+@dataclass
+class Replica:
+    """One replica of the TP group: its model (whose TP network is its own), optimiser and schedule."""
+    model: Any            # a TensorParallelModel
+    optimizer: Any
+    scheduler: Any
+
+
+class DataParallel:
+    """``sim``: every replica in this process, one data-parallel network per TP position, the bucket plan.
+
+    ``replicas`` are the replicas this process runs (numbered from ``first``); the methods below that
+    cross replicas (times, logits, finiteness, statistics) are the ones ``DistDataParallel`` moves over
+    process groups instead.
+    """
+
+    first = 0
+
+    def __init__(self, replicas: Sequence[Replica], networks: Sequence[LossyNetwork], bucket_bytes: float):
+        self.replicas = list(replicas)
+        self.networks = list(networks)          # one per TP position
+        self.dp_size = len(self.replicas)
+        self.tp_size = len(self.networks)
+        self._init_buckets(bucket_bytes)
+
+    def _init_buckets(self, bucket_bytes: float) -> None:
+        model = self.replicas[0].model
+        sharded_ids = {id(q) for q in model.sharded_parameters()}
+        self._sharded = {i for i, p in enumerate(model.parameters()) if id(p) in sharded_ids}
+        self.buckets: list[Bucket] = bucketing.plan_buckets(list(model.parameters()), sharded_ids, bucket_bytes)
+
+    def average_gradients(self) -> list[float]:
+        """All-reduce every bucket in every group; write each replica's average back as its gradient.
+        Returns each bucket's seconds on the clock (the slowest group's: groups run side by side)."""
+        grads = [[_grad(p) for p in r.model.parameters()] for r in self.replicas]
+        seconds = []
+        for b, bucket in enumerate(self.buckets):
+            slowest = 0.0
+            replicated: dict[int, torch.Tensor] = {}   # parameter -> [dp, numel]: the groups' deliveries summed
+            for t, network in enumerate(self.networks):
+                before = network.clock()["comm_s"]
+                contributions = torch.stack([bucketing.flatten(g, bucket, t) for g in grads])
+                delivered = network.all_reduce(f"dp.bucket{b}", "bwd", contributions, range(self.dp_size))
+                slowest = max(slowest, network.clock()["comm_s"] - before)
+                averaged = delivered / self.dp_size
+                for k, piece in enumerate(bucketing.pieces(averaged, bucket)):
+                    i = bucket.params[k]                 # piece: [dp, numel]
+                    if bucket.sharded[k]:
+                        for r, g in enumerate(grads):
+                            g[i][t].copy_(piece[r].view_as(g[i][t]))
+                    else:
+                        replicated[i] = piece.clone() if t == 0 else replicated[i] + piece
+            for i, summed in replicated.items():
+                summed = summed / self.tp_size
+                for r, g in enumerate(grads):
+                    g[i].copy_(summed[r].view_as(g[i]))
+            seconds.append(slowest)
+        for replica, g in zip(self.replicas, grads):
+            for p, grad in zip(replica.model.parameters(), g):
+                p.grad = grad
+        return seconds
+
+    # -- what crosses replicas ---------------------------------------------------------
+    def gather_replicas(self, local: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Every replica's tensor (this process's ``local`` ones), concatenated in replica order."""
+        return torch.cat(list(local))
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank."""
+        return flag
+
+    def summaries(self, by: Sequence[str] = ("direction",)) -> list[list[dict]]:
+        """Every data-parallel group's traffic summary (``LossyNetwork.summary``)."""
+        return [network.summary(by=by) for network in self.networks]
+
+    @torch.no_grad()
+    def drift(self) -> float:
+        """How far the replicas' parameters have drifted from replica 0's: max over r of
+        ||p_r - p_0|| / ||p_0||, over every parameter (every TP rank's shard) at once."""
+        base = [p.detach().float() for p in self.replicas[0].model.parameters()]
+        norm = torch.sqrt(sum(b.pow(2).sum() for b in base)).clamp_min(1e-30)
+        worst = torch.zeros(())
+        for replica in self.replicas[1:]:
+            diff = torch.sqrt(sum((p.detach().float() - b).pow(2).sum()
+                                  for p, b in zip(replica.model.parameters(), base)))
+            worst = torch.maximum(worst, (diff / norm).cpu())
+        return float(worst)
+
+    @torch.no_grad()
+    def synchronise(self) -> float:
+        """Replica 0's parameters broadcast to every replica over a reliable channel; its seconds (NCCL's
+        ring broadcast of a TP rank's local parameters, every group side by side)."""
+        params = list(self.replicas[0].model.parameters())
+        for replica in self.replicas[1:]:
+            for p, source in zip(replica.model.parameters(), params):
+                p.copy_(source)
+        local = sum((p[0] if i in self._sharded else p).numel() * p.element_size() for i, p in enumerate(params))
+        return broadcast_time(self.networks[0], local)
+
+
+class DistDataParallel(DataParallel):
+    """``dist``: this process is TP rank ``tp_rank`` of replica ``replica`` (global rank
+    ``replica * tp_size + tp_rank``); ``dp_group`` holds its data-parallel peers, ``tp_group`` its
+    replica's TP ranks. Every rank gathers its group's bucket messages over a reliable channel and
+    draws every link's packets from the same streams as ``sim``, keeping its own receiver's row, so it
+    applies exactly the masks ``sim`` applies for it."""
+
+    def __init__(self, replica: Replica, network: LossyNetwork, bucket_bytes: float, *, replica_index: int,
+                 tp_rank: int, dp_size: int, tp_size: int, dp_group, tp_group):
+        self.replicas = [replica]
+        self.networks = [network]
+        self.first, self.tp_rank = replica_index, tp_rank
+        self.dp_size, self.tp_size = dp_size, tp_size
+        self.dp_group, self.tp_group = dp_group, tp_group
+        # nccl moves only tensors on the rank's GPU; gloo takes these on the CPU too
+        self.device = next(replica.model.parameters()).device
+        self._init_buckets(bucket_bytes)
+
+    def _gather(self, x: torch.Tensor, group, size: int) -> torch.Tensor:
+        out = torch.empty(size * x.numel(), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x.contiguous().reshape(-1), group=group)
+        return out.view(size, *x.shape)
+
+    def average_gradients(self) -> list[float]:
+        network, r = self.networks[0], self.first
+        grads = [_grad(p) for p in self.replicas[0].model.parameters()]
+        seconds = []
+        for b, bucket in enumerate(self.buckets):
+            before = network.clock()["comm_s"]
+            contributions = self._gather(bucketing.flatten(grads, bucket, 0), self.dp_group, self.dp_size)
+            delivered = network.all_reduce(f"dp.bucket{b}", "bwd", contributions, [r])
+            averaged = delivered[0] / self.dp_size
+            for k, piece in enumerate(bucketing.pieces(averaged, bucket)):
+                i = bucket.params[k]
+                if bucket.sharded[k]:
+                    grads[i][0].copy_(piece.view_as(grads[i][0]))
+                else:  # the groups' deliveries, summed in TP order as sim sums them
+                    every = self._gather(piece, self.tp_group, self.tp_size)
+                    summed = every[0].clone()
+                    for t in range(1, self.tp_size):
+                        summed = summed + every[t]
+                    grads[i].copy_((summed / self.tp_size).view_as(grads[i]))
+            slowest = torch.tensor([network.clock()["comm_s"] - before], dtype=torch.float64, device=self.device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.tp_group)
+            seconds.append(float(slowest))
+        for p, grad in zip(self.replicas[0].model.parameters(), grads):
+            p.grad = grad
+        return seconds
+
+    def gather_replicas(self, local: Sequence[torch.Tensor]) -> torch.Tensor:
+        local = torch.cat(list(local))
+        gathered = self._gather(local.to(self.device), self.dp_group, self.dp_size)
+        return gathered.flatten(0, 1).to(local.device)
+
+    def all_true(self, flag: bool) -> bool:
+        value = torch.tensor([1 if flag else 0], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        return bool(value)
+
+    def summaries(self, by: Sequence[str] = ("direction",)) -> list[list[dict]]:
+        every: list = [None] * self.tp_size
+        dist.all_gather_object(every, self.networks[0].summary(by=by), group=self.tp_group)
+        return every
+
+    @torch.no_grad()
+    def drift(self) -> float:
+        """As ``sim``'s: each rank sums its local squares (a replicated parameter counted on TP rank 0
+        only), the replica's TP ranks add theirs, the worst replica wins."""
+        params = list(self.replicas[0].model.parameters())
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for i, p in enumerate(params):
+            base = p.detach().float().clone()
+            dist.broadcast(base, src=dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
+            if i in self._sharded or self.tp_rank == 0:
+                sums += torch.stack([(p.detach().float() - base).pow(2).sum(), base.pow(2).sum()]).double()
+        dist.all_reduce(sums, group=self.tp_group)
+        rel = (sums[0].sqrt() / sums[1].sqrt().clamp_min(1e-30)).reshape(1)
+        dist.all_reduce(rel, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return float(rel)
+
+    @torch.no_grad()
+    def synchronise(self) -> float:
+        params = list(self.replicas[0].model.parameters())
+        for p in params:
+            dist.broadcast(p.data, src=dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
+        local = sum((p[0] if i in self._sharded else p).numel() * p.element_size() for i, p in enumerate(params))
+        return broadcast_time(self.networks[0], local)
+
+
+def broadcast_time(network: LossyNetwork, message_bytes: int) -> float:
+    """A loss-free ring broadcast of ``message_bytes`` over ``network``'s ranks: the all-gather's latency
+    (R - 1 pipelined hops) and the whole message over the bus bandwidth (nccl-tests: busbw = algbw)."""
+    spec = network.spec
+    if spec.tp_size < 2 or message_bytes == 0:
+        return 0.0
+    nodes = spec.topology.nodes
+    bottleneck = spec.link_inter if nodes > 1 else spec.link_intra
+    packet = spec.payload_bytes
+    wire = bottleneck.wire_bytes(message_bytes, -(-message_bytes // packet))
+    latency = nccl.latency_s("all_gather", "ring", "Simple", spec.tp_size, nodes, spec.link_intra.hw,
+                             spec.link_inter.hw)
+    return latency + wire / spec.bus_bandwidth()
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's gradient (zeros when it got none: DDP sends its bucket slot all the same)."""
+    return p.grad if p.grad is not None else torch.zeros_like(p)
