@@ -206,6 +206,20 @@ def test_sync_every_k_steps_brings_the_replicas_back_together(tmp_path, one_torc
     assert summary["sim_time"]["total_s"] > plain["sim_time"]["total_s"]   # two broadcasts on the clock
 
 
+@pytest.mark.parametrize("recovery", ["hadamard", "stale", "error_feedback"])
+def test_recovery_policies_cope_with_lost_gradient_buckets(recovery, tmp_path, one_torch_thread):
+    """A policy acts on DP buckets as on TP all-reduces: the same packets are lost as under zero, and what
+    the replicas end with is finite and not zero's."""
+    config = tiny(tmp_path, tp_size=1, dp_size=2, loss="bernoulli:0.1", lossy_traffic="dp")
+    zero, _ = _lossy_step(config)
+    coped, _ = _lossy_step(config.replace(recovery=recovery))
+    assert _dp_counts(coped) == _dp_counts(zero) and _dp_counts(zero)[1] > 0
+    for rz, rc in zip(zero.dp.replicas, coped.dp.replicas):
+        params = list(rc.model.parameters())
+        assert all(torch.isfinite(p).all() for p in params)
+        assert not all(torch.equal(x, y) for x, y in zip(rz.model.parameters(), params))
+
+
 def test_same_seed_same_masks(tmp_path, one_torch_thread):
     config = tiny(tmp_path, tp_size=2, dp_size=2, loss="ge:rate=0.05,burst=4")
     a, _ = _lossy_step(config)
