@@ -118,17 +118,23 @@ def test_resume_with_a_different_experiment_is_refused(tmp_path):
     assert summary["status"] == "failed" and "loss" in summary["error"]
 
 
-def test_progress_is_saved_and_resumed_as_a_plain_dict(tmp_path):
-    """Checkpoints hold the run's progress as the plain dict they always held, so a checkpoint written
-    before the progress had a class of its own resumes exactly, and the other way round."""
-    config = config_for(tmp_path / "full", steps=8, eval_every=4)
-    assert run_experiment(config, config.out, progress=False)["status"] == "completed"
+def _back_to_first_checkpoint(config, tmp_path):
+    """A copy of a finished run cut back to its first checkpoint, as if it had stopped there."""
     resumed = tmp_path / "resumed"
     shutil.copytree(config.out, resumed)
     first, *later = checkpoint.complete(resumed)
     for path in later:
         shutil.rmtree(path)
     (resumed / "summary.json").unlink()
+    return resumed, first
+
+
+def test_progress_is_saved_and_resumed_as_a_plain_dict(tmp_path):
+    """Checkpoints hold the run's progress as the plain dict they always held, so a checkpoint written
+    before the progress had a class of its own resumes exactly, and the other way round."""
+    config = config_for(tmp_path / "full", steps=8, eval_every=4)
+    assert run_experiment(config, config.out, progress=False)["status"] == "completed"
+    resumed, first = _back_to_first_checkpoint(config, tmp_path)
     saved = torch.load(first / "rank0.pt", weights_only=False)
     assert type(saved["progress"]) is dict
     assert list(saved["progress"]) == ["step", "best", "final", "train_disagreement", "tokens", "train_time",
@@ -174,12 +180,7 @@ def test_a_checkpoint_written_by_0_2_resumes_exactly(tmp_path):
     waits) is counted from the resume on."""
     config = config_for(tmp_path / "full", steps=8, eval_every=4, loss="bernoulli:0.05", transport="retransmit")
     assert run_experiment(config, config.out, progress=False)["status"] == "completed"
-    resumed = tmp_path / "resumed"
-    shutil.copytree(config.out, resumed)
-    first, *later = checkpoint.complete(resumed)
-    for path in later:
-        shutil.rmtree(path)
-    (resumed / "summary.json").unlink()
+    resumed, first = _back_to_first_checkpoint(config, tmp_path)
     _as_written_by_0_2(first)
     summary = run_experiment(config.replace(out=str(resumed)), resumed, progress=False, resume=True)
     assert summary["status"] == "completed", summary.get("error")
