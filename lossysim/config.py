@@ -12,7 +12,7 @@ from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from .net.links import stream_seed
+from .util import stream_seed
 from .net.spec import SETTINGS, NetworkSpec
 from .timing import parse_compute
 

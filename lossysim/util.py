@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from typing import Any
 
 
@@ -14,3 +15,9 @@ def swapped(owner: Any, name: str, value: Any):
         yield value
     finally:
         setattr(owner, name, previous)
+
+
+def stream_seed(seed: int, site: str, direction: str) -> int:
+    """A stable 63-bit seed for one (seed, site, direction) random stream."""
+    digest = hashlib.blake2b(f"{seed}\0{site}\0{direction}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)

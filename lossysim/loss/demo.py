@@ -13,7 +13,7 @@ import math
 import pandas as pd
 import torch
 
-from ..net.links import stream_seed
+from ..util import stream_seed
 from .models import LossModel
 from .spec import parse_loss_model
 

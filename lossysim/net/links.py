@@ -9,18 +9,11 @@ the order the link sends them, and its state carries over to the site's next cal
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from ..loss import LossModel
-
-
-def stream_seed(seed: int, site: str, direction: str) -> int:
-    """A stable 63-bit seed for one (seed, site, direction) random stream."""
-    digest = hashlib.blake2b(f"{seed}\0{site}\0{direction}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 class Chains:

@@ -20,12 +20,12 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..util import swapped
+from ..util import stream_seed, swapped
 from . import delivery as deliver
 from . import recovery as recoveries
 from . import transfer as transfers
 from .algorithms import PHASES, Delivery
-from .links import Chains, stream_seed
+from .links import Chains
 from .spec import DIRECTIONS, NetworkSpec
 from .stats import COUNTERS, Counters, NonFinite, summarise
 from .transport import run_step

@@ -34,7 +34,7 @@ import torch
 
 from . import delivery as deliver
 from .algorithms import Delivery, Schedule, combine
-from .links import stream_seed
+from ..util import stream_seed
 
 RECOVERY_POLICIES = ("zero", "rescale", "hadamard", "hadamard+rescale", "stale", "error_feedback")
 ACTIVATIONS = "fwd"            # the direction whose values are never summed again later

@@ -18,7 +18,7 @@ from ..dp import DataParallel, Replica
 from ..dp.replicas import DistDataParallel
 from ..models import build_model, check_max_length, cost
 from ..net import LossyNetwork
-from ..net.links import stream_seed
+from ..util import stream_seed
 from ..tp import TensorParallelModel, parallelize
 
 
