@@ -1,0 +1,143 @@
+"""FSDP (ZeRO-3, ``dp_mode: fsdp``) on the tiny GPT-2 and the synthetic task: the reduce-scatter is the ring
+all-reduce's first half, loss-free FSDP equals one replica on the global batch, gathered weights have
+holes exactly where packets were lost, FSDP traffic loses at the configured rate, the replicas never
+drift, the clock's closed form, and bad settings are one-line errors."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from scipy import stats
+
+from lossysim.config import ExperimentConfig
+from lossysim.data import train_batches
+from lossysim.dp import fsdp as fsdp_module
+from lossysim.dp import gathered_forward_seconds
+from lossysim.dp.buckets import flatten
+from lossysim.net import LossyNetwork
+from lossysim.net.algorithms import chunk_bounds, combine, schedule
+from lossysim.run.build import build
+from lossysim.run.experiment import run_experiment
+from lossysim.run.state import TrainState, Window
+from lossysim.run.step import train_step
+from lossysim.run.sweep import config_key
+from lossysim.timing import nccl
+
+CPU = torch.device("cpu")
+# The same tolerance DDP's equality test uses (tests/test_data_parallel.py): sums over replicas and
+# over the global batch add the same numbers in another order, fp32 rounding.
+PARAM_TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("LOSSYSIM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def tiny(tmp_path, **changes) -> ExperimentConfig:
+    base = dict(model="tiny", dataset="synthetic", max_length=32, max_train_samples=96, max_eval_samples=32,
+                batch_size=8, eval_batch_size=32, steps=3, eval_every=3, log_every=1, warmup_steps=1,
+                dropout=0.0, lr=1e-3, tp_size=1, dp_bucket_mb=0.05, out=str(tmp_path / "run"))
+    return ExperimentConfig(**{**base, **changes}).validate()
+
+
+def _train(config, steps):
+    parts = build(config, CPU, 0, True, None)
+    state, window = TrainState(), Window(CPU)
+    for _, batch in zip(range(steps), train_batches(parts.data, config.batch_size, config.seed)):
+        assert train_step(parts, config, state, window, batch, CPU)
+        state.step += 1
+    return parts, state
+
+
+def _full(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# -- the reduce-scatter ----------------------------------------------------------------------------
+
+def test_reduce_scatter_is_the_ring_all_reduce_first_half():
+    """Same losses on the reduce-scatter sends: each owner holds its chunk exactly as the all-reduce's
+    owner does, and nothing of the others' chunks; loss-free, the owner's chunk is the plain sum."""
+    R, n_packets, per_packet = 4, 37, 10
+    all_reduce, scatter = schedule("ring", "all_reduce", R, n_packets), schedule("ring", "reduce_scatter", R, n_packets)
+    k = len(scatter.sends)
+    assert scatter.sends == all_reduce.sends[:k] and {s.phase for s in scatter.sends} == {"reduce_scatter"}
+    torch.manual_seed(0)
+    lost = torch.rand(k, scatter.max_packets) < 0.3
+    full = combine(all_reduce, torch.cat([lost, torch.rand(len(all_reduce.sends) - k, all_reduce.max_packets) < 0.3]))
+    mine = combine(scatter, lost)
+    assert torch.equal(mine.coef, full.coef)
+    for c, (first, count) in enumerate(chunk_bounds(n_packets, R)):
+        assert not mine.holes[c, first:first + count].any()
+        assert mine.holes[c, :first].all() and mine.holes[c, first + count:].all()
+    x = torch.randn(R, n_packets * per_packet - 3)
+    for recovery in ("zero", "rescale"):
+        network = LossyNetwork(R, "none", recovery=recovery)
+        got = network.reduce_scatter("s", "bwd", x, range(R))
+        for r, (first, count) in enumerate(network.shard_bounds(x.shape[1], x.dtype)):
+            torch.testing.assert_close(got[r, first:first + count], x.sum(0)[first:first + count])
+            assert not got[r, :first].any() and not got[r, first + count:].any()
+    lossy = LossyNetwork(R, "bernoulli:0.1", seed=1)
+    lossy.reduce_scatter("s", "bwd", x, range(R))
+    rows = lossy.summary(by=("phase",))
+    assert [row["phase"] for row in rows] == ["reduce_scatter"]
+    assert rows[0]["sent"] == (R - 1) * lossy.packets(x.shape[1], x.dtype)[1]   # each rank sends R-1 chunks
+
+
+# -- training --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tp,dp", [(1, 2), (1, 4), (2, 2)])
+def test_loss_free_fsdp_equals_one_replica_on_the_global_batch(tp, dp, tmp_path, one_torch_thread):
+    single, _ = _train(tiny(tmp_path, tp_size=tp), 3)
+    sharded, _ = _train(tiny(tmp_path, tp_size=tp, dp_size=dp, dp_mode="fsdp"), 3)
+    assert sharded.dp.fsdp and len(sharded.dp.buckets) > 1
+    expected = _full(single.model)
+    for replica in sharded.dp.replicas:
+        got = _full(replica.model)
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], **PARAM_TOL, msg=name)
+    assert sharded.dp.drift() == 0.0
+
+
+def _twin_masks(config, dp):
+    """The holes every receiver's copy of every unit has, drawn again by a twin of DP group 0's network
+    (same spec, same sites, same calls): gathering shards of ones leaves 1 where a packet arrived and 0
+    where it was lost. Returns, per unit, ``[receivers, n]`` and the twin."""
+    twin = LossyNetwork(config.dp_network_spec(0))
+    masks = []
+    for b, bucket in enumerate(dp.buckets):
+        masks.append(fsdp_module.gather(twin, f"fsdp.gather{b}", torch.ones(bucket.numel)))
+    return masks, twin
+
+
+@pytest.mark.parametrize("algorithm", ["direct", "ring"])
+def test_gathered_weights_have_holes_exactly_where_packets_were_lost(algorithm, tmp_path, one_torch_thread):
+    config = tiny(tmp_path, dp_size=4, dp_mode="fsdp", loss="bernoulli:0.05", algorithm=algorithm)
+    parts = build(config, CPU, 0, True, None)
+    dp = parts.dp
+    master = [p.detach().clone() for p in dp.replicas[0].model.parameters()]
+    dp.gather_weights()
+    masks, twin = _twin_masks(config, dp)
+    holes = 0
+    for b, bucket in enumerate(dp.buckets):
+        expected = flatten(master, bucket, 0) * masks[b]                # [receivers, n]
+        for r, replica in enumerate(dp.replicas):
+            working = flatten([p.detach() for p in replica.model.parameters()], bucket, 0)
+            assert torch.equal(working, expected[r]), (b, r)
+        holes += int((masks[b] == 0).sum())
+    assert holes > 0
+    lost = {row["site"]: row["lost"] for row in dp.networks[0].summary(by=("site",))}
+    assert lost == {row["site"]: row["lost"] for row in twin.summary(by=("site",))}
+    if algorithm == "direct":
+        # one send per (owner, receiver): every lost packet is one hole, a whole packet of zeros, in one
+        # receiver's copy (counted over the padded message: padding is sent too)
+        per_packet = twin.packets(1, torch.float32)[0]
+        for b, bucket in enumerate(dp.buckets):
+            shard = fsdp_module.shard_numel(twin, bucket.numel, torch.float32)
+            replay = LossyNetwork(config.dp_network_spec(0))
+            delivered = replay.all_gather(f"fsdp.gather{b}", "fwd", torch.ones(4, shard), range(4))
+            zero_packets = (delivered.reshape(4, 4, shard // per_packet, per_packet) == 0).all(-1)
+            assert torch.equal(zero_packets, (delivered.reshape(4, 4, shard // per_packet, per_packet) == 0).any(-1))
+            assert int(zero_packets.sum()) == lost[f"fsdp.gather{b}"], b
