@@ -141,3 +141,114 @@ def test_gathered_weights_have_holes_exactly_where_packets_were_lost(algorithm, 
             zero_packets = (delivered.reshape(4, 4, shard // per_packet, per_packet) == 0).all(-1)
             assert torch.equal(zero_packets, (delivered.reshape(4, 4, shard // per_packet, per_packet) == 0).any(-1))
             assert int(zero_packets.sum()) == lost[f"fsdp.gather{b}"], b
+
+
+def _counts(parts, direction=None) -> tuple[int, int]:
+    rows = [row for net in parts.dp.networks for row in net.summary()
+            if direction is None or row["direction"] == direction]
+    return sum(r["sent"] for r in rows), sum(r["lost"] for r in rows)
+
+
+def test_fsdp_traffic_loses_at_the_configured_rate_and_replicas_never_drift(tmp_path, one_torch_thread):
+    """tp 2 inside nodes x dp 2 across them, loss only between nodes: gathers (fwd) and reduce-scatters
+    (bwd) both lose packets at the configured rate; every replica still equals the others."""
+    config = tiny(tmp_path, tp_size=2, dp_size=2, ranks_per_node=2, lossy_links="inter_node",
+                  loss="bernoulli:0.05", dp_mode="fsdp")
+    parts, _ = _train(config, 2)
+    phases = {(row["direction"], row["phase"]) for net in parts.dp.networks for row in net.summary(by=("direction", "phase"))}
+    assert phases == {("fwd", "all_gather"), ("bwd", "reduce_scatter")}
+    for direction in ("fwd", "bwd"):
+        sent, lost = _counts(parts, direction)
+        assert sent > 2_000 and lost > 0
+        assert stats.binomtest(lost, sent, 0.05).pvalue > 1e-3, (direction, lost, sent)
+    sent, lost = _counts(parts)
+    assert stats.binomtest(lost, sent, 0.05).pvalue > 1e-3, (lost, sent)
+    assert parts.dp.drift() == 0.0
+    base = _full(parts.dp.replicas[0].model)
+    assert all(torch.equal(p, base[n]) for n, p in _full(parts.dp.replicas[1].model).items())
+    # the losses did change training: not the loss-free run's weights
+    clean, _ = _train(config.replace(loss="none"), 2)
+    assert any(not torch.equal(p, base[n]) for n, p in _full(clean.model).items())
+
+
+def test_owners_receive_the_sum_of_what_arrived(tmp_path, one_torch_thread):
+    """Replica r's every gradient element is 2^r: an owner's element names the contributions it holds.
+    Ring, 20% loss, dp 4: the owner's own contribution always arrives (it ends the chain), the others'
+    sometimes not; what every replica gets is the owners' shards, so the same on every replica."""
+    dp = 4
+    config = tiny(tmp_path, dp_size=dp, dp_mode="fsdp", loss="bernoulli:0.2")
+    parts = build(config, CPU, 0, True, None)
+    for r, replica in enumerate(parts.dp.replicas):
+        for p in replica.model.parameters():
+            p.grad = torch.full_like(p, float(2 ** r))
+    parts.dp.average_gradients()
+    network = parts.dp.networks[0]
+    grads = [[p.grad for p in replica.model.parameters()] for replica in parts.dp.replicas]
+    missing = 0
+    for bucket in parts.dp.buckets:
+        held = flatten(grads[0], bucket, 0) * dp
+        for g in grads[1:]:
+            assert torch.equal(flatten(g, bucket, 0) * dp, held)
+        shard = fsdp_module.shard_numel(network, bucket.numel, torch.float32)
+        bits = held.round().long()
+        assert torch.equal(held, bits.float()) and bits.max() <= 2 ** dp - 1
+        for owner in range(dp):
+            mine = bits[owner * shard:(owner + 1) * shard]
+            if mine.numel():
+                assert bool(((mine >> owner) & 1).all())
+                missing += int((mine != 2 ** dp - 1).sum())
+    assert missing > 0
+
+
+def test_clock_without_loss_is_compute_plus_gathers_and_reduce_scatters(tmp_path, one_torch_thread):
+    config = tiny(tmp_path, dp_size=2, dp_mode="fsdp", dp_overlap=False, steps=2)
+    summary = run_experiment(config, config.out, progress=False)
+    assert summary["status"] == "completed", summary.get("error")
+    parts = build(config, CPU, 0, True, None)
+    spec, network = config.dp_network_spec(0), parts.dp.networks[0]
+    per_packet = (spec.payload_bytes // 4) * 4
+    comm = 0.0
+    for bucket in parts.dp.buckets:
+        shard = fsdp_module.shard_numel(network, bucket.numel, torch.float32) * 4
+        comm += nccl.collective_time("all_gather", "ring", 2, 2, shard, per_packet, spec.link_intra,
+                                     spec.link_inter, spec.bus_bandwidth())
+        comm += nccl.collective_time("reduce_scatter", "ring", 2, 2, 2 * shard, per_packet, spec.link_intra,
+                                     spec.link_inter, spec.bus_bandwidth())
+    clock = summary["sim_time"]
+    assert math.isclose(clock["total_s"], 2 * (clock["compute_s_per_step"] + comm), rel_tol=1e-12)
+    assert math.isclose(summary["data_parallel"]["dp_s_per_step"], comm, rel_tol=1e-12)
+    assert summary["data_parallel"]["mode"] == "fsdp" and summary["data_parallel"]["drift_final"] == 0.0
+    overlapped = run_experiment(config.replace(dp_overlap=True, out=str(tmp_path / "o")), str(tmp_path / "o"),
+                                progress=False)["sim_time"]["total_s"]
+    assert 2 * max(clock["compute_s_per_step"], comm) <= overlapped < clock["total_s"]
+
+
+def test_gathered_forward_overlap_model():
+    # units in backward order hold 1/2, 1/4, 1/4 of the bytes; forward runs them last to first
+    ready = [0.5, 0.75, 1.0]
+    assert gathered_forward_seconds(8, ready, [], overlap=True) == 8
+    assert gathered_forward_seconds(8, ready, [1, 1, 1], overlap=False) == 3 + 8
+    # gather 1 ends at 1, its unit computes 1..3; gather 2 (issued at 1) ends at 2, computes 3..5;
+    # gather 3 (issued at 3) ends at 4, computes 5..9
+    assert gathered_forward_seconds(8, ready, [1, 1, 1], overlap=True) == 9
+    # communication-bound: each unit waits for its weights
+    assert gathered_forward_seconds(8, ready, [4, 4, 4], overlap=True) == 4 + 2 + 2 + 4 + 4
+
+
+def test_dp_mode_at_its_default_keeps_run_names(tmp_path):
+    config = tiny(tmp_path, dp_size=2)
+    assert "dp_mode" in config.to_dict()
+    assert config_key(config) == config_key(config.replace(dp_mode="ddp"))
+    assert config_key(config) != config_key(config.replace(dp_mode="fsdp"))
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(dp_mode="zero3"), "dp_mode='zero3' must be one of ddp, fsdp"),
+    (dict(dp_mode="fsdp", backend="dist", dp_size=2), "dp_mode=fsdp needs backend=sim"),
+    (dict(dp_mode="fsdp", dp_size=2, recovery="hadamard"), "dp_mode=fsdp needs recovery=zero or rescale"),
+    (dict(dp_mode="fsdp", dp_size=2, dp_sync_every=2), "dp_sync_every with dp_mode=fsdp"),
+])
+def test_bad_fsdp_settings_are_one_line_errors(changes, message, tmp_path):
+    with pytest.raises(ValueError, match=message) as err:
+        tiny(tmp_path, **changes)
+    assert "\n" not in str(err.value)
