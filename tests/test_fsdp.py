@@ -1,7 +1,8 @@
-"""FSDP (ZeRO-3, ``dp_mode: fsdp``) on the tiny GPT-2 and the synthetic task: the reduce-scatter is the ring
-all-reduce's first half, loss-free FSDP equals one replica on the global batch, gathered weights have
-holes exactly where packets were lost, FSDP traffic loses at the configured rate, the replicas never
-drift, the clock's closed form, and bad settings are one-line errors."""
+"""FSDP (ZeRO-3, ``dp_mode: fsdp``) on the tiny GPT-2 and the synthetic task: the reduce-scatter is the
+ring all-reduce's first half (rescaled: unbiased), loss-free FSDP equals one replica on the global
+batch, gathered weights have holes exactly where packets were lost, FSDP traffic loses at the
+configured rate, the replicas never drift, the clock's closed form, and bad settings are one-line
+errors."""
 from __future__ import annotations
 
 import math
@@ -84,6 +85,25 @@ def test_reduce_scatter_is_the_ring_all_reduce_first_half():
     rows = lossy.summary(by=("phase",))
     assert [row["phase"] for row in rows] == ["reduce_scatter"]
     assert rows[0]["sent"] == (R - 1) * lossy.packets(x.shape[1], x.dtype)[1]   # each rank sends R-1 chunks
+
+
+def test_rescaled_reduce_scatter_is_unbiased():
+    """Ring, 20% loss, 4 ranks, rank r contributes 2^r everywhere: what each owner holds of its chunk,
+    divided hop by hop by the probability that it arrives, averages to the true sum (one element per
+    packet: a packet's elements share its fate); zero's is biased low."""
+    R, truth = 4, 15.0
+    x = torch.stack([torch.full((200_000,), float(2 ** r)) for r in range(R)])
+    for recovery in ("rescale", "zero"):
+        network = LossyNetwork(R, "bernoulli:0.2", seed=2, recovery=recovery)
+        got = network.reduce_scatter("s", "bwd", x, range(R))
+        per_packet = network.packets(1, torch.float32)[0]
+        owned = torch.cat([got[r, first:first + count:per_packet]
+                           for r, (first, count) in enumerate(network.shard_bounds(x.shape[1], x.dtype))])
+        assert owned.numel() > 500 and (owned != truth).float().mean() > 0.2
+        if recovery == "rescale":
+            assert stats.ttest_1samp(owned.double().numpy(), truth).pvalue > 1e-3
+        else:
+            assert owned.mean() < 0.9 * truth
 
 
 # -- training --------------------------------------------------------------------------------------
