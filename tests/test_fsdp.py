@@ -191,6 +191,17 @@ def test_fsdp_traffic_loses_at_the_configured_rate_and_replicas_never_drift(tmp_
     assert any(not torch.equal(p, base[n]) for n, p in _full(clean.model).items())
 
 
+def test_lossy_traffic_dp_covers_gathers_and_reduce_scatters(tmp_path, one_torch_thread):
+    only_dp, _ = _train(tiny(tmp_path, tp_size=2, dp_size=2, loss="bernoulli:0.1", lossy_traffic="dp",
+                             dp_mode="fsdp"), 1)
+    assert _counts(only_dp, "fwd")[1] > 0 and _counts(only_dp, "bwd")[1] > 0
+    assert all(row["lost"] == 0 for r in only_dp.dp.replicas for row in r.model.network.summary())
+    only_tp, _ = _train(tiny(tmp_path, tp_size=2, dp_size=2, loss="bernoulli:0.1",
+                             lossy_traffic="tp_forward,tp_backward", dp_mode="fsdp"), 1)
+    sent, lost = _counts(only_tp)
+    assert sent > 0 and lost == 0
+
+
 def test_owners_receive_the_sum_of_what_arrived(tmp_path, one_torch_thread):
     """Replica r's every gradient element is 2^r: an owner's element names the contributions it holds.
     Ring, 20% loss, dp 4: the owner's own contribution always arrives (it ends the chain), the others'
