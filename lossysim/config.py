@@ -26,7 +26,8 @@ NON_SEMANTIC = ("out", "name", "device", "timeout_s", "save_checkpoint", "checkp
 TRACKERS = ("tensorboard", "wandb")
 # Keys added with data parallelism: at their defaults they stay out of a run's identity (the sweep's
 # hash), so sweeps written before them still find their runs.
-IDENTITY_AT_DEFAULT_OMITTED = ("dp_size", "dp_bucket_mb", "dp_overlap", "dp_sync_every", "lossy_traffic")
+IDENTITY_AT_DEFAULT_OMITTED = ("dp_size", "dp_bucket_mb", "dp_overlap", "dp_sync_every", "lossy_traffic",
+                              "dp_mode")
 
 
 def parse_report_to(value) -> tuple[str, ...]:
@@ -92,6 +93,7 @@ class ExperimentConfig:
     dp_bucket_mb: float = 25.0         # DDP gradient bucket cap, MiB (PyTorch DDP's bucket_cap_mb)
     dp_overlap: bool = True            # bucket all-reduces overlap the backward pass, as DDP's do
     dp_sync_every: int = 0             # reliable broadcast of replica 0's parameters every K steps (0: never)
+    dp_mode: str = "ddp"               # ddp | fsdp (ZeRO-3: parameters sharded, gathered before the forward)
     lossy_traffic: str = "all"         # which traffic can lose packets: all, or tp_forward,tp_backward,dp
     timeout_s: float = 600.0
     # training
@@ -151,6 +153,9 @@ class ExperimentConfig:
     def _validate_data_parallel(self) -> None:
         if self.dp_size < 1:
             raise ValueError(f"dp_size={self.dp_size} must be >= 1")
+        _choice("dp_mode", self.dp_mode, ("ddp", "fsdp"))
+        if self.dp_mode == "fsdp" and self.backend != "sim":
+            raise ValueError("dp_mode=fsdp needs backend=sim")
         traffic_kinds(self.lossy_traffic)
         if not (math.isfinite(self.dp_bucket_mb) and self.dp_bucket_mb > 0):
             raise ValueError(f"dp_bucket_mb={self.dp_bucket_mb} must be a positive number of MiB")
@@ -161,6 +166,11 @@ class ExperimentConfig:
                              "each replica trains on an equal shard of the global batch")
         if self.checkpoint_every:
             raise ValueError("checkpoint_every with dp_size > 1 is not supported yet (replicas are not checkpointed)")
+        if self.dp_mode == "fsdp" and self.recovery not in ("zero", "rescale"):
+            raise ValueError(f"dp_mode=fsdp needs recovery=zero or rescale, not {self.recovery} "
+                             "(the other policies need the whole reduced message at every rank)")
+        if self.dp_mode == "fsdp" and self.dp_sync_every:
+            raise ValueError("dp_sync_every with dp_mode=fsdp: FSDP's replicas share one exact master copy and never drift")
         if self.ranks_per_node is not None:
             world, per = self.tp_size * self.dp_size, self.ranks_per_node
             if per < 1 or world % per or (self.tp_size % per and per % self.tp_size):
@@ -200,8 +210,13 @@ class ExperimentConfig:
         settings = {name: getattr(self, name) for name in SETTINGS if hasattr(self, name)}
         settings.update(tp_size=self.dp_size, ranks_per_node=max(1, per_node // self.tp_size), nics_per_node=None,
                         seed=stream_seed(self.seed, f"dp.group{tp_rank}", "network"),
-                        lossy=("bwd",) if "dp" in traffic_kinds(self.lossy_traffic) else ())
+                        lossy=self._dp_directions() if "dp" in traffic_kinds(self.lossy_traffic) else ())
         return NetworkSpec(**settings)
+
+    def _dp_directions(self) -> tuple[str, ...]:
+        """The directions of the data-parallel traffic: DDP's gradient buckets (``bwd``); FSDP's weight
+        gathers (``fwd``) too."""
+        return ("fwd", "bwd") if self.dp_mode == "fsdp" else ("bwd",)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

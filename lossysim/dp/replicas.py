@@ -43,6 +43,7 @@ class DataParallel:
     """
 
     first = 0
+    fsdp = False              # DDP: every replica holds whole parameters (``fsdp`` shards them)
 
     def __init__(self, replicas: Sequence[Replica], networks: Sequence[LossyNetwork], bucket_bytes: float):
         self.replicas = list(replicas)
@@ -56,6 +57,10 @@ class DataParallel:
         sharded_ids = {id(q) for q in model.sharded_parameters()}
         self._sharded = {i for i, p in enumerate(model.parameters()) if id(p) in sharded_ids}
         self.buckets: list[Bucket] = bucketing.plan_buckets(list(model.parameters()), sharded_ids, bucket_bytes)
+
+    def gather_weights(self) -> list[float]:
+        """DDP gathers no weights before the forward (FSDP does: ``fsdp``); each unit's seconds: none."""
+        return []
 
     def average_gradients(self) -> list[float]:
         """All-reduce every bucket in every group; write each replica's average back as its gradient.

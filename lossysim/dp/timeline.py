@@ -6,6 +6,8 @@ produces gradients in reverse parameter order, so bucket i is ready once backwar
 proportion to its weights). Bucket all-reduces run one after another on the data-parallel links; a bucket
 starts at the later of its readiness and the previous bucket's end. With overlap the step ends at the
 later of backward's end and the last bucket's end; without, every bucket waits for backward to end.
+FSDP first gathers every unit's weights before its forward (``gathered_forward_seconds``); its
+reduce-scatters then follow backward as DDP's buckets do.
 """
 from __future__ import annotations
 
@@ -22,3 +24,24 @@ def step_seconds(forward_s: float, backward_s: float, ready: Sequence[float], bu
         start = max(end, forward_s + share * backward_s) if overlap else end
         end = start + seconds
     return max(compute_end, end)
+
+
+def gathered_forward_seconds(forward_s: float, ready: Sequence[float], gather_s: Sequence[float],
+                             overlap: bool = True) -> float:
+    """FSDP: seconds until the forward ends when every unit's weights are all-gathered before it runs.
+
+    Units run forward in the reverse of their (backward) order, each computing its share of the
+    forward (its bytes: ``ready`` is the cumulative share in backward order). With overlap, a unit's
+    gather is issued when the previous unit starts computing (FSDP's prefetch of one unit ahead), the
+    gathers one after another on the data-parallel links; without, every gather precedes the forward."""
+    if not gather_s:
+        return forward_s
+    if not overlap:
+        return sum(gather_s) + forward_s
+    shares = [b - a for a, b in zip([0.0, *ready[:-1]], ready)]
+    links = computed = started = 0.0
+    for share, seconds in reversed(list(zip(shares, gather_s))):
+        links = max(links, started) + seconds        # this unit's gather ends
+        started = max(computed, links)               # its forward starts once its weights are here
+        computed = started + share * forward_s
+    return computed

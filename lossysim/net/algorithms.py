@@ -9,7 +9,9 @@ message has fewer packets than ranks) and runs tp_size-1 reduce-scatter steps th
 tp_size-1 all-gather steps around the ring 0 -> 1 -> ... -> R-1 -> 0. ``tree``
 reduces up one binary tree in heap layout (the parent of rank r is (r-1)//2, rank 0
 the root) level by level, then broadcasts back down. ``direct`` sends every rank's
-whole message to every other rank in one step.
+whole message to every other rank in one step. A ``reduce_scatter`` is the ring
+all-reduce's first half (every algorithm: NCCL runs reduce-scatters on rings): rank
+c ends with chunk c's sum and holds nothing of the other chunks.
 
 What a loss means (``combine``): a lost packet of a reduce-scatter or reduce send
 takes every contribution it carried with it (the receiver's own contribution goes
@@ -29,7 +31,7 @@ from typing import Optional
 import torch
 
 ALGORITHMS = ("ring", "tree", "direct")
-COLLECTIVES = ("all_reduce", "all_gather")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 PHASES = ("reduce_scatter", "all_gather", "reduce", "broadcast", "exchange")
 
 
@@ -66,7 +68,7 @@ class Schedule:
         if collective not in COLLECTIVES:
             raise ValueError(f"collective={collective!r} must be one of {', '.join(COLLECTIVES)}")
         # NCCL has no tree all-gather either: trees run all-reduce, rings the rest.
-        if collective == "all_gather" and algorithm == "tree":
+        if collective == "all_gather" and algorithm == "tree" or collective == "reduce_scatter":
             algorithm = "ring"
         self.algorithm, self.collective = algorithm, collective
         self.tp_size, self.n_packets = int(tp_size), int(n_packets)
@@ -120,15 +122,19 @@ class Schedule:
         out = {}
         none = S  # the neutral row appended to the per-send values (no send: nothing lost, factor 1)
         key = (self.algorithm, self.collective)
-        if key == ("ring", "all_reduce"):
+        if key in (("ring", "all_reduce"), ("ring", "reduce_scatter")):
             index = {(s.step, s.src): i for i, s in enumerate(self.sends)}
             parts = [(c, pos) for c, (_, count) in enumerate(chunk_bounds(self.n_packets, R)) for pos in range(count)]
             # packet p of chunk c: its partial sum starts at rank c+1 (hop 0) and ends at the owner c;
             # then it travels c -> c+1 -> ... (all-gather hop h reaches the rank h+1 after the owner).
             out["rs"] = [[index[(h, (c + 1 + h) % R)] * width + pos for h in range(R - 1)] for c, pos in parts]
-            out["ag"] = [[index[(R - 1 + h, (c + h) % R)] * width + pos for h in range(R - 1)] for c, pos in parts]
             out["contributor_pos"] = [[(j - c - 1) % R for j in range(R)] for c, _ in parts]  # owner: R - 1
-            out["receiver_pos"] = [[(i - c) % R for i in range(R)] for c, _ in parts]         # owner: 0
+            if self.collective == "reduce_scatter":   # receiver i holds packet p iff it owns p's chunk
+                out["owner"] = [[c == i for c, _ in parts] for i in range(R)]
+            else:
+                out["ag"] = [[index[(R - 1 + h, (c + h) % R)] * width + pos for h in range(R - 1)]
+                             for c, pos in parts]
+                out["receiver_pos"] = [[(i - c) % R for i in range(R)] for c, _ in parts]     # owner: 0
         elif key == ("tree", "all_reduce"):
             up = {s.src: i for i, s in enumerate(self.sends) if s.phase == "reduce"}
             down = {s.dst: i for i, s in enumerate(self.sends) if s.phase == "broadcast"}
@@ -162,6 +168,13 @@ def _ring_all_reduce(R: int, n: int):
         for r in range(R):
             c = (r - h) % R
             yield Send(R - 1 + h, "all_gather", r, (r + 1) % R, c, *chunks[c])
+
+
+def _ring_reduce_scatter(R: int, n: int):
+    """The ring all-reduce's reduce-scatter half: chunk c's partial sum ends at its owner c."""
+    for send in _ring_all_reduce(R, n):
+        if send.phase == "reduce_scatter":
+            yield send
 
 
 def _tree_all_reduce(R: int, n: int):
@@ -198,7 +211,7 @@ def _direct_all_gather(R: int, n: int):
 
 _SENDS = {("ring", "all_reduce"): _ring_all_reduce, ("tree", "all_reduce"): _tree_all_reduce,
           ("direct", "all_reduce"): _direct_all_reduce, ("ring", "all_gather"): _ring_all_gather,
-          ("direct", "all_gather"): _direct_all_gather}
+          ("direct", "all_gather"): _direct_all_gather, ("ring", "reduce_scatter"): _ring_reduce_scatter}
 
 
 # -- what arrives ------------------------------------------------------------------------------
@@ -239,14 +252,19 @@ def _paths(sched: Schedule, values: torch.Tensor) -> Delivery:
     lost = values.dtype == torch.bool
     neutral = torch.zeros if lost else torch.ones
     key = (sched.algorithm, sched.collective)
-    if key == ("ring", "all_reduce"):
+    if key in (("ring", "all_reduce"), ("ring", "reduce_scatter")):
         flat = values.reshape(-1)
         edge = neutral(sched.n_packets, 1, dtype=values.dtype, device=values.device)
         # Position k on a chunk's path (rank c+1+k) reaches the owner iff hops k..R-2 deliver;
         # the rank d hops after the owner holds the chunk iff all-gather hops 0..d-1 deliver.
         tail = torch.cat([_suffix(flat[idx["rs"]], 1), edge], 1)          # [packet, position]
+        coef = tail.gather(1, idx["contributor_pos"]).T
+        if sched.collective == "reduce_scatter":
+            # the owner holds its chunk's sum as it arrived (nothing is lost after it); the others nothing
+            own = idx["owner"].reshape(R, sched.n_packets)
+            return Delivery(coef=coef, gain=~own if lost else own.to(values.dtype))
         head = torch.cat([edge, _prefix(flat[idx["ag"]], 1)], 1)
-        return Delivery(coef=tail.gather(1, idx["contributor_pos"]).T, gain=head.gather(1, idx["receiver_pos"]).T)
+        return Delivery(coef=coef, gain=head.gather(1, idx["receiver_pos"]).T)
     v = torch.cat([values, neutral(1, values.shape[1], dtype=values.dtype, device=values.device)])
     if key == ("tree", "all_reduce"):
         up, down = v[idx["up"]], v[idx["down"]]                 # [rank, packet]: edge to / from parent

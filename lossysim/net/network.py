@@ -24,7 +24,7 @@ from ..util import stream_seed, swapped
 from . import delivery as deliver
 from . import recovery as recoveries
 from . import transfer as transfers
-from .algorithms import PHASES, Delivery
+from .algorithms import PHASES, Delivery, chunk_bounds
 from .links import Chains
 from .spec import DIRECTIONS, NetworkSpec
 from .stats import COUNTERS, Counters, NonFinite, summarise
@@ -105,6 +105,42 @@ class LossyNetwork:
             watch=lambda seen: self.watch(site, direction, seen), memory=self._channels[(site, direction)].memory,
             update=self._replaying is None)
         return out.view(len(receivers), *shape)
+
+    def reduce_scatter(self, site: str, direction: str, contributions: torch.Tensor,
+                       receivers: Sequence[int]) -> torch.Tensor:
+        """Sum every rank's contribution and leave chunk c of the sum at rank c only (the ring
+        all-reduce's first half, whatever ``algorithm`` says: NCCL reduce-scatters on rings).
+
+        ``contributions`` is ``[tp_size, n]``; rank c's chunk is ``shard_bounds(n, dtype)[c]`` (whole
+        packets). Returns ``[len(receivers), n]``: each receiver's chunk as it arrived (``zero`` or
+        ``rescale``), zeros elsewhere. Only ``zero`` and ``rescale`` act on a reduce-scatter: the other
+        policies need the whole reduced message at every rank."""
+        self._check(contributions)
+        if self.recovery.name not in ("zero", "rescale"):
+            raise ValueError(f"recovery={self.recovery.name} does not act on reduce-scatters (zero or rescale do)")
+        n = contributions[0].numel()
+        delivery = self._deliver(site, direction, "reduce_scatter", contributions[0])
+        if delivery is None:
+            total = contributions.reshape(self.tp_size, -1).sum(0)
+            self.watch(site, direction, total)
+            out = total.unsqueeze(0).repeat(len(receivers), 1)
+            for k, r in enumerate(receivers):
+                first, count = self.shard_bounds(n, contributions.dtype)[r]
+                out[k, :first] = 0
+                out[k, first + count:] = 0
+            return out
+        per_packet, _ = self.packets(n, contributions.dtype)
+        return self.recovery.on(direction).all_reduce(
+            delivery, contributions.reshape(self.tp_size, -1), receivers, per_packet,
+            watch=lambda seen: self.watch(site, direction, seen), memory=None, update=self._replaying is None)
+
+    def shard_bounds(self, numel: int, dtype: torch.dtype) -> list[tuple[int, int]]:
+        """(first element, elements) of each rank's chunk of a reduce-scatter of ``numel`` elements:
+        the ring's chunks of whole packets."""
+        per_packet, n_packets = self.packets(numel, dtype)
+        ends = [(min(first * per_packet, numel), min((first + count) * per_packet, numel))
+                for first, count in chunk_bounds(n_packets, self.tp_size)]
+        return [(start, end - start) for start, end in ends]
 
     def all_gather(self, site: str, direction: str, shards: torch.Tensor,
                    receivers: Sequence[int]) -> torch.Tensor:

@@ -122,7 +122,7 @@ class Policy:
         """What arrives where, given the lost packets of each send (``[sends, max_packets]``);
         ``rescale`` weighs every delivered path by the product of its hops' 1 / P(delivery)."""
         weights = None
-        if self.rescale and collective == "all_reduce":
+        if self.rescale and collective in ("all_reduce", "reduce_scatter"):
             weights = transfer.weights(torch.promote_types(dtype, torch.float32))
         return combine(transfer.sched, lost, weights)
 

@@ -14,7 +14,7 @@ import transformers
 from .. import timing
 from ..config import ExperimentConfig
 from ..data import PreparedData, prepare_data
-from ..dp import DataParallel, Replica
+from ..dp import DataParallel, FullyShardedDataParallel, Replica
 from ..dp.replicas import DistDataParallel
 from ..models import build_model, check_max_length, cost
 from ..net import LossyNetwork
@@ -81,7 +81,8 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
         dp = None
         if config.dp_size > 1:
             networks = [LossyNetwork(config.dp_network_spec(t)) for t in range(config.tp_size)]
-            dp = DataParallel([first, *others], networks, bucket_bytes)
+            kind = FullyShardedDataParallel if config.dp_mode == "fsdp" else DataParallel
+            dp = kind([first, *others], networks, bucket_bytes)
     return Parts(data, tp_model, train_net, eval_net, first.optimizer, first.scheduler,
                  autocast=_autocast(config.amp, device),
                  scaler=torch.amp.GradScaler(device.type, enabled=config.amp == "fp16"),

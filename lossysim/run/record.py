@@ -157,7 +157,8 @@ def _sim_time_summary(state: TrainState, network: LossyNetwork, config: Experime
 # -- data parallelism -----------------------------------------------------------------------------
 
 def dp_traffic(dp) -> dict:
-    """Gradient-bucket packets sent and lost so far over every data-parallel group, and their loss rate."""
+    """Data-parallel packets (DDP's gradient buckets; FSDP's gathers and reduce-scatters) sent and lost so
+    far over every data-parallel group, and their loss rate."""
     sent = lost = 0
     for summary in dp.summaries():
         for entry in summary:
@@ -185,6 +186,7 @@ def dp_summary(dp, config: ExperimentConfig, state: TrainState) -> dict:
     return {"dp_size": config.dp_size, "tp_size": config.tp_size, "buckets": len(dp.buckets),
             "bucket_mb": config.dp_bucket_mb, "overlap": config.dp_overlap, "sync_every": config.dp_sync_every,
             "lossy_traffic": config.lossy_traffic, **dp_traffic(dp), "packets_by_class": by_class,
+            **({"mode": config.dp_mode} if config.dp_mode != "ddp" else {}),
             "drift_final": dp.drift(), "drift_max": max(state.drift, default=0.0),
             "dp_s_per_step": state.dp_s / max(state.step, 1)}
 

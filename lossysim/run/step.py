@@ -7,7 +7,7 @@ import torch
 
 from .. import timing
 from ..config import ExperimentConfig
-from ..dp import step_seconds
+from ..dp import gathered_forward_seconds, step_seconds
 from ..models import cost
 from ..tp import TensorParallelModel
 from .build import Parts
@@ -50,15 +50,17 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
 
 def _train_step_data_parallel(parts: Parts, config: ExperimentConfig, state: TrainState, window: Window,
                               batch: dict, device: torch.device) -> bool:
-    """One DDP step: every replica trains on its own equal shard of the global batch (the same shard on
-    all its TP ranks), the gradient buckets are averaged over the data-parallel networks, then every
-    replica clips and steps on what it received. The clock charges replica 0's compute and TP traffic,
-    as without data parallelism, plus the time the buckets add (``lossysim.dp.timeline``)."""
+    """One DDP or FSDP step: every replica trains on its own equal shard of the global batch (the same
+    shard on all its TP ranks), the gradient buckets are averaged over the data-parallel networks (FSDP:
+    the units' weights are gathered before, their gradients reduce-scattered after), then every replica
+    clips and steps on what it received. The clock charges replica 0's compute and TP traffic, as
+    without data parallelism, plus the time the data-parallel traffic adds (``lossysim.dp.timeline``)."""
     dp = parts.dp
     tokens = int(batch["attention_mask"].sum())
     batch = {k: v.to(device) for k, v in batch.items()}
     rows = batch["input_ids"].shape[0] // dp.dp_size
     t0 = time.perf_counter()
+    gather_s = dp.gather_weights()                 # FSDP: every replica's working weights; DDP: none
     outs, computes, times = [], [], []
     for index, replica in enumerate(dp.replicas):   # sim: every replica; dist: this rank's
         r = dp.first + index
@@ -99,8 +101,9 @@ def _train_step_data_parallel(parts: Parts, config: ExperimentConfig, state: Tra
     first = times[0]
     state.compute_s += computes[0]
     slowest = times.max(0).values
-    end = step_seconds(float(slowest[0]), float(slowest[1]), [b.ready for b in dp.buckets], bucket_s,
-                       config.dp_overlap)
+    ready = [b.ready for b in dp.buckets]
+    forward_end = gathered_forward_seconds(float(slowest[0]), ready, gather_s, config.dp_overlap)
+    end = step_seconds(forward_end, float(slowest[1]), ready, bucket_s, config.dp_overlap)
     state.dp_s += end - float(first[0]) - float(first[1])
     if config.dp_sync_every and (state.step + 1) % config.dp_sync_every == 0:
         state.dp_s += dp.synchronise()

@@ -104,9 +104,10 @@ def algorithm_bandwidth(collective: str, algorithm: str, protocol: str, ranks: i
 def estimate(collective: str, algorithm: str, ranks: int, nodes: int, nbytes: float, busbw_Bps: float,
              intra_hw: str = "nvlink", inter_hw: str = "net", protocols=PROTOCOLS) -> Estimate:
     """NCCL's modelled time of one loss-free collective of ``nbytes`` (each rank's message for an
-    all-reduce, the whole output for an all-gather, as nccl-tests sizes them), fastest protocol."""
-    if collective not in ("all_reduce", "all_gather"):
-        raise ValueError(f"collective={collective!r} must be all_reduce or all_gather")
+    all-reduce, the whole output for an all-gather, the whole input for a reduce-scatter, as
+    nccl-tests sizes them), fastest protocol."""
+    if collective not in ("all_reduce", "all_gather", "reduce_scatter"):
+        raise ValueError(f"collective={collective!r} must be all_reduce, all_gather or reduce_scatter")
     if algorithm not in ALGORITHMS or (algorithm == "tree" and collective != "all_reduce"):
         raise ValueError(f"algorithm={algorithm!r}: NCCL models ring collectives and tree all-reduces")
     if ranks < 2:
@@ -127,7 +128,7 @@ def estimate(collective: str, algorithm: str, ranks: int, nodes: int, nbytes: fl
 def collective_time(collective: str, algorithm: str, ranks: int, nodes: int, message_bytes: int,
                     packet_bytes: int, intra: Link, inter: Link, busbw_Bps: float) -> float:
     """Seconds a loss-free ring or tree collective takes on our links: ``message_bytes`` is each
-    rank's message (an all-reduce's input, an all-gather's shard), cut into packets of
+    rank's message (an all-reduce's or a reduce-scatter's input, an all-gather's shard), cut into packets of
     ``packet_bytes``; the busiest link class (``inter`` across nodes) adds its header to every
     packet; ``busbw_Bps`` is what a rank's busiest link class sustains."""
     if ranks < 2 or message_bytes == 0:
