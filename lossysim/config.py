@@ -154,8 +154,6 @@ class ExperimentConfig:
         if self.dp_size < 1:
             raise ValueError(f"dp_size={self.dp_size} must be >= 1")
         _choice("dp_mode", self.dp_mode, ("ddp", "fsdp"))
-        if self.dp_mode == "fsdp" and self.backend != "sim":
-            raise ValueError("dp_mode=fsdp needs backend=sim")
         traffic_kinds(self.lossy_traffic)
         if not (math.isfinite(self.dp_bucket_mb) and self.dp_bucket_mb > 0):
             raise ValueError(f"dp_bucket_mb={self.dp_bucket_mb} must be a positive number of MiB")

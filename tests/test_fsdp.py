@@ -1,11 +1,12 @@
 """FSDP (ZeRO-3, ``dp_mode: fsdp``) on the tiny GPT-2 and the synthetic task: the reduce-scatter is the
 ring all-reduce's first half (rescaled: unbiased), loss-free FSDP equals one replica on the global
 batch, gathered weights have holes exactly where packets were lost, FSDP traffic loses at the
-configured rate, the replicas never drift, the clock's closed form, and bad settings are one-line
-errors."""
+configured rate, the replicas never drift, the clock's closed form, ``dist`` (one process a rank)
+equals ``sim``, and bad settings are one-line errors."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from lossysim.data import train_batches
 from lossysim.dp import fsdp as fsdp_module
 from lossysim.dp import gathered_forward_seconds
 from lossysim.dp.buckets import flatten
+from lossysim.io import read_jsonl
 from lossysim.net import LossyNetwork
 from lossysim.net.algorithms import chunk_bounds, combine, schedule
 from lossysim.run.build import build
@@ -275,7 +277,6 @@ def test_dp_mode_at_its_default_keeps_run_names(tmp_path):
 
 @pytest.mark.parametrize("changes,message", [
     (dict(dp_mode="zero3"), "dp_mode='zero3' must be one of ddp, fsdp"),
-    (dict(dp_mode="fsdp", backend="dist", dp_size=2), "dp_mode=fsdp needs backend=sim"),
     (dict(dp_mode="fsdp", dp_size=2, recovery="hadamard"), "dp_mode=fsdp needs recovery=zero or rescale"),
     (dict(dp_mode="fsdp", dp_size=2, dp_sync_every=2), "dp_sync_every with dp_mode=fsdp"),
 ])
@@ -283,3 +284,52 @@ def test_bad_fsdp_settings_are_one_line_errors(changes, message, tmp_path):
     with pytest.raises(ValueError, match=message) as err:
         tiny(tmp_path, **changes)
     assert "\n" not in str(err.value)
+
+
+# -- dist ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tp,dp,loss", [(1, 2, "bernoulli:0.05"), (2, 2, "ge:rate=0.05,burst=4")])
+def test_dist_equals_sim_under_loss(tp, dp, loss, tmp_path, one_torch_thread):
+    """FSDP as tp x dp gloo processes against sim, loss on every kind of traffic: every packet count,
+    loss rate and the clock bit for bit (each rank draws its group's packets from sim's streams and
+    keeps its own receiver's row). tp 1: the losses and the saved weights bit for bit too. tp 2: as
+    DDP's dist test (tests/test_data_parallel.py), the losses to 1e-6 and the weights to fp32 rounding:
+    TP's dist and sim forwards already differ by a few ulps without data parallelism (DDP's tp 2 runs
+    differ by the same few ulps)."""
+    import yaml
+    from safetensors.torch import load_file
+
+    from torchrun_launch import torchrun
+
+    settings = dict(model="tiny", dataset="synthetic", max_length=32, max_train_samples=96, max_eval_samples=32,
+                    batch_size=8, eval_batch_size=32, steps=3, eval_every=3, log_every=1, warmup_steps=1,
+                    dropout=0.0, lr=1e-3, tp_size=tp, dp_size=dp, dp_bucket_mb=0.05, loss=loss, dp_mode="fsdp",
+                    save_checkpoint=True)
+    spec = tmp_path / "fsdp.yaml"
+    spec.write_text(yaml.safe_dump(settings))
+    sim = tiny(tmp_path, **settings, out=str(tmp_path / "sim"))
+    assert run_experiment(sim, sim.out, progress=False)["status"] == "completed"
+    result = torchrun(["train", "--config", str(spec), "--backend", "dist", "--out", str(tmp_path / "dist"),
+                       "--no-progress"], nproc=tp * dp, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {name: read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("sim", "dist")}
+    assert len(rows["sim"]) == len(rows["dist"])
+    for a, b in zip(rows["sim"], rows["dist"]):
+        assert a.keys() == b.keys()
+        for key, value in a.items():
+            if key in ("time_s", "tokens_per_s"):
+                continue
+            if tp > 1 and key in ("loss", "hidden_rel_diff"):
+                assert b[key] == pytest.approx(value, rel=1e-6), (a["step"], key)
+            else:
+                assert b[key] == value, (a["step"], a["split"], key)
+    train = [r for r in rows["sim"] if r["split"] == "train"]
+    assert train[-1]["packets_lost_dp"] > 0 and (tp == 1 or train[-1]["packets_lost_fwd"] > 0)
+    assert all(r["drift"] == 0.0 for r in rows["dist"] if "drift" in r)
+    weights = [load_file(tmp_path / name / "checkpoint" / "model.safetensors") for name in ("sim", "dist")]
+    assert weights[0].keys() == weights[1].keys()
+    for name in weights[0]:
+        if tp == 1:
+            assert torch.equal(weights[1][name], weights[0][name]), name
+        else:
+            torch.testing.assert_close(weights[1][name], weights[0][name], rtol=1e-5, atol=1e-6, msg=name)

@@ -7,7 +7,7 @@ A unit's flat message (a TP rank's local tensors, as a bucket's) is padded with 
 shards of whole packets; replica r owns shard r, which is also the ring's chunk r, so the
 reduce-scatter leaves exactly the owner's shard at its owner.
 
-A step (``sim`` only):
+A step (``sim``; ``dist`` is the same, rank by rank: ``DistFullyShardedDataParallel``):
 
 1. ``gather_weights``: every data-parallel group all-gathers every unit's shards (site
    ``fsdp.gather{i}``, direction ``fwd``); what receiver r holds, a lost packet a hole of zeros, is
@@ -33,10 +33,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from ..net import LossyNetwork
 from . import buckets as bucketing
-from .replicas import DataParallel, _grad
+from .replicas import DataParallel, DistDataParallel, _grad
 
 
 def shard_numel(network: LossyNetwork, numel: int, dtype: torch.dtype) -> int:
@@ -133,5 +134,90 @@ class FullyShardedDataParallel(DataParallel):
                     if self._master is not None:
                         p.copy_(self._master[k])
                     p.grad = assembled[k].clone()
+        self._master = None
+        return seconds
+
+
+class DistFullyShardedDataParallel(DistDataParallel):
+    """``dist``'s FSDP: this process is TP rank ``tp_rank`` of replica ``replica`` (``DistDataParallel``).
+
+    Before the forward, every rank all-gathers its group's shards of each unit (shard r from rank r's
+    master, over a reliable channel: the data FSDP moves) and draws every link's packets from the same
+    streams as ``sim``, keeping its own receiver's row: its working copy has exactly ``sim``'s holes.
+    A replicated parameter's working copy is TP rank 0's group's (``sim``'s one copy per replica),
+    broadcast inside the replica. After the backward, every rank reduce-scatters its group's gradients
+    the same way and keeps its own shard as it arrived; the owners' shards are then gathered reliably
+    so every rank's master copy steps on the assembled gradient, as in ``sim`` (the exact master copy:
+    every rank holds all of it, where FSDP would hold one shard and its optimiser state)."""
+
+    fsdp = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._master: Optional[list[torch.Tensor]] = None
+
+    def _slowest(self, seconds: float) -> float:
+        """The slowest group's seconds (groups run side by side): the max over this replica's TP ranks."""
+        value = torch.tensor([seconds], dtype=torch.float64, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.tp_group)
+        return float(value)
+
+    @torch.no_grad()
+    def gather_weights(self) -> list[float]:
+        network, r, R = self.networks[0], self.first, self.dp_size
+        params = list(self.replicas[0].model.parameters())
+        self._master = [p.detach().clone() for p in params]
+        tp_root = dist.get_global_rank(self.tp_group, 0)
+        seconds = []
+        for b, bucket in enumerate(self.buckets):
+            before = network.clock()["comm_s"]
+            flat = bucketing.flatten(self._master, bucket, 0)
+            n = flat.numel()
+            shard = shard_numel(network, n, flat.dtype)
+            mine = _padded(flat, R, shard).view(R, shard)[r]
+            shards = self._gather(mine, self.dp_group, R)            # [R, shard]: every owner's shard
+            working = network.all_gather(f"fsdp.gather{b}", "fwd", shards, [r]).reshape(R * shard)[:n]
+            for k, piece in enumerate(bucketing.pieces(working, bucket)):
+                i = bucket.params[k]
+                if bucket.sharded[k]:
+                    params[i][0].copy_(piece.view_as(params[i][0]))
+                else:             # one copy per replica: TP rank 0's group's
+                    piece = piece.contiguous().clone()
+                    dist.broadcast(piece, src=tp_root, group=self.tp_group)
+                    params[i].copy_(piece.view_as(params[i]))
+            seconds.append(self._slowest(network.clock()["comm_s"] - before))
+        return seconds
+
+    def average_gradients(self) -> list[float]:
+        network, r, R = self.networks[0], self.first, self.dp_size
+        params = list(self.replicas[0].model.parameters())
+        grads = [_grad(p) for p in params]
+        assembled = [g.clone() for g in grads]
+        seconds = []
+        for b, bucket in enumerate(self.buckets):
+            before = network.clock()["comm_s"]
+            mine = bucketing.flatten(grads, bucket, 0)
+            n = mine.numel()
+            shard = shard_numel(network, n, mine.dtype)
+            contributions = self._gather(_padded(mine, R, shard), self.dp_group, R)   # [R, R * shard]
+            delivered = network.reduce_scatter(f"fsdp.reduce{b}", "bwd", contributions, [r])
+            owned = self._gather(delivered[0, r * shard:(r + 1) * shard], self.dp_group, R)  # the owners' shards
+            owned = owned.reshape(R * shard)[:n] / self.dp_size
+            for k, piece in enumerate(bucketing.pieces(owned, bucket)):
+                i = bucket.params[k]
+                if bucket.sharded[k]:
+                    assembled[i][0].copy_(piece.view_as(assembled[i][0]))
+                else:  # the groups' deliveries, summed in TP order as sim sums them
+                    every = self._gather(piece, self.tp_group, self.tp_size)
+                    summed = every[0].clone()
+                    for t in range(1, self.tp_size):
+                        summed = summed + every[t]
+                    assembled[i].copy_((summed / self.tp_size).view_as(assembled[i]))
+            seconds.append(self._slowest(network.clock()["comm_s"] - before))
+        with torch.no_grad():
+            for k, p in enumerate(params):
+                if self._master is not None:
+                    p.copy_(self._master[k])
+                p.grad = assembled[k]
         self._master = None
         return seconds

@@ -15,6 +15,7 @@ from .. import timing
 from ..config import ExperimentConfig
 from ..data import PreparedData, prepare_data
 from ..dp import DataParallel, FullyShardedDataParallel, Replica
+from ..dp.fsdp import DistFullyShardedDataParallel
 from ..dp.replicas import DistDataParallel
 from ..models import build_model, check_max_length, cost
 from ..net import LossyNetwork
@@ -67,9 +68,10 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
         groups = _process_groups(config.tp_size, config.dp_size)
         tp_model = _parallel_model(config, model, train_net, rank, groups["tp"][replica])
         first = _replica(config, tp_model, train_net, rank, parallel=False)
-        dp = DistDataParallel(first, LossyNetwork(config.dp_network_spec(tp_rank)), bucket_bytes,
-                              replica_index=replica, tp_rank=tp_rank, dp_size=config.dp_size,
-                              tp_size=config.tp_size, dp_group=groups["dp"][tp_rank], tp_group=groups["tp"][replica])
+        kind = DistFullyShardedDataParallel if config.dp_mode == "fsdp" else DistDataParallel
+        dp = kind(first, LossyNetwork(config.dp_network_spec(tp_rank)), bucket_bytes,
+                  replica_index=replica, tp_rank=tp_rank, dp_size=config.dp_size,
+                  tp_size=config.tp_size, dp_group=groups["dp"][tp_rank], tp_group=groups["tp"][replica])
     else:
         # Every replica starts from the same weights (DDP broadcasts rank 0's); replica 0 is built last
         # so the global generator ends seeded exactly as without data parallelism.
