@@ -40,7 +40,7 @@ FLAGS = {
     "--loss": ("loss", "loss model spec, e.g. bernoulli:0.01 or ge:rate=0.01,burst=8"),
     "--tp-size": ("tp_size", "tensor-parallel degree"),
     "--dp-size": ("dp_size", "data-parallel replicas of the tensor-parallel group (world = tp x dp)"),
-    "--dp-mode": ("dp_mode", "ddp (replicas hold whole parameters) or fsdp (ZeRO-3: sharded, gathered; sim only)"),
+    "--dp-mode": ("dp_mode", "ddp (replicas hold whole parameters) or fsdp (ZeRO-3: sharded, gathered)"),
     "--backend": ("backend", "sim (all ranks in one process) or dist (torchrun)"),
     "--lossy": ("lossy", "which traffic is lossy: fwd, bwd or both"),
     "--recovery": ("recovery", "zero or rescale"),
