@@ -292,11 +292,11 @@ def test_bad_fsdp_settings_are_one_line_errors(changes, message, tmp_path):
 def test_dist_equals_sim_under_loss(tp, dp, loss, tmp_path, one_torch_thread):
     """FSDP as tp x dp gloo processes against sim, loss on every kind of traffic: every packet count,
     loss rate and the clock bit for bit (each rank draws its group's packets from sim's streams and
-    keeps its own receiver's row). tp 1: the losses and the saved weights bit for bit too (sim on one thread,
-    as the ranks run: CPU matmuls round differently across thread counts). tp 2: as
-    DDP's dist test (tests/test_data_parallel.py), the losses to 1e-6 and the weights to fp32 rounding:
-    TP's dist and sim forwards already differ by a few ulps without data parallelism (DDP's tp 2 runs
-    differ by the same few ulps)."""
+    keeps its own receiver's row). tp 1: the losses and the saved weights bit for bit too (sim on one
+    thread, as the ranks run: CPU matmuls round differently across thread counts). tp 2: as DDP's dist
+    test (tests/test_data_parallel.py), the losses to 1e-6 and the weights to fp32 rounding: TP's dist
+    and sim forwards already differ by a few ulps without data parallelism (DDP's tp 2 runs differ by
+    the same few ulps)."""
     import yaml
     from safetensors.torch import load_file
 
