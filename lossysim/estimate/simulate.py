@@ -67,8 +67,8 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
             tick()
 
     clock, steps = net.clock(), int(steps)
-    packets = {name: sum(row[name] for row in net.summary(("direction",))) / steps
-               for name in ("sent", "lost", "resent")}
+    totals = net.totals()
+    packets = {name: totals[name] / steps for name in ("sent", "lost", "resent")}
     step_s = compute_s + np.asarray(comm)
     loss_free = compute_s + clock["ideal_comm_s"] / steps
     return {

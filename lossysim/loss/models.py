@@ -387,6 +387,21 @@ class Bernoulli(LossModel):
         _put(lost, pos, value)
         return lost.view(shape), _zeros(total, generator.device).view(shape), state
 
+    @property
+    def sparse(self) -> bool:
+        """Whether ``lost_positions`` can stand in for ``sample_with_states`` (0 < p <= 1/2)."""
+        return 0.0 < self.p <= 0.5
+
+    def lost_positions(self, rows: int, width: int, generator: torch.Generator) -> np.ndarray:
+        """The lost packets of ``sample_with_states((rows, width), generator)``, as sorted flat indices
+        (a numpy int64 array), from the very same draws of a CPU generator: no mask is written.
+        Needs ``sparse``."""
+        total = rows * width
+        if total <= _DENSE_BELOW:
+            lost = torch.rand((rows, width), generator=generator) < self.p
+            return np.flatnonzero(lost.numpy())
+        return _bernoulli_positions(total, self.p, generator).numpy()
+
 
 class NoLoss(Bernoulli):
     """No packet is ever lost; packets are still counted."""

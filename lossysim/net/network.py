@@ -18,11 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from ..util import swapped
 from . import delivery as deliver
 from . import recovery as recoveries
+from . import sparse
 from . import transfer as transfers
 from .algorithms import PHASES, Delivery
 from .links import Chains, stream_seed
@@ -193,7 +195,8 @@ class LossyNetwork:
             per_send = lost.flatten()[transfer.sched.tensors(lost.device)["gather"]]
             delivery = self._draw(channel, transfer, per_send, collective, direction, numel, dtype)
         else:
-            missing, repairs = self._repair(channel, transfer, device)
+            repair = self._repair_sparse if sparse.applies(self.spec, device) else self._repair
+            missing, repairs = repair(channel, transfer, device)
             if not self.transport.exact:
                 delivery = self._draw(channel, transfer, missing, collective, direction, numel, dtype)
         if self._recording is not None:
@@ -246,6 +249,35 @@ class LossyNetwork:
             counters.add("timeouts", step.slots, result.timeouts)
             counters.add("failures", step.slots, result.failed.long())
             repairs += torch.stack([result.extra, result.shadow])
+        self._tick(repairs)
+        return missing, repairs
+
+    def _repair_sparse(self, channel: _Channel, transfer, device) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """``_repair`` for a memoryless loss and a selective-repeat nic (``sparse.applies``): the same draws,
+        counts and clock, the losses kept as positions. The missing packets per send come back as a mask
+        only when the transport lets packets go missing (``deadline``)."""
+        if transfer.sparse is None:
+            transfer.sparse = [sparse.StepArrays.of(transfer, step) for step in transfer.steps]
+        sched, counters = transfer.sched, channel.counters
+        missing = None if self.transport.exact else \
+            torch.zeros(len(sched.sends), sched.max_packets, dtype=torch.bool, device=device)
+        give_up = self.transport.kind == "deadline"
+        extra = shadow = 0.0
+        per_step = []   # (slots, resent, missing, timeouts, failures) of each step's sends
+        for step, arrays in zip(transfer.steps, transfer.sparse):
+            result = sparse.selective(self.spec.nic_model, self.loss_model, channel.chains, counters, arrays,
+                                      step.phase, step.budget, give_up)
+            if missing is not None and len(result.missing_row):
+                missing.numpy()[arrays.sends[result.missing_row], result.missing_packet] = True
+            per_step.append((arrays.slots, result.transmissions - arrays.packets,
+                             np.bincount(result.missing_row, minlength=len(arrays.packets)), result.timeouts,
+                             result.failed.astype(np.int64)))
+            extra, shadow = extra + result.extra, shadow + result.shadow
+        slots, *values = (np.concatenate(column) for column in zip(*per_step))
+        counts = counters.counts.view(len(COUNTERS), -1).numpy()
+        for name, value in zip(("resent", "missing", "timeouts", "failures"), values):
+            np.add.at(counts[COUNTERS.index(name)], slots, value)
+        repairs = torch.tensor([extra, shadow], dtype=torch.float64, device=device)
         self._tick(repairs)
         return missing, repairs
 
@@ -323,6 +355,15 @@ class LossyNetwork:
         return {"comm_s": self._ideal + repairs[0] + self._recovery_s, "ideal_comm_s": self._ideal,
                 "retransmit_s": repairs[0], "recovery_s": self._recovery_s,
                 "comm_s_ideal_nic": self._ideal + repairs[1] + self._recovery_s}
+
+    def totals(self) -> dict:
+        """Every counter summed over call sites, directions, phases and links (syncs): ``summary()``'s
+        totals without a record per link."""
+        sums = torch.zeros(len(COUNTERS), dtype=torch.long)
+        for ch in self._channels.values():
+            ch.counters.flush()
+            sums += ch.counters.counts.sum((1, 2)).cpu()
+        return dict(zip(COUNTERS, sums.tolist()))
 
     def failures(self) -> int:
         """Collectives the transport gave up on so far (syncs)."""

@@ -10,6 +10,7 @@ add to that step by step (``lossysim.net.transport``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -54,6 +55,7 @@ class Transfer:
     steps: list                        # the steps with traffic
     ideal: float                       # loss-free duration of the collective
     _weights: dict = field(default_factory=dict)
+    sparse: Optional[list] = None      # the steps as numpy arrays (``sparse.StepArrays``), once needed
 
     def weights(self, dtype: torch.dtype) -> Delivery:
         """What each path carries when delivered under ``rescale`` (``algorithms.path_weights``)."""

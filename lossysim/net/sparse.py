@@ -1,0 +1,157 @@
+"""Selective repeat over memoryless (Bernoulli) loss, its packets' fates kept as the positions of the losses.
+
+``transport._selective`` follows every packet of a step as ``[sends, packets]`` masks and does some
+thirty tensor operations per round; at 1% loss a step's rounds after the first resend a few dozen
+packets, so a 70B model's step (4480 ring steps of about 46 000 packets) spends its time in per-call
+overhead and in masks that are almost all False. Here the same rounds run on small numpy arrays: the
+lost packets of a draw are the positions ``Bernoulli.lost_positions`` gives (the same draws, in the same
+order, from the same generator), the packets still pending are a sorted list, and the counters take
+the losses as positions (``Counters.record_lost``). Masks, counts, the clock and the random streams come
+out bit for bit as ``_selective``'s: tests/test_sparse.py holds the two against each other.
+
+Only for what it can do exactly: a Bernoulli loss with 0 < p <= 1/2 (memoryless: no chain state, no
+burst state to count), a selective-repeat nic, and CPU tensors (``applies``). Anything else takes the
+general path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..loss.models import Bernoulli
+from ..timing.retransmission import Nic
+
+
+def applies(spec, device: torch.device) -> bool:
+    """Whether a network of ``spec`` repairs its calls on ``device`` here."""
+    loss, nic = spec.loss, spec.nic_model
+    return (type(loss) is Bernoulli and loss.sparse and spec.transport_model.repairs and nic.mode == "selective"
+            and device.type == "cpu")
+
+
+@dataclass
+class StepArrays:
+    """One step's sends (``transfer.Step``) as numpy arrays, built once per transfer."""
+    link_ids: torch.Tensor      # [sends] network link of each send (the counters' key)
+    lossy: np.ndarray           # indices of the sends whose links lose packets
+    packets: np.ndarray
+    tau: np.ndarray
+    rtt: np.ndarray
+    final: np.ndarray
+    tails: np.ndarray           # [sends, width] bool
+    tail_resends: np.ndarray
+    slots: np.ndarray           # counter slot of each send
+    sends: np.ndarray           # the sends' indices in the schedule
+
+    @classmethod
+    def of(cls, transfer, step) -> "StepArrays":
+        t = step.transport
+        lossy_rows = set(transfer.lossy_rows)
+        return cls(transfer.link_ids[step.rows].clone(),
+                   np.array([i for i, r in enumerate(step.rows) if r in lossy_rows], dtype=np.int64),
+                   t.packets.numpy().astype(np.int64), t.tau.numpy(), t.rtt.numpy(), t.final.numpy(),
+                   t.tails.numpy(), t.tail_resends.numpy().astype(np.int64), step.slots.numpy(),
+                   np.asarray(step.sends, dtype=np.int64))
+
+
+@dataclass
+class Result:
+    """What ``transport.StepResult`` says of a step, plus the missing packets as positions."""
+    missing_row: np.ndarray     # sends and packet indices never delivered (sorted; failed sends left out)
+    missing_packet: np.ndarray
+    transmissions: np.ndarray
+    extra: float
+    shadow: float
+    timeouts: np.ndarray
+    failed: np.ndarray
+
+
+def _ranks(rows: np.ndarray, n: int) -> np.ndarray:
+    """Each entry's index among the entries of its row (rows sorted)."""
+    starts = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(rows, minlength=n), out=starts[1:])
+    return np.arange(len(rows), dtype=np.int64) - starts[rows]
+
+
+def _member(keys: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """Whether each of ``keys`` is in the sorted array ``sorted_set``."""
+    if not len(sorted_set):
+        return np.zeros(len(keys), dtype=bool)
+    at = np.searchsorted(sorted_set, keys).clip(max=len(sorted_set) - 1)
+    return sorted_set[at] == keys
+
+
+def selective(nic: Nic, model: Bernoulli, chains, counters, a: StepArrays, phase: int, budget: float,
+              give_up: bool) -> Result:
+    """``transport._selective`` for one step, each round's losses drawn as positions (see the module)."""
+    packets = a.packets
+    n = len(packets)
+    row = packet = None                                       # pending packets (row-major); None: all
+    to_send = packets.copy()
+    sent = np.zeros(n, dtype=np.int64)
+    waits, shadow = np.zeros(n), np.zeros(n)
+    timeouts, streak = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    failed, stopped = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+    rounds = 0
+    while True:
+        width = int(to_send.max())
+        lost = _draw(model, chains, a.lossy, width)                        # flat row * width + column
+        lost_row, lost_column = np.divmod(lost, width)
+        went = lost_column < to_send[lost_row]
+        counters.record_lost(a.link_ids, lost_row[went], lost_column[went], to_send, phase)
+        if row is None:  # round 0 sends every packet in order: the lost ones that went out are pending
+            row, packet = lost_row[went], lost_column[went]
+            tail = np.zeros(n, dtype=bool)
+            tail[row[a.tails[row, packet]]] = True
+        else:
+            # The k-th pending packet of a row goes out as its k-th transmission of the round (a row with
+            # more pending than the round's width, one that stopped sending, reads the last column).
+            order = np.minimum(_ranks(row, n), width - 1)
+            again = _member(row * width + order, lost)
+            row, packet, order = row[again], packet[again], order[again]
+            tail = np.zeros(n, dtype=bool)
+            tail[row[order >= (to_send - a.tail_resends)[row]]] = True
+            tail &= a.final
+        sent = sent + to_send
+        rounds += 1
+        to_send = np.bincount(row, minlength=n).astype(np.int64)
+        if nic.retries is not None and not give_up:
+            failed = failed | ((to_send > 0) & (rounds > nic.retries))
+            to_send = np.where(failed, 0, to_send)
+        wait = a.rtt
+        if tail.any():
+            wait = np.where(tail, nic.timer_s(torch.from_numpy(a.rtt), torch.from_numpy(streak)).numpy(), a.rtt)
+        streak = np.where(tail, streak + 1, 0)
+        if give_up:  # the next round must end within the budget, or the receiver stops waiting
+            late = (to_send > 0) & ((sent - packets) * a.tau + waits + wait + to_send * a.tau > budget)
+            stopped = stopped | late
+            to_send = np.where(late, 0, to_send)
+        if not (to_send > 0).any():
+            break
+        active = to_send > 0
+        waits = waits + np.where(active, wait, 0.0)
+        shadow = shadow + np.where(active, a.rtt, 0.0)
+        timeouts = timeouts + (active & tail)
+    resent = (sent - packets) * a.tau
+    extra = np.where(stopped, budget, resent + waits)
+    keep = ~failed[row]
+    return Result(row[keep], packet[keep], sent, _slowest(extra), _slowest(resent + shadow), timeouts, failed)
+
+
+def _draw(model: Bernoulli, chains, lossy: np.ndarray, width: int) -> np.ndarray:
+    """The next ``width`` fates of the lossy sends' links (``Chains.draw``'s draws), as sorted flat
+    indices ``row * width + column`` over all the step's sends."""
+    if not len(lossy):
+        return np.zeros(0, dtype=np.int64)
+    if not chains.started:  # as Chains.draw starts its chains (for Bernoulli: no draw, no state)
+        _, _, chains.state = model.sample_with_states((chains.links, 0), chains.generator, None)
+        chains.started = True
+    flat = model.lost_positions(len(lossy), width, chains.generator)
+    return lossy[flat // width] * width + flat % width if len(flat) else flat
+
+
+def _slowest(seconds: np.ndarray) -> float:
+    return float(seconds.max()) if len(seconds) else 0.0
