@@ -162,10 +162,13 @@ class LossyNetwork:
         return self.simulate(site, direction, message.numel(), message.dtype, collective, message.device)
 
     def simulate(self, site: str, direction: str, numel: int, dtype: torch.dtype, collective: str = "all_reduce",
-                 device="cpu"):
+                 device="cpu", deliver: bool = True):
         """One collective of a message of ``numel`` elements of ``dtype``, without its data: draw the
         packets' fates, repair, count and move the clock exactly as a call with tensors would (every
-        collective goes through here). Returns what the receivers hold (None: the exact result)."""
+        collective goes through here). Returns what the receivers hold (None: the exact result).
+
+        ``deliver=False`` (an estimate: no tensors to apply it to): where the recovery policy's draw has
+        no side effects, may return the lost packets of each send (``sparse.Losses``) instead."""
         key = (site, direction)
         if self._replaying is not None:  # a recomputed forward sends again: its time counts again
             delivery, ideal, repairs, recovered = self._replaying[key].popleft()
@@ -187,6 +190,12 @@ class LossyNetwork:
         delivery, repairs, recovery_before = None, None, self._recovery_s
         if not self.drops(direction):
             channel.counters.count_sent(transfer.sent)
+        elif not self.transport.repairs and sparse.applies(self.spec, device):
+            flat, (send, packet) = sparse.drop(self.loss_model, channel.chains, channel.counters, transfer)
+            delivery = self._losses(transfer, send, packet, direction, deliver)
+            if delivery is None:
+                per_send = sparse.mask(flat, transfer).flatten()[transfer.sched.tensors(device)["gather"]]
+                delivery = self._draw(channel, transfer, per_send, collective, direction, numel, dtype)
         elif not self.transport.repairs:
             lost, in_bad, _ = channel.chains.draw(transfer.link_ids, transfer.lossy_rows, transfer.width,
                                                   transfer.lengths)
@@ -195,13 +204,26 @@ class LossyNetwork:
             per_send = lost.flatten()[transfer.sched.tensors(lost.device)["gather"]]
             delivery = self._draw(channel, transfer, per_send, collective, direction, numel, dtype)
         else:
-            repair = self._repair_sparse if sparse.applies(self.spec, device) else self._repair
-            missing, repairs = repair(channel, transfer, device)
-            if not self.transport.exact:
+            if sparse.applies(self.spec, device):
+                missing, repairs = self._repair_sparse(channel, transfer, device)
+            else:
+                missing, repairs = self._repair(channel, transfer, device)
+            if isinstance(missing, tuple):
+                delivery = self._losses(transfer, *missing, direction, deliver)
+                missing = None if delivery is not None else sparse.Losses(transfer.sched, *missing).mask()
+            if not self.transport.exact and delivery is None:
                 delivery = self._draw(channel, transfer, missing, collective, direction, numel, dtype)
         if self._recording is not None:
             self._recording[key].append((delivery, transfer.ideal, repairs, self._recovery_s - recovery_before))
         return delivery
+
+    def _losses(self, transfer, send, packet, direction: str, deliver: bool) -> Optional[sparse.Losses]:
+        """The lost packets as ``Losses`` when the caller needs no Delivery and the policy's draw changes
+        nothing (no memory, no compute); else None: draw the Delivery."""
+        policy = self.recovery.on(direction)
+        if deliver or policy.keeps_memory or policy.computes:
+            return None
+        return sparse.Losses(transfer.sched, send, packet)
 
     def _bad(self, in_bad: torch.Tensor) -> Optional[torch.Tensor]:
         """``in_bad`` when the loss model has a hidden state to be in (else nothing to count)."""
@@ -252,23 +274,21 @@ class LossyNetwork:
         self._tick(repairs)
         return missing, repairs
 
-    def _repair_sparse(self, channel: _Channel, transfer, device) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    def _repair_sparse(self, channel: _Channel, transfer, device) -> tuple[Optional[tuple], torch.Tensor]:
         """``_repair`` for a memoryless loss and a selective-repeat nic (``sparse.applies``): the same draws,
-        counts and clock, the losses kept as positions. The missing packets per send come back as a mask
-        only when the transport lets packets go missing (``deadline``)."""
+        counts and clock, the losses kept as positions. The missing packets come back as (send, packet)
+        positions, or None when the transport repairs every packet (``retransmit``)."""
         if transfer.sparse is None:
             transfer.sparse = [sparse.StepArrays.of(transfer, step) for step in transfer.steps]
-        sched, counters = transfer.sched, channel.counters
-        missing = None if self.transport.exact else \
-            torch.zeros(len(sched.sends), sched.max_packets, dtype=torch.bool, device=device)
+        counters = channel.counters
         give_up = self.transport.kind == "deadline"
         extra = shadow = 0.0
         per_step = []   # (slots, resent, missing, timeouts, failures) of each step's sends
+        missing = []    # (sends, packets) never delivered, step by step
         for step, arrays in zip(transfer.steps, transfer.sparse):
             result = sparse.selective(self.spec.nic_model, self.loss_model, channel.chains, counters, arrays,
                                       step.phase, step.budget, give_up)
-            if missing is not None and len(result.missing_row):
-                missing.numpy()[arrays.sends[result.missing_row], result.missing_packet] = True
+            missing.append((arrays.sends[result.missing_row], result.missing_packet))
             per_step.append((arrays.slots, result.transmissions - arrays.packets,
                              np.bincount(result.missing_row, minlength=len(arrays.packets)), result.timeouts,
                              result.failed.astype(np.int64)))
@@ -279,7 +299,9 @@ class LossyNetwork:
             np.add.at(counts[COUNTERS.index(name)], slots, value)
         repairs = torch.tensor([extra, shadow], dtype=torch.float64, device=device)
         self._tick(repairs)
-        return missing, repairs
+        if self.transport.exact:
+            return None, repairs
+        return tuple(np.concatenate(column) for column in zip(*missing)), repairs
 
     def _tick(self, repairs: torch.Tensor) -> None:
         """Add a call's repair time (and the same repairs under the ideal preset) to the clock."""

@@ -9,27 +9,31 @@ order, from the same generator), the packets still pending are a sorted list, an
 the losses as positions (``Counters.record_lost``). Masks, counts, the clock and the random streams come
 out bit for bit as ``_selective``'s: tests/test_sparse.py holds the two against each other.
 
+The ``drop`` transport draws its calls the same way (``drop``). An estimate needs no Delivery (what each
+receiver holds, ``[receivers, packets]``) but how many elements are not the exact sum: ``Losses`` keeps
+the lost packets of each send and counts those without building one (``LossyNetwork.simulate(deliver=
+False)``).
+
 Only for what it can do exactly: a Bernoulli loss with 0 < p <= 1/2 (memoryless: no chain state, no
-burst state to count), a selective-repeat nic, and CPU tensors (``applies``). Anything else takes the
-general path.
+burst state to count), a selective-repeat nic when packets are repaired, and CPU tensors (``applies``).
+Anything else takes the general path.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
-
 import numpy as np
 import torch
 
-from ..loss.models import Bernoulli
+from ..loss.models import Bernoulli, _put, _zeros
 from ..timing.retransmission import Nic
+from .algorithms import combine
 
 
 def applies(spec, device: torch.device) -> bool:
-    """Whether a network of ``spec`` repairs its calls on ``device`` here."""
-    loss, nic = spec.loss, spec.nic_model
-    return (type(loss) is Bernoulli and loss.sparse and spec.transport_model.repairs and nic.mode == "selective"
-            and device.type == "cpu")
+    """Whether a network of ``spec`` draws, drops or repairs its calls on ``device`` here."""
+    loss = spec.loss
+    return (type(loss) is Bernoulli and loss.sparse and device.type == "cpu"
+            and (not spec.transport_model.repairs or spec.nic_model.mode == "selective"))
 
 
 @dataclass
@@ -155,3 +159,102 @@ def _draw(model: Bernoulli, chains, lossy: np.ndarray, width: int) -> np.ndarray
 
 def _slowest(seconds: np.ndarray) -> float:
     return float(seconds.max()) if len(seconds) else 0.0
+
+
+def drop(model: Bernoulli, chains, counters, transfer) -> tuple[np.ndarray, np.ndarray]:
+    """The ``drop`` transport's draw of one call (``Chains.draw`` over every link's packets, then
+    ``Counters.record``), the losses as positions: returns the flat positions drawn (``row * width +
+    column`` over the transfer's links, past a link's packets included, as the mask holds them) and the
+    (send, packet) of each lost packet that was sent."""
+    width = transfer.width
+    lossy = _lossy_rows(transfer)
+    flat = _draw(model, chains, lossy, width) if width else np.zeros(0, dtype=np.int64)
+    lengths = transfer.lengths.numpy()
+    row, column = np.divmod(flat, max(width, 1))
+    went = column < lengths[row]
+    row, column = row[went], column[went]
+    counters.record_lost(transfer.link_ids, row, column, lengths, transfer.slots, transfer.sent)
+    starts, sends = _send_starts(transfer)
+    key = row * width + column
+    at = np.searchsorted(starts, key, side="right") - 1
+    return flat, (sends[at], key - starts[at])
+
+
+def mask(flat: np.ndarray, transfer) -> torch.Tensor:
+    """The ``[links, width]`` mask of a ``drop`` draw's positions, as ``Chains.draw`` returns it."""
+    lost = _zeros(len(transfer.link_ids) * transfer.width, torch.device("cpu"))
+    _put(lost, torch.from_numpy(flat), True)
+    return lost.view(len(transfer.link_ids), transfer.width)
+
+
+def _lossy_rows(transfer) -> np.ndarray:
+    if not hasattr(transfer, "_lossy_np"):
+        transfer._lossy_np = np.asarray(transfer.lossy_rows, dtype=np.int64)
+    return transfer._lossy_np
+
+
+def _send_starts(transfer) -> tuple[np.ndarray, np.ndarray]:
+    """Where each send's packets begin in the flat [links, width] draw (sorted), and the sends in that order."""
+    if not hasattr(transfer, "_send_starts"):
+        sched = transfer.sched
+        starts = np.array([r * transfer.width + o for r, o in zip(sched.send_row, sched.send_offset)], dtype=np.int64)
+        order = np.argsort(starts, kind="stable")
+        # A send without packets starts where the next one does: searching finds the last such, the real one.
+        transfer._send_starts = (starts[order], order.astype(np.int64))
+    return transfer._send_starts
+
+
+@dataclass
+class Losses:
+    """What ``LossyNetwork.simulate(deliver=False)`` returns in place of a Delivery where the recovery
+    policy's draw has no side effects: the lost packets of each send, ``(send[k], packet[k])``, packet
+    counted from the send's first. What every receiver holds follows from them (``algorithms.combine``)."""
+    sched: object
+    send: np.ndarray
+    packet: np.ndarray
+
+    def mask(self) -> torch.Tensor:
+        """The lost packets as ``[sends, max_packets]``, as ``combine`` takes them."""
+        lost = torch.zeros(len(self.sched.sends), self.sched.max_packets, dtype=torch.bool)
+        lost.numpy()[self.send, self.packet] = True
+        return lost
+
+    def bad_packets(self) -> tuple[int, int]:
+        """(receiver, packet) pairs that do not hold the exact sum (a hole, or a sum missing a contribution),
+        in all and at the message's last packet: what ``combine``'s Delivery says, for a ring all-reduce
+        without building it (a lost reduce-scatter hop spoils the packet for every rank; the first lost
+        all-gather hop h for the R - 1 - h ranks after it)."""
+        sched = self.sched
+        if (sched.algorithm, sched.collective) != ("ring", "all_reduce"):
+            return bad_packets_of(combine(sched, self.mask()))
+        R, first, rs, hop = _ring_sends(sched)
+        p = first[self.send] + self.packet
+        ag = ~rs[self.send]
+        spoilt = np.unique(p[~ag])
+        h = np.full(sched.n_packets, R - 1, dtype=np.int64)
+        np.minimum.at(h, p[ag], hop[self.send[ag]])
+        bad = R - 1 - h
+        bad[spoilt] = R
+        last = int(bad[-1]) if len(bad) else 0
+        return int(bad.sum()), last
+
+
+def _ring_sends(sched):
+    """Per send of a ring all-reduce: its first packet in the message, whether it reduce-scatters, its hop."""
+    cached = getattr(sched, "_ring_sends", None)
+    if cached is None:
+        R = sched.tp_size
+        first = np.array([s.first for s in sched.sends], dtype=np.int64)
+        rs = np.array([s.phase == "reduce_scatter" for s in sched.sends])
+        hop = np.array([s.step - (R - 1) if s.phase == "all_gather" else s.step for s in sched.sends], dtype=np.int64)
+        cached = sched._ring_sends = (R, first, rs, hop)
+    return cached
+
+
+def bad_packets_of(delivery) -> tuple[int, int]:
+    """(receiver, packet) pairs of a Delivery that are not the exact sum, in all and at the last packet."""
+    if delivery.weights is not None:                            # [receivers, senders, packets]
+        bad = (delivery.weights == 0).any(1)
+    else:                                                       # coef [senders, packets], gain [receivers, packets]
+        bad = (delivery.gain == 0) | (delivery.coef == 0).any(0)
+    return (int(bad.sum()), int(bad[:, -1].sum())) if bad.numel() else (0, 0)

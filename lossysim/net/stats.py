@@ -88,16 +88,17 @@ class Counters:
             self.flush()
 
     def record_lost(self, link_ids: torch.Tensor, row: np.ndarray, position: np.ndarray, used: np.ndarray,
-                    phase: int) -> None:
+                    index, sent: Optional[torch.Tensor] = None) -> None:
         """Count a draw given as its lost packets rather than a mask (a CPU counter, a memoryless loss
         model: nothing in a burst state): ``row[k], position[k]`` of each lost packet that was sent
         (``position < used[row]``), sorted row-major; ``used[row]`` packets sent on each link of
-        ``link_ids`` in ``phase``. Counts exactly what ``record`` counts of the same mask."""
+        ``link_ids``; ``index`` and ``sent`` as ``record`` takes them. Counts exactly what ``record``
+        counts of the same mask."""
         if self._queue and (self._queue[0].row is None or self._link_ids is not link_ids
                             and not torch.equal(self._link_ids, link_ids)):
             self.flush()  # a batch covers one set of links, and one kind of draw
         self._link_ids = link_ids
-        self._queue.append(_Draw(torch.from_numpy(used), phase, None, 0, False, row, position))
+        self._queue.append(_Draw(torch.from_numpy(np.asarray(used)), index, sent, 0, False, row, position))
         if len(self._queue) >= QUEUE_SPARSE:
             self.flush()
 
@@ -169,17 +170,24 @@ class Counters:
         counts = self.counts.view(len(COUNTERS), -1).numpy()
         size, links = counts.shape[1], self.links
         used = np.stack([draw.used.numpy() for draw in queue])               # [draws, rows]
-        phases = np.array([draw.index for draw in queue], dtype=np.int64)
-        np.add.at(counts[0], (phases[:, None] * links + link_ids).ravel(), used.ravel())
         before = used.cumsum(0) - used                                      # valid packets before each draw
         total = used.sum(0)                                                 # [rows]
+        # Packets sent: a draw with per-packet slots brings its count, a per-row phase sends used[row].
+        slots = []                                                          # each draw's losses' slots
+        for e, draw in enumerate(queue):
+            if isinstance(draw.index, int):
+                counts[0][draw.index * links + link_ids] += used[e]         # a draw's links are distinct
+                slots.append(draw.index * links + link_ids[draw.row])
+            else:
+                counts[0] += draw.sent.view(-1).numpy()
+                slots.append(draw.index.numpy()[draw.row, draw.position])
         # The losses by row, then draw, then position (each draw's are row-major already).
         row = np.concatenate([draw.row for draw in queue]).astype(np.int64, copy=False)
         draw = np.repeat(np.arange(len(queue)), [len(d.row) for d in queue])
         position = np.concatenate([d.position for d in queue]).astype(np.int64, copy=False)
+        slot = np.concatenate(slots).astype(np.int64, copy=False)
         order = np.argsort(row, kind="stable")
-        row, draw, position = row[order], draw[order], position[order]
-        slot = phases[draw] * links + link_ids[row]
+        row, draw, position, slot = row[order], draw[order], position[order], slot[order]
         counts[1] += np.bincount(slot, minlength=size)
         self._runs_lost(row, before[draw, row] + position, total, link_ids, slot, counts)
 
