@@ -279,7 +279,7 @@ class LossyNetwork:
         counts and clock, the losses kept as positions. The missing packets come back as (send, packet)
         positions, or None when the transport repairs every packet (``retransmit``)."""
         if transfer.sparse is None:
-            transfer.sparse = [sparse.StepArrays.of(transfer, step) for step in transfer.steps]
+            transfer.sparse = sparse.StepArrays.steps(transfer)
         counters = channel.counters
         give_up = self.transport.kind == "deadline"
         extra = shadow = 0.0

@@ -21,6 +21,7 @@ Anything else takes the general path.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 import numpy as np
 import torch
 
@@ -40,25 +41,35 @@ def applies(spec, device: torch.device) -> bool:
 class StepArrays:
     """One step's sends (``transfer.Step``) as numpy arrays, built once per transfer."""
     link_ids: torch.Tensor      # [sends] network link of each send (the counters' key)
-    lossy: np.ndarray           # indices of the sends whose links lose packets
+    lossy: Optional[np.ndarray]  # indices of the sends whose links lose packets (None: every send's)
     packets: np.ndarray
+    width: int                  # the most packets of a send
     tau: np.ndarray
     rtt: np.ndarray
     final: np.ndarray
-    tails: np.ndarray           # [sends, width] bool
+    tails: Optional[np.ndarray]  # [sends, width] bool: round 0's tail positions (None: no final send)
     tail_resends: np.ndarray
     slots: np.ndarray           # counter slot of each send
     sends: np.ndarray           # the sends' indices in the schedule
 
     @classmethod
-    def of(cls, transfer, step) -> "StepArrays":
-        t = step.transport
-        lossy_rows = set(transfer.lossy_rows)
-        return cls(transfer.link_ids[step.rows].clone(),
-                   np.array([i for i, r in enumerate(step.rows) if r in lossy_rows], dtype=np.int64),
-                   t.packets.numpy().astype(np.int64), t.tau.numpy(), t.rtt.numpy(), t.final.numpy(),
-                   t.tails.numpy(), t.tail_resends.numpy().astype(np.int64), step.slots.numpy(),
-                   np.asarray(step.sends, dtype=np.int64))
+    def steps(cls, transfer) -> list:
+        """Every step of ``transfer``; steps on the same links share one ``link_ids`` (the counters batch
+        the draws of one set of links, and compare them by identity first)."""
+        shared, out = {}, []
+        for step in transfer.steps:
+            t = step.transport
+            link_ids = transfer.link_ids[step.rows]
+            link_ids = shared.setdefault(tuple(link_ids.tolist()), link_ids)
+            lossy_rows = set(transfer.lossy_rows)
+            lossy = np.array([i for i, r in enumerate(step.rows) if r in lossy_rows], dtype=np.int64)
+            packets = t.packets.numpy().astype(np.int64)
+            final = t.final.numpy()
+            out.append(cls(link_ids, None if len(lossy) == len(packets) else lossy, packets, int(packets.max()),
+                           t.tau.numpy(), t.rtt.numpy(), final, t.tails.numpy() if final.any() else None,
+                           t.tail_resends.numpy().astype(np.int64), step.slots.numpy(),
+                           np.asarray(step.sends, dtype=np.int64)))
+        return out
 
 
 @dataclass
@@ -73,88 +84,92 @@ class Result:
     failed: np.ndarray
 
 
-def _ranks(rows: np.ndarray, n: int) -> np.ndarray:
-    """Each entry's index among the entries of its row (rows sorted)."""
-    starts = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(np.bincount(rows, minlength=n), out=starts[1:])
-    return np.arange(len(rows), dtype=np.int64) - starts[rows]
-
-
-def _member(keys: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
-    """Whether each of ``keys`` is in the sorted array ``sorted_set``."""
-    if not len(sorted_set):
-        return np.zeros(len(keys), dtype=bool)
-    at = np.searchsorted(sorted_set, keys).clip(max=len(sorted_set) - 1)
-    return sorted_set[at] == keys
-
-
 def selective(nic: Nic, model: Bernoulli, chains, counters, a: StepArrays, phase: int, budget: float,
               give_up: bool) -> Result:
-    """``transport._selective`` for one step, each round's losses drawn as positions (see the module)."""
-    packets = a.packets
-    n = len(packets)
-    row = packet = None                                       # pending packets (row-major); None: all
-    to_send = packets.copy()
+    """``transport._selective`` for one step, each round's losses drawn as positions (see the module).
+
+    The pending packets are ``(row, packet)`` pairs, row-major; most rounds after the first resend a few
+    packets and lose none, so the work that only losses, tails or failures need is skipped without them."""
+    packets, n = a.packets, len(a.packets)
     sent = np.zeros(n, dtype=np.int64)
     waits, shadow = np.zeros(n), np.zeros(n)
     timeouts, streak = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
     failed, stopped = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
-    rounds = 0
+    checks_failures = nic.retries is not None and not give_up
+    to_send = pending = packets                                          # pending: per row
+    width, rounds, row = a.width, 0, None
     while True:
-        width = int(to_send.max())
-        lost = _draw(model, chains, a.lossy, width)                        # flat row * width + column
+        lost = _draw(model, chains, n, a.lossy, width)                        # flat row * width + column
         lost_row, lost_column = np.divmod(lost, width)
         went = lost_column < to_send[lost_row]
         counters.record_lost(a.link_ids, lost_row[went], lost_column[went], to_send, phase)
+        tail = None
         if row is None:  # round 0 sends every packet in order: the lost ones that went out are pending
             row, packet = lost_row[went], lost_column[went]
-            tail = np.zeros(n, dtype=bool)
-            tail[row[a.tails[row, packet]]] = True
-        else:
+            if a.tails is not None and len(row):
+                tail = np.zeros(n, dtype=bool)
+                tail[row[a.tails[row, packet]]] = True
+        elif len(lost) and len(row):
             # The k-th pending packet of a row goes out as its k-th transmission of the round (a row with
             # more pending than the round's width, one that stopped sending, reads the last column).
-            order = np.minimum(_ranks(row, n), width - 1)
+            order = np.minimum(np.arange(len(row)) - (np.cumsum(pending) - pending)[row], width - 1)
             again = _member(row * width + order, lost)
             row, packet, order = row[again], packet[again], order[again]
-            tail = np.zeros(n, dtype=bool)
-            tail[row[order >= (to_send - a.tail_resends)[row]]] = True
-            tail &= a.final
+            if len(row) and a.final.any():
+                tail = np.zeros(n, dtype=bool)
+                tail[row[order >= (to_send - a.tail_resends)[row]]] = True
+                tail &= a.final
+        else:  # nothing lost this round: nothing pending
+            row, packet = row[:0], packet[:0]
         sent = sent + to_send
         rounds += 1
-        to_send = np.bincount(row, minlength=n).astype(np.int64)
-        if nic.retries is not None and not give_up:
-            failed = failed | ((to_send > 0) & (rounds > nic.retries))
+        to_send = pending = np.bincount(row, minlength=n)
+        if checks_failures and rounds > nic.retries:
+            failed = failed | (to_send > 0)
             to_send = np.where(failed, 0, to_send)
-        wait = a.rtt
-        if tail.any():
+        if tail is not None and tail.any():
             wait = np.where(tail, nic.timer_s(torch.from_numpy(a.rtt), torch.from_numpy(streak)).numpy(), a.rtt)
-        streak = np.where(tail, streak + 1, 0)
-        if give_up:  # the next round must end within the budget, or the receiver stops waiting
+            streak = np.where(tail, streak + 1, 0)
+        else:
+            wait, tail = a.rtt, None
+            if streak.any():
+                streak = np.zeros(n, dtype=np.int64)
+        if give_up and len(row):  # the next round must end within the budget, or the receiver stops waiting
             late = (to_send > 0) & ((sent - packets) * a.tau + waits + wait + to_send * a.tau > budget)
             stopped = stopped | late
             to_send = np.where(late, 0, to_send)
-        if not (to_send > 0).any():
-            break
         active = to_send > 0
+        if not active.any():
+            break
         waits = waits + np.where(active, wait, 0.0)
         shadow = shadow + np.where(active, a.rtt, 0.0)
-        timeouts = timeouts + (active & tail)
+        if tail is not None:
+            timeouts = timeouts + (active & tail)
+        width = int(to_send.max())
     resent = (sent - packets) * a.tau
     extra = np.where(stopped, budget, resent + waits)
     keep = ~failed[row]
     return Result(row[keep], packet[keep], sent, _slowest(extra), _slowest(resent + shadow), timeouts, failed)
 
 
-def _draw(model: Bernoulli, chains, lossy: np.ndarray, width: int) -> np.ndarray:
-    """The next ``width`` fates of the lossy sends' links (``Chains.draw``'s draws), as sorted flat
-    indices ``row * width + column`` over all the step's sends."""
-    if not len(lossy):
+def _member(keys: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """Whether each of ``keys`` is in the sorted array ``sorted_set``."""
+    at = np.searchsorted(sorted_set, keys).clip(max=len(sorted_set) - 1)
+    return sorted_set[at] == keys
+
+
+def _draw(model: Bernoulli, chains, rows: int, lossy: Optional[np.ndarray], width: int) -> np.ndarray:
+    """The next ``width`` fates of the lossy links among ``rows`` (``Chains.draw``'s draws; ``lossy`` None:
+    every row's), as sorted flat indices ``row * width + column`` over all the rows."""
+    if lossy is not None and not len(lossy):
         return np.zeros(0, dtype=np.int64)
     if not chains.started:  # as Chains.draw starts its chains (for Bernoulli: no draw, no state)
         _, _, chains.state = model.sample_with_states((chains.links, 0), chains.generator, None)
         chains.started = True
-    flat = model.lost_positions(len(lossy), width, chains.generator)
-    return lossy[flat // width] * width + flat % width if len(flat) else flat
+    flat = model.lost_positions(rows if lossy is None else len(lossy), width, chains.generator)
+    if lossy is None or not len(flat):
+        return flat
+    return lossy[flat // width] * width + flat % width
 
 
 def _slowest(seconds: np.ndarray) -> float:
@@ -166,9 +181,10 @@ def drop(model: Bernoulli, chains, counters, transfer) -> tuple[np.ndarray, np.n
     ``Counters.record``), the losses as positions: returns the flat positions drawn (``row * width +
     column`` over the transfer's links, past a link's packets included, as the mask holds them) and the
     (send, packet) of each lost packet that was sent."""
-    width = transfer.width
+    width, rows = transfer.width, len(transfer.link_ids)
     lossy = _lossy_rows(transfer)
-    flat = _draw(model, chains, lossy, width) if width else np.zeros(0, dtype=np.int64)
+    flat = _draw(model, chains, rows, None if len(lossy) == rows else lossy, width) if width \
+        else np.zeros(0, dtype=np.int64)
     lengths = transfer.lengths.numpy()
     row, column = np.divmod(flat, max(width, 1))
     went = column < lengths[row]

@@ -26,7 +26,8 @@ QUEUE_SPARSE = 1024        # draws queued as positions of their losses: no buffe
 class _Draw(NamedTuple):
     """A queued draw: packets sent per row, counter slots (per packet, or the draw's phase), packets
     sent per slot (with per-packet slots), columns it takes in the buffers, whether in_bad was kept;
-    or, queued by ``record_lost``, its lost packets' rows and positions (sent ones only, row-major)."""
+    or, queued by ``record_lost``, its lost packets' rows and positions (sent ones only, row-major), and
+    ``used`` a numpy array."""
     used: torch.Tensor
     index: Union[torch.Tensor, int]
     sent: Optional[torch.Tensor]
@@ -98,7 +99,7 @@ class Counters:
                             and not torch.equal(self._link_ids, link_ids)):
             self.flush()  # a batch covers one set of links, and one kind of draw
         self._link_ids = link_ids
-        self._queue.append(_Draw(torch.from_numpy(np.asarray(used)), index, sent, 0, False, row, position))
+        self._queue.append(_Draw(used, index, sent, 0, False, row, position))
         if len(self._queue) >= QUEUE_SPARSE:
             self.flush()
 
@@ -169,7 +170,7 @@ class Counters:
         histogram as the masks of the same draws give."""
         counts = self.counts.view(len(COUNTERS), -1).numpy()
         size, links = counts.shape[1], self.links
-        used = np.stack([draw.used.numpy() for draw in queue])               # [draws, rows]
+        used = np.stack([draw.used for draw in queue])                       # [draws, rows]
         before = used.cumsum(0) - used                                      # valid packets before each draw
         total = used.sum(0)                                                 # [rows]
         # Packets sent: a draw with per-packet slots brings its count, a per-row phase sends used[row].
