@@ -154,7 +154,7 @@ def selective(nic: Nic, model: Bernoulli, chains, counters, a: StepArrays, phase
 
 def _member(keys: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
     """Whether each of ``keys`` is in the sorted array ``sorted_set``."""
-    at = np.searchsorted(sorted_set, keys).clip(max=len(sorted_set) - 1)
+    at = np.minimum(np.searchsorted(sorted_set, keys), len(sorted_set) - 1)
     return sorted_set[at] == keys
 
 
