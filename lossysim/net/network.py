@@ -194,14 +194,14 @@ class LossyNetwork:
             flat, (send, packet) = sparse.drop(self.loss_model, channel.chains, channel.counters, transfer)
             delivery = self._losses(transfer, send, packet, direction, deliver)
             if delivery is None:
-                per_send = sparse.mask(flat, transfer).flatten()[transfer.sched.tensors(device)["gather"]]
+                per_send = sparse.mask(flat, transfer).flatten()[transfer.sched.packet_tensors(device)["gather"]]
                 delivery = self._draw(channel, transfer, per_send, collective, direction, numel, dtype)
         elif not self.transport.repairs:
             lost, in_bad, _ = channel.chains.draw(transfer.link_ids, transfer.lossy_rows, transfer.width,
                                                   transfer.lengths)
             channel.counters.record(transfer.link_ids, lost, self._bad(in_bad), transfer.lengths, transfer.slots,
                                     transfer.sent)
-            per_send = lost.flatten()[transfer.sched.tensors(lost.device)["gather"]]
+            per_send = lost.flatten()[transfer.sched.packet_tensors(lost.device)["gather"]]
             delivery = self._draw(channel, transfer, per_send, collective, direction, numel, dtype)
         else:
             if sparse.applies(self.spec, device):

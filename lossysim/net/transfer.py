@@ -75,7 +75,7 @@ def build(spec: NetworkSpec, links: list, collective: str, numel: int, dtype: to
     rescale = 1.0 / (1.0 - spec.loss.loss_rate) if spec.loss.loss_rate < 1 else 0.0
     factor = torch.tensor([rescale if topology.lossy(s.src, s.dst) else 1.0 for s in sched.sends],
                           dtype=torch.float64, device=device)
-    tensors = sched.tensors(device)
+    tensors = sched.packet_tensors(device)
     slots = tensors["phase"] * len(links) + link_ids.unsqueeze(1) if tensors["phase"].numel() else tensors["phase"]
     sent = torch.zeros(len(PHASES), len(links), dtype=torch.long, device=device)
     for s, row in zip(sched.sends, sched.send_row):
