@@ -48,6 +48,7 @@ class StepArrays:
     rtt: np.ndarray
     final: np.ndarray
     tails: Optional[np.ndarray]  # [sends, width] bool: round 0's tail positions (None: no final send)
+    any_final: bool             # some send is its link's last in the collective
     tail_resends: np.ndarray
     slots: np.ndarray           # counter slot of each send
     sends: np.ndarray           # the sends' indices in the schedule
@@ -67,6 +68,7 @@ class StepArrays:
             final = t.final.numpy()
             out.append(cls(link_ids, None if len(lossy) == len(packets) else lossy, packets, int(packets.max()),
                            t.tau.numpy(), t.rtt.numpy(), final, t.tails.numpy() if final.any() else None,
+                           bool(final.any()),
                            t.tail_resends.numpy().astype(np.int64), step.slots.numpy(),
                            np.asarray(step.sends, dtype=np.int64)))
         return out
@@ -95,6 +97,7 @@ def selective(nic: Nic, model: Bernoulli, chains, counters, a: StepArrays, phase
     waits, shadow = np.zeros(n), np.zeros(n)
     timeouts, streak = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
     failed, stopped = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+    streaking = False                                                   # some streak is not 0
     checks_failures = nic.retries is not None and not give_up
     to_send = pending = packets                                          # pending: per row
     width, rounds, row = a.width, 0, None
@@ -115,7 +118,7 @@ def selective(nic: Nic, model: Bernoulli, chains, counters, a: StepArrays, phase
             order = np.minimum(np.arange(len(row)) - (np.cumsum(pending) - pending)[row], width - 1)
             again = _member(row * width + order, lost)
             row, packet, order = row[again], packet[again], order[again]
-            if len(row) and a.final.any():
+            if len(row) and a.any_final:
                 tail = np.zeros(n, dtype=bool)
                 tail[row[order >= (to_send - a.tail_resends)[row]]] = True
                 tail &= a.final
@@ -127,25 +130,26 @@ def selective(nic: Nic, model: Bernoulli, chains, counters, a: StepArrays, phase
         if checks_failures and rounds > nic.retries:
             failed = failed | (to_send > 0)
             to_send = np.where(failed, 0, to_send)
-        if tail is not None and tail.any():
+        # (small arrays: Python's any and max over tolist() cost a tenth of numpy's reductions)
+        if tail is not None and any(tail.tolist()):
             wait = np.where(tail, nic.timer_s(torch.from_numpy(a.rtt), torch.from_numpy(streak)).numpy(), a.rtt)
-            streak = np.where(tail, streak + 1, 0)
+            streak, streaking = np.where(tail, streak + 1, 0), True
         else:
             wait, tail = a.rtt, None
-            if streak.any():
-                streak = np.zeros(n, dtype=np.int64)
+            if streaking:
+                streak, streaking = np.zeros(n, dtype=np.int64), False
         if give_up and len(row):  # the next round must end within the budget, or the receiver stops waiting
             late = (to_send > 0) & ((sent - packets) * a.tau + waits + wait + to_send * a.tau > budget)
             stopped = stopped | late
             to_send = np.where(late, 0, to_send)
         active = to_send > 0
-        if not active.any():
+        if not any(active.tolist()):
             break
         waits = waits + np.where(active, wait, 0.0)
         shadow = shadow + np.where(active, a.rtt, 0.0)
         if tail is not None:
             timeouts = timeouts + (active & tail)
-        width = int(to_send.max())
+        width = max(to_send.tolist())
     resent = (sent - packets) * a.tau
     extra = np.where(stopped, budget, resent + waits)
     keep = ~failed[row]
@@ -173,7 +177,7 @@ def _draw(model: Bernoulli, chains, rows: int, lossy: Optional[np.ndarray], widt
 
 
 def _slowest(seconds: np.ndarray) -> float:
-    return float(seconds.max()) if len(seconds) else 0.0
+    return max(seconds.tolist()) if len(seconds) else 0.0
 
 
 def drop(model: Bernoulli, chains, counters, transfer) -> tuple[np.ndarray, np.ndarray]:

@@ -212,7 +212,8 @@ class Counters:
         length = here + np.where(carried[start], open_run[run_row], 0)
         bins, hist = self.max_burst + 1, self.histogram.view(-1).numpy()
         closed = ~ends_open
-        np.add.at(hist, link_ids[run_row[closed]] * bins + np.minimum(length[closed], self.max_burst), 1)
+        hist += np.bincount(link_ids[run_row[closed]] * bins + np.minimum(length[closed], self.max_burst),
+                            minlength=len(hist))
         # A run left open before that this batch's first packet on its link closes.
         first_lost = np.zeros(len(link_ids), dtype=bool)
         first_lost[row[stream == 0]] = True
