@@ -18,8 +18,8 @@ import numpy as np
 from .. import timing
 from ..models import cost
 from ..net import LossyNetwork, NetworkSpec
-from ..net.algorithms import Delivery
 from ..net.recovery import packets_of
+from ..net.sparse import Losses, bad_packets_of
 from .shapes import Shape, load
 from .workload import Workload, step_calls
 
@@ -56,10 +56,10 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
                     net.simulate(call.site, call.direction, numel, dtype)
                 continue
             with net.recording(record) if workload.activation_checkpointing else contextlib.nullcontext():
-                delivery = net.simulate(call.site, call.direction, numel, dtype)
+                delivery = net.simulate(call.site, call.direction, numel, dtype, deliver=False)
             received[call.direction] += spec.tp_size * numel
             if delivery is not None:
-                inexact[call.direction] += _inexact_elements(packets_of(delivery), per_packet, numel)
+                inexact[call.direction] += _inexact_elements(delivery, per_packet, numel)
         total = net.clock()["comm_s"]
         comm.append(total - done)
         done = total
@@ -67,8 +67,8 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
             tick()
 
     clock, steps = net.clock(), int(steps)
-    packets = {name: sum(row[name] for row in net.summary(("direction",))) / steps
-               for name in ("sent", "lost", "resent")}
+    totals = net.totals()
+    packets = {name: totals[name] / steps for name in ("sent", "lost", "resent")}
     step_s = compute_s + np.asarray(comm)
     loss_free = compute_s + clock["ideal_comm_s"] / steps
     return {
@@ -92,13 +92,9 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
     }
 
 
-def _inexact_elements(delivery: Delivery, per_packet: int, numel: int) -> int:
-    """Elements, over every receiver, that are not the exact sum: a hole, or a sum missing a contribution."""
-    if delivery.weights is not None:                            # [receivers, senders, packets]
-        bad = (delivery.weights == 0).any(1)
-    else:                                                       # coef [senders, packets], gain [receivers, packets]
-        bad = (delivery.gain == 0) | (delivery.coef == 0).any(0)
-    short = per_packet * bad.shape[1] - numel                   # the last packet is partial
-    return int(bad.sum()) * per_packet - int(bad[:, -1].sum()) * short if bad.numel() else 0
-
-
+def _inexact_elements(delivery, per_packet: int, numel: int) -> int:
+    """Elements, over every receiver, that are not the exact sum: a hole, or a sum missing a contribution
+    (``delivery``: a policy's draw, or the lost packets as ``Losses``)."""
+    bad, last = delivery.bad_packets() if isinstance(delivery, Losses) else bad_packets_of(packets_of(delivery))
+    short = per_packet * -(-numel // per_packet) - numel       # the last packet is partial
+    return bad * per_packet - last * short

@@ -116,6 +116,26 @@ def _bernoulli_positions(total: int, p: float, generator: torch.Generator) -> to
     return pos[:int(torch.searchsorted(pos, total))]
 
 
+def _bernoulli_positions_numpy(total: int, p: float, generator: torch.Generator) -> np.ndarray:
+    """``_bernoulli_positions(total, p, generator).numpy()`` (0 < p < 1, a CPU generator) with the steps
+    after the logarithm in numpy: the same IEEE operations on the same values, fewer calls. The
+    logarithm stays torch's (its vectorised and scalar paths need not agree to the last bit)."""
+    lam, parts, start = _hazard(p), [], 0
+    while start < total:
+        size = _block_size((total - start) * p)
+        u = torch.rand(size, generator=generator, dtype=torch.float64)
+        x = u.neg_().log1p_().numpy() * (-1.0 / lam)
+        if _MAX_EXPONENTIAL / lam > total:
+            np.minimum(x, total, out=x)
+        step = (x + 1.0).astype(np.int64)
+        step[0] += start - 1
+        pos = np.cumsum(step)
+        parts.append(pos)
+        start = int(pos[-1]) + 1
+    pos = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    return pos[:int(np.searchsorted(pos, total))]
+
+
 def _thin(total: int, p: float, generator: torch.Generator):
     """``(positions, value)``: i.i.d. Bernoulli(p) over [0, total) as sparse positions.
 
@@ -386,6 +406,21 @@ class Bernoulli(LossModel):
             lost.fill_(True)
         _put(lost, pos, value)
         return lost.view(shape), _zeros(total, generator.device).view(shape), state
+
+    @property
+    def sparse(self) -> bool:
+        """Whether ``lost_positions`` can stand in for ``sample_with_states`` (0 < p <= 1/2)."""
+        return 0.0 < self.p <= 0.5
+
+    def lost_positions(self, rows: int, width: int, generator: torch.Generator) -> np.ndarray:
+        """The lost packets of ``sample_with_states((rows, width), generator)``, as sorted flat indices
+        (a numpy int64 array), from the very same draws of a CPU generator: no mask is written.
+        Needs ``sparse``."""
+        total = rows * width
+        if total <= _DENSE_BELOW:
+            lost = torch.rand((rows, width), generator=generator) < self.p
+            return np.flatnonzero(lost.numpy())
+        return _bernoulli_positions_numpy(total, self.p, generator)
 
 
 class NoLoss(Bernoulli):

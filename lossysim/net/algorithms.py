@@ -86,6 +86,7 @@ class Schedule:
             self.send_offset.append(self.link_packets[r])
             self.link_packets[r] += s.packets
         self._tensors: dict = {}
+        self._packet_layout: dict = {}
 
     def __repr__(self) -> str:
         return (f"Schedule({self.algorithm}, {self.collective}, tp_size={self.tp_size}, "
@@ -97,8 +98,18 @@ class Schedule:
         cached = self._tensors.get(device)
         if cached is None:
             cached = {k: torch.as_tensor(v, device=device) for k, v in self._index_lists().items()}
-            cached.update(self._packet_tensors(device))
+            cached.update(self.packet_tensors(device))
             self._tensors[device] = cached
+        return cached
+
+    def packet_tensors(self, device) -> dict:
+        """Only the per-packet layout of ``tensors`` (gather, phase, link_packets), without the paths'
+        index maps: those cost a Python pass over every packet, and a call that only draws, counts or
+        repairs (an estimate's) never reads them."""
+        device = torch.device(device)
+        cached = self._packet_layout.get(device)
+        if cached is None:
+            cached = self._packet_layout[device] = self._packet_tensors(device)
         return cached
 
     def _packet_tensors(self, device) -> dict:

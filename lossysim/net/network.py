@@ -18,11 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from ..util import stream_seed, swapped
 from . import delivery as deliver
 from . import recovery as recoveries
+from . import sparse
 from . import transfer as transfers
 from .algorithms import PHASES, Delivery, chunk_bounds
 from .links import Chains
@@ -196,10 +198,13 @@ class LossyNetwork:
         return self.simulate(site, direction, message.numel(), message.dtype, collective, message.device)
 
     def simulate(self, site: str, direction: str, numel: int, dtype: torch.dtype, collective: str = "all_reduce",
-                 device="cpu"):
+                 device="cpu", deliver: bool = True):
         """One collective of a message of ``numel`` elements of ``dtype``, without its data: draw the
         packets' fates, repair, count and move the clock exactly as a call with tensors would (every
-        collective goes through here). Returns what the receivers hold (None: the exact result)."""
+        collective goes through here). Returns what the receivers hold (None: the exact result).
+
+        ``deliver=False`` (an estimate: no tensors to apply it to): where the recovery policy's draw has
+        no side effects, may return the lost packets of each send (``sparse.Losses``) instead."""
         key = (site, direction)
         if self._replaying is not None:  # a recomputed forward sends again: its time counts again
             delivery, ideal, repairs, recovered = self._replaying[key].popleft()
@@ -221,20 +226,40 @@ class LossyNetwork:
         delivery, repairs, recovery_before = None, None, self._recovery_s
         if not self.drops(direction):
             channel.counters.count_sent(transfer.sent)
+        elif not self.transport.repairs and sparse.applies(self.spec, device):
+            flat, (send, packet) = sparse.drop(self.loss_model, channel.chains, channel.counters, transfer)
+            delivery = self._losses(transfer, send, packet, direction, deliver)
+            if delivery is None:
+                per_send = sparse.mask(flat, transfer).flatten()[transfer.sched.packet_tensors(device)["gather"]]
+                delivery = self._draw(channel, transfer, per_send, collective, direction, numel, dtype)
         elif not self.transport.repairs:
             lost, in_bad, _ = channel.chains.draw(transfer.link_ids, transfer.lossy_rows, transfer.width,
                                                   transfer.lengths)
             channel.counters.record(transfer.link_ids, lost, self._bad(in_bad), transfer.lengths, transfer.slots,
                                     transfer.sent)
-            per_send = lost.flatten()[transfer.sched.tensors(lost.device)["gather"]]
+            per_send = lost.flatten()[transfer.sched.packet_tensors(lost.device)["gather"]]
             delivery = self._draw(channel, transfer, per_send, collective, direction, numel, dtype)
         else:
-            missing, repairs = self._repair(channel, transfer, device)
-            if not self.transport.exact:
+            if sparse.applies(self.spec, device):
+                missing, repairs = self._repair_sparse(channel, transfer, device)
+            else:
+                missing, repairs = self._repair(channel, transfer, device)
+            if isinstance(missing, tuple):
+                delivery = self._losses(transfer, *missing, direction, deliver)
+                missing = None if delivery is not None else sparse.Losses(transfer.sched, *missing).mask()
+            if not self.transport.exact and delivery is None:
                 delivery = self._draw(channel, transfer, missing, collective, direction, numel, dtype)
         if self._recording is not None:
             self._recording[key].append((delivery, transfer.ideal, repairs, self._recovery_s - recovery_before))
         return delivery
+
+    def _losses(self, transfer, send, packet, direction: str, deliver: bool) -> Optional[sparse.Losses]:
+        """The lost packets as ``Losses`` when the caller needs no Delivery and the policy's draw changes
+        nothing (no memory, no compute); else None: draw the Delivery."""
+        policy = self.recovery.on(direction)
+        if deliver or policy.keeps_memory or policy.computes:
+            return None
+        return sparse.Losses(transfer.sched, send, packet)
 
     def _bad(self, in_bad: torch.Tensor) -> Optional[torch.Tensor]:
         """``in_bad`` when the loss model has a hidden state to be in (else nothing to count)."""
@@ -284,6 +309,35 @@ class LossyNetwork:
             repairs += torch.stack([result.extra, result.shadow])
         self._tick(repairs)
         return missing, repairs
+
+    def _repair_sparse(self, channel: _Channel, transfer, device) -> tuple[Optional[tuple], torch.Tensor]:
+        """``_repair`` for a memoryless loss and a selective-repeat nic (``sparse.applies``): the same draws,
+        counts and clock, the losses kept as positions. The missing packets come back as (send, packet)
+        positions, or None when the transport repairs every packet (``retransmit``)."""
+        if transfer.sparse is None:
+            transfer.sparse = sparse.StepArrays.steps(transfer)
+        counters = channel.counters
+        give_up = self.transport.kind == "deadline"
+        extra = shadow = 0.0
+        per_step = []   # (slots, resent, missing, timeouts, failures) of each step's sends
+        missing = []    # (sends, packets) never delivered, step by step
+        for step, arrays in zip(transfer.steps, transfer.sparse):
+            result = sparse.selective(self.spec.nic_model, self.loss_model, channel.chains, counters, arrays,
+                                      step.phase, step.budget, give_up)
+            missing.append((arrays.sends[result.missing_row], result.missing_packet))
+            per_step.append((arrays.slots, result.transmissions - arrays.packets,
+                             np.bincount(result.missing_row, minlength=len(arrays.packets)), result.timeouts,
+                             result.failed.astype(np.int64)))
+            extra, shadow = extra + result.extra, shadow + result.shadow
+        slots, *values = (np.concatenate(column) for column in zip(*per_step))
+        counts = counters.counts.view(len(COUNTERS), -1).numpy()
+        for name, value in zip(("resent", "missing", "timeouts", "failures"), values):
+            np.add.at(counts[COUNTERS.index(name)], slots, value)
+        repairs = torch.tensor([extra, shadow], dtype=torch.float64, device=device)
+        self._tick(repairs)
+        if self.transport.exact:
+            return None, repairs
+        return tuple(np.concatenate(column) for column in zip(*missing)), repairs
 
     def _tick(self, repairs: torch.Tensor) -> None:
         """Add a call's repair time (and the same repairs under the ideal preset) to the clock."""
@@ -359,6 +413,15 @@ class LossyNetwork:
         return {"comm_s": self._ideal + repairs[0] + self._recovery_s, "ideal_comm_s": self._ideal,
                 "retransmit_s": repairs[0], "recovery_s": self._recovery_s,
                 "comm_s_ideal_nic": self._ideal + repairs[1] + self._recovery_s}
+
+    def totals(self) -> dict:
+        """Every counter summed over call sites, directions, phases and links (syncs): ``summary()``'s
+        totals without a record per link."""
+        sums = torch.zeros(len(COUNTERS), dtype=torch.long)
+        for ch in self._channels.values():
+            ch.counters.flush()
+            sums += ch.counters.counts.sum((1, 2)).cpu()
+        return dict(zip(COUNTERS, sums.tolist()))
 
     def failures(self) -> int:
         """Collectives the transport gave up on so far (syncs)."""

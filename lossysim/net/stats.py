@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from .algorithms import PHASES
@@ -19,16 +20,21 @@ COUNTERS = ("sent", "lost", "sent_bad", "bursts", "resent", "missing", "timeouts
 QUEUE = 64                 # calls counted together
 QUEUE_PACKETS = 1 << 18    # or fewer, when they carry this many packets: each call site keeps a buffer
                            # this large, and a 70B model's step has 640 of them
+QUEUE_SPARSE = 1024        # draws queued as positions of their losses: no buffer, so many more per batch
 
 
 class _Draw(NamedTuple):
     """A queued draw: packets sent per row, counter slots (per packet, or the draw's phase), packets
-    sent per slot (with per-packet slots), columns it takes in the buffers, whether in_bad was kept."""
+    sent per slot (with per-packet slots), columns it takes in the buffers, whether in_bad was kept;
+    or, queued by ``record_lost``, its lost packets' rows and positions (sent ones only, row-major), and
+    ``used`` a numpy array."""
     used: torch.Tensor
     index: Union[torch.Tensor, int]
     sent: Optional[torch.Tensor]
     width: int
     bad: bool
+    row: Optional[np.ndarray] = None
+    position: Optional[np.ndarray] = None
 
 
 class Counters:
@@ -66,8 +72,8 @@ class Counters:
         if width == 0:
             return
         if self._queue and (self._link_ids is not link_ids and not torch.equal(self._link_ids, link_ids)
-                            or rows * (self._columns + width) > self._lost.numel()):
-            self.flush()  # a batch covers one set of links, and fits its buffers
+                            or rows * (self._columns + width) > self._lost.numel() or self._queue[0].row is not None):
+            self.flush()  # a batch covers one set of links, and one kind of draw, and fits its buffers
         if rows * (self._columns + width) > self._lost.numel():
             size = max(rows * width, min(rows * width * QUEUE, QUEUE_PACKETS))
             self._lost = torch.zeros(size, dtype=torch.bool, device=self.device)
@@ -80,6 +86,21 @@ class Counters:
         self._queue.append(_Draw(used, index, sent, width, in_bad is not None))
         self._columns += width
         if len(self._queue) >= QUEUE:
+            self.flush()
+
+    def record_lost(self, link_ids: torch.Tensor, row: np.ndarray, position: np.ndarray, used: np.ndarray,
+                    index, sent: Optional[torch.Tensor] = None) -> None:
+        """Count a draw given as its lost packets rather than a mask (a CPU counter, a memoryless loss
+        model: nothing in a burst state): ``row[k], position[k]`` of each lost packet that was sent
+        (``position < used[row]``), sorted row-major; ``used[row]`` packets sent on each link of
+        ``link_ids``; ``index`` and ``sent`` as ``record`` takes them. Counts exactly what ``record``
+        counts of the same mask."""
+        if self._queue and (self._queue[0].row is None or self._link_ids is not link_ids
+                            and not torch.equal(self._link_ids, link_ids)):
+            self.flush()  # a batch covers one set of links, and one kind of draw
+        self._link_ids = link_ids
+        self._queue.append(_Draw(used, index, sent, 0, False, row, position))
+        if len(self._queue) >= QUEUE_SPARSE:
             self.flush()
 
     @staticmethod
@@ -103,6 +124,9 @@ class Counters:
             return
         queue, link_ids, columns = self._queue, self._link_ids, self._columns
         self._queue, self._columns = [], 0
+        if queue[0].row is not None:
+            self._count_lost(queue, link_ids.numpy())
+            return
         rows, device, links = len(link_ids), self.device, self.links
         counts = self.counts.view(len(COUNTERS), -1)
         starts = [0]
@@ -140,6 +164,66 @@ class Counters:
         position = column - bounds[draw]
         sent = position < used[draw, row]
         return row[sent], draw[sent], position[sent]
+
+    def _count_lost(self, queue: list, link_ids: np.ndarray) -> None:
+        """``flush`` of draws queued by ``record_lost`` (CPU counters), in numpy: the same counts, runs and
+        histogram as the masks of the same draws give."""
+        counts = self.counts.view(len(COUNTERS), -1).numpy()
+        size, links = counts.shape[1], self.links
+        used = np.stack([draw.used for draw in queue])                       # [draws, rows]
+        before = used.cumsum(0) - used                                      # valid packets before each draw
+        total = used.sum(0)                                                 # [rows]
+        # Packets sent: a draw with per-packet slots brings its count, a per-row phase sends used[row].
+        slots = []                                                          # each draw's losses' slots
+        for e, draw in enumerate(queue):
+            if isinstance(draw.index, int):
+                counts[0][draw.index * links + link_ids] += used[e]         # a draw's links are distinct
+                slots.append(draw.index * links + link_ids[draw.row])
+            else:
+                counts[0] += draw.sent.view(-1).numpy()
+                slots.append(draw.index.numpy()[draw.row, draw.position])
+        # The losses by row, then draw, then position (each draw's are row-major already).
+        row = np.concatenate([draw.row for draw in queue]).astype(np.int64, copy=False)
+        draw = np.repeat(np.arange(len(queue)), [len(d.row) for d in queue])
+        position = np.concatenate([d.position for d in queue]).astype(np.int64, copy=False)
+        slot = np.concatenate(slots).astype(np.int64, copy=False)
+        order = np.argsort(row, kind="stable")
+        row, draw, position, slot = row[order], draw[order], position[order], slot[order]
+        counts[1] += np.bincount(slot, minlength=size)
+        self._runs_lost(row, before[draw, row] + position, total, link_ids, slot, counts)
+
+    def _runs_lost(self, row: np.ndarray, stream: np.ndarray, total: np.ndarray, link_ids: np.ndarray,
+                   slot: np.ndarray, counts: np.ndarray) -> None:
+        """``_runs`` in numpy, for ``_count_lost``."""
+        open_all = self.open_run.numpy()
+        open_run = open_all[link_ids]
+        continues = np.ones(len(row), dtype=bool)
+        continues[1:] = (row[1:] == row[:-1]) & (stream[1:] == stream[:-1] + 1)
+        if len(row):
+            continues[0] = False
+        start = ~continues
+        # A run whose first packet is its link's first in this batch carries on the run left open before.
+        carried = start & (stream == 0) & (open_run[row] > 0)
+        counts[3] += np.bincount(slot[start & ~carried], minlength=counts.shape[1])
+        run = start.cumsum() - 1
+        here = np.bincount(run, minlength=int(start.sum()))                 # each run's packets in this batch
+        run_row = row[start]
+        ends_open = stream[start] + here - 1 == total[run_row] - 1          # reaches its link's last packet
+        length = here + np.where(carried[start], open_run[run_row], 0)
+        bins, hist = self.max_burst + 1, self.histogram.view(-1).numpy()
+        closed = ~ends_open
+        hist += np.bincount(link_ids[run_row[closed]] * bins + np.minimum(length[closed], self.max_burst),
+                            minlength=len(hist))
+        # A run left open before that this batch's first packet on its link closes.
+        first_lost = np.zeros(len(link_ids), dtype=bool)
+        first_lost[row[stream == 0]] = True
+        ended = (open_run > 0) & (total > 0) & ~first_lost
+        np.add.at(hist, link_ids * bins + np.minimum(open_run, self.max_burst), ended.astype(np.int64))
+        after = np.where(total > 0, 0, open_run)
+        after[run_row[ends_open]] = length[ends_open]
+        moved = open_all.copy()
+        moved[link_ids] = after
+        self.open_run = torch.from_numpy(moved)
 
     def _slot(self, queue, packets, link_ids: torch.Tensor) -> torch.Tensor:
         """The counter slot of each (row, draw, position) packet: its draw's per-packet slots, or its

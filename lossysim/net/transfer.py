@@ -10,6 +10,7 @@ add to that step by step (``lossysim.net.transport``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -54,6 +55,7 @@ class Transfer:
     steps: list                        # the steps with traffic
     ideal: float                       # loss-free duration of the collective
     _weights: dict = field(default_factory=dict)
+    sparse: Optional[list] = None      # the steps as numpy arrays (``sparse.StepArrays``), once needed
 
     def weights(self, dtype: torch.dtype) -> Delivery:
         """What each path carries when delivered under ``rescale`` (``algorithms.path_weights``)."""
@@ -73,7 +75,7 @@ def build(spec: NetworkSpec, links: list, collective: str, numel: int, dtype: to
     rescale = 1.0 / (1.0 - spec.loss.loss_rate) if spec.loss.loss_rate < 1 else 0.0
     factor = torch.tensor([rescale if topology.lossy(s.src, s.dst) else 1.0 for s in sched.sends],
                           dtype=torch.float64, device=device)
-    tensors = sched.tensors(device)
+    tensors = sched.packet_tensors(device)
     slots = tensors["phase"] * len(links) + link_ids.unsqueeze(1) if tensors["phase"].numel() else tensors["phase"]
     sent = torch.zeros(len(PHASES), len(links), dtype=torch.long, device=device)
     for s, row in zip(sched.sends, sched.send_row):

@@ -1,0 +1,83 @@
+"""The sparse path (net/sparse.py: Bernoulli fates as loss positions) against the general one (masks): the
+same deliveries, counts, burst histogram, clock and random streams, bit for bit."""
+import pytest
+import torch
+
+from lossysim.estimate import Workload, estimate
+from lossysim.net import LossyNetwork, NetworkSpec, sparse
+from lossysim.net.recovery import packets_of
+
+
+def run(spec: NetworkSpec, sizes=(100, 5000, 40000), calls=3, deliver=True) -> dict:
+    net = LossyNetwork(spec)
+    deliveries = []
+    for _ in range(calls):
+        for site, numel in enumerate(sizes):
+            for direction in ("fwd", "bwd"):
+                drawn = net.simulate(f"s{site}", direction, numel, torch.bfloat16, deliver=deliver)
+                if isinstance(drawn, sparse.Losses):   # an estimate's: what it counts of them
+                    drawn = drawn.bad_packets()
+                elif drawn is not None:
+                    drawn = vars(packets_of(drawn)) if deliver else sparse.bad_packets_of(packets_of(drawn))
+                deliveries.append(drawn)
+    return {"deliveries": deliveries, "stats": net.stats(), "bursts": net.burst_histogram(), "clock": net.clock(),
+            "failures": net.failures(), "totals": net.totals(),
+            "streams": [ch.chains.generator.get_state() for ch in net._channels.values()]}
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+SETTINGS = [
+    dict(loss="bernoulli:0.01", transport="retransmit", nic="irn"),
+    dict(loss="bernoulli:0.5", transport="retransmit", nic="irn"),              # retries run out: failures
+    dict(loss="bernoulli:0.3", transport="retransmit", nic="tcp", algorithm="direct"),
+    dict(loss="bernoulli:0.05", transport="deadline", nic="srd", deadline=1.05),  # the deadline stops sends
+    dict(loss="bernoulli:0.2", transport="deadline", nic="irn", algorithm="tree", ranks_per_node=2,
+         lossy_links="inter_node"),
+    dict(loss="bernoulli:0.05", transport="drop"),
+    dict(loss="bernoulli:0.05", transport="drop", recovery="rescale", algorithm="tree"),
+    dict(loss="bernoulli:0.1", transport="drop", ranks_per_node=2, lossy_links="inter_node"),
+]
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+@pytest.mark.parametrize("deliver", [True, False])
+def test_sparse_path_is_the_general_path_bit_for_bit(settings, deliver, monkeypatch):
+    spec = NetworkSpec(tp_size=4, seed=3, **settings)
+    assert sparse.applies(spec, torch.device("cpu"))
+    fast = run(spec, deliver=deliver)
+    monkeypatch.setattr(sparse, "applies", lambda spec, device: False)
+    general = run(spec, deliver=deliver)
+    assert same(fast, general)
+    assert fast["totals"]["lost"] > 0
+
+
+def test_an_estimate_is_the_same_on_either_path(monkeypatch):
+    workload = Workload(seq=64, micro_batch=2)
+    rows = {}
+    for name in ("sparse", "general"):
+        rows[name] = [estimate("tiny-llama", dict(tp_size=4, seed=1, **settings), workload, steps=2)
+                      for settings in SETTINGS]
+        monkeypatch.setattr(sparse, "applies", lambda spec, device: False)
+    assert rows["sparse"] == rows["general"]
+    assert any(row["elements_lost_fwd"] > 0 for row in rows["sparse"])
+
+
+def test_lost_positions_are_the_mask_of_sample_with_states():
+    from lossysim.loss.models import Bernoulli
+    for p in (0.001, 0.01, 0.3, 0.5):
+        model = Bernoulli(p)
+        for rows, width in ((3, 100), (8, 2900), (1, 50000)):
+            a, b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+            mask, _, _ = model.sample_with_states((rows, width), a)
+            flat = model.lost_positions(rows, width, b)
+            assert torch.equal(mask.flatten().nonzero().flatten(), torch.from_numpy(flat))
+            assert torch.equal(a.get_state(), b.get_state())
