@@ -17,3 +17,9 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def private_cache(tmp_path_factory, monkeypatch):
+    """A data cache of this test session's own, so a test neither reads nor fills the user's."""
+    monkeypatch.setenv("LOSSYSIM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))

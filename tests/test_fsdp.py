@@ -12,8 +12,6 @@ import pytest
 import torch
 from scipy import stats
 
-from lossysim.config import ExperimentConfig
-from lossysim.data import train_batches
 from lossysim.dp import fsdp as fsdp_module
 from lossysim.dp import gathered_forward_seconds
 from lossysim.dp.buckets import flatten
@@ -22,40 +20,15 @@ from lossysim.net import LossyNetwork
 from lossysim.net.algorithms import chunk_bounds, combine, schedule
 from lossysim.run.build import build
 from lossysim.run.experiment import run_experiment
-from lossysim.run.state import TrainState, Window
-from lossysim.run.step import train_step
 from lossysim.run.sweep import config_key
 from lossysim.timing import nccl
 
-CPU = torch.device("cpu")
-# The same tolerance DDP's equality test uses (tests/test_data_parallel.py): sums over replicas and
-# over the global batch add the same numbers in another order, fp32 rounding.
-PARAM_TOL = dict(rtol=1e-4, atol=1e-5)
+# The tiny run and DDP's tolerance are data parallelism's (sums over replicas and over the
+# global batch add the same numbers in another order: fp32 rounding).
+from test_data_parallel import CPU, PARAM_TOL, _full, tiny  # noqa: E402
+from test_data_parallel import _lossy_step as _train  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("LOSSYSIM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
-
-
-def tiny(tmp_path, **changes) -> ExperimentConfig:
-    base = dict(model="tiny", dataset="synthetic", max_length=32, max_train_samples=96, max_eval_samples=32,
-                batch_size=8, eval_batch_size=32, steps=3, eval_every=3, log_every=1, warmup_steps=1,
-                dropout=0.0, lr=1e-3, tp_size=1, dp_bucket_mb=0.05, out=str(tmp_path / "run"))
-    return ExperimentConfig(**{**base, **changes}).validate()
-
-
-def _train(config, steps):
-    parts = build(config, CPU, 0, True, None)
-    state, window = TrainState(), Window(CPU)
-    for _, batch in zip(range(steps), train_batches(parts.data, config.batch_size, config.seed)):
-        assert train_step(parts, config, state, window, batch, CPU)
-        state.step += 1
-    return parts, state
-
-
-def _full(model) -> dict:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 # -- the reduce-scatter ----------------------------------------------------------------------------

@@ -156,12 +156,6 @@ class DistFullyShardedDataParallel(DistDataParallel):
         super().__init__(*args, **kwargs)
         self._master: Optional[list[torch.Tensor]] = None
 
-    def _slowest(self, seconds: float) -> float:
-        """The slowest group's seconds (groups run side by side): the max over this replica's TP ranks."""
-        value = torch.tensor([seconds], dtype=torch.float64, device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.tp_group)
-        return float(value)
-
     @torch.no_grad()
     def gather_weights(self) -> list[float]:
         network, r, R = self.networks[0], self.first, self.dp_size
@@ -203,16 +197,7 @@ class DistFullyShardedDataParallel(DistDataParallel):
             delivered = network.reduce_scatter(f"fsdp.reduce{b}", "bwd", contributions, [r])
             owned = self._gather(delivered[0, r * shard:(r + 1) * shard], self.dp_group, R)  # the owners' shards
             owned = owned.reshape(R * shard)[:n] / self.dp_size
-            for k, piece in enumerate(bucketing.pieces(owned, bucket)):
-                i = bucket.params[k]
-                if bucket.sharded[k]:
-                    assembled[i][0].copy_(piece.view_as(assembled[i][0]))
-                else:  # the groups' deliveries, summed in TP order as sim sums them
-                    every = self._gather(piece, self.tp_group, self.tp_size)
-                    summed = every[0].clone()
-                    for t in range(1, self.tp_size):
-                        summed = summed + every[t]
-                    assembled[i].copy_((summed / self.tp_size).view_as(assembled[i]))
+            self._write_back(assembled, bucket, owned)
             seconds.append(self._slowest(network.clock()["comm_s"] - before))
         with torch.no_grad():
             for k, p in enumerate(params):

@@ -149,6 +149,26 @@ class DistDataParallel(DataParallel):
         self.device = next(replica.model.parameters()).device
         self._init_buckets(bucket_bytes)
 
+    def _write_back(self, grads: list, bucket, averaged: torch.Tensor) -> None:
+        """A bucket's averaged message into ``grads``: a sharded parameter's piece as it is, a replicated
+        one as the mean of the TP groups' pieces, summed in TP order as sim sums them."""
+        for k, piece in enumerate(bucketing.pieces(averaged, bucket)):
+            i = bucket.params[k]
+            if bucket.sharded[k]:
+                grads[i][0].copy_(piece.view_as(grads[i][0]))
+            else:
+                every = self._gather(piece, self.tp_group, self.tp_size)
+                summed = every[0].clone()
+                for t in range(1, self.tp_size):
+                    summed = summed + every[t]
+                grads[i].copy_((summed / self.tp_size).view_as(grads[i]))
+
+    def _slowest(self, seconds: float) -> float:
+        """The slowest TP position's time for a collective: the replica waits for its last group."""
+        slowest = torch.tensor([seconds], dtype=torch.float64, device=self.device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.tp_group)
+        return float(slowest)
+
     def _gather(self, x: torch.Tensor, group, size: int) -> torch.Tensor:
         out = torch.empty(size * x.numel(), dtype=x.dtype, device=x.device)
         dist.all_gather_into_tensor(out, x.contiguous().reshape(-1), group=group)
@@ -162,20 +182,8 @@ class DistDataParallel(DataParallel):
             before = network.clock()["comm_s"]
             contributions = self._gather(bucketing.flatten(grads, bucket, 0), self.dp_group, self.dp_size)
             delivered = network.all_reduce(f"dp.bucket{b}", "bwd", contributions, [r])
-            averaged = delivered[0] / self.dp_size
-            for k, piece in enumerate(bucketing.pieces(averaged, bucket)):
-                i = bucket.params[k]
-                if bucket.sharded[k]:
-                    grads[i][0].copy_(piece.view_as(grads[i][0]))
-                else:  # the groups' deliveries, summed in TP order as sim sums them
-                    every = self._gather(piece, self.tp_group, self.tp_size)
-                    summed = every[0].clone()
-                    for t in range(1, self.tp_size):
-                        summed = summed + every[t]
-                    grads[i].copy_((summed / self.tp_size).view_as(grads[i]))
-            slowest = torch.tensor([network.clock()["comm_s"] - before], dtype=torch.float64, device=self.device)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.tp_group)
-            seconds.append(float(slowest))
+            self._write_back(grads, bucket, delivered[0] / self.dp_size)
+            seconds.append(self._slowest(network.clock()["comm_s"] - before))
         for p, grad in zip(self.replicas[0].model.parameters(), grads):
             p.grad = grad
         return seconds
