@@ -37,6 +37,16 @@ def tiny(tmp_path, **changes) -> ExperimentConfig:
     return ExperimentConfig(**{**base, **changes}).validate()
 
 
+def assert_replicas_equal(dp, model) -> None:
+    """Every replica holds ``model``'s parameters (to PARAM_TOL), and so the replicas have not drifted."""
+    expected = _full(model)
+    for replica in dp.replicas:
+        got = _full(replica.model)
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], **PARAM_TOL, msg=name)
+    assert dp.drift() == 0.0
+
+
 def _backward(model, batch):
     model.train()
     model(**batch).loss.backward()
@@ -76,12 +86,7 @@ def test_loss_free_data_parallel_equals_one_replica_on_the_global_batch(tp, dp, 
             assert train_step(parts, parts_config(parts, tp, dp if parts is parallel else 1, tmp_path),
                               state, window, batch, CPU)
             state.step += 1
-    expected = _full(single.model)
-    for replica in parallel.dp.replicas:
-        got = _full(replica.model)
-        for name in expected:
-            torch.testing.assert_close(got[name], expected[name], **PARAM_TOL, msg=name)
-    assert parallel.dp.drift() == 0.0
+    assert_replicas_equal(parallel.dp, single.model)
 
 
 def parts_config(parts, tp, dp, tmp_path):

@@ -25,7 +25,7 @@ from lossysim.timing import nccl
 
 # The tiny run and DDP's tolerance are data parallelism's (sums over replicas and over the
 # global batch add the same numbers in another order: fp32 rounding).
-from test_data_parallel import CPU, PARAM_TOL, _full, tiny  # noqa: E402
+from test_data_parallel import CPU, _full, assert_replicas_equal, tiny  # noqa: E402
 from test_data_parallel import _lossy_step as _train  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("private_cache")
@@ -88,12 +88,7 @@ def test_loss_free_fsdp_equals_one_replica_on_the_global_batch(tp, dp, tmp_path,
     single, _ = _train(tiny(tmp_path, tp_size=tp), 3)
     sharded, _ = _train(tiny(tmp_path, tp_size=tp, dp_size=dp, dp_mode="fsdp"), 3)
     assert sharded.dp.fsdp and len(sharded.dp.buckets) > 1
-    expected = _full(single.model)
-    for replica in sharded.dp.replicas:
-        got = _full(replica.model)
-        for name in expected:
-            torch.testing.assert_close(got[name], expected[name], **PARAM_TOL, msg=name)
-    assert sharded.dp.drift() == 0.0
+    assert_replicas_equal(sharded.dp, single.model)
 
 
 def _twin_masks(config, dp):

@@ -126,8 +126,9 @@ class LossyNetwork:
             total = contributions.reshape(self.tp_size, -1).sum(0)
             self.watch(site, direction, total)
             out = total.unsqueeze(0).repeat(len(receivers), 1)
+            bounds = self.shard_bounds(n, contributions.dtype)
             for k, r in enumerate(receivers):
-                first, count = self.shard_bounds(n, contributions.dtype)[r]
+                first, count = bounds[r]
                 out[k, :first] = 0
                 out[k, first + count:] = 0
             return out
