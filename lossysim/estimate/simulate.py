@@ -38,7 +38,7 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
     if isinstance(gpu, timing.Measured):
         raise ValueError("compute=measured needs a real training run; name a GPU model (e.g. h100)")
     tokens = workload.tokens
-    kernels = shape.kernels + (4 * shape.layers if spec.tp_size > 1 else 0)   # as a training run counts them
+    kernels = shape.kernels + cost.collective_kernels(shape.layers, spec.tp_size)   # as a training run counts them
     compute_s = gpu.step_time(shape.parameters, tokens, spec.tp_size, kernels=kernels,
                               attention_flops=cost.step_flops(0, tokens, shape.layers, shape.hidden, workload.seq))
 

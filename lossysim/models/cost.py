@@ -49,6 +49,11 @@ def kernels_per_step(model: torch.nn.Module, task: str = "classification") -> in
     return _count(type(model), model.config.to_json_string(use_diff=False), task)
 
 
+def collective_kernels(layers: int, tp_size: int) -> int:
+    """Kernel launches a step's tensor-parallel collectives add: 2 all-reduces a block each way."""
+    return 4 * layers if tp_size > 1 else 0
+
+
 @functools.lru_cache(maxsize=32)
 def _count(cls, config_json: str, task: str) -> int:
     import json

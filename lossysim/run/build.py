@@ -60,8 +60,8 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
     eval_net = LossyNetwork(config.network_spec(evaluation=True))
     parameters = sum(p.numel() for p in model.parameters())
     layers, hidden = cost.dims(model.config)
-    # Each rank launches the whole model's kernels on its shards, and 2 all-reduces a block each way.
-    kernels = cost.kernels_per_step(model, config.task) + (4 * layers if config.tp_size > 1 else 0)
+    # Each rank launches the whole model's kernels on its shards, and its collectives'.
+    kernels = cost.kernels_per_step(model, config.task) + cost.collective_kernels(layers, config.tp_size)
     compute = _compute(config, device)
     bucket_bytes = config.dp_bucket_mb * (1 << 20)
     if distributed and config.dp_size > 1:
