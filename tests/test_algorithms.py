@@ -244,3 +244,21 @@ def test_tensor_parallel_gpt2_matches_hf_through_every_algorithm(algorithm, tp):
         assert rel_err(rank_logits[r], out) <= 1e-5 and rel_err(rank_losses[r], loss) <= 1e-5
     for name, grad in grads(ref).items():
         assert rel_err(grads(tpm)[name], tp_layout(tpm, name, grad)) <= 1e-5, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("shape", [(3, 4 * 7), (3, 4 * 7 + 2), (2, 3, 4 * 5 + 1)])
+def test_zeroing_holes_by_index_is_masking_them(dtype, shape):
+    """The CPU's few-holes path (indices, in numpy, on the bits) zeroes what the device's masks zero,
+    the short last packet included, in every float type (numpy has no bfloat16)."""
+    per_packet = 4
+    packets = -(-shape[-1] // per_packet)
+    g = torch.Generator().manual_seed(len(shape))
+    holes = torch.rand(*shape[:-1], packets, generator=g) < 0.3
+    holes[(0,) * (len(shape) - 1) + (-1,)] = True
+    x = torch.randn(shape, generator=g).to(dtype) - 0.5
+    few, masked = x.clone(), x.clone()
+    deliver.zero_holes(few, holes, per_packet, dense=False)
+    deliver.zero_holes(masked, holes, per_packet, dense=True)
+    assert torch.equal(few.view(torch.uint8), masked.view(torch.uint8))   # bit for bit: +0.0, not -0.0
+    assert (few == 0).any() and (few != 0).any()

@@ -81,3 +81,31 @@ def test_lost_positions_are_the_mask_of_sample_with_states():
             flat = model.lost_positions(rows, width, b)
             assert torch.equal(mask.flatten().nonzero().flatten(), torch.from_numpy(flat))
             assert torch.equal(a.get_state(), b.get_state())
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("tp", [2, 3, 4, 8])
+def test_a_rings_delivery_from_its_losses_is_combines(collective, tp):
+    """``Losses.delivery`` works a ring's Delivery out from the lost packets alone: the very tensors
+    ``combine`` follows along every path, with and without ``rescale``'s weights, empty chunks included."""
+    import numpy as np
+    from lossysim.net.algorithms import combine, path_weights, schedule
+    rng = np.random.default_rng(tp)
+    for n_packets in (1, tp - 1, tp, 7, 60):
+        sched = schedule("ring", collective, tp, n_packets)
+        weights = path_weights(sched, torch.from_numpy(1 + rng.random(len(sched.sends))), torch.float32)
+        for rate in (0.0, 0.05, 0.4, 1.0):
+            lost = torch.from_numpy(rng.random((len(sched.sends), sched.max_packets)) < rate)
+            losses = sparse.Losses.of(sched, lost)   # slots past a send's packets are junk: left out
+            assert all(p < sched.sends[s].packets for s, p in zip(losses.send, losses.packet))
+            for w in (None, weights):
+                assert same(vars(losses.delivery(w)), vars(combine(sched, lost, w)))
+
+
+def test_losses_of_a_mask_give_back_the_sent_packets_of_it():
+    from lossysim.net.algorithms import schedule
+    sched = schedule("tree", "all_reduce", 5, 9)
+    lost = torch.rand(len(sched.sends), sched.max_packets, generator=torch.Generator().manual_seed(0)) < 0.5
+    back = sparse.Losses.of(sched, lost).mask()
+    for i, s in enumerate(sched.sends):
+        assert torch.equal(back[i, :s.packets], lost[i, :s.packets]) and not back[i, s.packets:].any()

@@ -22,6 +22,7 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from .algorithms import Delivery, Schedule
@@ -92,15 +93,16 @@ def all_reduce(x: torch.Tensor, delivery: Delivery, receivers: Sequence[int], pe
 
 def _patch(x: torch.Tensor, final: torch.Tensor, delivery: Delivery, per_packet: int) -> None:
     """Sum again, with their weights, the packets some contribution missed (a list of them: few)."""
-    patch = delivery.partial.nonzero().squeeze(1)
-    if not patch.numel():
+    patch = np.flatnonzero(delivery.partial.numpy())
+    if not len(patch):
         return
     whole = x.shape[1] // per_packet
-    if int(patch[-1]) == whole:  # the short last packet (sorted: it can only be last)
+    if patch[-1] == whole:  # the short last packet (sorted: it can only be last)
         start = whole * per_packet
         final[start:] = _weighted(x[:, None, start:], delivery.coef[:, whole:])[0]
         patch = patch[:-1]
-    if patch.numel():  # (index_select would first copy the whole of a non-contiguous ``parts``)
+    if len(patch):  # (index_select would first copy the whole of a non-contiguous ``parts``)
+        patch = torch.from_numpy(patch)
         parts = x[:, :whole * per_packet].view(x.shape[0], whole, per_packet)[:, patch]
         final[:whole * per_packet].view(whole, per_packet).index_copy_(0, patch, _weighted(parts, delivery.coef[:, patch]))
 
@@ -128,20 +130,22 @@ def all_gather(shards: torch.Tensor, delivery: Delivery, receivers: Sequence[int
 
 def zero_holes(out: torch.Tensor, holes: torch.Tensor, per_packet: int, dense: bool) -> None:
     """Zero, in place, the packets of ``out`` ([..., n]) where ``holes`` ([..., packets]) is True."""
-    if dense:
+    if dense or out.requires_grad or not out.is_contiguous():  # (no host sync; autograd sees the zeros)
         for held, span in packets(out, per_packet):
             held.masked_fill_(holes[..., span].unsqueeze(-1), 0)
         return
-    index = holes.nonzero(as_tuple=True)
-    if not index[0].numel():
+    index = np.nonzero(holes.numpy())
+    if not len(index[0]):
         return
+    # Few holes: zero their bits in numpy (any float's zero bits are +0.0; numpy has no bfloat16).
+    bits = out.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[out.element_size()]).numpy()
     n = out.shape[-1]
     whole = n // per_packet
-    if whole * per_packet < n and bool(holes[..., -1].any()):  # the short last packet
-        out[..., whole * per_packet:].masked_fill_(holes[..., -1:], 0)
-        inside = index[-1] < whole
+    inside = index[-1] < whole
+    if not inside.all():  # the short last packet
+        bits[(*(i[~inside] for i in index[:-1]), slice(whole * per_packet, n))] = 0
         index = tuple(i[inside] for i in index)
-    out[..., :whole * per_packet].unflatten(-1, (whole, per_packet))[index] = 0
+    bits[..., :whole * per_packet].reshape(*bits.shape[:-1], whole, per_packet)[index] = 0
 
 
 # -- send by send --------------------------------------------------------------------------------

@@ -228,17 +228,18 @@ class LossyNetwork:
         if not self.drops(direction):
             channel.counters.count_sent(transfer.sent)
         elif not self.transport.repairs and sparse.applies(self.spec, device):
-            flat, (send, packet) = sparse.drop(self.loss_model, channel.chains, channel.counters, transfer)
-            delivery = self._losses(transfer, send, packet, direction, deliver)
-            if delivery is None:
-                per_send = sparse.mask(flat, transfer).flatten()[transfer.sched.packet_tensors(device)["gather"]]
-                delivery = self._draw(channel, transfer, per_send, collective, direction, numel, dtype)
+            losses = sparse.Losses(transfer.sched, *sparse.drop(self.loss_model, channel.chains, channel.counters,
+                                                                 transfer))
+            delivery = losses if self._no_delivery(direction, deliver) else \
+                self._draw(channel, transfer, losses, collective, direction, numel, dtype)
         elif not self.transport.repairs:
             lost, in_bad, _ = channel.chains.draw(transfer.link_ids, transfer.lossy_rows, transfer.width,
                                                   transfer.lengths)
             channel.counters.record(transfer.link_ids, lost, self._bad(in_bad), transfer.lengths, transfer.slots,
                                     transfer.sent)
             per_send = lost.flatten()[transfer.sched.packet_tensors(lost.device)["gather"]]
+            if device.type == "cpu":  # a few losses: work out what arrives from them (no host sync to fear)
+                per_send = sparse.Losses.of(transfer.sched, per_send)
             delivery = self._draw(channel, transfer, per_send, collective, direction, numel, dtype)
         else:
             if sparse.applies(self.spec, device):
@@ -246,21 +247,20 @@ class LossyNetwork:
             else:
                 missing, repairs = self._repair(channel, transfer, device)
             if isinstance(missing, tuple):
-                delivery = self._losses(transfer, *missing, direction, deliver)
-                missing = None if delivery is not None else sparse.Losses(transfer.sched, *missing).mask()
+                missing = sparse.Losses(transfer.sched, *missing)
+                if self._no_delivery(direction, deliver):
+                    delivery = missing
             if not self.transport.exact and delivery is None:
                 delivery = self._draw(channel, transfer, missing, collective, direction, numel, dtype)
         if self._recording is not None:
             self._recording[key].append((delivery, transfer.ideal, repairs, self._recovery_s - recovery_before))
         return delivery
 
-    def _losses(self, transfer, send, packet, direction: str, deliver: bool) -> Optional[sparse.Losses]:
-        """The lost packets as ``Losses`` when the caller needs no Delivery and the policy's draw changes
-        nothing (no memory, no compute); else None: draw the Delivery."""
+    def _no_delivery(self, direction: str, deliver: bool) -> bool:
+        """Whether the lost packets as ``sparse.Losses`` may stand for the Delivery: the caller needs none
+        and the policy's draw changes nothing (no memory, no compute)."""
         policy = self.recovery.on(direction)
-        if deliver or policy.keeps_memory or policy.computes:
-            return None
-        return sparse.Losses(transfer.sched, send, packet)
+        return not (deliver or policy.keeps_memory or policy.computes)
 
     def _bad(self, in_bad: torch.Tensor) -> Optional[torch.Tensor]:
         """``in_bad`` when the loss model has a hidden state to be in (else nothing to count)."""

@@ -34,6 +34,7 @@ import torch
 
 from . import delivery as deliver
 from .algorithms import Delivery, Schedule, combine
+from .sparse import Losses
 from ..util import stream_seed
 
 RECOVERY_POLICIES = ("zero", "rescale", "hadamard", "hadamard+rescale", "stale", "error_feedback")
@@ -119,11 +120,14 @@ class Policy:
 
     def draw(self, transfer, lost: torch.Tensor, collective: str, numel: int, dtype: torch.dtype,
              memory: Optional[Memory]):
-        """What arrives where, given the lost packets of each send (``[sends, max_packets]``);
-        ``rescale`` weighs every delivered path by the product of its hops' 1 / P(delivery)."""
+        """What arrives where, given the lost packets of each send (``[sends, max_packets]``, or their
+        positions: ``sparse.Losses``); ``rescale`` weighs every delivered path by the product of its hops'
+        1 / P(delivery)."""
         weights = None
         if self.rescale and collective in ("all_reduce", "reduce_scatter"):
             weights = transfer.weights(torch.promote_types(dtype, torch.float32))
+        if isinstance(lost, Losses):
+            return lost.delivery(weights)
         return combine(transfer.sched, lost, weights)
 
     def all_reduce(self, drawn, x: torch.Tensor, receivers: Sequence[int], per_packet: int, watch: Watch,
@@ -300,7 +304,8 @@ class SendBySend(Policy):
     def draw(self, transfer, lost, collective, numel, dtype, memory):
         if collective != "all_reduce":
             return super().draw(transfer, lost, collective, numel, dtype, memory)
-        return Hops(transfer.sched, lost, f"{numel}:{str(dtype).removeprefix('torch.')}")
+        mask = lost.mask() if isinstance(lost, Losses) else lost
+        return Hops(transfer.sched, mask, f"{numel}:{str(dtype).removeprefix('torch.')}")
 
     def all_reduce(self, drawn, x, receivers, per_packet, watch, memory, update):
         sched = drawn.sched

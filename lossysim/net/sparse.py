@@ -26,9 +26,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..loss.models import Bernoulli, _put, _zeros
+from ..loss.models import Bernoulli
 from ..timing.retransmission import Nic
-from .algorithms import combine
+from .algorithms import Delivery, chunk_bounds, combine
 
 
 def applies(spec, device: torch.device) -> bool:
@@ -183,9 +183,8 @@ def _slowest(seconds: np.ndarray) -> float:
 
 def drop(model: Bernoulli, chains, counters, transfer) -> tuple[np.ndarray, np.ndarray]:
     """The ``drop`` transport's draw of one call (``Chains.draw`` over every link's packets, then
-    ``Counters.record``), the losses as positions: returns the flat positions drawn (``row * width +
-    column`` over the transfer's links, past a link's packets included, as the mask holds them) and the
-    (send, packet) of each lost packet that was sent."""
+    ``Counters.record``), the losses as positions: returns the (send, packet) of each lost packet that
+    was sent."""
     width, rows = transfer.width, len(transfer.link_ids)
     lossy = _lossy_rows(transfer)
     flat = _draw(model, chains, rows, None if len(lossy) == rows else lossy, width) if width \
@@ -198,14 +197,7 @@ def drop(model: Bernoulli, chains, counters, transfer) -> tuple[np.ndarray, np.n
     starts, sends = _send_starts(transfer)
     key = row * width + column
     at = np.searchsorted(starts, key, side="right") - 1
-    return flat, (sends[at], key - starts[at])
-
-
-def mask(flat: np.ndarray, transfer) -> torch.Tensor:
-    """The ``[links, width]`` mask of a ``drop`` draw's positions, as ``Chains.draw`` returns it."""
-    lost = _zeros(len(transfer.link_ids) * transfer.width, torch.device("cpu"))
-    _put(lost, torch.from_numpy(flat), True)
-    return lost.view(len(transfer.link_ids), transfer.width)
+    return sends[at], key - starts[at]
 
 
 def _lossy_rows(transfer) -> np.ndarray:
@@ -234,11 +226,54 @@ class Losses:
     send: np.ndarray
     packet: np.ndarray
 
+    @classmethod
+    def of(cls, sched, lost: torch.Tensor) -> "Losses":
+        """The lost packets of a ``[sends, max_packets]`` mask on the CPU (the slots past a send's packets
+        are not read)."""
+        send, packet = np.nonzero(lost.numpy())
+        sent = packet < _send_packets(sched)[send]
+        return cls(sched, send[sent], packet[sent])
+
     def mask(self) -> torch.Tensor:
         """The lost packets as ``[sends, max_packets]``, as ``combine`` takes them."""
         lost = torch.zeros(len(self.sched.sends), self.sched.max_packets, dtype=torch.bool)
         lost.numpy()[self.send, self.packet] = True
         return lost
+
+    def delivery(self, weights: Optional[Delivery] = None) -> Delivery:
+        """``combine(sched, self.mask(), weights)``, for a ring all-reduce or reduce-scatter worked out from
+        the few lost packets rather than along every packet's path: a call's fixed cost, where a dozen
+        tensor operations over every packet cost more than the sum they patch."""
+        sched = self.sched
+        if sched.algorithm != "ring" or sched.collective not in ("all_reduce", "reduce_scatter"):
+            return combine(sched, self.mask(), weights)
+        R, first, rs, hop = _ring_sends(sched)
+        chunk = _ring_chunks(sched)
+        p = first[self.send] + self.packet
+        spoils = rs[self.send]
+        # A reduce-scatter packet lost at hop h drops the contributions of the ranks at positions 0..h of
+        # its chunk's path (rank c+1+k is at position k; the owner c, at R - 1, is never lost).
+        latest = np.full(sched.n_packets, -1, dtype=np.int64)
+        np.maximum.at(latest, p[spoils], hop[self.send[spoils]])
+        kept_coef = np.ones((R, sched.n_packets), dtype=bool)
+        partial = np.flatnonzero(latest >= 0)
+        for k in range(R - 1):
+            at = partial[latest[partial] >= k]
+            kept_coef[(chunk[at] + 1 + k) % R, at] = False
+        if sched.collective == "reduce_scatter":   # rank c holds chunk c's sum and nothing else
+            kept_gain = np.arange(R)[:, None] == chunk[None, :]
+        else:  # an all-gather packet first lost at hop h never reaches the ranks h + 1.. hops after the owner
+            earliest = np.full(sched.n_packets, R - 1, dtype=np.int64)
+            np.minimum.at(earliest, p[~spoils], hop[self.send[~spoils]])
+            kept_gain = np.ones((R, sched.n_packets), dtype=bool)
+            holed = np.flatnonzero(earliest < R - 1)
+            for d in range(1, R):
+                at = holed[earliest[holed] < d]
+                kept_gain[(chunk[at] + d) % R, at] = False
+        coef, gain = torch.from_numpy(kept_coef), torch.from_numpy(kept_gain)
+        return Delivery(coef=coef if weights is None else torch.where(coef, weights.coef, 0),
+                        gain=gain if weights is None else torch.where(gain, weights.gain, 0),
+                        partial=torch.from_numpy(latest >= 0), holes=~gain)
 
     def bad_packets(self) -> tuple[int, int]:
         """(receiver, packet) pairs that do not hold the exact sum (a hole, or a sum missing a contribution),
@@ -258,6 +293,23 @@ class Losses:
         bad[spoilt] = R
         last = int(bad[-1]) if len(bad) else 0
         return int(bad.sum()), last
+
+
+def _send_packets(sched) -> np.ndarray:
+    """The packets of every send of the schedule."""
+    cached = getattr(sched, "_send_packets", None)
+    if cached is None:
+        cached = sched._send_packets = np.array([s.packets for s in sched.sends], dtype=np.int64)
+    return cached
+
+
+def _ring_chunks(sched) -> np.ndarray:
+    """The ring chunk of every packet of the message."""
+    cached = getattr(sched, "_ring_chunks", None)
+    if cached is None:
+        counts = [count for _, count in chunk_bounds(sched.n_packets, sched.tp_size)]
+        cached = sched._ring_chunks = np.repeat(np.arange(sched.tp_size), counts)
+    return cached
 
 
 def _ring_sends(sched):
