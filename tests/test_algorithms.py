@@ -262,3 +262,21 @@ def test_zeroing_holes_by_index_is_masking_them(dtype, shape):
     deliver.zero_holes(masked, holes, per_packet, dense=True)
     assert torch.equal(few.view(torch.uint8), masked.view(torch.uint8))   # bit for bit: +0.0, not -0.0
     assert (few == 0).any() and (few != 0).any()
+
+
+@pytest.mark.parametrize("tp", [2, 5, 8])
+def test_direct_exchange_patching_what_receivers_missed_gives_the_full_sums_bits(tp):
+    """The CPU's direct all-reduce adds the plain sum once and again only the packets a receiver missed
+    some sender's of: the bits of adding every sender's packets at every receiver, a lost inf included."""
+    g = torch.Generator().manual_seed(tp)
+    for n in (4 * 50 + 3, 4 * 50):
+        x = torch.randn(tp, n, generator=g) * 100
+        x[1, 5] = float("inf")
+        packets = -(-n // 4)
+        for rate in (0.0, 0.05, 0.5):
+            kept = torch.rand(tp, tp, packets, generator=g) >= rate
+            kept[torch.arange(tp), torch.arange(tp)] = True     # a rank's own contribution never travels
+            patched = deliver.direct_sum(x, kept, 4, dense=False)
+            every = deliver.direct_sum(x, kept, 4, dense=True)
+            torch.testing.assert_close(patched, every, rtol=0, atol=0, equal_nan=True)
+            assert rate == 0 or not torch.equal(every[0], every[1])

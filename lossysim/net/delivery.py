@@ -60,11 +60,11 @@ def all_reduce(x: torch.Tensor, delivery: Delivery, receivers: Sequence[int], pe
     ``watch`` sees what was delivered before any hole is zeroed (the final packets of a ring or tree,
     every receiver's sum of a direct exchange)."""
     receivers = list(receivers)
+    dense = x.device.type == "cuda" if dense is None else dense
     if delivery.weights is not None:
-        out = direct_sum(x, delivery.weights[receivers], per_packet)
+        out = direct_sum(x, delivery.weights[receivers], per_packet, dense)
         watch(out)
         return out
-    dense = x.device.type == "cuda" if dense is None else dense
     n = x.shape[1]
     out = torch.empty(len(receivers), n, dtype=x.dtype, device=x.device)
     # The final packets: the plain sum, summed again where a contribution is missing; rescale weighs all.
@@ -107,8 +107,12 @@ def _patch(x: torch.Tensor, final: torch.Tensor, delivery: Delivery, per_packet:
         final[:whole * per_packet].view(whole, per_packet).index_copy_(0, patch, _weighted(parts, delivery.coef[:, patch]))
 
 
-def direct_sum(x: torch.Tensor, weights: torch.Tensor, per_packet: int) -> torch.Tensor:
-    """The direct exchange: receiver i adds every sender's packets with ``weights[i, j, packet]``."""
+def direct_sum(x: torch.Tensor, weights: torch.Tensor, per_packet: int, dense: bool = True) -> torch.Tensor:
+    """The direct exchange: receiver i adds every sender's packets with ``weights[i, j, packet]``, in
+    sender order. Not ``dense`` and bool weights: the plain sum is added once and copied to every
+    receiver, and only the packets a receiver missed some sender's of are added again (few)."""
+    if not dense and weights.dtype == torch.bool:
+        return _direct_patched(x, weights, per_packet)
     out = torch.empty(weights.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
     for (parts, span), (held, _) in zip(packets(x, per_packet), packets(out, per_packet)):
         w = weights[..., span]                                     # [receivers, senders, packets]
@@ -116,6 +120,27 @@ def direct_sum(x: torch.Tensor, weights: torch.Tensor, per_packet: int) -> torch
         for sender in range(1, x.shape[0]):
             total = total + _term(parts[sender], w[:, sender])
         held.copy_(total)
+    return out
+
+
+def _direct_patched(x: torch.Tensor, kept: torch.Tensor, per_packet: int) -> torch.Tensor:
+    total = x[0].clone()
+    for sender in range(1, x.shape[0]):
+        total += x[sender]                    # the very additions ``direct_sum`` makes, in its order
+    out = torch.empty(kept.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+    out.copy_(total.expand_as(out))
+    receiver, packet = np.nonzero(~kept.numpy().all(1))
+    for (parts, span), (held, _) in zip(packets(x, per_packet), packets(out, per_packet)):
+        inside = (packet >= span.start) & (packet < span.stop)
+        if not inside.any():
+            continue
+        r, p = torch.from_numpy(receiver[inside]), torch.from_numpy(packet[inside])
+        w = kept[r, :, p].unsqueeze(-1)                            # [missed, senders, 1]
+        p = p - span.start
+        again = torch.where(w[:, 0], parts[0][p], 0)
+        for sender in range(1, x.shape[0]):
+            again = again + torch.where(w[:, sender], parts[sender][p], 0)
+        held[r, p] = again
     return out
 
 

@@ -248,32 +248,28 @@ class Losses:
         if sched.algorithm != "ring" or sched.collective not in ("all_reduce", "reduce_scatter"):
             return combine(sched, self.mask(), weights)
         R, first, rs, hop = _ring_sends(sched)
-        chunk = _ring_chunks(sched)
         p = first[self.send] + self.packet
-        spoils = rs[self.send]
-        # A reduce-scatter packet lost at hop h drops the contributions of the ranks at positions 0..h of
-        # its chunk's path (rank c+1+k is at position k; the owner c, at R - 1, is never lost).
-        latest = np.full(sched.n_packets, -1, dtype=np.int64)
-        np.maximum.at(latest, p[spoils], hop[self.send[spoils]])
+        chunk, h, spoils = _ring_chunks(sched)[p], hop[self.send][:, None], rs[self.send]
+        # On chunk c's path rank c+1+k adds its contribution at position k (the owner c last, at R - 1),
+        # and rank c+d gets the sum d hops after the owner: a packet lost at reduce-scatter hop h drops
+        # the contributions of positions 0..h; one lost at all-gather hop h never reaches the ranks h+1..
+        # hops on. Losses of one packet add up.
+        position = np.arange(R)[None, :]
         kept_coef = np.ones((R, sched.n_packets), dtype=bool)
-        partial = np.flatnonzero(latest >= 0)
-        for k in range(R - 1):
-            at = partial[latest[partial] >= k]
-            kept_coef[(chunk[at] + 1 + k) % R, at] = False
+        i, k = np.nonzero((position[:, :R - 1] <= h) & spoils[:, None])    # (loss, position) pairs
+        kept_coef[(chunk[i] + 1 + k) % R, p[i]] = False
+        partial = np.zeros(sched.n_packets, dtype=bool)
+        partial[p[spoils]] = True
         if sched.collective == "reduce_scatter":   # rank c holds chunk c's sum and nothing else
-            kept_gain = np.arange(R)[:, None] == chunk[None, :]
-        else:  # an all-gather packet first lost at hop h never reaches the ranks h + 1.. hops after the owner
-            earliest = np.full(sched.n_packets, R - 1, dtype=np.int64)
-            np.minimum.at(earliest, p[~spoils], hop[self.send[~spoils]])
+            kept_gain = position.T == _ring_chunks(sched)[None, :]
+        else:
             kept_gain = np.ones((R, sched.n_packets), dtype=bool)
-            holed = np.flatnonzero(earliest < R - 1)
-            for d in range(1, R):
-                at = holed[earliest[holed] < d]
-                kept_gain[(chunk[at] + d) % R, at] = False
+            i, d = np.nonzero((position > h) & ~spoils[:, None])
+            kept_gain[(chunk[i] + d) % R, p[i]] = False
         coef, gain = torch.from_numpy(kept_coef), torch.from_numpy(kept_gain)
         return Delivery(coef=coef if weights is None else torch.where(coef, weights.coef, 0),
                         gain=gain if weights is None else torch.where(gain, weights.gain, 0),
-                        partial=torch.from_numpy(latest >= 0), holes=~gain)
+                        partial=torch.from_numpy(partial), holes=torch.from_numpy(~kept_gain))
 
     def bad_packets(self) -> tuple[int, int]:
         """(receiver, packet) pairs that do not hold the exact sum (a hole, or a sum missing a contribution),
