@@ -87,7 +87,8 @@ def all_reduce(x: torch.Tensor, delivery: Delivery, receivers: Sequence[int], pe
     elif len(receivers) > 1:
         out[1:].copy_(final.expand(len(receivers) - 1, n))
     watch(final)  # receivers hold it or zeros: a cheaper check than all of them
-    zero_holes(out, delivery.holes[receivers], per_packet, dense)
+    every = receivers == list(range(len(delivery.holes)))
+    zero_holes(out, delivery.holes if every else delivery.holes[receivers], per_packet, dense)
     return out
 
 

@@ -69,6 +69,7 @@ class LossyNetwork:
         self._ideal = 0.0                             # all the traffic without loss
         self._recovery_s = 0.0                      # simulated seconds of the recovery policy's compute
         self._recovery_cost: dict[tuple, float] = {}   # per policy and message shape: seconds per call
+        self._sparse: dict[torch.device, bool] = {}    # per device: whether ``sparse`` draws the calls
 
     # -- what the spec says ------------------------------------------------------
     def packets(self, numel: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -225,9 +226,12 @@ class LossyNetwork:
         channel.counters.calls += 1
         self._ideal += transfer.ideal
         delivery, repairs, recovery_before = None, None, self._recovery_s
+        fast = self._sparse.get(device)
+        if fast is None:
+            fast = self._sparse[device] = sparse.applies(self.spec, device)
         if not self.drops(direction):
             channel.counters.count_sent(transfer.sent)
-        elif not self.transport.repairs and sparse.applies(self.spec, device):
+        elif not self.transport.repairs and fast:
             losses = sparse.Losses(transfer.sched, *sparse.drop(self.loss_model, channel.chains, channel.counters,
                                                                  transfer))
             delivery = losses if self._no_delivery(direction, deliver) else \
@@ -242,7 +246,7 @@ class LossyNetwork:
                 per_send = sparse.Losses.of(transfer.sched, per_send)
             delivery = self._draw(channel, transfer, per_send, collective, direction, numel, dtype)
         else:
-            if sparse.applies(self.spec, device):
+            if fast:
                 missing, repairs = self._repair_sparse(channel, transfer, device)
             else:
                 missing, repairs = self._repair(channel, transfer, device)

@@ -24,8 +24,7 @@ from .transport import Sends
 def packets(payload_bytes: int, numel: int, dtype: torch.dtype) -> tuple[int, int]:
     """(elements per packet, packets per message) for a message of ``numel`` elements: the last packet
     may be partial."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    per_packet = max(1, payload_bytes // itemsize)
+    per_packet = max(1, payload_bytes // dtype.itemsize)
     return per_packet, -(-int(numel) // per_packet)
 
 
@@ -80,7 +79,7 @@ def build(spec: NetworkSpec, links: list, collective: str, numel: int, dtype: to
     sent = torch.zeros(len(PHASES), len(links), dtype=torch.long, device=device)
     for s, row in zip(sched.sends, sched.send_row):
         sent[PHASES.index(s.phase), link_ids[row]] += s.packets
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     ideal = loss_free_time(spec, sched, numel * itemsize, per_packet * itemsize)
     steps = _steps(spec, sched, link_ids, len(links), numel, itemsize, per_packet, ideal, device)
     return Transfer(sched, per_packet, link_ids, lossy_rows, factor, slots, tensors["link_packets"].to(torch.long),
