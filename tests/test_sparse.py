@@ -83,16 +83,18 @@ def test_lost_positions_are_the_mask_of_sample_with_states():
             assert torch.equal(a.get_state(), b.get_state())
 
 
-@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("algorithm, collective", [("ring", "all_reduce"), ("ring", "reduce_scatter"),
+                                                   ("tree", "all_reduce")])
 @pytest.mark.parametrize("tp", [2, 3, 4, 8])
-def test_a_rings_delivery_from_its_losses_is_combines(collective, tp):
-    """``Losses.delivery`` works a ring's Delivery out from the lost packets alone: the very tensors
-    ``combine`` follows along every path, with and without ``rescale``'s weights, empty chunks included."""
+def test_a_delivery_from_its_losses_is_combines(algorithm, collective, tp):
+    """``Losses.delivery`` works a ring's or tree's Delivery out from the lost packets alone: the very
+    tensors ``combine`` follows along every path, with and without ``rescale``'s weights, empty ring
+    chunks and partial trees included."""
     import numpy as np
     from lossysim.net.algorithms import combine, path_weights, schedule
     rng = np.random.default_rng(tp)
     for n_packets in (1, tp - 1, tp, 7, 60):
-        sched = schedule("ring", collective, tp, n_packets)
+        sched = schedule(algorithm, collective, tp, n_packets)
         weights = path_weights(sched, torch.from_numpy(1 + rng.random(len(sched.sends))), torch.float32)
         for rate in (0.0, 0.05, 0.4, 1.0):
             lost = torch.from_numpy(rng.random((len(sched.sends), sched.max_packets)) < rate)

@@ -241,35 +241,58 @@ class Losses:
         return lost
 
     def delivery(self, weights: Optional[Delivery] = None) -> Delivery:
-        """``combine(sched, self.mask(), weights)``, for a ring all-reduce or reduce-scatter worked out from
-        the few lost packets rather than along every packet's path: a call's fixed cost, where a dozen
-        tensor operations over every packet cost more than the sum they patch."""
+        """``combine(sched, self.mask(), weights)``, for a ring or tree all-reduce (or a reduce-scatter)
+        worked out from the few lost packets rather than along every packet's path: a call's fixed cost,
+        where a dozen tensor operations over every packet cost more than the sum they patch."""
         sched = self.sched
-        if sched.algorithm != "ring" or sched.collective not in ("all_reduce", "reduce_scatter"):
-            return combine(sched, self.mask(), weights)
-        R, first, rs, hop = _ring_sends(sched)
-        p = first[self.send] + self.packet
-        chunk, h, spoils = _ring_chunks(sched)[p], hop[self.send][:, None], rs[self.send]
-        # On chunk c's path rank c+1+k adds its contribution at position k (the owner c last, at R - 1),
-        # and rank c+d gets the sum d hops after the owner: a packet lost at reduce-scatter hop h drops
-        # the contributions of positions 0..h; one lost at all-gather hop h never reaches the ranks h+1..
-        # hops on. Losses of one packet add up.
-        position = np.arange(R)[None, :]
-        kept_coef = np.ones((R, sched.n_packets), dtype=bool)
-        i, k = np.nonzero((position[:, :R - 1] <= h) & spoils[:, None])    # (loss, position) pairs
-        kept_coef[(chunk[i] + 1 + k) % R, p[i]] = False
-        partial = np.zeros(sched.n_packets, dtype=bool)
-        partial[p[spoils]] = True
-        if sched.collective == "reduce_scatter":   # rank c holds chunk c's sum and nothing else
-            kept_gain = position.T == _ring_chunks(sched)[None, :]
+        R, P = sched.tp_size, sched.n_packets
+        if sched.algorithm == "ring" and sched.collective in ("all_reduce", "reduce_scatter"):
+            dropped, partial, unheld = self._ring()
+        elif (sched.algorithm, sched.collective) == ("tree", "all_reduce"):
+            dropped, partial, unheld = self._tree()
         else:
-            kept_gain = np.ones((R, sched.n_packets), dtype=bool)
-            i, d = np.nonzero((position > h) & ~spoils[:, None])
-            kept_gain[(chunk[i] + d) % R, p[i]] = False
+            return combine(sched, self.mask(), weights)
+        kept_coef = np.ones((R, P), dtype=bool)
+        kept_coef[dropped] = False
+        if unheld is None:   # a reduce-scatter: rank c holds chunk c's sum and nothing else
+            kept_gain = np.arange(R)[:, None] == _ring_chunks(sched)[None, :]
+        else:
+            kept_gain = np.ones((R, P), dtype=bool)
+            kept_gain[unheld] = False
+        lost_somewhere = np.zeros(P, dtype=bool)
+        lost_somewhere[partial] = True
         coef, gain = torch.from_numpy(kept_coef), torch.from_numpy(kept_gain)
         return Delivery(coef=coef if weights is None else torch.where(coef, weights.coef, 0),
                         gain=gain if weights is None else torch.where(gain, weights.gain, 0),
-                        partial=torch.from_numpy(partial), holes=torch.from_numpy(~kept_gain))
+                        partial=torch.from_numpy(lost_somewhere), holes=torch.from_numpy(~kept_gain))
+
+    def _ring(self):
+        """The (rank, packet) pairs whose contribution is lost, the packets missing one, and the (rank,
+        packet) pairs never received (None for a reduce-scatter) of a ring. On chunk c's path rank c+1+k
+        adds its contribution at position k (the owner c last, at R - 1), and rank c+d gets the sum d hops
+        after the owner: a packet lost at reduce-scatter hop h drops the contributions of positions 0..h;
+        one lost at all-gather hop h never reaches the ranks h+1.. hops on. Losses of one packet add up."""
+        sched = self.sched
+        R, first, rs, hop = _ring_sends(sched)
+        p = first[self.send] + self.packet
+        chunk, h, spoils = _ring_chunks(sched)[p], hop[self.send][:, None], rs[self.send]
+        position = np.arange(R)[None, :]
+        i, k = np.nonzero((position[:, :R - 1] <= h) & spoils[:, None])    # (loss, position) pairs
+        dropped = ((chunk[i] + 1 + k) % R, p[i])
+        if sched.collective == "reduce_scatter":
+            return dropped, p[spoils], None
+        i, d = np.nonzero((position > h) & ~spoils[:, None])
+        return dropped, p[spoils], ((chunk[i] + d) % R, p[i])
+
+    def _tree(self):
+        """``_ring``'s pairs for a tree: a packet lost on the way up from rank a drops the contributions
+        of a's subtree; one lost on the way down to a never reaches a's subtree."""
+        sched = self.sched
+        below, up = _tree_sends(sched)
+        i, rank = np.nonzero(below[self.send])                              # (loss, rank cut off) pairs
+        packet = self.packet[i]
+        lost_up = up[self.send][i]
+        return (rank[lost_up], packet[lost_up]), self.packet[up[self.send]], (rank[~lost_up], packet[~lost_up])
 
     def bad_packets(self) -> tuple[int, int]:
         """(receiver, packet) pairs that do not hold the exact sum (a hole, or a sum missing a contribution),
@@ -296,6 +319,21 @@ def _send_packets(sched) -> np.ndarray:
     cached = getattr(sched, "_send_packets", None)
     if cached is None:
         cached = sched._send_packets = np.array([s.packets for s in sched.sends], dtype=np.int64)
+    return cached
+
+
+def _tree_sends(sched) -> tuple[np.ndarray, np.ndarray]:
+    """Per send of a tree all-reduce: the ranks a loss on it cuts off (``[sends, R]``: the subtree of its
+    child end) and whether it goes up (reduce)."""
+    cached = getattr(sched, "_tree_sends", None)
+    if cached is None:
+        R = sched.tp_size
+        below = np.eye(R, dtype=bool)            # below[a, j]: j is in a's subtree
+        for j in range(R - 1, 0, -1):            # children before parents (heap layout)
+            below[(j - 1) // 2] |= below[j]
+        up = np.array([s.phase == "reduce" for s in sched.sends])
+        child = np.array([s.src if s.phase == "reduce" else s.dst for s in sched.sends], dtype=np.int64)
+        cached = sched._tree_sends = (below[child], up)
     return cached
 
 
