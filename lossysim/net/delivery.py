@@ -125,6 +125,7 @@ def direct_sum(x: torch.Tensor, weights: torch.Tensor, per_packet: int, dense: b
 
 
 def _direct_patched(x: torch.Tensor, kept: torch.Tensor, per_packet: int) -> torch.Tensor:
+    """``direct_sum`` with bool weights, the plain sum added once (see there)."""
     total = x[0].clone()
     for sender in range(1, x.shape[0]):
         total += x[sender]                    # the very additions ``direct_sum`` makes, in its order
