@@ -283,11 +283,9 @@ def test_bad_data_parallel_settings_are_one_line_errors(changes, message, tmp_pa
         tiny(tmp_path, **changes)
 
 
-def test_dist_equals_sim_under_loss(tmp_path):
-    """tp 2 x dp 2 as 4 gloo processes (2-D process groups) against sim, Gilbert-Elliott loss on every
-    kind of traffic: every packet count, loss rate, accuracy and the clock bit for bit; the training
-    loss and drift (sums taken in another order across processes) to 1e-6; replica 0's weights to
-    fp32 rounding (the runner's TP-only dist and sim runs already differ there by a few ulps)."""
+def sim_and_dist(tmp_path, **settings) -> tuple[dict, list]:
+    """A short tiny run of ``settings`` on sim and as tp x dp gloo processes on dist (torchrun, one
+    thread each): each one's metrics.jsonl rows (same length) and saved weights."""
     import yaml
     from safetensors.torch import load_file
 
@@ -295,17 +293,27 @@ def test_dist_equals_sim_under_loss(tmp_path):
 
     settings = dict(model="tiny", dataset="synthetic", max_length=32, max_train_samples=96, max_eval_samples=32,
                     batch_size=8, eval_batch_size=32, steps=3, eval_every=3, log_every=1, warmup_steps=1,
-                    dropout=0.0, lr=1e-3, tp_size=2, dp_size=2, dp_bucket_mb=0.05, loss="ge:rate=0.05,burst=4",
-                    save_checkpoint=True)
-    spec = tmp_path / "dp.yaml"
+                    dropout=0.0, lr=1e-3, dp_bucket_mb=0.05, save_checkpoint=True, **settings)
+    spec = tmp_path / "run.yaml"
     spec.write_text(yaml.safe_dump(settings))
     sim = tiny(tmp_path, **settings, out=str(tmp_path / "sim"))
     assert run_experiment(sim, sim.out, progress=False)["status"] == "completed"
     result = torchrun(["train", "--config", str(spec), "--backend", "dist", "--out", str(tmp_path / "dist"),
-                       "--no-progress"], nproc=4, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       "--no-progress"], nproc=settings["tp_size"] * settings["dp_size"],
+                      env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {name: read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("sim", "dist")}
     assert len(rows["sim"]) == len(rows["dist"])
+    weights = [load_file(tmp_path / name / "checkpoint" / "model.safetensors") for name in ("sim", "dist")]
+    return rows, weights
+
+
+def test_dist_equals_sim_under_loss(tmp_path):
+    """tp 2 x dp 2 as 4 gloo processes (2-D process groups) against sim, Gilbert-Elliott loss on every
+    kind of traffic: every packet count, loss rate, accuracy and the clock bit for bit; the training
+    loss and drift (sums taken in another order across processes) to 1e-6; replica 0's weights to
+    fp32 rounding (the runner's TP-only dist and sim runs already differ there by a few ulps)."""
+    rows, weights = sim_and_dist(tmp_path, tp_size=2, dp_size=2, loss="ge:rate=0.05,burst=4")
     for a, b in zip(rows["sim"], rows["dist"]):
         for key, value in a.items():
             if key in ("time_s", "tokens_per_s"):
@@ -316,7 +324,6 @@ def test_dist_equals_sim_under_loss(tmp_path):
                 assert b[key] == value, (a["step"], a["split"], key)
     last = [r for r in rows["sim"] if r["split"] == "train"][-1]
     assert last["packets_lost_dp"] > 0 and last["packets_lost_fwd"] > 0 and last["drift"] > 0
-    weights = [load_file(tmp_path / name / "checkpoint" / "model.safetensors") for name in ("sim", "dist")]
     assert weights[0].keys() == weights[1].keys()
     for name in weights[0]:
         torch.testing.assert_close(weights[1][name], weights[0][name], rtol=1e-5, atol=1e-6, msg=name)

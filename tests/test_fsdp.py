@@ -6,7 +6,6 @@ equals ``sim``, and bad settings are one-line errors."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ from scipy import stats
 from lossysim.dp import fsdp as fsdp_module
 from lossysim.dp import gathered_forward_seconds
 from lossysim.dp.buckets import flatten
-from lossysim.io import read_jsonl
 from lossysim.net import LossyNetwork
 from lossysim.net.algorithms import chunk_bounds, combine, schedule
 from lossysim.run.build import build
@@ -25,7 +23,7 @@ from lossysim.timing import nccl
 
 # The tiny run and DDP's tolerance are data parallelism's (sums over replicas and over the
 # global batch add the same numbers in another order: fp32 rounding).
-from test_data_parallel import CPU, _full, assert_replicas_equal, tiny  # noqa: E402
+from test_data_parallel import CPU, _full, assert_replicas_equal, sim_and_dist, tiny  # noqa: E402
 from test_data_parallel import _lossy_step as _train  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("private_cache")
@@ -265,24 +263,7 @@ def test_dist_equals_sim_under_loss(tp, dp, loss, tmp_path, one_torch_thread):
     test (tests/test_data_parallel.py), the losses to 1e-6 and the weights to fp32 rounding: TP's dist
     and sim forwards already differ by a few ulps without data parallelism (DDP's tp 2 runs differ by
     the same few ulps)."""
-    import yaml
-    from safetensors.torch import load_file
-
-    from torchrun_launch import torchrun
-
-    settings = dict(model="tiny", dataset="synthetic", max_length=32, max_train_samples=96, max_eval_samples=32,
-                    batch_size=8, eval_batch_size=32, steps=3, eval_every=3, log_every=1, warmup_steps=1,
-                    dropout=0.0, lr=1e-3, tp_size=tp, dp_size=dp, dp_bucket_mb=0.05, loss=loss, dp_mode="fsdp",
-                    save_checkpoint=True)
-    spec = tmp_path / "fsdp.yaml"
-    spec.write_text(yaml.safe_dump(settings))
-    sim = tiny(tmp_path, **settings, out=str(tmp_path / "sim"))
-    assert run_experiment(sim, sim.out, progress=False)["status"] == "completed"
-    result = torchrun(["train", "--config", str(spec), "--backend", "dist", "--out", str(tmp_path / "dist"),
-                       "--no-progress"], nproc=tp * dp, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = {name: read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("sim", "dist")}
-    assert len(rows["sim"]) == len(rows["dist"])
+    rows, weights = sim_and_dist(tmp_path, tp_size=tp, dp_size=dp, loss=loss, dp_mode="fsdp")
     for a, b in zip(rows["sim"], rows["dist"]):
         assert a.keys() == b.keys()
         for key, value in a.items():
@@ -295,7 +276,6 @@ def test_dist_equals_sim_under_loss(tp, dp, loss, tmp_path, one_torch_thread):
     train = [r for r in rows["sim"] if r["split"] == "train"]
     assert train[-1]["packets_lost_dp"] > 0 and (tp == 1 or train[-1]["packets_lost_fwd"] > 0)
     assert all(r["drift"] == 0.0 for r in rows["dist"] if "drift" in r)
-    weights = [load_file(tmp_path / name / "checkpoint" / "model.safetensors") for name in ("sim", "dist")]
     assert weights[0].keys() == weights[1].keys()
     for name in weights[0]:
         if tp == 1:
