@@ -85,6 +85,13 @@ def test_dist_dropout_without_loss_keeps_ranks_identical(ranks, attn):
     assert rel_err(first["logits"][0], plain) > 1e-3  # dropout was on
 
 
+def assert_rank_is_sims(mine: dict, theirs: dict, r: int, sharded) -> None:
+    """One step of a dist rank (its own row) bit for bit sim's rank r: logits, loss, sharded gradients."""
+    assert torch.equal(mine["logits"][0], theirs["logits"][r]) and torch.equal(mine["losses"][0], theirs["losses"][r])
+    for name in sharded:
+        assert torch.equal(mine["grads"][name][0], theirs["grads"][name][r]), name
+
+
 @pytest.mark.parametrize("extra", ALGORITHM_CASES, ids=lambda e: "-".join(map(str, e.values())))
 def test_dist_equals_sim_for_every_algorithm_and_transport(ranks, extra):
     """Tree, direct, deadline: bitwise sim's rank r. Retransmit: gloo's sum moves the exact data."""
@@ -100,10 +107,7 @@ def test_dist_equals_sim_for_every_algorithm_and_transport(ranks, extra):
             if extra.get("transport") == "retransmit":
                 assert rel_err(mine["logits"][0], theirs["logits"][r]) <= 1e-6
                 continue
-            assert torch.equal(mine["logits"][0], theirs["logits"][r]) and torch.equal(mine["losses"][0],
-                                                                                      theirs["losses"][r])
-            for name in sharded:
-                assert torch.equal(mine["grads"][name][0], theirs["grads"][name][r]), name
+            assert_rank_is_sims(mine, theirs, r, sharded)
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "tree", "direct"])
@@ -121,10 +125,7 @@ def test_dist_equals_sim_for_every_recovery_policy(ranks, policy, algorithm):
         got = seen[("policy", policy, algorithm)]
         assert got["stats"] == network.stats() and got["clock"] == network.clock()
         for mine, theirs in zip(got["runs"], runs):
-            assert torch.equal(mine["logits"][0], theirs["logits"][r]) and torch.equal(mine["losses"][0],
-                                                                                      theirs["losses"][r])
-            for name in sharded:
-                assert torch.equal(mine["grads"][name][0], theirs["grads"][name][r]), name
+            assert_rank_is_sims(mine, theirs, r, sharded)
 
 
 @pytest.mark.parametrize("recovery", ["zero", "rescale"])

@@ -105,7 +105,8 @@ def _patch(x: torch.Tensor, final: torch.Tensor, delivery: Delivery, per_packet:
     if len(patch):  # (index_select would first copy the whole of a non-contiguous ``parts``)
         patch = torch.from_numpy(patch)
         parts = x[:, :whole * per_packet].view(x.shape[0], whole, per_packet)[:, patch]
-        final[:whole * per_packet].view(whole, per_packet).index_copy_(0, patch, _weighted(parts, delivery.coef[:, patch]))
+        patched = _weighted(parts, delivery.coef[:, patch])
+        final[:whole * per_packet].view(whole, per_packet).index_copy_(0, patch, patched)
 
 
 def direct_sum(x: torch.Tensor, weights: torch.Tensor, per_packet: int, dense: bool = True) -> torch.Tensor:
