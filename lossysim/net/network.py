@@ -242,7 +242,8 @@ class LossyNetwork:
             channel.counters.record(transfer.link_ids, lost, self._bad(in_bad), transfer.lengths, transfer.slots,
                                     transfer.sent)
             per_send = lost.flatten()[transfer.sched.packet_tensors(lost.device)["gather"]]
-            if device.type == "cpu":  # a few losses: work out what arrives from them (no host sync to fear)
+            # A few losses: what arrives follows from them (on a CPU, where reading them is no host sync).
+            if device.type == "cpu" and sparse.works_out(transfer.sched):
                 per_send = sparse.Losses.of(transfer.sched, per_send)
             delivery = self._draw(channel, transfer, per_send, collective, direction, numel, dtype)
         else:

@@ -217,6 +217,13 @@ def _send_starts(transfer) -> tuple[np.ndarray, np.ndarray]:
     return transfer._send_starts
 
 
+def works_out(sched) -> bool:
+    """Whether ``Losses.delivery`` works this schedule's Delivery out from the lost packets (else it
+    rebuilds the mask and calls ``combine``)."""
+    return (sched.algorithm, sched.collective) in (("ring", "all_reduce"), ("ring", "reduce_scatter"),
+                                                   ("tree", "all_reduce"))
+
+
 @dataclass
 class Losses:
     """What ``LossyNetwork.simulate(deliver=False)`` returns in place of a Delivery where the recovery
@@ -246,12 +253,9 @@ class Losses:
         where a dozen tensor operations over every packet cost more than the sum they patch."""
         sched = self.sched
         R, P = sched.tp_size, sched.n_packets
-        if sched.algorithm == "ring" and sched.collective in ("all_reduce", "reduce_scatter"):
-            dropped, partial, unheld = self._ring()
-        elif (sched.algorithm, sched.collective) == ("tree", "all_reduce"):
-            dropped, partial, unheld = self._tree()
-        else:
+        if not works_out(sched):
             return combine(sched, self.mask(), weights)
+        dropped, partial, unheld = self._tree() if sched.algorithm == "tree" else self._ring()
         kept_coef = np.ones((R, P), dtype=bool)
         kept_coef[dropped] = False
         if unheld is None:   # a reduce-scatter: rank c holds chunk c's sum and nothing else
