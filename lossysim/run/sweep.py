@@ -16,7 +16,8 @@ Quote loss specs with commas inside a YAML flow list (``[a, b]`` splits on comma
 Every grid point is resolved and validated before anything trains, so a typo fails at once.
 Each run lives in ``<out>/<readable prefix>-<hash8>``, the hash being that of the resolved
 config without its non-semantic keys: the same settings always land in the same directory,
-whatever sweep or shard asks for them. A lossless loss spec (``bernoulli:0``,
+whatever sweep or shard asks for them (a folder an earlier version named differently is found
+again by its hash). A lossless loss spec (``bernoulli:0``,
 ``ge:rate=0,burst=8``) is the same experiment as ``none`` whatever ``lossy`` and ``recovery``
 or ``eval_lossy`` say, so it is normalised to ``loss=none, lossy=both, recovery=zero,
 eval_lossy=true`` and runs once per seed.
