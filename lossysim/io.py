@@ -1,6 +1,8 @@
-"""Atomic file writes: a reader never sees a half-written file, a crash leaves the old one."""
+"""File writes: atomic (a reader never sees a half-written file, a crash leaves the old one), and
+output folders checked before any work, their errors named by the option that chose them."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -9,11 +11,19 @@ from pathlib import Path
 from typing import Any, Union
 
 
+def _umask() -> int:
+    mask = os.umask(0)   # the only way to read it is to set it; put it straight back
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: Union[str, Path], text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp's file is 0600; the file replaced into place gets what open() would have given it.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -62,3 +72,38 @@ def read_jsonl(path: Union[str, Path]) -> list[dict]:
                 break
             raise ValueError(f"{path} line {i + 1}: malformed JSON") from None
     return rows
+
+
+def check_writable(folder: Union[str, Path], option: str = "--out") -> None:
+    """Make sure ``folder`` is, or can be made, a folder this process can write, without creating it:
+    a ValueError naming ``option`` and the folder otherwise, before any work is done."""
+    folder = Path(folder)
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is not a folder" if existing == folder else f"cannot be created: {existing} is not a folder"
+        raise ValueError(f"{option} {folder} {what}")
+    try:   # permissions, read-only mounts and ACLs all answer one real write
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".write-test.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ValueError(f"{option} {folder} is not writable: {err.strerror or err}") from None
+
+
+@contextlib.contextmanager
+def output_errors(folder: Union[str, Path], option: str = "--out"):
+    """Turn an OSError on a file under ``folder`` (disk full, permissions changed mid-run) into a
+    one-line ValueError naming ``option``; other OSErrors pass unchanged."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is None or not _under(Path(str(err.filename)), Path(folder)):
+            raise
+        raise ValueError(f"{option} {folder} is not writable: {err.strerror or err}") from None
+
+
+def _under(path: Path, folder: Path) -> bool:
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents

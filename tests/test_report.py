@@ -232,7 +232,9 @@ def test_time_to_accuracy_table_against_hand_computed_times():
 def test_time_section_is_first_in_the_report(tmp_path):
     runs, metrics = _timed_runs()
     inputs = report.ReportInputs(tmp_path, runs, metrics)
-    assert report.SECTIONS[1] is report.section_time_to_accuracy  # right after the overview
+    # Right after the overview and the runs that could not be read (no text when there are none).
+    assert report.SECTIONS[1:3] == [report.section_problems, report.section_time_to_accuracy]
+    assert report.section_problems(inputs) == ""
     text = report.section_time_to_accuracy(inputs)
     assert text.startswith("## Accuracy against simulated time") and "### Time to reach 81.0% accuracy" in text
     assert "| no loss" in text, text

@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 
 from tqdm.auto import tqdm
 
-from ..io import atomic_write_text
+from ..io import atomic_write_text, check_writable, output_errors
 from ..net import NetworkSpec
 from .shapes import NAMES, load
 from .simulate import estimate
@@ -59,10 +59,14 @@ def run(args) -> int:
     workload = Workload(args.seq, args.micro_batch, args.dtype, args.activation_checkpointing)
     settings = grid({key: getattr(args, key) for key in GRID.values()}, tp_size=args.tp_size,
                     ranks_per_node=args.ranks_per_node, seed=args.seed)
+    if args.out:
+        check_writable(args.out, "--out")   # before the grid: a long estimate must not be lost at the end
     rows = run_grid(args.model, settings, workload, args.steps, args.compute, progress=not args.no_progress)
     print(_table(rows))
     if args.out:
-        for path in write(rows, args.out):
+        with output_errors(args.out, "--out"):
+            written = write(rows, args.out)
+        for path in written:
             print(f"wrote {path}", file=sys.stderr)
     return 0
 

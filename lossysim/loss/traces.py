@@ -23,11 +23,20 @@ def load_trace(path: Union[str, Path]) -> np.ndarray:
     if not path.is_file():
         raise FileNotFoundError(f"trace file {str(path)!r} does not exist")
     if path.suffix == ".npy":
-        values = np.load(path, allow_pickle=False).ravel()
+        try:   # never unpickled: numpy's own message would suggest allow_pickle, which runs the file's code
+            values = np.load(path, allow_pickle=False).ravel()
+        except (ValueError, OSError, EOFError):
+            raise ValueError(f"trace {str(path)!r} is not a valid .npy trace: save an array of bools or 0/1 "
+                             "with numpy.save") from None
         if values.dtype != np.bool_ and not np.isin(values, (0, 1)).all():
             raise ValueError(f"trace {str(path)!r}: a .npy trace holds bools or 0/1")
         return _nonempty(values.astype(bool), path)
-    text = "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#"))
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"trace {str(path)!r} is not a text trace (byte {err.object[err.start]:#04x} at offset "
+                         f"{err.start}): write 0/1 per packet as text, run lengths as .runs, or a .npy array") from None
+    text = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
     tokens = text.replace(",", " ").split()
     if path.suffix == ".runs":
         try:

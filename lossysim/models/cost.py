@@ -62,6 +62,9 @@ def _count(cls, config_json: str, task: str) -> int:
     with torch.random.fork_rng(devices=[]):  # the run's own random streams must not move
         torch.manual_seed(0)
         model = cls(config)
+        if model.loss_type is None and task == "lm":
+            # GPT2LMHeadModel's name does not say ForCausalLM: transformers warns, then uses that loss anyway.
+            model.loss_type = "ForCausalLM"
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
         ids = torch.randint(1, config.vocab_size, (2, 8))
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -89,5 +92,6 @@ def _narrow(values: dict) -> dict:
     if isinstance(values.get("rope_parameters"), dict):
         values["rope_parameters"] = {"rope_type": "default", "rope_theta": values["rope_parameters"].get("rope_theta",
                                                                                                           10000.0)}
-    values["pad_token_id"] = 0
+    # Special tokens inside the narrowed vocabulary: transformers warns about any outside it.
+    values.update(pad_token_id=0, bos_token_id=0, eos_token_id=0)
     return values

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
@@ -28,13 +29,13 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from ..config import NON_SEMANTIC, ExperimentConfig
-from ..io import atomic_write_text, read_jsonl
+from ..io import atomic_write_text, check_writable, output_errors, read_jsonl
 from ..loss.spec import FAMILIES
 from .labels import (DIRECTIONS, LOSS_MODEL, LOSS_RATE, NO_LOSS, Comparison, comparisons, describe, reference,
                      values, varying)
 from .stats import (ALPHA, CONFIDENCE, mean_ci, paired_difference, paired_p, time_to_target,
                     welch_p)
-from .table import collect, write_summary_csv
+from .table import collect, load_summary, write_summary_csv
 
 # A loss spec is compared by what it means, not how it is spelled.
 LOSS_KEYS = ("loss_model", "loss_rate", "mean_burst")
@@ -60,22 +61,50 @@ def load_runs(results: Union[str, Path]) -> pd.DataFrame:
     return runs
 
 
-def load_metrics(results: Union[str, Path], runs: pd.DataFrame) -> pd.DataFrame:
-    """Every run's metrics.jsonl rows, with the run's loss settings and seed attached."""
+def unreadable_runs(results: Union[str, Path]) -> dict[str, str]:
+    """Run directory -> why its summary.json cannot be read (``load_runs`` leaves these runs out)."""
+    results = Path(results)
+    found = {}
+    for path in sorted(results.glob("*/summary.json")):
+        why = load_summary(path.parent)[1]
+        if why:
+            found[path.parent.name] = why
+    return found
+
+
+def load_metrics(results: Union[str, Path], runs: pd.DataFrame,
+                 problems: Optional[dict[str, str]] = None) -> pd.DataFrame:
+    """Every run's metrics.jsonl rows, with the run's loss settings and seed attached; ``problems``
+    gets run directory -> why, for each finished run whose metrics are missing or unreadable."""
     frames = []
+    problems = {} if problems is None else problems
     attach = [c for c in ("run_dir", "status", "loss_model", "loss_rate", "mean_burst", "seed", "eval_split")
               if c in runs.columns] + [c for c in runs.columns if c in CONFIG_KEYS and c != "seed"]
     for _, run in runs.iterrows():
         path = Path(results) / str(run["run_dir"]) / "metrics.jsonl"
+        finished = run.get("status") in ("completed", "diverged")   # a failed run may end before any step
         if not path.is_file():
+            if finished:
+                problems[str(run["run_dir"])] = ("no metrics.jsonl: its curves and time to target are unknown "
+                                                 "(its final numbers come from summary.json)")
             continue
-        rows = pd.DataFrame(read_jsonl(path))
+        try:
+            rows = pd.DataFrame(read_jsonl(path))
+        except (OSError, ValueError) as err:
+            problems[str(run["run_dir"])] = (f"metrics.jsonl unreadable ({_one_line(err)}): its curves and time "
+                                             "to target are unknown")
+            continue
         if rows.empty:
             continue
         for column in attach:
             rows[column] = run[column]
         frames.append(rows)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["step", "split", *attach])
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def dataset_title(runs: pd.DataFrame) -> str:
@@ -572,6 +601,7 @@ def time_to_accuracy_table(runs: pd.DataFrame, metrics: pd.DataFrame,
     runs = add_series(runs)
     target = time_target(runs, fraction)
     reached = {}
+    measured = set(metrics["run_dir"]) if "run_dir" in metrics.columns else set()
     if math.isfinite(target) and "run_dir" in metrics.columns:
         for run_dir, rows in metrics.groupby("run_dir"):
             split = rows["eval_split"].iloc[0] if "eval_split" in rows.columns else None
@@ -582,7 +612,9 @@ def time_to_accuracy_table(runs: pd.DataFrame, metrics: pd.DataFrame,
     rows = []
     for (setting, group), (_, st) in zip(_setting_groups(runs), accuracy.iterrows()):
         done = group[group["status"] == "completed"]
-        hits = [reached.get(d, {}) for d in done["run_dir"]]
+        # A run without metrics rows may have reached the target or not: unknown, never "never".
+        known = [d for d in done["run_dir"] if d in measured]
+        hits = [reached.get(d, {}) for d in known]
         times = [h["sim_time_s"] for h in hits if h.get("sim_time_s") is not None]
         ideal = [h["sim_time_s_ideal_nic"] for h in hits if h.get("sim_time_s_ideal_nic") is not None]
         steps = [h["step"] for h in hits if h.get("step") is not None]
@@ -594,9 +626,11 @@ def time_to_accuracy_table(runs: pd.DataFrame, metrics: pd.DataFrame,
             "loss": (NO_LOSS if setting["loss_model"] == "none"
                      else f"{LOSS_RATE.value(first)} {LOSS_MODEL.value(first)}"),
             **{d.name: d.value(first) for d in columns},
-            "time to target (ms)": _pm(est.mean, est.half_width, est.n, scale=1e3, digits=3) if times else "never",
+            "time to target (ms)": (_pm(est.mean, est.half_width, est.n, scale=1e3, digits=3) if times
+                                    else "never" if known else "unknown" if len(done) else "-"),
             "ideal nic (ms)": _pm(*_mean_ci_tuple(ideal), scale=1e3, digits=3) if ideal else "-",
-            "reached": f"{len(times)}/{len(done)}",
+            "reached": f"{len(times)}/{len(known)}" + (f", {len(done) - len(known)} unknown"
+                                                        if len(known) < len(done) else ""),
             "steps": f"{np.mean(steps):.0f}" if steps else "-",
             "x baseline": f"{est.mean / base.mean:.2f}" if times and base_times else "-",
             "comm per step (ms)": f"{1e3 * done['comm_s_per_step'].mean():.3g}"
@@ -796,6 +830,7 @@ class ReportInputs:
     runs: pd.DataFrame
     metrics: pd.DataFrame
     plots: list[Path] = field(default_factory=list)
+    problems: dict[str, str] = field(default_factory=dict)   # run directory -> why it is left out or partial
 
 
 def _save(figure_or_axes, path: Path) -> None:
@@ -806,8 +841,10 @@ def _save(figure_or_axes, path: Path) -> None:
 def section_overview(inputs: ReportInputs) -> str:
     runs = inputs.runs
     counts = runs["status"].value_counts()
+    unread = sum(1 for run_dir in inputs.problems if run_dir not in set(runs["run_dir"].astype(str)))
     return (f"Dataset: **{dataset_title(runs)}**. {len(runs)} runs: {int(counts.get('completed', 0))} completed, "
-            f"{int(counts.get('diverged', 0))} diverged, {int(counts.get('failed', 0))} failed. Accuracy is the "
+            f"{int(counts.get('diverged', 0))} diverged, {int(counts.get('failed', 0))} failed"
+            + (f"; {unread} more could not be read (listed below)" if unread else "") + ". Accuracy is the "
             f"final `{split_name(runs)}` accuracy of completed runs. {STATISTICS_NOTE}\n")
 
 
@@ -851,21 +888,38 @@ def section_settings(inputs: ReportInputs) -> str:
     return "## Every setting\n\n" + target + to_markdown(summary_table(runs))
 
 
+def section_problems(inputs: ReportInputs) -> str:
+    if not inputs.problems:
+        return ""
+    return ("## Runs that could not be read\n\n"
+            "Left out of every table and plot when their summary cannot be read; otherwise reported from "
+            "summary.json alone.\n\n"
+            + "".join(f"- `{run_dir}`: {why}\n" for run_dir, why in sorted(inputs.problems.items())))
+
+
 def section_plots(inputs: ReportInputs) -> str:
     return "## Plots\n\n" + "".join(f"- {PLOTS[p.name]}: ![{p.stem}]({p.name})\n" for p in inputs.plots)
 
 
 # The report's sections, in order, each a function of ReportInputs returning markdown.
-SECTIONS = [section_overview, section_time_to_accuracy, section_accuracy, section_settings, section_plots]
+SECTIONS = [section_overview, section_problems, section_time_to_accuracy, section_accuracy, section_settings, section_plots]
 
 
 def write_report(results: Union[str, Path], out: Optional[Union[str, Path]] = None) -> dict:
-    """Write the plots, report.md and a merged summary.csv; return the tables and written paths."""
+    """Write the plots, report.md and a merged summary.csv; return the tables, the written paths and
+    ``problems`` (run directory -> why it is left out or reported from its summary alone)."""
     results = Path(results)
     out = Path(out) if out else results
-    out.mkdir(parents=True, exist_ok=True)
+    check_writable(out, "--out" if out != results else "the results folder")
     runs = load_runs(results)
-    metrics = load_metrics(results, runs)
+    problems = unreadable_runs(results)
+    metrics = load_metrics(results, runs, problems)
+    with output_errors(out, "--out" if out != results else "the results folder"):
+        return _write(results, out, runs, metrics, problems)
+
+
+def _write(results: Path, out: Path, runs: pd.DataFrame, metrics: pd.DataFrame, problems: dict) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
     written = []
     drawn = {
         "accuracy_vs_time.png": plot_accuracy_vs_time(metrics, runs),
@@ -881,17 +935,19 @@ def write_report(results: Union[str, Path], out: Optional[Union[str, Path]] = No
             written.append(out / name)
     if out.resolve() == results.resolve():
         write_summary_csv(results)   # shards that shared this folder end up in one table
-    inputs = ReportInputs(results, runs, metrics, written)
+    inputs = ReportInputs(results, runs, metrics, written, problems)
     text = "\n".join([f"# Sweep report: {results.name}\n", *(section(inputs) for section in SECTIONS)])
     report_md = out / "report.md"
     atomic_write_text(report_md, text)
     return {"runs": runs, "pivot": accuracy_pivot(runs), "table": summary_table(runs),
-            "settings": settings(runs), "files": [report_md, *written]}
+            "settings": settings(runs), "files": [report_md, *written], "problems": problems}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("results", help="results folder of a sweep (its run directories)")
     parser.add_argument("--out", help="where to write the plots and report.md (default: the results folder)")
+    parser.add_argument("--strict", action="store_true",
+                        help="exit 1 when some run could not be read (the report of the rest is still written)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -902,4 +958,6 @@ def run(args: argparse.Namespace) -> int:
     print(to_markdown(report["pivot"]))
     for path in report["files"]:
         print(f"wrote {path}")
-    return 0
+    for run_dir, why in sorted(report["problems"].items()):
+        print(f"lossysim report: warning: {run_dir}: {why}", file=sys.stderr)
+    return 1 if args.strict and report["problems"] else 0

@@ -26,11 +26,22 @@ KEY_COLUMNS = ("loss", "lossy", "recovery", "tp_size", "seed", "model", "dataset
 
 def read_summary(run_dir: Union[str, Path]) -> Optional[dict]:
     """The run's summary, or None when it has none (killed) or it cannot be read."""
+    return load_summary(run_dir)[0]
+
+
+def load_summary(run_dir: Union[str, Path]) -> tuple[Optional[dict], Optional[str]]:
+    """(the run's summary, None), or (None, why it cannot be read)."""
     try:
         summary = json.loads((Path(run_dir) / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return summary if isinstance(summary, dict) else None
+    except OSError as err:
+        return None, f"summary.json cannot be read: {err.strerror or err}"
+    except json.JSONDecodeError as err:
+        return None, f"summary.json is not valid JSON (line {err.lineno}: {err.msg}; truncated?)"
+    except ValueError:   # not UTF-8
+        return None, "summary.json is not text"
+    if not isinstance(summary, dict):
+        return None, "summary.json holds no JSON object"
+    return summary, None
 
 
 def run_status(run_dir: Union[str, Path]) -> Optional[str]:

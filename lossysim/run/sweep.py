@@ -16,7 +16,8 @@ Quote loss specs with commas inside a YAML flow list (``[a, b]`` splits on comma
 Every grid point is resolved and validated before anything trains, so a typo fails at once.
 Each run lives in ``<out>/<readable prefix>-<hash8>``, the hash being that of the resolved
 config without its non-semantic keys: the same settings always land in the same directory,
-whatever sweep or shard asks for them. A lossless loss spec (``bernoulli:0``,
+whatever sweep or shard asks for them (a folder an earlier version named differently is found
+again by its hash). A lossless loss spec (``bernoulli:0``,
 ``ge:rate=0,burst=8``) is the same experiment as ``none`` whatever ``lossy`` and ``recovery``
 or ``eval_lossy`` say, so it is normalised to ``loss=none, lossy=both, recovery=zero,
 eval_lossy=true`` and runs once per seed.
@@ -47,7 +48,7 @@ import yaml
 
 from ..config import (IDENTITY_AT_DEFAULT_OMITTED, NON_SEMANTIC, ExperimentConfig, from_dict, load_yaml,
                       parse_overrides, save_yaml)
-from ..io import atomic_write_json, atomic_write_text
+from ..io import atomic_write_json, atomic_write_text, check_writable, output_errors
 from ..loss import parse_loss_model
 from ..loss.spec import label
 from ..results.table import read_summary, run_status, write_summary_csv
@@ -193,6 +194,8 @@ def run_name(config: ExperimentConfig, key: str) -> str:
     if config.transport != "drop":
         parts.append(config.transport + ("" if config.nic == "irn" else f"-{config.nic}")
                      + ("-gbn" if config.retransmit == "go_back_n" else ""))
+    if config.dp_mode != "ddp":
+        parts.append(config.dp_mode)
     prefix = "".join(c if c.isalnum() or c in "._-" else "-" for c in "_".join(parts))
     return f"{prefix}-{key}"
 
@@ -201,6 +204,7 @@ def expand(spec: SweepSpec, out: Union[str, Path]) -> list[Run]:
     """Every distinct run of the spec, validated, in grid order."""
     out = Path(out)
     runs: dict[str, Run] = {}
+    earlier = _names_on_disk(out)
     for grid in spec.grids:
         keys = list(grid)
         for values in itertools.product(*(grid[k] for k in keys)):
@@ -213,10 +217,22 @@ def expand(spec: SweepSpec, out: Union[str, Path]) -> list[Run]:
             key = config_key(config)
             if key in runs:
                 continue
-            name = run_name(config, key)
+            name = earlier.get(key) or run_name(config, key)
             config = config.replace(name=name, out=str(out / name))
             runs[key] = Run(config=config, key=key, dir_name=name, point=point)
     return list(runs.values())
+
+
+def _names_on_disk(out: Path) -> dict[str, str]:
+    """hash -> run directory already under ``out``: names gain parts as settings are added (dp_mode), the
+    hash does not, so a sweep started by an earlier version resumes into its own folders."""
+    found: dict[str, list[str]] = {}
+    if out.is_dir():
+        for path in out.iterdir():
+            key = path.name.rpartition("-")[2]
+            if path.is_dir() and len(key) == 8:
+                found.setdefault(key, []).append(path.name)
+    return {key: names[0] for key, names in found.items() if len(names) == 1}
 
 
 def parse_shard(text: Optional[str], environ: Optional[dict] = None) -> tuple[int, int]:
@@ -414,12 +430,19 @@ def run_sweep(spec: SweepSpec, out: Union[str, Path], shard_k: int = 1, shard_n:
               train: Optional[TrainFn] = None, progress: bool = True, check: bool = True) -> SweepResult:
     """Run every unfinished run of the spec; ``check``: first make sure each model, tokenizer and
     data set they need can be loaded here (see check_inputs)."""
-    from tqdm import tqdm
-
     out = Path(out)
     runs = shard(expand(spec, out), shard_k, shard_n)   # validated before anything is touched
     if check:
         check_inputs(runs)   # what the runs load can be loaded here, before anything is written
+    check_writable(out)
+    with output_errors(out):
+        return _run_all(spec, runs, out, shard_k, shard_n, train, progress)
+
+
+def _run_all(spec: SweepSpec, runs: list[Run], out: Path, shard_k: int, shard_n: int,
+             train: Optional[TrainFn], progress: bool) -> SweepResult:
+    from tqdm import tqdm
+
     out.mkdir(parents=True, exist_ok=True)
     _clean_temporaries(out)
     atomic_write_text(out / "sweep.yaml", yaml.safe_dump(spec.to_dict(), sort_keys=False))

@@ -1,0 +1,204 @@
+"""Output folders checked before any work, damaged results named, files written with the usual mode."""
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from lossysim import cli, io
+from lossysim.run import sweep
+from test_sweep import Recorder, write_spec
+
+
+def one_error_line(err: str, command: str) -> str:
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"lossysim {command}: error: ")
+    return lines[0]
+
+
+# -- report on a damaged results folder ----------------------------------------------------------------
+@pytest.fixture
+def damaged(tmp_path, monkeypatch):
+    """A fake sweep of 6 runs; then one summary.json truncated (as a full disk would leave it if it were
+    not written atomically) and two completed runs' metrics.jsonl removed."""
+    monkeypatch.setattr(sweep, "_default_train", lambda: Recorder())
+    spec = write_spec(tmp_path / "s.yaml", {"loss": ["none", "bernoulli:0.01", "bernoulli:0.05"], "seed": [0, 1]})
+    out = tmp_path / "results"
+    assert cli.main(["sweep", str(spec), "--out", str(out), "--no-progress"]) == 0
+    run = {(d.name.split("_")[0], d.name.split("_")[2].split("-")[0]): d for d in out.iterdir() if d.is_dir()}
+    text = (run["bernoulli-0.05", "seed1"] / "summary.json").read_text()
+    (run["bernoulli-0.05", "seed1"] / "summary.json").write_text(text[: len(text) // 2])
+    (run["bernoulli-0.05", "seed0"] / "metrics.jsonl").unlink()
+    (run["bernoulli-0.01", "seed1"] / "metrics.jsonl").unlink()
+    return out, run
+
+
+def test_report_names_every_run_it_could_not_read_and_reports_the_rest(damaged, capsys):
+    out, run = damaged
+    assert cli.main(["report", str(out)]) == 0
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("lossysim report: warning: ")]
+    assert len(warnings) == 3, err
+    truncated, no_metrics = run["bernoulli-0.05", "seed1"].name, run["bernoulli-0.05", "seed0"].name
+    assert any(truncated in w and "summary.json is not valid JSON" in w for w in warnings)
+    assert any(no_metrics in w and "no metrics.jsonl" in w for w in warnings)
+    md = (out / "report.md").read_text()
+    assert "5 runs: 5 completed, 0 diverged, 0 failed; 1 more could not be read" in md
+    section = md.split("## Runs that could not be read")[1].split("##")[0]
+    assert all(run[k].name in section for k in run if k != ("none", "seed0") and k != ("none", "seed1")
+               and k != ("bernoulli-0.01", "seed0"))
+    # Time to target: a run without metrics is unknown, never "never".
+    rows = {line.split("|")[1].strip(): line for line in md.split("### Time to reach")[1].splitlines()
+            if line.startswith("|") and "%" in line.split("|")[1]}
+    five, one = rows["5% Bernoulli"], rows["1% Bernoulli"]
+    assert "unknown" in five and "0/0, 1 unknown" in five and "never" not in five
+    assert "1/1, 1 unknown" in one and "never" not in one
+
+
+def test_report_strict_exits_1_when_a_run_is_damaged(damaged, capsys):
+    out, _ = damaged
+    assert cli.main(["report", str(out), "--strict"]) == 1
+    assert (out / "report.md").is_file()   # the rest is still reported
+
+
+def test_report_checks_its_out_before_creating_anything(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["report", str(tmp_path / "empty"), "--out", str(tmp_path / "x")]) == 2
+    assert "no finished runs" in one_error_line(capsys.readouterr().err, "report")
+    assert not (tmp_path / "x").exists()
+    (tmp_path / "file").write_text("")
+    assert cli.main(["report", str(tmp_path / "empty"), "--out", str(tmp_path / "file" / "x")]) == 2
+    line = one_error_line(capsys.readouterr().err, "report")
+    assert f"--out {tmp_path / 'file' / 'x'} cannot be created: {tmp_path / 'file'} is not a folder" in line
+
+
+# -- output folders: checked first, errors named -----------------------------------------------------------
+def test_check_writable_creates_nothing_and_names_the_option(tmp_path):
+    io.check_writable(tmp_path / "a" / "b", "--out")
+    assert not (tmp_path / "a").exists() and list(tmp_path.iterdir()) == []
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ValueError, match=rf"^--out {tmp_path / 'f'} is not a folder$"):
+        io.check_writable(tmp_path / "f", "--out")
+    with pytest.raises(ValueError, match="^--dir .*/f/x cannot be created: .*/f is not a folder$"):
+        io.check_writable(tmp_path / "f" / "x", "--dir")
+    with pytest.raises(ValueError, match="^--out /proc/lossysim-x is not writable: "):
+        io.check_writable("/proc/lossysim-x")   # no process may create files there, root included
+
+
+def test_output_errors_name_the_option_only_for_files_under_the_folder(tmp_path):
+    with pytest.raises(ValueError, match=rf"^--out {tmp_path} is not writable: No space left on device$"):
+        with io.output_errors(tmp_path):
+            raise OSError(28, "No space left on device", str(tmp_path / "x.csv"))
+    with pytest.raises(FileNotFoundError):   # someone else's file: its own error
+        with io.output_errors(tmp_path):
+            raise FileNotFoundError(2, "No such file or directory", "/elsewhere/data.txt")
+
+
+ESTIMATE = ["estimate", "tiny", "--tp-size", "2", "--seq", "16", "--steps", "1", "--no-progress"]
+
+
+def test_estimate_refuses_an_unwritable_out_before_simulating(tmp_path, monkeypatch, capsys):
+    from lossysim.estimate import grid
+    simulated = []
+    monkeypatch.setattr(grid, "run_grid", lambda *a, **k: simulated.append(a) or [])
+    (tmp_path / "file").write_text("")
+    assert cli.main([*ESTIMATE, "--out", str(tmp_path / "file" / "est")]) == 2
+    line = one_error_line(capsys.readouterr().err, "estimate")
+    assert "--out" in line and str(tmp_path / "file" / "est") in line
+    assert simulated == []
+
+
+def test_estimate_names_out_when_a_write_fails(tmp_path, monkeypatch, capsys):
+    from lossysim.estimate import grid
+    row = {**{key: 0 for key in grid.SHOWN}, "loss_rate": 0.0}
+    monkeypatch.setattr(grid, "run_grid", lambda *a, **k: [row])
+
+    def full_disk(path, text):
+        raise OSError(28, "No space left on device", str(path))
+    monkeypatch.setattr(grid, "atomic_write_text", full_disk)
+    assert cli.main([*ESTIMATE, "--out", str(tmp_path / "est")]) == 2
+    line = one_error_line(capsys.readouterr().err, "estimate")
+    assert line.endswith(f"--out {tmp_path / 'est'} is not writable: No space left on device")
+
+
+def test_sweep_refuses_an_unwritable_out_before_training(tmp_path, monkeypatch, capsys):
+    rec = Recorder()
+    monkeypatch.setattr(sweep, "_default_train", lambda: rec)
+    spec = write_spec(tmp_path / "s.yaml", {"seed": [0, 1]})
+    (tmp_path / "file").write_text("")
+    assert cli.main(["sweep", str(spec), "--out", str(tmp_path / "file" / "r"), "--no-progress"]) == 2
+    assert "--out" in one_error_line(capsys.readouterr().err, "sweep") and rec.calls == []
+
+    def full_disk(path, text):
+        raise OSError(28, "No space left on device", str(path))
+    monkeypatch.setattr(sweep, "atomic_write_text", full_disk)
+    assert cli.main(["sweep", str(spec), "--out", str(tmp_path / "r"), "--no-progress"]) == 2
+    line = one_error_line(capsys.readouterr().err, "sweep")
+    assert line.endswith(f"--out {tmp_path / 'r'} is not writable: No space left on device")
+
+
+# -- sweep run names ---------------------------------------------------------------------------------------
+def test_sweep_names_fsdp_runs_and_finds_folders_named_before(tmp_path, monkeypatch):
+    spec = sweep.load_spec(write_spec(tmp_path / "s.yaml", {"dp_mode": ["ddp", "fsdp"]}, dp_size=2, tp_size=1))
+    ddp, fsdp = sweep.expand(spec, tmp_path / "r")
+    assert ddp.dir_name == f"none_tp1_seed0-{ddp.key}"   # unchanged: sweeps under way find their runs
+    assert fsdp.dir_name == f"none_tp1_seed0_fsdp-{fsdp.key}"
+    # A folder an earlier version named without dp_mode is the same run: resumed, not run again.
+    rec = Recorder()
+    monkeypatch.setattr(sweep, "_default_train", lambda: rec)
+    sweep.run_sweep(spec, tmp_path / "r", progress=False, check=False)
+    (tmp_path / "r" / fsdp.dir_name).rename(tmp_path / "r" / f"none_tp1_seed0-{fsdp.key}")
+    again = sweep.expand(spec, tmp_path / "r")
+    assert [r.dir_name for r in again] == [ddp.dir_name, f"none_tp1_seed0-{fsdp.key}"]
+    rec.calls.clear()
+    assert sweep.run_sweep(spec, tmp_path / "r", progress=False, check=False).skipped == 2
+    assert rec.calls == []
+
+
+# -- the small things ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_atomic_writes_get_the_mode_open_would_give(tmp_path, umask):
+    previous = os.umask(umask)
+    try:
+        io.atomic_write_text(tmp_path / "atomic.txt", "x")
+        (tmp_path / "plain.txt").write_text("x")
+    finally:
+        os.umask(previous)
+    mode = stat.S_IMODE((tmp_path / "atomic.txt").stat().st_mode)
+    assert mode == stat.S_IMODE((tmp_path / "plain.txt").stat().st_mode) == 0o666 & ~umask
+
+
+def test_fit_names_a_binary_file_and_never_suggests_unpickling(tmp_path, capsys):
+    import pickle
+    binary = tmp_path / "trace.txt"
+    binary.write_bytes(b"01\xff\xfe01")
+    assert cli.main(["fit", str(binary)]) == 2
+    line = one_error_line(capsys.readouterr().err, "fit")
+    assert str(binary) in line and "0xff at offset 2" in line
+    fake = tmp_path / "trace.npy"
+    fake.write_bytes(pickle.dumps([0, 1, 1]))
+    assert cli.main(["fit", str(fake)]) == 2
+    line = one_error_line(capsys.readouterr().err, "fit")
+    assert str(fake) in line and "not a valid .npy trace" in line and "pickle" not in line
+
+
+def test_kernel_counts_of_a_runner_shape_make_transformers_say_nothing(monkeypatch):
+    import logging
+
+    from lossysim.estimate import shapes
+    from lossysim.models import cost
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    monkeypatch.setattr(cost, "_count", cost._count.__wrapped__)   # counted afresh, not from another test
+    logging.Logger.warning_once.cache_clear()   # transformers says each warning once per process
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        shapes.load("tiny")
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []
