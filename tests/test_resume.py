@@ -298,7 +298,7 @@ def test_a_checkpoint_carrying_code_is_refused_without_running_it(tmp_path, caps
     capsys.readouterr()
     code = main(["train", "--config", str(config_path), "--resume", "--no-progress"])
     err = capsys.readouterr().err.strip()
+    assert not marker.exists()
     assert code != 0 and len(err.splitlines()) == 1, err
     assert str(sealed / "rank0.pt") in err and "not loaded" in err
-    assert not marker.exists()
 
