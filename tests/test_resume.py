@@ -250,8 +250,12 @@ def test_keep_last_k_checkpoints(tmp_path):
 
 
 
-def test_dist_resume_from_mid_run_checkpoint_is_exact(tmp_path):
-    config = config_for(tmp_path / "full", backend="dist", dropout=0.0)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_dist_resume_from_mid_run_checkpoint_is_exact(tmp_path, layout):
+    """Two processes: tp 2, or tp 1 x dp 2 (each rank's file holds its replica and its data-parallel
+    network)."""
+    changes = dict(LAYOUTS[layout], tp_size=1) if layout != "tp" else {}
+    config = config_for(tmp_path / "full", backend="dist", dropout=0.0, **changes)
     config_path = tmp_path / "dist.yaml"
     config_path.write_text(yaml.safe_dump(config.to_dict()))
     proc = torchrun(["train", "--no-progress", "--config", str(config_path)])
