@@ -162,8 +162,6 @@ class ExperimentConfig:
         if self.batch_size % self.dp_size:
             raise ValueError(f"batch_size={self.batch_size} must be a multiple of dp_size={self.dp_size}: "
                              "each replica trains on an equal shard of the global batch")
-        if self.checkpoint_every:
-            raise ValueError("checkpoint_every with dp_size > 1 is not supported yet (replicas are not checkpointed)")
         if self.dp_mode == "fsdp" and self.recovery not in ("zero", "rescale"):
             raise ValueError(f"dp_mode=fsdp needs recovery=zero or rescale, not {self.recovery} "
                              "(the other policies need the whole reduced message at every rank)")

@@ -1,6 +1,8 @@
 """Exact resume after SIGKILL, sealed checkpoints, and faults."""
 import hashlib
 import json
+import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -20,6 +22,11 @@ from lossysim.run.experiment import run_experiment
 from torchrun_launch import torchrun
 
 TIMINGS = ("time_s", "tokens_per_s", "wall_time_s")
+# Data parallelism at tp 2 x dp 2, losing on every kind of traffic: DDP with error feedback (a memory per
+# call site on every network) and periodic syncs, FSDP with rescale (gathers and reduce-scatters).
+LAYOUTS = {"tp": {},
+           "ddp": dict(dp_size=2, recovery="error_feedback", dp_sync_every=5, dp_bucket_mb=0.05),
+           "fsdp": dict(dp_size=2, dp_mode="fsdp", recovery="rescale", dp_bucket_mb=0.05)}
 
 
 @pytest.fixture(autouse=True)
@@ -51,6 +58,31 @@ def assert_same_run(a: Path, b: Path):
     assert _without_timings(summary_a) == _without_timings(summary_b)
     weights = "model.safetensors"
     assert (a / "checkpoint" / weights).read_bytes() == (b / "checkpoint" / weights).read_bytes()
+    # The last checkpoints hold all the rest bit for bit: every replica's weights and optimiser state,
+    # every network's chains, streams, counters and recovery memory, every random stream.
+    last_a, last_b = checkpoint.latest(a), checkpoint.latest(b)
+    assert last_a.name == last_b.name
+    for name in sorted(p.name for p in last_a.glob("rank*.pt")):
+        saved_a, saved_b = (torch.load(d / name, weights_only=True) for d in (last_a, last_b))
+        for part in ("progress", "window"):  # wall-clock seconds; the rest of progress is in the summary
+            saved_a.pop(part), saved_b.pop(part)
+        _assert_identical(saved_a, saved_b, name)
+
+
+def _assert_identical(a, b, where: str) -> None:
+    assert type(a) is type(b), where
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _assert_identical(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_identical(x, y, f"{where}[{i}]")
+    elif torch.is_tensor(a):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, where
 
 
 def _wait_for(predicate, proc, timeout=240):
@@ -64,11 +96,12 @@ def _wait_for(predicate, proc, timeout=240):
     raise AssertionError("timed out waiting for the run to progress")
 
 
-def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
-    reference = config_for(tmp_path / "reference")
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, layout):
+    reference = config_for(tmp_path / "reference", **LAYOUTS[layout])
     assert run_experiment(reference, reference.out, progress=False)["status"] == "completed"
 
-    killed = config_for(tmp_path / "killed")
+    killed = config_for(tmp_path / "killed", **LAYOUTS[layout])
     config_path = tmp_path / "killed.yaml"
     config_path.write_text(yaml.safe_dump(killed.to_dict()))
     proc = subprocess.Popen([sys.executable, "-m", "lossysim", "train", "--config", str(config_path),
@@ -135,7 +168,7 @@ def test_progress_is_saved_and_resumed_as_a_plain_dict(tmp_path):
     config = config_for(tmp_path / "full", steps=8, eval_every=4)
     assert run_experiment(config, config.out, progress=False)["status"] == "completed"
     resumed, first = _back_to_first_checkpoint(config, tmp_path)
-    saved = torch.load(first / "rank0.pt", weights_only=False)
+    saved = torch.load(first / "rank0.pt", weights_only=True)
     assert type(saved["progress"]) is dict
     assert list(saved["progress"]) == ["step", "best", "final", "train_disagreement", "tokens", "train_time",
                                        "compute_s", "reached", "last_row", "failures", "restart_s"]
@@ -153,7 +186,7 @@ def test_progress_is_saved_and_resumed_as_a_plain_dict(tmp_path):
 def _as_written_by_0_2(path: Path) -> None:
     """Rewrite a checkpoint as lossysim 0.2 wrote it: no nic settings (its selective repeat), no
     failures, the network clock as one repaired total beside the loss-free one, fewer counters."""
-    saved = torch.load(path / "rank0.pt", weights_only=False)
+    saved = torch.load(path / "rank0.pt", weights_only=True)
     new_keys = ("nic", "channels", "nics_per_node", "restart_s", "restart_lost_steps", "max_failures",
                 "hadamard_block")
     saved["config"] = {k: v for k, v in saved["config"].items() if k not in new_keys}
@@ -217,8 +250,12 @@ def test_keep_last_k_checkpoints(tmp_path):
 
 
 
-def test_dist_resume_from_mid_run_checkpoint_is_exact(tmp_path):
-    config = config_for(tmp_path / "full", backend="dist", dropout=0.0)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_dist_resume_from_mid_run_checkpoint_is_exact(tmp_path, layout):
+    """Two processes: tp 2, or tp 1 x dp 2 (each rank's file holds its replica and its data-parallel
+    network)."""
+    changes = dict(LAYOUTS[layout], tp_size=1) if layout != "tp" else {}
+    config = config_for(tmp_path / "full", backend="dist", dropout=0.0, **changes)
     config_path = tmp_path / "dist.yaml"
     config_path.write_text(yaml.safe_dump(config.to_dict()))
     proc = torchrun(["train", "--no-progress", "--config", str(config_path)])
@@ -234,3 +271,38 @@ def test_dist_resume_from_mid_run_checkpoint_is_exact(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr and "step-0000004" in proc.stderr
     assert_same_run(Path(config.out), resumed)
+
+
+class _Payload:
+    """What a hostile checkpoint would carry: unpickling it runs a command."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("form", ["torch", "pickle"])
+def test_a_checkpoint_carrying_code_is_refused_without_running_it(tmp_path, capsys, form):
+    """A rank file replaced by one whose unpickling runs a command, its manifest checksum rewritten to
+    match: resume refuses it in one line naming the file, and the command never runs."""
+    config = config_for(tmp_path / "run", steps=4, eval_every=4, save_checkpoint=False)
+    assert run_experiment(config, config.out, progress=False)["status"] == "completed"
+    sealed = checkpoint.latest(config.out)
+    marker = tmp_path / "payload-ran"
+    contents = {"config": {}, "progress": _Payload(marker)}
+    with open(sealed / "rank0.pt", "wb") as f:
+        torch.save(contents, f) if form == "torch" else pickle.dump(contents, f, protocol=2)
+    manifest = json.loads((sealed / "manifest.json").read_text())
+    manifest["files"]["rank0.pt"] = hashlib.sha256((sealed / "rank0.pt").read_bytes()).hexdigest()
+    (sealed / "manifest.json").write_text(json.dumps(manifest))
+    config_path = tmp_path / "run.yaml"
+    config_path.write_text(yaml.safe_dump(config.to_dict()))
+    capsys.readouterr()
+    code = main(["train", "--config", str(config_path), "--resume", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert not marker.exists()
+    assert code != 0 and len(err.splitlines()) == 1, err
+    assert str(sealed / "rank0.pt") in err and "not loaded" in err
+

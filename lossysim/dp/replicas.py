@@ -33,6 +33,20 @@ class Replica:
     optimizer: Any
     scheduler: Any
 
+    def state_dict(self) -> dict:
+        """What this replica carries from step to step: weights, optimiser moments, schedule, its TP
+        network (chains, streams, counters, recovery memory) and its replicated dropout stream."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "network": self.model.network.state_dict(),
+                "replicated_rng": self.model.group.rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.model.network.load_state_dict(state["network"])
+        self.model.group.load_rng_state(state["replicated_rng"])
+
 
 class DataParallel:
     """``sim``: every replica in this process, one data-parallel network per TP position, the bucket plan.
@@ -57,6 +71,23 @@ class DataParallel:
         sharded_ids = {id(q) for q in model.sharded_parameters()}
         self._sharded = {i for i, p in enumerate(model.parameters()) if id(p) in sharded_ids}
         self.buckets: list[Bucket] = bucketing.plan_buckets(list(model.parameters()), sharded_ids, bucket_bytes)
+
+    def state_dict(self) -> dict:
+        """This process's share of data parallelism for a checkpoint: the replicas after its first (the
+        first is the run's own model, saved beside this) and its data-parallel networks. FSDP's master
+        copy lives only inside a step, so between steps this is all there is."""
+        return {"replicas": [r.state_dict() for r in self.replicas[1:]],
+                "networks": [n.state_dict() for n in self.networks]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (len(state["replicas"]), len(state["networks"])) != (len(self.replicas) - 1, len(self.networks)):
+            raise ValueError(f"data-parallel state of {len(state['replicas']) + 1} replicas and "
+                             f"{len(state['networks'])} networks, this process runs {len(self.replicas)} "
+                             f"and {len(self.networks)}")
+        for replica, saved in zip(self.replicas[1:], state["replicas"]):
+            replica.load_state_dict(saved)
+        for network, saved in zip(self.networks, state["networks"]):
+            network.load_state_dict(saved)
 
     def gather_weights(self) -> list[float]:
         """DDP gathers no weights before the forward (FSDP does: ``fsdp``); each unit's seconds: none."""

@@ -6,10 +6,18 @@ It is assembled under a temporary name and renamed into place, so a folder
 without a valid manifest (a process killed while writing) is never taken for a
 complete checkpoint; a file whose checksum does not match is a clear error.
 
-``save_training`` and ``resume`` say what a rank's file holds: model, optimiser,
-scheduler, scaler, metric window, every random stream, both networks, and the
-run's progress as a plain dict (``progress``). ``export_model`` writes the
-gathered HF model (``checkpoint/``) at the end of a run.
+A rank's file is a dict of named parts, each one saved by its owner's
+``state_dict`` (``save_training`` and ``resume`` list them): model, optimiser,
+scheduler, scaler, metric window, every random stream, both networks, the run's
+progress as a plain dict (``progress``) and, with data parallelism, ``dp``: the
+other replicas this process runs and the data-parallel networks. A new kind of
+parallelism adds a part; the format stays.
+
+Files hold only tensors and plain values (dicts, lists, numbers, strings), and
+are read with ``torch.load(weights_only=True)``: a file that needs anything else
+to unpickle (code a shared results folder could smuggle in) is refused before
+any of it runs, checksum or not. Every checkpoint lossysim has written loads so.
+``export_model`` writes the gathered HF model (``checkpoint/``) at the end of a run.
 """
 from __future__ import annotations
 
@@ -17,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -103,7 +112,17 @@ def load(path: Path, rank: int = 0, world: int = 1, map_location=None) -> dict:
     if not file.is_file() or _sha256(file) != manifest["files"].get(name):
         raise ValueError(f"checkpoint file {file} is missing or corrupt (checksum mismatch); "
                          "delete the folder to resume from an older checkpoint")
-    return torch.load(file, map_location=map_location, weights_only=False)
+    try:
+        # The manifest's checksums come from whoever wrote the folder: they prove nothing about safety.
+        return torch.load(file, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(f"checkpoint file {file} holds more than tensors and plain values (not written by "
+                         "lossysim, or altered), so it was not loaded; delete the folder to resume from an "
+                         "older checkpoint") from None
+    except (RuntimeError, EOFError) as err:  # not a torch file at all, though its checksum matches
+        raise ValueError(f"checkpoint file {file} is not a readable checkpoint "
+                         f"({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}); "
+                         "delete the folder to resume from an older checkpoint") from None
 
 
 # -- what a training checkpoint holds ----------------------------------------------------------
@@ -121,6 +140,8 @@ def save_training(run_dir: Path, parts: "Parts", state: TrainState, window: Wind
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         "train_net": parts.train_net.state_dict(), "eval_net": parts.eval_net.state_dict(),
     }
+    if parts.dp is not None:
+        contents["dp"] = parts.dp.state_dict()
     return save(run_dir, state.step, contents, rank=rank, world=_world(config), keep=config.keep_checkpoints,
                 barrier=barrier)
 
@@ -152,6 +173,8 @@ def resume(run_dir: Path, parts: "Parts", window: Window, config: ExperimentConf
     parts.model.group.load_rng_state(saved["rng"]["replicated"])
     parts.train_net.load_state_dict(saved["train_net"])
     parts.eval_net.load_state_dict(saved["eval_net"])
+    if parts.dp is not None:
+        parts.dp.load_state_dict(saved["dp"])
     state = TrainState.from_dict(saved["progress"])
     log.info("resumed from %s at step %d", found[0], state.step)
     return state
@@ -163,7 +186,7 @@ def _resumable(config: ExperimentConfig) -> dict:
 
 
 def _world(config: ExperimentConfig) -> int:
-    return config.tp_size if config.backend == "dist" else 1
+    return config.tp_size * config.dp_size if config.backend == "dist" else 1
 
 
 # -- the trained model ------------------------------------------------------------------------
