@@ -212,6 +212,8 @@ def _copy(run: Path, tmp_path: Path) -> tuple[Path, dict]:
     (["--dataset", "no-such-dataset"], "no-such-dataset"),
     (["--model", "no-such-model"], "no-such-model"),
     (["--backend", "dist"], "torchrun"),
+    (["--loss", "bernoulli:0.1", "--set", "lossy_traffic=dp"], "no traffic can lose packets"),
+    (["--set", "dp_sync_every=2"], "dp_sync_every=2 needs dp_size > 1"),
 ])
 def test_bad_input_gives_one_line_error_and_touches_nothing(finished_run, tmp_path, capsys, argv, needle):
     """--resume gets past the folder's own check: what is caught only once the model is built (tp, model,
