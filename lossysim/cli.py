@@ -1,7 +1,7 @@
 """The ``lossysim`` command: one subcommand per module, each imported only when used.
 
 A subcommand's module provides ``add_arguments(parser)`` and ``run(args) -> int``.
-Bad input (ValueError, FileNotFoundError, OSError) ends with a one-line error and exit 2; any
+Bad input (a command-line mistake, ValueError, FileNotFoundError, OSError) ends with a one-line error and exit 2; any
 other exception with a one-line error naming its type and exit 1 (``-v`` prints the traceback).
 Training failures never get here: the runner records them in the run's summary.json.
 """
@@ -22,8 +22,15 @@ SUBCOMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """A command-line mistake is one line and exit 2, as every other bad input (``--help`` has the usage)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="lossysim", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="lossysim", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():

@@ -140,7 +140,7 @@ class ExperimentConfig:
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
         self._validate_data_parallel()
-        self.network_spec()
+        self._check_something_can_lose()
         try:
             parse_compute(self.compute)
         except ValueError as err:
@@ -158,6 +158,9 @@ class ExperimentConfig:
         if not (math.isfinite(self.dp_bucket_mb) and self.dp_bucket_mb > 0):
             raise ValueError(f"dp_bucket_mb={self.dp_bucket_mb} must be a positive number of MiB")
         if self.dp_size == 1:
+            if self.dp_sync_every:
+                raise ValueError(f"dp_sync_every={self.dp_sync_every} needs dp_size > 1: one replica has no "
+                                 "others to synchronise; set dp_sync_every=0")
             return
         if self.batch_size % self.dp_size:
             raise ValueError(f"batch_size={self.batch_size} must be a multiple of dp_size={self.dp_size}: "
@@ -172,6 +175,19 @@ class ExperimentConfig:
             if per < 1 or world % per or (self.tp_size % per and per % self.tp_size):
                 raise ValueError(f"ranks_per_node={per} must divide tp_size={self.tp_size} or be a multiple of it, "
                                  f"and divide the world tp_size x dp_size = {world}")
+
+    def _check_something_can_lose(self) -> None:
+        """A loss model that no traffic can meet is a mistake (the run would lose 0 packets, and say
+        nothing): the traffic it may hit (lossy, lossy_traffic) never crosses a lossy link."""
+        spec = self.network_spec()
+        if spec.loss.lossless:
+            return
+        networks = [spec] + ([self.dp_network_spec(0)] if self.dp_size > 1 else [])
+        if not any(net.lossy and net.topology.has_lossy_link for net in networks):
+            raise ValueError(f"loss={self.loss} but no traffic can lose packets (tp_size={self.tp_size}, "
+                             f"dp_size={self.dp_size}, lossy={self.lossy}, lossy_traffic={self.lossy_traffic}, "
+                             f"lossy_links={self.lossy_links}, ranks_per_node={self.ranks_per_node}): "
+                             "use loss=none for a loss-free run, or make some traffic cross a lossy link")
 
     def network_spec(self, evaluation: bool = False) -> NetworkSpec:
         """The training network's settings; ``evaluation``: the evaluation network's, which draws from

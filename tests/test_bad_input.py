@@ -138,3 +138,67 @@ def test_known_crashers_are_one_line_errors(tmp_path, capsys):
         from_dict({"lr": "["})
     with pytest.raises(ValueError, match=r"^steps=inf is not a valid int"):
         from_dict({"steps": float("inf")})
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(loss="bernoulli:0.1", lossy_traffic="dp"), "no traffic can lose packets"),         # dp 1: no dp traffic
+    (dict(loss="bernoulli:0.1", lossy_links="inter_node"), "no traffic can lose packets"),   # tp 2 on one node
+    (dict(loss="bernoulli:0.1", lossy="fwd", lossy_traffic="tp_backward"), "no traffic can lose packets"),
+    (dict(loss="bernoulli:0.1", tp_size=1), "no traffic can lose packets"),                   # one rank, no links
+    (dict(loss="ge:rate=0.1,burst=4", tp_size=2, dp_size=2, ranks_per_node=4, lossy_links="inter_node"),
+     "no traffic can lose packets"),                                                          # 4 ranks, 1 node
+    (dict(dp_sync_every=4), "dp_sync_every=4 needs dp_size > 1"),
+])
+def test_settings_that_would_do_nothing_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        from_dict(settings)
+
+
+def test_loss_models_some_traffic_meets_are_accepted():
+    for settings in (dict(loss="none", lossy_traffic="dp"),     # a loss-free baseline in any layout
+                     dict(loss="none", lossy_links="inter_node"),
+                     dict(loss="bernoulli:0.1", tp_size=4, ranks_per_node=2, lossy_links="inter_node"),
+                     dict(loss="bernoulli:0.1", tp_size=2, dp_size=2, ranks_per_node=2, lossy_links="inter_node",
+                          lossy_traffic="dp"),
+                     dict(loss="bernoulli:0.1", tp_size=1, dp_size=2)):
+        from_dict(settings)
+
+
+def test_a_lossy_link_exists_exactly_when_some_pair_of_ranks_has_one():
+    from lossysim.net.topology import LOSSY_LINKS, Topology
+    for tp in range(1, 9):
+        for per_node in (p for p in range(1, tp + 1) if tp % p == 0):
+            for links in LOSSY_LINKS:
+                topology = Topology(tp, per_node, links)
+                pairs = [(s, d) for s in range(tp) for d in range(tp) if s != d]
+                assert topology.has_lossy_link == any(topology.lossy(s, d) for s, d in pairs), (tp, per_node, links)
+
+
+def _cli(argv, capsys) -> tuple[int, str]:
+    try:
+        code = cli.main(argv)
+    except SystemExit as stop:   # argparse's own refusals
+        code = stop.code
+    return code, one_line(capsys.readouterr().err)
+
+
+def test_estimate_longer_than_the_models_positions_is_refused_before_any_work(tmp_path, capsys):
+    code, err = _cli(["estimate", "tiny", "--tp-size", "2", "--seq", "1025", "--steps", "1", "--no-progress",
+                      "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "seq=1025 exceeds model 'tiny''s 1024 positions" in err and "--seq <= 1024" in err
+    assert not (tmp_path / "o").exists()
+    from lossysim.estimate.shapes import load
+    gpt2 = load("gpt2")
+    gpt2.check_seq(1024)                                   # the limit itself is allowed
+    with pytest.raises(ValueError, match="seq=1025 exceeds model 'gpt2''s 1024 positions"):
+        gpt2.check_seq(1025)
+
+
+def test_command_line_mistakes_are_one_line(tmp_path, capsys):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("0110100\n")
+    for iterations in ("0", "-3"):
+        code, err = _cli(["fit", str(trace), "--iterations", iterations], capsys)
+        assert code == 2 and f"--iterations {iterations}" in err and "at least 1" in err
+    code, err = _cli(["estimate", "tiny", "--dtype", "int8"], capsys)
+    assert code == 2 and "'int8'" in err and "bf16" in err and "lossysim estimate --help" in err

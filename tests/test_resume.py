@@ -146,9 +146,14 @@ def test_half_written_checkpoint_is_ignored_and_corrupt_one_is_an_error(tmp_path
 def test_resume_with_a_different_experiment_is_refused(tmp_path):
     config = config_for(tmp_path / "run", steps=4, save_checkpoint=False)
     assert run_experiment(config, config.out, progress=False)["status"] == "completed"
+    files = sorted(p for p in Path(config.out).rglob("*") if p.is_file())
+    before = [p.read_bytes() for p in files]
     changed = config.replace(loss="bernoulli:0.2")
-    summary = run_experiment(changed, changed.out, progress=False, resume=True)
-    assert summary["status"] == "failed" and "loss" in summary["error"]
+    with pytest.raises(ValueError, match=r"with loss='ge:rate=0.05,burst=4', this run has loss='bernoulli:0.2'"):
+        run_experiment(changed, changed.out, progress=False, resume=True)
+    # refused before the run took its folder over: summary, config, metrics, checkpoints as they were
+    assert sorted(p for p in Path(config.out).rglob("*") if p.is_file()) == files
+    assert [p.read_bytes() for p in files] == before
 
 
 def _back_to_first_checkpoint(config, tmp_path):

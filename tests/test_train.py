@@ -1,6 +1,7 @@
 """The experiment runner end to end, on the tiny model and the synthetic task."""
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from lossysim.config import ExperimentConfig, load_config
 from lossysim.data import eval_batches, prepare_data, train_batches
 from lossysim.io import read_jsonl
 from lossysim.models import build_model
+from lossysim.run import experiment
 from lossysim.run.experiment import run_experiment
 from torchrun_launch import torchrun
 
@@ -171,9 +173,34 @@ def test_non_finite_loss_marks_run_diverged(tmp_path):
 def _cli_error(capsys, argv) -> str:
     code = main(argv)
     err = capsys.readouterr().err.strip()
-    assert code != 0
+    assert code == 2, err
     assert err and len(err.splitlines()) == 1, err
     return err
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A completed run with a sealed training checkpoint: what a refused run must leave as it was."""
+    root = tmp_path_factory.mktemp("finished")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LOSSYSIM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+        config = tiny(root, steps=2, eval_every=2, log_every=1, checkpoint_every=2, max_train_samples=32,
+                      max_eval_samples=16)
+        assert run_experiment(config, config.out, progress=False)["status"] == "completed"
+    return Path(config.out)
+
+
+def _files(folder: Path) -> dict:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _copy(run: Path, tmp_path: Path) -> tuple[Path, dict]:
+    out = tmp_path / "r"
+    shutil.copytree(run, out)
+    before = _files(out)
+    assert {"metrics.jsonl", "summary.json", "config.yaml"} <= set(before)
+    assert any(name.startswith("checkpoints/step-") for name in before)
+    return out, before
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -185,13 +212,46 @@ def _cli_error(capsys, argv) -> str:
     (["--dataset", "no-such-dataset"], "no-such-dataset"),
     (["--model", "no-such-model"], "no-such-model"),
     (["--backend", "dist"], "torchrun"),
+    (["--loss", "bernoulli:0.1", "--set", "lossy_traffic=dp"], "no traffic can lose packets"),
+    (["--set", "dp_sync_every=2"], "dp_sync_every=2 needs dp_size > 1"),
 ])
-def test_bad_input_gives_one_line_error(tmp_path, capsys, argv, needle):
-    err = _cli_error(capsys, ["train", "--no-progress", "--steps", "2", "--out", str(tmp_path / "r"),
+def test_bad_input_gives_one_line_error_and_touches_nothing(finished_run, tmp_path, capsys, argv, needle):
+    """--resume gets past the folder's own check: what is caught only once the model is built (tp, model,
+    data) or the processes started (dist) must still leave a finished run byte for byte as it was."""
+    out, before = _copy(finished_run, tmp_path)
+    err = _cli_error(capsys, ["train", "--no-progress", "--resume", "--steps", "2", "--out", str(out),
                               "--set", "max_train_samples=32", "--set", "max_eval_samples=16", *argv])
     assert needle in err
-    summary = tmp_path / "r" / "summary.json"
-    assert not summary.exists() or json.loads(summary.read_text())["status"] == "failed"
+    assert _files(out) == before
+
+
+def test_a_new_run_never_replaces_a_finished_one_or_its_checkpoints(finished_run, tmp_path, capsys):
+    out, before = _copy(finished_run, tmp_path)
+    argv = ["train", "--no-progress", "--config", str(out / "config.yaml"), "--out", str(out)]
+    assert "holds a finished run (status completed)" in _cli_error(capsys, argv)
+    assert _files(out) == before
+    (out / "summary.json").unlink()          # killed after its checkpoint: only --resume may go on
+    before = _files(out)
+    assert "add --resume" in _cli_error(capsys, argv)
+    assert _files(out) == before
+
+
+def test_a_training_failure_is_recorded_in_the_folder_the_run_took_over(tmp_path, monkeypatch):
+    """Only settings are refused without a trace: a run that fails while training leaves its summary
+    (how a sweep learns it failed), in a folder where an earlier failed attempt was replaced."""
+    config = tiny(tmp_path, steps=2, max_train_samples=32, max_eval_samples=16)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "summary.json").write_text(json.dumps({"status": "failed", "error": "earlier"}))
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 9, "split": "train"}\n')
+
+    def broken_step(*args):
+        raise RuntimeError("step broke")
+    monkeypatch.setattr(experiment, "train_step", broken_step)
+    summary = run_experiment(config, config.out, progress=False)
+    assert summary["status"] == "failed" and "step broke" in summary["error"]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text()) == config.to_dict()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()   # the earlier attempt's rows are gone
 
 
 def test_malformed_config_names_line(tmp_path, capsys):
@@ -205,7 +265,8 @@ def test_unwritable_output_folder(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     err = _cli_error(capsys, ["train", "--no-progress", "--out", str(blocker / "run")])
-    assert "not writable" in err or "Not a directory" in err
+    assert f"--out {blocker / 'run'} is not writable" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["file"] and blocker.read_text() == "not a directory"
 
 
 def test_full_disk_is_refused_before_training(tmp_path, capsys, monkeypatch):
@@ -217,7 +278,7 @@ def test_full_disk_is_refused_before_training(tmp_path, capsys, monkeypatch):
                               "--set", "checkpoint_every=2", "--set", "max_train_samples=32",
                               "--set", "max_eval_samples=16", "--set", "max_length=32"])
     assert "not enough free space" in err
-    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_transport_that_gives_up_costs_a_restart_or_ends_the_run(tmp_path):

@@ -103,6 +103,7 @@ def run_grid(model: str, settings: Iterable[NetworkSpec], workload: Workload, st
     settings = list(settings)
     for spec in settings:
         shape.check_tp(spec.tp_size)
+    shape.check_seq(workload.seq)
     rows = []
     with tqdm(total=len(settings) * steps, desc=f"estimate {shape.name}", disable=not progress,
               dynamic_ncols=True) as bar:

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ..models import NAMED_SHAPES as RUNNER_SHAPES
-from ..models import cost
+from ..models import cost, max_positions
 from ..tp.parallelize import head_counts
 from ..tp.plans import ShardingPlan, plan_for
 
@@ -75,6 +75,17 @@ class Shape:
             or 4 * self.hidden
         if width % tp_size:
             raise ValueError(f"tp_size={tp_size} does not divide the MLP width {width} of {self.name}")
+
+    def check_seq(self, seq: int) -> None:
+        """A one-line ValueError when ``seq`` is longer than the model's positions (training refuses
+        the same max_length)."""
+        if self.name in RUNNER:   # the runner's shapes embed as many positions as training allows
+            limit = max_positions(self.name)
+        else:
+            limit = getattr(self.config, "n_positions", None) or getattr(self.config, "max_position_embeddings", None)
+        if limit and int(seq) > int(limit):
+            raise ValueError(f"seq={seq} exceeds model {self.name!r}'s {limit} positions "
+                             f"(n_positions / max_position_embeddings); use --seq <= {limit}")
 
 
 def config_of(name: str) -> PretrainedConfig:

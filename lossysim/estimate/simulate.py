@@ -34,6 +34,7 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
     if int(steps) < 1:
         raise ValueError(f"steps={steps} must be >= 1")
     shape.check_tp(spec.tp_size)
+    shape.check_seq(workload.seq)
     gpu = timing.parse_compute(compute)
     if isinstance(gpu, timing.Measured):
         raise ValueError("compute=measured needs a real training run; name a GPU model (e.g. h100)")

@@ -244,6 +244,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     path = args.trace[len("trace:"):] if args.trace.startswith("trace:") else args.trace
+    if args.iterations < 1:   # before the trace is read: Baum-Welch with no iteration fits nothing
+        raise ValueError(f"--iterations {args.iterations}: give at least 1 Baum-Welch iteration")
     lost = load_trace(path)
     if args.max_packets < 2:
         raise ValueError(f"max-packets={args.max_packets} must be >= 2")

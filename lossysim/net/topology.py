@@ -37,6 +37,11 @@ class Topology:
     def nodes(self) -> int:
         return self.tp_size // self.ranks_per_node
 
+    @property
+    def has_lossy_link(self) -> bool:
+        """Whether any link between two ranks can lose packets."""
+        return self.tp_size > 1 and (self.lossy_links == "all" or self.nodes > 1)
+
     def node(self, rank: int) -> int:
         return rank // self.ranks_per_node
 

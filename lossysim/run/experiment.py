@@ -17,7 +17,6 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -26,7 +25,8 @@ from tqdm.auto import tqdm
 from ..config import ExperimentConfig, load_config, parse_overrides, save_yaml
 from ..data import EVAL_SPLITS, train_batches
 from ..io import atomic_write_json, atomic_write_text
-from . import checkpoint, record
+from ..results.table import run_status
+from . import checkpoint, record, tracking
 from .build import Parts, build
 from .evaluate import evaluate
 from .runtime import device as _device, init_distributed
@@ -85,30 +85,27 @@ def run_experiment(config: ExperimentConfig, run_dir, *, progress: bool = True, 
     """Train one configuration; write ``run_dir``; return the summary.
 
     With ``resume``, continue from the newest complete checkpoint in ``run_dir``
-    (if any) and end exactly as an uninterrupted run would. A training failure
-    is recorded (status ``failed`` or ``diverged``), not raised.
+    (if any) and end exactly as an uninterrupted run would. Everything that can be
+    checked before training is, and a problem raises (ValueError or OSError) with
+    ``run_dir`` untouched: bad settings, a model or data that cannot be built, a
+    wrong world size, an output folder that cannot hold the run or already holds a
+    finished one, a checkpoint of another experiment. Only then does the run take
+    ``run_dir`` over; a training failure is recorded there (status ``failed`` or
+    ``diverged``), not raised.
     """
     config.validate()
     run_dir = Path(run_dir)
     started = time.time()
-    runtime = None
     previous_handler = None
     if config.backend == "dist":  # torchrun stops the other ranks with SIGTERM when one fails
         previous_handler = signal.signal(signal.SIGTERM, _terminated)
     try:
-        runtime = _start(config, run_dir, resume)
-        summary = _train(runtime, progress and runtime.is_main, position, started)
-    except Exception as err:  # recorded, so a sweep goes on
-        if config.backend == "dist" and isinstance(err, (RuntimeError, getattr(dist, "DistError", RuntimeError))):
-            err = RuntimeError(f"a peer rank failed or stopped responding (timeout_s={config.timeout_s:g}): "
-                               f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}")
-        summary = record.failure(config, err, started)
-        log.debug("run failed", exc_info=True)
-        if runtime is None or runtime.is_main:
-            with contextlib.suppress(OSError):
-                run_dir.mkdir(parents=True, exist_ok=True)
-                atomic_write_text(run_dir / "traceback.txt", traceback.format_exc())
-                atomic_write_json(run_dir / "summary.json", summary)
+        runtime, parts, state, window = _setup(config, run_dir, resume)
+        _claim(runtime, state)
+        try:
+            summary = _train(runtime, parts, state, window, progress and runtime.is_main, position, started)
+        except Exception as err:  # recorded, so a sweep goes on
+            summary = _record_failure(runtime, err, started)
     finally:
         if config.backend == "dist" and dist.is_initialized():
             dist.destroy_process_group()
@@ -117,16 +114,42 @@ def run_experiment(config: ExperimentConfig, run_dir, *, progress: bool = True, 
     return summary
 
 
-def _train(rt: _Runtime, progress: bool, position: int, started: float) -> dict:
-    """Build, then train to ``config.steps``, logging, evaluating and checkpointing on the way."""
-    config = rt.config
-    parts = build(config, rt.device, rt.rank, rt.is_main, rt.barrier if config.backend == "dist" else None)
-    if rt.is_main:
-        _check_free_space(rt.run_dir, parts.model, config)
+def _setup(config: ExperimentConfig, run_dir: Path, resume: bool):
+    """Every check a run can make before training, cheapest first; writes nothing in ``run_dir``."""
+    runtime = _start(config, run_dir, resume)
+    config, run_dir = runtime.config, runtime.run_dir   # dist: rank 0's
+    if runtime.is_main:
+        _check_run_dir(run_dir, resume)
+        tracking.require(config.report_to)
+    parts = build(config, runtime.device, runtime.rank, runtime.is_main,
+                  runtime.barrier if config.backend == "dist" else None)
+    if runtime.is_main:
+        _check_free_space(run_dir, parts.model, config)
     state = TrainState(last_row=record.clock_mark(0, 0.0, parts.train_net))
-    window = Window(rt.device)
-    if rt.resume:
-        state = _resume(rt, parts, window) or state
+    window = Window(runtime.device)
+    if resume:
+        state = checkpoint.resume(run_dir, parts, window, config, runtime.rank, runtime.device) or state
+    return runtime, parts, state, window
+
+
+def _record_failure(rt: _Runtime, err: Exception, started: float) -> dict:
+    config = rt.config
+    if config.backend == "dist" and isinstance(err, (RuntimeError, getattr(dist, "DistError", RuntimeError))):
+        err = RuntimeError(f"a peer rank failed or stopped responding (timeout_s={config.timeout_s:g}): "
+                           f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}")
+    summary = record.failure(config, err, started)
+    log.debug("run failed", exc_info=True)
+    if rt.is_main:
+        with contextlib.suppress(OSError):
+            atomic_write_text(rt.run_dir / "traceback.txt", traceback.format_exc())
+            atomic_write_json(rt.run_dir / "summary.json", summary)
+    return summary
+
+
+def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progress: bool, position: int,
+           started: float) -> dict:
+    """Train to ``config.steps``, logging, evaluating and checkpointing on the way."""
+    config = rt.config
     metrics = record.Metrics(rt.run_dir, config, rt.is_main, resume_step=state.step)
     status, diverged_at = "completed", None
     batches = train_batches(parts.data, config.batch_size, config.seed, start_step=state.step)
@@ -192,13 +215,6 @@ def _train(rt: _Runtime, progress: bool, position: int, started: float) -> dict:
     return summary
 
 
-def _resume(rt: _Runtime, parts: Parts, window: Window) -> Optional[TrainState]:
-    resumed = checkpoint.resume(rt.run_dir, parts, window, rt.config, rt.rank, rt.device)
-    if rt.is_main:  # rows after the checkpoint were written by the run that died
-        record.cut_metrics(rt.run_dir, resumed.step if resumed else None)
-    return resumed
-
-
 class _Divergence(Exception):
     """A step's loss or gradients became non-finite (its argument: the step)."""
 
@@ -245,32 +261,49 @@ def _start(config: ExperimentConfig, run_dir: Path, resume: bool) -> _Runtime:
     else:
         rank = 0
         device = _device(config.device)
-    runtime = _Runtime(config, run_dir, device, rank, rank == 0, resume)
-    if runtime.is_main:
-        _prepare_run_dir(run_dir, keep_checkpoints=resume)
-        save_yaml(config, run_dir / "config.yaml")
-    return runtime
+    return _Runtime(config, run_dir, device, rank, rank == 0, resume)
 
 
-def _prepare_run_dir(run_dir: Path, keep_checkpoints: bool) -> None:
-    """Start clean: a stale summary from an earlier attempt must not mix in.
+def _check_run_dir(run_dir: Path, resume: bool) -> None:
+    """Refuse, before anything is built, an output folder this run could not write or must not replace.
 
-    When resuming, metrics and training checkpoints stay (metrics are cut back
-    to the checkpoint's step once it is loaded).
+    A finished run's results (any status but ``failed``) and sealed training checkpoints are work a
+    new run would delete: only ``--resume`` may continue them, and only from a checkpoint.
     """
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as err:
-        raise ValueError(f"output folder {run_dir} is not writable: {err.strerror or err}") from None
-    for name in ("summary.json", "traceback.txt") + (() if keep_checkpoints else ("metrics.jsonl",)):
-        with contextlib.suppress(FileNotFoundError):
-            (run_dir / name).unlink()
-    shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
-    if not keep_checkpoints:
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--out {run_dir} is a file, not a folder: choose another --out")
+    existing = _nearest_existing(run_dir)
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {run_dir} is not writable ({existing} cannot be written to): choose another --out")
+    status = run_status(run_dir)
+    if status not in (None, "failed") and not (resume and checkpoint.latest(run_dir)):
+        raise ValueError(f"--out {run_dir} holds a finished run (status {status}): choose another --out, "
+                         "or delete the folder to train it again")
+    if not resume and checkpoint.latest(run_dir):
+        raise ValueError(f"--out {run_dir} holds training checkpoints: add --resume to continue that run, "
+                         "or choose another --out (or delete the folder) to start a new one")
+
+
+def _claim(rt: _Runtime, state: TrainState) -> None:
+    """Every check passed: the run takes ``run_dir`` over. A stale summary from an earlier (failed or
+    killed) attempt must not mix in; when resuming, metrics and training checkpoints stay, the metrics
+    cut back to the checkpoint's step (the run that died wrote on past it)."""
+    if rt.is_main:
+        run_dir = rt.run_dir
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            for name in ("summary.json", "traceback.txt") + (() if rt.resume else ("metrics.jsonl",)):
+                with contextlib.suppress(FileNotFoundError):
+                    (run_dir / name).unlink()
+            shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
+            if not rt.resume:
+                shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+            save_yaml(rt.config, run_dir / "config.yaml")
+            if rt.resume:
+                record.cut_metrics(run_dir, state.step or None)
+        except OSError as err:
+            raise ValueError(f"--out {run_dir} is not writable: {err.strerror or err}") from None
+    rt.barrier()   # dist: no rank writes (a checkpoint) into the folder before rank 0 has taken it over
 
 
 def _check_free_space(run_dir: Path, model: torch.nn.Module, cfg: ExperimentConfig) -> None:
@@ -282,7 +315,12 @@ def _check_free_space(run_dir: Path, model: torch.nn.Module, cfg: ExperimentConf
         need += (kept + 1) * 3 * weights  # weights and two AdamW moments, one more while sealing
     if cfg.save_checkpoint:
         need += 2 * weights
-    free = shutil.disk_usage(run_dir).free
+    free = shutil.disk_usage(_nearest_existing(run_dir)).free
     if free < need:
         raise ValueError(f"not enough free space in {run_dir}: the run writes about {need / 2**20:.0f} MiB, "
-                         f"{free / 2**20:.0f} MiB are free")
+                         f"{free / 2**20:.0f} MiB are free; free some space or choose another --out")
+
+
+def _nearest_existing(path: Path) -> Path:
+    """``path`` or the closest of its parents that exists: what a run creating ``path`` writes into."""
+    return next(p for p in (path, *path.absolute().parents) if p.exists())

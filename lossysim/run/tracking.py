@@ -31,6 +31,14 @@ def _require(tracker: str) -> None:
                          f"pip install 'lossysim[{tracker}]'")
 
 
+def require(report_to) -> tuple[str, ...]:
+    """The trackers ``report_to`` names; a one-line ValueError when one's package is not installed."""
+    names = parse_report_to(report_to)
+    for name in names:
+        _require(name)
+    return names
+
+
 def _scalars(row: dict) -> dict[str, float]:
     split = row.get("split", "train")
     return {f"{split}/{key}": float(value) for key, value in row.items()
@@ -90,9 +98,7 @@ class _WandB:
 
 def open_tracker(report_to, run_dir, config: dict, resume_step: int = 0) -> Tracker:
     """A Tracker for ``report_to`` writing under ``run_dir``; ``resume_step`` > 0 continues a run."""
-    names = parse_report_to(report_to)
-    for name in names:
-        _require(name)
+    names = require(report_to)
     run_dir = Path(run_dir)
     sinks = []
     try:
