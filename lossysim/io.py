@@ -74,13 +74,17 @@ def read_jsonl(path: Union[str, Path]) -> list[dict]:
     return rows
 
 
+def nearest_existing(path: Union[str, Path]) -> Path:
+    """``path`` or the closest of its parents that exists: what creating ``path`` writes into."""
+    path = Path(path)
+    return next(p for p in (path, *path.absolute().parents) if p.exists())
+
+
 def check_writable(folder: Union[str, Path], option: str = "--out") -> None:
     """Make sure ``folder`` is, or can be made, a folder this process can write, without creating it:
     a ValueError naming ``option`` and the folder otherwise, before any work is done."""
     folder = Path(folder)
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(folder)
     if not existing.is_dir():
         what = "is not a folder" if existing == folder else f"cannot be created: {existing} is not a folder"
         raise ValueError(f"{option} {folder} {what}")

@@ -265,7 +265,7 @@ def test_unwritable_output_folder(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     err = _cli_error(capsys, ["train", "--no-progress", "--out", str(blocker / "run")])
-    assert f"--out {blocker / 'run'} is not writable" in err
+    assert f"--out {blocker / 'run'} cannot be created: {blocker} is not a folder" in err
     assert [p.name for p in tmp_path.iterdir()] == ["file"] and blocker.read_text() == "not a directory"
 
 

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from ..config import ExperimentConfig, load_config, parse_overrides, save_yaml
 from ..data import EVAL_SPLITS, train_batches
-from ..io import atomic_write_json, atomic_write_text
+from ..io import atomic_write_json, atomic_write_text, check_writable, nearest_existing
 from ..results.table import run_status
 from . import checkpoint, record, tracking
 from .build import Parts, build
@@ -270,11 +270,7 @@ def _check_run_dir(run_dir: Path, resume: bool) -> None:
     A finished run's results (any status but ``failed``) and sealed training checkpoints are work a
     new run would delete: only ``--resume`` may continue them, and only from a checkpoint.
     """
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ValueError(f"--out {run_dir} is a file, not a folder: choose another --out")
-    existing = _nearest_existing(run_dir)
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {run_dir} is not writable ({existing} cannot be written to): choose another --out")
+    check_writable(run_dir, "--out")
     status = run_status(run_dir)
     if status not in (None, "failed") and not (resume and checkpoint.latest(run_dir)):
         raise ValueError(f"--out {run_dir} holds a finished run (status {status}): choose another --out, "
@@ -309,18 +305,15 @@ def _claim(rt: _Runtime, state: TrainState) -> None:
 def _check_free_space(run_dir: Path, model: torch.nn.Module, cfg: ExperimentConfig) -> None:
     """Fail before training, not at the first checkpoint, when the disk cannot hold the run."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if cfg.backend == "sim" and cfg.dp_mode == "ddp":  # one process checkpoints every whole replica
+        weights *= cfg.dp_size
     need = 16 << 20  # metrics, summary, tokenizer
     if cfg.checkpoint_every:
         kept = cfg.keep_checkpoints or max(1, cfg.steps // cfg.checkpoint_every)
         need += (kept + 1) * 3 * weights  # weights and two AdamW moments, one more while sealing
     if cfg.save_checkpoint:
         need += 2 * weights
-    free = shutil.disk_usage(_nearest_existing(run_dir)).free
+    free = shutil.disk_usage(nearest_existing(run_dir)).free
     if free < need:
         raise ValueError(f"not enough free space in {run_dir}: the run writes about {need / 2**20:.0f} MiB, "
                          f"{free / 2**20:.0f} MiB are free; free some space or choose another --out")
-
-
-def _nearest_existing(path: Path) -> Path:
-    """``path`` or the closest of its parents that exists: what a run creating ``path`` writes into."""
-    return next(p for p in (path, *path.absolute().parents) if p.exists())
