@@ -230,7 +230,7 @@ def parallelize(model: nn.Module, tp_size: int = 2, network: Optional[LossyNetwo
             setattr(attention, attribute, values[quantity])
     tp_model = TensorParallelModel(model, group, plan, kind)
     replicated = {id(p) for p in tp_model.replicated_parameters()}
-    for module in model.modules():
+    for module in model.modules():  # a RowParallel adds its replicated bias rank by rank itself
         if not isinstance(module, RowParallel) and any(id(p) in replicated for p in module.parameters(recurse=False)):
             run_per_rank(module, group)
     for param in tp_model.replicated_parameters():
