@@ -293,7 +293,7 @@ def sim_and_dist(tmp_path, **settings) -> tuple[dict, list]:
 
     settings = dict(model="tiny", dataset="synthetic", max_length=32, max_train_samples=96, max_eval_samples=32,
                     batch_size=8, eval_batch_size=32, steps=3, eval_every=3, log_every=1, warmup_steps=1,
-                    dropout=0.0, lr=1e-3, dp_bucket_mb=0.05, save_checkpoint=True, **settings)
+                    dropout=0.0, lr=1e-3, dp_bucket_mb=0.05, save_checkpoint=True) | settings
     spec = tmp_path / "run.yaml"
     spec.write_text(yaml.safe_dump(settings))
     sim = tiny(tmp_path, **settings, out=str(tmp_path / "sim"))
@@ -308,22 +308,26 @@ def sim_and_dist(tmp_path, **settings) -> tuple[dict, list]:
     return rows, weights
 
 
-def test_dist_equals_sim_under_loss(tmp_path):
-    """tp 2 x dp 2 as 4 gloo processes (2-D process groups) against sim, Gilbert-Elliott loss on every
-    kind of traffic: every packet count, loss rate, accuracy and the clock bit for bit; the training
-    loss and drift (sums taken in another order across processes) to 1e-6; replica 0's weights to
-    fp32 rounding (the runner's TP-only dist and sim runs already differ there by a few ulps)."""
-    rows, weights = sim_and_dist(tmp_path, tp_size=2, dp_size=2, loss="ge:rate=0.05,burst=4")
+def assert_dist_is_sim(rows: dict, weights: list) -> None:
+    """Every metrics column but wall-clock time (packets, loss rates, clock, losses, accuracies,
+    drift, disagreement) and every saved weight, bit for bit."""
     for a, b in zip(rows["sim"], rows["dist"]):
+        assert a.keys() == b.keys()
         for key, value in a.items():
-            if key in ("time_s", "tokens_per_s"):
-                continue
-            if key in ("loss", "drift", "hidden_rel_diff"):
-                assert b[key] == pytest.approx(value, rel=1e-6), (a["step"], key)
-            else:
+            if key not in ("time_s", "tokens_per_s"):
                 assert b[key] == value, (a["step"], a["split"], key)
-    last = [r for r in rows["sim"] if r["split"] == "train"][-1]
-    assert last["packets_lost_dp"] > 0 and last["packets_lost_fwd"] > 0 and last["drift"] > 0
     assert weights[0].keys() == weights[1].keys()
     for name in weights[0]:
-        torch.testing.assert_close(weights[1][name], weights[0][name], rtol=1e-5, atol=1e-6, msg=name)
+        assert torch.equal(weights[1][name], weights[0][name]), name
+
+
+def test_dist_equals_sim_under_loss(tmp_path, one_torch_thread):
+    """tp 2 x dp 2 as 4 gloo processes (2-D process groups) against sim (on one intra-op thread, as
+    the ranks run: CPU matmuls round differently across thread counts), Gilbert-Elliott loss on every
+    kind of traffic, 6 steps with the gradient clipped at each: bit for bit (``assert_dist_is_sim``). A
+    sum taken in another order (a replicated gradient, the clipping norm, drift) fails it within them."""
+    rows, weights = sim_and_dist(tmp_path, tp_size=2, dp_size=2, loss="ge:rate=0.05,burst=4", grad_clip=0.1,
+                                 steps=6, eval_every=6)
+    assert_dist_is_sim(rows, weights)
+    last = [r for r in rows["sim"] if r["split"] == "train"][-1]
+    assert last["packets_lost_dp"] > 0 and last["packets_lost_fwd"] > 0 and last["drift"] > 0

@@ -140,15 +140,24 @@ class DataParallel:
     @torch.no_grad()
     def drift(self) -> float:
         """How far the replicas' parameters have drifted from replica 0's: max over r of
-        ||p_r - p_0|| / ||p_0||, over every parameter (every TP rank's shard) at once."""
-        base = [p.detach().float() for p in self.replicas[0].model.parameters()]
-        norm = torch.sqrt(sum(b.pow(2).sum() for b in base)).clamp_min(1e-30)
-        worst = torch.zeros(())
+        ||p_r - p_0|| / ||p_0||, over every parameter (every TP rank's shard) at once. Summed as
+        ``dist`` sums it (each TP rank's squares, then the TP ranks' totals in rank order), so the
+        two backends give the same bits on the same weights."""
+        base = list(self.replicas[0].model.parameters())
+        worst = torch.zeros((), dtype=torch.float64)
         for replica in self.replicas[1:]:
-            diff = torch.sqrt(sum((p.detach().float() - b).pow(2).sum()
-                                  for p, b in zip(replica.model.parameters(), base)))
-            worst = torch.maximum(worst, (diff / norm).cpu())
+            params = list(replica.model.parameters())
+            sums = _square_sums(self._local(params, base, 0))
+            for t in range(1, self.tp_size):
+                sums = sums + _square_sums(self._local(params, base, t))
+            worst = torch.maximum(worst, _relative(sums).cpu())
         return float(worst)
+
+    def _local(self, params: list, base: list, t: int) -> list:
+        """(parameter, replica 0's) pairs as TP rank t holds them: its shard of each sharded one, and
+        the replicated ones on rank 0 only (counted once)."""
+        return [(p[t:t + 1], b[t:t + 1]) if i in self._sharded else (p, b)
+                for i, (p, b) in enumerate(zip(params, base)) if i in self._sharded or t == 0]
 
     @torch.no_grad()
     def synchronise(self) -> float:
@@ -239,14 +248,15 @@ class DistDataParallel(DataParallel):
         """As ``sim``'s: each rank sums its local squares (a replicated parameter counted on TP rank 0
         only), the replica's TP ranks add theirs, the worst replica wins."""
         params = list(self.replicas[0].model.parameters())
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for i, p in enumerate(params):
-            base = p.detach().float().clone()
-            dist.broadcast(base, src=dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
-            if i in self._sharded or self.tp_rank == 0:
-                sums += torch.stack([(p.detach().float() - base).pow(2).sum(), base.pow(2).sum()]).double()
+        base = []
+        for p in params:
+            b = p.detach().float().clone()
+            dist.broadcast(b, src=dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
+            base.append(b)
+        sums = _square_sums([(p, b) for i, (p, b) in enumerate(zip(params, base))
+                             if i in self._sharded or self.tp_rank == 0]).to(self.device)
         dist.all_reduce(sums, group=self.tp_group)
-        rel = (sums[0].sqrt() / sums[1].sqrt().clamp_min(1e-30)).reshape(1)
+        rel = _relative(sums).reshape(1)
         dist.all_reduce(rel, op=dist.ReduceOp.MAX, group=self.dp_group)
         return float(rel)
 
@@ -272,6 +282,22 @@ def broadcast_time(network: LossyNetwork, message_bytes: int) -> float:
     latency = nccl.latency_s("all_gather", "ring", "Simple", spec.tp_size, nodes, spec.link_intra.hw,
                              spec.link_inter.hw)
     return latency + wire / spec.bus_bandwidth()
+
+
+def _square_sums(pairs) -> torch.Tensor:
+    """[sum of (p - base)^2, sum of base^2] over ``pairs``, each parameter's sums in fp32 and their
+    total in fp64, in the pairs' order: one definition for both backends keeps drift bitwise equal."""
+    pairs = list(pairs)
+    sums = torch.zeros(2, dtype=torch.float64, device=pairs[0][0].device if pairs else None)
+    for p, base in pairs:
+        p, base = p.detach().float(), base.detach().float()
+        sums += torch.stack([(p - base).pow(2).sum(), base.pow(2).sum()]).double()
+    return sums
+
+
+def _relative(sums: torch.Tensor) -> torch.Tensor:
+    """||p_r - p_0|| / ||p_0|| from ``_square_sums``' totals."""
+    return sums[0].sqrt() / sums[1].sqrt().clamp_min(1e-30)
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:

@@ -131,12 +131,16 @@ def _compute_seconds(parts: Parts, config: ExperimentConfig, batch: dict, t0: fl
 
 def _clip_grad_norm(model: TensorParallelModel, max_norm: float) -> torch.Tensor:
     """Global gradient norm as Megatron computes it: replicated grads once, every rank's shards."""
-    def sq(params):
+    def sq(grads):
         # Grouped-query kv heads held by several ranks count once.
-        grads = [p.grad.float().pow(2).sum() / getattr(p, "tp_copies", 1) for p in params if p.grad is not None]
-        return torch.stack(grads).sum() if grads else torch.zeros((), device=next(model.parameters()).device)
-    sharded = model.group.all_gather_reliable(sq(model.sharded_parameters()).reshape(1)).sum()
-    norm = (sq(model.replicated_parameters()) + sharded).sqrt()
+        squares = [g.float().pow(2).sum() / copies for g, copies in grads]
+        return torch.stack(squares).sum() if squares else torch.zeros((), device=next(model.parameters()).device)
+    sharded = [p for p in model.sharded_parameters() if p.grad is not None]
+    # Each rank's own shards summed apart, then the ranks' sums: dist's order, so sim's norm has its bits.
+    local = torch.stack([sq((p.grad[r], getattr(p, "tp_copies", 1)) for p in sharded)
+                         for r in range(model.group.local_size)])
+    sharded = model.group.all_gather_reliable(local).sum()
+    norm = (sq((p.grad, 1) for p in model.replicated_parameters() if p.grad is not None) + sharded).sqrt()
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for p in model.parameters():

@@ -29,6 +29,7 @@ class SimGroup:
         self.network = network
         self.tp_size = network.tp_size
         self.ranks = list(range(self.tp_size))
+        self.rows = 1             # rows of the last forward's [R * batch, ...] (``run_per_rank``)
         self.seed = int(seed)
         self._replicated_rng: dict[torch.device, torch.Generator] = {}
         self._record = None

@@ -155,8 +155,8 @@ class RowParallel(nn.Module):
         weight = self.weight.to(h.dtype)
         partial = torch.bmm(h, weight.transpose(1, 2) if self.linear else weight)
         out = reduce_from_tp(partial, self.group, self.site)
-        if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
+        if self.bias is not None:  # [R, 1, n]: each rank's bias gradient is its own rows' sum (run_per_rank)
+            out = out + self.bias.to(out.dtype).expand(out.shape[0], 1, -1)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def extra_repr(self) -> str:
@@ -184,3 +184,36 @@ class ReplicatedDropout(nn.Module):
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
+
+
+def run_per_rank(module: nn.Module, group: SimGroup) -> None:
+    """Make ``module`` (which holds replicated parameters: an embedding, a norm, a head) run once per
+    rank on that rank's rows of ``[R * batch, ...]``, each rank on its own view of the parameters.
+
+    Why: a replicated parameter's gradient must be each rank's own sum over its rows, added across
+    ranks afterwards, as ``dist`` forms it (every rank backpropagates its rows, then the ranks' sums
+    are all-reduced); one reduction over every rank's rows at once rounds differently. The values
+    it computes are the module's own, row for row. An input shared by every row (GPT-2's ``[1, seq]``
+    position ids) is first repeated for every row, so its gradient too is summed rank by rank.
+    """
+    names = [name for name, _ in module.named_parameters(recurse=False)]
+    forward = type(module).forward
+
+    def per_rank(x: torch.Tensor, *args, **kwargs):
+        ranks = group.local_size
+        if x.shape[0] == 1 and group.rows > 1:
+            x = x.expand(group.rows, *x.shape[1:])
+        views = {name: getattr(module, name).expand(ranks, *getattr(module, name).shape).unbind(0)
+                 for name in names}
+        outs = []
+        for r, rows in enumerate(x.chunk(ranks)):
+            state = vars(module)
+            state.update({name: view[r] for name, view in views.items()})  # shadows the parameters
+            try:
+                outs.append(forward(module, rows, *args, **kwargs))
+            finally:
+                for name in names:
+                    del state[name]
+        return torch.cat(outs)
+
+    module.forward = per_rank

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .groups import DistGroup, SimGroup
-from .layers import ColumnParallel, ReplicatedDropout, RowParallel
+from .layers import ColumnParallel, ReplicatedDropout, RowParallel, run_per_rank
 from ..net import LossyNetwork
 from .mappings import copy_to_tp
 from .plans import Column, ShardingPlan, plan_for
@@ -84,6 +84,8 @@ class TensorParallelModel(nn.Module):
                 # Shared position ids ([1, seq]) broadcast over the stacked ranks as they are.
                 if value is not None and value.shape[0] == batch:
                     inputs[name] = value.repeat(ranks, *([1] * (value.dim() - 1)))
+        first = inputs.get("input_ids", inputs.get("inputs_embeds"))
+        self.group.rows = first.shape[0] if first is not None else 1
         out = self.model(**inputs)
         key = "last_hidden_state" if self.kind == "model" else "logits"
         output = getattr(out, key)
@@ -227,6 +229,10 @@ def parallelize(model: nn.Module, tp_size: int = 2, network: Optional[LossyNetwo
         for attribute, quantity in plan.local.items():
             setattr(attention, attribute, values[quantity])
     tp_model = TensorParallelModel(model, group, plan, kind)
+    replicated = {id(p) for p in tp_model.replicated_parameters()}
+    for module in model.modules():  # a RowParallel adds its replicated bias rank by rank itself
+        if not isinstance(module, RowParallel) and any(id(p) in replicated for p in module.parameters(recurse=False)):
+            run_per_rank(module, group)
     for param in tp_model.replicated_parameters():
         param.register_hook(group.average_replicated)
     return tp_model
