@@ -24,8 +24,10 @@ KEYS = ("loss", "accuracy", "packets_sent_fwd", "packets_lost_fwd", "packets_sen
 FLOAT_KEYS = ("loss", "hidden_rel_diff")
 # The largest relative shift a CPU may give a float figure. Measured on one AMD EPYC at every
 # kernel level it has (AVX512, AVX2, default, with MKL's conditional reproducibility on and off)
-# against the file, captured on an AVX2 CPU: at most 3.6e-7 (3 fp32 ulps) over six steps. 1e-5 is
-# 28 times that; a 1% change of the learning rate moves a figure by 1e-4 or more by step 3.
+# against the file, captured on an AVX2 CPU: at most 3.6e-7 (3 fp32 ulps) over six steps; and
+# after sim began summing replicated gradients rank by rank (dist's order), at most 3.5e-7 at the
+# AVX512, AVX2 and default levels. 1e-5 is 28 times that; a 1% change of the learning rate moves
+# a figure by 1e-4 or more by step 3.
 FLOAT_RTOL = 1e-5
 # What summary.json says that is exact: packets sent, lost, resent, missing, runs of losses,
 # timeouts and failures per direction, link class and call site, and the clock's totals.
