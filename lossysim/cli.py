@@ -8,8 +8,10 @@ Training failures never get here: the runner records them in the run's summary.j
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
+import os
 import sys
 
 SUBCOMMANDS = {
@@ -48,12 +50,21 @@ def main(argv=None) -> int:
         return int(importlib.import_module(args._module).run(args) or 0)
     except (ValueError, OSError) as err:
         print(f"lossysim {args.command}: error: {_one_line(err)}", file=sys.stderr)
+        _tell_launcher(_one_line(err))
         return 2
     except Exception as err:  # a bug or an input nobody foresaw: still no traceback unless asked
         logging.getLogger("lossysim").debug("unexpected error", exc_info=True)
         print(f"lossysim {args.command}: error: {type(err).__name__}: {_one_line(err)}"
               + ("" if args.verbose else " (run with -v for the traceback)"), file=sys.stderr)
         return 1
+
+
+def _tell_launcher(line: str) -> None:
+    """A sweep launching torchrun reads why its ranks refused a run here (stderr goes to the terminal)."""
+    path = os.environ.get("LOSSYSIM_ERROR_FILE")
+    if path:
+        with contextlib.suppress(OSError), open(path, "a") as f:
+            f.write(line + "\n")
 
 
 def _one_line(err: BaseException) -> str:

@@ -429,3 +429,28 @@ def test_sigkilled_sweep_finishes_on_the_next_call(tmp_path):
     assert set(frame["status"]) == {"completed"}
     assert all(math.isfinite(a) for a in frame["accuracy"])
     assert not list(out.rglob(".*.tmp"))
+
+
+def test_a_refused_dist_run_keeps_its_reason_and_every_rank_is_launched(tmp_path, monkeypatch):
+    """torchrun's ranks refuse a setting caught only once the model is built (and write nothing in the
+    run's folder): the sweep still records their one line. A tp x dp run launches tp x dp ranks."""
+    launched = []
+
+    def refusing_call(cmd, env, **kwargs):
+        launched.append(cmd)
+        run_dir = Path(cmd[cmd.index("--out") + 1])
+        monkeypatch.setattr(os, "environ", env)   # what each rank's process sees
+        code = cli.main(["train", "--config", str(run_dir / "config.yaml"), "--no-progress",
+                         "--set", "n_head=3"])   # stands in for a rank's own check of the heads
+        return code
+
+    monkeypatch.setattr(sweep.subprocess, "call", refusing_call)
+    spec = write_spec(tmp_path / "s.yaml", {"seed": [0]}, backend="dist", tp_size=2, dp_size=2)
+    out = tmp_path / "out"
+    assert cli.main(["sweep", str(spec), "--out", str(out), "--no-progress"]) == 1
+    assert "--nproc_per_node=4" in launched[0]
+    error = pd.read_csv(out / "summary.csv")["error"][0]
+    assert error.startswith("torchrun exited with status 2: ") and "n_head" in error
+    run_dir = Path(launched[0][launched[0].index("--out") + 1])
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "summary.json"]
+

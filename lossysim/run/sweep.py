@@ -304,9 +304,12 @@ def _default_train() -> TrainFn:
     return run_experiment
 
 
+ERROR_FILE = "error.txt"   # where a dist run's ranks put the one line that refused it
+
+
 def dist_command(config: ExperimentConfig, run_dir: Path, resume: bool = False) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={config.tp_size}", "-m", "lossysim", "train",
+            f"--nproc_per_node={config.tp_size * config.dp_size}", "-m", "lossysim", "train",
             "--config", str(run_dir / "config.yaml"), "--out", str(run_dir), "--backend", "dist",
             *(["--resume"] if resume else [])]
 
@@ -327,10 +330,15 @@ def execute(run: Run, train: Optional[TrainFn] = None, progress: bool = True) ->
     error = None
     try:
         if run.config.backend == "dist":
+            # A refused setting writes nothing in the run's folder; its ranks say why in this file.
+            reason = run_dir / ERROR_FILE
             code = subprocess.call(dist_command(run.config, run_dir, resume),
+                                   env={**os.environ, "LOSSYSIM_ERROR_FILE": str(reason)},
                                    preexec_fn=die_with_parent if sys.platform == "linux" else None)
             if code != 0:
-                error = f"torchrun exited with status {code}"
+                said = reason.read_text().splitlines()[:1] if reason.exists() else []
+                error = f"torchrun exited with status {code}" + "".join(f": {line}" for line in said)
+            reason.unlink(missing_ok=True)
         else:
             extra = {"resume": True} if resume else {}
             (train or _default_train())(run.config, run_dir, progress=progress, position=1, **extra)
