@@ -55,7 +55,7 @@ class ExperimentConfig:
     attn_implementation: str = "sdpa"  # sdpa | eager
     dropout: Optional[float] = None    # None keeps the model's own dropout
     # data
-    dataset: str = "synthetic"         # synthetic | mnli | a local dir or file (jsonl / tsv)
+    dataset: str = "synthetic"         # synthetic | mnli | pydoc (task lm) | a local dir or file (jsonl / tsv)
     tokenizer: str = "auto"            # auto | bpe | bytes | a HF name or local dir
     max_length: int = 128
     max_train_samples: Optional[int] = 4000
@@ -119,6 +119,8 @@ class ExperimentConfig:
         """Raise ValueError with the offending field on the first problem."""
         _choice("attn_implementation", self.attn_implementation, ("sdpa", "eager"))
         _choice("task", self.task, ("classification", "lm"))
+        if self.dataset == "pydoc" and self.task != "lm":
+            raise ValueError("dataset=pydoc is unlabelled documentation text: use task=lm")
         _choice("backend", self.backend, ("sim", "dist"))
         _choice("amp", self.amp, ("none", "bf16", "fp16"))
         for name in ("steps", "batch_size", "eval_batch_size", "max_length", "eval_every", "log_every"):
