@@ -33,13 +33,13 @@ def split_topics() -> dict[str, list[str]]:
 def chunks(text: str, size: int = CHUNK_CHARS) -> list[str]:
     """``text`` cut at line ends into pieces of at least ``size`` characters (the last may be
     shorter); blank-only pieces are dropped. Joined with newlines they give the text back."""
-    out, lines, length = [], [], 0
+    out, lines, length = [], [], -1  # length: of the lines joined by newlines
     for line in text.split("\n"):
         lines.append(line)
         length += len(line) + 1
         if length >= size:
             out.append("\n".join(lines))
-            lines, length = [], 0
+            lines, length = [], -1
     if lines:
         out.append("\n".join(lines))
     return [piece for piece in out if piece.strip()]
