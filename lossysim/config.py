@@ -50,7 +50,7 @@ class ExperimentConfig:
     # what is trained
     name: str = "tiny-synthetic"
     seed: int = 0
-    model: str = "tiny"               # tiny | small | tiny-llama | llama-1b-shape | a HF name | a local dir
+    model: str = "tiny"               # tiny | small | tiny-llama | llama-1b-shape | smollm2-135m[-shape] | HF name | dir
     task: str = "classification"       # classification | lm (causal-LM fine-tuning on the texts)
     attn_implementation: str = "sdpa"  # sdpa | eager
     dropout: Optional[float] = None    # None keeps the model's own dropout
