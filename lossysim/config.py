@@ -27,7 +27,7 @@ TRACKERS = ("tensorboard", "wandb")
 # Keys added with data parallelism: at their defaults they stay out of a run's identity (the sweep's
 # hash), so sweeps written before them still find their runs.
 IDENTITY_AT_DEFAULT_OMITTED = ("dp_size", "dp_bucket_mb", "dp_overlap", "dp_sync_every", "lossy_traffic",
-                              "dp_mode")
+                              "dp_mode", "lossy_layers", "lossy_sites")
 
 
 def parse_report_to(value) -> tuple[str, ...]:
@@ -70,6 +70,8 @@ class ExperimentConfig:
     algorithm: str = "ring"            # ring | tree | direct (see lossysim.algorithms)
     ranks_per_node: Optional[int] = None  # None: every rank on one node
     lossy_links: str = "all"           # all | inter_node (NVLink inside a node is reliable)
+    lossy_layers: str = "all"          # TP sites of these layers can lose packets: all | 3 | 0-5,12
+    lossy_sites: str = "all"           # ... and of these modules: all | attn | mlp
     # transport and simulated time (see docs/time_model.md)
     transport: str = "drop"            # drop | retransmit | deadline
     nic: str = "irn"                   # how losses are found and repaired: ideal | irn | srd | roce-gbn | tcp
@@ -210,6 +212,7 @@ class ExperimentConfig:
         settings = {name: getattr(self, name) for name in SETTINGS if hasattr(self, name)}
         settings.update(tp_size=self.dp_size, ranks_per_node=max(1, per_node // self.tp_size), nics_per_node=None,
                         seed=stream_seed(self.seed, f"dp.group{tp_rank}", "network"),
+                        lossy_layers="all", lossy_sites="all",  # they select TP sites: a bucket is none
                         lossy=self._dp_directions() if "dp" in traffic_kinds(self.lossy_traffic) else ())
         return NetworkSpec(**settings)
 

@@ -58,6 +58,7 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
     eval_net = LossyNetwork(config.network_spec(evaluation=True))
     parameters = sum(p.numel() for p in model.parameters())
     layers, hidden = cost.dims(model.config)
+    train_net.spec.selection.check_depth(layers)
     # Each rank launches the whole model's kernels on its shards, and its collectives'.
     kernels = cost.kernels_per_step(model, config.task) + cost.collective_kernels(layers, config.tp_size)
     compute = _compute(config, device)
