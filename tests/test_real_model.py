@@ -136,6 +136,17 @@ def test_runner_builds_the_packaged_model_and_its_random_shape(real_dir):
     assert "Q4_1" in PACKAGED[MODEL].description
 
 
+def test_a_missing_package_is_named_with_its_install_command(monkeypatch):
+    from lossysim.models import pretrained
+    monkeypatch.setitem(pretrained.PACKAGED, "absent", pretrained.PackagedModel(
+        "lossysim-absent-wheel", "0.1", "absent.gguf", "a model no index has"))
+    with pytest.raises(ValueError) as err:
+        build_model("absent", vocab_size=10, pad_token_id=0, num_labels=3, max_length=8, task="lm")
+    message = str(err.value)
+    assert message.startswith("model 'absent' needs the lossysim-absent-wheel package, which is not installed: ")
+    assert pretrained.INSTALL_HINT in message and "\n" not in message
+
+
 # -- dist: 3 gloo ranks ------------------------------------------------------------
 
 def _dist_worker(rank: int, world: int, path: str, out_dir: str) -> None:
@@ -189,3 +200,26 @@ def test_pydoc_is_a_causal_lm_dataset():
     ExperimentConfig(dataset="pydoc", task="lm").validate()
     with pytest.raises(ValueError, match="dataset=pydoc .* use task=lm"):
         ExperimentConfig(dataset="pydoc", task="classification").validate()
+
+
+# -- the damage map's edges (its measurements are docs/sensitivity.md's) ------------
+
+def test_damage_map_refuses_bad_sizes_before_any_work(tmp_path, capsys):
+    from lossysim.real import damage_map
+    for argv in (["--rates", "0.01,1.5"], ["--layers", "3-1"], ["--sequences", "0"]):
+        out = tmp_path / "map"
+        assert damage_map.main([*argv, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("damage_map: ") and "\n" not in err, err
+        assert not out.exists()
+
+
+def test_damage_map_plots_a_panel_per_rate_and_recovery(tmp_path):
+    import pandas as pd
+    from lossysim.real import damage_map
+    rows = [{"model": m, "rate": r, "recovery": rec, "layer": layer, "site": site, "perplexity": 20.0,
+             "kl_per_token": 0.01 * (layer + 1)}
+            for m in ("a", "b") for r in (0.01, 0.05) for rec in ("zero", "hadamard")
+            for layer in (0, 3) for site in damage_map.SITES]
+    damage_map.plot(pd.DataFrame(rows), tmp_path / "map.png")
+    assert (tmp_path / "map.png").stat().st_size > 1000

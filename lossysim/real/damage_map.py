@@ -23,6 +23,7 @@ row per model, rate, recovery, layer and site, plus each model's loss-free row) 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -146,11 +147,11 @@ def main(argv=None) -> int:
         for rate in args.rates:
             if not 0 < rate < 1:
                 raise ValueError(f"--rates: {rate} must be in (0, 1)")
-        out.mkdir(parents=True, exist_ok=True)
-        if not out.is_dir() or not (out / ".").exists():
-            raise ValueError(f"--out {out} is not a writable folder")
         from ..models.pretrained import model_dir
         model_dir(MODELS[0])  # the real extra is there (and converted) before any work
+        out.mkdir(parents=True, exist_ok=True)
+        if not os.access(out, os.W_OK):
+            raise ValueError(f"--out {out} is not a writable folder")
     except (ValueError, OSError) as err:
         print(f"damage_map: {err}", file=sys.stderr)
         return 2
