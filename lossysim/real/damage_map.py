@@ -1,7 +1,7 @@
 """Where packet loss hurts a pretrained model: a layer x site map of eval damage, forward only.
 
     python -m lossysim.real.damage_map [--out results/damage_map] [--sequences 1] [--tokens 128]
-                                       [--layers 0,3,6,9,12,15,18,21,24,27,29 | all]
+                                       [--layers all | 0-5,12]
 
 For the pretrained ``smollm2-135m`` (the ``real`` extra; weights dequantised from Q4_1) and the
 random-weight ``smollm2-135m-shape``, both tensor-parallel at tp 3 on ``sim``: the forward
@@ -10,15 +10,17 @@ under Bernoulli loss at each rate, with ``zero`` and ``hadamard`` recovery; ever
 delivered intact (``lossy_layers``, ``lossy_sites``). The text is the held-out topics of Python's
 documentation (``dataset: pydoc``): ``--sequences`` windows of ``--tokens`` tokens, evenly spaced.
 
-Sizes: a forward pass of the 135M model at tp 3 costs about 2.5 s of a 2-core CPU per 128-token
-sequence (the tied vocabulary head is computed by every simulated rank), so the defaults (one
-sequence, every third layer and the last: 11 layers x 2 sites x 3 rates x 2 recoveries x 2 models,
-264 passes) take about 10 minutes; ``--layers all`` maps every layer.
+Sizes: a cell replays the loss-free layers before its lossy one and applies the vocabulary head to
+rank 0 alone, so it costs about half a forward pass (XX s of a 2-core CPU for one 128-token
+sequence); the defaults (one sequence, every layer: 30 layers x 2 sites x 3 rates x 2 recoveries x 2
+models, 720 cells) take about XX minutes.
 
 Per cell: the eval perplexity (rank 0's logits, as the runner evaluates) and the KL divergence per
 token of the lossy next-token distribution from the loss-free one. Writes ``damage_map.csv`` (one
 row per model, rate, recovery, layer and site, plus each model's loss-free row) and
-``damage_map.png`` (KL per token, layer x site, one panel per rate and recovery, a row per model).
+``damage_map.png`` (KL per token, layer x site, one panel per rate and recovery, a row per model),
+and ``outliers.csv``: per layer, how far the largest magnitude of the residual stream and of each
+site's sum stands above the median magnitude (loss-free).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from ..net.selection import parse_layers
 
 MODELS = ("smollm2-135m", "smollm2-135m-shape")
 SITES = ("attn", "mlp")
-DEFAULT_LAYERS = "0,3,6,9,12,15,18,21,24,27,29"
+DEFAULT_LAYERS = "all"
 TP = 3
 
 
@@ -55,12 +57,74 @@ def _load(name: str, vocab: int, pad: int) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def _forward(tpm, network, ids: torch.Tensor) -> torch.Tensor:
-    """Rank 0's logits [B, S, vocab] through ``network``."""
-    from ..util import swapped
-    with swapped(tpm.group, "network", network):
-        tpm(input_ids=ids, attention_mask=torch.ones_like(ids))
-    return tpm.rank_logits[0].float()
+def residual_outliers(model: torch.nn.Module, ids: torch.Tensor) -> list[dict]:
+    """Per layer, the residual stream's largest magnitude over its median magnitude, and the
+    attention and MLP outputs' (the two sites' all-reduced sums), loss-free on the unsharded model:
+    how outlier-heavy what each site sends is."""
+    seen, hooks = {}, []
+
+    def keep(name):
+        def hook(module, args, output):
+            seen[name] = (output[0] if isinstance(output, tuple) else output).abs().float()
+        return hook
+    for i, layer in enumerate(model.model.layers):
+        hooks += [layer.register_forward_hook(keep((i, "residual"))),
+                  layer.self_attn.o_proj.register_forward_hook(keep((i, "attn"))),
+                  layer.mlp.down_proj.register_forward_hook(keep((i, "mlp")))]
+    try:
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [{"layer": i, "tensor": what, "max_over_median": float(x.max() / x.median().clamp_min(1e-30))}
+            for (i, what), x in seen.items()]
+
+
+class _Known(torch.nn.Module):
+    """Stands for a decoder layer whose (loss-free) output is already known."""
+
+    def __init__(self, output: torch.Tensor):
+        super().__init__()
+        self.output = output
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return self.output
+
+
+class _Model:
+    """The TP model run for one cell at a time, paying only for what loss can change: the layers
+    before the lossy one replay their loss-free outputs, and the (replicated, tied) vocabulary head
+    is applied to rank 0's final hidden state alone, not once per simulated rank."""
+
+    def __init__(self, tpm, ids: torch.Tensor):
+        self.tpm, self.ids = tpm, ids
+        self.head = tpm.model.lm_head
+        self.layers = tpm.model.model.layers
+        self.known: list = []
+        hooks = [layer.register_forward_hook(lambda m, a, out: self.known.append(out)) for layer in self.layers]
+        try:
+            self.clean = self.logits(None)
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    @torch.no_grad()
+    def logits(self, network, start: int = 0) -> torch.Tensor:
+        """Rank 0's logits [B, S, vocab] with ``network`` (None: loss-free), layers before ``start``
+        replayed."""
+        from ..net import LossyNetwork
+        from ..util import swapped
+        originals = list(self.layers)
+        try:
+            for i in range(start):
+                self.layers[i] = _Known(self.known[i])
+            with swapped(self.tpm.model, "lm_head", torch.nn.Identity()), \
+                    swapped(self.tpm.group, "network", network or LossyNetwork(TP)):
+                self.tpm(input_ids=self.ids, attention_mask=torch.ones_like(self.ids))
+        finally:
+            for i in range(start):
+                self.layers[i] = originals[i]
+        return self.head(self.tpm.rank_logits[0]).float()
 
 
 def _scores(logits: torch.Tensor, clean: torch.Tensor, ids: torch.Tensor) -> dict:
@@ -70,7 +134,8 @@ def _scores(logits: torch.Tensor, clean: torch.Tensor, ids: torch.Tensor) -> dic
     return {"perplexity": float(nll.exp()), "kl_per_token": float(kl)}
 
 
-def run(args) -> "pandas.DataFrame":
+def run(args) -> tuple:
+    """(the damage rows, the outlier rows) as DataFrames."""
     import pandas as pd
     from ..data.tokenizers import load_pretrained_tokenizer
     from ..net import LossyNetwork
@@ -78,12 +143,15 @@ def run(args) -> "pandas.DataFrame":
     torch.set_num_threads(args.threads)
     tokenizer = load_pretrained_tokenizer(MODELS[0])
     ids = eval_windows(tokenizer, args.sequences, args.tokens)
-    rows = []
+    rows, outliers = [], []
     for name in args.models:
-        tpm = parallelize(_load(name, len(tokenizer), tokenizer.pad_token_id), TP)
+        model = _load(name, len(tokenizer), tokenizer.pad_token_id)
+        outliers += [{"model": name, **row} for row in residual_outliers(model, ids)]
+        tpm = parallelize(model, TP)
         chosen = parse_layers(args.layers)
         layers = range(tpm.config.num_hidden_layers) if chosen is None else sorted(chosen)
-        clean = _forward(tpm, LossyNetwork(TP), ids)
+        runner = _Model(tpm, ids)
+        clean = runner.clean
         base = _scores(clean, clean, ids)
         rows.append({"model": name, "rate": 0.0, "recovery": "none", "layer": -1, "site": "none", **base})
         print(f"{name}: loss-free perplexity {base['perplexity']:.2f}", file=sys.stderr, flush=True)
@@ -95,10 +163,12 @@ def run(args) -> "pandas.DataFrame":
                         network = LossyNetwork(TP, f"bernoulli:{rate}", seed=args.seed, recovery=recovery,
                                                lossy="fwd", lossy_layers=str(layer), lossy_sites=site)
                         rows.append({"model": name, "rate": rate, "recovery": recovery, "layer": layer,
-                                     "site": site, **_scores(_forward(tpm, network, ids), clean, ids)})
+                                     "site": site, **_scores(runner.logits(network, layer), clean, ids)})
                 print(f"{name}: rate {rate} {recovery}: {time.perf_counter() - t0:.0f} s", file=sys.stderr,
                       flush=True)
-    return pd.DataFrame(rows)
+                # what is done so far is kept should the map be stopped (the last write is whole)
+                pd.DataFrame(rows).to_csv(Path(args.out) / "damage_map.csv", index=False)
+    return pd.DataFrame(rows), pd.DataFrame(outliers)
 
 
 def plot(frame, path: Path) -> None:
@@ -155,8 +225,9 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as err:
         print(f"damage_map: {err}", file=sys.stderr)
         return 2
-    frame = run(args)
+    frame, outliers = run(args)
     frame.to_csv(out / "damage_map.csv", index=False)
+    outliers.to_csv(out / "outliers.csv", index=False)
     plot(frame, out / "damage_map.png")
     print(f"wrote {out / 'damage_map.csv'} and {out / 'damage_map.png'}", file=sys.stderr)
     return 0
