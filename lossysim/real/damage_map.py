@@ -119,7 +119,7 @@ class _Model:
             for i in range(start):
                 self.layers[i] = _Known(self.known[i])
             with swapped(self.tpm.model, "lm_head", torch.nn.Identity()), \
-                    swapped(self.tpm.group, "network", network or LossyNetwork(TP)):
+                    swapped(self.tpm.group, "network", network or LossyNetwork(self.tpm.network.tp_size)):
                 self.tpm(input_ids=self.ids, attention_mask=torch.ones_like(self.ids))
         finally:
             for i in range(start):
