@@ -24,7 +24,7 @@ def test_layers_parse_to_indices():
     assert parse_layers("all") is None
     assert parse_layers(3) == {3}
     assert parse_layers("0-2, 7") == {0, 1, 2, 7}
-    for bad in ("", "x", "3-1", "1,", "-2"):
+    for bad in ("", "x", "3-1", "1,", "-2", "0-99999999999"):
         with pytest.raises(ValueError, match="lossy_layers="):
             parse_layers(bad)
     with pytest.raises(ValueError, match="lossy_sites='ffn' must be one of all, attn, mlp"):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 ALL = "all"
+MAX_LAYERS = 10_000
 SITE_KINDS = ("attn", "mlp")
 _SITE = re.compile(r"(?:^|\.)(\d+)\.(\w+)\.(?:copy|reduce)$")
 _MODULES = {"attn": "attn", "self_attn": "attn", "mlp": "mlp"}
@@ -33,6 +34,8 @@ def parse_layers(value) -> Optional[frozenset[int]]:
                              "commas (e.g. 3 or 0-5,12)")
         first = int(match.group(1))
         last = int(match.group(2)) if match.group(2) is not None else first
+        if last >= MAX_LAYERS:  # no model is this deep; a typo must not expand into a huge set
+            raise ValueError(f"lossy_layers={value!r}: layer {last} is beyond any model (at most {MAX_LAYERS - 1})")
         layers.update(range(first, last + 1))
     return frozenset(layers)
 
