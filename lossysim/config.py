@@ -27,7 +27,7 @@ TRACKERS = ("tensorboard", "wandb")
 # Keys added with data parallelism: at their defaults they stay out of a run's identity (the sweep's
 # hash), so sweeps written before them still find their runs.
 IDENTITY_AT_DEFAULT_OMITTED = ("dp_size", "dp_bucket_mb", "dp_overlap", "dp_sync_every", "lossy_traffic",
-                              "dp_mode")
+                              "dp_mode", "lossy_layers", "lossy_sites")
 
 
 def parse_report_to(value) -> tuple[str, ...]:
@@ -50,12 +50,12 @@ class ExperimentConfig:
     # what is trained
     name: str = "tiny-synthetic"
     seed: int = 0
-    model: str = "tiny"               # tiny | small | tiny-llama | llama-1b-shape | a HF name | a local dir
+    model: str = "tiny"               # tiny | small | tiny-llama | llama-1b-shape | smollm2-135m[-shape] | HF name | dir
     task: str = "classification"       # classification | lm (causal-LM fine-tuning on the texts)
     attn_implementation: str = "sdpa"  # sdpa | eager
     dropout: Optional[float] = None    # None keeps the model's own dropout
     # data
-    dataset: str = "synthetic"         # synthetic | mnli | a local dir or file (jsonl / tsv)
+    dataset: str = "synthetic"         # synthetic | mnli | pydoc (task lm) | a local dir or file (jsonl / tsv)
     tokenizer: str = "auto"            # auto | bpe | bytes | a HF name or local dir
     max_length: int = 128
     max_train_samples: Optional[int] = 4000
@@ -70,6 +70,8 @@ class ExperimentConfig:
     algorithm: str = "ring"            # ring | tree | direct (see lossysim.algorithms)
     ranks_per_node: Optional[int] = None  # None: every rank on one node
     lossy_links: str = "all"           # all | inter_node (NVLink inside a node is reliable)
+    lossy_layers: str = "all"          # TP sites of these layers can lose packets: all | 3 | 0-5,12
+    lossy_sites: str = "all"           # ... and of these modules: all | attn | mlp
     # transport and simulated time (see docs/time_model.md)
     transport: str = "drop"            # drop | retransmit | deadline
     nic: str = "irn"                   # how losses are found and repaired: ideal | irn | srd | roce-gbn | tcp
@@ -119,6 +121,8 @@ class ExperimentConfig:
         """Raise ValueError with the offending field on the first problem."""
         _choice("attn_implementation", self.attn_implementation, ("sdpa", "eager"))
         _choice("task", self.task, ("classification", "lm"))
+        if self.dataset == "pydoc" and self.task != "lm":
+            raise ValueError("dataset=pydoc is unlabelled documentation text: use task=lm")
         _choice("backend", self.backend, ("sim", "dist"))
         _choice("amp", self.amp, ("none", "bf16", "fp16"))
         for name in ("steps", "batch_size", "eval_batch_size", "max_length", "eval_every", "log_every"):
@@ -222,6 +226,7 @@ class ExperimentConfig:
         settings = {name: getattr(self, name) for name in SETTINGS if hasattr(self, name)}
         settings.update(tp_size=self.dp_size, ranks_per_node=max(1, per_node // self.tp_size), nics_per_node=None,
                         seed=stream_seed(self.seed, f"dp.group{tp_rank}", "network"),
+                        lossy_layers="all", lossy_sites="all",  # they select TP sites: a bucket is none
                         lossy=self._dp_directions() if "dp" in traffic_kinds(self.lossy_traffic) else ())
         return NetworkSpec(**settings)
 

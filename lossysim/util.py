@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
+from pathlib import Path
 from typing import Any
 
 
@@ -21,3 +23,8 @@ def stream_seed(seed: int, site: str, direction: str) -> int:
     """A stable 63-bit seed for one (seed, site, direction) random stream."""
     digest = hashlib.blake2b(f"{seed}\0{site}\0{direction}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def cache_dir() -> Path:
+    """lossysim's cache (prepared data, converted models): LOSSYSIM_CACHE, else ~/.cache/lossysim."""
+    return Path(os.environ.get("LOSSYSIM_CACHE", Path.home() / ".cache" / "lossysim"))

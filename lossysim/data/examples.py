@@ -6,6 +6,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .pydoc_text import PYDOC
+
 LABELS = ("entailment", "neutral", "contradiction")
 NUM_LABELS = len(LABELS)
 SPLITS = ("train", "validation_matched", "validation_mismatched")
@@ -41,6 +43,8 @@ def display_name(dataset: str) -> str:
         return "synthetic-nli (synthetic, not MNLI)"
     if dataset == MNLI:
         return "MNLI (nyu-mll/glue)"
+    if dataset == PYDOC:
+        return "pydoc (CPython documentation topics, causal LM)"
     return f"{dataset} (local MNLI-format files)"
 
 

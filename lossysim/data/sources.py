@@ -1,5 +1,6 @@
-"""Where examples come from: local MNLI files (jsonl or GLUE tsv, one file or a set) or the hub,
-capped by a seeded selection on raw rows before any tokenisation."""
+"""Where examples come from: local MNLI files (jsonl or GLUE tsv, one file or a set), the hub, or
+Python's own documentation text (``pydoc``, causal LM only), capped by a seeded selection on raw rows
+before any tokenisation."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ..hub import hub_reachable, why_unavailable
+from . import pydoc_text
 from .examples import MNLI, SPLITS, SYNTHETIC, Examples, normalize_label, u64
 from .synthetic import SYNTHETIC_SIZES, SYNTHETIC_VERSION, synthetic_examples
 
@@ -232,7 +234,8 @@ def _local_files(dataset: str) -> Optional[tuple[str, dict[str, Path]]]:
 
 def _unknown_dataset(dataset: str) -> ValueError:
     return ValueError(f"dataset={dataset!r} is not accepted: use 'synthetic' (embedded, no download), "
-                      f"'mnli' (nyu-mll/glue from the Hugging Face hub), or an existing directory with "
+                      f"'mnli' (nyu-mll/glue from the Hugging Face hub), 'pydoc' (Python's documentation "
+                      f"text, task lm), or an existing directory with "
                       f"{', '.join(FILE_SETS['jsonl'].values())} or {', '.join(FILE_SETS['tsv'].values())}, "
                       f"or a single .jsonl/.tsv file")
 
@@ -243,6 +246,8 @@ def dataset_identity(dataset: str) -> dict:
         return {"kind": SYNTHETIC, "version": SYNTHETIC_VERSION}
     if dataset == MNLI:
         return {"kind": "hub", "path": HF_MNLI[0], "name": HF_MNLI[1]}
+    if dataset == pydoc_text.PYDOC:
+        return pydoc_text.identity()
     found = _local_files(dataset)
     if found is None:
         raise _unknown_dataset(dataset)
@@ -266,6 +271,10 @@ def load_examples(config) -> dict[str, Examples]:
                 for split in SPLITS}
     if config.dataset == MNLI:
         sources = _hub_sources()
+    elif config.dataset == pydoc_text.PYDOC:
+        held_out = pydoc_text.TextRows(pydoc_text.texts("eval"))  # both evaluation splits, as one file's
+        sources = {"train": pydoc_text.TextRows(pydoc_text.texts("train")),
+                   "validation_matched": held_out, "validation_mismatched": held_out}
     else:
         found = _local_files(config.dataset)
         if found is None:

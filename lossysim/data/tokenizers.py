@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ..hub import hub_reachable, why_unavailable
+from ..models.pretrained import resolve
 from ..models.shapes import NAMED_SHAPES
 from .examples import Examples
 
@@ -37,7 +38,7 @@ def tokenizer_identity(spec: str) -> dict:
         return {"kind": "bpe", "vocab_size": BPE_VOCAB_SIZE, "tokenizers": tokenizers.__version__}
     if spec == "bytes":
         return {"kind": "bytes"}
-    path = Path(spec).expanduser()
+    path = Path(resolve(spec)).expanduser()
     if path.is_dir():
         digest = hashlib.sha256()
         for file in sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".txt", ".model", ".tiktoken", ".vocab")):
@@ -79,7 +80,8 @@ def byte_tokenizer():
 
 
 def load_pretrained_tokenizer(spec: str):
-    """A HF tokenizer by name or local dir, with a pad token that no text uses."""
+    """A HF tokenizer by name, local dir or packaged model, with a pad token that no text uses."""
+    spec = resolve(spec)
     if not Path(spec).expanduser().is_dir():
         hub_reachable()   # once per process: offline mode if not, so the load fails at once
     from transformers import AutoTokenizer

@@ -1,5 +1,6 @@
-"""The runner's models: named random-weight shapes, or pretrained weights by name or path, as a
-sequence classifier (``task: classification``) or a causal LM (``task: lm``).
+"""The runner's models: named random-weight shapes, or pretrained weights by name or path (a
+package-shipped model, see ``pretrained``, included), as a sequence classifier
+(``task: classification``) or a causal LM (``task: lm``).
 
 Every model built here is one ``lossysim.tp.plans`` can shard: GPT-2, Llama, Qwen2, Mistral.
 """
@@ -15,6 +16,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 
 from ..hub import hub_reachable, why_unavailable
 from ..tp.plans import plan_for
+from .pretrained import PACKAGED, is_packaged, resolve
 from .shapes import NAMED_MAX_POSITIONS, NAMED_SHAPES
 
 _CLASSES = {"classification": {GPT2Config: GPT2ForSequenceClassification, LlamaConfig: LlamaForSequenceClassification},
@@ -35,8 +37,9 @@ def max_positions(name: str) -> Optional[int]:
             return NAMED_MAX_POSITIONS
         return shape.get("max_position_embeddings", config_class().max_position_embeddings)
     _use_hub(name)
+    path = resolve(name)  # a packaged model that is not installed says so here, before any data work
     try:
-        config = AutoConfig.from_pretrained(name)
+        config = AutoConfig.from_pretrained(path)
     except Exception:  # offline and not cached, not a model directory: build_model says why
         return None
     value = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
@@ -75,13 +78,14 @@ def build_model(name: str, *, vocab_size: int, pad_token_id: int, num_labels: in
         config._attn_implementation = attn_implementation
         return _CLASSES[task][config_class](config)
     _use_hub(name)
+    path = resolve(name)
     try:
-        config = AutoConfig.from_pretrained(name)
+        config = AutoConfig.from_pretrained(path)
         for key, value in _dropout_overrides(config.model_type, dropout).items():
             setattr(config, key, value)
         config.num_labels = num_labels
         model = _AUTO[task].from_pretrained(
-            name, config=config, attn_implementation=attn_implementation)
+            path, config=config, attn_implementation=attn_implementation)
     except (OSError, ValueError) as err:
         raise _cannot_load(name, err) from None
     try:
@@ -101,7 +105,7 @@ def build_model(name: str, *, vocab_size: int, pad_token_id: int, num_labels: in
 def _use_hub(name: str) -> None:
     """Before a pretrained load by name: ask once per process whether the hub can be reached
     (offline mode if not, so the load answers from the cache at once)."""
-    if not Path(name).exists():
+    if not Path(name).exists() and not is_packaged(name):
         hub_reachable()
 
 
@@ -111,8 +115,9 @@ def check_model(name: str) -> None:
     if not is_pretrained(name):
         return
     _use_hub(name)
+    path = resolve(name)
     try:
-        AutoConfig.from_pretrained(name)
+        AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as err:
         raise _cannot_load(name, err) from None
 
@@ -122,5 +127,6 @@ def _cannot_load(name: str, err: BaseException) -> ValueError:
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     why = why_unavailable() if where == "model name" else None
     return ValueError(f"cannot load model {name!r} ({where}): {why + '; ' if why else ''}{first}. Use a named shape "
-                      f"({', '.join(NAMED_SHAPES)}), a local directory, or go online "
+                      f"({', '.join(NAMED_SHAPES)}), a packaged model ({', '.join(PACKAGED)}), a local directory, "
+                      "or go online "
                       "(unset HF_HUB_OFFLINE), or cache it once on a machine that can reach the hub")

@@ -4,7 +4,9 @@ from __future__ import annotations
 from transformers import GPT2Config, LlamaConfig
 
 # Random-weight shapes: `tiny` and `tiny-llama` for CPU tests and demos, `small` = GPT-2 124M,
-# `llama-1b-shape` = Llama 3.2 1B (grouped-query attention, 32 query and 8 kv heads, tied embeddings).
+# `llama-1b-shape` = Llama 3.2 1B (grouped-query attention, 32 query and 8 kv heads, tied embeddings),
+# `smollm2-135m-shape` = SmolLM2-135M (9 query and 3 kv heads: tp 3 or 9), the pretrained
+# `smollm2-135m`'s shape with random weights, to set fresh weights beside trained ones.
 # The vocabulary is the data's tokenizer's.
 NAMED_SHAPES = {
     "tiny": (GPT2Config, dict(n_layer=2, n_head=4, n_embd=128)),
@@ -18,6 +20,10 @@ NAMED_SHAPES = {
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
                          "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                          "original_max_position_embeddings": 8192})),
+    "smollm2-135m-shape": (LlamaConfig, dict(
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,
+        intermediate_size=1536, head_dim=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        max_position_embeddings=8192, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})),
 }
 
 # Named shapes size their position table to max_length, up to GPT-2's own 1024 positions.

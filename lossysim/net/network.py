@@ -76,13 +76,15 @@ class LossyNetwork:
         """(elements per packet, packets per message) for a message of ``numel`` elements."""
         return transfers.packets(self.spec.payload_bytes, numel, dtype)
 
-    def drops(self, direction: str) -> bool:
-        """Whether traffic in this direction can lose packets."""
-        return direction in self.lossy and not self.loss_model.lossless
+    def drops(self, direction: str, site: Optional[str] = None) -> bool:
+        """Whether traffic in this direction (at call site ``site``; None: at some site) can lose packets."""
+        return (direction in self.lossy and not self.loss_model.lossless
+                and (site is None or self.spec.selection.covers(site)))
 
-    def exact(self, direction: str) -> bool:
-        """Whether tensors in this direction always arrive exact (no loss, or retransmitted)."""
-        return not self.drops(direction) or self.transport.exact
+    def exact(self, direction: str, site: Optional[str] = None) -> bool:
+        """Whether tensors in this direction (at ``site``; None: at every site) always arrive exact (no
+        loss, or retransmitted)."""
+        return not self.drops(direction, site) or self.transport.exact
 
     def link_class(self, src: int, dst: int) -> str:
         return self.topology.link_class(src, dst)
@@ -229,7 +231,7 @@ class LossyNetwork:
         fast = self._sparse.get(device)
         if fast is None:
             fast = self._sparse[device] = sparse.applies(self.spec, device)
-        if not self.drops(direction):
+        if not self.drops(direction, site):
             channel.counters.count_sent(transfer.sent)
         elif not self.transport.repairs and fast:
             losses = sparse.Losses(transfer.sched, *sparse.drop(self.loss_model, channel.chains, channel.counters,
@@ -398,16 +400,17 @@ class LossyNetwork:
                                      "length": length, "count": count})
         return rows
 
-    def configured_loss_rate(self, direction: str, src: int, dst: int) -> float:
-        """The loss rate a link is configured with for one direction's traffic."""
-        lossy = direction in self.lossy and self.topology.lossy(src, dst)
+    def configured_loss_rate(self, direction: str, src: int, dst: int, site: Optional[str] = None) -> float:
+        """The loss rate a link is configured with for one direction's traffic (at ``site``, if given)."""
+        lossy = (direction in self.lossy and self.topology.lossy(src, dst)
+                 and (site is None or self.spec.selection.covers(site)))
         return self.loss_model.loss_rate if lossy else 0.0
 
     def summary(self, by: Sequence[str] = ("direction",)) -> list[dict]:
         """Totals grouped by any of site/direction/phase/src/dst/link_class, with configured
         (packet-weighted over the group's links) and observed loss rates and mean bursts."""
         return summarise(self.stats(), by, lambda row: self.configured_loss_rate(row["direction"], row["src"],
-                                                                                 row["dst"]) > 0,
+                                                                                 row["dst"], row["site"]) > 0,
                          self.loss_model.loss_rate, self.loss_model.mean_burst)
 
     def clock(self) -> dict:

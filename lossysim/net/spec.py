@@ -17,6 +17,7 @@ from ..timing import Compute, Link, Measured, parse_compute, parse_link
 from ..timing.retransmission import DEFAULT_NIC, Nic, parse_nic
 from .algorithms import ALGORITHMS
 from .recovery import ACTIVATIONS, DEFAULT_HADAMARD_BLOCK, RECOVERY_POLICIES, check_block
+from .selection import SiteSelection
 from .topology import Topology
 from .transport import Transport
 
@@ -67,6 +68,8 @@ class NetworkSpec:
         hadamard_block: elements per Hadamard transform block (a power of two).
         compute: the GPU model a recovery policy's compute is charged at (``lossysim.timing.compute``;
             ``measured``: nothing is charged, the measured step already holds it).
+        lossy_layers, lossy_sites: which TP call sites can lose packets (``lossysim.net.selection``:
+            ``all``, layers such as ``0-5,12``; ``all``, ``attn`` or ``mlp``).
     """
     tp_size: int
     loss: Union[str, LossModel] = "none"
@@ -89,7 +92,10 @@ class NetworkSpec:
     link_inter: Union[str, Link] = "roce-200g"
     hadamard_block: int = DEFAULT_HADAMARD_BLOCK
     compute: Union[str, Compute, Measured] = "h100"
+    lossy_layers: str = "all"
+    lossy_sites: str = "all"
     # Derived once from the fields above.
+    selection: SiteSelection = field(init=False, repr=False, compare=False)
     topology: Topology = field(init=False, repr=False, compare=False)
     transport_model: Transport = field(init=False, repr=False, compare=False)
     nic_model: Nic = field(init=False, repr=False, compare=False)
@@ -160,6 +166,7 @@ class NetworkSpec:
         put("topology", topology)
         put("transport_model", transport)
         put("nic_model", nic)
+        put("selection", SiteSelection.parse(self.lossy_layers, self.lossy_sites))
 
     def replace(self, **changes) -> "NetworkSpec":
         """A copy with some settings changed (checked again)."""
@@ -191,6 +198,8 @@ class NetworkSpec:
             out["hadamard_block"] = self.hadamard_block
         if self.recovery not in ("zero", "rescale"):
             out["compute"] = self.compute.spec      # what the policy's compute is charged at
+        if not self.selection.everything:          # likewise: states saved before selections load
+            out.update(lossy_layers=str(self.lossy_layers), lossy_sites=str(self.lossy_sites))
         return out
 
 

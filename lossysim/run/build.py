@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -19,7 +17,7 @@ from ..dp.fsdp import DistFullyShardedDataParallel
 from ..dp.replicas import DistDataParallel
 from ..models import build_model, check_max_length, cost
 from ..net import LossyNetwork
-from ..util import stream_seed
+from ..util import cache_dir, stream_seed
 from ..tp import TensorParallelModel, parallelize
 
 
@@ -48,7 +46,7 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
           barrier: Optional[Callable[[], None]]) -> Parts:
     """Everything this rank trains with. ``barrier``: dist's, so other ranks wait for rank 0's data."""
     check_max_length(config.model, config.max_length)
-    data = prepare_data(config, _cache_dir() / "data", is_main=is_main, barrier=barrier)
+    data = prepare_data(config, cache_dir() / "data", is_main=is_main, barrier=barrier)
     model = build_model(config.model, vocab_size=data.vocab_size, pad_token_id=data.pad_token_id,
                         num_labels=data.num_labels, max_length=config.max_length,
                         attn_implementation=config.attn_implementation, dropout=config.dropout,
@@ -60,6 +58,7 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
     eval_net = LossyNetwork(config.network_spec(evaluation=True))
     parameters = sum(p.numel() for p in model.parameters())
     layers, hidden = cost.dims(model.config)
+    train_net.spec.selection.check_depth(layers)
     # Each rank launches the whole model's kernels on its shards, and its collectives'.
     kernels = cost.kernels_per_step(model, config.task) + cost.collective_kernels(layers, config.tp_size)
     compute = _compute(config, device)
@@ -99,10 +98,6 @@ def _replica(config: ExperimentConfig, model: torch.nn.Module, network: LossyNet
     scheduler = transformers.get_linear_schedule_with_warmup(
         optimizer, min(config.warmup_steps, config.steps), config.steps)
     return Replica(tp_model, optimizer, scheduler)
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("LOSSYSIM_CACHE", Path.home() / ".cache" / "lossysim"))
 
 
 def _compute(config: ExperimentConfig, device: torch.device):

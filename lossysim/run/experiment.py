@@ -47,8 +47,9 @@ FLAGS = {
     "--algorithm": ("algorithm", "collective algorithm: ring, tree or direct"),
     "--transport": ("transport", "drop, retransmit or deadline"),
     "--nic": ("nic", "how lost packets are detected and repaired: ideal, irn, srd, roce-gbn or tcp"),
-    "--model": ("model", "tiny | small | tiny-llama | llama-1b-shape | a HF name | a local directory"),
-    "--dataset": ("dataset", "synthetic | mnli | a local directory or file"),
+    "--model": ("model", "tiny | small | tiny-llama | llama-1b-shape | smollm2-135m-shape | smollm2-135m "
+                         "(pretrained, the real extra) | a HF name | a local directory"),
+    "--dataset": ("dataset", "synthetic | mnli | pydoc (task lm) | a local directory or file"),
     "--max-train-samples": ("max_train_samples", "cap on training examples"),
     "--max-eval-samples": ("max_eval_samples", "cap on examples per eval split"),
     "--steps": ("steps", "optimizer steps"),

@@ -130,7 +130,7 @@ class DistGroup(SimGroup):
         return out
 
     def all_reduce(self, x: torch.Tensor, site: str, direction: str) -> torch.Tensor:
-        if self.network.exact(direction):  # loss-free or retransmitted: the library moves the data
+        if self.network.exact(direction, site):  # loss-free or retransmitted: the library moves the data
             self.network.account(site, direction, x[0])
             out = x.clone()
             dist.all_reduce(out, group=self.process_group)
