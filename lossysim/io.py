@@ -1,5 +1,6 @@
 """File writes: atomic (a reader never sees a half-written file, a crash leaves the old one), and
-output folders checked before any work, their errors named by the option that chose them."""
+output folders checked before any work, their errors named by the option that chose them; JSONL, and
+a run directory's summary.json read safely."""
 from __future__ import annotations
 
 import contextlib
@@ -8,7 +9,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 
 def _umask() -> int:
@@ -111,3 +112,29 @@ def output_errors(folder: Union[str, Path], option: str = "--out"):
 def _under(path: Path, folder: Path) -> bool:
     path, folder = path.resolve(), folder.resolve()
     return path == folder or folder in path.parents
+
+
+# A run directory's summary.json, read without pandas: the trainer checks it before every run.
+def read_summary(run_dir: Union[str, Path]) -> Optional[dict]:
+    """The run's summary, or None when it has none (killed) or it cannot be read."""
+    return load_summary(run_dir)[0]
+
+
+def load_summary(run_dir: Union[str, Path]) -> tuple[Optional[dict], Optional[str]]:
+    """(the run's summary, None), or (None, why it cannot be read)."""
+    try:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    except OSError as err:
+        return None, f"summary.json cannot be read: {err.strerror or err}"
+    except json.JSONDecodeError as err:
+        return None, f"summary.json is not valid JSON (line {err.lineno}: {err.msg}; truncated?)"
+    except ValueError:   # not UTF-8
+        return None, "summary.json is not text"
+    if not isinstance(summary, dict):
+        return None, "summary.json holds no JSON object"
+    return summary, None
+
+
+def run_status(run_dir: Union[str, Path]) -> Optional[str]:
+    summary = read_summary(run_dir)
+    return None if summary is None else summary.get("status")

@@ -15,38 +15,13 @@ import pandas as pd
 import yaml
 
 from ..config import NON_SEMANTIC, TRAFFIC_KINDS, traffic_kinds
-from ..io import atomic_write_text, read_jsonl
+from ..io import atomic_write_text, load_summary, read_jsonl, read_summary, run_status  # noqa: F401 (re-exported)
 from ..loss import parse_loss_model
 from ..loss.spec import family
 from .stats import DEFAULT_TARGET, time_to_target
 
 # Always in summary.csv (the report groups by them); other config keys only when they vary.
 KEY_COLUMNS = ("loss", "lossy", "recovery", "tp_size", "seed", "model", "dataset", "backend")
-
-
-def read_summary(run_dir: Union[str, Path]) -> Optional[dict]:
-    """The run's summary, or None when it has none (killed) or it cannot be read."""
-    return load_summary(run_dir)[0]
-
-
-def load_summary(run_dir: Union[str, Path]) -> tuple[Optional[dict], Optional[str]]:
-    """(the run's summary, None), or (None, why it cannot be read)."""
-    try:
-        summary = json.loads((Path(run_dir) / "summary.json").read_text())
-    except OSError as err:
-        return None, f"summary.json cannot be read: {err.strerror or err}"
-    except json.JSONDecodeError as err:
-        return None, f"summary.json is not valid JSON (line {err.lineno}: {err.msg}; truncated?)"
-    except ValueError:   # not UTF-8
-        return None, "summary.json is not text"
-    if not isinstance(summary, dict):
-        return None, "summary.json holds no JSON object"
-    return summary, None
-
-
-def run_status(run_dir: Union[str, Path]) -> Optional[str]:
-    summary = read_summary(run_dir)
-    return None if summary is None else summary.get("status")
 
 
 def _number(value: Any) -> float:

@@ -24,8 +24,7 @@ from tqdm.auto import tqdm
 
 from ..config import ExperimentConfig, load_config, parse_overrides, save_yaml
 from ..data import EVAL_SPLITS, train_batches
-from ..io import atomic_write_json, atomic_write_text, check_writable, nearest_existing
-from ..results.table import run_status
+from ..io import atomic_write_json, atomic_write_text, check_writable, nearest_existing, run_status
 from . import checkpoint, record, tracking
 from .build import Parts, build
 from .evaluate import evaluate
