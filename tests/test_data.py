@@ -138,6 +138,17 @@ def test_single_file_holds_out_every_tenth_row(tmp_path):
     assert len(capped["validation_matched"]) == 3
 
 
+
+def test_one_held_out_set_is_evaluated_once(tmp_path):
+    """A single file's held-out rows serve both eval splits: a run evaluates them once, not twice;
+    a directory with two different eval files keeps both."""
+    path = tmp_path / "one.jsonl"
+    write_jsonl(path, cycle_labels(50))
+    single = D.prepare_data(config(path), tmp_path / "cache")
+    assert single.eval_splits == ("validation_matched",)
+    two = D.prepare_data(config(jsonl_dir(tmp_path)), tmp_path / "cache")
+    assert two.eval_splits == ("validation_matched", "validation_mismatched")
+
 # --------------------------------------------------------------------------- caps
 
 def test_caps_deterministic_seeded_and_eval_stable(tmp_path):

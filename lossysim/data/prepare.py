@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 import torch
 
-from .examples import LABELS, NUM_LABELS, SPLITS, display_name
+from .examples import EVAL_SPLITS, LABELS, NUM_LABELS, SPLITS, display_name
 from .sources import split_caps, dataset_identity, load_examples
 from .tokenizers import HYPOTHESIS_PREFIX, build_tokenizer, tokenize_examples, tokenizer_identity, tokenizer_spec
 
@@ -51,6 +51,17 @@ class PreparedData:
     cache_path: Optional[Path] = None
     info: dict = field(default_factory=dict)
 
+    @property
+    def eval_splits(self) -> tuple[str, ...]:
+        """The evaluation splits worth evaluating: one held-out set serving both (a single local file,
+        ``pydoc``) is evaluated once, under the first split's name."""
+        out = []
+        for split in EVAL_SPLITS:
+            ids = self.splits[split]["input_ids"]
+            if not any(ids.shape == self.splits[seen]["input_ids"].shape
+                       and torch.equal(ids, self.splits[seen]["input_ids"]) for seen in out):
+                out.append(split)
+        return tuple(out)
 
 
 def cache_key(config) -> str:

@@ -178,7 +178,7 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
                     raise _GaveUp(step, row["failures"])
 
             if step % config.eval_every == 0 or step == config.steps:
-                for split in EVAL_SPLITS:
+                for split in parts.data.eval_splits:
                     scores = evaluate(parts, split, config, rt.device)
                     row = record.eval_row(step, split, started, scores, state, parts.train_net, parts.eval_net,
                                           config)
