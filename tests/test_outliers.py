@@ -282,6 +282,26 @@ def test_outlier_fraction_at_its_default_leaves_run_identity_alone(monkeypatch):
     assert LossyNetwork(2, "bernoulli:0.1", recovery="outliers").config()["outlier_fraction"] == 1e-3
 
 
+def test_ddp_gradient_buckets_lose_zeros_packets_and_keep_their_outliers(tmp_path):
+    """dp 2, loss on the gradient buckets only: the buckets lose the packets zero loses, the side paths
+    repair theirs, and the replicas end with finite parameters that are not zero's."""
+    from test_data_parallel import _lossy_step, tiny
+    config = tiny(tmp_path, tp_size=1, dp_size=2, loss="bernoulli:0.1", lossy_traffic="dp")
+    runs = {name: _lossy_step(config.replace(recovery=name))[0] for name in ("zero", "outliers")}
+
+    def rows(parts, side: bool) -> list[dict]:
+        return [row for net in parts.dp.networks for row in net.stats() if row["site"].endswith("/outliers") == side]
+    assert rows(runs["outliers"], False) == rows(runs["zero"], False)
+    assert sum(row["lost"] for row in rows(runs["zero"], False)) > 0
+    side = rows(runs["outliers"], True)
+    assert side and all(row["site"].startswith("dp.bucket") for row in side)
+    assert sum(row["missing"] for row in side) == 0
+    for zero, coped in zip(runs["zero"].dp.replicas, runs["outliers"].dp.replicas):
+        params = list(coped.model.parameters())
+        assert all(torch.isfinite(p).all() for p in params)
+        assert not all(torch.equal(a, b) for a, b in zip(zero.model.parameters(), params))
+
+
 def test_ddp_resumed_run_ends_as_the_uninterrupted_one(tmp_path, monkeypatch):
     """tp 2 x dp 2, outliers on TP activations and gradients and on the DDP buckets: a run resumed from
     its first checkpoint ends exactly as the uninterrupted one (the side paths' streams, counts and
