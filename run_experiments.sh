@@ -25,9 +25,10 @@ Profiles:
          on 2 idle CPU cores. Spec: experiments/quick.yaml
   mitigations
          the quick profile's model and cluster, ring all-reduce, drop: the recovery
-         policies zero, rescale, hadamard, hadamard+rescale, stale and error_feedback
-         under Bernoulli 5% and 20% and Gilbert-Elliott 5% (burst 8), 3 seeds, beside
-         the loss-free baseline. 57 runs. Spec: experiments/mitigations.yaml
+         policies zero, rescale, hadamard, hadamard+rescale, stale, error_feedback,
+         outliers and outliers+hadamard under Bernoulli 5% and 20% and Gilbert-Elliott
+         5% (burst 8), 3 seeds, beside the loss-free baseline. 75 runs.
+         Spec: experiments/mitigations.yaml
   dp     which traffic should the lossy network carry? tp 2 x dp 2 on the quick profile's
          task: loss only between nodes on data-parallel gradients (tp inside nodes; zero
          and rescale) or on tensor-parallel traffic (tp across nodes), at 1% and 5%,

@@ -27,7 +27,7 @@ TRACKERS = ("tensorboard", "wandb")
 # Keys added with data parallelism: at their defaults they stay out of a run's identity (the sweep's
 # hash), so sweeps written before them still find their runs.
 IDENTITY_AT_DEFAULT_OMITTED = ("dp_size", "dp_bucket_mb", "dp_overlap", "dp_sync_every", "lossy_traffic",
-                              "dp_mode", "lossy_layers", "lossy_sites")
+                              "dp_mode", "lossy_layers", "lossy_sites", "outlier_fraction")
 
 
 def parse_report_to(value) -> tuple[str, ...]:
@@ -63,8 +63,10 @@ class ExperimentConfig:
     # network
     loss: str = "none"                 # see lossysim.parse_loss_model
     lossy: str = "both"                # fwd | bwd | both
-    recovery: str = "zero"             # zero | rescale | hadamard | hadamard+rescale | stale | error_feedback
+    recovery: str = "zero"             # zero | rescale | hadamard | hadamard+rescale | outliers | outliers+hadamard
+                                       # | stale | error_feedback
     hadamard_block: int = 16384        # hadamard: elements per transform block (a power of two)
+    outlier_fraction: float = 0.001    # outliers: share of each rank's message sent reliably, in (0, 0.5]
     payload_bytes: int = 1450
     eval_lossy: bool = True
     algorithm: str = "ring"            # ring | tree | direct (see lossysim.algorithms)

@@ -40,7 +40,7 @@ ALGORITHM_CASES = [{"algorithm": "tree"}, {"algorithm": "direct"}, {"transport":
                    {"transport": "retransmit"}]
 # The recovery policies beside zero and rescale, each through every algorithm (block: the tiny
 # model's messages hold a few blocks and a remainder).
-POLICY_CASES = ("hadamard", "hadamard+rescale", "stale", "error_feedback")
+POLICY_CASES = ("hadamard", "hadamard+rescale", "stale", "error_feedback", "outliers", "outliers+hadamard")
 POLICY_BLOCK = 64
 # (kind, attention, kv heads) of the dist Llama checks: 1 kv head gives both ranks a copy.
 LLAMA_DIST_CASES = (("cls", "sdpa", 1), ("cls", "eager", 1), ("lm", "sdpa", 2))

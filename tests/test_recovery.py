@@ -369,7 +369,7 @@ def test_each_receiver_alone_computes_the_same_bits(policy, algorithm):
     zero = LossyNetwork(recovery="zero", **spec)
     for x in xs:
         zero.all_reduce("s", "bwd", x, range(tp))
-    assert zero.stats() == every.stats()
+    assert zero.stats() == [row for row in every.stats() if row["site"] == "s"]   # not a side path's
 
 
 @pytest.mark.parametrize("policy", ["hadamard", "hadamard+rescale", "stale", "error_feedback"])

@@ -186,6 +186,6 @@ def test_mitigations_profile_compares_every_recovery_policy(tmp_path, sandbox):
                                    "--set", "backend=sim"]
     runs = sweep.expand(sweep.load_spec(ROOT / "experiments" / "mitigations.yaml"), tmp_path / "m")
     lossy = [run.config for run in runs if run.config.loss != "none"]
-    assert len(runs) == 57 and len(runs) - len(lossy) == 3   # one loss-free baseline per seed
+    assert len(runs) == 75 and len(runs) - len(lossy) == 3   # one loss-free baseline per seed
     for loss in ("bernoulli:0.05", "bernoulli:0.2", "ge:rate=0.05,burst=8"):
         assert sorted(c.recovery for c in lossy if c.loss == loss) == sorted(RECOVERY_POLICIES * 3), loss

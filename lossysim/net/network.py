@@ -10,11 +10,17 @@ A collective moves a message (one rank's tensor) by the sends of its algorithm's
    applies it to the tensors (``delivery``),
 5. the counters (``stats``) and the simulated clock move on (the policy's compute included).
 
+A policy with a side path (``outliers``) sends part of every message reliably: that traffic runs on a
+sibling network (the same spec, ``transport=retransmit``, ``recovery=zero``) at call site
+``<site>/outliers``, with its own streams, counters and rows, merged into this network's clock,
+statistics and saved state.
+
 Statistics and the clock stay on the tensors' device (no host sync per call with the ``drop``
 transport) until ``stats()`` / ``clock()``.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -58,7 +64,7 @@ class LossyNetwork:
         self.loss_model = spec.loss
         self.topology, self.transport = spec.topology, spec.transport_model
         self.lossy = spec.lossy
-        self.recovery = recoveries.policy(spec.recovery, spec.hadamard_block)
+        self.recovery = recoveries.policy(spec.recovery, spec.hadamard_block, spec.outlier_fraction)
         self.links = [(src, dst) for src in range(self.tp_size) for dst in range(self.tp_size) if src != dst]
         self._channels: dict[tuple[str, str], _Channel] = {}
         self._transfers: dict[tuple, transfers.Transfer] = {}
@@ -70,6 +76,12 @@ class LossyNetwork:
         self._recovery_s = 0.0                      # simulated seconds of the recovery policy's compute
         self._recovery_cost: dict[tuple, float] = {}   # per policy and message shape: seconds per call
         self._sparse: dict[torch.device, bool] = {}    # per device: whether ``sparse`` draws the calls
+        # The reliable side path of a policy that has one: built with this network, so that it is
+        # swapped into every recording and replaying alongside.
+        self._side: Optional[LossyNetwork] = None
+        if self.recovery.side_path:
+            self._side = LossyNetwork(spec.replace(transport="retransmit", recovery="zero", lossy_layers="all",
+                                                   lossy_sites="all"))
 
     # -- what the spec says ------------------------------------------------------
     def packets(self, numel: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -189,11 +201,25 @@ class LossyNetwork:
     # -- activation checkpointing: a recomputed forward replays its masks -----
     def recording(self, record: dict):
         """Append the deliveries drawn inside to ``record[(site, direction)]``."""
-        return swapped(self, "_recording", record)
+        return self._swapped("_recording", record)
 
     def replaying(self, record: dict):
         """Reuse the deliveries of ``record`` in call order; draw, count and time nothing."""
-        return swapped(self, "_replaying", record)
+        return self._swapped("_replaying", record)
+
+    @contextlib.contextmanager
+    def _swapped(self, name: str, record: dict):
+        with swapped(self, name, record), \
+                (swapped(self._side, name, record) if self._side is not None else contextlib.nullcontext()):
+            yield record
+
+    def _side_traffic(self, site: str, direction: str, collective: str, numel: int, dtype: torch.dtype,
+                      device) -> None:
+        """The policy's side path beside one collective (none for most policies): an all-gather of
+        ``side_bytes`` per rank, as bytes, retransmitted until it arrives."""
+        nbytes = self.recovery.on(direction).side_bytes(numel, dtype) if collective == "all_reduce" else 0
+        if nbytes:
+            self._side.simulate(f"{site}/outliers", direction, nbytes, torch.uint8, "all_gather", device)
 
     # -- one collective: draw, repair, time ------------------------------------------
     def _deliver(self, site: str, direction: str, collective: str, message: torch.Tensor) -> Optional[Delivery]:
@@ -216,6 +242,8 @@ class LossyNetwork:
             self._recovery_s += recovered
             if repairs is not None:
                 self._tick(repairs)
+            if delivery is not None:   # the policy acted: its side path sends again too (replayed)
+                self._side_traffic(site, direction, collective, numel, dtype, device)
             return delivery
         if self.tp_size == 1:
             return None
@@ -261,6 +289,8 @@ class LossyNetwork:
                 delivery = self._draw(channel, transfer, missing, collective, direction, numel, dtype)
         if self._recording is not None:
             self._recording[key].append((delivery, transfer.ideal, repairs, self._recovery_s - recovery_before))
+        if delivery is not None:   # the policy acts on this call
+            self._side_traffic(site, direction, collective, numel, dtype, device)
         return delivery
 
     def _no_delivery(self, direction: str, deliver: bool) -> bool:
@@ -386,7 +416,7 @@ class LossyNetwork:
                         continue
                     rows.append({"site": site, "direction": direction, "phase": phase, "src": src, "dst": dst,
                                  "link_class": self.link_class(src, dst), "calls": ch.counters.calls, **values})
-        return rows
+        return rows + (self._side.stats() if self._side is not None else [])
 
     def burst_histogram(self) -> list[dict]:
         """Records (site, direction, src, dst, length, count) of loss runs, open runs included."""
@@ -398,7 +428,7 @@ class LossyNetwork:
                     if length and count:
                         rows.append({"site": site, "direction": direction, "src": src, "dst": dst,
                                      "length": length, "count": count})
-        return rows
+        return rows + (self._side.burst_histogram() if self._side is not None else [])
 
     def configured_loss_rate(self, direction: str, src: int, dst: int, site: Optional[str] = None) -> float:
         """The loss rate a link is configured with for one direction's traffic (at ``site``, if given)."""
@@ -417,11 +447,17 @@ class LossyNetwork:
         """Simulated communication time so far (syncs): with loss, repairs and the recovery policy's compute
         (``comm_s``), without loss (``ideal_comm_s``), the repairs alone (``retransmit_s``), the policy's
         compute alone (``recovery_s``), and ``comm_s`` with the repairs the ideal nic preset would take
-        (one resend and one round trip per loss: ``comm_s_ideal_nic``)."""
+        (one resend and one round trip per loss: ``comm_s_ideal_nic``). A side path's loss-free time is
+        the policy's (``recovery_s``: a loss-free run sends none), its repairs are repairs."""
         repairs = self._repairs.tolist() if self._repairs is not None else [0.0, 0.0]
-        return {"comm_s": self._ideal + repairs[0] + self._recovery_s, "ideal_comm_s": self._ideal,
-                "retransmit_s": repairs[0], "recovery_s": self._recovery_s,
-                "comm_s_ideal_nic": self._ideal + repairs[1] + self._recovery_s}
+        recovery_s = self._recovery_s
+        if self._side is not None:
+            side = self._side.clock()
+            recovery_s += side["ideal_comm_s"]
+            repairs = [repairs[0] + side["retransmit_s"], repairs[1] + side["comm_s_ideal_nic"] - side["ideal_comm_s"]]
+        return {"comm_s": self._ideal + repairs[0] + recovery_s, "ideal_comm_s": self._ideal,
+                "retransmit_s": repairs[0], "recovery_s": recovery_s,
+                "comm_s_ideal_nic": self._ideal + repairs[1] + recovery_s}
 
     def totals(self) -> dict:
         """Every counter summed over call sites, directions, phases and links (syncs): ``summary()``'s
@@ -430,12 +466,16 @@ class LossyNetwork:
         for ch in self._channels.values():
             ch.counters.flush()
             sums += ch.counters.counts.sum((1, 2)).cpu()
-        return dict(zip(COUNTERS, sums.tolist()))
+        totals = dict(zip(COUNTERS, sums.tolist()))
+        if self._side is not None:
+            totals = {name: value + self._side.totals()[name] for name, value in totals.items()}
+        return totals
 
     def failures(self) -> int:
         """Collectives the transport gave up on so far (syncs)."""
         index = COUNTERS.index("failures")
-        return sum(int(ch.counters.counts[index].sum()) for ch in self._channels.values())
+        return (sum(int(ch.counters.counts[index].sum()) for ch in self._channels.values())
+                + (self._side.failures() if self._side is not None else 0))
 
     def reset_stats(self) -> None:
         """Zero every counter and the clock; chain states, random streams and what recovery policies
@@ -446,6 +486,8 @@ class LossyNetwork:
         self._repairs = None
         self._ideal = 0.0
         self._recovery_s = 0.0
+        if self._side is not None:
+            self._side.reset_stats()
 
     # -- save and restore ----------------------------------------------------------
     def state_dict(self) -> dict:
@@ -458,10 +500,13 @@ class LossyNetwork:
                 "nonfinite_at": torch.tensor(ch.watch.settle()), "generator": chains["generator"],
                 "calls": counters["calls"], "started": chains["started"], "device": str(ch.counters.device),
                 "chain": chains["chain"], "recovery": None if ch.memory is None else ch.memory.state_dict()}
-        return {"config": self.config(), "channels": channels, "watch_index": self._watched,
-                "clock": {"repairs_s": None if self._repairs is None else self._repairs.cpu().clone(),
-                          "ideal_comm_s": self._ideal,
-                          "recovery_s": self._recovery_s}}
+        state = {"config": self.config(), "channels": channels, "watch_index": self._watched,
+                 "clock": {"repairs_s": None if self._repairs is None else self._repairs.cpu().clone(),
+                           "ideal_comm_s": self._ideal,
+                           "recovery_s": self._recovery_s}}
+        if self._side is not None:
+            state["side"] = self._side.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         saved = dict(state["config"])
@@ -491,6 +536,8 @@ class LossyNetwork:
         self._repairs = None if repairs is None else repairs.to(device)
         self._ideal = clock["ideal_comm_s"]
         self._recovery_s = clock.get("recovery_s", 0.0)
+        if self._side is not None and "side" in state:
+            self._side.load_state_dict(state["side"])
 
     def config(self) -> dict:
         return self.spec.as_dict()

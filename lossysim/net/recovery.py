@@ -12,6 +12,11 @@ One policy per network (``recovery`` in ``NetworkSpec``; docs/semantics.md compa
   every rank, so it commutes with the sum: it sits once around the whole collective, whatever the
   algorithm. A lost packet becomes small noise spread over its block instead of a hole. The signs
   come from a stream keyed by (seed, call site, direction), drawn afresh every call.
+- ``outliers``, ``outliers+hadamard``: every sender takes the ``outlier_fraction`` of its own
+  contribution's elements of largest magnitude out of the message (zeros travel in their place) and
+  sends them as (index, value) pairs by a reliable all-gather on a side path; the rest goes under
+  ``zero`` (or ``hadamard``), and every receiver adds every rank's pairs to what arrived. The side
+  path is real traffic: the network charges it as a retransmitted all-gather (``side_bytes``).
 - ``stale``: a lost packet of a send is replaced by the last values that arrived on that send
   (the same step, link and packets of this call site and direction); nothing yet: zero.
 - ``error_feedback``: a sender keeps what a send failed to deliver and adds it to what that send
@@ -37,9 +42,12 @@ from .algorithms import Delivery, Schedule, combine
 from .sparse import Losses
 from ..util import stream_seed
 
-RECOVERY_POLICIES = ("zero", "rescale", "hadamard", "hadamard+rescale", "stale", "error_feedback")
+RECOVERY_POLICIES = ("zero", "rescale", "hadamard", "hadamard+rescale", "stale", "error_feedback", "outliers",
+                     "outliers+hadamard")
 ACTIVATIONS = "fwd"            # the direction whose values are never summed again later
 DEFAULT_HADAMARD_BLOCK = 1 << 14
+DEFAULT_OUTLIER_FRACTION = 1e-3
+INDEX_BYTES = 4                # an outlier's index on the side path: int32
 
 
 def check_block(block: int) -> int:
@@ -50,10 +58,22 @@ def check_block(block: int) -> int:
     return value
 
 
-def policy(name: str, hadamard_block: int = DEFAULT_HADAMARD_BLOCK) -> "Policy":
+def check_fraction(fraction: float) -> float:
+    """``fraction`` as a float, or ValueError unless it is in (0, 0.5]."""
+    value = float(fraction)
+    if not 0.0 < value <= 0.5:
+        raise ValueError(f"outlier_fraction={fraction} must be in (0, 0.5] (e.g. {DEFAULT_OUTLIER_FRACTION})")
+    return value
+
+
+def policy(name: str, hadamard_block: int = DEFAULT_HADAMARD_BLOCK,
+           outlier_fraction: float = DEFAULT_OUTLIER_FRACTION) -> "Policy":
     """The policy called ``name`` (one of RECOVERY_POLICIES)."""
     if name not in RECOVERY_POLICIES:
         raise ValueError(f"recovery={name!r} must be one of {', '.join(RECOVERY_POLICIES)}")
+    if name.startswith("outliers"):
+        inner = Hadamard(ZERO, hadamard_block) if name.endswith("+hadamard") else ZERO
+        return Outliers(inner, outlier_fraction)
     if name.startswith("hadamard"):
         return Hadamard(RESCALE if name.endswith("+rescale") else ZERO, hadamard_block)
     return {"zero": ZERO, "rescale": RESCALE, "stale": STALE, "error_feedback": ERROR_FEEDBACK}[name]
@@ -113,6 +133,7 @@ class Policy:
     rescale = False
     keeps_memory = False    # needs a Memory per call site
     computes = False        # adds compute to a collective
+    side_path = False       # sends part of a message reliably beside it (``side_bytes``)
 
     def on(self, direction: str) -> "Policy":
         """The policy that applies to traffic in ``direction``."""
@@ -139,6 +160,11 @@ class Policy:
     def flops(self, sched: Schedule, per_packet: int, numel: int) -> float:
         """Floating-point operations a rank adds to one all-reduce of ``numel`` elements."""
         return 0.0
+
+    def side_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        """Bytes each rank sends on a reliable side path (an all-gather) beside one all-reduce of
+        ``numel`` elements of ``dtype``; 0: no side path."""
+        return 0
 
     def __repr__(self) -> str:
         return f"recovery={self.name}"
@@ -273,6 +299,54 @@ class Hadamard(Policy):
 
     def flops(self, sched, per_packet, numel):
         return 2 * hadamard_flops(numel, self.block)   # the sender's transform, the receiver's inverse
+
+
+# -- outliers: the largest elements of each contribution over a reliable side path ------------------
+def outlier_count(numel: int, fraction: float) -> int:
+    """k = ceil(fraction x numel) elements, at least one, at most all (rounded to 9 digits first, so a
+    product such as 0.1 x 30 is 3, not 4)."""
+    return min(int(numel), max(1, math.ceil(round(fraction * numel, 9))))
+
+
+class Outliers(Policy):
+    """Each sender's k largest elements (by magnitude, its own: no agreement between ranks) leave the
+    lossy message, zeroed in place (the message keeps its size, packets and masks), and travel as
+    (index, value) pairs on a reliable side path; ``inner`` (zero or hadamard) recovers the rest, and
+    every receiver adds every rank's pairs to it. LLM.int8's outliers kept apart, on the wire."""
+    computes = True
+    side_path = True
+
+    def __init__(self, inner: Policy, fraction: float):
+        self.inner, self.fraction = inner, check_fraction(fraction)
+        self.name = "outliers" + ("+hadamard" if isinstance(inner, Hadamard) else "")
+        self.keeps_memory = inner.keeps_memory
+
+    def draw(self, transfer, lost, collective, numel, dtype, memory):
+        return self.inner.draw(transfer, lost, collective, numel, dtype, memory)
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(index, value) of every rank's k largest elements (``[ranks, k]`` each) and the messages
+        without them (zeros in their place)."""
+        index = x.abs().topk(outlier_count(x.shape[1], self.fraction), dim=1).indices
+        return index, x.gather(1, index), x.scatter(1, index, 0)
+
+    def all_reduce(self, drawn, x, receivers, per_packet, watch, memory, update):
+        index, values, rest = self.split(x)
+        out = self.inner.all_reduce(drawn, rest, receivers, per_packet, lambda seen: None, memory, update).clone()
+        for r in range(x.shape[0]):   # rank by rank, in rank order: the same bits at every receiver
+            out.index_add_(1, index[r], values[r].expand(len(receivers), -1))
+        watch(out)
+        return out
+
+    def flops(self, sched, per_packet, numel):
+        # the sender's selection (a magnitude and a comparison per element) and zeroing (k), the
+        # receiver's scatter-add of every rank's k values
+        k = outlier_count(numel, self.fraction)
+        return 2.0 * numel + k + sched.tp_size * k + self.inner.flops(sched, per_packet, numel)
+
+    def side_bytes(self, numel, dtype):
+        # k pairs, packed: an int32 index and a value in the message's dtype
+        return outlier_count(numel, self.fraction) * (INDEX_BYTES + dtype.itemsize)
 
 
 # -- send by send: stale and error feedback ----------------------------------------------------------

@@ -16,7 +16,8 @@ from ..loss import LossModel, parse_loss_model
 from ..timing import Compute, Link, Measured, parse_compute, parse_link
 from ..timing.retransmission import DEFAULT_NIC, Nic, parse_nic
 from .algorithms import ALGORITHMS
-from .recovery import ACTIVATIONS, DEFAULT_HADAMARD_BLOCK, RECOVERY_POLICIES, check_block
+from .recovery import (ACTIVATIONS, DEFAULT_HADAMARD_BLOCK, DEFAULT_OUTLIER_FRACTION, RECOVERY_POLICIES, check_block,
+                       check_fraction)
 from .selection import SiteSelection
 from .topology import Topology
 from .transport import Transport
@@ -50,7 +51,9 @@ class NetworkSpec:
         payload_bytes: tensor bytes per packet (1450 = UDP in a 1500-byte MTU).
         recovery: ``zero`` (a lost packet contributes nothing), ``rescale`` (what arrives is divided
             by the probability that it arrives: an unbiased estimate of the sum), ``hadamard`` or
-            ``hadamard+rescale`` (a randomized Hadamard transform around the collective), ``stale``
+            ``hadamard+rescale`` (a randomized Hadamard transform around the collective), ``outliers``
+            or ``outliers+hadamard`` (each sender's largest elements over a reliable side path, the
+            rest under ``zero`` or ``hadamard``), ``stale``
             (the last values that arrived) or ``error_feedback`` (what was lost is sent with the next
             call; gradients only): ``lossysim.net.recovery``.
         lossy: directions whose traffic can be lost (``fwd``, ``bwd``, or ``both``); the others are
@@ -66,6 +69,8 @@ class NetworkSpec:
         nics_per_node: NICs a node's inter-node traffic spreads over (None: one per rank).
         link_intra, link_inter: the links of each class (``lossysim.timing.links``).
         hadamard_block: elements per Hadamard transform block (a power of two).
+        outlier_fraction: ``outliers``: the share of each rank's message, in (0, 0.5], sent reliably
+            (k = ceil(fraction x elements), at least 1).
         compute: the GPU model a recovery policy's compute is charged at (``lossysim.timing.compute``;
             ``measured``: nothing is charged, the measured step already holds it).
         lossy_layers, lossy_sites: which TP call sites can lose packets (``lossysim.net.selection``:
@@ -91,6 +96,7 @@ class NetworkSpec:
     link_intra: Union[str, Link] = "nvlink4"
     link_inter: Union[str, Link] = "roce-200g"
     hadamard_block: int = DEFAULT_HADAMARD_BLOCK
+    outlier_fraction: float = DEFAULT_OUTLIER_FRACTION
     compute: Union[str, Compute, Measured] = "h100"
     lossy_layers: str = "all"
     lossy_sites: str = "all"
@@ -109,6 +115,7 @@ class NetworkSpec:
             raise ValueError(f"max_burst={self.max_burst} must be >= 1")
         _choice("recovery", self.recovery, RECOVERY_POLICIES)
         block = check_block(self.hadamard_block)
+        fraction = check_fraction(self.outlier_fraction)
         try:
             compute = parse_compute(self.compute)
         except ValueError as err:
@@ -135,6 +142,15 @@ class NetworkSpec:
         transport = Transport(self.transport, nic.mode, float(self.deadline))
         if transport.repairs and loss.loss_rate >= 1.0:
             raise ValueError(f"transport={self.transport} never finishes: {loss.spec} loses every packet")
+        # outliers retransmit their side path whatever ``transport`` says
+        side_path = self.recovery.startswith("outliers")
+        if side_path and loss.loss_rate >= 1.0:
+            raise ValueError(f"recovery={self.recovery} retransmits its outliers, which never finishes: "
+                             f"{loss.spec} loses every packet")
+        if side_path and nic.mode == "go_back_n" and not loss.rewindable:
+            raise ValueError(f"recovery={self.recovery} retransmits its outliers by go-back-N (nic={self.nic}), "
+                             f"which is not supported with {loss.spec}: use a selective repeat nic or "
+                             "retransmit=selective")
         rescale = self.recovery.endswith("rescale")
         if rescale and loss.loss_rate >= 1.0:
             raise ValueError(f"recovery={self.recovery} needs a loss rate below 1: {loss.spec} loses every packet")
@@ -162,6 +178,7 @@ class NetworkSpec:
         put("link_intra", links["link_intra"])
         put("link_inter", links["link_inter"])
         put("hadamard_block", block)
+        put("outlier_fraction", fraction)
         put("compute", compute)
         put("topology", topology)
         put("transport_model", transport)
@@ -194,8 +211,10 @@ class NetworkSpec:
                "deadline": self.deadline, "link_intra": self.link_intra.spec, "link_inter": self.link_inter.spec,
                "rto_s": self.rto_s, "nic": self.nic, "channels": self.channels,
                "nics_per_node": self.nics_per_node}
-        if self.recovery.startswith("hadamard"):
+        if "hadamard" in self.recovery:
             out["hadamard_block"] = self.hadamard_block
+        if self.recovery.startswith("outliers"):
+            out["outlier_fraction"] = self.outlier_fraction
         if self.recovery not in ("zero", "rescale"):
             out["compute"] = self.compute.spec      # what the policy's compute is charged at
         if not self.selection.everything:          # likewise: states saved before selections load

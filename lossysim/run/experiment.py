@@ -42,7 +42,8 @@ FLAGS = {
     "--dp-mode": ("dp_mode", "ddp (replicas hold whole parameters) or fsdp (ZeRO-3: sharded, gathered)"),
     "--backend": ("backend", "sim (all ranks in one process) or dist (torchrun)"),
     "--lossy": ("lossy", "which traffic is lossy: fwd, bwd or both"),
-    "--recovery": ("recovery", "zero or rescale"),
+    "--recovery": ("recovery", "zero, rescale, hadamard, hadamard+rescale, outliers, outliers+hadamard, stale "
+                               "or error_feedback (docs/semantics.md)"),
     "--algorithm": ("algorithm", "collective algorithm: ring, tree or direct"),
     "--transport": ("transport", "drop, retransmit or deadline"),
     "--nic": ("nic", "how lost packets are detected and repaired: ideal, irn, srd, roce-gbn or tcp"),
