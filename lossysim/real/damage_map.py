@@ -125,7 +125,9 @@ class _Model:
         finally:
             for i in range(start):
                 self.layers[i] = originals[i]
-        return self.head(self.tpm.rank_logits[0]).float()
+        # The head's class forward: parallelize makes the module itself run once per simulated rank
+        # (run_per_rank), which would repeat rank 0's rows for every rank.
+        return type(self.head).forward(self.head, self.tpm.rank_logits[0]).float()
 
 
 def _scores(logits: torch.Tensor, clean: torch.Tensor, ids: torch.Tensor) -> dict:
