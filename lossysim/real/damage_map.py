@@ -191,6 +191,8 @@ def plot(frame, path: Path) -> None:
             grid = cells.pivot(index="layer", columns="site", values="kl_per_token")[list(SITES)]
             image = axes[i, j].imshow(grid.clip(lower=floor).to_numpy(), aspect="auto", norm=norm, cmap="magma")
             axes[i, j].set_xticks(range(len(SITES)), SITES)
+            # rows are the mapped layers in order, which need not be 0, 1, 2, ... (--layers 0-2,11)
+            axes[i, j].set_yticks(range(len(grid)), [str(layer) for layer in grid.index], fontsize=7)
             axes[i, j].set_title(f"{rate:.1%} {recovery}\n{model}", fontsize=8)
             if j == 0:
                 axes[i, j].set_ylabel("layer")
