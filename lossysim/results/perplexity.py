@@ -173,7 +173,8 @@ def _weintraub(frame: pd.DataFrame, config: dict) -> str:
     dp = frame[frame["dp_loss"] & frame["change_pct"].notna()]
     if dp.empty:
         return ""
-    ours = "; ".join(f"{100 * r['loss_rate']:g}% {r['setting']}: {_change_cell(r)}%" for _, r in dp.iterrows())
+    ours = "; ".join(f"{100 * r['loss_rate']:g}% loss, {r.get('recovery', '')}: {_change_cell(r)}%"
+                     for _, r in dp.iterrows())
     w = WEINTRAUB
     weights = " (135M, weights dequantised from Q4_1)" if config.get("model") == "smollm2-135m" else ""
     rows = [("model", w["model"], f"`{config.get('model', '?')}`{weights}"),
