@@ -161,7 +161,7 @@ def _assumptions(config: dict, runs: pd.DataFrame) -> str:
                if model == "smollm2-135m" else "")
     return (f"Assumptions: model `{model}`.{weights} Every run trains {config.get('steps', '?')} steps of "
             f"{config.get('batch_size', '?')} texts of at most {config.get('max_length', '?')} tokens at lr "
-            f"{config.get('lr', '?')} ({config.get('warmup_steps', '?')} warmup steps), and is {evaluated}, on "
+            f"{config.get('lr', '?')} (warmup: {config.get('warmup_steps', '?')} steps), and is {evaluated}, on "
             f"{config.get('max_eval_samples') or 'all'} held-out texts. Runs with the same seed see the same data "
             "in the same order, so each is paired with the loss-free run of its mesh and seed. Simulated time is "
             "the run's clock (modelled compute plus simulated communication, repairs included), per optimizer "
