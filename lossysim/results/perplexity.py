@@ -118,7 +118,7 @@ def plot(frame: pd.DataFrame) -> Optional[Figure]:
     lossy = frame[frame["change_pct"].notna()].reset_index(drop=True)
     if lossy.empty:
         return None
-    fig = Figure(figsize=(9, 1.4 + 0.45 * len(lossy)), layout="constrained")
+    fig = Figure(figsize=(9, 1.8 + 0.45 * len(lossy)), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     y = np.arange(len(lossy))[::-1]
@@ -133,7 +133,8 @@ def plot(frame: pd.DataFrame) -> Optional[Figure]:
     ax.set_xscale("symlog", linthresh=1.0)
     ax.set_xlabel("eval perplexity change against the loss-free run of the same seed (%, symlog)")
     ax.grid(True, axis="x", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.margins(x=0.1)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.25), frameon=False)
     ax.set_title("What training under loss did to the model: mean and 95% interval over seeds (eval loss-free)",
                  fontsize=9)
     return fig
@@ -194,7 +195,7 @@ def write(out: Path, runs: pd.DataFrame) -> list[Path]:
     written = [out / CSV]
     fig = plot(frame)
     if fig is not None:
-        fig.savefig(out / PLOT, dpi=120)
+        fig.savefig(out / PLOT, dpi=120, bbox_inches="tight")   # long setting names stay whole
         written.append(out / PLOT)
     return written
 
