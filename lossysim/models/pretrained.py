@@ -70,6 +70,25 @@ def gguf_path(name: str) -> Path:
                      f"'{packaged.distribution}=={packaged.version}'")
 
 
+def missing(name: str) -> Optional[str]:
+    """Why model ``name`` cannot load here, in one line saying how to install what it needs; None
+    when it can. Cheap (package metadata only): scripts ask before any work."""
+    packaged = PACKAGED[name]
+    absent = []
+    for package in ("gguf", "accelerate", packaged.distribution):
+        try:
+            importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            absent.append(package)
+    if absent:
+        return f"model {name!r} needs the real extra ({', '.join(absent)} not installed): {INSTALL_HINT}"
+    try:
+        gguf_path(name)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def model_dir(name: str, cache: Optional[Path] = None) -> Path:
     """Model ``name`` as a Hugging Face directory (config, safetensors, tokenizer), converted from its
     GGUF file on first use. The directory is named by the file's size and modification time, so a
@@ -140,3 +159,4 @@ def _readable(folder: Path) -> None:
 def resolve(name: str) -> str:
     """The path transformers loads for ``name``: a packaged model's converted directory, else ``name``."""
     return str(model_dir(name)) if is_packaged(name) else name
+

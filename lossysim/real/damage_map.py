@@ -125,7 +125,9 @@ class _Model:
         finally:
             for i in range(start):
                 self.layers[i] = originals[i]
-        return self.head(self.tpm.rank_logits[0]).float()
+        # The head's class forward: parallelize makes the module itself run once per simulated rank
+        # (run_per_rank), which would repeat rank 0's rows for every rank.
+        return type(self.head).forward(self.head, self.tpm.rank_logits[0]).float()
 
 
 def _scores(logits: torch.Tensor, clean: torch.Tensor, ids: torch.Tensor) -> dict:
@@ -189,6 +191,8 @@ def plot(frame, path: Path) -> None:
             grid = cells.pivot(index="layer", columns="site", values="kl_per_token")[list(SITES)]
             image = axes[i, j].imshow(grid.clip(lower=floor).to_numpy(), aspect="auto", norm=norm, cmap="magma")
             axes[i, j].set_xticks(range(len(SITES)), SITES)
+            # rows are the mapped layers in order, which need not be 0, 1, 2, ... (--layers 0-2,11)
+            axes[i, j].set_yticks(range(len(grid)), [str(layer) for layer in grid.index], fontsize=7)
             axes[i, j].set_title(f"{rate:.1%} {recovery}\n{model}", fontsize=8)
             if j == 0:
                 axes[i, j].set_ylabel("layer")

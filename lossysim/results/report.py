@@ -40,8 +40,9 @@ from .table import collect, load_summary, write_summary_csv
 # A loss spec is compared by what it means, not how it is spelled.
 LOSS_KEYS = ("loss_model", "loss_rate", "mean_burst")
 # The sweep runs a lossless setting once whatever these say, so its baseline ignores them.
-LOSSLESS_FREE = ("loss", *LOSS_KEYS, "lossy", "recovery", "eval_lossy", "lossy_links", "transport", "retransmit",
-                 "deadline", "rto_s", "nic", "channels", "algorithm", "ranks_per_node", "link_intra", "link_inter", "compute")
+LOSSLESS_FREE = ("loss", *LOSS_KEYS, "lossy", "recovery", "eval_lossy", "lossy_links", "lossy_traffic", "transport",
+                 "retransmit", "deadline", "rto_s", "nic", "channels", "algorithm", "ranks_per_node", "link_intra",
+                 "link_inter", "compute")
 # What sets a loss-free run's simulated time (its accuracy does not depend on them).
 TIME_KEYS = ("algorithm", "ranks_per_node", "link_intra", "link_inter", "compute", "tp_size")
 # The time-to-accuracy target, as a fraction of the loss-free baseline's final accuracy.
@@ -201,6 +202,16 @@ def _paired_columns(mine: pd.DataFrame, baseline: pd.DataFrame, value: str) -> d
             "paired_significant": bool(p < ALPHA)}
 
 
+def loss_free_runs(runs: pd.DataFrame, setting: dict, value: str) -> pd.DataFrame:
+    """The completed loss-free runs with a ``value`` that ``setting`` is compared with: those with
+    the same other settings, but for the keys a lossless run ignores (``LOSSLESS_FREE``)."""
+    match = runs[(runs["status"] == "completed") & runs[value].notna() & (runs["loss_model"] == "none")]
+    for k in setting_keys(runs):
+        if k not in LOSSLESS_FREE:
+            match = match[match[k].astype(str) == str(setting[k])]
+    return match
+
+
 def settings(runs: pd.DataFrame, value: str = "accuracy") -> pd.DataFrame:
     """One row per setting: ``value``'s mean, std, 95% CI half-width and n over completed seeds,
     the loss-free baseline of the same other settings, Welch's two-sided p against it, and the
@@ -213,9 +224,7 @@ def settings(runs: pd.DataFrame, value: str = "accuracy") -> pd.DataFrame:
     than two seeds (pairs) on either side.
     """
     runs = add_series(runs)
-    base_keys = [k for k in setting_keys(runs) if k not in LOSSLESS_FREE]
     done = runs[(runs["status"] == "completed") & runs[value].notna()]
-    baselines = done[done["loss_model"] == "none"]
     rows = []
     for setting, group in _setting_groups(runs):
         mine = done.loc[done.index.intersection(group.index)]
@@ -224,9 +233,7 @@ def settings(runs: pd.DataFrame, value: str = "accuracy") -> pd.DataFrame:
                "std": est.std, "ci": est.half_width, "n": est.n, "runs": len(group),
                "failed": int((group["status"] == "failed").sum()),
                "diverged": int((group["status"] == "diverged").sum())}
-        match = baselines
-        for k in base_keys:
-            match = match[match[k].astype(str) == str(setting[k])]
+        match = loss_free_runs(runs, setting, value)
         is_baseline = setting.get("loss_model") == "none"
         row["baseline_series"] = match["series"].iloc[0] if match["series"].nunique() == 1 else ""
         row["baseline_mean"] = float(match[value].mean()) if len(match) else math.nan
@@ -831,6 +838,10 @@ class ReportInputs:
     metrics: pd.DataFrame
     plots: list[Path] = field(default_factory=list)
     problems: dict[str, str] = field(default_factory=dict)   # run directory -> why it is left out or partial
+    out: Optional[Path] = None                                # where report.md goes (default: results)
+
+    def __post_init__(self):
+        self.out = self.out or self.results
 
 
 def _save(figure_or_axes, path: Path) -> None:
@@ -897,12 +908,24 @@ def section_problems(inputs: ReportInputs) -> str:
             + "".join(f"- `{run_dir}`: {why}\n" for run_dir, why in sorted(inputs.problems.items())))
 
 
+def section_perplexity(inputs: ReportInputs) -> str:
+    """Causal-LM sweeps only: the perplexity table (lossysim.results.perplexity)."""
+    from . import perplexity   # imported here: it builds on this module
+    return perplexity.section(inputs.results, inputs.out, inputs.runs) if perplexity.is_lm(inputs.runs) else ""
+
+
+def section_damage_map(inputs: ReportInputs) -> str:
+    from . import perplexity
+    return perplexity.damage_map_section(inputs.results, inputs.out)
+
+
 def section_plots(inputs: ReportInputs) -> str:
     return "## Plots\n\n" + "".join(f"- {PLOTS[p.name]}: ![{p.stem}]({p.name})\n" for p in inputs.plots)
 
 
 # The report's sections, in order, each a function of ReportInputs returning markdown.
-SECTIONS = [section_overview, section_problems, section_time_to_accuracy, section_accuracy, section_settings, section_plots]
+SECTIONS = [section_overview, section_problems, section_time_to_accuracy, section_perplexity, section_damage_map,
+            section_accuracy, section_settings, section_plots]
 
 
 def write_report(results: Union[str, Path], out: Optional[Union[str, Path]] = None) -> dict:
@@ -933,14 +956,16 @@ def _write(results: Path, out: Path, runs: pd.DataFrame, metrics: pd.DataFrame, 
         if drawing is not None:
             _save(drawing, out / name)
             written.append(out / name)
+    from . import perplexity
+    extra = perplexity.write(out, runs) if perplexity.is_lm(runs) else []
     if out.resolve() == results.resolve():
         write_summary_csv(results)   # shards that shared this folder end up in one table
-    inputs = ReportInputs(results, runs, metrics, written, problems)
+    inputs = ReportInputs(results, runs, metrics, written, problems, out)
     text = "\n".join([f"# Sweep report: {results.name}\n", *(section(inputs) for section in SECTIONS)])
     report_md = out / "report.md"
     atomic_write_text(report_md, text)
     return {"runs": runs, "pivot": accuracy_pivot(runs), "table": summary_table(runs),
-            "settings": settings(runs), "files": [report_md, *written], "problems": problems}
+            "settings": settings(runs), "files": [report_md, *written, *extra], "problems": problems}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

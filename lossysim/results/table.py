@@ -87,6 +87,8 @@ def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
     row["eval_split"] = split
     row["accuracy"] = row.get(f"final_accuracy_{split}", math.nan)
     row["best_accuracy"] = row.get(f"best_accuracy_{split}", math.nan)
+    if config.get("task") == "lm":   # the eval loss is the mean negative log-likelihood per token
+        row["perplexity"] = math.exp(row.get(f"final_loss_{split}", math.nan))
     reached = _time_to_target(run_dir, summary, config, split)
     row["target_accuracy"] = _number(reached.get("target"))
     row["steps_to_target"] = _number(reached.get("step"))
