@@ -38,12 +38,13 @@ Profiles:
          model, offline"): SmolLM2-135M (weights dequantised from Q4_1) on Python's
          documentation text. First a reduced damage map into <out>/damage_map/ (forward
          only, tp 3, loss on one site at a time: layers 0-2, 11, 28, 29 x attention, MLP,
-         Bernoulli 1% and 5%, zero and hadamard, pretrained and random weights; about 4
-         minutes), then causal-LM fine-tuning under loss, 3 seeds each (6 steps of 4 x 64
-         tokens, lr 1e-4, eval loss-free on 48 held-out pieces): tp 3 with TP traffic lost
-         at 0.1%, 1%, 5% (zero; rescale and hadamard at 1%) and tp 1 x dp 2 with gradients
-         lost at 10% (zero, rescale), beside their loss-free runs. 27 runs; the report
-         adds the perplexity table. About 30 minutes on 2 idle CPU cores.
+         Bernoulli 1% and 5%, zero, hadamard, outliers and outliers+hadamard, pretrained
+         and random weights), then causal-LM fine-tuning under loss, 3 seeds each (6 steps
+         of 4 x 64 tokens, lr 1e-4, eval loss-free on 48 held-out pieces): tp 3 with TP
+         traffic lost at 0.1%, 1%, 5% (zero; rescale, hadamard, outliers and
+         outliers+hadamard at 1%) and tp 1 x dp 2 with gradients lost at 10% (zero,
+         rescale), beside their loss-free runs. 33 runs; the report adds the damage map
+         and the perplexity table. About 30 minutes on 2 idle CPU cores.
          Spec: experiments/real.yaml
   mnli   pretrained gpt2 on MNLI (20k train, 2k eval per split), tp 2; torchrun (dist)
          with >= 2 GPUs, simulated ranks (sim) otherwise. Spec: experiments/mnli_sweep.yaml
@@ -257,9 +258,8 @@ if [ "$PROFILE" = real ] && [ -n "$SHARD" ] && [ "${SHARD#1/}" = "$SHARD" ]; the
   echo "lossysim: the damage map is left to shard 1/N" >&2
 elif [ "$PROFILE" = real ] && [ ! -f "$OUT/damage_map/damage_map.png" ]; then
   # The map is written whole at its end (its png last), so one without a png is redone: minutes.
-  # The outlier recovery policies join --recoveries once they land.
   "$PY" -m lossysim.real.damage_map --out "$OUT/damage_map" --layers 0-2,11,28,29 --rates 0.01,0.05 \
-    --recoveries zero,hadamard
+    --recoveries zero,hadamard,outliers,outliers+hadamard
 fi
 status=0
 "$PY" -m lossysim "${ARGS[@]}" || status=$?

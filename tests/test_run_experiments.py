@@ -240,7 +240,7 @@ def test_real_profile_without_the_extra_says_how_to_install_it_and_does_nothing(
 
 
 def test_real_profile_dry_run_lists_its_runs(tmp_path):
-    """The real script and python: the spec's 27 runs listed, nothing trained or written."""
+    """The real script and python: the spec's 33 runs listed, nothing trained or written."""
     import sys
     box = tmp_path / "box"
     (box / "scripts").mkdir(parents=True)
@@ -251,7 +251,7 @@ def test_real_profile_dry_run_lists_its_runs(tmp_path):
     out = tmp_path / "r"
     result = run_script(box / "run_experiments.sh", ["--profile", "real", "--dry-run", "--out", str(out)], env)
     assert result.returncode == 0, result.stderr
-    assert "27 runs" in result.stdout
+    assert "33 runs" in result.stdout
     for name in ("none_tp3_seed0", "bernoulli-0.001_tp3_seed2", "bernoulli-0.01_tp3_seed1_hadamard",
                  "none_tp1_seed0", "bernoulli-0.1_tp1_seed2_rescale"):
         assert name in result.stdout, name

@@ -222,6 +222,10 @@ def main(argv=None) -> int:
         for rate in args.rates:
             if not 0 < rate < 1:
                 raise ValueError(f"--rates: {rate} must be in (0, 1)")
+        from ..net.recovery import RECOVERY_POLICIES
+        for recovery in args.recoveries:
+            if recovery not in RECOVERY_POLICIES:
+                raise ValueError(f"--recoveries: {recovery!r} is not one of {', '.join(RECOVERY_POLICIES)}")
         from ..models.pretrained import model_dir
         model_dir(MODELS[0])  # the real extra is there (and converted) before any work
         out.mkdir(parents=True, exist_ok=True)
