@@ -202,7 +202,7 @@ def test_real_profile_maps_the_damage_then_fine_tunes_then_reports(tmp_path, san
     made = [c for c in calls(log) if c[0] != "-c"]
     assert made[0][-1] == "--dry-run"
     assert made[1] == ["-m", "lossysim.real.damage_map", "--out", f"{out}/damage_map", "--layers", "0-2,11,28,29",
-                       "--rates", "0.01,0.05", "--recoveries", "zero,hadamard"]
+                       "--rates", "0.01,0.05", "--recoveries", "zero,hadamard,outliers,outliers+hadamard"]
     assert made[2] == ["-m", "lossysim", "sweep", "experiments/real.yaml", "--out", str(out), "--set", "backend=sim"]
     assert made[3] == ["-m", "lossysim", "report", str(out)]
     # a finished map is kept; shards other than the first leave the map to the first
