@@ -107,8 +107,12 @@ def test_table_pairs_each_setting_with_the_loss_free_run_of_its_mesh_and_seed(lm
 
 def test_report_shows_the_table_for_lm_runs_beside_the_published_claim(lm_results, capsys):
     (lm_results / "damage_map").mkdir()
-    shutil.copy(perplexity.__file__, lm_results / "damage_map" / "damage_map.csv")
+    cells = pd.DataFrame({"model": "m", "rate": 0.01, "recovery": "zero", "layer": [-1, 0, 0, 1, 1],
+                          "site": ["none", "attn", "mlp", "attn", "mlp"], "kl_per_token": [0, 0.1, 0.2, 0.3, 0.6]})
+    cells.to_csv(lm_results / "damage_map" / "damage_map.csv", index=False)
     assert cli.main(["report", str(lm_results)]) == 0
+    printed = capsys.readouterr().out
+    assert "Eval perplexity after training under loss" in printed and "vs loss-free, paired (%)" in printed
     md = (lm_results / "report.md").read_text()
     assert "## Eval perplexity after training under loss" in md
     assert "Weintraub et al. 2025" in md and "at most 0.8% at 10% loss" in md
@@ -122,6 +126,8 @@ def test_report_shows_the_table_for_lm_runs_beside_the_published_claim(lm_result
     assert cli.main(["report", str(lm_results), "--out", str(lm_results / "elsewhere")]) == 0
     md = (lm_results / "elsewhere" / "report.md").read_text()
     assert "![damage map](../damage_map/damage_map.png)" in md
+    # the map's mean and worst KL over its sites (the loss-free row, layer -1, is not a site)
+    assert "Over the map's 4 sites" in md and "| m     | 1        | zero     | 0.3                | 0.6        |" in md
 
 
 def test_classification_report_has_no_perplexity(tmp_path, monkeypatch):

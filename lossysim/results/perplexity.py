@@ -188,6 +188,15 @@ def _weintraub(frame: pd.DataFrame, config: dict) -> str:
             + to_markdown(pd.DataFrame(rows, columns=["", w["source"], "this sweep"])))
 
 
+def console(runs: pd.DataFrame) -> str:
+    """The table as ``lossysim report`` prints it."""
+    frame = table(runs)
+    dims = [d.name for d in _setting_columns(add_series(runs))]
+    return ("Eval perplexity after training under loss (evaluated loss-free; change against the loss-free run of "
+            "the same mesh and seed, mean ± 95% CI over seeds; * p < 0.05, paired):\n"
+            + to_markdown(markdown_table(frame, dims)))
+
+
 def write(out: Path, runs: pd.DataFrame) -> list[Path]:
     """perplexity.csv and the change plot into ``out``; the paths written."""
     frame = table(runs)
@@ -225,4 +234,21 @@ def damage_map_section(results: Path, out: Path) -> str:
             "KL divergence per token of the loss-free model's next-token distribution when one TP site (layer x "
             "attention or MLP output, forward) loses packets, per rate and recovery, pretrained against random "
             "weights (`python -m lossysim.real.damage_map`; docs/sensitivity.md).\n\n"
-            f"![damage map]({os.path.relpath(image, out)})\n")
+            f"![damage map]({os.path.relpath(image, out)})\n" + _damage_means(image.with_suffix(".csv")))
+
+
+def _damage_means(csv: Path) -> str:
+    """The map's mean and worst KL per token over its sites, per model, rate and recovery."""
+    try:
+        cells = pd.read_csv(csv)
+        cells = cells[cells["layer"] >= 0]
+        summary = (cells.groupby(["model", "rate", "recovery"], sort=False)["kl_per_token"]
+                   .agg(["mean", "max"]).reset_index())
+    except (OSError, ValueError, KeyError, pd.errors.ParserError):
+        return ""
+    rows = pd.DataFrame({"model": summary["model"], "rate (%)": (100 * summary["rate"]).map("{:g}".format),
+                         "recovery": summary["recovery"],
+                         "mean KL over sites": summary["mean"].map("{:.3g}".format),
+                         "worst site": summary["max"].map("{:.3g}".format)})
+    return (f"\nOver the map's {cells.groupby(['layer', 'site']).ngroups} sites ({csv.name}):\n\n"
+            + to_markdown(rows) + "\n")

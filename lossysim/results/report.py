@@ -981,6 +981,9 @@ def run(args: argparse.Namespace) -> int:
           "accuracy (%), mean ± 95% CI over seeds; * differs from no loss (Welch's t-test, p < 0.05), "
           "† differs from the loss-free run of the same seed (paired t-test, p < 0.05)")
     print(to_markdown(report["pivot"]))
+    from . import perplexity
+    if perplexity.is_lm(report["runs"]):
+        print("\n" + perplexity.console(report["runs"]))
     for path in report["files"]:
         print(f"wrote {path}")
     for run_dir, why in sorted(report["problems"].items()):
