@@ -183,6 +183,21 @@ def lossy_run(tpm, batch: dict, steps: int = 2) -> list:
     return results
 
 
+def two_steps(network: LossyNetwork, recompute: bool = False) -> tuple:
+    """Two training steps of the tiny TP GPT-2 classifier over ``network`` (with activation
+    checkpointing if ``recompute``): (the two losses, the gradients, the network's stats)."""
+    batch = make_batch("cls")
+    tpm = parallelize(build("cls"), network.tp_size, network)
+    if recompute:
+        tpm.model.activation_checkpointing_enable({"use_reentrant": False, "context_fn": tpm.group.checkpoint_contexts})
+    tpm.train()
+    losses = []
+    for _ in range(2):
+        tpm.zero_grad(set_to_none=True)
+        losses.append(tp_step(tpm, "cls", batch)[1])
+    return torch.stack(losses), grads(tpm), network.stats()
+
+
 def dist_worker(rank: int, world: int, out_dir: str) -> None:
     """Every dist check in one process group: results to ``out_dir/rank{rank}.pt``."""
     import torch.distributed as dist

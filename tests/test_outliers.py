@@ -8,9 +8,7 @@ bytes it carries, and its repairs against the transport's promise (nothing missi
 from __future__ import annotations
 
 import math
-import shutil
 from collections import defaultdict, deque
-from pathlib import Path
 
 import pytest
 import torch
@@ -215,21 +213,11 @@ def test_a_saved_network_goes_on_exactly_side_path_included():
 def test_tensor_parallel_training_with_recomputation_is_exact():
     """Two steps of a tiny TP GPT-2 under bursty loss: the main packets lost are zero's, and activation
     checkpointing replays masks and side paths alike (the same gradients, counts and clock)."""
-    from _tp_common import build, grads, make_batch, tp_step
-    batch = make_batch("cls")
+    from _tp_common import two_steps
     runs = {}
-    for name, checkpointing in (("outliers", False), ("outliers/recomputed", True), ("zero", False)):
+    for name in ("outliers", "outliers/recomputed", "zero"):
         network = LossyNetwork(2, "ge:rate=0.2,burst=3", seed=3, recovery=name.split("/")[0])
-        tpm = parallelize(build("cls"), 2, network)
-        if checkpointing:
-            tpm.model.activation_checkpointing_enable(
-                {"use_reentrant": False, "context_fn": tpm.group.checkpoint_contexts})
-        tpm.train()
-        losses = []
-        for _ in range(2):
-            tpm.zero_grad(set_to_none=True)
-            losses.append(tp_step(tpm, "cls", batch)[1])
-        runs[name] = (torch.stack(losses), grads(tpm), network.stats(), network.clock())
+        runs[name] = (*two_steps(network, recompute=name.endswith("/recomputed")), network.clock())
     losses, grad, counted, clock = runs["outliers"]
     main = [row for row in counted if not row["site"].endswith("/outliers")]
     assert main == runs["zero"][2] and len(main) < len(counted)
@@ -306,18 +294,8 @@ def test_ddp_resumed_run_ends_as_the_uninterrupted_one(tmp_path, monkeypatch):
     """tp 2 x dp 2, outliers on TP activations and gradients and on the DDP buckets: a run resumed from
     its first checkpoint ends exactly as the uninterrupted one (the side paths' streams, counts and
     clocks travel in the checkpoint)."""
-    from lossysim.run import checkpoint
-    from lossysim.run.experiment import run_experiment
-    from test_resume import assert_same_run, config_for
+    from test_resume import assert_resumes_exactly, config_for
     monkeypatch.setenv("LOSSYSIM_CACHE", str(tmp_path / "cache"))
     config = config_for(tmp_path / "full", steps=6, eval_every=3, checkpoint_every=3, recovery="outliers",
                         outlier_fraction=0.01, dp_size=2, dp_bucket_mb=0.05)
-    assert run_experiment(config, config.out, progress=False)["status"] == "completed"
-    resumed = tmp_path / "resumed"
-    shutil.copytree(config.out, resumed)
-    for path in checkpoint.complete(resumed)[1:]:
-        shutil.rmtree(path)
-    (resumed / "summary.json").unlink()
-    summary = run_experiment(config.replace(out=str(resumed)), resumed, progress=False, resume=True)
-    assert summary["status"] == "completed", summary.get("error")
-    assert_same_run(Path(config.out), resumed)
+    assert_resumes_exactly(config, tmp_path / "resumed")

@@ -518,21 +518,10 @@ def test_tensor_parallel_gpt2_trains_through_every_policy(policy):
     """Two steps of a tiny TP GPT-2: the same packets are lost as under zero (policies change what a
     receiver makes of a loss, never which packets are lost), the losses are finite and differ from
     zero's; activation checkpointing replays the masks, signs and buffers: the same gradients."""
-    from _tp_common import build, grads, make_batch, tp_step
-    batch = make_batch("cls")
-    runs = {}
-    for name, checkpointing in ((policy, False), (policy + "/recomputed", True), ("zero", False)):
-        network = LossyNetwork(2, "ge:rate=0.2,burst=3", seed=3, recovery=name.split("/")[0], hadamard_block=64)
-        tpm = parallelize(build("cls"), 2, network)
-        if checkpointing:
-            tpm.model.activation_checkpointing_enable(
-                {"use_reentrant": False, "context_fn": tpm.group.checkpoint_contexts})
-        tpm.train()
-        losses = []
-        for _ in range(2):
-            tpm.zero_grad(set_to_none=True)
-            losses.append(tp_step(tpm, "cls", batch)[1])
-        runs[name] = (torch.stack(losses), grads(tpm), network.stats())
+    from _tp_common import two_steps
+    runs = {name: two_steps(LossyNetwork(2, "ge:rate=0.2,burst=3", seed=3, recovery=name.split("/")[0],
+                                         hadamard_block=64), recompute=name.endswith("/recomputed"))
+            for name in (policy, policy + "/recomputed", "zero")}
     (losses, grad, counted), (_, zero_grad, zero_counted) = runs[policy], runs["zero"]
     assert counted == zero_counted and sum(row["lost"] for row in counted) > 0
     assert torch.isfinite(losses).all()

@@ -229,14 +229,10 @@ def test_a_checkpoint_written_by_0_2_resumes_exactly(tmp_path):
     assert strip(summary["sim_time"]) == strip(json.loads((Path(config.out) / "summary.json").read_text())["sim_time"])
 
 
-@pytest.mark.parametrize("recovery", ["hadamard", "error_feedback"])
-def test_resume_keeps_what_a_recovery_policy_keeps(tmp_path, recovery):
-    """The Hadamard signs' streams and the per-send buffers of error feedback (stale keeps its buffers
-    the same way) travel in the checkpoint with the networks: a run resumed from step 4 ends exactly
-    as the uninterrupted one."""
-    config = config_for(tmp_path / "full", steps=8, eval_every=4, recovery=recovery, hadamard_block=256)
+def assert_resumes_exactly(config, resumed: Path) -> None:
+    """Run ``config`` through, then again in ``resumed`` from its first checkpoint (the later ones and
+    the summary deleted): the two end the same."""
     assert run_experiment(config, config.out, progress=False)["status"] == "completed"
-    resumed = tmp_path / "resumed"
     shutil.copytree(config.out, resumed)
     for path in checkpoint.complete(resumed)[1:]:
         shutil.rmtree(path)
@@ -244,6 +240,15 @@ def test_resume_keeps_what_a_recovery_policy_keeps(tmp_path, recovery):
     summary = run_experiment(config.replace(out=str(resumed)), resumed, progress=False, resume=True)
     assert summary["status"] == "completed", summary.get("error")
     assert_same_run(Path(config.out), resumed)
+
+
+@pytest.mark.parametrize("recovery", ["hadamard", "error_feedback"])
+def test_resume_keeps_what_a_recovery_policy_keeps(tmp_path, recovery):
+    """The Hadamard signs' streams and the per-send buffers of error feedback (stale keeps its buffers
+    the same way) travel in the checkpoint with the networks: a run resumed from step 4 ends exactly
+    as the uninterrupted one."""
+    config = config_for(tmp_path / "full", steps=8, eval_every=4, recovery=recovery, hadamard_block=256)
+    assert_resumes_exactly(config, tmp_path / "resumed")
 
 
 def test_keep_last_k_checkpoints(tmp_path):
