@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from ..config import traffic_kinds
 from ..io import atomic_write_text, read_summary
 from ..loss.spec import FAMILIES
-from .report import _p_cell, _setting_columns, _setting_groups, add_series, loss_free_runs, to_markdown
+from .settings import add_series, loss_free_runs, p_cell, setting_columns, setting_groups, to_markdown
 from .stats import ALPHA, CONFIDENCE, mean_ci, paired_p
 
 CSV = "perplexity.csv"
@@ -53,9 +53,9 @@ def paired_change(values, baseline) -> tuple[float, float, int, float]:
 def table(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per setting, numbers unformatted (perplexity.csv); see the module's docstring."""
     runs = add_series(runs.assign(sim_s_per_step=runs["sim_time_s"] / runs["steps_done"]))
-    columns = _setting_columns(runs)
+    columns = setting_columns(runs)
     rows = []
-    for setting, group in _setting_groups(runs):
+    for setting, group in setting_groups(runs):
         done = group[(group["status"] == "completed") & group["perplexity"].notna()]
         base = loss_free_runs(runs, setting, "perplexity")
         mine, theirs = done.groupby("seed")["perplexity"].mean(), base.groupby("seed")["perplexity"].mean()
@@ -105,7 +105,7 @@ def markdown_table(frame: pd.DataFrame, dims: list[str]) -> pd.DataFrame:
         "eval perplexity": _num(row["perplexity"], 4) + (f" ± {row['perplexity_ci']:.2g}"
                                                          if math.isfinite(row["perplexity_ci"]) else ""),
         "vs loss-free, paired (%)": _change_cell(row),
-        "p (paired)": _p_cell(row["p"], bool(row["p"] < ALPHA)),
+        "p (paired)": p_cell(row["p"], bool(row["p"] < ALPHA)),
         "sim time / step (ms)": _num(1e3 * row["sim_s_per_step"]),
         "x loss-free": _num(row["time_vs_loss_free"]),
         "observed loss (%)": _num(100 * row["observed_loss_rate"]),
@@ -191,7 +191,7 @@ def _weintraub(frame: pd.DataFrame, config: dict) -> str:
 def console(runs: pd.DataFrame) -> str:
     """The table as ``lossysim report`` prints it."""
     frame = table(runs)
-    dims = [d.name for d in _setting_columns(add_series(runs))]
+    dims = [d.name for d in setting_columns(add_series(runs))]
     return ("Eval perplexity after training under loss (evaluated loss-free; change against the loss-free run of "
             "the same mesh and seed, mean ± 95% CI over seeds; * p < 0.05, paired):\n"
             + to_markdown(markdown_table(frame, dims)))
@@ -212,7 +212,7 @@ def write(out: Path, runs: pd.DataFrame) -> list[Path]:
 def section(results: Path, out: Path, runs: pd.DataFrame) -> str:
     """report.md's perplexity section (tables, plot, assumptions, the published claim beside)."""
     frame = table(runs)
-    dims = [d.name for d in _setting_columns(add_series(runs))]
+    dims = [d.name for d in setting_columns(add_series(runs))]
     config = _config(results, runs)
     replicated = runs[runs["replicas"].notna()] if "replicas" in runs.columns else runs[:0]
     plot_line = f"![perplexity change]({PLOT})\n\n" if (out / PLOT).is_file() else ""

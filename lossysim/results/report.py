@@ -28,26 +28,20 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from ..config import NON_SEMANTIC, ExperimentConfig
 from ..io import atomic_write_text, check_writable, output_errors, read_jsonl
 from ..loss.spec import FAMILIES
-from .labels import (DIRECTIONS, LOSS_MODEL, LOSS_RATE, NO_LOSS, Comparison, comparisons, describe, reference,
-                     values, varying)
+from .labels import DIRECTIONS, LOSS_MODEL, LOSS_RATE, NO_LOSS, Comparison, comparisons, describe, values, varying
 from .stats import (ALPHA, CONFIDENCE, mean_ci, paired_difference, paired_p, time_to_target,
                     welch_p)
+from .settings import (CONFIG_KEYS, add_series, loss_free_runs, p_cell, series_reference, setting_columns,
+                       setting_groups, setting_keys, to_markdown)
+from . import perplexity
 from .table import collect, load_summary, write_summary_csv
 
-# A loss spec is compared by what it means, not how it is spelled.
-LOSS_KEYS = ("loss_model", "loss_rate", "mean_burst")
-# The sweep runs a lossless setting once whatever these say, so its baseline ignores them.
-LOSSLESS_FREE = ("loss", *LOSS_KEYS, "lossy", "recovery", "eval_lossy", "lossy_links", "lossy_traffic", "transport",
-                 "retransmit", "deadline", "rto_s", "nic", "channels", "algorithm", "ranks_per_node", "link_intra",
-                 "link_inter", "compute")
 # What sets a loss-free run's simulated time (its accuracy does not depend on them).
 TIME_KEYS = ("algorithm", "ranks_per_node", "link_intra", "link_inter", "compute", "tp_size")
 # The time-to-accuracy target, as a fraction of the loss-free baseline's final accuracy.
 TIME_TARGET_FRACTION = 0.9
-CONFIG_KEYS = tuple(f for f in ExperimentConfig.__dataclass_fields__)
 
 
 # -- loading -------------------------------------------------------------------------------------------
@@ -119,34 +113,16 @@ def split_name(runs: pd.DataFrame) -> str:
 
 
 # -- series: which runs make one line ------------------------------------------------------------------
-def _one_per_setting(runs: pd.DataFrame) -> pd.DataFrame:
-    return runs.drop_duplicates(setting_keys(runs)) if len(runs) else runs
 
 
-def _series_reference(runs: pd.DataFrame) -> tuple[list, dict[str, str]]:
-    """What names a line drawn against the loss rate: the dimensions that vary among the settings
-    but the rate, and their reference values (the most common among lossy settings), which a
-    line's label leaves out: "Bernoulli, direct" is Bernoulli loss with everything else as usual."""
-    each = _one_per_setting(runs)
-    dims = [d for d in varying(each) if d is not LOSS_RATE]
-    lossy = each[each["loss_model"] != "none"]
-    return dims, reference(lossy if len(lossy) else each, dims)
 
 
 def _reference_note(runs: pd.DataFrame) -> str:
     """The values series labels leave out, for a caption: "ring, drop, 2 nodes x 1 rank"."""
-    dims, ref = _series_reference(runs)
+    dims, ref = series_reference(runs)
     return ", ".join(ref[d.name] for d in dims if d is not LOSS_MODEL)
 
 
-def add_series(runs: pd.DataFrame) -> pd.DataFrame:
-    """Add ``series``, a line's label: the loss model and whatever else differs from the reference
-    setting ("Bernoulli, retransmit"); a loss-free run is "no loss" and what sets its time."""
-    runs = runs.copy()
-    dims, ref = _series_reference(runs)
-    runs["series"] = (runs.apply(lambda row: describe(row, dims, ref, always=[LOSS_MODEL.name]), axis=1)
-                      if len(runs) else pd.Series(dtype=str))
-    return runs
 
 
 def aggregate(runs: pd.DataFrame, value: str, by=("series", "loss_rate")) -> pd.DataFrame:
@@ -165,23 +141,8 @@ def aggregate(runs: pd.DataFrame, value: str, by=("series", "loss_rate")) -> pd.
 
 
 # -- settings and their statistics -------------------------------------------------------------------
-def setting_keys(runs: pd.DataFrame) -> list[str]:
-    """What tells settings apart: every config column that varies except the seed, the loss spec
-    by its meaning (model, rate, burst)."""
-    skip = {"seed", "loss", *NON_SEMANTIC}
-    varying = [c for c in runs.columns if c in CONFIG_KEYS and c not in skip
-               and runs[c].astype(str).nunique(dropna=False) > 1]
-    return [k for k in LOSS_KEYS if k in runs.columns] + varying
 
 
-def _setting_groups(runs: pd.DataFrame):
-    """(setting, its runs), loss-free settings first, then by loss model, rate and burst."""
-    if "series" not in runs.columns:
-        runs = add_series(runs)
-    keys = setting_keys(runs)
-    groups = [(dict(zip(keys, key if isinstance(key, tuple) else (key,))), group)
-              for key, group in runs.groupby(keys, dropna=False, sort=True)]
-    return sorted(groups, key=lambda item: item[0]["loss_model"] != "none")   # stable: keeps the rest
 
 
 def _by_seed(runs: pd.DataFrame, value: str) -> pd.Series:
@@ -202,14 +163,6 @@ def _paired_columns(mine: pd.DataFrame, baseline: pd.DataFrame, value: str) -> d
             "paired_significant": bool(p < ALPHA)}
 
 
-def loss_free_runs(runs: pd.DataFrame, setting: dict, value: str) -> pd.DataFrame:
-    """The completed loss-free runs with a ``value`` that ``setting`` is compared with: those with
-    the same other settings, but for the keys a lossless run ignores (``LOSSLESS_FREE``)."""
-    match = runs[(runs["status"] == "completed") & runs[value].notna() & (runs["loss_model"] == "none")]
-    for k in setting_keys(runs):
-        if k not in LOSSLESS_FREE:
-            match = match[match[k].astype(str) == str(setting[k])]
-    return match
 
 
 def settings(runs: pd.DataFrame, value: str = "accuracy") -> pd.DataFrame:
@@ -226,7 +179,7 @@ def settings(runs: pd.DataFrame, value: str = "accuracy") -> pd.DataFrame:
     runs = add_series(runs)
     done = runs[(runs["status"] == "completed") & runs[value].notna()]
     rows = []
-    for setting, group in _setting_groups(runs):
+    for setting, group in setting_groups(runs):
         mine = done.loc[done.index.intersection(group.index)]
         est = mean_ci(mine[value])
         row = {**setting, "series": group["series"].iloc[0], "mean": est.mean,
@@ -450,10 +403,6 @@ def _pm(mean: float, ci: float, n: int, scale: float = 100.0, digits: int = 1) -
     return f"{scale * mean:.{digits}f}"
 
 
-def _p_cell(p: float, significant: bool) -> str:
-    if not math.isfinite(p):
-        return "–"
-    return (f"{p:.3f}" if p >= 0.001 else "<0.001") + (" *" if significant else "")
 
 
 def _target_cell(group: pd.DataFrame) -> str:
@@ -486,15 +435,11 @@ def _comparison_cells(st: pd.Series) -> dict:
     if 0 < st["paired_n"] < st["n"]:
         paired += f" ({int(st['paired_n'])} pairs)"   # seeds without a loss-free run of their own
     return {"vs no loss (pp)": _delta_cell(st["delta"], math.nan, 1),
-            "p (Welch)": _p_cell(st["p"], st["significant"]),
+            "p (Welch)": p_cell(st["p"], st["significant"]),
             "vs no loss, paired (pp)": paired,
-            "p (paired)": _p_cell(st["paired_p"], st["paired_significant"])}
+            "p (paired)": p_cell(st["paired_p"], st["paired_significant"])}
 
 
-def _setting_columns(runs: pd.DataFrame) -> list:
-    """The dimensions a table of every setting needs besides the loss model, rate and burst: those
-    that vary among its settings, one column each."""
-    return [d for d in varying(_one_per_setting(runs)) if d not in (LOSS_MODEL, LOSS_RATE)]
 
 
 def summary_table(runs: pd.DataFrame) -> pd.DataFrame:
@@ -502,9 +447,9 @@ def summary_table(runs: pd.DataFrame) -> pd.DataFrame:
     baseline with Welch's p and paired by seed with the paired t-test's p (``*``: p < 0.05),
     steps to the target accuracy, counts."""
     stats = settings(runs, "accuracy")
-    columns = _setting_columns(runs)
+    columns = setting_columns(runs)
     rows = []
-    for (setting, group), (_, st) in zip(_setting_groups(runs), stats.iterrows()):
+    for (setting, group), (_, st) in zip(setting_groups(runs), stats.iterrows()):
         done = group[group["status"] == "completed"]
         best = mean_ci(done["best_accuracy"]) if "best_accuracy" in done else mean_ci([])
         dis = done["disagreement"].dropna() if "disagreement" in done else pd.Series(dtype=float)
@@ -571,14 +516,6 @@ def _pivot_baseline(column: str, lossy: pd.DataFrame, base: pd.DataFrame) -> str
     return _pm(b["mean"], b["ci"], int(b["n"]))
 
 
-def to_markdown(frame: pd.DataFrame) -> str:
-    if frame.empty:
-        return "_no completed runs_\n"
-    cells = [[str(c) for c in frame.columns]] + [[str(v) for v in row] for row in frame.itertuples(index=False)]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
-    line = lambda r: "| " + " | ".join(v.ljust(w) for v, w in zip(r, widths)) + " |"   # noqa: E731
-    rule = "| " + " | ".join("-" * w for w in widths) + " |"
-    return "\n".join([line(cells[0]), rule, *map(line, cells[1:])]) + "\n"
 
 
 # -- accuracy against simulated time ---------------------------------------------------------------------
@@ -614,10 +551,10 @@ def time_to_accuracy_table(runs: pd.DataFrame, metrics: pd.DataFrame,
             split = rows["eval_split"].iloc[0] if "eval_split" in rows.columns else None
             reached[run_dir] = time_to_target(rows.to_dict("records"), target,
                                               split if isinstance(split, str) else None)
-    columns = _setting_columns(runs)
+    columns = setting_columns(runs)
     accuracy = settings(runs, "accuracy")
     rows = []
-    for (setting, group), (_, st) in zip(_setting_groups(runs), accuracy.iterrows()):
+    for (setting, group), (_, st) in zip(setting_groups(runs), accuracy.iterrows()):
         done = group[group["status"] == "completed"]
         # A run without metrics rows may have reached the target or not: unknown, never "never".
         known = [d for d in done["run_dir"] if d in measured]
@@ -781,7 +718,7 @@ def plot_accuracy_vs_time(metrics: pd.DataFrame, runs: pd.DataFrame, fig: Option
     scale, unit = _time_unit(float(evals["sim_time_s"].max()))
     evals = evals.assign(sim_time_s=scale * evals["sim_time_s"])
     runs = add_series(runs)
-    groups = _setting_groups(runs)
+    groups = setting_groups(runs)
     frame = pd.DataFrame([group.iloc[0] for _, group in groups]).reset_index(drop=True)   # row i: groups[i]
     lossy = frame[frame["loss_model"] != "none"]
     panels = comparisons(lossy) if len(lossy) else [Comparison(None, lossy, [])]
@@ -910,12 +847,10 @@ def section_problems(inputs: ReportInputs) -> str:
 
 def section_perplexity(inputs: ReportInputs) -> str:
     """Causal-LM sweeps only: the perplexity table (lossysim.results.perplexity)."""
-    from . import perplexity   # imported here: it builds on this module
     return perplexity.section(inputs.results, inputs.out, inputs.runs) if perplexity.is_lm(inputs.runs) else ""
 
 
 def section_damage_map(inputs: ReportInputs) -> str:
-    from . import perplexity
     return perplexity.damage_map_section(inputs.results, inputs.out)
 
 
@@ -956,7 +891,6 @@ def _write(results: Path, out: Path, runs: pd.DataFrame, metrics: pd.DataFrame, 
         if drawing is not None:
             _save(drawing, out / name)
             written.append(out / name)
-    from . import perplexity
     extra = perplexity.write(out, runs) if perplexity.is_lm(runs) else []
     if out.resolve() == results.resolve():
         write_summary_csv(results)   # shards that shared this folder end up in one table
@@ -981,7 +915,6 @@ def run(args: argparse.Namespace) -> int:
           "accuracy (%), mean ± 95% CI over seeds; * differs from no loss (Welch's t-test, p < 0.05), "
           "† differs from the loss-free run of the same seed (paired t-test, p < 0.05)")
     print(to_markdown(report["pivot"]))
-    from . import perplexity
     if perplexity.is_lm(report["runs"]):
         print("\n" + perplexity.console(report["runs"]))
     for path in report["files"]:
