@@ -6,7 +6,8 @@
 For the pretrained ``smollm2-135m`` (the ``real`` extra; weights dequantised from Q4_1) and the
 random-weight ``smollm2-135m-shape``, both tensor-parallel at tp 3 on ``sim``: the forward
 all-reduce of ONE call site (one layer's attention output or MLP output) loses packets at a time,
-under Bernoulli loss at each rate, with ``zero`` and ``hadamard`` recovery; every other site is
+under Bernoulli loss at each rate, with each recovery of ``--recoveries`` (by default ``zero`` and
+``hadamard``; the real profile adds ``outliers`` and ``outliers+hadamard``); every other site is
 delivered intact (``lossy_layers``, ``lossy_sites``). The text is the held-out topics of Python's
 documentation (``dataset: pydoc``): ``--sequences`` windows of ``--tokens`` tokens, evenly spaced.
 
