@@ -117,6 +117,7 @@ def test_report_shows_the_table_for_lm_runs_beside_the_published_claim(lm_result
     assert "## Eval perplexity after training under loss" in md
     assert "Weintraub et al. 2025" in md and "at most 0.8% at 10% loss" in md
     assert "evaluated loss-free (`eval_lossy: false`)" in md and "4 texts of at most 64 tokens" in md
+    assert "links `" in md and "transport `" in md and "nic `" in md and "compute `" in md, "the clock's assumptions"
     mean, half, _ = closed_form(DAMAGE[("dp", 0.1, "zero")])
     assert f"{mean:+.3g} ± {half:.2g}" in md
     assert "damage_map.png" not in md, "no map drawn, none embedded"

@@ -166,7 +166,9 @@ def _assumptions(config: dict, runs: pd.DataFrame) -> str:
             f"{config.get('max_eval_samples') or 'all'} held-out texts. Runs with the same seed see the same data "
             "in the same order, so each is paired with the loss-free run of its mesh and seed. Simulated time is "
             "the run's clock (modelled compute plus simulated communication, repairs included), per optimizer "
-            "step.")
+            f"step: compute `{config.get('compute', '?')}`, links `{config.get('link_intra', '?')}` inside a node "
+            f"and `{config.get('link_inter', '?')}` between nodes, transport `{config.get('transport', '?')}` with "
+            f"nic `{config.get('nic', '?')}` (presets and their sources: docs/time_model.md).")
 
 
 def _weintraub(frame: pd.DataFrame, config: dict) -> str:
