@@ -1,6 +1,6 @@
 """Megatron-style tensor parallelism for HF transformers models, one mechanism for every plan.
 
-``parallelize`` reads the model's plan (``lossysim/plans.py``) and, in every
+``parallelize`` reads the model's plan (``lossysim/tp/plans.py``) and, in every
 block, puts a copy-to-TP on the input of the attention and of the MLP, replaces
 the planned linear layers by column- and row-parallel ones, sets the attention
 module's head counts to this rank's, and makes the replicated-region dropouts
@@ -178,7 +178,7 @@ def head_counts(plan: ShardingPlan, config, tp: int) -> tuple[int, int, int]:
 def parallelize(model: nn.Module, tp_size: int = 2, network: Optional[LossyNetwork] = None,
                 backend: str = "sim", seed: int = 0, process_group=None,
                 sync_replicated: bool = True) -> TensorParallelModel:
-    """Shard an HF model in place by its plan (GPT-2, Llama, Qwen2, Mistral: see ``lossysim.plans``).
+    """Shard an HF model in place by its plan (GPT-2, Llama, Qwen2, Mistral: see ``lossysim.tp.plans``).
 
     ``network`` defaults to a loss-free one; ``seed`` seeds the replicated
     dropout stream. In ``dist``, rank 0's weights are broadcast first, so every
