@@ -1,5 +1,6 @@
 """Shared test setup: the suite runs offline, so Hugging Face fails fast instead of retrying."""
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +20,13 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.fixture(scope="session")
+def cache_root(tmp_path_factory) -> Path:
+    """The data cache of this test session's own, shared by its tests (tokenising once)."""
+    return tmp_path_factory.getbasetemp() / "cache"
+
+
 @pytest.fixture
-def private_cache(tmp_path_factory, monkeypatch):
-    """A data cache of this test session's own, so a test neither reads nor fills the user's."""
-    monkeypatch.setenv("LOSSYSIM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+def private_cache(cache_root, monkeypatch):
+    """Point ``LOSSYSIM_CACHE`` at the session's cache, so a test neither reads nor fills the user's."""
+    monkeypatch.setenv("LOSSYSIM_CACHE", str(cache_root))

@@ -20,6 +20,7 @@ from lossysim.run.experiment import run_experiment
 from lossysim.run.state import TrainState, Window
 from lossysim.run.step import train_step
 from lossysim.timing import nccl
+from tiny_runs import tiny_run
 
 CPU = torch.device("cpu")
 # Sums over replicas and over the global batch add the same numbers in another order: fp32 rounding.
@@ -31,10 +32,9 @@ pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def tiny(tmp_path, **changes) -> ExperimentConfig:
-    base = dict(model="tiny", dataset="synthetic", max_length=32, max_train_samples=96, max_eval_samples=32,
-                batch_size=8, eval_batch_size=32, steps=3, eval_every=3, log_every=1, warmup_steps=1,
-                dropout=0.0, lr=1e-3, tp_size=1, dp_bucket_mb=0.05, out=str(tmp_path / "run"))
-    return ExperimentConfig(**{**base, **changes}).validate()
+    sizes = dict(max_train_samples=96, max_eval_samples=32, steps=3, eval_every=3, log_every=1, warmup_steps=1,
+                 dropout=0.0, lr=1e-3, tp_size=1, dp_bucket_mb=0.05)
+    return tiny_run(tmp_path / "run", **{**sizes, **changes})
 
 
 def assert_replicas_equal(dp, model) -> None:

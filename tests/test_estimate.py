@@ -21,9 +21,7 @@ PUBLISHED_PARAMETERS = {"gpt2": 124e6, "gpt2-medium": 355e6, "gpt2-large": 774e6
                         "llama-3.1-70b": 70.6e9, "qwen2.5-7b": 7.62e9, "mistral-7b": 7.24e9}
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("LOSSYSIM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 @pytest.mark.parametrize("algorithm, tp, nodes, checkpointing", [
