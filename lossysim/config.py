@@ -12,9 +12,9 @@ from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from .util import stream_seed
+from .util import one_of, stream_seed
 from .net.spec import SETTINGS, NetworkSpec
-from .timing import parse_compute
+from .timing import DEFAULT_NIC, parse_compute
 
 
 # Keys that say where or how a run is executed, not what it trains: they stay out of a run's
@@ -24,6 +24,8 @@ from .timing import parse_compute
 NON_SEMANTIC = ("out", "name", "device", "timeout_s", "save_checkpoint", "checkpoint_every", "keep_checkpoints",
                 "report_to")
 TRACKERS = ("tensorboard", "wandb")
+BACKENDS = ("sim", "dist")     # every rank in one process, or one per process (torchrun)
+DP_MODES = ("ddp", "fsdp")
 # Keys added with data parallelism: at their defaults they stay out of a run's identity (the sweep's
 # hash), so sweeps written before them still find their runs.
 IDENTITY_AT_DEFAULT_OMITTED = ("dp_size", "dp_bucket_mb", "dp_overlap", "dp_sync_every", "lossy_traffic",
@@ -76,7 +78,7 @@ class ExperimentConfig:
     lossy_sites: str = "all"           # ... and of these modules: all | attn | mlp
     # transport and simulated time (see docs/time_model.md)
     transport: str = "drop"            # drop | retransmit | deadline
-    nic: str = "irn"                   # how losses are found and repaired: ideal | irn | srd | roce-gbn | tcp
+    nic: str = DEFAULT_NIC             # how losses are found and repaired: a NIC_PRESETS name
     retransmit: Optional[str] = None   # selective | go_back_n: overrides the nic's (None: the nic's)
     deadline: float = 1.5              # deadline: a collective's budget, times its loss-free time
     rto_s: Optional[float] = None      # every retransmission timer, seconds (None: the nic's timers)
@@ -125,7 +127,7 @@ class ExperimentConfig:
         _choice("task", self.task, ("classification", "lm"))
         if self.dataset == "pydoc" and self.task != "lm":
             raise ValueError("dataset=pydoc is unlabelled documentation text: use task=lm")
-        _choice("backend", self.backend, ("sim", "dist"))
+        _choice("backend", self.backend, BACKENDS)
         _choice("amp", self.amp, ("none", "bf16", "fp16"))
         for name in ("steps", "batch_size", "eval_batch_size", "max_length", "eval_every", "log_every"):
             if getattr(self, name) < 1:
@@ -159,7 +161,7 @@ class ExperimentConfig:
     def _validate_data_parallel(self) -> None:
         if self.dp_size < 1:
             raise ValueError(f"dp_size={self.dp_size} must be >= 1")
-        _choice("dp_mode", self.dp_mode, ("ddp", "fsdp"))
+        _choice("dp_mode", self.dp_mode, DP_MODES)
         traffic_kinds(self.lossy_traffic)
         if not (math.isfinite(self.dp_bucket_mb) and self.dp_bucket_mb > 0):
             raise ValueError(f"dp_bucket_mb={self.dp_bucket_mb} must be a positive number of MiB")
@@ -271,7 +273,7 @@ def traffic_kinds(value) -> tuple[str, ...]:
 
 def _choice(name: str, value: str, allowed: tuple) -> None:
     if value not in allowed:
-        raise ValueError(f"{name}={value!r} must be one of {', '.join(allowed)}")
+        raise ValueError(f"{name}={value!r} must be {one_of(allowed)}")
 
 
 _TYPES = get_type_hints(ExperimentConfig)

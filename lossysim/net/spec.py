@@ -15,6 +15,7 @@ from typing import Optional, Sequence, Union
 from ..loss import LossModel, parse_loss_model
 from ..timing import Compute, Link, Measured, parse_compute, parse_link
 from ..timing.retransmission import DEFAULT_NIC, Nic, parse_nic
+from ..util import one_of
 from .algorithms import ALGORITHMS
 from .recovery import (ACTIVATIONS, DEFAULT_HADAMARD_BLOCK, DEFAULT_OUTLIER_FRACTION, RECOVERY_POLICIES, check_block,
                        check_fraction)
@@ -23,6 +24,7 @@ from .topology import Topology
 from .transport import Transport
 
 DIRECTIONS = ("fwd", "bwd")
+LOSSY = (*DIRECTIONS, "both")    # what ``lossy`` takes: one direction, or both
 
 
 def _directions(lossy: Union[str, Sequence[str]]) -> tuple[str, ...]:
@@ -30,13 +32,13 @@ def _directions(lossy: Union[str, Sequence[str]]) -> tuple[str, ...]:
     given = DIRECTIONS if lossy == "both" else ((lossy,) if isinstance(lossy, str) else tuple(lossy))
     for direction in given:
         if direction not in DIRECTIONS:
-            raise ValueError(f"lossy={direction!r} must be one of fwd, bwd, both")
+            raise ValueError(f"lossy={direction!r} must be {one_of(LOSSY)}")
     return tuple(d for d in DIRECTIONS if d in given)
 
 
 def _choice(name: str, value, allowed: tuple) -> None:
     if value not in allowed:
-        raise ValueError(f"{name}={value!r} must be one of {', '.join(allowed)}")
+        raise ValueError(f"{name}={value!r} must be {one_of(allowed)}")
 
 
 @dataclass(frozen=True)
