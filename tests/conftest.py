@@ -1,4 +1,5 @@
-"""Shared test setup: the suite runs offline, so Hugging Face fails fast instead of retrying."""
+"""Shared test setup: the suite runs offline (Hugging Face fails fast instead of retrying), and the
+fixtures many test files use: one intra-op thread, a data cache of the session's own."""
 import os
 from pathlib import Path
 
@@ -22,7 +23,7 @@ def one_torch_thread():
 
 @pytest.fixture(scope="session")
 def cache_root(tmp_path_factory) -> Path:
-    """The data cache of this test session's own, shared by its tests (tokenising once)."""
+    """This test session's own data cache, shared by its tests (data tokenised once)."""
     return tmp_path_factory.getbasetemp() / "cache"
 
 
