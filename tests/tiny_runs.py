@@ -14,6 +14,7 @@ from lossysim.config import ExperimentConfig
 TINY = dict(model="tiny", dataset="synthetic", max_length=32, batch_size=8, eval_batch_size=32)
 
 
-def tiny_run(out: Union[str, Path], **settings) -> ExperimentConfig:
-    """A validated config writing to ``out``: ``TINY``, then ``settings`` (which may override both)."""
+def tiny_run(out: Union[str, Path], /, **settings) -> ExperimentConfig:
+    """A validated config writing to ``out``: ``TINY``, then ``settings`` (which may override both,
+    ``out`` included: positional-only, so a caller's ``out=`` reaches the config)."""
     return ExperimentConfig(**{**TINY, "out": str(out), **settings}).validate()
