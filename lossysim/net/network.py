@@ -64,7 +64,7 @@ class LossyNetwork:
         self.loss_model = spec.loss
         self.topology, self.transport = spec.topology, spec.transport_model
         self.lossy = spec.lossy
-        self.recovery = recoveries.policy(spec.recovery, spec.hadamard_block, spec.outlier_fraction)
+        self.recovery = spec.recovery_model
         self.links = [(src, dst) for src in range(self.tp_size) for dst in range(self.tp_size) if src != dst]
         self._channels: dict[tuple[str, str], _Channel] = {}
         self._transfers: dict[tuple, transfers.Transfer] = {}
@@ -133,8 +133,9 @@ class LossyNetwork:
         ``rescale``), zeros elsewhere. Only ``zero`` and ``rescale`` act on a reduce-scatter: the other
         policies need the whole reduced message at every rank."""
         self._check(contributions)
-        if self.recovery.name not in ("zero", "rescale"):
-            raise ValueError(f"recovery={self.recovery.name} does not act on reduce-scatters (zero or rescale do)")
+        if not self.recovery.acts_on_shards:
+            raise ValueError(f"recovery={self.recovery.name} does not act on reduce-scatters "
+                             f"({' or '.join(recoveries.SHARD_POLICIES)} do)")
         n = contributions[0].numel()
         delivery = self._deliver(site, direction, "reduce_scatter", contributions[0])
         if delivery is None:
