@@ -441,6 +441,32 @@ def test_a_saved_state_records_the_policy_settings_it_depends_on():
         LossyNetwork(2, "bernoulli:0.1", recovery="hadamard", hadamard_block=128).load_state_dict(state)
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_policys_capabilities_are_what_it_does(policy, monkeypatch):
+    """Callers ask a policy what it can do rather than test its name: each attribute against the
+    behaviour it stands for."""
+    hops = []
+    send_by_send = deliver.send_by_send
+    monkeypatch.setattr(deliver, "send_by_send", lambda *args: hops.append(1) or send_by_send(*args))
+    net = LossyNetwork(2, "bernoulli:0.2", seed=3, payload_bytes=64, recovery=policy, hadamard_block=16,
+                       compute="flops=1e12,mfu=0.5")
+    pol = net.recovery
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0))
+    net.all_reduce("s", "bwd", x, range(2))
+    assert (net.clock()["recovery_s"] > 0) == pol.computes
+    assert bool(hops) == pol.send_by_send
+    assert (net._channels[("s", "bwd")].memory is not None) == pol.keeps_memory
+    assert (pol.side_bytes(256, torch.float32) > 0) == pol.side_path
+    assert pol.on("fwd") is (pol if pol.on_activations else recovery.ZERO)
+    assert {"hadamard_block", "outlier_fraction"} & set(net.config()) == set(pol.settings)
+    if pol.acts_on_shards:
+        net.reduce_scatter("s", "bwd", x, range(2))
+    else:
+        with pytest.raises(ValueError, match="does not act on reduce-scatters"):
+            net.reduce_scatter("s", "bwd", x, range(2))
+    assert (policy in recovery.SHARD_POLICIES) == pol.acts_on_shards
+
+
 # -- the clock ---------------------------------------------------------------------------------------
 def test_policy_compute_is_charged_at_the_gpu_rate():
     """recovery_s = calls x FLOPs / (peak x MFU): the transform and its inverse, n (log2 block + 2)

@@ -105,7 +105,11 @@ def _patch(x: torch.Tensor, final: torch.Tensor, delivery: Delivery, per_packet:
     if len(patch):  # (index_select would first copy the whole of a non-contiguous ``parts``)
         patch = torch.from_numpy(patch)
         parts = x[:, :whole * per_packet].view(x.shape[0], whole, per_packet)[:, patch]
-        patched = _weighted(parts, delivery.coef[:, patch])
+        coef = delivery.coef[:, patch]
+        if coef.dtype == torch.bool:  # ``parts`` is a copy: zero what was lost in it, as _weighted would
+            patched = parts.masked_fill_(~coef.unsqueeze(-1), 0).sum(0)
+        else:
+            patched = _weighted(parts, coef)
         final[:whole * per_packet].view(whole, per_packet).index_copy_(0, patch, patched)
 
 

@@ -134,10 +134,14 @@ class Policy:
     keeps_memory = False    # needs a Memory per call site
     computes = False        # adds compute to a collective
     side_path = False       # sends part of a message reliably beside it (``side_bytes``)
+    send_by_send = False    # acts on every send as it arrives (needs every send's lost packets, not a Delivery)
+    acts_on_shards = True   # acts on a reduce-scatter (FSDP's gradients): needs no whole sum at every rank
+    on_activations = True   # acts on activations (else ``on(ACTIVATIONS)`` is zero)
+    settings: tuple[str, ...] = ()   # the NetworkSpec settings it reads beside ``recovery``
 
     def on(self, direction: str) -> "Policy":
         """The policy that applies to traffic in ``direction``."""
-        return self
+        return self if self.on_activations or direction != ACTIVATIONS else ZERO
 
     def draw(self, transfer, lost: torch.Tensor, collective: str, numel: int, dtype: torch.dtype,
              memory: Optional[Memory]):
@@ -277,6 +281,8 @@ class Hadamard(Policy):
     """The randomized Hadamard transform around the collective, ``inner`` (zero or rescale) inside."""
     keeps_memory = True
     computes = True
+    acts_on_shards = False   # the inverse transform needs the whole sum
+    settings = ("hadamard_block",)
 
     def __init__(self, inner: Policy, block: int):
         self.inner, self.block = inner, check_block(block)
@@ -315,9 +321,11 @@ class Outliers(Policy):
     every receiver adds every rank's pairs to it. LLM.int8's outliers kept apart, on the wire."""
     computes = True
     side_path = True
+    acts_on_shards = False   # every receiver adds every rank's outliers to the whole sum
 
     def __init__(self, inner: Policy, fraction: float):
         self.inner, self.fraction = inner, check_fraction(fraction)
+        self.settings = inner.settings + ("outlier_fraction",)
         self.name = "outliers" + ("+hadamard" if isinstance(inner, Hadamard) else "")
         self.keeps_memory = inner.keeps_memory
 
@@ -372,6 +380,8 @@ class SendBySend(Policy):
     """A policy acting on every send: ``arrive`` says what a round's receivers take."""
     keeps_memory = True
     computes = True
+    send_by_send = True
+    acts_on_shards = False   # its all-reduce replays every hop of the ring
     buffers: tuple[str, ...] = ()   # per-send buffers, one payload each, zeros until written
     remembers = False               # a replay returns what the call delivered (it cannot recompute it)
 
@@ -429,9 +439,7 @@ class ErrorFeedback(SendBySend):
     name = "error_feedback"
     buffers = ("owed",)
     remembers = True    # the call moved what is owed on: replaying it must not add it again
-
-    def on(self, direction):
-        return ZERO if direction == ACTIVATIONS else self
+    on_activations = False
 
     def arrive(self, state, hop, payload, lost, update):
         width = payload.shape[1]
@@ -445,3 +453,7 @@ class ErrorFeedback(SendBySend):
 
 
 STALE, ERROR_FEEDBACK = Stale(), ErrorFeedback()
+
+
+# The policies that act on a reduce-scatter: what FSDP's sharded gradients can use.
+SHARD_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_on_shards)

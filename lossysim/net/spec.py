@@ -17,8 +17,8 @@ from ..timing import Compute, Link, Measured, parse_compute, parse_link
 from ..timing.retransmission import DEFAULT_NIC, Nic, parse_nic
 from ..util import one_of
 from .algorithms import ALGORITHMS
-from .recovery import (ACTIVATIONS, DEFAULT_HADAMARD_BLOCK, DEFAULT_OUTLIER_FRACTION, RECOVERY_POLICIES, check_block,
-                       check_fraction)
+from .recovery import (ACTIVATIONS, DEFAULT_HADAMARD_BLOCK, DEFAULT_OUTLIER_FRACTION, RECOVERY_POLICIES, Policy,
+                       check_block, check_fraction, policy)
 from .selection import SiteSelection
 from .topology import Topology
 from .transport import Transport
@@ -107,6 +107,7 @@ class NetworkSpec:
     topology: Topology = field(init=False, repr=False, compare=False)
     transport_model: Transport = field(init=False, repr=False, compare=False)
     nic_model: Nic = field(init=False, repr=False, compare=False)
+    recovery_model: Policy = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         def put(name, value):
@@ -144,8 +145,9 @@ class NetworkSpec:
         transport = Transport(self.transport, nic.mode, float(self.deadline))
         if transport.repairs and loss.loss_rate >= 1.0:
             raise ValueError(f"transport={self.transport} never finishes: {loss.spec} loses every packet")
+        recovery = policy(self.recovery, block, fraction)
         # outliers retransmit their side path whatever ``transport`` says
-        side_path = self.recovery.startswith("outliers")
+        side_path = recovery.side_path
         if side_path and loss.loss_rate >= 1.0:
             raise ValueError(f"recovery={self.recovery} retransmits its outliers, which never finishes: "
                              f"{loss.spec} loses every packet")
@@ -153,15 +155,15 @@ class NetworkSpec:
             raise ValueError(f"recovery={self.recovery} retransmits its outliers by go-back-N (nic={self.nic}), "
                              f"which is not supported with {loss.spec}: use a selective repeat nic or "
                              "retransmit=selective")
-        rescale = self.recovery.endswith("rescale")
+        rescale = recovery.rescale
         if rescale and loss.loss_rate >= 1.0:
             raise ValueError(f"recovery={self.recovery} needs a loss rate below 1: {loss.spec} loses every packet")
         if rescale and transport.kind == "deadline":
             raise ValueError(f"recovery={self.recovery} with transport=deadline is not supported: the probability "
                              "that a packet arrives by the deadline has no closed form")
-        if self.recovery == "error_feedback" and _directions(self.lossy) == (ACTIVATIONS,):
-            raise ValueError("recovery=error_feedback feeds lost gradients back into the next call; with "
-                             "lossy=fwd only activations lose packets: use lossy=bwd or both")
+        if not recovery.on_activations and _directions(self.lossy) == (ACTIVATIONS,):
+            raise ValueError(f"recovery={self.recovery} acts on gradients only; with lossy=fwd only activations "
+                             "lose packets: use lossy=bwd or both")
         if transport.kind == "retransmit" and transport.mode == "go_back_n" and not loss.rewindable:
             raise ValueError(f"go-back-N (nic={self.nic}, retransmit={nic.mode}) is not supported with {loss.spec}: "
                              "go-back-N learns how many packets it sent only after drawing them; use a selective "
@@ -185,6 +187,7 @@ class NetworkSpec:
         put("topology", topology)
         put("transport_model", transport)
         put("nic_model", nic)
+        put("recovery_model", recovery)
         put("selection", SiteSelection.parse(self.lossy_layers, self.lossy_sites))
 
     def replace(self, **changes) -> "NetworkSpec":
@@ -213,11 +216,9 @@ class NetworkSpec:
                "deadline": self.deadline, "link_intra": self.link_intra.spec, "link_inter": self.link_inter.spec,
                "rto_s": self.rto_s, "nic": self.nic, "channels": self.channels,
                "nics_per_node": self.nics_per_node}
-        if "hadamard" in self.recovery:
-            out["hadamard_block"] = self.hadamard_block
-        if self.recovery.startswith("outliers"):
-            out["outlier_fraction"] = self.outlier_fraction
-        if self.recovery not in ("zero", "rescale"):
+        for name in self.recovery_model.settings:
+            out[name] = getattr(self, name)
+        if self.recovery_model.computes:
             out["compute"] = self.compute.spec      # what the policy's compute is charged at
         if not self.selection.everything:          # likewise: states saved before selections load
             out.update(lossy_layers=str(self.lossy_layers), lossy_sites=str(self.lossy_sites))
