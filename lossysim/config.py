@@ -26,10 +26,10 @@ NON_SEMANTIC = ("out", "name", "device", "timeout_s", "save_checkpoint", "checkp
 TRACKERS = ("tensorboard", "wandb")
 BACKENDS = ("sim", "dist")     # every rank in one process, or one per process (torchrun)
 DP_MODES = ("ddp", "fsdp")
-# Keys added with data parallelism: at their defaults they stay out of a run's identity (the sweep's
-# hash), so sweeps written before them still find their runs.
+# Keys added after the first sweeps (data parallelism, micro-batches, ...): at their defaults they stay
+# out of a run's identity (the sweep's hash), so sweeps written before them still find their runs.
 IDENTITY_AT_DEFAULT_OMITTED = ("dp_size", "dp_bucket_mb", "dp_overlap", "dp_sync_every", "lossy_traffic",
-                              "dp_mode", "lossy_layers", "lossy_sites", "outlier_fraction")
+                              "dp_mode", "lossy_layers", "lossy_sites", "outlier_fraction", "micro_batches")
 
 
 def parse_report_to(value) -> tuple[str, ...]:
@@ -105,6 +105,7 @@ class ExperimentConfig:
     # training
     steps: int = 300
     batch_size: int = 16
+    micro_batches: int = 1             # gradient accumulation: each replica's shard in this many forward/backwards
     eval_batch_size: int = 64
     lr: float = 5e-4
     weight_decay: float = 0.01
@@ -129,7 +130,8 @@ class ExperimentConfig:
             raise ValueError("dataset=pydoc is unlabelled documentation text: use task=lm")
         _choice("backend", self.backend, BACKENDS)
         _choice("amp", self.amp, ("none", "bf16", "fp16"))
-        for name in ("steps", "batch_size", "eval_batch_size", "max_length", "eval_every", "log_every"):
+        for name in ("steps", "batch_size", "micro_batches", "eval_batch_size", "max_length", "eval_every",
+                     "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("max_train_samples", "max_eval_samples"):
@@ -165,14 +167,15 @@ class ExperimentConfig:
         traffic_kinds(self.lossy_traffic)
         if not (math.isfinite(self.dp_bucket_mb) and self.dp_bucket_mb > 0):
             raise ValueError(f"dp_bucket_mb={self.dp_bucket_mb} must be a positive number of MiB")
+        if self.batch_size % (self.dp_size * self.micro_batches):
+            raise ValueError(f"batch_size={self.batch_size} must be a multiple of dp_size={self.dp_size} x "
+                             f"micro_batches={self.micro_batches}: each replica trains on an equal shard of "
+                             "the global batch, in equal micro-batches")
         if self.dp_size == 1:
             if self.dp_sync_every:
                 raise ValueError(f"dp_sync_every={self.dp_sync_every} needs dp_size > 1: one replica has no "
                                  "others to synchronise; set dp_sync_every=0")
             return
-        if self.batch_size % self.dp_size:
-            raise ValueError(f"batch_size={self.batch_size} must be a multiple of dp_size={self.dp_size}: "
-                             "each replica trains on an equal shard of the global batch")
         if self.dp_mode == "fsdp" and self.recovery not in ("zero", "rescale"):
             raise ValueError(f"dp_mode=fsdp needs recovery=zero or rescale, not {self.recovery} "
                              "(the other policies need the whole reduced message at every rank)")

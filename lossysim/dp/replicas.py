@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..net import LossyNetwork
 from ..timing import nccl
-from . import buckets as bucketing
+from . import buckets as bucketing, timeline
 from .buckets import Bucket
 
 
@@ -53,7 +53,9 @@ class DataParallel:
 
     ``replicas`` are the replicas this process runs (numbered from ``first``); the methods below that
     cross replicas (times, logits, finiteness, statistics) are the ones ``DistDataParallel`` moves over
-    process groups instead.
+    process groups instead. One replica and no networks is a run without data parallelism: a group
+    of one, which sends nothing and whose averaging is the identity (in ``dist`` too: its only peer is
+    itself).
     """
 
     first = 0
@@ -93,9 +95,25 @@ class DataParallel:
         """DDP gathers no weights before the forward (FSDP does: ``fsdp``); each unit's seconds: none."""
         return []
 
+    def added_seconds(self, times: torch.Tensor, gather_s: Sequence[float], bucket_s: Sequence[float],
+                      overlap: bool) -> float:
+        """What the data-parallel traffic adds to replica 0's step, given every replica's [forward,
+        backward] seconds (``times``, [dp, 2]) and the gathers' and buckets' seconds: the slowest
+        replica's path, then the buckets it waits for (``timeline``). A group of one waits for nothing."""
+        if self.dp_size == 1:
+            return 0.0
+        first, slowest = times[0], times.max(0).values
+        ready = [b.ready for b in self.buckets]
+        forward_end = timeline.gathered_forward_seconds(float(slowest[0]), ready, gather_s, overlap)
+        end = timeline.step_seconds(forward_end, float(slowest[1]), ready, bucket_s, overlap)
+        return end - float(first[0]) - float(first[1])
+
     def average_gradients(self) -> list[float]:
         """All-reduce every bucket in every group; write each replica's average back as its gradient.
-        Returns each bucket's seconds on the clock (the slowest group's: groups run side by side)."""
+        Returns each bucket's seconds on the clock (the slowest group's: groups run side by side).
+        A group of one averages nothing: its gradients stay as backward left them."""
+        if self.dp_size == 1:
+            return []
         grads = [[_grad(p) for p in r.model.parameters()] for r in self.replicas]
         seconds = []
         for b, bucket in enumerate(self.buckets):

@@ -37,9 +37,9 @@ class Parts:
     layers: int      # with hidden: attention's FLOPs
     hidden: int
     kernels: int     # kernel launches of one rank's training step, the TP collectives included
-    # dp_size > 1: every replica (replica 0 is model, train_net, optimizer, scheduler above) and the
-    # data-parallel networks between them; None without data parallelism
-    dp: Optional[DataParallel] = None
+    # every replica (replica 0 is model, train_net, optimizer, scheduler above) and the data-parallel
+    # networks between them; without data parallelism a group of one (dp.dp_size == 1)
+    dp: DataParallel
 
 
 def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bool,
@@ -79,11 +79,11 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
                   for r in range(1, config.dp_size)]
         tp_model = _parallel_model(config, model, train_net, rank)
         first = _replica(config, tp_model, train_net, rank, parallel=False)
-        dp = None
-        if config.dp_size > 1:
-            networks = [LossyNetwork(config.dp_network_spec(t)) for t in range(config.tp_size)]
-            kind = FullyShardedDataParallel if config.dp_mode == "fsdp" else DataParallel
-            dp = kind([first, *others], networks, bucket_bytes)
+        # No data parallelism is a group of one: the same step, no traffic, no networks.
+        networks = [LossyNetwork(config.dp_network_spec(t)) for t in range(config.tp_size)] \
+            if config.dp_size > 1 else []
+        kind = FullyShardedDataParallel if config.dp_mode == "fsdp" and config.dp_size > 1 else DataParallel
+        dp = kind([first, *others], networks, bucket_bytes)
     return Parts(data, tp_model, train_net, eval_net, first.optimizer, first.scheduler,
                  autocast=_autocast(config.amp, device),
                  scaler=torch.amp.GradScaler(device.type, enabled=config.amp == "fp16"),
