@@ -73,6 +73,7 @@ class DataParallel:
         sharded_ids = {id(q) for q in model.sharded_parameters()}
         self._sharded = {i for i, p in enumerate(model.parameters()) if id(p) in sharded_ids}
         self.buckets: list[Bucket] = bucketing.plan_buckets(list(model.parameters()), sharded_ids, bucket_bytes)
+        self._buffers: dict = {}
 
     def state_dict(self) -> dict:
         """This process's share of data parallelism for a checkpoint: the replicas after its first (the
@@ -121,17 +122,21 @@ class DataParallel:
             replicated: dict[int, torch.Tensor] = {}   # parameter -> [dp, numel]: the groups' deliveries summed
             for t, network in enumerate(self.networks):
                 before = network.clock()["comm_s"]
-                contributions = torch.stack([bucketing.flatten(g, bucket, t) for g in grads])
+                contributions = self._scratch("contributions", bucket.numel, grads[0][bucket.params[0]])
+                for g, row in zip(grads, contributions):
+                    bucketing.flatten(g, bucket, t, out=row)
                 delivered = network.all_reduce(f"dp.bucket{b}", "bwd", contributions, range(self.dp_size))
                 slowest = max(slowest, network.clock()["comm_s"] - before)
-                averaged = delivered / self.dp_size
-                for k, piece in enumerate(bucketing.pieces(averaged, bucket)):
-                    i = bucket.params[k]                 # piece: [dp, numel]
-                    if bucket.sharded[k]:
+                for k, piece in enumerate(bucketing.pieces(delivered, bucket)):
+                    i = bucket.params[k]                 # piece: [dp, numel], receiver r's sum at r
+                    if bucket.sharded[k] or self.tp_size == 1:
+                        # the average straight into the gradient (one group holds all of it)
                         for r, g in enumerate(grads):
-                            g[i][t].copy_(piece[r].view_as(g[i][t]))
+                            own = g[i][t] if bucket.sharded[k] else g[i]
+                            torch.div(piece[r].view_as(own), self.dp_size, out=own)
                     else:
-                        replicated[i] = piece.clone() if t == 0 else replicated[i] + piece
+                        averaged = piece / self.dp_size
+                        replicated[i] = averaged if t == 0 else replicated[i].add_(averaged)
             for i, summed in replicated.items():
                 summed = summed / self.tp_size
                 for r, g in enumerate(grads):
@@ -141,6 +146,16 @@ class DataParallel:
             for p, grad in zip(replica.model.parameters(), g):
                 p.grad = grad
         return seconds
+
+    def _scratch(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A [dp_size, numel] buffer kept from call to call (the largest bucket's size): a fresh one
+        per bucket costs more in page faults than the copies it holds."""
+        key = (name, like.dtype, like.device)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < self.dp_size * numel:
+            buffer = self._buffers[key] = torch.empty(self.dp_size * max(b.numel for b in self.buckets),
+                                                      dtype=like.dtype, device=like.device)
+        return buffer[:self.dp_size * numel].view(self.dp_size, numel)
 
     # -- what crosses replicas ---------------------------------------------------------
     def gather_replicas(self, local: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -303,14 +318,15 @@ def broadcast_time(network: LossyNetwork, message_bytes: int) -> float:
 
 
 def _square_sums(pairs) -> torch.Tensor:
-    """[sum of (p - base)^2, sum of base^2] over ``pairs``, each parameter's sums in fp32 and their
-    total in fp64, in the pairs' order: one definition for both backends keeps drift bitwise equal."""
-    pairs = list(pairs)
-    sums = torch.zeros(2, dtype=torch.float64, device=pairs[0][0].device if pairs else None)
-    for p, base in pairs:
-        p, base = p.detach().float(), base.detach().float()
-        sums += torch.stack([(p - base).pow(2).sum(), base.pow(2).sum()]).double()
-    return sums
+    """[sum of (p - base)^2, sum of base^2] over ``pairs``, in fp64: each parameter's two norms in fp32
+    (``torch.dist`` reads both tensors once and keeps no difference), then all of them squared and
+    summed at once. One definition for both backends keeps drift bitwise equal."""
+    pairs = [(p.detach().float(), base.detach().float()) for p, base in pairs]
+    if not pairs:
+        return torch.zeros(2, dtype=torch.float64)
+    norms = torch.stack([torch.stack([torch.dist(p, base) for p, base in pairs]),
+                         torch.stack([base.norm() for _, base in pairs])])
+    return norms.double().pow(2).sum(1)
 
 
 def _relative(sums: torch.Tensor) -> torch.Tensor:
