@@ -20,7 +20,7 @@ from lossysim.run.experiment import run_experiment
 from lossysim.run.state import TrainState, Window
 from lossysim.run.step import train_step
 from lossysim.timing import nccl
-from tiny_runs import tiny_run
+from tiny_runs import dp_group_spec, tiny_run
 
 CPU = torch.device("cpu")
 # Sums over replicas and over the global batch add the same numbers in another order: fp32 rounding.
@@ -241,7 +241,7 @@ def test_clock_without_loss_is_compute_plus_the_buckets_closed_form(tmp_path, on
     config = tiny(tmp_path, dp_size=2, dp_overlap=False, steps=2)
     summary = run_experiment(config, config.out, progress=False)
     parts = build(config, CPU, 0, True, None)
-    spec = config.dp_network_spec(0)
+    spec = dp_group_spec(config)
     buckets = sum(nccl.collective_time("all_reduce", "ring", 2, 2, b.numel * 4, (spec.payload_bytes // 4) * 4,
                                        spec.link_intra, spec.link_inter, spec.bus_bandwidth())
                   for b in parts.dp.buckets)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Union
 
 from lossysim.config import ExperimentConfig
+from lossysim.net import NetworkSpec
 
 # Short rows and small batches: a CPU step in milliseconds.
 TINY = dict(model="tiny", dataset="synthetic", max_length=32, batch_size=8, eval_batch_size=32)
@@ -18,3 +19,8 @@ def tiny_run(out: Union[str, Path], /, **settings) -> ExperimentConfig:
     """A validated config writing to ``out``: ``TINY``, then ``settings`` (which may override both,
     ``out`` included: positional-only, so a caller's ``out=`` reaches the config)."""
     return ExperimentConfig(**{**TINY, "out": str(out), **settings}).validate()
+
+
+def dp_group_spec(config: ExperimentConfig, tp_rank: int = 0) -> NetworkSpec:
+    """The network spec of TP position ``tp_rank``'s data-parallel group, as a run places it."""
+    return config.mesh().dp_network_spec(config.network_settings(), tp_rank, config.dp_lossy())

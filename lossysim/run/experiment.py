@@ -177,14 +177,14 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
                 disagreement = parts.model.disagreement()
                 row = record.train_row(step, started, averages, state, parts.train_net,
                                        parts.scheduler.get_last_lr()[0], disagreement, config)
-                if parts.dp is not None:
+                if parts.dp.dp_size > 1:
                     row.update(record.dp_row(parts.dp, state))
                 state.train_disagreement.append(row["disagreement"])
                 metrics.write(row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}",
                                 lost=f"{row['observed_loss_rate']:.4f}", refresh=False,
                                 **({"lost_dp": f"{row['observed_loss_rate_dp']:.4f}", "drift": f"{row['drift']:.2g}"}
-                                   if parts.dp is not None else {}))
+                                   if parts.dp.dp_size > 1 else {}))
                 if config.max_failures and row["failures"] >= config.max_failures:
                     raise _GaveUp(step, row["failures"])
 
@@ -193,7 +193,7 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
                     scores = evaluate(parts, split, config, rt.device)
                     row = record.eval_row(step, split, started, scores, state, parts.train_net, parts.eval_net,
                                           config)
-                    if parts.dp is not None:  # replica 0 is evaluated; how far the others are from it
+                    if parts.dp.dp_size > 1:  # replica 0 is evaluated; how far the others are from it
                         row["drift"] = parts.dp.drift()
                     metrics.write(row)
                     # time to accuracy is measured on the first (primary) split
@@ -219,7 +219,7 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
         checkpoint.export_model(parts, rt.run_dir, rt.is_main)
     summary = record.summary(status, diverged_at, config, parts.data.name, state, parts.train_net,
                              parts.eval_net, started)
-    if parts.dp is not None:
+    if parts.dp.dp_size > 1:
         summary["data_parallel"] = record.dp_summary(parts.dp, config, state)
     if rt.is_main:
         atomic_write_json(rt.run_dir / "summary.json", summary)

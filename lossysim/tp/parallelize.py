@@ -23,6 +23,7 @@ from .layers import ColumnParallel, ReplicatedDropout, RowParallel, run_per_rank
 from ..net import LossyNetwork
 from .mappings import copy_to_tp
 from .plans import Column, ShardingPlan, plan_for
+from ..util import stream_seed
 
 
 class _RankZeroView(torch.autograd.Function):
@@ -262,3 +263,19 @@ def gather_full_model(tp_model: TensorParallelModel) -> nn.Module:
     for name, buffer in model.named_buffers():
         full.get_buffer(name).copy_(buffer.detach())
     return full.to(next(model.parameters()).device)
+
+
+def apply_tp(model: nn.Module, config, mesh, network: LossyNetwork, rank: int,
+             process_group=None) -> TensorParallelModel:
+    """A run's tensor parallelism (torchtitan's ``apply_tp``): ``parallelize`` the model over its
+    replica's TP group (``mesh``, ``network``; ``process_group`` on dist), then seed this rank's own
+    dropout stream and checkpoint activations as ``config`` says."""
+    tp_model = parallelize(model, mesh.tp, network, backend=config.backend, seed=config.seed,
+                           process_group=process_group, sync_replicated=config.sync_replicated)
+    # Dropout outside the replicated regions draws from the global generator: one stream per rank,
+    # as Megatron seeds its model-parallel stream with the TP rank.
+    torch.manual_seed(stream_seed(config.seed, "sharded-dropout", str(rank)))
+    if config.activation_checkpointing:
+        tp_model.model.activation_checkpointing_enable(
+            {"use_reentrant": False, "context_fn": tp_model.group.checkpoint_contexts})
+    return tp_model
