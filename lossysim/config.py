@@ -14,6 +14,7 @@ import yaml
 
 from .util import one_of, stream_seed
 from .mesh import Mesh
+from .net.recovery import SHARD_POLICIES
 from .net.spec import SETTINGS, NetworkSpec
 from .timing import DEFAULT_NIC, parse_compute
 
@@ -66,8 +67,7 @@ class ExperimentConfig:
     # network
     loss: str = "none"                 # see lossysim.parse_loss_model
     lossy: str = "both"                # fwd | bwd | both
-    recovery: str = "zero"             # zero | rescale | hadamard | hadamard+rescale | outliers | outliers+hadamard
-                                       # | stale | error_feedback
+    recovery: str = "zero"             # a name in net.recovery.RECOVERY_POLICIES
     hadamard_block: int = 16384        # hadamard: elements per transform block (a power of two)
     outlier_fraction: float = 0.001    # outliers: share of each rank's message sent reliably, in (0, 0.5]
     payload_bytes: int = 1450
@@ -177,8 +177,8 @@ class ExperimentConfig:
                 raise ValueError(f"dp_sync_every={self.dp_sync_every} needs dp_size > 1: one replica has no "
                                  "others to synchronise; set dp_sync_every=0")
             return
-        if self.dp_mode == "fsdp" and self.recovery not in ("zero", "rescale"):
-            raise ValueError(f"dp_mode=fsdp needs recovery=zero or rescale, not {self.recovery} "
+        if self.dp_mode == "fsdp" and self.recovery not in SHARD_POLICIES:
+            raise ValueError(f"dp_mode=fsdp needs recovery={' or '.join(SHARD_POLICIES)}, not {self.recovery} "
                              "(the other policies need the whole reduced message at every rank)")
         if self.dp_mode == "fsdp" and self.dp_sync_every:
             raise ValueError("dp_sync_every with dp_mode=fsdp: FSDP's replicas share one exact master copy and never drift")
