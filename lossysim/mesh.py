@@ -56,7 +56,7 @@ class Mesh:
         """Replica ``replica``'s TP group on the run's network ``settings`` (``NetworkSpec``'s keys):
         at most the group to a node (when several replicas share the nodes) and, beyond replica 0,
         chains of its own."""
-        placed = dict(settings)
+        placed = {**settings, "ranks": self.tp}
         if self.ranks_per_node is not None and self.dp > 1:
             placed["ranks_per_node"] = min(self.ranks_per_node, self.tp)
         if replica:
@@ -67,7 +67,7 @@ class Mesh:
         """TP position ``tp_rank``'s data-parallel group: ``dp`` ranks, one per replica, as many to a
         node as a node holds replicas, their own NICs and chains; ``lossy``: the directions of its
         traffic that may lose packets. Every packet is a candidate: site selection picks TP sites."""
-        return NetworkSpec(**{**settings, "tp_size": self.dp, "ranks_per_node": max(1, self.per_node // self.tp),
+        return NetworkSpec(**{**settings, "ranks": self.dp, "ranks_per_node": max(1, self.per_node // self.tp),
                               "nics_per_node": None, "seed": stream_seed(settings["seed"], f"dp.group{tp_rank}", "network"),
                               "lossy_layers": "all", "lossy_sites": "all", "lossy": lossy})
 

@@ -222,7 +222,7 @@ def two_steps(network: LossyNetwork, recompute: bool = False) -> tuple:
     """Two training steps of the tiny TP GPT-2 classifier over ``network`` (with activation
     checkpointing if ``recompute``): (the two losses, the gradients, the network's stats)."""
     batch = make_batch("cls")
-    tpm = parallelize(build("cls"), network.tp_size, network)
+    tpm = parallelize(build("cls"), network.ranks, network)
     if recompute:
         tpm.model.activation_checkpointing_enable({"use_reentrant": False, "context_fn": tpm.group.checkpoint_contexts})
     tpm.train()

@@ -26,14 +26,15 @@ def test_every_rank_has_one_coordinate_and_one_group_of_each_kind(tp, dp, per_no
 
 
 def test_group_networks_are_placed_on_the_mesh():
-    base = dict(tp_size=2, loss="bernoulli:0.01", seed=7, ranks_per_node=4)     # a run's network settings
+    base = dict(loss="bernoulli:0.01", seed=7, ranks_per_node=4)     # a run's network settings: no group size
     mesh = Mesh(2, 4, ranks_per_node=4)          # two replicas to a node
+    assert mesh.tp_network_spec(base).ranks == 2                   # the mesh says how many ranks a group has
     assert mesh.tp_network_spec(base).ranks_per_node == 2          # a TP group spans one node
     assert mesh.tp_network_spec(base).seed == 7                    # replica 0 keeps the run's streams
     assert mesh.tp_network_spec(base, 3).seed == stream_seed(7, "tp.replica3", "network")
     group = mesh.dp_network_spec(base, 1, ("bwd",))
     # 4 replicas, 2 to a node: the DP group's ranks 1, 3 | 5, 7 pair up on two nodes
-    assert (group.tp_size, group.ranks_per_node, group.topology.nodes) == (4, 2, 2)
+    assert (group.ranks, group.ranks_per_node, group.topology.nodes) == (4, 2, 2)
     assert [mesh.node(r) for r in mesh.dp_ranks(1)] == [0, 0, 1, 1]
     assert group.lossy == ("bwd",) and group.seed == stream_seed(7, "dp.group1", "network")
     assert mesh.dp_network_spec(base, 0, ()).seed != group.seed

@@ -355,7 +355,7 @@ def test_each_receiver_alone_computes_the_same_bits(policy, algorithm):
     """What dist does (one receiver per process, every link drawn, its own memory) equals the
     simulator's row, call after call, and the same packets are lost whatever the policy."""
     tp = 4
-    spec = dict(tp_size=tp, loss_model="ge:rate=0.15,burst=4", seed=9, payload_bytes=32, algorithm=algorithm,
+    spec = dict(ranks=tp, loss_model="ge:rate=0.15,burst=4", seed=9, payload_bytes=32, algorithm=algorithm,
                 hadamard_block=64)
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(tp, 3, 37 + i % 2, generator=g) for i in range(4)]
@@ -430,7 +430,7 @@ def test_a_replayed_call_repeats_itself_and_moves_nothing_on(policy):
 def test_a_saved_state_records_the_policy_settings_it_depends_on():
     """hadamard_block and compute are recorded (and checked on load) only where the policy uses
     them: a zero or rescale network's state is what it was before these settings existed."""
-    before = {"tp_size", "loss_model", "seed", "payload_bytes", "recovery", "lossy", "max_burst", "algorithm",
+    before = {"ranks", "loss_model", "seed", "payload_bytes", "recovery", "lossy", "max_burst", "algorithm",
               "ranks_per_node", "lossy_links", "transport", "retransmit", "deadline", "link_intra", "link_inter",
               "rto_s", "nic", "channels", "nics_per_node"}
     for policy, extra in (("zero", set()), ("rescale", set()), ("hadamard", {"hadamard_block", "compute"}),

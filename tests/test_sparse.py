@@ -53,7 +53,7 @@ SETTINGS = [
 @pytest.mark.parametrize("settings", SETTINGS)
 @pytest.mark.parametrize("deliver", [True, False])
 def test_sparse_path_is_the_general_path_bit_for_bit(settings, deliver, monkeypatch):
-    spec = NetworkSpec(tp_size=4, seed=3, **settings)
+    spec = NetworkSpec(ranks=4, seed=3, **settings)
     assert sparse.applies(spec, torch.device("cpu"))
     fast = run(spec, deliver=deliver)
     monkeypatch.setattr(sparse, "applies", lambda spec, device: False)
@@ -66,7 +66,7 @@ def test_an_estimate_is_the_same_on_either_path(monkeypatch):
     workload = Workload(seq=64, micro_batch=2)
     rows = {}
     for name in ("sparse", "general"):
-        rows[name] = [estimate("tiny-llama", dict(tp_size=4, seed=1, **settings), workload, steps=2)
+        rows[name] = [estimate("tiny-llama", dict(ranks=4, seed=1, **settings), workload, steps=2)
                       for settings in SETTINGS]
         monkeypatch.setattr(sparse, "applies", lambda spec, device: False)
     assert rows["sparse"] == rows["general"]

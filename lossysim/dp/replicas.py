@@ -306,13 +306,13 @@ def broadcast_time(network: LossyNetwork, message_bytes: int) -> float:
     """A loss-free ring broadcast of ``message_bytes`` over ``network``'s ranks: the all-gather's latency
     (R - 1 pipelined hops) and the whole message over the bus bandwidth (nccl-tests: busbw = algbw)."""
     spec = network.spec
-    if spec.tp_size < 2 or message_bytes == 0:
+    if spec.ranks < 2 or message_bytes == 0:
         return 0.0
     nodes = spec.topology.nodes
     bottleneck = spec.link_inter if nodes > 1 else spec.link_intra
     packet = spec.payload_bytes
     wire = bottleneck.wire_bytes(message_bytes, -(-message_bytes // packet))
-    latency = nccl.latency_s("all_gather", "ring", "Simple", spec.tp_size, nodes, spec.link_intra.hw,
+    latency = nccl.latency_s("all_gather", "ring", "Simple", spec.ranks, nodes, spec.link_intra.hw,
                              spec.link_inter.hw)
     return latency + wire / spec.bus_bandwidth()
 

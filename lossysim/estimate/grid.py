@@ -68,7 +68,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     workload = Workload(args.seq, args.micro_batch, args.dtype, args.activation_checkpointing)
-    settings = grid({key: getattr(args, key) for key in GRID.values()}, tp_size=args.tp_size,
+    settings = grid({key: getattr(args, key) for key in GRID.values()}, ranks=args.tp_size,
                     ranks_per_node=args.ranks_per_node, seed=args.seed)
     if args.out:
         check_writable(args.out, "--out")   # before the grid: a long estimate must not be lost at the end
@@ -113,7 +113,7 @@ def run_grid(model: str, settings: Iterable[NetworkSpec], workload: Workload, st
     shape = load(model)
     settings = list(settings)
     for spec in settings:
-        shape.check_tp(spec.tp_size)
+        shape.check_tp(spec.ranks)
     shape.check_seq(workload.seq)
     rows = []
     with tqdm(total=len(settings) * steps, desc=f"estimate {shape.name}", disable=not progress,

@@ -51,20 +51,20 @@ class _Channel:
 class LossyNetwork:
     """Links between ranks with a loss model, an algorithm, a transport, statistics and a clock.
 
-    ``LossyNetwork(spec)`` takes a ``NetworkSpec``; ``LossyNetwork(tp_size, loss_model, **settings)``
+    ``LossyNetwork(spec)`` takes a ``NetworkSpec``; ``LossyNetwork(ranks, loss_model, **settings)``
     builds one (``settings``: any of ``NetworkSpec``'s fields, e.g. ``seed``, ``algorithm``,
     ``transport``, ``recovery``).
     """
 
-    def __init__(self, tp_size: Union[int, NetworkSpec], loss_model="none", **settings):
-        self.spec = tp_size if isinstance(tp_size, NetworkSpec) else NetworkSpec(tp_size, loss_model, **settings)
+    def __init__(self, ranks: Union[int, NetworkSpec], loss_model="none", **settings):
+        self.spec = ranks if isinstance(ranks, NetworkSpec) else NetworkSpec(ranks, loss_model, **settings)
         spec = self.spec
-        self.tp_size = spec.tp_size
+        self.ranks = spec.ranks
         self.loss_model = spec.loss
         self.topology, self.transport = spec.topology, spec.transport_model
         self.lossy = spec.lossy
         self.recovery = spec.recovery_model
-        self.links = [(src, dst) for src in range(self.tp_size) for dst in range(self.tp_size) if src != dst]
+        self.links = [(src, dst) for src in range(self.ranks) for dst in range(self.ranks) if src != dst]
         self._channels: dict[tuple[str, str], _Channel] = {}
         self._transfers: dict[tuple, transfers.Transfer] = {}
         self._recording: Optional[dict] = None
@@ -105,7 +105,7 @@ class LossyNetwork:
                    receivers: Sequence[int]) -> torch.Tensor:
         """Sum every rank's contribution as each receiver sees it.
 
-        ``contributions`` is ``[tp_size, *shape]`` (rank j's message at j). Returns
+        ``contributions`` is ``[ranks, *shape]`` (rank j's message at j). Returns
         ``[len(receivers), *shape]``: what the algorithm leaves at each receiver.
         """
         self._check(contributions)
@@ -117,7 +117,7 @@ class LossyNetwork:
             return total.unsqueeze(0).expand(len(receivers), *shape)
         per_packet, _ = self.packets(shape.numel(), contributions.dtype)
         out = self.recovery.on(direction).all_reduce(
-            delivery, contributions.reshape(self.tp_size, -1), receivers, per_packet,
+            delivery, contributions.reshape(self.ranks, -1), receivers, per_packet,
             watch=lambda seen: self.watch(site, direction, seen), memory=self._channels[(site, direction)].memory,
             update=self._replaying is None)
         return out.view(len(receivers), *shape)
@@ -127,7 +127,7 @@ class LossyNetwork:
         """Sum every rank's contribution and leave chunk c of the sum at rank c only (the ring
         all-reduce's first half, whatever ``algorithm`` says: NCCL reduce-scatters on rings).
 
-        ``contributions`` is ``[tp_size, n]``; rank c's chunk is ``shard_bounds(n, dtype)[c]`` (whole
+        ``contributions`` is ``[ranks, n]``; rank c's chunk is ``shard_bounds(n, dtype)[c]`` (whole
         packets). Returns ``[len(receivers), n]``: each receiver's chunk as it arrived (``zero`` or
         ``rescale``), zeros elsewhere. Only ``zero`` and ``rescale`` act on a reduce-scatter: the other
         policies need the whole reduced message at every rank."""
@@ -138,7 +138,7 @@ class LossyNetwork:
         n = contributions[0].numel()
         delivery = self._deliver(site, direction, "reduce_scatter", contributions[0])
         if delivery is None:
-            total = contributions.reshape(self.tp_size, -1).sum(0)
+            total = contributions.reshape(self.ranks, -1).sum(0)
             self.watch(site, direction, total)
             out = total.unsqueeze(0).repeat(len(receivers), 1)
             bounds = self.shard_bounds(n, contributions.dtype)
@@ -149,7 +149,7 @@ class LossyNetwork:
             return out
         per_packet, _ = self.packets(n, contributions.dtype)
         return self.recovery.on(direction).all_reduce(
-            delivery, contributions.reshape(self.tp_size, -1), receivers, per_packet,
+            delivery, contributions.reshape(self.ranks, -1), receivers, per_packet,
             watch=lambda seen: self.watch(site, direction, seen), memory=None, update=self._replaying is None)
 
     def shard_bounds(self, numel: int, dtype: torch.dtype) -> list[tuple[int, int]]:
@@ -157,12 +157,12 @@ class LossyNetwork:
         the ring's chunks of whole packets."""
         per_packet, n_packets = self.packets(numel, dtype)
         ends = [(min(first * per_packet, numel), min((first + count) * per_packet, numel))
-                for first, count in chunk_bounds(n_packets, self.tp_size)]
+                for first, count in chunk_bounds(n_packets, self.ranks)]
         return [(start, end - start) for start, end in ends]
 
     def all_gather(self, site: str, direction: str, shards: torch.Tensor,
                    receivers: Sequence[int]) -> torch.Tensor:
-        """Every rank's shard as each receiver sees it: ``[len(receivers), tp_size, *shape]``.
+        """Every rank's shard as each receiver sees it: ``[len(receivers), ranks, *shape]``.
 
         Lost packets of a shard arrive as zeros whatever the recovery policy (a gathered shard is not
         a sum: recovery policies act on all-reduces).
@@ -172,7 +172,7 @@ class LossyNetwork:
         if delivery is None:
             return shards.unsqueeze(0).expand(len(receivers), *shards.shape)
         per_packet, _ = self.packets(shards[0].numel(), shards.dtype)
-        out = deliver.all_gather(shards.reshape(self.tp_size, -1), delivery, receivers, per_packet)
+        out = deliver.all_gather(shards.reshape(self.ranks, -1), delivery, receivers, per_packet)
         self.watch(site, direction, out)
         return out.view(len(receivers), *shards.shape)
 
@@ -245,7 +245,7 @@ class LossyNetwork:
             if delivery is not None:   # the policy acted: its side path sends again too (replayed)
                 self._side_traffic(site, direction, collective, numel, dtype, device)
             return delivery
-        if self.tp_size == 1:
+        if self.ranks == 1:
             return None
         device = torch.device(device)
         channel = self._channel(site, direction, device)
@@ -301,8 +301,8 @@ class LossyNetwork:
         self._repairs = repairs.clone() if self._repairs is None else self._repairs + repairs
 
     def _check(self, tensor: torch.Tensor) -> None:
-        if tensor.shape[0] != self.tp_size:
-            raise ValueError(f"expected {self.tp_size} ranks along dim 0, got shape {tuple(tensor.shape)}")
+        if tensor.shape[0] != self.ranks:
+            raise ValueError(f"expected {self.ranks} ranks along dim 0, got shape {tuple(tensor.shape)}")
 
     def _channel(self, site: str, direction: str, device) -> _Channel:
         key = (site, direction)
@@ -429,6 +429,8 @@ class LossyNetwork:
 
     def load_state_dict(self, state: dict) -> None:
         saved = dict(state["config"])
+        if "tp_size" in saved:  # written before 0.4, when a group's ranks were called tp_size
+            saved["ranks"] = saved.pop("tp_size")
         if "nic" not in saved:  # written by 0.2: no nic, its selective repeat is the nic's own
             saved = {**self.config(), **saved, "retransmit": None if saved.get("retransmit") == "selective"
                      else saved.get("retransmit")}

@@ -350,7 +350,7 @@ class Outliers(Policy):
         # the sender's selection (a magnitude and a comparison per element) and zeroing (k), the
         # receiver's scatter-add of every rank's k values
         k = outlier_count(numel, self.fraction)
-        return 2.0 * numel + k + sched.tp_size * k + self.inner.flops(sched, per_packet, numel)
+        return 2.0 * numel + k + sched.ranks * k + self.inner.flops(sched, per_packet, numel)
 
     def side_bytes(self, numel, dtype):
         # k pairs, packed: an int32 index and a value in the message's dtype
@@ -370,7 +370,7 @@ class Hops:
 
 def _elements(sched: Schedule, per_packet: int, numel: int, end: str) -> int:
     """The most elements one rank sends (``end="src"``) or receives (``"dst"``) in the schedule."""
-    count = [0] * sched.tp_size
+    count = [0] * sched.ranks
     for s in sched.sends:
         count[getattr(s, end)] += max(0, min(numel, (s.first + s.packets) * per_packet) - s.first * per_packet)
     return max(count, default=0)

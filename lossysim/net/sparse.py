@@ -252,7 +252,7 @@ class Losses:
         worked out from the few lost packets rather than along every packet's path: a call's fixed cost,
         where a dozen tensor operations over every packet cost more than the sum they patch."""
         sched = self.sched
-        R, P = sched.tp_size, sched.n_packets
+        R, P = sched.ranks, sched.n_packets
         if not works_out(sched):
             return combine(sched, self.mask(), weights)
         dropped, partial, unheld = self._tree() if sched.algorithm == "tree" else self._ring()
@@ -331,7 +331,7 @@ def _tree_sends(sched) -> tuple[np.ndarray, np.ndarray]:
     child end) and whether it goes up (reduce)."""
     cached = getattr(sched, "_tree_sends", None)
     if cached is None:
-        R = sched.tp_size
+        R = sched.ranks
         below = np.eye(R, dtype=bool)            # below[a, j]: j is in a's subtree
         for j in range(R - 1, 0, -1):            # children before parents (heap layout)
             below[(j - 1) // 2] |= below[j]
@@ -345,8 +345,8 @@ def _ring_chunks(sched) -> np.ndarray:
     """The ring chunk of every packet of the message."""
     cached = getattr(sched, "_ring_chunks", None)
     if cached is None:
-        counts = [count for _, count in chunk_bounds(sched.n_packets, sched.tp_size)]
-        cached = sched._ring_chunks = np.repeat(np.arange(sched.tp_size), counts)
+        counts = [count for _, count in chunk_bounds(sched.n_packets, sched.ranks)]
+        cached = sched._ring_chunks = np.repeat(np.arange(sched.ranks), counts)
     return cached
 
 
@@ -354,7 +354,7 @@ def _ring_sends(sched):
     """Per send of a ring all-reduce: its first packet in the message, whether it reduce-scatters, its hop."""
     cached = getattr(sched, "_ring_sends", None)
     if cached is None:
-        R = sched.tp_size
+        R = sched.ranks
         first = np.array([s.first for s in sched.sends], dtype=np.int64)
         rs = np.array([s.phase == "reduce_scatter" for s in sched.sends])
         hop = np.array([s.step - (R - 1) if s.phase == "all_gather" else s.step for s in sched.sends], dtype=np.int64)

@@ -3,7 +3,7 @@
 Every rule about what the network accepts, and every message saying what is wrong, lives in
 ``NetworkSpec.__post_init__`` (and in the value types it builds: ``Topology``, ``Transport``,
 ``Link``, the loss model). The experiment config builds one spec from its keys (the spec's field
-names are the config's keys) and Python callers build one through ``LossyNetwork(tp_size, ...)``;
+names are the config's keys) and Python callers build one through ``LossyNetwork(ranks, ...)``;
 the network takes it whole and never checks again.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ class NetworkSpec:
     docs/time_model.md). Strings are parsed: ``loss`` by ``parse_loss_model``, links by ``parse_link``.
 
     Args:
-        tp_size: number of ranks.
+        ranks: number of ranks.
         loss: the loss model of every lossy link.
         seed: root of every call site's random stream.
         payload_bytes: tensor bytes per packet (1450 = UDP in a 1500-byte MTU).
@@ -78,7 +78,7 @@ class NetworkSpec:
         lossy_layers, lossy_sites: which TP call sites can lose packets (``lossysim.net.selection``:
             ``all``, layers such as ``0-5,12``; ``all``, ``attn`` or ``mlp``).
     """
-    tp_size: int
+    ranks: int
     loss: Union[str, LossModel] = "none"
     seed: int = 0
     payload_bytes: int = 1450
@@ -139,7 +139,7 @@ class NetworkSpec:
         if int(self.channels) < 1:
             raise ValueError(f"channels={self.channels} must be >= 1")
         nic = parse_nic(self.nic).override(self.retransmit, self.rto_s)
-        topology = Topology(int(self.tp_size), self.ranks_per_node, self.lossy_links)
+        topology = Topology(int(self.ranks), self.ranks_per_node, self.lossy_links)
         if self.nics_per_node is not None and int(self.nics_per_node) < 1:
             raise ValueError(f"nics_per_node={self.nics_per_node} must be >= 1 (or null: one per rank)")
         transport = Transport(self.transport, nic.mode, float(self.deadline))
@@ -168,7 +168,7 @@ class NetworkSpec:
             raise ValueError(f"go-back-N (nic={self.nic}, retransmit={nic.mode}) is not supported with {loss.spec}: "
                              "go-back-N learns how many packets it sent only after drawing them; use a selective "
                              "repeat nic or retransmit=selective")
-        put("tp_size", topology.tp_size)
+        put("ranks", topology.ranks)
         put("ranks_per_node", topology.ranks_per_node)
         put("loss", loss)
         put("seed", int(self.seed))
@@ -209,7 +209,7 @@ class NetworkSpec:
         """The settings as plain values: what a saved network state records and is checked against.
         The recovery policy's settings appear only where the policy uses them, so a zero or rescale
         network's state saved before they existed still loads."""
-        out = {"tp_size": self.tp_size, "loss_model": self.loss.spec, "seed": self.seed,
+        out = {"ranks": self.ranks, "loss_model": self.loss.spec, "seed": self.seed,
                "payload_bytes": self.payload_bytes, "recovery": self.recovery, "lossy": list(self.lossy),
                "max_burst": self.max_burst, "algorithm": self.algorithm, "ranks_per_node": self.ranks_per_node,
                "lossy_links": self.lossy_links, "transport": self.transport, "retransmit": self.retransmit,

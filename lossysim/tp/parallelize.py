@@ -193,8 +193,8 @@ def parallelize(model: nn.Module, tp_size: int = 2, network: Optional[LossyNetwo
     if problem:
         raise ValueError(problem)
     network = network or LossyNetwork(tp_size)
-    if network.tp_size != tp_size:
-        raise ValueError(f"network has tp_size={network.tp_size}, asked for tp_size={tp_size}")
+    if network.ranks != tp_size:
+        raise ValueError(f"network has tp_size={network.ranks}, asked for tp_size={tp_size}")
     if backend == "sim":
         group = SimGroup(network, seed)
     elif backend == "dist":
