@@ -351,6 +351,24 @@ def test_error_feedback_on_activations_is_zero():
 # -- what every policy shares ------------------------------------------------------------------------
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_an_all_reduce_in_place_leaves_the_same_bits(policy, algorithm):
+    """``out=contributions`` (DDP's in-place bucket all-reduce) writes what the call would return,
+    call after call (memory, stale values, error feedback carried on alike), and counts the same."""
+    spec = dict(ranks=3, loss_model="ge:rate=0.15,burst=4", seed=5, payload_bytes=32, algorithm=algorithm,
+                hadamard_block=64, recovery=policy)
+    returned, in_place = LossyNetwork(**spec), LossyNetwork(**spec)
+    g = torch.Generator().manual_seed(1)
+    for i in range(3):
+        x = torch.randn(3, 5, 41 + i, generator=g)
+        expected = returned.all_reduce("s", "bwd", x, range(3))
+        buffer = x.clone()
+        held = in_place.all_reduce("s", "bwd", buffer, range(3), out=buffer)
+        assert held.data_ptr() == buffer.data_ptr() and torch.equal(buffer, expected), (policy, i)
+    assert in_place.stats() == returned.stats() and in_place.clock() == returned.clock()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_each_receiver_alone_computes_the_same_bits(policy, algorithm):
     """What dist does (one receiver per process, every link drawn, its own memory) equals the
     simulator's row, call after call, and the same packets are lost whatever the policy."""

@@ -125,7 +125,8 @@ class DataParallel:
                 contributions = self._scratch("contributions", bucket.numel, grads[0][bucket.params[0]])
                 for g, row in zip(grads, contributions):
                     bucketing.flatten(g, bucket, t, out=row)
-                delivered = network.all_reduce(f"dp.bucket{b}", "bwd", contributions, range(self.dp_size))
+                delivered = network.all_reduce(f"dp.bucket{b}", "bwd", contributions, range(self.dp_size),
+                                               out=contributions)   # in place, as NCCL runs DDP's buckets
                 slowest = max(slowest, network.clock()["comm_s"] - before)
                 for k, piece in enumerate(bucketing.pieces(delivered, bucket)):
                     i = bucket.params[k]                 # piece: [dp, numel], receiver r's sum at r

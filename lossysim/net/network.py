@@ -102,11 +102,13 @@ class LossyNetwork:
 
     # -- collectives -------------------------------------------------------------
     def all_reduce(self, site: str, direction: str, contributions: torch.Tensor,
-                   receivers: Sequence[int]) -> torch.Tensor:
+                   receivers: Sequence[int], out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Sum every rank's contribution as each receiver sees it.
 
         ``contributions`` is ``[ranks, *shape]`` (rank j's message at j). Returns
-        ``[len(receivers), *shape]``: what the algorithm leaves at each receiver.
+        ``[len(receivers), *shape]``: what the algorithm leaves at each receiver, written into ``out``
+        when given (``contributions`` itself for an in-place all-reduce, as DDP runs its buckets:
+        no receivers' tensor to allocate, the same values).
         """
         self._check(contributions)
         shape = contributions.shape[1:]
@@ -114,13 +116,14 @@ class LossyNetwork:
         if delivery is None:
             total = contributions.sum(0)
             self.watch(site, direction, total)
-            return total.unsqueeze(0).expand(len(receivers), *shape)
+            every = total.unsqueeze(0).expand(len(receivers), *shape)
+            return every if out is None else out.copy_(every)
         per_packet, _ = self.packets(shape.numel(), contributions.dtype)
-        out = self.recovery.on(direction).all_reduce(
+        held = self.recovery.on(direction).all_reduce(
             delivery, contributions.reshape(self.ranks, -1), receivers, per_packet,
             watch=lambda seen: self.watch(site, direction, seen), memory=self._channels[(site, direction)].memory,
-            update=self._replaying is None)
-        return out.view(len(receivers), *shape)
+            update=self._replaying is None, out=None if out is None else out.view(len(receivers), -1))
+        return held.view(len(receivers), *shape)
 
     def reduce_scatter(self, site: str, direction: str, contributions: torch.Tensor,
                        receivers: Sequence[int]) -> torch.Tensor:

@@ -156,10 +156,11 @@ class Policy:
         return combine(transfer.sched, lost, weights)
 
     def all_reduce(self, drawn, x: torch.Tensor, receivers: Sequence[int], per_packet: int, watch: Watch,
-                   memory: Optional[Memory], update: bool) -> torch.Tensor:
+                   memory: Optional[Memory], update: bool, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """What each receiver holds, ``[len(receivers), n]``, given ``x`` ([ranks, n]) and what ``draw``
-        drew; ``update``: move the memory on (False when a recomputed forward replays a call)."""
-        return deliver.all_reduce(x, drawn, receivers, per_packet, rescale=self.rescale, watch=watch)
+        drew; ``update``: move the memory on (False when a recomputed forward replays a call); ``out``:
+        where to write it (may be ``x`` itself: in place)."""
+        return deliver.all_reduce(x, drawn, receivers, per_packet, rescale=self.rescale, watch=watch, out=out)
 
     def flops(self, sched: Schedule, per_packet: int, numel: int) -> float:
         """Floating-point operations a rank adds to one all-reduce of ``numel`` elements."""
@@ -295,13 +296,13 @@ class Hadamard(Policy):
             return delivery          # a gathered shard is not a sum: holes stay zeros
         return Transformed(delivery, memory.signs(numel))
 
-    def all_reduce(self, drawn, x, receivers, per_packet, watch, memory, update):
+    def all_reduce(self, drawn, x, receivers, per_packet, watch, memory, update, out=None):
         work = torch.promote_types(x.dtype, torch.float32)
         sent = transform(x.to(work), drawn.bits, self.block).to(x.dtype)   # what the wire carries
         held = self.inner.all_reduce(drawn.delivery, sent, receivers, per_packet, lambda seen: None, memory, update)
-        out = inverse(held.to(work), drawn.bits, self.block).to(x.dtype)
-        watch(out)
-        return out
+        held = inverse(held.to(work), drawn.bits, self.block).to(x.dtype)
+        watch(held)
+        return deliver.into(out, held)
 
     def flops(self, sched, per_packet, numel):
         return 2 * hadamard_flops(numel, self.block)   # the sender's transform, the receiver's inverse
@@ -338,13 +339,13 @@ class Outliers(Policy):
         index = x.abs().topk(outlier_count(x.shape[1], self.fraction), dim=1).indices
         return index, x.gather(1, index), x.scatter(1, index, 0)
 
-    def all_reduce(self, drawn, x, receivers, per_packet, watch, memory, update):
+    def all_reduce(self, drawn, x, receivers, per_packet, watch, memory, update, out=None):
         index, values, rest = self.split(x)
-        out = self.inner.all_reduce(drawn, rest, receivers, per_packet, lambda seen: None, memory, update).clone()
+        held = self.inner.all_reduce(drawn, rest, receivers, per_packet, lambda seen: None, memory, update).clone()
         for r in range(x.shape[0]):   # rank by rank, in rank order: the same bits at every receiver
-            out.index_add_(1, index[r], values[r].expand(len(receivers), -1))
-        watch(out)
-        return out
+            held.index_add_(1, index[r], values[r].expand(len(receivers), -1))
+        watch(held)
+        return deliver.into(out, held)
 
     def flops(self, sched, per_packet, numel):
         # the sender's selection (a magnitude and a comparison per element) and zeroing (k), the
@@ -391,7 +392,7 @@ class SendBySend(Policy):
         mask = lost.mask() if isinstance(lost, Losses) else lost
         return Hops(transfer.sched, mask, f"{numel}:{str(dtype).removeprefix('torch.')}")
 
-    def all_reduce(self, drawn, x, receivers, per_packet, watch, memory, update):
+    def all_reduce(self, drawn, x, receivers, per_packet, watch, memory, update, out=None):
         sched = drawn.sched
 
         def fresh() -> dict:
@@ -405,9 +406,9 @@ class SendBySend(Policy):
                                         lambda hop, payload, lost: self.arrive(state, hop, payload, lost, update))
             if self.remembers:
                 drawn.held = held
-        out = held[list(receivers)]
-        watch(out)
-        return out
+        held = held[list(receivers)]
+        watch(held)
+        return deliver.into(out, held)
 
     def arrive(self, state: dict, hop: deliver.Round, payload: torch.Tensor, lost: torch.Tensor,
                update: bool) -> torch.Tensor:
