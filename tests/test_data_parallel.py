@@ -324,10 +324,11 @@ def assert_dist_is_sim(rows: dict, weights: list) -> None:
 def test_dist_equals_sim_under_loss(tmp_path, one_torch_thread):
     """tp 2 x dp 2 as 4 gloo processes (2-D process groups) against sim (on one intra-op thread, as
     the ranks run: CPU matmuls round differently across thread counts), Gilbert-Elliott loss on every
-    kind of traffic, 6 steps with the gradient clipped at each: bit for bit (``assert_dist_is_sim``). A
-    sum taken in another order (a replicated gradient, the clipping norm, drift) fails it within them."""
+    kind of traffic, 6 steps with the gradient clipped at each, each replica's shard in two micro-batches:
+    bit for bit (``assert_dist_is_sim``). A sum taken in another order (a replicated gradient, the clipping
+    norm, drift, the micro-batches' gradients) fails it within them."""
     rows, weights = sim_and_dist(tmp_path, tp_size=2, dp_size=2, loss="ge:rate=0.05,burst=4", grad_clip=0.1,
-                                 steps=6, eval_every=6)
+                                 steps=6, eval_every=6, micro_batches=2)
     assert_dist_is_sim(rows, weights)
     last = [r for r in rows["sim"] if r["split"] == "train"][-1]
     assert last["packets_lost_dp"] > 0 and last["packets_lost_fwd"] > 0 and last["drift"] > 0
