@@ -68,9 +68,8 @@ class _Keeper:
                              np.bincount(result.missing_row, minlength=len(host.sends)), result.timeouts,
                              result.failed.astype(np.int64)))
             extra, shadow = extra + result.extra, shadow + result.shadow
-        slots, *values = (torch.from_numpy(np.concatenate(column)).to(device) for column in zip(*per_step))
-        for name, value in zip(("resent", "missing", "timeouts", "failures"), values):
-            channel.counters.add(name, slots, value)
+        slots, *values = (np.concatenate(column) for column in zip(*per_step))
+        channel.counters.add(("resent", "missing", "timeouts", "failures"), slots, values)
         repairs = torch.tensor([extra, shadow], dtype=torch.float64, device=device)
         if self.spec.transport_model.exact:
             return None, repairs

@@ -111,9 +111,18 @@ class Counters:
         """A call whose packets all arrive: ``sent[phase, link]`` packets, nothing drawn."""
         self.counts[0] += sent
 
-    def add(self, counter: str, index: torch.Tensor, values: torch.Tensor) -> None:
-        """Add ``values`` to ``counter`` at the slots ``index`` (phase * links + link)."""
-        self.counts.view(len(COUNTERS), -1)[COUNTERS.index(counter)].index_add_(0, index, values)
+    def add(self, counters: Sequence[str], index: np.ndarray, values: Sequence[np.ndarray]) -> None:
+        """Add ``values[k]`` (int64, on the host) to ``counters[k]`` at the slots ``index`` (phase * links +
+        link)."""
+        counts = self.counts.view(len(COUNTERS), -1)
+        if self.device.type == "cpu":  # a call's few dozen values: numpy's add costs a tenth of torch's dispatch
+            counts = counts.numpy()
+            for name, value in zip(counters, values):
+                np.add.at(counts[COUNTERS.index(name)], index, value)
+            return
+        index = torch.from_numpy(index).to(self.device)
+        for name, value in zip(counters, values):
+            counts[COUNTERS.index(name)].index_add_(0, index, torch.from_numpy(value).to(self.device))
 
     def flush(self) -> None:
         """Count every queued draw, in order (runs of losses continue from one draw to the next).
