@@ -118,8 +118,8 @@ def scripted_positions():
     rounds = iter(SCRIPT)
 
     def draw(to_send, width):
-        return np.array(sorted(send * width + k for send, k in next(rounds)), dtype=np.int64), lambda *lost: None
-    return draw
+        return np.array(sorted(send * width + k for send, k in next(rounds)), dtype=np.int64)
+    return draw, lambda row, column, to_send: None
 
 
 @pytest.mark.parametrize("retries", [None, 1])
@@ -132,7 +132,7 @@ def test_selective_repeat_is_one_rule_whatever_keeps_the_fates(retries):
     assert timer > 2 * RTT
     transport = Transport("retransmit", "selective")
     by_masks = run_step(transport, nic, scripted_sends(), scripted_masks(), math.inf)
-    by_positions = selective(nic, scripted_sends().host(), scripted_positions(), math.inf, give_up=False)
+    by_positions = selective(nic, scripted_sends().host(), *scripted_positions(), math.inf, give_up=False)
     for name in ("missing_row", "missing_packet", "transmissions", "timeouts", "failed"):
         np.testing.assert_array_equal(getattr(by_masks, name), getattr(by_positions, name))
     assert (by_masks.extra, by_masks.shadow) == (by_positions.extra, by_positions.shadow)

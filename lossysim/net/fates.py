@@ -135,11 +135,13 @@ class Positions(_Keeper):
         spec, chains, counters = self.spec, channel.chains, channel.counters
         rows = len(host.sends)
 
-        def draw(to_send: np.ndarray, width: int):
-            lost = sparse.lost_positions(spec.loss, chains, rows, host.lossy, width)
-            return lost, lambda row, column: counters.record_lost(host.link_ids, row, column, to_send, step.phase)
+        def draw(to_send: np.ndarray, width: int) -> np.ndarray:
+            return sparse.lost_positions(spec.loss, chains, rows, host.lossy, width)
 
-        return selective(spec.nic_model, step.transport.host(), draw, step.budget,
+        def count(row: np.ndarray, column: np.ndarray, to_send: np.ndarray) -> None:
+            counters.record_lost(host.link_ids, row, column, to_send, step.phase)
+
+        return selective(spec.nic_model, step.transport.host(), draw, count, step.budget,
                          give_up=spec.transport_model.kind == "deadline")
 
     def _lost(self, sched, send: np.ndarray, packet: np.ndarray, device) -> Lost:

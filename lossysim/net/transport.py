@@ -40,10 +40,11 @@ MODES = ("selective", "go_back_n")
 # draw(lengths, known=True) -> (lost [n, max(lengths)], commit(used)): the next transmissions on
 # each link; commit says how many were really sent (counters, and the chains when not known).
 Draw = Callable[..., tuple]
-# draw(to_send, width) -> (lost, commit(row, column)): the next ``width`` transmissions on each link as
-# the sorted flat positions ``row * width + column`` of the lost ones (numpy; the fates past ``to_send[row]``
-# included); commit takes those that went out, to be counted.
-PositionsDraw = Callable[[np.ndarray, int], tuple]
+# draw(to_send, width) -> lost: the next ``width`` transmissions on each link as the sorted flat positions
+# ``row * width + column`` of the lost ones (numpy; the fates past ``to_send[row]`` included); then
+# count(row, column, to_send) is given those that went out, to be counted.
+PositionsDraw = Callable[[np.ndarray, int], np.ndarray]
+Count = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 
 
 @dataclass(frozen=True)
@@ -127,25 +128,32 @@ def run_step(transport: Transport, nic: Nic, sends: Sends, draw: Draw, budget: f
     """Carry one step's sends (each on its own link) through the transport, their fates drawn as masks;
     ``budget``: the seconds the step's repairs may take (``deadline`` only)."""
     if nic.mode == "selective":
-        return selective(nic, sends.host(), _as_positions(draw, sends.packets.device), budget,
+        return selective(nic, sends.host(), *_as_positions(draw, sends.packets.device), budget,
                          give_up=transport.kind == "deadline")
     return _go_back_n(nic, sends, draw)
 
 
-def _as_positions(draw: Draw, device: torch.device) -> PositionsDraw:
+def _as_positions(draw: Draw, device: torch.device) -> tuple[PositionsDraw, Count]:
     """A mask draw as selective repeat takes it: each round's mask is counted whole, then read back as the
     positions of its losses (one ``nonzero`` and one copy to the host per round; selective repeat looks at
     ``to_send`` on the host every round anyway)."""
-    def positions(to_send: np.ndarray, width: int):
+    drawn = []   # the round's (lengths, commit)
+
+    def positions(to_send: np.ndarray, width: int) -> np.ndarray:
         lengths = torch.tensor(to_send, device=device)   # a copy: the counters keep it until they flush
         lost, commit = draw(lengths)
-        return np.flatnonzero(lost.cpu().numpy()), lambda row, column: commit(lengths)
-    return positions
+        drawn[:] = lengths, commit
+        return np.flatnonzero(lost.cpu().numpy())
+
+    def count(row: np.ndarray, column: np.ndarray, to_send: np.ndarray) -> None:
+        lengths, commit = drawn
+        commit(lengths)
+    return positions, count
 
 
-def selective(nic: Nic, a: HostSends, draw: PositionsDraw, budget: float, give_up: bool) -> Result:
+def selective(nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, budget: float, give_up: bool) -> Result:
     """Selective repeat (and the deadline's give-up) for one step, whatever keeps the packets' fates:
-    ``draw`` hands each round's losses back as positions.
+    ``draw`` hands each round's losses back as positions, ``count`` takes those that went out.
 
     The pending packets are ``(row, packet)`` pairs, row-major; most rounds after the first resend a few
     packets and lose none, so the work that only losses, tails or failures need is skipped without them."""
@@ -159,10 +167,10 @@ def selective(nic: Nic, a: HostSends, draw: PositionsDraw, budget: float, give_u
     to_send = pending = packets                                          # pending: per row
     width, rounds, row = a.width, 0, None
     while True:
-        lost, commit = draw(to_send, width)                                 # flat row * width + column
+        lost = draw(to_send, width)                                         # flat row * width + column
         lost_row, lost_column = np.divmod(lost, width)
         went = lost_column < to_send[lost_row]
-        commit(lost_row[went], lost_column[went])
+        count(lost_row[went], lost_column[went], to_send)
         tail = None
         if row is None:  # round 0 sends every packet in order: the lost ones that went out are pending
             row, packet = lost_row[went], lost_column[went]
