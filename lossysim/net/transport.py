@@ -134,16 +134,16 @@ def run_step(transport: Transport, nic: Nic, sends: Sends, draw: Draw, budget: f
 
 
 def _as_positions(draw: Draw, device: torch.device) -> tuple[PositionsDraw, Count]:
-    """A mask draw as selective repeat takes it: each round's mask is counted whole, then read back as the
-    positions of its losses (one ``nonzero`` and one copy to the host per round; selective repeat looks at
-    ``to_send`` on the host every round anyway)."""
+    """A mask draw as selective repeat takes it: each round's mask is counted whole on its device, and only
+    the positions of its losses come to the host (one ``nonzero``, a host sync, per round: the rounds go on
+    while something is pending, which the host must know anyway)."""
     drawn = []   # the round's (lengths, commit)
 
     def positions(to_send: np.ndarray, width: int) -> np.ndarray:
         lengths = torch.tensor(to_send, device=device)   # a copy: the counters keep it until they flush
         lost, commit = draw(lengths)
         drawn[:] = lengths, commit
-        return np.flatnonzero(lost.cpu().numpy())
+        return lost.flatten().nonzero().squeeze(1).cpu().numpy()
 
     def count(row: np.ndarray, column: np.ndarray, to_send: np.ndarray) -> None:
         lengths, commit = drawn
