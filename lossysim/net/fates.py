@@ -56,6 +56,8 @@ class _Keeper:
         self.spec = spec
 
     def repair(self, channel, transfer, device) -> tuple[Optional[Lost], torch.Tensor]:
+        """Every step of the call through the transport (``_step``: each keeper feeds the one rule its
+        fates), then what the repairs add to the counters and the clock."""
         if transfer.host_steps is None:
             transfer.host_steps = HostStep.steps(transfer)
         extra = shadow = 0.0
