@@ -111,9 +111,18 @@ class Counters:
         """A call whose packets all arrive: ``sent[phase, link]`` packets, nothing drawn."""
         self.counts[0] += sent
 
-    def add(self, counter: str, index: torch.Tensor, values: torch.Tensor) -> None:
-        """Add ``values`` to ``counter`` at the slots ``index`` (phase * links + link)."""
-        self.counts.view(len(COUNTERS), -1)[COUNTERS.index(counter)].index_add_(0, index, values)
+    def add(self, counters: Sequence[str], index: np.ndarray, values: Sequence[np.ndarray]) -> None:
+        """Add ``values[k]`` (int64, on the host) to ``counters[k]`` at the slots ``index`` (phase * links +
+        link)."""
+        counts = self.counts.view(len(COUNTERS), -1)
+        if self.device.type == "cpu":  # a call's few dozen values: numpy's add costs a tenth of torch's dispatch
+            counts = counts.numpy()
+            for name, value in zip(counters, values):
+                np.add.at(counts[COUNTERS.index(name)], index, value)
+            return
+        index = torch.from_numpy(index).to(self.device)
+        for name, value in zip(counters, values):
+            counts[COUNTERS.index(name)].index_add_(0, index, torch.from_numpy(value).to(self.device))
 
     def flush(self) -> None:
         """Count every queued draw, in order (runs of losses continue from one draw to the next).
@@ -133,8 +142,6 @@ class Counters:
         for draw in queue:
             starts.append(starts[-1] + draw.width)
         used = torch.stack([draw.used.to(device) for draw in queue])        # [draws, rows]
-        before = used.cumsum(0) - used                                      # valid packets before each draw
-        total = used.sum(0)                                                 # [rows]
         # Packets sent: a draw with per-packet slots brings its count, a per-row phase sends used[row].
         for draw in queue:
             if draw.sent is not None:
@@ -151,8 +158,7 @@ class Counters:
         lost = self._packets(self._view(self._lost, rows)[:, :columns], starts, used)
         row, draw, position = lost
         slot = self._slot(queue, lost, link_ids)
-        counts[1].index_add_(0, slot, torch.ones_like(row))
-        self._runs(torch, row, before[draw, row] + position, total, link_ids, slot, counts[3], self.histogram.view(-1))
+        self._losses(torch, used, row, draw, position, slot, link_ids, counts, self.histogram.view(-1))
 
     @staticmethod
     def _packets(masks: torch.Tensor, starts: list, used: torch.Tensor):
@@ -169,10 +175,8 @@ class Counters:
         """``flush`` of draws queued by ``record_lost`` (CPU counters), in numpy: the same counts, runs and
         histogram as the masks of the same draws give."""
         counts = self.counts.view(len(COUNTERS), -1).numpy()
-        size, links = counts.shape[1], self.links
+        links = self.links
         used = np.stack([draw.used for draw in queue])                       # [draws, rows]
-        before = used.cumsum(0) - used                                      # valid packets before each draw
-        total = used.sum(0)                                                 # [rows]
         # Packets sent: a draw with per-packet slots brings its count, a per-row phase sends used[row].
         slots = []                                                          # each draw's losses' slots
         for e, draw in enumerate(queue):
@@ -189,9 +193,7 @@ class Counters:
         slot = np.concatenate(slots).astype(np.int64, copy=False)
         order = np.argsort(row, kind="stable")
         row, draw, position, slot = row[order], draw[order], position[order], slot[order]
-        counts[1] += np.bincount(slot, minlength=size)
-        self._runs(np, row, before[draw, row] + position, total, link_ids, slot, counts[3],
-                   self.histogram.view(-1).numpy())
+        self._losses(np, used, row, draw, position, slot, link_ids, counts, self.histogram.view(-1).numpy())
 
     def _slot(self, queue, packets, link_ids: torch.Tensor) -> torch.Tensor:
         """The counter slot of each (row, draw, position) packet: its draw's per-packet slots, or its
@@ -210,11 +212,17 @@ class Counters:
                 slot[mine] = index[row[mine], position[mine]]
         return slot
 
-    def _runs(self, xp, row, stream, total, link_ids, slot, bursts, hist) -> None:
-        """Count the runs (``count_runs``) in ``xp`` (numpy or torch, whichever holds the losses) and
-        move the open runs on."""
+    def _losses(self, xp, used, row, draw, position, slot, link_ids, counts, hist) -> None:
+        """Count a batch's losses in ``xp`` (numpy or torch, whichever holds them), whichever way its draws
+        were queued: ``used[draw, row]`` packets sent, each loss's ``row, draw, position`` (sorted in that
+        order) and counter ``slot``. Adds them to ``lost``, counts the runs (``count_runs``: a link's draws
+        are one stream of packets) and moves the open runs on."""
+        before = used.cumsum(0) - used                                      # valid packets before each draw
+        total = used.sum(0)                                                 # [rows]
+        counts[1] += xp.bincount(slot, minlength=len(counts[1]))
         open_run = self.open_run.numpy() if xp is np else self.open_run
-        after = count_runs(xp, row, stream, total, link_ids, slot, open_run[link_ids], self.max_burst, bursts, hist)
+        after = count_runs(xp, row, before[draw, row] + position, total, link_ids, slot, open_run[link_ids],
+                           self.max_burst, counts[3], hist)
         moved = self.open_run.clone()   # the old tensor may be a saved state's: never written in place
         moved[torch.as_tensor(link_ids)] = torch.as_tensor(after)
         self.open_run = moved

@@ -54,7 +54,7 @@ class Transfer:
     steps: list                        # the steps with traffic
     ideal: float                       # loss-free duration of the collective
     _weights: dict = field(default_factory=dict)
-    sparse: Optional[list] = None      # the steps as numpy arrays (``sparse.StepArrays``), once needed
+    host_steps: Optional[list] = None  # the steps as the fates keepers index them (``fates.HostStep``), once needed
 
     def weights(self, dtype: torch.dtype) -> Delivery:
         """What each path carries when delivered under ``rescale`` (``algorithms.path_weights``)."""
