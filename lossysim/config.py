@@ -132,7 +132,7 @@ class ExperimentConfig:
         _choice("backend", self.backend, BACKENDS)
         _choice("amp", self.amp, ("none", "bf16", "fp16"))
         for name in ("steps", "batch_size", "micro_batches", "eval_batch_size", "max_length", "eval_every",
-                     "log_every"):
+                     "log_every", "tp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("max_train_samples", "max_eval_samples"):
