@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_checkpoint.py [--steps 3] [--tp-size 2]
 
 Saves what the trainer saves for resume (model shards, AdamW state, RNGs, network
-state) through lossysim.checkpoint, loads it back with verification, and times a
+state) through lossysim.run.checkpoint, loads it back with verification, and times a
 training step (batch 8 x 128 tokens) to put the save cost in proportion.
 Target: checkpointing every 100 steps costs under 5% of training time.
 """

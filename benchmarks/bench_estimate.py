@@ -56,7 +56,7 @@ def main() -> int:
           f"{peak_mb():.0f} MB")
 
     shape = load("llama-3.1-70b")
-    network = dict(tp_size=8, loss="bernoulli:0.01", transport="retransmit", nic="irn")
+    network = dict(ranks=8, loss="bernoulli:0.01", transport="retransmit", nic="irn")
     workload = Workload(seq=4096, micro_batch=1, dtype="bf16")
     one_step = None
     for steps in (1, 2):
@@ -79,7 +79,7 @@ def main() -> int:
         shape = load("llama-3.1-8b")
         specs = grid({"loss": ["bernoulli:0.001", "bernoulli:0.005", "bernoulli:0.01", "bernoulli:0.05"],
                       "transport": ["drop,retransmit,deadline"], "nic": ["irn,srd"]},
-                     tp_size=8)
+                     ranks=8)
         total, fates = 0.0, 0.0
         for spec in specs:
             start = time.perf_counter()

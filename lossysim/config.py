@@ -12,9 +12,11 @@ from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from .util import stream_seed
+from .util import one_of, stream_seed
+from .mesh import Mesh
+from .net.recovery import SHARD_POLICIES
 from .net.spec import SETTINGS, NetworkSpec
-from .timing import parse_compute
+from .timing import DEFAULT_NIC, parse_compute
 
 
 # Keys that say where or how a run is executed, not what it trains: they stay out of a run's
@@ -24,10 +26,12 @@ from .timing import parse_compute
 NON_SEMANTIC = ("out", "name", "device", "timeout_s", "save_checkpoint", "checkpoint_every", "keep_checkpoints",
                 "report_to")
 TRACKERS = ("tensorboard", "wandb")
-# Keys added with data parallelism: at their defaults they stay out of a run's identity (the sweep's
-# hash), so sweeps written before them still find their runs.
+BACKENDS = ("sim", "dist")     # every rank in one process, or one per process (torchrun)
+DP_MODES = ("ddp", "fsdp")
+# Keys added after the first sweeps (data parallelism, micro-batches, ...): at their defaults they stay
+# out of a run's identity (the sweep's hash), so sweeps written before them still find their runs.
 IDENTITY_AT_DEFAULT_OMITTED = ("dp_size", "dp_bucket_mb", "dp_overlap", "dp_sync_every", "lossy_traffic",
-                              "dp_mode", "lossy_layers", "lossy_sites", "outlier_fraction")
+                              "dp_mode", "lossy_layers", "lossy_sites", "outlier_fraction", "micro_batches")
 
 
 def parse_report_to(value) -> tuple[str, ...]:
@@ -63,20 +67,19 @@ class ExperimentConfig:
     # network
     loss: str = "none"                 # see lossysim.parse_loss_model
     lossy: str = "both"                # fwd | bwd | both
-    recovery: str = "zero"             # zero | rescale | hadamard | hadamard+rescale | outliers | outliers+hadamard
-                                       # | stale | error_feedback
+    recovery: str = "zero"             # a name in net.recovery.RECOVERY_POLICIES
     hadamard_block: int = 16384        # hadamard: elements per transform block (a power of two)
     outlier_fraction: float = 0.001    # outliers: share of each rank's message sent reliably, in (0, 0.5]
     payload_bytes: int = 1450
     eval_lossy: bool = True
-    algorithm: str = "ring"            # ring | tree | direct (see lossysim.algorithms)
+    algorithm: str = "ring"            # ring | tree | direct (see lossysim.net.algorithms)
     ranks_per_node: Optional[int] = None  # None: every rank on one node
     lossy_links: str = "all"           # all | inter_node (NVLink inside a node is reliable)
     lossy_layers: str = "all"          # TP sites of these layers can lose packets: all | 3 | 0-5,12
     lossy_sites: str = "all"           # ... and of these modules: all | attn | mlp
     # transport and simulated time (see docs/time_model.md)
     transport: str = "drop"            # drop | retransmit | deadline
-    nic: str = "irn"                   # how losses are found and repaired: ideal | irn | srd | roce-gbn | tcp
+    nic: str = DEFAULT_NIC             # how losses are found and repaired: a NIC_PRESETS name
     retransmit: Optional[str] = None   # selective | go_back_n: overrides the nic's (None: the nic's)
     deadline: float = 1.5              # deadline: a collective's budget, times its loss-free time
     rto_s: Optional[float] = None      # every retransmission timer, seconds (None: the nic's timers)
@@ -103,6 +106,7 @@ class ExperimentConfig:
     # training
     steps: int = 300
     batch_size: int = 16
+    micro_batches: int = 1             # gradient accumulation: each replica's shard in this many forward/backwards
     eval_batch_size: int = 64
     lr: float = 5e-4
     weight_decay: float = 0.01
@@ -125,9 +129,10 @@ class ExperimentConfig:
         _choice("task", self.task, ("classification", "lm"))
         if self.dataset == "pydoc" and self.task != "lm":
             raise ValueError("dataset=pydoc is unlabelled documentation text: use task=lm")
-        _choice("backend", self.backend, ("sim", "dist"))
+        _choice("backend", self.backend, BACKENDS)
         _choice("amp", self.amp, ("none", "bf16", "fp16"))
-        for name in ("steps", "batch_size", "eval_batch_size", "max_length", "eval_every", "log_every"):
+        for name in ("steps", "batch_size", "micro_batches", "eval_batch_size", "max_length", "eval_every",
+                     "log_every", "tp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("max_train_samples", "max_eval_samples"):
@@ -159,20 +164,21 @@ class ExperimentConfig:
     def _validate_data_parallel(self) -> None:
         if self.dp_size < 1:
             raise ValueError(f"dp_size={self.dp_size} must be >= 1")
-        _choice("dp_mode", self.dp_mode, ("ddp", "fsdp"))
+        _choice("dp_mode", self.dp_mode, DP_MODES)
         traffic_kinds(self.lossy_traffic)
         if not (math.isfinite(self.dp_bucket_mb) and self.dp_bucket_mb > 0):
             raise ValueError(f"dp_bucket_mb={self.dp_bucket_mb} must be a positive number of MiB")
+        if self.batch_size % (self.dp_size * self.micro_batches):
+            raise ValueError(f"batch_size={self.batch_size} must be a multiple of dp_size={self.dp_size} x "
+                             f"micro_batches={self.micro_batches}: each replica trains on an equal shard of "
+                             "the global batch, in equal micro-batches")
         if self.dp_size == 1:
             if self.dp_sync_every:
                 raise ValueError(f"dp_sync_every={self.dp_sync_every} needs dp_size > 1: one replica has no "
                                  "others to synchronise; set dp_sync_every=0")
             return
-        if self.batch_size % self.dp_size:
-            raise ValueError(f"batch_size={self.batch_size} must be a multiple of dp_size={self.dp_size}: "
-                             "each replica trains on an equal shard of the global batch")
-        if self.dp_mode == "fsdp" and self.recovery not in ("zero", "rescale"):
-            raise ValueError(f"dp_mode=fsdp needs recovery=zero or rescale, not {self.recovery} "
+        if self.dp_mode == "fsdp" and self.recovery not in SHARD_POLICIES:
+            raise ValueError(f"dp_mode=fsdp needs recovery={' or '.join(SHARD_POLICIES)}, not {self.recovery} "
                              "(the other policies need the whole reduced message at every rank)")
         if self.dp_mode == "fsdp" and self.dp_sync_every:
             raise ValueError("dp_sync_every with dp_mode=fsdp: FSDP's replicas share one exact master copy and never drift")
@@ -188,53 +194,41 @@ class ExperimentConfig:
         spec = self.network_spec()
         if spec.loss.lossless:
             return
-        networks = [spec] + ([self.dp_network_spec(0)] if self.dp_size > 1 else [])
+        networks = [spec] + ([self.mesh().dp_network_spec(self.network_settings(), 0, self.dp_lossy())]
+                             if self.dp_size > 1 else [])
         if not any(net.lossy and net.topology.has_lossy_link for net in networks):
             raise ValueError(f"loss={self.loss} but no traffic can lose packets (tp_size={self.tp_size}, "
                              f"dp_size={self.dp_size}, lossy={self.lossy}, lossy_traffic={self.lossy_traffic}, "
                              f"lossy_links={self.lossy_links}, ranks_per_node={self.ranks_per_node}): "
                              "use loss=none for a loss-free run, or make some traffic cross a lossy link")
 
+    def mesh(self) -> Mesh:
+        """Where this run's ranks sit (``lossysim.mesh``): tp_size x dp_size, ranks_per_node to a node."""
+        return Mesh(self.tp_size, self.dp_size, self.ranks_per_node)
+
     def network_spec(self, evaluation: bool = False) -> NetworkSpec:
-        """The training network's settings; ``evaluation``: the evaluation network's, which draws from
-        its own streams (and loses nothing unless ``eval_lossy``). With ``dp_size`` > 1 this is the
-        network inside replica 0; ``replica_network_spec`` and ``dp_network_spec`` give the others."""
+        """The training network of replica 0's TP group, placed by the mesh; ``evaluation``: the
+        evaluation network's, which draws from its own streams (and loses nothing unless ``eval_lossy``)."""
+        return self.mesh().tp_network_spec(self.network_settings(evaluation))
+
+    def network_settings(self, evaluation: bool = False) -> dict:
+        """This run's network keys (``NetworkSpec``'s), before the mesh places them on a group's ranks."""
         settings = {name: getattr(self, name) for name in SETTINGS if hasattr(self, name)}
         kinds = traffic_kinds(self.lossy_traffic)
         if kinds != TRAFFIC_KINDS:  # only then: the default keeps every spec (and its saved config) as it was
             wanted = {"fwd": "tp_forward", "bwd": "tp_backward"}
             directions = (self.lossy,) if self.lossy != "both" else ("fwd", "bwd")
             settings["lossy"] = tuple(d for d in directions if wanted[d] in kinds)
-        if self.ranks_per_node is not None and self.dp_size > 1:
-            settings["ranks_per_node"] = min(self.ranks_per_node, self.tp_size)
         if evaluation:
             settings.update(seed=stream_seed(self.seed, "eval", "network"),
                             loss=self.loss if self.eval_lossy else "none")
-        return NetworkSpec(**settings)
+        return settings
 
-    def replica_network_spec(self, replica: int) -> NetworkSpec:
-        """The TP network inside replica ``replica``: its links have their own chains (replica 0's is
-        ``network_spec()``, unchanged from a run without data parallelism)."""
-        spec = self.network_spec()
-        return spec if replica == 0 else spec.replace(seed=stream_seed(self.seed, f"tp.replica{replica}", "network"))
-
-    def dp_network_spec(self, tp_rank: int) -> NetworkSpec:
-        """The network of the data-parallel group of TP position ``tp_rank``: its ranks are the dp_size
-        global ranks ``r * tp_size + tp_rank``, one per replica, on links (and chains) of their own.
-
-        Ranks are tp-major, ``ranks_per_node`` (default tp_size: one replica per node) to a node, so
-        the group's ranks share a node only when a node holds several replicas."""
-        per_node = self.tp_size if self.ranks_per_node is None else self.ranks_per_node
-        settings = {name: getattr(self, name) for name in SETTINGS if hasattr(self, name)}
-        settings.update(tp_size=self.dp_size, ranks_per_node=max(1, per_node // self.tp_size), nics_per_node=None,
-                        seed=stream_seed(self.seed, f"dp.group{tp_rank}", "network"),
-                        lossy_layers="all", lossy_sites="all",  # they select TP sites: a bucket is none
-                        lossy=self._dp_directions() if "dp" in traffic_kinds(self.lossy_traffic) else ())
-        return NetworkSpec(**settings)
-
-    def _dp_directions(self) -> tuple[str, ...]:
-        """The directions of the data-parallel traffic: DDP's gradient buckets (``bwd``); FSDP's weight
-        gathers (``fwd``) too."""
+    def dp_lossy(self) -> tuple[str, ...]:
+        """The directions of the data-parallel traffic that may lose packets (none unless
+        ``lossy_traffic`` names dp): DDP's gradient buckets (``bwd``); FSDP's weight gathers (``fwd``) too."""
+        if "dp" not in traffic_kinds(self.lossy_traffic):
+            return ()
         return ("fwd", "bwd") if self.dp_mode == "fsdp" else ("bwd",)
 
     def to_dict(self) -> dict:
@@ -271,7 +265,7 @@ def traffic_kinds(value) -> tuple[str, ...]:
 
 def _choice(name: str, value: str, allowed: tuple) -> None:
     if value not in allowed:
-        raise ValueError(f"{name}={value!r} must be one of {', '.join(allowed)}")
+        raise ValueError(f"{name}={value!r} must be {one_of(allowed)}")
 
 
 _TYPES = get_type_hints(ExperimentConfig)

@@ -25,6 +25,12 @@ def stream_seed(seed: int, site: str, direction: str) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
+def one_of(values) -> str:
+    """``one of a, b, c``: how a help text or an error lists the values a setting takes, written from
+    the tuple that defines them, so neither names a value that is gone nor misses a new one."""
+    return "one of " + ", ".join(values)
+
+
 def cache_dir() -> Path:
     """lossysim's cache (prepared data, converted models): LOSSYSIM_CACHE, else ~/.cache/lossysim."""
     return Path(os.environ.get("LOSSYSIM_CACHE", Path.home() / ".cache" / "lossysim"))

@@ -32,6 +32,19 @@ FAMILIES = {
                 {"model": MistralModel, "lm": MistralForCausalLM, "cls": MistralForSequenceClassification}),
 }
 ATTENTION = ("sdpa", "eager")
+# Loss-free TP against HF, per tensor: the all-reduce sums partial products in another order than
+# HF's single matmul, so bitwise equality is not expected.
+TOL = 1e-5
+# The loss-free exactness cases, (family, kind, attention, tp, kv heads), one list for every family.
+# GPT-2: 4 heads. The Llama family: 8 query heads with 8 (MHA), 2 or 1 kv heads, so tp 2 splits 2 kv
+# heads and tp 4 and 8 give ranks copies of one; Qwen2 and Mistral differ from Llama in biases and
+# the sliding window only, so fewer cases.
+EXACT_CASES = (
+    [("gpt2", kind, attn, tp, None) for kind in ("model", "lm", "cls") for attn in ATTENTION for tp in (1, 2, 4)]
+    + [("llama", kind, attn, tp, kv) for kind in ("model", "lm", "cls") for attn in ATTENTION
+       for tp in (1, 2, 4, 8) for kv in (8, 2)]
+    + [(family, kind, attn, tp, kv) for family in ("qwen2", "mistral") for kind in ("lm", "cls")
+       for attn in ATTENTION for tp, kv in ((2, 2), (4, 2), (8, 1))])
 VOCAB, PAD, BOS, EOS = 100, 0, 1, 2
 BATCH, SEQ = 3, 10
 LOSSY_SPECS = {"bernoulli": "bernoulli:0.2", "ge": "ge:rate=0.2,burst=3"}
@@ -130,6 +143,28 @@ def tp_step(tpm, kind: str, batch: dict):
     return tpm.rank_logits.detach().clone(), rank_losses.detach().clone()
 
 
+def inputs(batch: dict) -> dict:
+    """A batch without its labels: what a forward-only call takes."""
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
+def assert_matches_hf(ref, tpm, kind: str, tp: int) -> None:
+    """One forward and backward of ``ref`` (HF) and of ``tpm`` (its TP copy) on the same batch: every
+    rank's outputs and loss, and every gradient in TP layout, within TOL of HF's; no gradient is 0."""
+    batch = make_batch(kind)
+    out, loss = hf_step(ref, kind, batch)
+    rank_logits, rank_losses = tp_step(tpm, kind, batch)
+    assert rank_logits.shape == (tp, *out.shape)
+    for r in range(tp):
+        assert rel_err(rank_logits[r], out) <= TOL, r
+        assert rel_err(rank_losses[r], loss) <= TOL, r
+    ref_grads, tp_grads = grads(ref), grads(tpm)
+    assert tp_grads.keys() == ref_grads.keys()
+    for name, grad in ref_grads.items():
+        assert grad.norm() > 0, name
+        assert rel_err(tp_grads[name], tp_layout(tpm, name, grad)) <= TOL, name
+
+
 def tp_layout(tpm, name: str, full: torch.Tensor, ranks=None) -> torch.Tensor:
     """A full HF tensor (parameter or gradient) cut as the TP model stores ``name`` for ``ranks``
     (default: its local ranks)."""
@@ -187,7 +222,7 @@ def two_steps(network: LossyNetwork, recompute: bool = False) -> tuple:
     """Two training steps of the tiny TP GPT-2 classifier over ``network`` (with activation
     checkpointing if ``recompute``): (the two losses, the gradients, the network's stats)."""
     batch = make_batch("cls")
-    tpm = parallelize(build("cls"), network.tp_size, network)
+    tpm = parallelize(build("cls"), network.ranks, network)
     if recompute:
         tpm.model.activation_checkpointing_enable({"use_reentrant": False, "context_fn": tpm.group.checkpoint_contexts})
     tpm.train()

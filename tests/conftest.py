@@ -1,5 +1,7 @@
-"""Shared test setup: the suite runs offline, so Hugging Face fails fast instead of retrying."""
+"""Shared test setup: the suite runs offline (Hugging Face fails fast instead of retrying), and the
+fixtures many test files use: one intra-op thread, a data cache of the session's own."""
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +21,13 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.fixture(scope="session")
+def cache_root(tmp_path_factory) -> Path:
+    """This test session's own data cache, shared by its tests (data tokenised once)."""
+    return tmp_path_factory.getbasetemp() / "cache"
+
+
 @pytest.fixture
-def private_cache(tmp_path_factory, monkeypatch):
-    """A data cache of this test session's own, so a test neither reads nor fills the user's."""
-    monkeypatch.setenv("LOSSYSIM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+def private_cache(cache_root, monkeypatch):
+    """Point ``LOSSYSIM_CACHE`` at the session's cache, so a test neither reads nor fills the user's."""
+    monkeypatch.setenv("LOSSYSIM_CACHE", str(cache_root))

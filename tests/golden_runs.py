@@ -50,8 +50,8 @@ CASES = {
 
 
 def config_for(name: str, out: Path):
-    from lossysim.config import ExperimentConfig
-    return ExperimentConfig(**{**_BASE, **CASES[name], "out": str(out)}).validate()
+    from tiny_runs import tiny_run
+    return tiny_run(out, **{**_BASE, **CASES[name]})
 
 
 def numbers(config) -> dict:

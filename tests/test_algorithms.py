@@ -33,7 +33,7 @@ def contributors(out: torch.Tensor, tp: int) -> list[list[frozenset]]:
 
 def ring_owner(sched, element: int, per_packet: int) -> int:
     packet = element // per_packet
-    return next(c for c, (first, count) in enumerate(chunk_bounds(sched.n_packets, sched.tp_size))
+    return next(c for c, (first, count) in enumerate(chunk_bounds(sched.n_packets, sched.ranks))
                 if first <= packet < first + count)
 
 
@@ -136,7 +136,7 @@ def test_rescale_is_unbiased_and_zero_is_not(algorithm):
 def test_each_receiver_alone_computes_the_same_bits(algorithm, recovery):
     """What dist does (one receiver per process, every link drawn) equals the simulator's row."""
     tp = 4
-    spec = dict(tp_size=tp, loss_model="ge:rate=0.1,burst=4", seed=9, payload_bytes=32,
+    spec = dict(ranks=tp, loss_model="ge:rate=0.1,burst=4", seed=9, payload_bytes=32,
                 algorithm=algorithm, recovery=recovery)
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(tp, 3, 37 + i, generator=g) for i in range(3)]

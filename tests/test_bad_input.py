@@ -148,6 +148,7 @@ def test_known_crashers_are_one_line_errors(tmp_path, capsys):
     (dict(loss="ge:rate=0.1,burst=4", tp_size=2, dp_size=2, ranks_per_node=4, lossy_links="inter_node"),
      "no traffic can lose packets"),                                                          # 4 ranks, 1 node
     (dict(dp_sync_every=4), "dp_sync_every=4 needs dp_size > 1"),
+    (dict(tp_size=0), "tp_size=0 must be >= 1"),          # named as set, not as the network spec's ranks
 ])
 def test_settings_that_would_do_nothing_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):

@@ -20,6 +20,7 @@ from lossysim.run.experiment import run_experiment
 from lossysim.run.state import TrainState, Window
 from lossysim.run.step import train_step
 from lossysim.timing import nccl
+from tiny_runs import dp_group_spec, tiny_run
 
 CPU = torch.device("cpu")
 # Sums over replicas and over the global batch add the same numbers in another order: fp32 rounding.
@@ -31,10 +32,9 @@ pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def tiny(tmp_path, **changes) -> ExperimentConfig:
-    base = dict(model="tiny", dataset="synthetic", max_length=32, max_train_samples=96, max_eval_samples=32,
-                batch_size=8, eval_batch_size=32, steps=3, eval_every=3, log_every=1, warmup_steps=1,
-                dropout=0.0, lr=1e-3, tp_size=1, dp_bucket_mb=0.05, out=str(tmp_path / "run"))
-    return ExperimentConfig(**{**base, **changes}).validate()
+    sizes = dict(max_train_samples=96, max_eval_samples=32, steps=3, eval_every=3, log_every=1, warmup_steps=1,
+                 dropout=0.0, lr=1e-3, tp_size=1, dp_bucket_mb=0.05)
+    return tiny_run(tmp_path / "run", **{**sizes, **changes})
 
 
 def assert_replicas_equal(dp, model) -> None:
@@ -241,7 +241,7 @@ def test_clock_without_loss_is_compute_plus_the_buckets_closed_form(tmp_path, on
     config = tiny(tmp_path, dp_size=2, dp_overlap=False, steps=2)
     summary = run_experiment(config, config.out, progress=False)
     parts = build(config, CPU, 0, True, None)
-    spec = config.dp_network_spec(0)
+    spec = dp_group_spec(config)
     buckets = sum(nccl.collective_time("all_reduce", "ring", 2, 2, b.numel * 4, (spec.payload_bytes // 4) * 4,
                                        spec.link_intra, spec.link_inter, spec.bus_bandwidth())
                   for b in parts.dp.buckets)
@@ -324,10 +324,11 @@ def assert_dist_is_sim(rows: dict, weights: list) -> None:
 def test_dist_equals_sim_under_loss(tmp_path, one_torch_thread):
     """tp 2 x dp 2 as 4 gloo processes (2-D process groups) against sim (on one intra-op thread, as
     the ranks run: CPU matmuls round differently across thread counts), Gilbert-Elliott loss on every
-    kind of traffic, 6 steps with the gradient clipped at each: bit for bit (``assert_dist_is_sim``). A
-    sum taken in another order (a replicated gradient, the clipping norm, drift) fails it within them."""
+    kind of traffic, 6 steps with the gradient clipped at each, each replica's shard in two micro-batches:
+    bit for bit (``assert_dist_is_sim``). A sum taken in another order (a replicated gradient, the clipping
+    norm, drift, the micro-batches' gradients) fails it within them."""
     rows, weights = sim_and_dist(tmp_path, tp_size=2, dp_size=2, loss="ge:rate=0.05,burst=4", grad_clip=0.1,
-                                 steps=6, eval_every=6)
+                                 steps=6, eval_every=6, micro_batches=2)
     assert_dist_is_sim(rows, weights)
     last = [r for r in rows["sim"] if r["split"] == "train"][-1]
     assert last["packets_lost_dp"] > 0 and last["packets_lost_fwd"] > 0 and last["drift"] > 0

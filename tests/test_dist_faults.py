@@ -14,9 +14,7 @@ from torchrun_launch import alive, descendants, rank_pids
 TIMEOUT_S = 8
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("LOSSYSIM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def _launch(out: Path):

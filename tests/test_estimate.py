@@ -21,9 +21,7 @@ PUBLISHED_PARAMETERS = {"gpt2": 124e6, "gpt2-medium": 355e6, "gpt2-large": 774e6
                         "llama-3.1-70b": 70.6e9, "qwen2.5-7b": 7.62e9, "mistral-7b": 7.24e9}
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("LOSSYSIM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 @pytest.mark.parametrize("algorithm, tp, nodes, checkpointing", [
@@ -112,7 +110,7 @@ def test_bad_input_is_a_one_line_error(tmp_path, capsys):
 
 def test_the_grid_runs_every_setting_and_writes_its_files(tmp_path, capsys):
     specs = grid({"loss": ["bernoulli:0.01", "bernoulli:0.05"], "transport": ["drop,retransmit,deadline"],
-                  "nic": ["irn", "roce-gbn"]}, tp_size=2)
+                  "nic": ["irn", "roce-gbn"]}, ranks=2)
     # drop repairs nothing (one nic is enough); deadline with go-back-N is refused and skipped
     assert len(specs) == 2 * (1 + 2 + 1)
     assert "skipped" in capsys.readouterr().err
@@ -134,7 +132,7 @@ def test_the_grid_runs_every_setting_and_writes_its_files(tmp_path, capsys):
 def test_every_recovery_policy_sees_the_same_losses_and_only_its_compute_costs_time(capsys):
     """A policy copes after the packets' fates are drawn: the same seed loses the same packets and elements
     under each, and a policy that computes (Hadamard) adds its compute to the step, nothing else does."""
-    rows = {r: estimate("tiny", dict(tp_size=2, loss="bernoulli:0.05", recovery=r), Workload(seq=8, micro_batch=2),
+    rows = {r: estimate("tiny", dict(ranks=2, loss="bernoulli:0.05", recovery=r), Workload(seq=8, micro_batch=2),
                         steps=2)
             for r in ("zero", "rescale", "hadamard", "stale", "error_feedback")}
     for row in rows.values():

@@ -25,6 +25,7 @@ from lossysim.timing import nccl
 # global batch add the same numbers in another order: fp32 rounding).
 from test_data_parallel import CPU, _full, assert_dist_is_sim, assert_replicas_equal, sim_and_dist, tiny  # noqa: E402
 from test_data_parallel import _lossy_step as _train  # noqa: E402
+from tiny_runs import dp_group_spec  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("private_cache")
 
@@ -93,7 +94,7 @@ def _twin_masks(config, dp):
     """The holes every receiver's copy of every unit has, drawn again by a twin of DP group 0's network
     (same spec, same sites, same calls): gathering shards of ones leaves 1 where a packet arrived and 0
     where it was lost. Returns, per unit, ``[receivers, n]`` and the twin."""
-    twin = LossyNetwork(config.dp_network_spec(0))
+    twin = LossyNetwork(dp_group_spec(config))
     masks = []
     for b, bucket in enumerate(dp.buckets):
         masks.append(fsdp_module.gather(twin, f"fsdp.gather{b}", torch.ones(bucket.numel)))
@@ -124,7 +125,7 @@ def test_gathered_weights_have_holes_exactly_where_packets_were_lost(algorithm, 
         per_packet = twin.packets(1, torch.float32)[0]
         for b, bucket in enumerate(dp.buckets):
             shard = fsdp_module.shard_numel(twin, bucket.numel, torch.float32)
-            replay = LossyNetwork(config.dp_network_spec(0))
+            replay = LossyNetwork(dp_group_spec(config))
             delivered = replay.all_gather(f"fsdp.gather{b}", "fwd", torch.ones(4, shard), range(4))
             zero_packets = (delivered.reshape(4, 4, shard // per_packet, per_packet) == 0).all(-1)
             assert torch.equal(zero_packets, (delivered.reshape(4, 4, shard // per_packet, per_packet) == 0).any(-1))
@@ -204,7 +205,7 @@ def test_clock_without_loss_is_compute_plus_gathers_and_reduce_scatters(tmp_path
     summary = run_experiment(config, config.out, progress=False)
     assert summary["status"] == "completed", summary.get("error")
     parts = build(config, CPU, 0, True, None)
-    spec, network = config.dp_network_spec(0), parts.dp.networks[0]
+    spec, network = dp_group_spec(config), parts.dp.networks[0]
     per_packet = (spec.payload_bytes // 4) * 4
     comm = 0.0
     for bucket in parts.dp.buckets:

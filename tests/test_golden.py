@@ -33,9 +33,7 @@ SUMMARIES = json.loads((HERE / "golden" / "summaries.json").read_text())
 GOLDEN = {name: {"rows": RUNS[name], "summary": SUMMARIES[name]} for name in RUNS}
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("LOSSYSIM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
 """Tensor-parallel Llama, Qwen2 and Mistral (grouped-query attention, rotary, SwiGLU, RMSNorm) in ``sim``.
 
-Tolerances as in test_tensor_parallel.py: loss-free TP matches HF to 1e-5
-relative error per tensor; the same operations on the same values are bitwise
-equal. Grouped-query attention: 8 query heads with 8 (MHA), 2 or 1 kv heads,
+Tolerances as in test_tensor_parallel.py, which also holds every family's loss-free TP against HF
+(``EXACT_CASES``): TP matches HF to 1e-5 relative error per tensor; the same operations on the same
+values are bitwise equal. Grouped-query attention: 8 query heads with 8 (MHA), 2 or 1 kv heads,
 so tp 2 splits 2 kv heads and tp 4 and 8 give ranks copies of one kv head.
 """
 from __future__ import annotations
@@ -16,53 +16,12 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _tp_common import (ATTENTION, FAMILIES, build, grads, hf_step, make_batch, params,  # noqa: E402
-                        rel_err, sharded_names, tp_layout, tp_step)
+from _tp_common import (FAMILIES, TOL, build, grads, hf_step, inputs as _inputs, make_batch,  # noqa: E402
+                        params, rel_err, sharded_names, tp_step)
 
 from lossysim import LossyNetwork, gather_full_model, parallelize  # noqa: E402
 
-TOL = 1e-5
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def _inputs(batch: dict) -> dict:
-    return {k: v for k, v in batch.items() if k != "labels"}
-
-
-def _check_exact(ref, tpm, kind, tp):
-    batch = make_batch(kind)
-    out, loss = hf_step(ref, kind, batch)
-    rank_logits, rank_losses = tp_step(tpm, kind, batch)
-    assert rank_logits.shape == (tp, *out.shape)
-    for r in range(tp):
-        assert rel_err(rank_logits[r], out) <= TOL, r
-        assert rel_err(rank_losses[r], loss) <= TOL, r
-    ref_grads, tp_grads = grads(ref), grads(tpm)
-    assert tp_grads.keys() == ref_grads.keys()
-    for name, grad in ref_grads.items():
-        assert grad.norm() > 0, name
-        assert rel_err(tp_grads[name], tp_layout(tpm, name, grad)) <= TOL, name
-
-
-@pytest.mark.parametrize("kv_heads", [8, 2])
-@pytest.mark.parametrize("tp", [1, 2, 4, 8])
-@pytest.mark.parametrize("attn", ATTENTION)
-@pytest.mark.parametrize("kind", ["model", "lm", "cls"])
-def test_llama_matches_hf_without_loss(kind, attn, tp, kv_heads):
-    ref = build(kind, attn, family="llama", kv_heads=kv_heads)
-    tpm = parallelize(copy.deepcopy(ref), tp)
-    assert tpm.config._attn_implementation == attn
-    _check_exact(ref, tpm, kind, tp)
-
-
-@pytest.mark.parametrize("tp, kv_heads", [(2, 2), (4, 2), (8, 1)])
-@pytest.mark.parametrize("attn", ATTENTION)
-@pytest.mark.parametrize("kind", ["lm", "cls"])
-@pytest.mark.parametrize("family", ["qwen2", "mistral"])
-def test_qwen2_and_mistral_match_hf_without_loss(family, kind, attn, tp, kv_heads):
-    ref = build(kind, attn, family=family, kv_heads=kv_heads)
-    _check_exact(ref, parallelize(copy.deepcopy(ref), tp), kind, tp)
 
 
 def test_plan_shards_what_it_says():
@@ -243,11 +202,6 @@ def _runner_config(tmp_path, **changes):
     return ExperimentConfig(**{**base, **changes}).validate()
 
 
-@pytest.fixture
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("LOSSYSIM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
-
-
 def test_named_shapes_are_llama_3_2_1b_and_a_tiny_llama():
     from lossysim.models import build_model
     with torch.device("meta"):  # shapes only: no 5 GB of random weights
@@ -262,7 +216,7 @@ def test_named_shapes_are_llama_3_2_1b_and_a_tiny_llama():
     assert small.config.attention_dropout == 0.1 and small.config.num_key_value_heads == 2
 
 
-@pytest.mark.usefixtures("_cache")
+@pytest.mark.usefixtures("private_cache")
 def test_runner_trains_tiny_llama_under_loss(tmp_path):
     import json
     from pathlib import Path
@@ -281,7 +235,7 @@ def test_runner_trains_tiny_llama_under_loss(tmp_path):
     assert reloaded.config.num_key_value_heads == 2
 
 
-@pytest.mark.usefixtures("_cache")
+@pytest.mark.usefixtures("private_cache")
 def test_runner_loads_a_pretrained_llama_directory_with_its_tokenizer(tmp_path):
     """A local Llama checkpoint whose tokenizer has no pad token (as Llama 3's): the runner pads with
     EOS, which the texts never contain, and fine-tunes the classifier."""
@@ -313,7 +267,7 @@ def test_runner_loads_a_pretrained_llama_directory_with_its_tokenizer(tmp_path):
     assert 0 < moved < 0.5
 
 
-@pytest.mark.usefixtures("_cache")
+@pytest.mark.usefixtures("private_cache")
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny"])
 def test_runner_fine_tunes_a_causal_lm(tmp_path, model):
     """task: lm trains the causal LM on the texts under loss; the loss-free evaluation's loss and
@@ -351,7 +305,7 @@ def test_runner_fine_tunes_a_causal_lm(tmp_path, model):
         assert final["disagreement"] == 0.0  # a loss-free evaluation: every rank predicts alike
 
 
-@pytest.mark.usefixtures("_cache")
+@pytest.mark.usefixtures("private_cache")
 def test_runner_dist_agrees_with_sim_on_tiny_llama_lm(tmp_path):
     """torchrun, 2 gloo ranks: a loss-free causal-LM run of tiny-llama ends as the sim run does."""
     import json

@@ -17,7 +17,7 @@ import torch
 from scipy import stats
 
 from lossysim.loss import Bernoulli, FourState, GilbertElliott, NoLoss, Trace, load_trace, parse_loss_model
-from lossysim.loss.models import _alternating
+from lossysim.loss.models import _alternating, _bernoulli_positions
 
 GE = GilbertElliott
 ALPHA = 1e-5        # p-value threshold of every statistical check
@@ -863,3 +863,19 @@ def test_short_calls_draw_the_same_law(name):
     assert abs(rate_z(short, wrong, model.variance_per_packet)) > Z_MAX
     pmf = burst_pmf(model, PMF_LENGTH)
     assert burst_chisquare(complete_runs(short), pmf) > ALPHA
+
+
+@pytest.mark.parametrize("total, p", [(0, 0.1), (50, 1.0), (10, 0.0), (300_000, 0.01), (300_000, 0.5)])
+def test_bernoulli_positions_are_one_rule_in_torch_or_numpy(total, p):
+    """The gaps' rule is written once: numpy and torch give the same positions from the same draws
+    (300 000 packets take several blocks of gaps), sorted, distinct, in range, and as many as a
+    Binomial(total, p) allows."""
+    got = {xp.__name__: _bernoulli_positions(total, p, torch.Generator().manual_seed(9), xp) for xp in (np, torch)}
+    assert isinstance(got["numpy"], np.ndarray) and isinstance(got["torch"], torch.Tensor)
+    pos = got["torch"].numpy()
+    assert np.array_equal(got["numpy"], pos) and pos.dtype == got["numpy"].dtype == np.int64
+    assert np.all(np.diff(pos) > 0) and (not len(pos) or 0 <= pos[0] and pos[-1] < total)
+    if 0 < p < 1 and total:
+        assert stats.binomtest(len(pos), total, p).pvalue > 1e-6
+    else:
+        assert len(pos) == total * p

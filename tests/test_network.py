@@ -95,10 +95,10 @@ def exercise(net: LossyNetwork, calls: int = 4) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(99)
     outputs = []
     for i in range(calls):
-        x = torch.randn(net.tp_size, 3, 50 + 7 * i, generator=g)
-        outputs.append(net.all_reduce("h.0.attn", "fwd", x, range(net.tp_size)))
-        outputs.append(net.all_reduce("h.0.attn", "bwd", x, range(net.tp_size)))
-        outputs.append(net.all_gather("h.1.mlp", "fwd", x, range(net.tp_size)))
+        x = torch.randn(net.ranks, 3, 50 + 7 * i, generator=g)
+        outputs.append(net.all_reduce("h.0.attn", "fwd", x, range(net.ranks)))
+        outputs.append(net.all_reduce("h.0.attn", "bwd", x, range(net.ranks)))
+        outputs.append(net.all_gather("h.1.mlp", "fwd", x, range(net.ranks)))
     return outputs
 
 
@@ -281,7 +281,7 @@ def test_stats_drop_into_a_dataframe():
 
 
 def test_reset_stats_zeroes_counters_and_chains_go_on():
-    spec = dict(tp_size=3, loss_model="ge:rate=0.2,burst=10", seed=6, payload_bytes=8)
+    spec = dict(ranks=3, loss_model="ge:rate=0.2,burst=10", seed=6, payload_bytes=8)
     reset, kept = LossyNetwork(**spec), LossyNetwork(**spec)
     exercise(reset), exercise(kept)
     before = pd.DataFrame(kept.stats())
@@ -322,7 +322,7 @@ def test_observed_loss_rate_over_many_calls_within_4_standard_errors(spec):
 
 # -- seeds, independence, determinism -----------------------------------------------------
 def test_same_seed_gives_identical_outputs_and_stats():
-    spec = dict(tp_size=3, loss_model="ge:rate=0.2,burst=5", seed=11, payload_bytes=8)
+    spec = dict(ranks=3, loss_model="ge:rate=0.2,burst=5", seed=11, payload_bytes=8)
     a, b = LossyNetwork(**spec), LossyNetwork(**spec)
     for x, y in zip(exercise(a), exercise(b)):
         assert torch.equal(x, y)
@@ -339,7 +339,7 @@ def test_same_site_draws_a_new_mask_every_call():
 
 
 def test_site_masks_do_not_depend_on_other_sites_call_order():
-    spec = dict(tp_size=3, loss_model="ge:rate=0.2,burst=5", seed=13, payload_bytes=8)
+    spec = dict(ranks=3, loss_model="ge:rate=0.2,burst=5", seed=13, payload_bytes=8)
     ab, ba = LossyNetwork(**spec), LossyNetwork(**spec)
     x = torch.randn(3, 500)
     a1, b1 = ab.all_reduce("A", "fwd", x, range(3)), ab.all_reduce("B", "fwd", x, range(3))
@@ -349,7 +349,7 @@ def test_site_masks_do_not_depend_on_other_sites_call_order():
 
 def test_one_receiver_sees_what_the_full_simulation_gives_it():
     """A rank in its own process (receivers=[r]) computes the same bits as one process for all."""
-    spec = dict(tp_size=4, loss_model="ge:rate=0.2,burst=5", seed=14, payload_bytes=8)
+    spec = dict(ranks=4, loss_model="ge:rate=0.2,burst=5", seed=14, payload_bytes=8)
     full = LossyNetwork(**spec)
     x = torch.randn(4, 700)
     everyone = [full.all_reduce("s", "fwd", x, range(4)) for _ in range(3)]
@@ -393,7 +393,7 @@ def test_links_sites_directions_and_seeds_draw_independent_masks(spy, spec, thin
 
 # -- saved state ------------------------------------------------------------------------
 def test_state_dict_round_trip_continues_identically():
-    spec = dict(tp_size=3, loss_model="ge:rate=0.2,burst=20", seed=17, payload_bytes=8)
+    spec = dict(ranks=3, loss_model="ge:rate=0.2,burst=20", seed=17, payload_bytes=8)
     net = LossyNetwork(**spec)
     exercise(net)
     buffer = io.BytesIO()
@@ -409,3 +409,16 @@ def test_state_dict_round_trip_continues_identically():
     assert restored.stats() == net.stats() and restored.burst_histogram() == net.burst_histogram()
     with pytest.raises(ValueError, match="seed"):
         LossyNetwork(**{**spec, "seed": 18}).load_state_dict(net.state_dict())
+
+
+def test_a_state_saved_when_ranks_were_called_tp_size_still_loads():
+    spec = dict(ranks=3, loss_model="ge:rate=0.2,burst=20", seed=17, payload_bytes=8)
+    net = LossyNetwork(**spec)
+    exercise(net)
+    state = net.state_dict()
+    state["config"] = {("tp_size" if k == "ranks" else k): v for k, v in state["config"].items()}
+    restored = LossyNetwork(**spec)
+    restored.load_state_dict(state)
+    assert restored.stats() == net.stats()
+    with pytest.raises(ValueError, match="saved with"):   # the old name is read as ranks, and checked
+        LossyNetwork(**{**spec, "ranks": 4}).load_state_dict(state)

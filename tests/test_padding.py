@@ -13,9 +13,7 @@ from lossysim.models import NAMED_MAX_POSITIONS, check_max_length
 from lossysim.run.experiment import run_experiment
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("LOSSYSIM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def ragged_split(lengths, pad=0):

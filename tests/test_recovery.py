@@ -351,11 +351,29 @@ def test_error_feedback_on_activations_is_zero():
 # -- what every policy shares ------------------------------------------------------------------------
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_an_all_reduce_in_place_leaves_the_same_bits(policy, algorithm):
+    """``out=contributions`` (DDP's in-place bucket all-reduce) writes what the call would return,
+    call after call (memory, stale values, error feedback carried on alike), and counts the same."""
+    spec = dict(ranks=3, loss_model="ge:rate=0.15,burst=4", seed=5, payload_bytes=32, algorithm=algorithm,
+                hadamard_block=64, recovery=policy)
+    returned, in_place = LossyNetwork(**spec), LossyNetwork(**spec)
+    g = torch.Generator().manual_seed(1)
+    for i in range(3):
+        x = torch.randn(3, 5, 41 + i, generator=g)
+        expected = returned.all_reduce("s", "bwd", x, range(3))
+        buffer = x.clone()
+        held = in_place.all_reduce("s", "bwd", buffer, range(3), out=buffer)
+        assert held.data_ptr() == buffer.data_ptr() and torch.equal(buffer, expected), (policy, i)
+    assert in_place.stats() == returned.stats() and in_place.clock() == returned.clock()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_each_receiver_alone_computes_the_same_bits(policy, algorithm):
     """What dist does (one receiver per process, every link drawn, its own memory) equals the
     simulator's row, call after call, and the same packets are lost whatever the policy."""
     tp = 4
-    spec = dict(tp_size=tp, loss_model="ge:rate=0.15,burst=4", seed=9, payload_bytes=32, algorithm=algorithm,
+    spec = dict(ranks=tp, loss_model="ge:rate=0.15,burst=4", seed=9, payload_bytes=32, algorithm=algorithm,
                 hadamard_block=64)
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(tp, 3, 37 + i % 2, generator=g) for i in range(4)]
@@ -430,7 +448,7 @@ def test_a_replayed_call_repeats_itself_and_moves_nothing_on(policy):
 def test_a_saved_state_records_the_policy_settings_it_depends_on():
     """hadamard_block and compute are recorded (and checked on load) only where the policy uses
     them: a zero or rescale network's state is what it was before these settings existed."""
-    before = {"tp_size", "loss_model", "seed", "payload_bytes", "recovery", "lossy", "max_burst", "algorithm",
+    before = {"ranks", "loss_model", "seed", "payload_bytes", "recovery", "lossy", "max_burst", "algorithm",
               "ranks_per_node", "lossy_links", "transport", "retransmit", "deadline", "link_intra", "link_inter",
               "rto_s", "nic", "channels", "nics_per_node"}
     for policy, extra in (("zero", set()), ("rescale", set()), ("hadamard", {"hadamard_block", "compute"}),
@@ -439,6 +457,32 @@ def test_a_saved_state_records_the_policy_settings_it_depends_on():
     state = LossyNetwork(2, "bernoulli:0.1", recovery="hadamard", hadamard_block=64).state_dict()
     with pytest.raises(ValueError, match="hadamard_block"):
         LossyNetwork(2, "bernoulli:0.1", recovery="hadamard", hadamard_block=128).load_state_dict(state)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_policys_capabilities_are_what_it_does(policy, monkeypatch):
+    """Callers ask a policy what it can do rather than test its name: each attribute against the
+    behaviour it stands for."""
+    hops = []
+    send_by_send = deliver.send_by_send
+    monkeypatch.setattr(deliver, "send_by_send", lambda *args: hops.append(1) or send_by_send(*args))
+    net = LossyNetwork(2, "bernoulli:0.2", seed=3, payload_bytes=64, recovery=policy, hadamard_block=16,
+                       compute="flops=1e12,mfu=0.5")
+    pol = net.recovery
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0))
+    net.all_reduce("s", "bwd", x, range(2))
+    assert (net.clock()["recovery_s"] > 0) == pol.computes
+    assert bool(hops) == pol.send_by_send
+    assert (net._channels[("s", "bwd")].memory is not None) == pol.keeps_memory
+    assert (pol.side_bytes(256, torch.float32) > 0) == pol.side_path
+    assert pol.on("fwd") is (pol if pol.on_activations else recovery.ZERO)
+    assert {"hadamard_block", "outlier_fraction"} & set(net.config()) == set(pol.settings)
+    if pol.acts_on_shards:
+        net.reduce_scatter("s", "bwd", x, range(2))
+    else:
+        with pytest.raises(ValueError, match="does not act on reduce-scatters"):
+            net.reduce_scatter("s", "bwd", x, range(2))
+    assert (policy in recovery.SHARD_POLICIES) == pol.acts_on_shards
 
 
 # -- the clock ---------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from scipy import stats
 
 from lossysim import timing
 from lossysim.net.network import LossyNetwork
-from lossysim.net.transport import Sends, Transport, run_step
+from lossysim.net.transport import Sends, Transport, run_step, selective
 from lossysim.timing import NIC_PRESETS, expected_repair_s
 
 ALPHA = 1e-5
@@ -86,6 +86,65 @@ def test_failures_occur_at_the_rate_the_retry_count_implies(mode):
     rate = 1 - (1 - p ** 3) ** n
     assert stats.binomtest(int(failed.sum()), trials, rate).pvalue > ALPHA
     assert stats.binomtest(int(failed.sum()), trials, 1 - (1 - p ** 2) ** n).pvalue < ALPHA
+
+
+# Scripted fates of one step of two sends (5 packets on a link's last step, 3 on an earlier one), round by
+# round as (send, k) pairs: the k-th transmission of the round on that send is lost.
+SCRIPT = [{(0, 1), (0, 4), (1, 0)},   # packet 4 of send 0 is a tail loss: nothing behind it reveals it
+          {(0, 1)},                   # send 0 resends 1 and 4: 4, the last resend, is lost again (a tail)
+          set()]
+
+
+def scripted_sends() -> Sends:
+    f64 = dict(dtype=torch.float64)
+    tails = torch.zeros(2, 5, dtype=torch.bool)
+    tails[0, 4] = True
+    return Sends(torch.tensor([5, 3]), torch.tensor([TAU, 2 * TAU], **f64), torch.tensor([RTT, 2 * RTT], **f64),
+                 torch.tensor([WINDOW, WINDOW]), torch.tensor([True, False]), tails, torch.tensor([1, 0]))
+
+
+def scripted_masks():
+    rounds = iter(SCRIPT)
+
+    def draw(lengths, known=True):
+        lost = torch.zeros(len(lengths), int(lengths.max()), dtype=torch.bool)
+        for send, k in next(rounds):
+            lost[send, k] = True
+        return lost, lambda used: None
+    return draw
+
+
+def scripted_positions():
+    rounds = iter(SCRIPT)
+
+    def draw(to_send, width):
+        return np.array(sorted(send * width + k for send, k in next(rounds)), dtype=np.int64)
+    return draw, lambda row, column, to_send: None
+
+
+@pytest.mark.parametrize("retries", [None, 1])
+def test_selective_repeat_is_one_rule_whatever_keeps_the_fates(retries):
+    """The same fates as masks (``run_step``) or as positions (``transport.selective``) are one repair,
+    the one worked out by hand: each lost packet is resent once per loss, a tail loss waits the timer,
+    any other loss a round trip; a packet lost retries + 1 times fails its send."""
+    nic = replace(NIC_PRESETS["irn"], retries=retries)
+    timer = nic.timer_value
+    assert timer > 2 * RTT
+    transport = Transport("retransmit", "selective")
+    by_masks = run_step(transport, nic, scripted_sends(), scripted_masks(), math.inf)
+    by_positions = selective(nic, scripted_sends().host(), *scripted_positions(), math.inf, give_up=False)
+    for name in ("missing_row", "missing_packet", "transmissions", "timeouts", "failed"):
+        np.testing.assert_array_equal(getattr(by_masks, name), getattr(by_positions, name))
+    assert (by_masks.extra, by_masks.shadow) == (by_positions.extra, by_positions.shadow)
+    if retries is None:   # send 0: 3 resends, two tail timers; send 1: 1 resend, one round trip
+        assert by_masks.transmissions.tolist() == [8, 4] and by_masks.timeouts.tolist() == [2, 0]
+        assert not by_masks.failed.any()
+        assert by_masks.extra == pytest.approx(max(3 * TAU + 2 * timer, 2 * TAU + 2 * RTT), rel=1e-12)
+        assert by_masks.shadow == pytest.approx(max(3 * TAU + 2 * RTT, 2 * TAU + 2 * RTT), rel=1e-12)
+    else:                 # packet 4 is lost twice: send 0 gives up after its one retry
+        assert by_masks.transmissions.tolist() == [7, 4] and by_masks.timeouts.tolist() == [1, 0]
+        assert by_masks.failed.tolist() == [True, False]
+        assert by_masks.extra == pytest.approx(max(2 * TAU + timer, 2 * TAU + 2 * RTT), rel=1e-12)
 
 
 def lossy_clock(nic: str, loss: str, tp=4, transport="retransmit", **kwargs) -> dict:

@@ -20,6 +20,7 @@ from lossysim.config import ExperimentConfig
 from lossysim.io import read_jsonl
 from lossysim.run.experiment import run_experiment
 from torchrun_launch import torchrun
+from tiny_runs import tiny_run
 
 TIMINGS = ("time_s", "tokens_per_s", "wall_time_s")
 # Data parallelism at tp 2 x dp 2, losing on every kind of traffic: DDP with error feedback (a memory per
@@ -29,18 +30,15 @@ LAYOUTS = {"tp": {},
            "fsdp": dict(dp_size=2, dp_mode="fsdp", recovery="rescale", dp_bucket_mb=0.05)}
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("LOSSYSIM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def config_for(out, **changes) -> ExperimentConfig:
     # Dropout on and bursty loss in both directions: every random stream matters.
-    base = dict(model="tiny", dataset="synthetic", max_length=32, max_train_samples=200, max_eval_samples=64,
-                batch_size=8, eval_batch_size=32, steps=12, eval_every=6, log_every=3, warmup_steps=2,
-                dropout=0.1, loss="ge:rate=0.05,burst=4", checkpoint_every=4, keep_checkpoints=0,
-                save_checkpoint=True, out=str(out))
-    return ExperimentConfig(**{**base, **changes}).validate()
+    sizes = dict(max_train_samples=200, max_eval_samples=64, steps=12, eval_every=6, log_every=3, warmup_steps=2,
+                 dropout=0.1, loss="ge:rate=0.05,burst=4", checkpoint_every=4, keep_checkpoints=0,
+                 save_checkpoint=True)
+    return tiny_run(out, **{**sizes, **changes})
 
 
 def _without_timings(value):

@@ -14,6 +14,7 @@ from _tp_common import build, make_batch, tp_step  # noqa: E402
 from lossysim import LossyNetwork, parallelize  # noqa: E402
 from lossysim.config import ExperimentConfig  # noqa: E402
 from lossysim.net.selection import SiteSelection, parse_layers  # noqa: E402
+from tiny_runs import dp_group_spec  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -75,7 +76,7 @@ def test_only_the_selected_sites_lose_packets_and_with_the_same_masks(layers, ki
 def test_data_parallel_traffic_is_not_narrowed_by_a_tp_selection():
     config = ExperimentConfig(lossy_layers="1", lossy_sites="mlp", dp_size=2, tp_size=2, batch_size=4).validate()
     assert config.network_spec().selection == SiteSelection(frozenset({1}), "mlp")
-    assert config.dp_network_spec(0).selection.everything
+    assert dp_group_spec(config).selection.everything
 
 
 def test_a_layer_the_model_lacks_is_refused():

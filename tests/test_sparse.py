@@ -1,11 +1,13 @@
 """The sparse path (net/sparse.py: Bernoulli fates as loss positions) against the general one (masks): the
 same deliveries, counts, burst histogram, clock and random streams, bit for bit."""
+import numpy as np
 import pytest
 import torch
 
 from lossysim.estimate import Workload, estimate
 from lossysim.net import LossyNetwork, NetworkSpec, sparse
 from lossysim.net.recovery import packets_of
+from lossysim.net.stats import count_runs
 
 
 def run(spec: NetworkSpec, sizes=(100, 5000, 40000), calls=3, deliver=True) -> dict:
@@ -51,7 +53,7 @@ SETTINGS = [
 @pytest.mark.parametrize("settings", SETTINGS)
 @pytest.mark.parametrize("deliver", [True, False])
 def test_sparse_path_is_the_general_path_bit_for_bit(settings, deliver, monkeypatch):
-    spec = NetworkSpec(tp_size=4, seed=3, **settings)
+    spec = NetworkSpec(ranks=4, seed=3, **settings)
     assert sparse.applies(spec, torch.device("cpu"))
     fast = run(spec, deliver=deliver)
     monkeypatch.setattr(sparse, "applies", lambda spec, device: False)
@@ -64,7 +66,7 @@ def test_an_estimate_is_the_same_on_either_path(monkeypatch):
     workload = Workload(seq=64, micro_batch=2)
     rows = {}
     for name in ("sparse", "general"):
-        rows[name] = [estimate("tiny-llama", dict(tp_size=4, seed=1, **settings), workload, steps=2)
+        rows[name] = [estimate("tiny-llama", dict(ranks=4, seed=1, **settings), workload, steps=2)
                       for settings in SETTINGS]
         monkeypatch.setattr(sparse, "applies", lambda spec, device: False)
     assert rows["sparse"] == rows["general"]
@@ -111,3 +113,22 @@ def test_losses_of_a_mask_give_back_the_sent_packets_of_it():
     back = sparse.Losses.of(sched, lost).mask()
     for i, s in enumerate(sched.sends):
         assert torch.equal(back[i, :s.packets], lost[i, :s.packets]) and not back[i, s.packets:].any()
+
+
+@pytest.mark.parametrize("xp", [np, torch])
+def test_runs_are_counted_by_one_rule_on_either_representation(xp):
+    """One batch on four links, worked by hand: link 0 (10 packets, a run of 3 left open before) loses
+    0-2, 5, 7-8: the open run grows to 6 and closes, then runs of 1 and 2 close; link 1 sends 4 and loses
+    none: its open run of 2 closes; link 2 sends nothing: its open run of 1 stays open; link 3 loses its
+    last 2 of 3: a burst begun, left open."""
+    a = lambda *v: xp.asarray(v) if xp is np else torch.tensor(v)  # noqa: E731
+    row, stream = a(0, 0, 0, 0, 0, 0, 3, 3), a(0, 1, 2, 5, 7, 8, 1, 2)
+    total, link_ids, open_run = a(10, 4, 0, 3), a(0, 1, 2, 3), a(3, 2, 1, 0)
+    bursts, hist = xp.zeros_like(link_ids), xp.zeros_like(a(*[0] * 4 * 8))
+    after = count_runs(xp, row, stream, total, link_ids, link_ids[row], open_run, 7, bursts, hist)
+    assert after.tolist() == [0, 0, 1, 2]
+    assert bursts.tolist() == [2, 0, 0, 1]                 # the carried run was begun before
+    expected = np.zeros((4, 8), dtype=np.int64)
+    expected[0, [6, 1, 2]] = 1
+    expected[1, 2] = 1
+    assert np.asarray(hist).reshape(4, 8).tolist() == expected.tolist()

@@ -35,7 +35,7 @@ def fake_accuracy(config: ExperimentConfig, split: str = "validation_matched") -
 
 def fake_run_experiment(config: ExperimentConfig, run_dir, *, progress=True, position=0, status="completed",
                         error=None):
-    """Stands in for lossysim.train.run_experiment: writes a plausible run directory."""
+    """Stands in for lossysim.run.experiment.run_experiment: writes a plausible run directory."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_yaml(config, run_dir / "config.yaml")

@@ -1,4 +1,5 @@
-"""Tensor-parallel GPT-2 in the ``sim`` backend (all ranks in one process).
+"""Tensor-parallel GPT-2 in the ``sim`` backend (all ranks in one process), and every architecture
+family's loss-free exactness against HF (the Llama family's other checks are in test_llama.py).
 
 Tolerances: "relative error" is ||a - b|| / ||b|| per tensor. Without loss the
 TP model must match HF to 1e-5 (the all-reduce sums partial products in another
@@ -20,22 +21,15 @@ import torch.nn.functional as F
 from scipy import stats as scipy_stats
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _tp_common import (ATTENTION, BATCH, CLASSES, SEQ, build, grads, hf_step, make_batch,  # noqa: E402
-                        params, rel_err, sharded_names, tp_layout, tp_step)
+from _tp_common import (ATTENTION, BATCH, EXACT_CASES, SEQ, TOL, assert_matches_hf, build, grads,  # noqa: E402
+                        inputs as _inputs, make_batch, params, rel_err, sharded_names, tp_step)
 
 from lossysim import LossyNetwork, gather_full_model, parallelize  # noqa: E402
 from lossysim.tp.groups import SimGroup
 from lossysim.tp.mappings import copy_to_tp, gather_from_tp, reduce_from_tp  # noqa: E402
 from lossysim.tp.layers import ColumnParallel, RowParallel, unshard_columns  # noqa: E402
 
-TOL = 1e-5
-
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def _inputs(batch: dict) -> dict:
-    return {k: v for k, v in batch.items() if k != "labels"}
 
 
 def _sites(n_layer: int) -> set:
@@ -43,27 +37,14 @@ def _sites(n_layer: int) -> set:
             for kind, direction in (("reduce", "fwd"), ("copy", "bwd"))}
 
 
-# -- no loss: the TP model is the HF model ------------------------------------------
+# -- no loss: the TP model is the HF model, for every architecture family ------------
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
-@pytest.mark.parametrize("attn", ATTENTION)
-@pytest.mark.parametrize("kind", list(CLASSES))
-def test_matches_hf_without_loss(kind, attn, tp):
-    ref = build(kind, attn)
+@pytest.mark.parametrize("family, kind, attn, tp, kv_heads", EXACT_CASES)
+def test_matches_hf_without_loss(family, kind, attn, tp, kv_heads):
+    ref = build(kind, attn, family=family, **({} if kv_heads is None else {"kv_heads": kv_heads}))
     tpm = parallelize(copy.deepcopy(ref), tp)
     assert tpm.config._attn_implementation == attn
-    batch = make_batch(kind)
-    out, loss = hf_step(ref, kind, batch)
-    rank_logits, rank_losses = tp_step(tpm, kind, batch)
-    assert rank_logits.shape == (tp, *out.shape)
-    for r in range(tp):
-        assert rel_err(rank_logits[r], out) <= TOL, r
-        assert rel_err(rank_losses[r], loss) <= TOL, r
-    ref_grads, tp_grads = grads(ref), grads(tpm)
-    assert tp_grads.keys() == ref_grads.keys()
-    for name, grad in ref_grads.items():
-        assert grad.norm() > 0, name
-        assert rel_err(tp_grads[name], tp_layout(tpm, name, grad)) <= TOL, name
+    assert_matches_hf(ref, tpm, kind, tp)
 
 
 @pytest.mark.parametrize("attn", ATTENTION)

@@ -10,18 +10,16 @@ from lossysim.cli import main
 from lossysim.config import ExperimentConfig, from_dict
 from lossysim.io import read_jsonl
 from lossysim.run.experiment import run_experiment
+from tiny_runs import tiny_run
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("LOSSYSIM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def tiny(tmp_path, **changes) -> ExperimentConfig:
-    base = dict(model="tiny", dataset="synthetic", max_length=32, max_train_samples=64, max_eval_samples=32,
-                batch_size=8, eval_batch_size=32, steps=4, eval_every=2, log_every=1, warmup_steps=1,
-                dropout=0.0, loss="bernoulli:0.05", out=str(tmp_path / "run"))
-    return ExperimentConfig(**{**base, **changes}).validate()
+    sizes = dict(max_train_samples=64, max_eval_samples=32, steps=4, eval_every=2, log_every=1, warmup_steps=1,
+                 dropout=0.0, loss="bernoulli:0.05")
+    return tiny_run(tmp_path / "run", **{**sizes, **changes})
 
 
 def test_report_to_takes_hf_values_and_lists():

@@ -17,21 +17,19 @@ from lossysim.models import build_model
 from lossysim.run import experiment
 from lossysim.run.experiment import run_experiment
 from torchrun_launch import torchrun
+from tiny_runs import tiny_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMINGS = ("time_s", "tokens_per_s", "wall_time_s")
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("LOSSYSIM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def tiny(tmp_path, **changes) -> ExperimentConfig:
-    base = dict(model="tiny", dataset="synthetic", max_length=32, max_train_samples=160,
-                max_eval_samples=64, batch_size=8, eval_batch_size=32, steps=8, eval_every=4,
-                log_every=2, warmup_steps=2, dropout=0.0, lr=1e-3, out=str(tmp_path / "run"))
-    return ExperimentConfig(**{**base, **changes}).validate()
+    sizes = dict(max_train_samples=160, max_eval_samples=64, steps=8, eval_every=4, log_every=2, warmup_steps=2,
+                 dropout=0.0, lr=1e-3)
+    return tiny_run(tmp_path / "run", **{**sizes, **changes})
 
 
 def _drop_timings(value):
@@ -179,11 +177,11 @@ def _cli_error(capsys, argv) -> str:
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory) -> Path:
+def finished_run(tmp_path_factory, cache_root) -> Path:
     """A completed run with a sealed training checkpoint: what a refused run must leave as it was."""
     root = tmp_path_factory.mktemp("finished")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LOSSYSIM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+        patch.setenv("LOSSYSIM_CACHE", str(cache_root))
         config = tiny(root, steps=2, eval_every=2, log_every=1, checkpoint_every=2, max_train_samples=32,
                       max_eval_samples=16)
         assert run_experiment(config, config.out, progress=False)["status"] == "completed"

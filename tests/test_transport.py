@@ -22,7 +22,7 @@ LINK = "alpha=3us,bw=100Gbps,header=82"
 
 def fresh_clock(net: LossyNetwork, x: torch.Tensor, collective: str = "all_reduce") -> dict:
     net.reset_stats()
-    getattr(net, collective)("s", "fwd", x, range(net.tp_size))
+    getattr(net, collective)("s", "fwd", x, range(net.ranks))
     return net.clock()
 
 
@@ -48,7 +48,7 @@ def transmissions_per_packet(net: LossyNetwork, calls: int, elements: int) -> np
     ratios = []
     for _ in range(calls):
         net.reset_stats()
-        net.all_reduce("s", "fwd", torch.zeros(net.tp_size, elements), range(net.tp_size))
+        net.all_reduce("s", "fwd", torch.zeros(net.ranks, elements), range(net.ranks))
         df = pd.DataFrame(net.stats())
         ratios.append(df.sent.sum() / (df.sent.sum() - df.resent.sum()))
     return np.array(ratios)

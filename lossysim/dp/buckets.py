@@ -10,6 +10,7 @@ modelled.)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -53,11 +54,12 @@ def _bucket(entries: list, ready: float) -> Bucket:
                   min(ready, 1.0))
 
 
-def flatten(grads: list, bucket: Bucket, tp_rank: int) -> torch.Tensor:
-    """TP rank ``tp_rank``'s local gradients of the bucket's parameters, as one flat message."""
+def flatten(grads: list, bucket: Bucket, tp_rank: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """TP rank ``tp_rank``'s local gradients of the bucket's parameters, as one flat message (written
+    into ``out`` when given)."""
     parts = [(grads[i][tp_rank] if sharded else grads[i]).reshape(-1)
              for i, sharded in zip(bucket.params, bucket.sharded)]
-    return torch.cat(parts)
+    return torch.cat(parts) if out is None else torch.cat(parts, out=out)
 
 
 def pieces(flat: torch.Tensor, bucket: Bucket) -> list[torch.Tensor]:

@@ -43,7 +43,7 @@ from .replicas import DataParallel, DistDataParallel, _grad
 def shard_numel(network: LossyNetwork, numel: int, dtype: torch.dtype) -> int:
     """Elements of each rank's shard of a unit of ``numel`` elements: whole packets, equal shards."""
     per_packet, n_packets = network.packets(numel, dtype)
-    return -(-n_packets // network.tp_size) * per_packet
+    return -(-n_packets // network.ranks) * per_packet
 
 
 def _padded(flat: torch.Tensor, ranks: int, shard: int) -> torch.Tensor:
@@ -56,7 +56,7 @@ def _padded(flat: torch.Tensor, ranks: int, shard: int) -> torch.Tensor:
 def gather(network: LossyNetwork, site: str, flat: torch.Tensor) -> torch.Tensor:
     """Every rank's view of the unit ``flat`` ([n], the master values) after its shards are
     all-gathered: ``[ranks, n]``, each lost packet of a shard a hole of zeros where that rank uses it."""
-    R, n = network.tp_size, flat.numel()
+    R, n = network.ranks, flat.numel()
     shard = shard_numel(network, n, flat.dtype)
     shards = _padded(flat, R, shard).view(R, shard)
     return network.all_gather(site, "fwd", shards, range(R)).reshape(R, R * shard)[:, :n]

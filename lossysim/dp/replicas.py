@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..net import LossyNetwork
 from ..timing import nccl
-from . import buckets as bucketing
+from . import buckets as bucketing, timeline
 from .buckets import Bucket
 
 
@@ -53,7 +53,9 @@ class DataParallel:
 
     ``replicas`` are the replicas this process runs (numbered from ``first``); the methods below that
     cross replicas (times, logits, finiteness, statistics) are the ones ``DistDataParallel`` moves over
-    process groups instead.
+    process groups instead. One replica and no networks is a run without data parallelism: a group
+    of one, which sends nothing and whose averaging is the identity (in ``dist`` too: its only peer is
+    itself).
     """
 
     first = 0
@@ -71,6 +73,7 @@ class DataParallel:
         sharded_ids = {id(q) for q in model.sharded_parameters()}
         self._sharded = {i for i, p in enumerate(model.parameters()) if id(p) in sharded_ids}
         self.buckets: list[Bucket] = bucketing.plan_buckets(list(model.parameters()), sharded_ids, bucket_bytes)
+        self._buffers: dict = {}
 
     def state_dict(self) -> dict:
         """This process's share of data parallelism for a checkpoint: the replicas after its first (the
@@ -93,9 +96,25 @@ class DataParallel:
         """DDP gathers no weights before the forward (FSDP does: ``fsdp``); each unit's seconds: none."""
         return []
 
+    def added_seconds(self, times: torch.Tensor, gather_s: Sequence[float], bucket_s: Sequence[float],
+                      overlap: bool) -> float:
+        """What the data-parallel traffic adds to replica 0's step, given every replica's [forward,
+        backward] seconds (``times``, [dp, 2]) and the gathers' and buckets' seconds: the slowest
+        replica's path, then the buckets it waits for (``timeline``). A group of one waits for nothing."""
+        if self.dp_size == 1:
+            return 0.0
+        first, slowest = times[0], times.max(0).values
+        ready = [b.ready for b in self.buckets]
+        forward_end = timeline.gathered_forward_seconds(float(slowest[0]), ready, gather_s, overlap)
+        end = timeline.step_seconds(forward_end, float(slowest[1]), ready, bucket_s, overlap)
+        return end - float(first[0]) - float(first[1])
+
     def average_gradients(self) -> list[float]:
         """All-reduce every bucket in every group; write each replica's average back as its gradient.
-        Returns each bucket's seconds on the clock (the slowest group's: groups run side by side)."""
+        Returns each bucket's seconds on the clock (the slowest group's: groups run side by side).
+        A group of one averages nothing: its gradients stay as backward left them."""
+        if self.dp_size == 1:
+            return []
         grads = [[_grad(p) for p in r.model.parameters()] for r in self.replicas]
         seconds = []
         for b, bucket in enumerate(self.buckets):
@@ -103,17 +122,22 @@ class DataParallel:
             replicated: dict[int, torch.Tensor] = {}   # parameter -> [dp, numel]: the groups' deliveries summed
             for t, network in enumerate(self.networks):
                 before = network.clock()["comm_s"]
-                contributions = torch.stack([bucketing.flatten(g, bucket, t) for g in grads])
-                delivered = network.all_reduce(f"dp.bucket{b}", "bwd", contributions, range(self.dp_size))
+                contributions = self._scratch("contributions", bucket.numel, grads[0][bucket.params[0]])
+                for g, row in zip(grads, contributions):
+                    bucketing.flatten(g, bucket, t, out=row)
+                delivered = network.all_reduce(f"dp.bucket{b}", "bwd", contributions, range(self.dp_size),
+                                               out=contributions)   # in place, as NCCL runs DDP's buckets
                 slowest = max(slowest, network.clock()["comm_s"] - before)
-                averaged = delivered / self.dp_size
-                for k, piece in enumerate(bucketing.pieces(averaged, bucket)):
-                    i = bucket.params[k]                 # piece: [dp, numel]
-                    if bucket.sharded[k]:
+                for k, piece in enumerate(bucketing.pieces(delivered, bucket)):
+                    i = bucket.params[k]                 # piece: [dp, numel], receiver r's sum at r
+                    if bucket.sharded[k] or self.tp_size == 1:
+                        # the average straight into the gradient (one group holds all of it)
                         for r, g in enumerate(grads):
-                            g[i][t].copy_(piece[r].view_as(g[i][t]))
+                            own = g[i][t] if bucket.sharded[k] else g[i]
+                            torch.div(piece[r].view_as(own), self.dp_size, out=own)
                     else:
-                        replicated[i] = piece.clone() if t == 0 else replicated[i] + piece
+                        averaged = piece / self.dp_size
+                        replicated[i] = averaged if t == 0 else replicated[i].add_(averaged)
             for i, summed in replicated.items():
                 summed = summed / self.tp_size
                 for r, g in enumerate(grads):
@@ -123,6 +147,16 @@ class DataParallel:
             for p, grad in zip(replica.model.parameters(), g):
                 p.grad = grad
         return seconds
+
+    def _scratch(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A [dp_size, numel] buffer kept from call to call (the largest bucket's size): a fresh one
+        per bucket costs more in page faults than the copies it holds."""
+        key = (name, like.dtype, like.device)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < self.dp_size * numel:
+            buffer = self._buffers[key] = torch.empty(self.dp_size * max(b.numel for b in self.buckets),
+                                                      dtype=like.dtype, device=like.device)
+        return buffer[:self.dp_size * numel].view(self.dp_size, numel)
 
     # -- what crosses replicas ---------------------------------------------------------
     def gather_replicas(self, local: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -273,26 +307,27 @@ def broadcast_time(network: LossyNetwork, message_bytes: int) -> float:
     """A loss-free ring broadcast of ``message_bytes`` over ``network``'s ranks: the all-gather's latency
     (R - 1 pipelined hops) and the whole message over the bus bandwidth (nccl-tests: busbw = algbw)."""
     spec = network.spec
-    if spec.tp_size < 2 or message_bytes == 0:
+    if spec.ranks < 2 or message_bytes == 0:
         return 0.0
     nodes = spec.topology.nodes
     bottleneck = spec.link_inter if nodes > 1 else spec.link_intra
     packet = spec.payload_bytes
     wire = bottleneck.wire_bytes(message_bytes, -(-message_bytes // packet))
-    latency = nccl.latency_s("all_gather", "ring", "Simple", spec.tp_size, nodes, spec.link_intra.hw,
+    latency = nccl.latency_s("all_gather", "ring", "Simple", spec.ranks, nodes, spec.link_intra.hw,
                              spec.link_inter.hw)
     return latency + wire / spec.bus_bandwidth()
 
 
 def _square_sums(pairs) -> torch.Tensor:
-    """[sum of (p - base)^2, sum of base^2] over ``pairs``, each parameter's sums in fp32 and their
-    total in fp64, in the pairs' order: one definition for both backends keeps drift bitwise equal."""
-    pairs = list(pairs)
-    sums = torch.zeros(2, dtype=torch.float64, device=pairs[0][0].device if pairs else None)
-    for p, base in pairs:
-        p, base = p.detach().float(), base.detach().float()
-        sums += torch.stack([(p - base).pow(2).sum(), base.pow(2).sum()]).double()
-    return sums
+    """[sum of (p - base)^2, sum of base^2] over ``pairs``, in fp64: each parameter's two norms in fp32
+    (``torch.dist`` reads both tensors once and keeps no difference), then all of them squared and
+    summed at once. One definition for both backends keeps drift bitwise equal."""
+    pairs = [(p.detach().float(), base.detach().float()) for p, base in pairs]
+    if not pairs:
+        return torch.zeros(2, dtype=torch.float64)
+    norms = torch.stack([torch.stack([torch.dist(p, base) for p, base in pairs]),
+                         torch.stack([base.norm() for _, base in pairs])])
+    return norms.double().pow(2).sum(1)
 
 
 def _relative(sums: torch.Tensor) -> torch.Tensor:

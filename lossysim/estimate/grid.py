@@ -18,6 +18,13 @@ from tqdm.auto import tqdm
 
 from ..io import atomic_write_text, check_writable, output_errors
 from ..net import NetworkSpec
+from ..net.algorithms import ALGORITHMS
+from ..net.recovery import RECOVERY_POLICIES
+from ..net.spec import LOSSY
+from ..net.topology import LOSSY_LINKS
+from ..net.transport import TRANSPORTS
+from ..timing import NIC_PRESETS
+from ..util import one_of
 from .shapes import NAMES, load
 from .simulate import estimate
 from .workload import DTYPES, Workload
@@ -27,6 +34,9 @@ GRID = {"--loss": "loss", "--transport": "transport", "--nic": "nic", "--algorit
         "--link-intra": "link_intra", "--link-inter": "link_inter", "--lossy-links": "lossy_links",
         "--recovery": "recovery", "--lossy": "lossy"}
 WHOLE = ("loss", "link_intra", "link_inter")   # their specs contain commas: one value per flag
+# The keys that take one of a fixed set of values, listed in their help.
+CHOICES = {"transport": TRANSPORTS, "nic": tuple(NIC_PRESETS), "algorithm": ALGORITHMS, "lossy_links": LOSSY_LINKS,
+           "recovery": RECOVERY_POLICIES, "lossy": LOSSY}
 # Columns printed on the terminal (every column goes to the files).
 SHOWN = ("loss", "transport", "nic", "algorithm", "loss_free_step_s", "step_mean_s", "step_p99_s", "slowdown",
          "comm_share", "packets_lost", "packets_resent", "elements_lost_fwd", "failures_per_1000_steps")
@@ -45,8 +55,9 @@ def add_arguments(parser) -> None:
         default = NetworkSpec.__dataclass_fields__[key].default
         if isinstance(default, tuple):
             default = "both"
+        values = f": {one_of(CHOICES[key])}" if key in CHOICES else ""
         parser.add_argument(flag, dest=key, action="append", metavar="VALUE",
-                            help=f"{key} (repeatable{'' if key in WHOLE else ' or comma-separated'}; "
+                            help=f"{key}{values} (repeatable{'' if key in WHOLE else ' or comma-separated'}; "
                                  f"default {default})")
     parser.add_argument("--seed", type=int, default=0, help="root of every call site's random stream")
     parser.add_argument("--compute", default="h100", help="GPU model for compute time (default h100)")
@@ -57,7 +68,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     workload = Workload(args.seq, args.micro_batch, args.dtype, args.activation_checkpointing)
-    settings = grid({key: getattr(args, key) for key in GRID.values()}, tp_size=args.tp_size,
+    settings = grid({key: getattr(args, key) for key in GRID.values()}, ranks=args.tp_size,
                     ranks_per_node=args.ranks_per_node, seed=args.seed)
     if args.out:
         check_writable(args.out, "--out")   # before the grid: a long estimate must not be lost at the end
@@ -102,7 +113,7 @@ def run_grid(model: str, settings: Iterable[NetworkSpec], workload: Workload, st
     shape = load(model)
     settings = list(settings)
     for spec in settings:
-        shape.check_tp(spec.tp_size)
+        shape.check_tp(spec.ranks)
     shape.check_seq(workload.seq)
     rows = []
     with tqdm(total=len(settings) * steps, desc=f"estimate {shape.name}", disable=not progress,

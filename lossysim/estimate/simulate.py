@@ -33,14 +33,14 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
     spec = network if isinstance(network, NetworkSpec) else NetworkSpec(**network)
     if int(steps) < 1:
         raise ValueError(f"steps={steps} must be >= 1")
-    shape.check_tp(spec.tp_size)
+    shape.check_tp(spec.ranks)
     shape.check_seq(workload.seq)
     gpu = timing.parse_compute(compute)
     if isinstance(gpu, timing.Measured):
         raise ValueError("compute=measured needs a real training run; name a GPU model (e.g. h100)")
     tokens = workload.tokens
-    kernels = shape.kernels + cost.collective_kernels(shape.layers, spec.tp_size)   # as a training run counts them
-    compute_s = gpu.step_time(shape.parameters, tokens, spec.tp_size, kernels=kernels,
+    kernels = shape.kernels + cost.collective_kernels(shape.layers, spec.ranks)   # as a training run counts them
+    compute_s = gpu.step_time(shape.parameters, tokens, spec.ranks, kernels=kernels,
                               attention_flops=cost.step_flops(0, tokens, shape.layers, shape.hidden, workload.seq))
 
     net = LossyNetwork(spec)
@@ -58,7 +58,7 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
                 continue
             with net.recording(record) if workload.activation_checkpointing else contextlib.nullcontext():
                 delivery = net.simulate(call.site, call.direction, numel, dtype, deliver=False)
-            received[call.direction] += spec.tp_size * numel
+            received[call.direction] += spec.ranks * numel
             if delivery is not None:
                 inexact[call.direction] += _inexact_elements(delivery, per_packet, numel)
         total = net.clock()["comm_s"]
@@ -73,7 +73,7 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
     step_s = compute_s + np.asarray(comm)
     loss_free = compute_s + clock["ideal_comm_s"] / steps
     return {
-        "model": shape.name, "parameters": shape.parameters, "tp_size": spec.tp_size, "seq": workload.seq,
+        "model": shape.name, "parameters": shape.parameters, "tp_size": spec.ranks, "seq": workload.seq,
         "micro_batch": workload.micro_batch, "dtype": workload.dtype,
         "activation_checkpointing": workload.activation_checkpointing,
         "loss": spec.loss.spec, "loss_rate": spec.loss.loss_rate, "transport": spec.transport, "nic": spec.nic,

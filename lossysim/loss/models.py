@@ -84,56 +84,42 @@ def _geometric(e: torch.Tensor, lam, cap: int) -> torch.Tensor:
 _MAX_EXPONENTIAL = 37.0  # -log(2^-53): the largest exponential a float64 uniform gives
 
 
-def _steps(size: int, lam: float, cap: int, generator: torch.Generator) -> torch.Tensor:
-    """``size`` draws of 1 + Geometric failures, floor(E / lam) + 1 (int64), capped near ``cap``.
+def _steps(size: int, lam: float, cap: int, generator: torch.Generator, xp=torch):
+    """``size`` draws of 1 + Geometric failures, floor(E / lam) + 1, capped near ``cap``, as int64 in
+    ``xp`` (torch, or numpy for a CPU generator: fewer calls on small draws).
 
-    The same law as ``_geometric(_exponentials(...)) + 1`` in fewer passes: the
-    truncating cast is the floor (values are >= 0), and the cap is applied only
-    when a draw could exceed it.
+    The same law as ``_geometric(_exponentials(...)) + 1`` in fewer passes: the truncating cast is the
+    floor (values are >= 0), and the cap is applied only when a draw could exceed it. The logarithm is
+    torch's whatever ``xp`` (its vectorised and scalar paths need not agree to the last bit); what
+    follows it is the same IEEE operations in either, so both give the same steps.
     """
     u = torch.rand(size, generator=generator, device=generator.device, dtype=torch.float64)
-    x = u.neg_().log1p_().mul_(-1.0 / lam)
+    x = u.neg_().log1p_()
+    if xp is not torch:
+        x = x.numpy()
+    x *= -1.0 / lam
     if _MAX_EXPONENTIAL / lam > cap:
-        x.clamp_(max=cap)
-    return x.add_(1.0).to(torch.int64)
+        x = x.clip(max=cap)
+    x += 1.0
+    return xp.asarray(x, dtype=xp.int64)
 
 
-def _bernoulli_positions(total: int, p: float, generator: torch.Generator) -> torch.Tensor:
-    """Sorted positions in [0, total) of i.i.d. Bernoulli(p) successes, from geometric gaps."""
-    device = generator.device
+def _bernoulli_positions(total: int, p: float, generator: torch.Generator, xp=torch):
+    """Sorted positions in [0, total) of i.i.d. Bernoulli(p) successes, from geometric gaps, as int64 in
+    ``xp`` (torch, or numpy for a CPU generator: the same positions from the same draws)."""
     if total == 0 or p == 0.0:
-        return torch.zeros(0, dtype=torch.int64, device=device)
+        return xp.asarray(torch.zeros(0, dtype=torch.int64, device=generator.device))
     if p == 1.0:
-        return torch.arange(total, device=device)
+        return xp.asarray(torch.arange(total, device=generator.device))
     lam, parts, start = _hazard(p), [], 0
     while start < total:
-        step = _steps(_block_size((total - start) * p), lam, total, generator)
+        step = _steps(_block_size((total - start) * p), lam, total, generator, xp)
         step[0] += start - 1
-        pos = step.cumsum_(0)
+        pos = step.cumsum(0)
         parts.append(pos)
         start = int(pos[-1]) + 1
-    pos = torch.cat(parts) if len(parts) > 1 else parts[0]
-    return pos[:int(torch.searchsorted(pos, total))]
-
-
-def _bernoulli_positions_numpy(total: int, p: float, generator: torch.Generator) -> np.ndarray:
-    """``_bernoulli_positions(total, p, generator).numpy()`` (0 < p < 1, a CPU generator) with the steps
-    after the logarithm in numpy: the same IEEE operations on the same values, fewer calls. The
-    logarithm stays torch's (its vectorised and scalar paths need not agree to the last bit)."""
-    lam, parts, start = _hazard(p), [], 0
-    while start < total:
-        size = _block_size((total - start) * p)
-        u = torch.rand(size, generator=generator, dtype=torch.float64)
-        x = u.neg_().log1p_().numpy() * (-1.0 / lam)
-        if _MAX_EXPONENTIAL / lam > total:
-            np.minimum(x, total, out=x)
-        step = (x + 1.0).astype(np.int64)
-        step[0] += start - 1
-        pos = np.cumsum(step)
-        parts.append(pos)
-        start = int(pos[-1]) + 1
-    pos = np.concatenate(parts) if len(parts) > 1 else parts[0]
-    return pos[:int(np.searchsorted(pos, total))]
+    pos = xp.concatenate(parts) if len(parts) > 1 else parts[0]
+    return pos[:int(xp.searchsorted(pos, total))]
 
 
 def _thin(total: int, p: float, generator: torch.Generator):
@@ -420,7 +406,7 @@ class Bernoulli(LossModel):
         if total <= _DENSE_BELOW:
             lost = torch.rand((rows, width), generator=generator) < self.p
             return np.flatnonzero(lost.numpy())
-        return _bernoulli_positions_numpy(total, self.p, generator)
+        return _bernoulli_positions(total, self.p, generator, np)
 
 
 class NoLoss(Bernoulli):

@@ -3,10 +3,10 @@ and what each receiver ends up holding when packets of those sends are lost.
 
 A message of ``n_packets`` packets (the packetising rule is the network's) is
 moved by a *schedule*: a sequence of steps, each a set of sends on distinct
-directed links. ``ring`` cuts the message into ``tp_size`` chunks of whole packets
+directed links. ``ring`` cuts the message into ``R`` chunks (one per rank) of whole packets
 (split as evenly as ``torch.tensor_split`` splits; a chunk may be empty when the
-message has fewer packets than ranks) and runs tp_size-1 reduce-scatter steps then
-tp_size-1 all-gather steps around the ring 0 -> 1 -> ... -> R-1 -> 0. ``tree``
+message has fewer packets than ranks) and runs R-1 reduce-scatter steps then
+R-1 all-gather steps around the ring 0 -> 1 -> ... -> R-1 -> 0. ``tree``
 reduces up one binary tree in heap layout (the parent of rank r is (r-1)//2, rank 0
 the root) level by level, then broadcasts back down. ``direct`` sends every rank's
 whole message to every other rank in one step. A ``reduce_scatter`` is the ring
@@ -62,7 +62,7 @@ class Schedule:
     """The sends of one collective on one message size, and the index maps that
     turn per-send packet weights into what each receiver holds."""
 
-    def __init__(self, algorithm: str, collective: str, tp_size: int, n_packets: int):
+    def __init__(self, algorithm: str, collective: str, ranks: int, n_packets: int):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm={algorithm!r} must be one of {', '.join(ALGORITHMS)}")
         if collective not in COLLECTIVES:
@@ -71,8 +71,8 @@ class Schedule:
         if collective == "all_gather" and algorithm == "tree" or collective == "reduce_scatter":
             algorithm = "ring"
         self.algorithm, self.collective = algorithm, collective
-        self.tp_size, self.n_packets = int(tp_size), int(n_packets)
-        self.sends: tuple[Send, ...] = tuple(_SENDS[(algorithm, collective)](self.tp_size, self.n_packets))
+        self.ranks, self.n_packets = int(ranks), int(n_packets)
+        self.sends: tuple[Send, ...] = tuple(_SENDS[(algorithm, collective)](self.ranks, self.n_packets))
         self.steps = 1 + max((s.step for s in self.sends), default=-1)
         self.max_packets = max((s.packets for s in self.sends), default=0)
         # Each directed link carries its sends in step order: its packets are one chain segment.
@@ -89,7 +89,7 @@ class Schedule:
         self._packet_layout: dict = {}
 
     def __repr__(self) -> str:
-        return (f"Schedule({self.algorithm}, {self.collective}, tp_size={self.tp_size}, "
+        return (f"Schedule({self.algorithm}, {self.collective}, ranks={self.ranks}, "
                 f"n_packets={self.n_packets}, steps={self.steps}, sends={len(self.sends)})")
 
     # -- index tensors, built once per device ------------------------------------------
@@ -129,7 +129,7 @@ class Schedule:
     def _index_lists(self) -> dict:
         """Where, in the per-send layout ``[sends (+1 neutral row), max_packets]`` flattened, each
         packet's hops sit; and where each rank stands on each packet's path."""
-        R, S, width = self.tp_size, len(self.sends), self.max_packets
+        R, S, width = self.ranks, len(self.sends), self.max_packets
         out = {}
         none = S  # the neutral row appended to the per-send values (no send: nothing lost, factor 1)
         key = (self.algorithm, self.collective)
@@ -162,9 +162,9 @@ class Schedule:
 
 
 @functools.lru_cache(maxsize=512)
-def schedule(algorithm: str, collective: str, tp_size: int, n_packets: int) -> Schedule:
+def schedule(algorithm: str, collective: str, ranks: int, n_packets: int) -> Schedule:
     """The (cached) schedule of one collective on a message of ``n_packets`` packets."""
-    return Schedule(algorithm, collective, tp_size, n_packets)
+    return Schedule(algorithm, collective, ranks, n_packets)
 
 
 # -- the sends of each algorithm ---------------------------------------------------------
@@ -258,7 +258,7 @@ def _paths(sched: Schedule, values: torch.Tensor) -> Delivery:
     """Follow per-send values (``[sends, max_packets]``) along every path of the schedule: bool values
     (lost) are or-ed, float values (factors) multiplied. Returns the Delivery's coef/gain/weights in the
     values' kind: True (or the product) where a path is lost (or carries that product)."""
-    R = sched.tp_size
+    R = sched.ranks
     idx = sched.tensors(values.device)
     lost = values.dtype == torch.bool
     neutral = torch.zeros if lost else torch.ones

@@ -54,21 +54,26 @@ def _term(parts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce(x: torch.Tensor, delivery: Delivery, receivers: Sequence[int], per_packet: int,
-               rescale: bool, watch: Callable[[torch.Tensor], None], dense: Optional[bool] = None) -> torch.Tensor:
-    """What each receiver holds after an all-reduce of ``x`` ([ranks, n]): ``[len(receivers), n]``.
+               rescale: bool, watch: Callable[[torch.Tensor], None], dense: Optional[bool] = None,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """What each receiver holds after an all-reduce of ``x`` ([ranks, n]): ``[len(receivers), n]``,
+    written into ``out`` when given (which may be ``x`` itself: in place, as NCCL runs DDP's buckets).
 
     ``watch`` sees what was delivered before any hole is zeroed (the final packets of a ring or tree,
     every receiver's sum of a direct exchange)."""
     receivers = list(receivers)
     dense = x.device.type == "cuda" if dense is None else dense
     if delivery.weights is not None:
-        out = direct_sum(x, delivery.weights[receivers], per_packet, dense)
-        watch(out)
-        return out
+        held = direct_sum(x, delivery.weights[receivers], per_packet, dense)
+        watch(held)
+        return into(out, held)
     n = x.shape[1]
-    out = torch.empty(len(receivers), n, dtype=x.dtype, device=x.device)
+    given = out is not None
+    if not given:
+        out = torch.empty(len(receivers), n, dtype=x.dtype, device=x.device)
     # The final packets: the plain sum, summed again where a contribution is missing; rescale weighs all.
-    final = torch.empty(n, dtype=x.dtype, device=x.device) if rescale else out[0]
+    # (``x`` is read to the end, so a given ``out`` is written only once ``final`` is whole.)
+    final = torch.empty(n, dtype=x.dtype, device=x.device) if rescale or given else out[0]
     if rescale or dense:
         for (parts, span), (total, _) in zip(packets(x, per_packet), packets(final, per_packet)):
             weighted = _weighted(parts, delivery.coef[:, span])
@@ -84,12 +89,21 @@ def all_reduce(x: torch.Tensor, delivery: Delivery, receivers: Sequence[int], pe
         gain = delivery.gain[receivers].to(x.dtype)
         for (held, span), (total, _) in zip(packets(out, per_packet), packets(final, per_packet)):
             torch.mul(total, gain[:, span].unsqueeze(-1), out=held)
+    elif given:
+        out.copy_(final.expand(len(receivers), n))
     elif len(receivers) > 1:
         out[1:].copy_(final.expand(len(receivers) - 1, n))
     watch(final)  # receivers hold it or zeros: a cheaper check than all of them
     every = receivers == list(range(len(delivery.holes)))
     zero_holes(out, delivery.holes if every else delivery.holes[receivers], per_packet, dense)
     return out
+
+
+def into(out: Optional[torch.Tensor], held: torch.Tensor) -> torch.Tensor:
+    """``held`` written into ``out`` (a receivers' tensor given by the caller), or ``held`` itself."""
+    if out is None:
+        return held
+    return out.copy_(held)
 
 
 def _patch(x: torch.Tensor, final: torch.Tensor, delivery: Delivery, per_packet: int) -> None:
@@ -105,7 +119,11 @@ def _patch(x: torch.Tensor, final: torch.Tensor, delivery: Delivery, per_packet:
     if len(patch):  # (index_select would first copy the whole of a non-contiguous ``parts``)
         patch = torch.from_numpy(patch)
         parts = x[:, :whole * per_packet].view(x.shape[0], whole, per_packet)[:, patch]
-        patched = _weighted(parts, delivery.coef[:, patch])
+        coef = delivery.coef[:, patch]
+        if coef.dtype == torch.bool:  # ``parts`` is a copy: zero what was lost in it, as _weighted would
+            patched = parts.masked_fill_(~coef.unsqueeze(-1), 0).sum(0)
+        else:
+            patched = _weighted(parts, coef)
         final[:whole * per_packet].view(whole, per_packet).index_copy_(0, patch, patched)
 
 

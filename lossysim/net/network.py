@@ -24,7 +24,6 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
-import numpy as np
 import torch
 
 from ..util import stream_seed, swapped
@@ -35,8 +34,8 @@ from . import transfer as transfers
 from .algorithms import PHASES, Delivery, chunk_bounds
 from .links import Chains
 from .spec import DIRECTIONS, NetworkSpec
+from .fates import choose as choose_fates
 from .stats import COUNTERS, Counters, NonFinite, summarise
-from .transport import run_step
 
 
 @dataclass
@@ -52,20 +51,20 @@ class _Channel:
 class LossyNetwork:
     """Links between ranks with a loss model, an algorithm, a transport, statistics and a clock.
 
-    ``LossyNetwork(spec)`` takes a ``NetworkSpec``; ``LossyNetwork(tp_size, loss_model, **settings)``
+    ``LossyNetwork(spec)`` takes a ``NetworkSpec``; ``LossyNetwork(ranks, loss_model, **settings)``
     builds one (``settings``: any of ``NetworkSpec``'s fields, e.g. ``seed``, ``algorithm``,
     ``transport``, ``recovery``).
     """
 
-    def __init__(self, tp_size: Union[int, NetworkSpec], loss_model="none", **settings):
-        self.spec = tp_size if isinstance(tp_size, NetworkSpec) else NetworkSpec(tp_size, loss_model, **settings)
+    def __init__(self, ranks: Union[int, NetworkSpec], loss_model="none", **settings):
+        self.spec = ranks if isinstance(ranks, NetworkSpec) else NetworkSpec(ranks, loss_model, **settings)
         spec = self.spec
-        self.tp_size = spec.tp_size
+        self.ranks = spec.ranks
         self.loss_model = spec.loss
         self.topology, self.transport = spec.topology, spec.transport_model
         self.lossy = spec.lossy
-        self.recovery = recoveries.policy(spec.recovery, spec.hadamard_block, spec.outlier_fraction)
-        self.links = [(src, dst) for src in range(self.tp_size) for dst in range(self.tp_size) if src != dst]
+        self.recovery = spec.recovery_model
+        self.links = [(src, dst) for src in range(self.ranks) for dst in range(self.ranks) if src != dst]
         self._channels: dict[tuple[str, str], _Channel] = {}
         self._transfers: dict[tuple, transfers.Transfer] = {}
         self._recording: Optional[dict] = None
@@ -75,7 +74,7 @@ class LossyNetwork:
         self._ideal = 0.0                             # all the traffic without loss
         self._recovery_s = 0.0                      # simulated seconds of the recovery policy's compute
         self._recovery_cost: dict[tuple, float] = {}   # per policy and message shape: seconds per call
-        self._sparse: dict[torch.device, bool] = {}    # per device: whether ``sparse`` draws the calls
+        self._fates: dict = {}                      # per device: where the packets' fates are kept (``fates``)
         # The reliable side path of a policy that has one: built with this network, so that it is
         # swapped into every recording and replaying alongside.
         self._side: Optional[LossyNetwork] = None
@@ -103,11 +102,13 @@ class LossyNetwork:
 
     # -- collectives -------------------------------------------------------------
     def all_reduce(self, site: str, direction: str, contributions: torch.Tensor,
-                   receivers: Sequence[int]) -> torch.Tensor:
+                   receivers: Sequence[int], out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Sum every rank's contribution as each receiver sees it.
 
-        ``contributions`` is ``[tp_size, *shape]`` (rank j's message at j). Returns
-        ``[len(receivers), *shape]``: what the algorithm leaves at each receiver.
+        ``contributions`` is ``[ranks, *shape]`` (rank j's message at j). Returns
+        ``[len(receivers), *shape]``: what the algorithm leaves at each receiver, written into ``out``
+        when given (``contributions`` itself for an in-place all-reduce, as DDP runs its buckets:
+        no receivers' tensor to allocate, the same values).
         """
         self._check(contributions)
         shape = contributions.shape[1:]
@@ -115,30 +116,32 @@ class LossyNetwork:
         if delivery is None:
             total = contributions.sum(0)
             self.watch(site, direction, total)
-            return total.unsqueeze(0).expand(len(receivers), *shape)
+            every = total.unsqueeze(0).expand(len(receivers), *shape)
+            return every if out is None else out.copy_(every)
         per_packet, _ = self.packets(shape.numel(), contributions.dtype)
-        out = self.recovery.on(direction).all_reduce(
-            delivery, contributions.reshape(self.tp_size, -1), receivers, per_packet,
+        held = self.recovery.on(direction).all_reduce(
+            delivery, contributions.reshape(self.ranks, -1), receivers, per_packet,
             watch=lambda seen: self.watch(site, direction, seen), memory=self._channels[(site, direction)].memory,
-            update=self._replaying is None)
-        return out.view(len(receivers), *shape)
+            update=self._replaying is None, out=None if out is None else out.view(len(receivers), -1))
+        return held.view(len(receivers), *shape)
 
     def reduce_scatter(self, site: str, direction: str, contributions: torch.Tensor,
                        receivers: Sequence[int]) -> torch.Tensor:
         """Sum every rank's contribution and leave chunk c of the sum at rank c only (the ring
         all-reduce's first half, whatever ``algorithm`` says: NCCL reduce-scatters on rings).
 
-        ``contributions`` is ``[tp_size, n]``; rank c's chunk is ``shard_bounds(n, dtype)[c]`` (whole
+        ``contributions`` is ``[ranks, n]``; rank c's chunk is ``shard_bounds(n, dtype)[c]`` (whole
         packets). Returns ``[len(receivers), n]``: each receiver's chunk as it arrived (``zero`` or
         ``rescale``), zeros elsewhere. Only ``zero`` and ``rescale`` act on a reduce-scatter: the other
         policies need the whole reduced message at every rank."""
         self._check(contributions)
-        if self.recovery.name not in ("zero", "rescale"):
-            raise ValueError(f"recovery={self.recovery.name} does not act on reduce-scatters (zero or rescale do)")
+        if not self.recovery.acts_on_shards:
+            raise ValueError(f"recovery={self.recovery.name} does not act on reduce-scatters "
+                             f"({' or '.join(recoveries.SHARD_POLICIES)} do)")
         n = contributions[0].numel()
         delivery = self._deliver(site, direction, "reduce_scatter", contributions[0])
         if delivery is None:
-            total = contributions.reshape(self.tp_size, -1).sum(0)
+            total = contributions.reshape(self.ranks, -1).sum(0)
             self.watch(site, direction, total)
             out = total.unsqueeze(0).repeat(len(receivers), 1)
             bounds = self.shard_bounds(n, contributions.dtype)
@@ -149,7 +152,7 @@ class LossyNetwork:
             return out
         per_packet, _ = self.packets(n, contributions.dtype)
         return self.recovery.on(direction).all_reduce(
-            delivery, contributions.reshape(self.tp_size, -1), receivers, per_packet,
+            delivery, contributions.reshape(self.ranks, -1), receivers, per_packet,
             watch=lambda seen: self.watch(site, direction, seen), memory=None, update=self._replaying is None)
 
     def shard_bounds(self, numel: int, dtype: torch.dtype) -> list[tuple[int, int]]:
@@ -157,12 +160,12 @@ class LossyNetwork:
         the ring's chunks of whole packets."""
         per_packet, n_packets = self.packets(numel, dtype)
         ends = [(min(first * per_packet, numel), min((first + count) * per_packet, numel))
-                for first, count in chunk_bounds(n_packets, self.tp_size)]
+                for first, count in chunk_bounds(n_packets, self.ranks)]
         return [(start, end - start) for start, end in ends]
 
     def all_gather(self, site: str, direction: str, shards: torch.Tensor,
                    receivers: Sequence[int]) -> torch.Tensor:
-        """Every rank's shard as each receiver sees it: ``[len(receivers), tp_size, *shape]``.
+        """Every rank's shard as each receiver sees it: ``[len(receivers), ranks, *shape]``.
 
         Lost packets of a shard arrive as zeros whatever the recovery policy (a gathered shard is not
         a sum: recovery policies act on all-reduces).
@@ -172,7 +175,7 @@ class LossyNetwork:
         if delivery is None:
             return shards.unsqueeze(0).expand(len(receivers), *shards.shape)
         per_packet, _ = self.packets(shards[0].numel(), shards.dtype)
-        out = deliver.all_gather(shards.reshape(self.tp_size, -1), delivery, receivers, per_packet)
+        out = deliver.all_gather(shards.reshape(self.ranks, -1), delivery, receivers, per_packet)
         self.watch(site, direction, out)
         return out.view(len(receivers), *shards.shape)
 
@@ -245,7 +248,7 @@ class LossyNetwork:
             if delivery is not None:   # the policy acted: its side path sends again too (replayed)
                 self._side_traffic(site, direction, collective, numel, dtype, device)
             return delivery
-        if self.tp_size == 1:
+        if self.ranks == 1:
             return None
         device = torch.device(device)
         channel = self._channel(site, direction, device)
@@ -256,37 +259,20 @@ class LossyNetwork:
         channel.counters.calls += 1
         self._ideal += transfer.ideal
         delivery, repairs, recovery_before = None, None, self._recovery_s
-        fast = self._sparse.get(device)
-        if fast is None:
-            fast = self._sparse[device] = sparse.applies(self.spec, device)
+        fates = self._fates.get(device)
+        if fates is None:
+            fates = self._fates[device] = choose_fates(self.spec, device)
         if not self.drops(direction, site):
             channel.counters.count_sent(transfer.sent)
-        elif not self.transport.repairs and fast:
-            losses = sparse.Losses(transfer.sched, *sparse.drop(self.loss_model, channel.chains, channel.counters,
-                                                                 transfer))
-            delivery = losses if self._no_delivery(direction, deliver) else \
-                self._draw(channel, transfer, losses, collective, direction, numel, dtype)
-        elif not self.transport.repairs:
-            lost, in_bad, _ = channel.chains.draw(transfer.link_ids, transfer.lossy_rows, transfer.width,
-                                                  transfer.lengths)
-            channel.counters.record(transfer.link_ids, lost, self._bad(in_bad), transfer.lengths, transfer.slots,
-                                    transfer.sent)
-            per_send = lost.flatten()[transfer.sched.packet_tensors(lost.device)["gather"]]
-            # A few losses: what arrives follows from them (on a CPU, where reading them is no host sync).
-            if device.type == "cpu" and sparse.works_out(transfer.sched):
-                per_send = sparse.Losses.of(transfer.sched, per_send)
-            delivery = self._draw(channel, transfer, per_send, collective, direction, numel, dtype)
         else:
-            if fast:
-                missing, repairs = self._repair_sparse(channel, transfer, device)
+            if self.transport.repairs:
+                lost, repairs = fates.repair(channel, transfer, device)
+                self._tick(repairs)
             else:
-                missing, repairs = self._repair(channel, transfer, device)
-            if isinstance(missing, tuple):
-                missing = sparse.Losses(transfer.sched, *missing)
-                if self._no_delivery(direction, deliver):
-                    delivery = missing
-            if not self.transport.exact and delivery is None:
-                delivery = self._draw(channel, transfer, missing, collective, direction, numel, dtype)
+                lost = fates.drop(channel, transfer)
+            if lost is not None:   # None: every packet repaired, the exact result
+                delivery = lost if isinstance(lost, sparse.Losses) and self._no_delivery(direction, deliver) else \
+                    self._draw(channel, transfer, lost, collective, direction, numel, dtype)
         if self._recording is not None:
             self._recording[key].append((delivery, transfer.ideal, repairs, self._recovery_s - recovery_before))
         if delivery is not None:   # the policy acts on this call
@@ -298,10 +284,6 @@ class LossyNetwork:
         and the policy's draw changes nothing (no memory, no compute)."""
         policy = self.recovery.on(direction)
         return not (deliver or policy.keeps_memory or policy.computes)
-
-    def _bad(self, in_bad: torch.Tensor) -> Optional[torch.Tensor]:
-        """``in_bad`` when the loss model has a hidden state to be in (else nothing to count)."""
-        return in_bad if self.loss_model.hidden_state else None
 
     def _draw(self, channel: _Channel, transfer, lost: torch.Tensor, collective: str, direction: str,
               numel: int, dtype: torch.dtype):
@@ -317,73 +299,13 @@ class LossyNetwork:
             self._recovery_s += seconds
         return policy.draw(transfer, lost, collective, numel, dtype, channel.memory)
 
-    def _repair(self, channel: _Channel, transfer, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run every step through the transport; returns the missing packets per send and the seconds
-        the repairs added (under the configured nic, and under the ideal one)."""
-        sched = transfer.sched
-        missing = torch.zeros(len(sched.sends), sched.max_packets, dtype=torch.bool, device=device)
-        repairs = torch.zeros(2, dtype=torch.float64, device=device)
-        for step in transfer.steps:
-            link_ids = transfer.link_ids[step.rows]
-            lossy = [i for i, r in enumerate(step.rows) if r in transfer.lossy_rows]
-
-            def draw(lengths, known=True, link_ids=link_ids, lossy=lossy, phase=step.phase):
-                width = int(lengths.max()) if lengths.numel() else 0
-                lost, in_bad, advance = channel.chains.draw(link_ids, lossy, width, lengths if known else None)
-
-                def commit(used):
-                    if not known:
-                        advance(used)
-                    channel.counters.record(link_ids, lost, self._bad(in_bad), used.to(lost.device), phase)
-                return lost, commit
-
-            result = run_step(self.transport, self.spec.nic_model, step.transport, draw, step.budget)
-            missing[step.sends, :result.missing.shape[1]] = result.missing
-            counters = channel.counters
-            counters.add("resent", step.slots, result.transmissions - step.transport.packets)
-            counters.add("missing", step.slots, result.missing.sum(1))
-            counters.add("timeouts", step.slots, result.timeouts)
-            counters.add("failures", step.slots, result.failed.long())
-            repairs += torch.stack([result.extra, result.shadow])
-        self._tick(repairs)
-        return missing, repairs
-
-    def _repair_sparse(self, channel: _Channel, transfer, device) -> tuple[Optional[tuple], torch.Tensor]:
-        """``_repair`` for a memoryless loss and a selective-repeat nic (``sparse.applies``): the same draws,
-        counts and clock, the losses kept as positions. The missing packets come back as (send, packet)
-        positions, or None when the transport repairs every packet (``retransmit``)."""
-        if transfer.sparse is None:
-            transfer.sparse = sparse.StepArrays.steps(transfer)
-        counters = channel.counters
-        give_up = self.transport.kind == "deadline"
-        extra = shadow = 0.0
-        per_step = []   # (slots, resent, missing, timeouts, failures) of each step's sends
-        missing = []    # (sends, packets) never delivered, step by step
-        for step, arrays in zip(transfer.steps, transfer.sparse):
-            result = sparse.selective(self.spec.nic_model, self.loss_model, channel.chains, counters, arrays,
-                                      step.phase, step.budget, give_up)
-            missing.append((arrays.sends[result.missing_row], result.missing_packet))
-            per_step.append((arrays.slots, result.transmissions - arrays.packets,
-                             np.bincount(result.missing_row, minlength=len(arrays.packets)), result.timeouts,
-                             result.failed.astype(np.int64)))
-            extra, shadow = extra + result.extra, shadow + result.shadow
-        slots, *values = (np.concatenate(column) for column in zip(*per_step))
-        counts = counters.counts.view(len(COUNTERS), -1).numpy()
-        for name, value in zip(("resent", "missing", "timeouts", "failures"), values):
-            np.add.at(counts[COUNTERS.index(name)], slots, value)
-        repairs = torch.tensor([extra, shadow], dtype=torch.float64, device=device)
-        self._tick(repairs)
-        if self.transport.exact:
-            return None, repairs
-        return tuple(np.concatenate(column) for column in zip(*missing)), repairs
-
     def _tick(self, repairs: torch.Tensor) -> None:
         """Add a call's repair time (and the same repairs under the ideal preset) to the clock."""
         self._repairs = repairs.clone() if self._repairs is None else self._repairs + repairs
 
     def _check(self, tensor: torch.Tensor) -> None:
-        if tensor.shape[0] != self.tp_size:
-            raise ValueError(f"expected {self.tp_size} ranks along dim 0, got shape {tuple(tensor.shape)}")
+        if tensor.shape[0] != self.ranks:
+            raise ValueError(f"expected {self.ranks} ranks along dim 0, got shape {tuple(tensor.shape)}")
 
     def _channel(self, site: str, direction: str, device) -> _Channel:
         key = (site, direction)
@@ -510,6 +432,8 @@ class LossyNetwork:
 
     def load_state_dict(self, state: dict) -> None:
         saved = dict(state["config"])
+        if "tp_size" in saved:  # written before 0.4, when a group's ranks were called tp_size
+            saved["ranks"] = saved.pop("tp_size")
         if "nic" not in saved:  # written by 0.2: no nic, its selective repeat is the nic's own
             saved = {**self.config(), **saved, "retransmit": None if saved.get("retransmit") == "selective"
                      else saved.get("retransmit")}

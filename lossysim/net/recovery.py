@@ -134,10 +134,14 @@ class Policy:
     keeps_memory = False    # needs a Memory per call site
     computes = False        # adds compute to a collective
     side_path = False       # sends part of a message reliably beside it (``side_bytes``)
+    send_by_send = False    # acts on every send as it arrives (needs every send's lost packets, not a Delivery)
+    acts_on_shards = True   # acts on a reduce-scatter (FSDP's gradients): needs no whole sum at every rank
+    on_activations = True   # acts on activations (else ``on(ACTIVATIONS)`` is zero)
+    settings: tuple[str, ...] = ()   # the NetworkSpec settings it reads beside ``recovery``
 
     def on(self, direction: str) -> "Policy":
         """The policy that applies to traffic in ``direction``."""
-        return self
+        return self if self.on_activations or direction != ACTIVATIONS else ZERO
 
     def draw(self, transfer, lost: torch.Tensor, collective: str, numel: int, dtype: torch.dtype,
              memory: Optional[Memory]):
@@ -152,10 +156,11 @@ class Policy:
         return combine(transfer.sched, lost, weights)
 
     def all_reduce(self, drawn, x: torch.Tensor, receivers: Sequence[int], per_packet: int, watch: Watch,
-                   memory: Optional[Memory], update: bool) -> torch.Tensor:
+                   memory: Optional[Memory], update: bool, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """What each receiver holds, ``[len(receivers), n]``, given ``x`` ([ranks, n]) and what ``draw``
-        drew; ``update``: move the memory on (False when a recomputed forward replays a call)."""
-        return deliver.all_reduce(x, drawn, receivers, per_packet, rescale=self.rescale, watch=watch)
+        drew; ``update``: move the memory on (False when a recomputed forward replays a call); ``out``:
+        where to write it (may be ``x`` itself: in place)."""
+        return deliver.all_reduce(x, drawn, receivers, per_packet, rescale=self.rescale, watch=watch, out=out)
 
     def flops(self, sched: Schedule, per_packet: int, numel: int) -> float:
         """Floating-point operations a rank adds to one all-reduce of ``numel`` elements."""
@@ -277,6 +282,8 @@ class Hadamard(Policy):
     """The randomized Hadamard transform around the collective, ``inner`` (zero or rescale) inside."""
     keeps_memory = True
     computes = True
+    acts_on_shards = False   # the inverse transform needs the whole sum
+    settings = ("hadamard_block",)
 
     def __init__(self, inner: Policy, block: int):
         self.inner, self.block = inner, check_block(block)
@@ -289,13 +296,13 @@ class Hadamard(Policy):
             return delivery          # a gathered shard is not a sum: holes stay zeros
         return Transformed(delivery, memory.signs(numel))
 
-    def all_reduce(self, drawn, x, receivers, per_packet, watch, memory, update):
+    def all_reduce(self, drawn, x, receivers, per_packet, watch, memory, update, out=None):
         work = torch.promote_types(x.dtype, torch.float32)
         sent = transform(x.to(work), drawn.bits, self.block).to(x.dtype)   # what the wire carries
         held = self.inner.all_reduce(drawn.delivery, sent, receivers, per_packet, lambda seen: None, memory, update)
-        out = inverse(held.to(work), drawn.bits, self.block).to(x.dtype)
-        watch(out)
-        return out
+        held = inverse(held.to(work), drawn.bits, self.block).to(x.dtype)
+        watch(held)
+        return deliver.into(out, held)
 
     def flops(self, sched, per_packet, numel):
         return 2 * hadamard_flops(numel, self.block)   # the sender's transform, the receiver's inverse
@@ -315,9 +322,11 @@ class Outliers(Policy):
     every receiver adds every rank's pairs to it. LLM.int8's outliers kept apart, on the wire."""
     computes = True
     side_path = True
+    acts_on_shards = False   # every receiver adds every rank's outliers to the whole sum
 
     def __init__(self, inner: Policy, fraction: float):
         self.inner, self.fraction = inner, check_fraction(fraction)
+        self.settings = inner.settings + ("outlier_fraction",)
         self.name = "outliers" + ("+hadamard" if isinstance(inner, Hadamard) else "")
         self.keeps_memory = inner.keeps_memory
 
@@ -330,19 +339,19 @@ class Outliers(Policy):
         index = x.abs().topk(outlier_count(x.shape[1], self.fraction), dim=1).indices
         return index, x.gather(1, index), x.scatter(1, index, 0)
 
-    def all_reduce(self, drawn, x, receivers, per_packet, watch, memory, update):
+    def all_reduce(self, drawn, x, receivers, per_packet, watch, memory, update, out=None):
         index, values, rest = self.split(x)
-        out = self.inner.all_reduce(drawn, rest, receivers, per_packet, lambda seen: None, memory, update).clone()
+        held = self.inner.all_reduce(drawn, rest, receivers, per_packet, lambda seen: None, memory, update).clone()
         for r in range(x.shape[0]):   # rank by rank, in rank order: the same bits at every receiver
-            out.index_add_(1, index[r], values[r].expand(len(receivers), -1))
-        watch(out)
-        return out
+            held.index_add_(1, index[r], values[r].expand(len(receivers), -1))
+        watch(held)
+        return deliver.into(out, held)
 
     def flops(self, sched, per_packet, numel):
         # the sender's selection (a magnitude and a comparison per element) and zeroing (k), the
         # receiver's scatter-add of every rank's k values
         k = outlier_count(numel, self.fraction)
-        return 2.0 * numel + k + sched.tp_size * k + self.inner.flops(sched, per_packet, numel)
+        return 2.0 * numel + k + sched.ranks * k + self.inner.flops(sched, per_packet, numel)
 
     def side_bytes(self, numel, dtype):
         # k pairs, packed: an int32 index and a value in the message's dtype
@@ -362,7 +371,7 @@ class Hops:
 
 def _elements(sched: Schedule, per_packet: int, numel: int, end: str) -> int:
     """The most elements one rank sends (``end="src"``) or receives (``"dst"``) in the schedule."""
-    count = [0] * sched.tp_size
+    count = [0] * sched.ranks
     for s in sched.sends:
         count[getattr(s, end)] += max(0, min(numel, (s.first + s.packets) * per_packet) - s.first * per_packet)
     return max(count, default=0)
@@ -372,6 +381,8 @@ class SendBySend(Policy):
     """A policy acting on every send: ``arrive`` says what a round's receivers take."""
     keeps_memory = True
     computes = True
+    send_by_send = True
+    acts_on_shards = False   # its all-reduce replays every hop of the ring
     buffers: tuple[str, ...] = ()   # per-send buffers, one payload each, zeros until written
     remembers = False               # a replay returns what the call delivered (it cannot recompute it)
 
@@ -381,7 +392,7 @@ class SendBySend(Policy):
         mask = lost.mask() if isinstance(lost, Losses) else lost
         return Hops(transfer.sched, mask, f"{numel}:{str(dtype).removeprefix('torch.')}")
 
-    def all_reduce(self, drawn, x, receivers, per_packet, watch, memory, update):
+    def all_reduce(self, drawn, x, receivers, per_packet, watch, memory, update, out=None):
         sched = drawn.sched
 
         def fresh() -> dict:
@@ -395,9 +406,9 @@ class SendBySend(Policy):
                                         lambda hop, payload, lost: self.arrive(state, hop, payload, lost, update))
             if self.remembers:
                 drawn.held = held
-        out = held[list(receivers)]
-        watch(out)
-        return out
+        held = held[list(receivers)]
+        watch(held)
+        return deliver.into(out, held)
 
     def arrive(self, state: dict, hop: deliver.Round, payload: torch.Tensor, lost: torch.Tensor,
                update: bool) -> torch.Tensor:
@@ -429,9 +440,7 @@ class ErrorFeedback(SendBySend):
     name = "error_feedback"
     buffers = ("owed",)
     remembers = True    # the call moved what is owed on: replaying it must not add it again
-
-    def on(self, direction):
-        return ZERO if direction == ACTIVATIONS else self
+    on_activations = False
 
     def arrive(self, state, hop, payload, lost, update):
         width = payload.shape[1]
@@ -445,3 +454,7 @@ class ErrorFeedback(SendBySend):
 
 
 STALE, ERROR_FEEDBACK = Stale(), ErrorFeedback()
+
+
+# The policies that act on a reduce-scatter: what FSDP's sharded gradients can use.
+SHARD_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_on_shards)

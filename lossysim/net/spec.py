@@ -3,7 +3,7 @@
 Every rule about what the network accepts, and every message saying what is wrong, lives in
 ``NetworkSpec.__post_init__`` (and in the value types it builds: ``Topology``, ``Transport``,
 ``Link``, the loss model). The experiment config builds one spec from its keys (the spec's field
-names are the config's keys) and Python callers build one through ``LossyNetwork(tp_size, ...)``;
+names are the config's keys) and Python callers build one through ``LossyNetwork(ranks, ...)``;
 the network takes it whole and never checks again.
 """
 from __future__ import annotations
@@ -15,14 +15,16 @@ from typing import Optional, Sequence, Union
 from ..loss import LossModel, parse_loss_model
 from ..timing import Compute, Link, Measured, parse_compute, parse_link
 from ..timing.retransmission import DEFAULT_NIC, Nic, parse_nic
+from ..util import one_of
 from .algorithms import ALGORITHMS
-from .recovery import (ACTIVATIONS, DEFAULT_HADAMARD_BLOCK, DEFAULT_OUTLIER_FRACTION, RECOVERY_POLICIES, check_block,
-                       check_fraction)
+from .recovery import (ACTIVATIONS, DEFAULT_HADAMARD_BLOCK, DEFAULT_OUTLIER_FRACTION, RECOVERY_POLICIES, Policy,
+                       check_block, check_fraction, policy)
 from .selection import SiteSelection
 from .topology import Topology
 from .transport import Transport
 
 DIRECTIONS = ("fwd", "bwd")
+LOSSY = (*DIRECTIONS, "both")    # what ``lossy`` takes: one direction, or both
 
 
 def _directions(lossy: Union[str, Sequence[str]]) -> tuple[str, ...]:
@@ -30,13 +32,13 @@ def _directions(lossy: Union[str, Sequence[str]]) -> tuple[str, ...]:
     given = DIRECTIONS if lossy == "both" else ((lossy,) if isinstance(lossy, str) else tuple(lossy))
     for direction in given:
         if direction not in DIRECTIONS:
-            raise ValueError(f"lossy={direction!r} must be one of fwd, bwd, both")
+            raise ValueError(f"lossy={direction!r} must be {one_of(LOSSY)}")
     return tuple(d for d in DIRECTIONS if d in given)
 
 
 def _choice(name: str, value, allowed: tuple) -> None:
     if value not in allowed:
-        raise ValueError(f"{name}={value!r} must be one of {', '.join(allowed)}")
+        raise ValueError(f"{name}={value!r} must be {one_of(allowed)}")
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ class NetworkSpec:
     docs/time_model.md). Strings are parsed: ``loss`` by ``parse_loss_model``, links by ``parse_link``.
 
     Args:
-        tp_size: number of ranks.
+        ranks: number of ranks.
         loss: the loss model of every lossy link.
         seed: root of every call site's random stream.
         payload_bytes: tensor bytes per packet (1450 = UDP in a 1500-byte MTU).
@@ -76,7 +78,7 @@ class NetworkSpec:
         lossy_layers, lossy_sites: which TP call sites can lose packets (``lossysim.net.selection``:
             ``all``, layers such as ``0-5,12``; ``all``, ``attn`` or ``mlp``).
     """
-    tp_size: int
+    ranks: int
     loss: Union[str, LossModel] = "none"
     seed: int = 0
     payload_bytes: int = 1450
@@ -105,6 +107,7 @@ class NetworkSpec:
     topology: Topology = field(init=False, repr=False, compare=False)
     transport_model: Transport = field(init=False, repr=False, compare=False)
     nic_model: Nic = field(init=False, repr=False, compare=False)
+    recovery_model: Policy = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         def put(name, value):
@@ -136,14 +139,15 @@ class NetworkSpec:
         if int(self.channels) < 1:
             raise ValueError(f"channels={self.channels} must be >= 1")
         nic = parse_nic(self.nic).override(self.retransmit, self.rto_s)
-        topology = Topology(int(self.tp_size), self.ranks_per_node, self.lossy_links)
+        topology = Topology(int(self.ranks), self.ranks_per_node, self.lossy_links)
         if self.nics_per_node is not None and int(self.nics_per_node) < 1:
             raise ValueError(f"nics_per_node={self.nics_per_node} must be >= 1 (or null: one per rank)")
         transport = Transport(self.transport, nic.mode, float(self.deadline))
         if transport.repairs and loss.loss_rate >= 1.0:
             raise ValueError(f"transport={self.transport} never finishes: {loss.spec} loses every packet")
+        recovery = policy(self.recovery, block, fraction)
         # outliers retransmit their side path whatever ``transport`` says
-        side_path = self.recovery.startswith("outliers")
+        side_path = recovery.side_path
         if side_path and loss.loss_rate >= 1.0:
             raise ValueError(f"recovery={self.recovery} retransmits its outliers, which never finishes: "
                              f"{loss.spec} loses every packet")
@@ -151,20 +155,20 @@ class NetworkSpec:
             raise ValueError(f"recovery={self.recovery} retransmits its outliers by go-back-N (nic={self.nic}), "
                              f"which is not supported with {loss.spec}: use a selective repeat nic or "
                              "retransmit=selective")
-        rescale = self.recovery.endswith("rescale")
+        rescale = recovery.rescale
         if rescale and loss.loss_rate >= 1.0:
             raise ValueError(f"recovery={self.recovery} needs a loss rate below 1: {loss.spec} loses every packet")
         if rescale and transport.kind == "deadline":
             raise ValueError(f"recovery={self.recovery} with transport=deadline is not supported: the probability "
                              "that a packet arrives by the deadline has no closed form")
-        if self.recovery == "error_feedback" and _directions(self.lossy) == (ACTIVATIONS,):
-            raise ValueError("recovery=error_feedback feeds lost gradients back into the next call; with "
-                             "lossy=fwd only activations lose packets: use lossy=bwd or both")
+        if not recovery.on_activations and _directions(self.lossy) == (ACTIVATIONS,):
+            raise ValueError(f"recovery={self.recovery} acts on gradients only; with lossy=fwd only activations "
+                             "lose packets: use lossy=bwd or both")
         if transport.kind == "retransmit" and transport.mode == "go_back_n" and not loss.rewindable:
             raise ValueError(f"go-back-N (nic={self.nic}, retransmit={nic.mode}) is not supported with {loss.spec}: "
                              "go-back-N learns how many packets it sent only after drawing them; use a selective "
                              "repeat nic or retransmit=selective")
-        put("tp_size", topology.tp_size)
+        put("ranks", topology.ranks)
         put("ranks_per_node", topology.ranks_per_node)
         put("loss", loss)
         put("seed", int(self.seed))
@@ -183,6 +187,7 @@ class NetworkSpec:
         put("topology", topology)
         put("transport_model", transport)
         put("nic_model", nic)
+        put("recovery_model", recovery)
         put("selection", SiteSelection.parse(self.lossy_layers, self.lossy_sites))
 
     def replace(self, **changes) -> "NetworkSpec":
@@ -204,18 +209,16 @@ class NetworkSpec:
         """The settings as plain values: what a saved network state records and is checked against.
         The recovery policy's settings appear only where the policy uses them, so a zero or rescale
         network's state saved before they existed still loads."""
-        out = {"tp_size": self.tp_size, "loss_model": self.loss.spec, "seed": self.seed,
+        out = {"ranks": self.ranks, "loss_model": self.loss.spec, "seed": self.seed,
                "payload_bytes": self.payload_bytes, "recovery": self.recovery, "lossy": list(self.lossy),
                "max_burst": self.max_burst, "algorithm": self.algorithm, "ranks_per_node": self.ranks_per_node,
                "lossy_links": self.lossy_links, "transport": self.transport, "retransmit": self.retransmit,
                "deadline": self.deadline, "link_intra": self.link_intra.spec, "link_inter": self.link_inter.spec,
                "rto_s": self.rto_s, "nic": self.nic, "channels": self.channels,
                "nics_per_node": self.nics_per_node}
-        if "hadamard" in self.recovery:
-            out["hadamard_block"] = self.hadamard_block
-        if self.recovery.startswith("outliers"):
-            out["outlier_fraction"] = self.outlier_fraction
-        if self.recovery not in ("zero", "rescale"):
+        for name in self.recovery_model.settings:
+            out[name] = getattr(self, name)
+        if self.recovery_model.computes:
             out["compute"] = self.compute.spec      # what the policy's compute is charged at
         if not self.selection.everything:          # likewise: states saved before selections load
             out.update(lossy_layers=str(self.lossy_layers), lossy_sites=str(self.lossy_sites))

@@ -111,9 +111,18 @@ class Counters:
         """A call whose packets all arrive: ``sent[phase, link]`` packets, nothing drawn."""
         self.counts[0] += sent
 
-    def add(self, counter: str, index: torch.Tensor, values: torch.Tensor) -> None:
-        """Add ``values`` to ``counter`` at the slots ``index`` (phase * links + link)."""
-        self.counts.view(len(COUNTERS), -1)[COUNTERS.index(counter)].index_add_(0, index, values)
+    def add(self, counters: Sequence[str], index: np.ndarray, values: Sequence[np.ndarray]) -> None:
+        """Add ``values[k]`` (int64, on the host) to ``counters[k]`` at the slots ``index`` (phase * links +
+        link)."""
+        counts = self.counts.view(len(COUNTERS), -1)
+        if self.device.type == "cpu":  # a call's few dozen values: numpy's add costs a tenth of torch's dispatch
+            counts = counts.numpy()
+            for name, value in zip(counters, values):
+                np.add.at(counts[COUNTERS.index(name)], index, value)
+            return
+        index = torch.from_numpy(index).to(self.device)
+        for name, value in zip(counters, values):
+            counts[COUNTERS.index(name)].index_add_(0, index, torch.from_numpy(value).to(self.device))
 
     def flush(self) -> None:
         """Count every queued draw, in order (runs of losses continue from one draw to the next).
@@ -133,8 +142,6 @@ class Counters:
         for draw in queue:
             starts.append(starts[-1] + draw.width)
         used = torch.stack([draw.used.to(device) for draw in queue])        # [draws, rows]
-        before = used.cumsum(0) - used                                      # valid packets before each draw
-        total = used.sum(0)                                                 # [rows]
         # Packets sent: a draw with per-packet slots brings its count, a per-row phase sends used[row].
         for draw in queue:
             if draw.sent is not None:
@@ -151,8 +158,7 @@ class Counters:
         lost = self._packets(self._view(self._lost, rows)[:, :columns], starts, used)
         row, draw, position = lost
         slot = self._slot(queue, lost, link_ids)
-        counts[1].index_add_(0, slot, torch.ones_like(row))
-        self._runs(row, before[draw, row] + position, total, link_ids, slot)
+        self._losses(torch, used, row, draw, position, slot, link_ids, counts, self.histogram.view(-1))
 
     @staticmethod
     def _packets(masks: torch.Tensor, starts: list, used: torch.Tensor):
@@ -169,10 +175,8 @@ class Counters:
         """``flush`` of draws queued by ``record_lost`` (CPU counters), in numpy: the same counts, runs and
         histogram as the masks of the same draws give."""
         counts = self.counts.view(len(COUNTERS), -1).numpy()
-        size, links = counts.shape[1], self.links
+        links = self.links
         used = np.stack([draw.used for draw in queue])                       # [draws, rows]
-        before = used.cumsum(0) - used                                      # valid packets before each draw
-        total = used.sum(0)                                                 # [rows]
         # Packets sent: a draw with per-packet slots brings its count, a per-row phase sends used[row].
         slots = []                                                          # each draw's losses' slots
         for e, draw in enumerate(queue):
@@ -189,41 +193,7 @@ class Counters:
         slot = np.concatenate(slots).astype(np.int64, copy=False)
         order = np.argsort(row, kind="stable")
         row, draw, position, slot = row[order], draw[order], position[order], slot[order]
-        counts[1] += np.bincount(slot, minlength=size)
-        self._runs_lost(row, before[draw, row] + position, total, link_ids, slot, counts)
-
-    def _runs_lost(self, row: np.ndarray, stream: np.ndarray, total: np.ndarray, link_ids: np.ndarray,
-                   slot: np.ndarray, counts: np.ndarray) -> None:
-        """``_runs`` in numpy, for ``_count_lost``."""
-        open_all = self.open_run.numpy()
-        open_run = open_all[link_ids]
-        continues = np.ones(len(row), dtype=bool)
-        continues[1:] = (row[1:] == row[:-1]) & (stream[1:] == stream[:-1] + 1)
-        if len(row):
-            continues[0] = False
-        start = ~continues
-        # A run whose first packet is its link's first in this batch carries on the run left open before.
-        carried = start & (stream == 0) & (open_run[row] > 0)
-        counts[3] += np.bincount(slot[start & ~carried], minlength=counts.shape[1])
-        run = start.cumsum() - 1
-        here = np.bincount(run, minlength=int(start.sum()))                 # each run's packets in this batch
-        run_row = row[start]
-        ends_open = stream[start] + here - 1 == total[run_row] - 1          # reaches its link's last packet
-        length = here + np.where(carried[start], open_run[run_row], 0)
-        bins, hist = self.max_burst + 1, self.histogram.view(-1).numpy()
-        closed = ~ends_open
-        hist += np.bincount(link_ids[run_row[closed]] * bins + np.minimum(length[closed], self.max_burst),
-                            minlength=len(hist))
-        # A run left open before that this batch's first packet on its link closes.
-        first_lost = np.zeros(len(link_ids), dtype=bool)
-        first_lost[row[stream == 0]] = True
-        ended = (open_run > 0) & (total > 0) & ~first_lost
-        np.add.at(hist, link_ids * bins + np.minimum(open_run, self.max_burst), ended.astype(np.int64))
-        after = np.where(total > 0, 0, open_run)
-        after[run_row[ends_open]] = length[ends_open]
-        moved = open_all.copy()
-        moved[link_ids] = after
-        self.open_run = torch.from_numpy(moved)
+        self._losses(np, used, row, draw, position, slot, link_ids, counts, self.histogram.view(-1).numpy())
 
     def _slot(self, queue, packets, link_ids: torch.Tensor) -> torch.Tensor:
         """The counter slot of each (row, draw, position) packet: its draw's per-packet slots, or its
@@ -242,40 +212,19 @@ class Counters:
                 slot[mine] = index[row[mine], position[mine]]
         return slot
 
-    def _runs(self, row: torch.Tensor, stream: torch.Tensor, total: torch.Tensor, link_ids: torch.Tensor,
-              slot: torch.Tensor) -> None:
-        """Runs of consecutive lost packets on each link: bursts begun, lengths of the runs that ended,
-        the run left open (``row``/``stream``: each lost packet's link row and stream position, sorted)."""
-        open_run = self.open_run[link_ids]
-        rows = len(link_ids)
-        continues = torch.ones_like(row, dtype=torch.bool)
-        continues[1:] = (row[1:] == row[:-1]) & (stream[1:] == stream[:-1] + 1)
-        if len(row):
-            continues[0] = False
-        start = ~continues
-        # A run whose first packet is its link's first in this batch carries on the run left open before.
-        carried = start & (stream == 0) & (open_run[row] > 0)
-        begun = slot[start & ~carried]
-        self.counts.view(len(COUNTERS), -1)[3].index_add_(0, begun, torch.ones_like(begun))
-        run = start.long().cumsum(0) - 1
-        here = torch.zeros(int(start.sum()), dtype=torch.long, device=row.device).index_add_(
-            0, run, torch.ones_like(run))                          # each run's packets in this batch
-        run_row = row[start]
-        ends_open = stream[start] + here - 1 == total[run_row] - 1  # reaches its link's last packet
-        length = here + torch.where(carried[start], open_run[run_row], 0)
-        bins, hist = self.max_burst + 1, self.histogram.view(-1)
-        closed = ~ends_open
-        hist.index_add_(0, link_ids[run_row[closed]] * bins + length[closed].clamp(max=self.max_burst),
-                        torch.ones_like(length[closed]))
-        # A run left open before that this batch's first packet on its link closes.
-        first_lost = torch.zeros(rows, dtype=torch.bool, device=row.device)
-        first_lost[row[stream == 0]] = True
-        ended = (open_run > 0) & (total > 0) & ~first_lost
-        hist.index_add_(0, link_ids * bins + open_run.clamp(max=self.max_burst), ended.long())
-        after = torch.where(total > 0, 0, open_run)
-        after[run_row[ends_open]] = length[ends_open]
-        moved = self.open_run.clone()
-        moved[link_ids] = after
+    def _losses(self, xp, used, row, draw, position, slot, link_ids, counts, hist) -> None:
+        """Count a batch's losses in ``xp`` (numpy or torch, whichever holds them), whichever way its draws
+        were queued: ``used[draw, row]`` packets sent, each loss's ``row, draw, position`` (sorted in that
+        order) and counter ``slot``. Adds them to ``lost``, counts the runs (``count_runs``: a link's draws
+        are one stream of packets) and moves the open runs on."""
+        before = used.cumsum(0) - used                                      # valid packets before each draw
+        total = used.sum(0)                                                 # [rows]
+        counts[1] += xp.bincount(slot, minlength=len(counts[1]))
+        open_run = self.open_run.numpy() if xp is np else self.open_run
+        after = count_runs(xp, row, before[draw, row] + position, total, link_ids, slot, open_run[link_ids],
+                           self.max_burst, counts[3], hist)
+        moved = self.open_run.clone()   # the old tensor may be a saved state's: never written in place
+        moved[torch.as_tensor(link_ids)] = torch.as_tensor(after)
         self.open_run = moved
 
     def reset(self) -> None:
@@ -308,6 +257,37 @@ class Counters:
             grown[:len(self.counts)] = self.counts
             self.counts = grown
         self.calls = state["calls"]
+
+
+def count_runs(xp, row, stream, total, link_ids, slot, open_run, max_burst: int, bursts, hist):
+    """Runs of consecutive lost packets on each link, in ``xp`` (the numpy or torch module: whichever
+    holds the arrays): ``row``/``stream`` each lost packet's link row and stream position in the batch,
+    sorted; ``total`` the packets sent per row; ``open_run`` the run each row's link left open before.
+    Adds the bursts begun to ``bursts[slot]`` and the lengths of the runs that ended to ``hist[link,
+    length]`` (flat, the last bin holding longer runs); returns the run each row leaves open."""
+    continues = xp.ones_like(row, dtype=bool)
+    continues[1:] = (row[1:] == row[:-1]) & (stream[1:] == stream[:-1] + 1)
+    if len(row):
+        continues[0] = False
+    start = ~continues
+    # A run whose first packet is its link's first in this batch carries on the run left open before.
+    carried = start & (stream == 0) & (open_run[row] > 0)
+    bursts += xp.bincount(slot[start & ~carried], minlength=len(bursts))
+    run = start.cumsum(0) - 1
+    here = xp.bincount(run, minlength=int(start.sum()))                 # each run's packets in this batch
+    run_row = row[start]
+    ends_open = stream[start] + here - 1 == total[run_row] - 1          # reaches its link's last packet
+    length = here + xp.where(carried[start], open_run[run_row], 0)
+    bins, closed = max_burst + 1, ~ends_open
+    hist += xp.bincount(link_ids[run_row[closed]] * bins + length[closed].clip(max=max_burst), minlength=len(hist))
+    # A run left open before that this batch's first packet on its link closes.
+    first_lost = xp.zeros_like(link_ids, dtype=bool)
+    first_lost[row[stream == 0]] = True
+    ended = (open_run > 0) & (total > 0) & ~first_lost
+    hist += xp.bincount((link_ids * bins + open_run.clip(max=max_burst))[ended], minlength=len(hist))
+    after = xp.where(total > 0, 0, open_run)
+    after[run_row[ends_open]] = length[ends_open]
+    return after
 
 
 class NonFinite:

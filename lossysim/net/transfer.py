@@ -54,7 +54,7 @@ class Transfer:
     steps: list                        # the steps with traffic
     ideal: float                       # loss-free duration of the collective
     _weights: dict = field(default_factory=dict)
-    sparse: Optional[list] = None      # the steps as numpy arrays (``sparse.StepArrays``), once needed
+    host_steps: Optional[list] = None  # the steps as the fates keepers index them (``fates.HostStep``), once needed
 
     def weights(self, dtype: torch.dtype) -> Delivery:
         """What each path carries when delivered under ``rescale`` (``algorithms.path_weights``)."""
@@ -66,7 +66,7 @@ class Transfer:
 def build(spec: NetworkSpec, links: list, collective: str, numel: int, dtype: torch.dtype, device) -> Transfer:
     """The Transfer of one collective of ``numel`` elements of ``dtype`` on ``device``."""
     per_packet, n_packets = packets(spec.payload_bytes, numel, dtype)
-    sched = schedule(spec.algorithm, collective, spec.tp_size, n_packets)
+    sched = schedule(spec.algorithm, collective, spec.ranks, n_packets)
     topology = spec.topology
     index = {link: i for i, link in enumerate(links)}
     link_ids = torch.tensor([index[link] for link in sched.links], dtype=torch.long, device=device)
@@ -89,7 +89,7 @@ def build(spec: NetworkSpec, links: list, collective: str, numel: int, dtype: to
 def loss_free_time(spec: NetworkSpec, sched: Schedule, message_bytes: int, packet_bytes: int) -> float:
     """A collective's loss-free duration: NCCL's model for ring and tree, one alpha-beta step for direct."""
     topology = spec.topology
-    R, nodes = spec.tp_size, topology.nodes
+    R, nodes = spec.ranks, topology.nodes
     if R < 2 or message_bytes == 0:
         return 0.0
     if sched.algorithm == "direct":

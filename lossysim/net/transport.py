@@ -26,9 +26,10 @@ shows beside the configured preset.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from ..timing.retransmission import Nic
@@ -39,6 +40,11 @@ MODES = ("selective", "go_back_n")
 # draw(lengths, known=True) -> (lost [n, max(lengths)], commit(used)): the next transmissions on
 # each link; commit says how many were really sent (counters, and the chains when not known).
 Draw = Callable[..., tuple]
+# draw(to_send, width) -> lost: the next ``width`` transmissions on each link as the sorted flat positions
+# ``row * width + column`` of the lost ones (numpy; the fates past ``to_send[row]`` included); then
+# count(row, column, to_send) is given those that went out, to be counted.
+PositionsDraw = Callable[[np.ndarray, int], np.ndarray]
+Count = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 
 
 @dataclass(frozen=True)
@@ -80,78 +86,149 @@ class Sends:
     final: torch.Tensor          # the link's last step in the collective: its tail losses wait for timers
     tails: torch.Tensor          # [sends, max packets] positions whose loss nothing behind reveals (round 0)
     tail_resends: torch.Tensor   # in later rounds, how many last resends are tails (final sends)
+    _host: Optional["HostSends"] = field(default=None, repr=False, compare=False)
+
+    def host(self) -> "HostSends":
+        """What selective repeat reads, as numpy arrays (copied once: a step lives as long as its network)."""
+        if self._host is None:
+            final = self.final.cpu().numpy()
+            packets = self.packets.cpu().numpy().astype(np.int64)
+            self._host = HostSends(packets, int(packets.max()) if len(packets) else 0, self.tau.cpu().numpy(),
+                                   self.rtt.cpu().numpy(), final, self.tails.cpu().numpy() if final.any() else None,
+                                   bool(final.any()), self.tail_resends.cpu().numpy().astype(np.int64))
+        return self._host
 
 
 @dataclass
-class StepResult:
-    missing: torch.Tensor        # [sends, max packets] packets never delivered
-    transmissions: torch.Tensor  # [sends] packets put on the wire, resends included
-    extra: torch.Tensor          # [] the step's time beyond loss-free: its slowest send's repairs
-    shadow: torch.Tensor         # [] the same under the ideal preset (every wait one round trip)
-    timeouts: torch.Tensor       # [sends] waits on a timer
-    failed: torch.Tensor         # [sends] gave up after the preset's retries (retransmit only)
+class HostSends:
+    """``Sends`` as selective repeat reads them: numpy, on the host."""
+    packets: np.ndarray
+    width: int                  # the most packets of a send
+    tau: np.ndarray
+    rtt: np.ndarray
+    final: np.ndarray
+    tails: Optional[np.ndarray]  # [sends, width] bool: round 0's tail positions (None: no final send)
+    any_final: bool             # some send is its link's last in the collective
+    tail_resends: np.ndarray
 
 
-def run_step(transport: Transport, nic: Nic, sends: Sends, draw: Draw, budget: float) -> StepResult:
-    """Carry one step's sends (each on its own link) through the transport; ``budget``: the seconds the
-    step's repairs may take (``deadline`` only)."""
+@dataclass
+class Result:
+    """One step through the transport (per send unless said otherwise)."""
+    missing_row: np.ndarray     # sends and packet indices never delivered (sorted; failed sends left out)
+    missing_packet: np.ndarray
+    transmissions: np.ndarray   # packets put on the wire, resends included
+    extra: float                # the step's time beyond loss-free: its slowest send's repairs
+    shadow: float               # the same under the ideal preset (every wait one round trip)
+    timeouts: np.ndarray        # waits on a timer
+    failed: np.ndarray          # gave up after the preset's retries (retransmit only)
+
+
+def run_step(transport: Transport, nic: Nic, sends: Sends, draw: Draw, budget: float) -> Result:
+    """Carry one step's sends (each on its own link) through the transport, their fates drawn as masks;
+    ``budget``: the seconds the step's repairs may take (``deadline`` only)."""
     if nic.mode == "selective":
-        return _selective(nic, sends, draw, budget, give_up=transport.kind == "deadline")
+        return selective(nic, sends.host(), *_as_positions(draw, sends.packets.device), budget,
+                         give_up=transport.kind == "deadline")
     return _go_back_n(nic, sends, draw)
 
 
-def _selective(nic: Nic, s: Sends, draw: Draw, budget: float, give_up: bool) -> StepResult:
-    packets = s.packets
-    width = int(packets.max()) if packets.numel() else 0
-    slot = torch.arange(width, device=packets.device)
-    pending = slot < packets.unsqueeze(1)              # packets not yet delivered
-    to_send = packets.clone()
-    sent = torch.zeros_like(packets)
-    waits = torch.zeros_like(s.tau)
-    shadow = torch.zeros_like(s.tau)
-    timeouts = torch.zeros_like(packets)
-    streak = torch.zeros_like(packets)                 # timeouts in a row (timers back off)
-    failed = torch.zeros_like(packets, dtype=torch.bool)
-    stopped = torch.zeros_like(failed)
-    rounds = 0
+def _as_positions(draw: Draw, device: torch.device) -> tuple[PositionsDraw, Count]:
+    """A mask draw as selective repeat takes it: each round's mask is counted whole on its device, and only
+    the positions of its losses come to the host (one ``nonzero``, a host sync, per round: the rounds go on
+    while something is pending, which the host must know anyway)."""
+    drawn = []   # the round's (lengths, commit)
+
+    def positions(to_send: np.ndarray, width: int) -> np.ndarray:
+        lengths = torch.tensor(to_send, device=device)   # a copy: the counters keep it until they flush
+        lost, commit = draw(lengths)
+        drawn[:] = lengths, commit
+        return lost.flatten().nonzero().squeeze(1).cpu().numpy()
+
+    def count(row: np.ndarray, column: np.ndarray, to_send: np.ndarray) -> None:
+        lengths, commit = drawn
+        commit(lengths)
+    return positions, count
+
+
+def selective(nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, budget: float, give_up: bool) -> Result:
+    """Selective repeat (and the deadline's give-up) for one step, whatever keeps the packets' fates:
+    ``draw`` hands each round's losses back as positions, ``count`` takes those that went out.
+
+    The pending packets are ``(row, packet)`` pairs, row-major; most rounds after the first resend a few
+    packets and lose none, so the work that only losses, tails or failures need is skipped without them."""
+    packets, n = a.packets, len(a.packets)
+    sent = np.zeros(n, dtype=np.int64)
+    waits, shadow = np.zeros(n), np.zeros(n)
+    timeouts, streak = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    failed, stopped = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+    streaking = False                                                   # some streak is not 0
+    checks_failures = nic.retries is not None and not give_up
+    to_send = pending = packets                                          # pending: per row
+    width, rounds, row = a.width, 0, None
     while True:
-        lost, commit = draw(to_send)
-        commit(to_send)
-        # The k-th pending packet goes out as this round's k-th transmission.
-        order = (pending.cumsum(1) - 1).clamp(min=0, max=max(lost.shape[1] - 1, 0))
-        again = pending & (lost.gather(1, order) if lost.shape[1] else torch.zeros_like(pending))
-        if rounds == 0:
-            tail = (again & s.tails[:, :width]).any(1)
-        else:  # the round's last resends have nothing behind them in the link's last step
-            tail = s.final & (again & (order >= (to_send - s.tail_resends).unsqueeze(1))).any(1)
+        lost = draw(to_send, width)                                         # flat row * width + column
+        lost_row, lost_column = np.divmod(lost, width)
+        went = lost_column < to_send[lost_row]
+        count(lost_row[went], lost_column[went], to_send)
+        tail = None
+        if row is None:  # round 0 sends every packet in order: the lost ones that went out are pending
+            row, packet = lost_row[went], lost_column[went]
+            if a.tails is not None and len(row):
+                tail = np.zeros(n, dtype=bool)
+                tail[row[a.tails[row, packet]]] = True
+        elif len(lost) and len(row):
+            # The k-th pending packet of a row goes out as its k-th transmission of the round (a row with
+            # more pending than the round's width, one that stopped sending, reads the last column).
+            order = np.minimum(np.arange(len(row)) - (np.cumsum(pending) - pending)[row], width - 1)
+            again = _member(row * width + order, lost)
+            row, packet, order = row[again], packet[again], order[again]
+            if len(row) and a.any_final:  # the round's last resends have nothing behind them in the last step
+                tail = np.zeros(n, dtype=bool)
+                tail[row[order >= (to_send - a.tail_resends)[row]]] = True
+                tail &= a.final
+        else:  # nothing lost this round: nothing pending
+            row, packet = row[:0], packet[:0]
         sent = sent + to_send
         rounds += 1
-        pending = again
-        to_send = pending.sum(1)
-        if nic.retries is not None and not give_up:
-            failed = failed | ((to_send > 0) & (rounds > nic.retries))
-            to_send = torch.where(failed, 0, to_send)
-        wait = torch.where(tail, nic.timer_s(s.rtt, streak), s.rtt)
-        streak = torch.where(tail, streak + 1, 0)
-        if give_up:  # the next round must end within the budget, or the receiver stops waiting
-            late = (to_send > 0) & ((sent - packets) * s.tau + waits + wait + to_send * s.tau > budget)
+        to_send = pending = np.bincount(row, minlength=n)
+        if checks_failures and rounds > nic.retries:
+            failed = failed | (to_send > 0)
+            to_send = np.where(failed, 0, to_send)
+        # (small arrays: Python's any and max over tolist() cost a tenth of numpy's reductions)
+        if tail is not None and any(tail.tolist()):
+            wait = np.where(tail, nic.timer_s(torch.from_numpy(a.rtt), torch.from_numpy(streak)).numpy(), a.rtt)
+            streak, streaking = np.where(tail, streak + 1, 0), True
+        else:
+            wait, tail = a.rtt, None
+            if streaking:
+                streak, streaking = np.zeros(n, dtype=np.int64), False
+        if give_up and len(row):  # the next round must end within the budget, or the receiver stops waiting
+            late = (to_send > 0) & ((sent - packets) * a.tau + waits + wait + to_send * a.tau > budget)
             stopped = stopped | late
-            to_send = torch.where(late, 0, to_send)
-        if not bool((to_send > 0).any()):
-            break
+            to_send = np.where(late, 0, to_send)
         active = to_send > 0
-        waits = waits + torch.where(active, wait, 0)
-        shadow = shadow + torch.where(active, s.rtt, 0)
-        timeouts = timeouts + (active & tail)
-    resent = (sent - packets) * s.tau
-    extra = torch.where(stopped, torch.full_like(waits, budget), resent + waits)
-    return StepResult(pending & ~failed.unsqueeze(1), sent, _slowest(extra), _slowest(resent + shadow),
-                      timeouts, failed)
+        if not any(active.tolist()):
+            break
+        waits = waits + np.where(active, wait, 0.0)
+        shadow = shadow + np.where(active, a.rtt, 0.0)
+        if tail is not None:
+            timeouts = timeouts + (active & tail)
+        width = max(to_send.tolist())
+    resent = (sent - packets) * a.tau
+    extra = np.where(stopped, budget, resent + waits)
+    keep = ~failed[row]
+    return Result(row[keep], packet[keep], sent, _slowest(extra), _slowest(resent + shadow), timeouts, failed)
 
 
-def _go_back_n(nic: Nic, s: Sends, draw: Draw) -> StepResult:
+def _member(keys: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """Whether each of ``keys`` is in the sorted array ``sorted_set``."""
+    at = np.minimum(np.searchsorted(sorted_set, keys), len(sorted_set) - 1)
+    return sorted_set[at] == keys
+
+
+def _go_back_n(nic: Nic, s: Sends, draw: Draw) -> Result:
     packets = s.packets
-    width = int(packets.max()) if packets.numel() else 0
     delivered = torch.zeros_like(packets)              # the in-order prefix the receiver holds
     sent = torch.zeros_like(packets)
     waits = torch.zeros_like(s.tau)
@@ -189,10 +266,12 @@ def _go_back_n(nic: Nic, s: Sends, draw: Draw) -> StepResult:
         losses = losses + hit
         timeouts = timeouts + (tail & ~failed)
         delivered = delivered + first
-    missing = torch.zeros(len(packets), width, dtype=torch.bool, device=packets.device)
-    return StepResult(missing, sent, _slowest((sent - packets) * s.tau + waits), _slowest(losses * s.tau + shadow),
-                      timeouts, failed)
+    nothing = np.zeros(0, dtype=np.int64)   # a go-back-N receiver ends with every packet, or fails
+    return Result(nothing, nothing, sent.cpu().numpy(), _slowest((sent - packets) * s.tau + waits),
+                  _slowest(losses * s.tau + shadow), timeouts.cpu().numpy(), failed.cpu().numpy())
 
 
-def _slowest(seconds: torch.Tensor) -> torch.Tensor:
-    return seconds.max() if seconds.numel() else seconds.sum()
+def _slowest(seconds) -> float:
+    """The largest of a step's per-send seconds (numpy or torch; small: Python's max over tolist() is the
+    cheapest reduction)."""
+    return max(seconds.tolist()) if len(seconds) else 0.0

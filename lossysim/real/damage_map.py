@@ -121,7 +121,7 @@ class _Model:
             for i in range(start):
                 self.layers[i] = _Known(self.known[i])
             with swapped(self.tpm.model, "lm_head", torch.nn.Identity()), \
-                    swapped(self.tpm.group, "network", network or LossyNetwork(self.tpm.network.tp_size)):
+                    swapped(self.tpm.group, "network", network or LossyNetwork(self.tpm.network.ranks)):
                 self.tpm(input_ids=self.ids, attention_mask=torch.ones_like(self.ids))
         finally:
             for i in range(start):

@@ -12,13 +12,11 @@ import transformers
 from .. import timing
 from ..config import ExperimentConfig
 from ..data import PreparedData, prepare_data
-from ..dp import DataParallel, FullyShardedDataParallel, Replica
-from ..dp.fsdp import DistFullyShardedDataParallel
-from ..dp.replicas import DistDataParallel
+from ..dp import DataParallel, Replica, apply_dp
 from ..models import build_model, check_max_length, cost
 from ..net import LossyNetwork
-from ..util import cache_dir, stream_seed
-from ..tp import TensorParallelModel, parallelize
+from ..util import cache_dir
+from ..tp import TensorParallelModel, apply_tp
 
 
 @dataclass
@@ -37,9 +35,9 @@ class Parts:
     layers: int      # with hidden: attention's FLOPs
     hidden: int
     kernels: int     # kernel launches of one rank's training step, the TP collectives included
-    # dp_size > 1: every replica (replica 0 is model, train_net, optimizer, scheduler above) and the
-    # data-parallel networks between them; None without data parallelism
-    dp: Optional[DataParallel] = None
+    # every replica (replica 0 is model, train_net, optimizer, scheduler above) and the data-parallel
+    # networks between them; without data parallelism a group of one (dp.dp_size == 1)
+    dp: DataParallel
 
 
 def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bool,
@@ -51,10 +49,11 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
                         num_labels=data.num_labels, max_length=config.max_length,
                         attn_implementation=config.attn_implementation, dropout=config.dropout,
                         seed=config.seed, task=config.task).to(device)
+    mesh, settings = config.mesh(), config.network_settings()
     distributed = config.backend == "dist"
-    # Ranks are tp-major: this rank is TP rank tp_rank of replica `replica` (dist; sim runs them all).
-    replica, tp_rank = divmod(rank, config.tp_size) if distributed else (0, 0)
-    train_net = LossyNetwork(config.replica_network_spec(replica))
+    # dist runs this rank's replica and TP position; sim runs every rank, replica 0's being the run's own.
+    replica, tp_rank = mesh.coordinate(rank) if distributed else (0, 0)
+    train_net = LossyNetwork(mesh.tp_network_spec(settings, replica))
     eval_net = LossyNetwork(config.network_spec(evaluation=True))
     parameters = sum(p.numel() for p in model.parameters())
     layers, hidden = cost.dims(model.config)
@@ -62,38 +61,33 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
     # Each rank launches the whole model's kernels on its shards, and its collectives'.
     kernels = cost.kernels_per_step(model, config.task) + cost.collective_kernels(layers, config.tp_size)
     compute = _compute(config, device)
-    bucket_bytes = config.dp_bucket_mb * (1 << 20)
-    if distributed and config.dp_size > 1:
-        groups = _process_groups(config.tp_size, config.dp_size)
-        tp_model = _parallel_model(config, model, train_net, rank, groups["tp"][replica])
-        first = _replica(config, tp_model, train_net, rank, parallel=False)
-        kind = DistFullyShardedDataParallel if config.dp_mode == "fsdp" else DistDataParallel
-        dp = kind(first, LossyNetwork(config.dp_network_spec(tp_rank)), bucket_bytes,
-                  replica_index=replica, tp_rank=tp_rank, dp_size=config.dp_size,
-                  tp_size=config.tp_size, dp_group=groups["dp"][tp_rank], tp_group=groups["tp"][replica])
+    groups = mesh.process_groups() if distributed and mesh.dp > 1 else None
+    # The parallelisms apply in torchtitan's order: the model is built above; apply_pp (pipeline
+    # stages, a pp/ package) will cut it here, before tensor parallelism shards each stage.
+    if groups is not None:
+        tp_model = apply_tp(model, config, mesh, train_net, rank, groups["tp"][replica])
+        replicas = [_replica(config, tp_model)]
     else:
         # Every replica starts from the same weights (DDP broadcasts rank 0's); replica 0 is built last
         # so the global generator ends seeded exactly as without data parallelism.
-        copies = [copy.deepcopy(model) for _ in range(config.dp_size - 1)]
-        others = [_replica(config, copies[r - 1], LossyNetwork(config.replica_network_spec(r)), rank)
-                  for r in range(1, config.dp_size)]
-        tp_model = _parallel_model(config, model, train_net, rank)
-        first = _replica(config, tp_model, train_net, rank, parallel=False)
-        dp = None
-        if config.dp_size > 1:
-            networks = [LossyNetwork(config.dp_network_spec(t)) for t in range(config.tp_size)]
-            kind = FullyShardedDataParallel if config.dp_mode == "fsdp" else DataParallel
-            dp = kind([first, *others], networks, bucket_bytes)
+        copies = [copy.deepcopy(model) for _ in range(mesh.dp - 1)]
+        others = [_replica(config, apply_tp(copies[r - 1], config, mesh,
+                                            LossyNetwork(mesh.tp_network_spec(settings, r)), rank))
+                  for r in range(1, mesh.dp)]
+        tp_model = apply_tp(model, config, mesh, train_net, rank)
+        replicas = [_replica(config, tp_model), *others]
+    positions = [tp_rank] if groups is not None else range(mesh.tp) if mesh.dp > 1 else []
+    networks = [LossyNetwork(mesh.dp_network_spec(settings, t, config.dp_lossy())) for t in positions]
+    dp = apply_dp(replicas, mesh, networks, config.dp_bucket_mb * (1 << 20), config.dp_mode, rank, groups)
+    first = replicas[0]
     return Parts(data, tp_model, train_net, eval_net, first.optimizer, first.scheduler,
                  autocast=_autocast(config.amp, device),
                  scaler=torch.amp.GradScaler(device.type, enabled=config.amp == "fp16"),
                  compute=compute, parameters=parameters, layers=layers, hidden=hidden, kernels=kernels, dp=dp)
 
 
-def _replica(config: ExperimentConfig, model: torch.nn.Module, network: LossyNetwork, rank: int,
-             parallel: bool = True) -> Replica:
+def _replica(config: ExperimentConfig, tp_model: TensorParallelModel) -> Replica:
     """A replica's TP model (on its own network), optimiser and learning-rate schedule."""
-    tp_model = _parallel_model(config, model, network, rank) if parallel else model
     optimizer = _optimizer(config, tp_model)
     scheduler = transformers.get_linear_schedule_with_warmup(
         optimizer, min(config.warmup_steps, config.steps), config.steps)
@@ -106,27 +100,6 @@ def _compute(config: ExperimentConfig, device: torch.device):
         raise ValueError("compute=measured needs backend=dist on CUDA GPUs: a simulation's own wall "
                          "clock is not a cluster's time; name a GPU model instead (e.g. compute=h100)")
     return compute
-
-
-def _process_groups(tp: int, dp: int) -> dict:
-    """dist's 2-D mesh: each replica's TP ranks, and each TP position's data-parallel ranks (every
-    process creates every group, in the same order, as torch.distributed requires)."""
-    import torch.distributed as dist
-    return {"tp": [dist.new_group(list(range(r * tp, (r + 1) * tp))) for r in range(dp)],
-            "dp": [dist.new_group([r * tp + t for r in range(dp)]) for t in range(tp)]}
-
-
-def _parallel_model(config: ExperimentConfig, model: torch.nn.Module, network: LossyNetwork,
-                    rank: int, process_group=None) -> TensorParallelModel:
-    tp_model = parallelize(model, config.tp_size, network, backend=config.backend, seed=config.seed,
-                           process_group=process_group, sync_replicated=config.sync_replicated)
-    # Dropout outside the replicated regions draws from the global generator: one stream per rank,
-    # as Megatron seeds its model-parallel stream with the TP rank.
-    torch.manual_seed(stream_seed(config.seed, "sharded-dropout", str(rank)))
-    if config.activation_checkpointing:
-        tp_model.model.activation_checkpointing_enable(
-            {"use_reentrant": False, "context_fn": tp_model.group.checkpoint_contexts})
-    return tp_model
 
 
 def _optimizer(config: ExperimentConfig, model: TensorParallelModel) -> torch.optim.AdamW:

@@ -140,7 +140,7 @@ def save_training(run_dir: Path, parts: "Parts", state: TrainState, window: Wind
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         "train_net": parts.train_net.state_dict(), "eval_net": parts.eval_net.state_dict(),
     }
-    if parts.dp is not None:
+    if parts.dp.dp_size > 1:
         contents["dp"] = parts.dp.state_dict()
     return save(run_dir, state.step, contents, rank=rank, world=_world(config), keep=config.keep_checkpoints,
                 barrier=barrier)
@@ -173,7 +173,7 @@ def resume(run_dir: Path, parts: "Parts", window: Window, config: ExperimentConf
     parts.model.group.load_rng_state(saved["rng"]["replicated"])
     parts.train_net.load_state_dict(saved["train_net"])
     parts.eval_net.load_state_dict(saved["eval_net"])
-    if parts.dp is not None:
+    if parts.dp.dp_size > 1:
         parts.dp.load_state_dict(saved["dp"])
     state = TrainState.from_dict(saved["progress"])
     log.info("resumed from %s at step %d", found[0], state.step)

@@ -22,9 +22,18 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ..config import ExperimentConfig, load_config, parse_overrides, save_yaml
-from ..data import EVAL_SPLITS, train_batches
+from ..config import BACKENDS, DP_MODES, ExperimentConfig, load_config, parse_overrides, save_yaml
+from ..data import EVAL_SPLITS, MNLI, SYNTHETIC, train_batches
+from ..data.pydoc_text import PYDOC
 from ..io import atomic_write_json, atomic_write_text, check_writable, nearest_existing, run_status
+from ..models import NAMED_SHAPES
+from ..models.pretrained import PACKAGED
+from ..net.algorithms import ALGORITHMS
+from ..net.recovery import RECOVERY_POLICIES
+from ..net.spec import LOSSY
+from ..net.transport import TRANSPORTS
+from ..timing import NIC_PRESETS
+from ..util import one_of
 from . import checkpoint, record, tracking
 from .build import Parts, build
 from .evaluate import evaluate
@@ -34,22 +43,23 @@ from .step import train_step
 
 log = logging.getLogger(__name__)
 
-# CLI flags for the common settings; everything else goes through --set key=value.
+# CLI flags for the common settings; everything else goes through --set key=value. Every list of
+# values is written from the tuple that defines it (tests/test_cli_help.py holds them to it).
 FLAGS = {
     "--loss": ("loss", "loss model spec, e.g. bernoulli:0.01 or ge:rate=0.01,burst=8"),
     "--tp-size": ("tp_size", "tensor-parallel degree"),
     "--dp-size": ("dp_size", "data-parallel replicas of the tensor-parallel group (world = tp x dp)"),
-    "--dp-mode": ("dp_mode", "ddp (replicas hold whole parameters) or fsdp (ZeRO-3: sharded, gathered)"),
-    "--backend": ("backend", "sim (all ranks in one process) or dist (torchrun)"),
-    "--lossy": ("lossy", "which traffic is lossy: fwd, bwd or both"),
-    "--recovery": ("recovery", "zero, rescale, hadamard, hadamard+rescale, outliers, outliers+hadamard, stale "
-                               "or error_feedback (docs/semantics.md)"),
-    "--algorithm": ("algorithm", "collective algorithm: ring, tree or direct"),
-    "--transport": ("transport", "drop, retransmit or deadline"),
-    "--nic": ("nic", "how lost packets are detected and repaired: ideal, irn, srd, roce-gbn or tcp"),
-    "--model": ("model", "tiny | small | tiny-llama | llama-1b-shape | smollm2-135m-shape | smollm2-135m "
-                         "(pretrained, the real extra) | a HF name | a local directory"),
-    "--dataset": ("dataset", "synthetic | mnli | pydoc (task lm) | a local directory or file"),
+    "--dp-mode": ("dp_mode", f"{one_of(DP_MODES)} (ddp: replicas hold whole parameters; fsdp: ZeRO-3, "
+                             "parameters sharded and gathered)"),
+    "--backend": ("backend", f"{one_of(BACKENDS)} (sim: all ranks in one process; dist: torchrun)"),
+    "--lossy": ("lossy", f"which traffic is lossy: {one_of(LOSSY)}"),
+    "--recovery": ("recovery", f"what a receiver makes of a lost packet: {one_of(RECOVERY_POLICIES)}"),
+    "--algorithm": ("algorithm", f"collective algorithm: {one_of(ALGORITHMS)}"),
+    "--transport": ("transport", f"whether and how a lost packet is repaired: {one_of(TRANSPORTS)}"),
+    "--nic": ("nic", f"how lost packets are detected and repaired: {one_of(NIC_PRESETS)}"),
+    "--model": ("model", f"a named model, {one_of((*NAMED_SHAPES, *PACKAGED))} (random weights but "
+                         f"{', '.join(PACKAGED)}: pretrained, the real extra); or a HF name or a local directory"),
+    "--dataset": ("dataset", f"{one_of((SYNTHETIC, MNLI, PYDOC))} (task lm only); or a local directory or file"),
     "--max-train-samples": ("max_train_samples", "cap on training examples"),
     "--max-eval-samples": ("max_eval_samples", "cap on examples per eval split"),
     "--steps": ("steps", "optimizer steps"),
@@ -167,14 +177,14 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
                 disagreement = parts.model.disagreement()
                 row = record.train_row(step, started, averages, state, parts.train_net,
                                        parts.scheduler.get_last_lr()[0], disagreement, config)
-                if parts.dp is not None:
+                if parts.dp.dp_size > 1:
                     row.update(record.dp_row(parts.dp, state))
                 state.train_disagreement.append(row["disagreement"])
                 metrics.write(row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}",
                                 lost=f"{row['observed_loss_rate']:.4f}", refresh=False,
                                 **({"lost_dp": f"{row['observed_loss_rate_dp']:.4f}", "drift": f"{row['drift']:.2g}"}
-                                   if parts.dp is not None else {}))
+                                   if parts.dp.dp_size > 1 else {}))
                 if config.max_failures and row["failures"] >= config.max_failures:
                     raise _GaveUp(step, row["failures"])
 
@@ -183,7 +193,7 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
                     scores = evaluate(parts, split, config, rt.device)
                     row = record.eval_row(step, split, started, scores, state, parts.train_net, parts.eval_net,
                                           config)
-                    if parts.dp is not None:  # replica 0 is evaluated; how far the others are from it
+                    if parts.dp.dp_size > 1:  # replica 0 is evaluated; how far the others are from it
                         row["drift"] = parts.dp.drift()
                     metrics.write(row)
                     # time to accuracy is measured on the first (primary) split
@@ -209,7 +219,7 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
         checkpoint.export_model(parts, rt.run_dir, rt.is_main)
     summary = record.summary(status, diverged_at, config, parts.data.name, state, parts.train_net,
                              parts.eval_net, started)
-    if parts.dp is not None:
+    if parts.dp.dp_size > 1:
         summary["data_parallel"] = record.dp_summary(parts.dp, config, state)
     if rt.is_main:
         atomic_write_json(rt.run_dir / "summary.json", summary)

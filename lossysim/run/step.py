@@ -7,7 +7,6 @@ import torch
 
 from .. import timing
 from ..config import ExperimentConfig
-from ..dp import gathered_forward_seconds, step_seconds
 from ..models import cost
 from ..tp import TensorParallelModel
 from .build import Parts
@@ -16,76 +15,41 @@ from .state import TrainState, Window
 
 def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window: Window, batch: dict,
                device: torch.device) -> bool:
-    """Train on one host batch; False (and no update) if the loss or gradients are non-finite."""
-    if parts.dp is not None:
-        return _train_step_data_parallel(parts, config, state, window, batch, device)
-    # tokens/s counts real tokens, not padding (counted on the host: no device sync)
-    tokens = int(batch["attention_mask"].sum())
-    batch = {k: v.to(device) for k, v in batch.items()}
-    model = parts.model
-    t0 = time.perf_counter()
-    model.train()
-    with parts.autocast:
-        out = model(**(_lm_inputs(batch) if config.task == "lm" else batch))
-    parts.scaler.scale(out.loss).backward()
-    parts.scaler.unscale_(parts.optimizer)
-    norm = _clip_grad_norm(model, config.grad_clip)
-    finite = torch.isfinite(norm) & torch.isfinite(model.rank_losses.detach()).all()
-    # Every rank must agree, or dist ranks would part ways at the next collective.
-    if not bool(model.group.all_gather_reliable(finite.reshape(1)).all()):
-        return False
-    parts.scaler.step(parts.optimizer)
-    parts.scaler.update()
-    parts.scheduler.step()
-    parts.optimizer.zero_grad(set_to_none=True)
-    state.tokens += tokens
-    state.compute_s += _compute_seconds(parts, config, batch, t0, device)
-    seconds = time.perf_counter() - t0
-    state.train_time += seconds
-    logits, labels = _next_tokens(out.logits.detach(), batch) if config.task == "lm" \
-        else (out.logits.detach(), batch["labels"])
-    window.add(model.rank_losses.detach(), logits, labels, tokens, seconds)
-    return True
+    """Train on one host batch; False (and no update) if the loss or gradients are non-finite.
 
-
-def _train_step_data_parallel(parts: Parts, config: ExperimentConfig, state: TrainState, window: Window,
-                              batch: dict, device: torch.device) -> bool:
-    """One DDP or FSDP step: every replica trains on its own equal shard of the global batch (the same
-    shard on all its TP ranks), the gradient buckets are averaged over the data-parallel networks (FSDP:
-    the units' weights are gathered before, their gradients reduce-scattered after), then every replica
-    clips and steps on what it received. The clock charges replica 0's compute and TP traffic, as
-    without data parallelism, plus the time the data-parallel traffic adds (``lossysim.dp.timeline``)."""
+    Every mesh takes this one step; without data parallelism ``parts.dp`` is a group of one replica,
+    whose averaging is the identity and costs no time. Every replica trains on its own equal shard of
+    the global batch (the same shard on all its TP ranks), in ``micro_batches`` forward/backwards whose
+    gradients accumulate; the gradient buckets are then averaged over the data-parallel networks (FSDP:
+    the units' weights are gathered before, their gradients reduce-scattered after), and every replica
+    clips and steps on what it received. The clock charges replica 0's compute and TP traffic plus the
+    time the data-parallel traffic adds (``lossysim.dp.timeline``)."""
     dp = parts.dp
+    # tokens/s counts real tokens, not padding (counted on the host: no device sync)
     tokens = int(batch["attention_mask"].sum())
     batch = {k: v.to(device) for k, v in batch.items()}
     rows = batch["input_ids"].shape[0] // dp.dp_size
     t0 = time.perf_counter()
     gather_s = dp.gather_weights()                 # FSDP: every replica's working weights; DDP: none
-    outs, computes, times = [], [], []
+    computes, times, losses, logits = [], [], [], []
     for index, replica in enumerate(dp.replicas):   # sim: every replica; dist: this rank's
         r = dp.first + index
         shard = {k: v[r * rows:(r + 1) * rows] for k, v in batch.items()}
-        model, network = replica.model, replica.model.network
-        start = network.clock()["comm_s"]
-        model.train()
-        with parts.autocast:
-            out = model(**(_lm_inputs(shard) if config.task == "lm" else shard))
-        forward_end = network.clock()["comm_s"]
-        parts.scaler.scale(out.loss).backward()
-        backward_end = network.clock()["comm_s"]
-        compute = _compute_seconds(parts, config, shard, t0, device)
+        compute, forward_s, backward_s, replica_losses, replica_logits = _accumulate(
+            parts, config, replica.model, shard, t0, device)
         computes.append(compute)
-        # 2N FLOPs per token forward, 4N backward: a third of the compute is forward.
-        times.append(torch.tensor([[compute / 3 + forward_end - start,
-                                    compute * 2 / 3 + backward_end - forward_end]], dtype=torch.float64))
-        outs.append(out)
+        times.append(torch.tensor([[forward_s, backward_s]], dtype=torch.float64))
+        losses.append(replica_losses)
+        logits.append(replica_logits)
     times = dp.gather_replicas(times)              # [dp, 2]: every replica's forward and backward
     bucket_s = dp.average_gradients()
     finite = True
-    for replica in dp.replicas:
+    for replica, replica_losses in zip(dp.replicas, losses):
         parts.scaler.unscale_(replica.optimizer)
         norm = _clip_grad_norm(replica.model, config.grad_clip)
-        finite &= bool(torch.isfinite(norm) & torch.isfinite(replica.model.rank_losses.detach()).all())
+        ok = torch.isfinite(norm) & torch.isfinite(replica_losses).all()
+        # Every rank must agree, or dist ranks would part ways at the next collective.
+        finite &= bool(replica.model.group.all_gather_reliable(ok.reshape(1)).all())
     if not dp.all_true(finite):
         return False
     for replica in dp.replicas:
@@ -96,25 +60,48 @@ def _train_step_data_parallel(parts: Parts, config: ExperimentConfig, state: Tra
         replica.optimizer.zero_grad(set_to_none=True)
     state.tokens += tokens
     # Replica 0's compute (every shard has the same padded shape, so every replica's is the same) and
-    # its TP traffic (on train_net's clock) are charged as without data parallelism. Replicas step
-    # side by side: the slowest replica's path, then the buckets it waits for, add dp_s.
-    first = times[0]
+    # its TP traffic (on train_net's clock) are charged; replicas step side by side and dp_s is what the
+    # slowest one's path and the buckets it waits for add.
     state.compute_s += computes[0]
-    slowest = times.max(0).values
-    ready = [b.ready for b in dp.buckets]
-    forward_end = gathered_forward_seconds(float(slowest[0]), ready, gather_s, config.dp_overlap)
-    end = step_seconds(forward_end, float(slowest[1]), ready, bucket_s, config.dp_overlap)
-    state.dp_s += end - float(first[0]) - float(first[1])
+    state.dp_s += dp.added_seconds(times, gather_s, bucket_s, config.dp_overlap)
     if config.dp_sync_every and (state.step + 1) % config.dp_sync_every == 0:
         state.dp_s += dp.synchronise()
     seconds = time.perf_counter() - t0
     state.train_time += seconds
-    losses = dp.gather_replicas([r.model.group.all_gather_reliable(r.model.rank_losses.detach())
-                                 for r in dp.replicas])
-    logits = dp.gather_replicas([out.logits.detach() for out in outs])
+    logits = dp.gather_replicas(logits)
     logits, labels = _next_tokens(logits, batch) if config.task == "lm" else (logits, batch["labels"])
-    window.add(losses, logits, labels, tokens, seconds)
+    window.add(dp.gather_replicas(losses), logits, labels, tokens, seconds)
     return True
+
+
+def _accumulate(parts: Parts, config: ExperimentConfig, model: TensorParallelModel, shard: dict, t0: float,
+                device: torch.device) -> tuple[float, float, float, torch.Tensor, torch.Tensor]:
+    """One replica's forward/backwards over its shard, ``micro_batches`` of them, the gradients summed
+    in place (each micro-batch's loss divided by their number: the gradient of the shard's mean loss
+    when micro-batches hold equal tokens). Returns the compute seconds, the forward's and backward's
+    seconds (compute and TP traffic), every TP rank's loss of every micro-batch and the logits."""
+    network, k = model.network, config.micro_batches
+    rows = shard["input_ids"].shape[0] // k
+    compute = forward_s = backward_s = 0.0
+    losses, logits = [], []
+    model.train()
+    for m in range(k):
+        micro = {key: v[m * rows:(m + 1) * rows] for key, v in shard.items()}
+        start = network.clock()["comm_s"]
+        with parts.autocast:
+            out = model(**(_lm_inputs(micro) if config.task == "lm" else micro))
+        forward_end = network.clock()["comm_s"]
+        parts.scaler.scale(out.loss / k).backward()
+        backward_end = network.clock()["comm_s"]
+        seconds = _compute_seconds(parts, config, micro, t0, device)
+        t0 = time.perf_counter()       # measured compute: each micro-batch's own
+        compute += seconds
+        # 2N FLOPs per token forward, 4N backward: a third of the compute is forward.
+        forward_s += seconds / 3 + forward_end - start
+        backward_s += seconds * 2 / 3 + backward_end - forward_end
+        losses.append(model.group.all_gather_reliable(model.rank_losses.detach()))
+        logits.append(out.logits.detach())
+    return compute, forward_s, backward_s, torch.cat(losses), torch.cat(logits)
 
 
 def _compute_seconds(parts: Parts, config: ExperimentConfig, batch: dict, t0: float, device: torch.device) -> float:

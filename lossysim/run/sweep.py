@@ -160,14 +160,17 @@ class Run:
         return Path(self.config.out)
 
 
+# What a lossless run does not care about: which way is lossy, which links could lose packets, how
+# losses would be repaired (its algorithm and links still set its time).
+LOSS_ONLY = ("loss", "lossy", "recovery", "eval_lossy", "lossy_links", "transport", "nic", "retransmit",
+             "deadline", "rto_s", "channels", "lossy_traffic")
+
+
 def normalise(config: ExperimentConfig) -> ExperimentConfig:
-    """Make equal experiments equal configs (a lossless run does not care which way is lossy,
-    which links could lose packets, nor how losses would be repaired; its algorithm and links
-    still set its time)."""
+    """Make equal experiments equal configs: a lossless run's ``LOSS_ONLY`` keys at their defaults."""
     if parse_loss_model(config.loss).lossless:
-        return config.replace(loss="none", lossy="both", recovery="zero", eval_lossy=True, lossy_links="all",
-                              transport="drop", nic="irn", retransmit=None, deadline=1.5, rto_s=None, channels=2,
-                              lossy_traffic="all")
+        defaults = ExperimentConfig()
+        return config.replace(**{key: getattr(defaults, key) for key in LOSS_ONLY})
     return config
 
 
@@ -184,17 +187,14 @@ def config_key(config: ExperimentConfig) -> str:
 
 def run_name(config: ExperimentConfig, key: str) -> str:
     """``bernoulli-0.01_tp2_seed0-1a2b3c4d``: readable prefix, hash for uniqueness."""
+    defaults = ExperimentConfig()
     parts = [label(config.loss), f"tp{config.tp_size}", f"seed{config.seed}"]
-    if config.lossy != "both":
-        parts.append(config.lossy)
-    if config.recovery != "zero":
-        parts.append(config.recovery)
-    if config.algorithm != "ring":
-        parts.append(config.algorithm)
-    if config.transport != "drop":
-        parts.append(config.transport + ("" if config.nic == "irn" else f"-{config.nic}")
+    parts += [getattr(config, key) for key in ("lossy", "recovery", "algorithm")
+              if getattr(config, key) != getattr(defaults, key)]
+    if config.transport != defaults.transport:
+        parts.append(config.transport + ("" if config.nic == defaults.nic else f"-{config.nic}")
                      + ("-gbn" if config.retransmit == "go_back_n" else ""))
-    if config.dp_mode != "ddp":
+    if config.dp_mode != defaults.dp_mode:
         parts.append(config.dp_mode)
     prefix = "".join(c if c.isalnum() or c in "._-" else "-" for c in "_".join(parts))
     return f"{prefix}-{key}"

@@ -3,8 +3,9 @@
 A collective is a sequence of steps (``lossysim.net.algorithms`` says which sends each step
 makes). Within a step the sends of a rank on one link class share its egress port and the
 receives share its ingress port; a step ends when its slowest send ends, and steps do not
-overlap. ``step_time`` is what the network charges; the closed forms below are the textbook
-alpha-beta costs of the same schedules, which the tests hold against the network's clock.
+overlap. ``step_time`` is what the network charges for a loss-free direct collective (a ring's or a
+tree's is NCCL's model, ``lossysim.timing.nccl``; repairs are charged by ``lossysim.net.transport``);
+the closed forms below are the textbook alpha-beta costs of the same schedules.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ class SimGroup:
 
     def __init__(self, network: LossyNetwork, seed: int = 0):
         self.network = network
-        self.tp_size = network.tp_size
+        self.tp_size = network.ranks
         self.ranks = list(range(self.tp_size))
         self.rows = 1             # rows of the last forward's [R * batch, ...] (``run_per_rank``)
         self.seed = int(seed)

@@ -1,6 +1,6 @@
 """Megatron-style tensor parallelism for HF transformers models, one mechanism for every plan.
 
-``parallelize`` reads the model's plan (``lossysim/plans.py``) and, in every
+``parallelize`` reads the model's plan (``lossysim/tp/plans.py``) and, in every
 block, puts a copy-to-TP on the input of the attention and of the MLP, replaces
 the planned linear layers by column- and row-parallel ones, sets the attention
 module's head counts to this rank's, and makes the replicated-region dropouts
@@ -23,6 +23,7 @@ from .layers import ColumnParallel, ReplicatedDropout, RowParallel, run_per_rank
 from ..net import LossyNetwork
 from .mappings import copy_to_tp
 from .plans import Column, ShardingPlan, plan_for
+from ..util import stream_seed
 
 
 class _RankZeroView(torch.autograd.Function):
@@ -178,7 +179,7 @@ def head_counts(plan: ShardingPlan, config, tp: int) -> tuple[int, int, int]:
 def parallelize(model: nn.Module, tp_size: int = 2, network: Optional[LossyNetwork] = None,
                 backend: str = "sim", seed: int = 0, process_group=None,
                 sync_replicated: bool = True) -> TensorParallelModel:
-    """Shard an HF model in place by its plan (GPT-2, Llama, Qwen2, Mistral: see ``lossysim.plans``).
+    """Shard an HF model in place by its plan (GPT-2, Llama, Qwen2, Mistral: see ``lossysim.tp.plans``).
 
     ``network`` defaults to a loss-free one; ``seed`` seeds the replicated
     dropout stream. In ``dist``, rank 0's weights are broadcast first, so every
@@ -192,8 +193,8 @@ def parallelize(model: nn.Module, tp_size: int = 2, network: Optional[LossyNetwo
     if problem:
         raise ValueError(problem)
     network = network or LossyNetwork(tp_size)
-    if network.tp_size != tp_size:
-        raise ValueError(f"network has tp_size={network.tp_size}, asked for tp_size={tp_size}")
+    if network.ranks != tp_size:
+        raise ValueError(f"network has tp_size={network.ranks}, asked for tp_size={tp_size}")
     if backend == "sim":
         group = SimGroup(network, seed)
     elif backend == "dist":
@@ -262,3 +263,19 @@ def gather_full_model(tp_model: TensorParallelModel) -> nn.Module:
     for name, buffer in model.named_buffers():
         full.get_buffer(name).copy_(buffer.detach())
     return full.to(next(model.parameters()).device)
+
+
+def apply_tp(model: nn.Module, config, mesh, network: LossyNetwork, rank: int,
+             process_group=None) -> TensorParallelModel:
+    """A run's tensor parallelism (torchtitan's ``apply_tp``): ``parallelize`` the model over its
+    replica's TP group (``mesh``, ``network``; ``process_group`` on dist), then seed this rank's own
+    dropout stream and checkpoint activations as ``config`` says."""
+    tp_model = parallelize(model, mesh.tp, network, backend=config.backend, seed=config.seed,
+                           process_group=process_group, sync_replicated=config.sync_replicated)
+    # Dropout outside the replicated regions draws from the global generator: one stream per rank,
+    # as Megatron seeds its model-parallel stream with the TP rank.
+    torch.manual_seed(stream_seed(config.seed, "sharded-dropout", str(rank)))
+    if config.activation_checkpointing:
+        tp_model.model.activation_checkpointing_enable(
+            {"use_reentrant": False, "context_fn": tp_model.group.checkpoint_contexts})
+    return tp_model

@@ -1,0 +1,71 @@
+"""Gradient accumulation (``micro_batches``): a replica's shard in k forward/backwards of B/k rows
+trains as one forward/backward of B rows, with and without tensor and data parallelism (loss-free)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lossysim.data import train_batches
+from lossysim.run.build import build
+from lossysim.run.state import TrainState, Window
+from lossysim.run.step import train_step
+from tiny_runs import tiny_run
+
+CPU = torch.device("cpu")
+# The micro-batches' gradients are summed in another order than one backward sums them: fp32 rounding,
+# compounded over a few AdamW steps (the loss-free DP test's tolerance).
+PARAM_TOL = dict(rtol=1e-4, atol=1e-5)
+GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
+
+pytestmark = pytest.mark.usefixtures("private_cache")
+
+
+def _config(tmp_path, steps=3, **changes):
+    return tiny_run(tmp_path / "run", max_train_samples=96, max_eval_samples=32, steps=steps, warmup_steps=1,
+                    dropout=0.0, lr=1e-3, grad_clip=0.0, dp_bucket_mb=0.05, **changes)
+
+
+def _train(tmp_path, steps=3, **changes):
+    config = _config(tmp_path, steps, **changes)
+    parts = build(config, CPU, 0, True, None)
+    state, window = TrainState(), Window(CPU)
+    for _, batch in zip(range(steps), train_batches(parts.data, config.batch_size, config.seed)):
+        assert train_step(parts, config, state, window, batch, CPU)
+        state.step += 1
+    return parts, state, window
+
+
+@pytest.mark.parametrize("tp,dp,k", [(1, 1, 2), (1, 1, 8), (2, 1, 4), (2, 2, 2)])
+def test_micro_batches_train_as_one_batch(tp, dp, k, tmp_path, one_torch_thread):
+    whole, whole_state, whole_window = _train(tmp_path, tp_size=tp, dp_size=dp)
+    split, split_state, split_window = _train(tmp_path, tp_size=tp, dp_size=dp, micro_batches=k)
+    start = build(_config(tmp_path, tp_size=tp, dp_size=dp), CPU, 0, True, None).model
+    moved = 0.0
+    for (name, expected), got, initial in zip(whole.model.named_parameters(), split.model.parameters(),
+                                              start.parameters()):
+        torch.testing.assert_close(got, expected, **PARAM_TOL, msg=name)
+        moved = max(moved, float((expected - initial).detach().abs().max()))
+    assert moved > 100 * PARAM_TOL["atol"]     # the steps moved the weights well beyond the tolerance
+    # The gradients themselves (AdamW's step hardly sees their scale; its first moment holds them, and
+    # nothing is clipped): k micro-batches' mean, not their sum.
+    for (name, p), q in zip(whole.model.named_parameters(), split.model.parameters()):
+        torch.testing.assert_close(split.optimizer.state[q]["exp_avg"], whole.optimizer.state[p]["exp_avg"],
+                                   **GRAD_TOL, msg=name)
+    for replica in split.dp.replicas:     # every replica took the same step
+        for p, q in zip(replica.model.parameters(), split.model.parameters()):
+            torch.testing.assert_close(p, q, **PARAM_TOL)
+    # What is counted, not computed, is exact: tokens, examples, steps.
+    assert split_state.tokens == whole_state.tokens
+    assert (split_window.examples, split_window.steps) == (whole_window.examples, whole_window.steps)
+    # every micro-batch's loss enters the window: its mean is the batch's (equal rows, loss-free)
+    torch.testing.assert_close(split_window.loss, whole_window.loss, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(micro_batches=0), "micro_batches=0 must be >= 1"),
+    (dict(micro_batches=3), "batch_size=8 must be a multiple of dp_size=1 x micro_batches=3"),
+    (dict(dp_size=2, micro_batches=8), "batch_size=8 must be a multiple of dp_size=2 x micro_batches=8"),
+])
+def test_micro_batches_that_do_not_divide_the_batch_are_refused(changes, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        tiny_run(tmp_path, **changes)

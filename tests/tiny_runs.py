@@ -1,0 +1,26 @@
+"""The config every training test starts from: the tiny GPT-2 on the synthetic task, a few steps.
+
+Not collected by pytest (no ``test_`` prefix). Each test module sizes its runs (samples, steps,
+evaluations) in the ``settings`` it passes; what they all share, and the validation, is here once.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Union
+
+from lossysim.config import ExperimentConfig
+from lossysim.net import NetworkSpec
+
+# Short rows and small batches: a CPU step in milliseconds.
+TINY = dict(model="tiny", dataset="synthetic", max_length=32, batch_size=8, eval_batch_size=32)
+
+
+def tiny_run(out: Union[str, Path], /, **settings) -> ExperimentConfig:
+    """A validated config writing to ``out``: ``TINY``, then ``settings`` (which may override both,
+    ``out`` included: positional-only, so a caller's ``out=`` reaches the config)."""
+    return ExperimentConfig(**{**TINY, "out": str(out), **settings}).validate()
+
+
+def dp_group_spec(config: ExperimentConfig, tp_rank: int = 0) -> NetworkSpec:
+    """The network spec of TP position ``tp_rank``'s data-parallel group, as a run places it."""
+    return config.mesh().dp_network_spec(config.network_settings(), tp_rank, config.dp_lossy())
