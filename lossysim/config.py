@@ -31,7 +31,7 @@ DP_MODES = ("ddp", "fsdp")
 # Keys added after the first sweeps (data parallelism, micro-batches, ...): at their defaults they stay
 # out of a run's identity (the sweep's hash), so sweeps written before them still find their runs.
 IDENTITY_AT_DEFAULT_OMITTED = ("dp_size", "dp_bucket_mb", "dp_overlap", "dp_sync_every", "lossy_traffic",
-                              "dp_mode", "lossy_layers", "lossy_sites", "outlier_fraction", "micro_batches")
+                              "dp_mode", "lossy_layers", "lossy_sites", "outlier_fraction", "microbatches")
 
 
 def parse_report_to(value) -> tuple[str, ...]:
@@ -106,7 +106,7 @@ class ExperimentConfig:
     # training
     steps: int = 300
     batch_size: int = 16
-    micro_batches: int = 1             # gradient accumulation: each replica's shard in this many forward/backwards
+    microbatches: int = 1              # gradient accumulation: each replica's shard in this many forward/backwards
     eval_batch_size: int = 64
     lr: float = 5e-4
     weight_decay: float = 0.01
@@ -131,7 +131,7 @@ class ExperimentConfig:
             raise ValueError("dataset=pydoc is unlabelled documentation text: use task=lm")
         _choice("backend", self.backend, BACKENDS)
         _choice("amp", self.amp, ("none", "bf16", "fp16"))
-        for name in ("steps", "batch_size", "micro_batches", "eval_batch_size", "max_length", "eval_every",
+        for name in ("steps", "batch_size", "microbatches", "eval_batch_size", "max_length", "eval_every",
                      "log_every", "tp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -168,9 +168,9 @@ class ExperimentConfig:
         traffic_kinds(self.lossy_traffic)
         if not (math.isfinite(self.dp_bucket_mb) and self.dp_bucket_mb > 0):
             raise ValueError(f"dp_bucket_mb={self.dp_bucket_mb} must be a positive number of MiB")
-        if self.batch_size % (self.dp_size * self.micro_batches):
+        if self.batch_size % (self.dp_size * self.microbatches):
             raise ValueError(f"batch_size={self.batch_size} must be a multiple of dp_size={self.dp_size} x "
-                             f"micro_batches={self.micro_batches}: each replica trains on an equal shard of "
+                             f"microbatches={self.microbatches}: each replica trains on an equal shard of "
                              "the global batch, in equal micro-batches")
         if self.dp_size == 1:
             if self.dp_sync_every:

@@ -328,7 +328,7 @@ def test_dist_equals_sim_under_loss(tmp_path, one_torch_thread):
     bit for bit (``assert_dist_is_sim``). A sum taken in another order (a replicated gradient, the clipping
     norm, drift, the micro-batches' gradients) fails it within them."""
     rows, weights = sim_and_dist(tmp_path, tp_size=2, dp_size=2, loss="ge:rate=0.05,burst=4", grad_clip=0.1,
-                                 steps=6, eval_every=6, micro_batches=2)
+                                 steps=6, eval_every=6, microbatches=2)
     assert_dist_is_sim(rows, weights)
     last = [r for r in rows["sim"] if r["split"] == "train"][-1]
     assert last["packets_lost_dp"] > 0 and last["packets_lost_fwd"] > 0 and last["drift"] > 0

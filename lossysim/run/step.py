@@ -19,7 +19,7 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
 
     Every mesh takes this one step; without data parallelism ``parts.dp`` is a group of one replica,
     whose averaging is the identity and costs no time. Every replica trains on its own equal shard of
-    the global batch (the same shard on all its TP ranks), in ``micro_batches`` forward/backwards whose
+    the global batch (the same shard on all its TP ranks), in ``microbatches`` forward/backwards whose
     gradients accumulate; the gradient buckets are then averaged over the data-parallel networks (FSDP:
     the units' weights are gathered before, their gradients reduce-scattered after), and every replica
     clips and steps on what it received. The clock charges replica 0's compute and TP traffic plus the
@@ -76,11 +76,11 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
 
 def _accumulate(parts: Parts, config: ExperimentConfig, model: TensorParallelModel, shard: dict, t0: float,
                 device: torch.device) -> tuple[float, float, float, torch.Tensor, torch.Tensor]:
-    """One replica's forward/backwards over its shard, ``micro_batches`` of them, the gradients summed
+    """One replica's forward/backwards over its shard, ``microbatches`` of them, the gradients summed
     in place (each micro-batch's loss divided by their number: the gradient of the shard's mean loss
     when micro-batches hold equal tokens). Returns the compute seconds, the forward's and backward's
     seconds (compute and TP traffic), every TP rank's loss of every micro-batch and the logits."""
-    network, k = model.network, config.micro_batches
+    network, k = model.network, config.microbatches
     rows = shard["input_ids"].shape[0] // k
     compute = forward_s = backward_s = 0.0
     losses, logits = [], []

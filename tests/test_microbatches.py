@@ -1,4 +1,4 @@
-"""Gradient accumulation (``micro_batches``): a replica's shard in k forward/backwards of B/k rows
+"""Gradient accumulation (``microbatches``): a replica's shard in k forward/backwards of B/k rows
 trains as one forward/backward of B rows, with and without tensor and data parallelism (loss-free)."""
 from __future__ import annotations
 
@@ -36,9 +36,9 @@ def _train(tmp_path, steps=3, **changes):
 
 
 @pytest.mark.parametrize("tp,dp,k", [(1, 1, 2), (1, 1, 8), (2, 1, 4), (2, 2, 2)])
-def test_micro_batches_train_as_one_batch(tp, dp, k, tmp_path, one_torch_thread):
+def test_microbatches_train_as_one_batch(tp, dp, k, tmp_path, one_torch_thread):
     whole, whole_state, whole_window = _train(tmp_path, tp_size=tp, dp_size=dp)
-    split, split_state, split_window = _train(tmp_path, tp_size=tp, dp_size=dp, micro_batches=k)
+    split, split_state, split_window = _train(tmp_path, tp_size=tp, dp_size=dp, microbatches=k)
     start = build(_config(tmp_path, tp_size=tp, dp_size=dp), CPU, 0, True, None).model
     moved = 0.0
     for (name, expected), got, initial in zip(whole.model.named_parameters(), split.model.parameters(),
@@ -62,10 +62,10 @@ def test_micro_batches_train_as_one_batch(tp, dp, k, tmp_path, one_torch_thread)
 
 
 @pytest.mark.parametrize("changes,message", [
-    (dict(micro_batches=0), "micro_batches=0 must be >= 1"),
-    (dict(micro_batches=3), "batch_size=8 must be a multiple of dp_size=1 x micro_batches=3"),
-    (dict(dp_size=2, micro_batches=8), "batch_size=8 must be a multiple of dp_size=2 x micro_batches=8"),
+    (dict(microbatches=0), "microbatches=0 must be >= 1"),
+    (dict(microbatches=3), "batch_size=8 must be a multiple of dp_size=1 x microbatches=3"),
+    (dict(dp_size=2, microbatches=8), "batch_size=8 must be a multiple of dp_size=2 x microbatches=8"),
 ])
-def test_micro_batches_that_do_not_divide_the_batch_are_refused(changes, message, tmp_path):
+def test_microbatches_that_do_not_divide_the_batch_are_refused(changes, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         tiny_run(tmp_path, **changes)
