@@ -132,7 +132,7 @@ class ExperimentConfig:
         _choice("backend", self.backend, BACKENDS)
         _choice("amp", self.amp, ("none", "bf16", "fp16"))
         for name in ("steps", "batch_size", "microbatches", "eval_batch_size", "max_length", "eval_every",
-                     "log_every", "tp_size"):
+                     "log_every", "tp_size", "dp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("max_train_samples", "max_eval_samples"):
@@ -162,8 +162,6 @@ class ExperimentConfig:
         return self
 
     def _validate_data_parallel(self) -> None:
-        if self.dp_size < 1:
-            raise ValueError(f"dp_size={self.dp_size} must be >= 1")
         _choice("dp_mode", self.dp_mode, DP_MODES)
         traffic_kinds(self.lossy_traffic)
         if not (math.isfinite(self.dp_bucket_mb) and self.dp_bucket_mb > 0):

@@ -117,7 +117,7 @@ class LossyNetwork:
             total = contributions.sum(0)
             self.watch(site, direction, total)
             every = total.unsqueeze(0).expand(len(receivers), *shape)
-            return every if out is None else out.copy_(every)
+            return deliver.into(out, every)
         per_packet, _ = self.packets(shape.numel(), contributions.dtype)
         held = self.recovery.on(direction).all_reduce(
             delivery, contributions.reshape(self.ranks, -1), receivers, per_packet,
