@@ -15,7 +15,8 @@ from ..data import PreparedData, prepare_data
 from ..dp import DataParallel, Replica, apply_dp
 from ..models import build_model, check_max_length, cost
 from ..net import LossyNetwork
-from ..util import cache_dir
+from ..pp.stages import Pipeline, apply_pp
+from ..util import cache_dir, swapped
 from ..tp import TensorParallelModel, apply_tp
 
 
@@ -38,6 +39,28 @@ class Parts:
     # every replica (replica 0 is model, train_net, optimizer, scheduler above) and the data-parallel
     # networks between them; without data parallelism a group of one (dp.dp_size == 1)
     dp: DataParallel
+    # pipeline stages (their networks and the boundaries between them); None with one stage
+    pipeline: Optional[Pipeline] = None
+
+    def networks(self) -> list[LossyNetwork]:
+        """Every network of replica 0's training traffic but the data-parallel ones: its stages' TP
+        networks (``train_net`` first) and the boundaries between them."""
+        if self.pipeline is None:
+            return [self.train_net]
+        return [*self.pipeline.networks, *self.pipeline.boundary_networks()]
+
+    @contextlib.contextmanager
+    def evaluating(self):
+        """The model on its evaluation networks (each stage's and boundary's), their counters zeroed."""
+        if self.pipeline is None:
+            self.eval_net.reset_stats()
+            with swapped(self.model.group, "network", self.eval_net):
+                yield
+            return
+        for network in [*self.pipeline.eval_networks, *(b.network for b in self.pipeline.eval_boundaries)]:
+            network.reset_stats()
+        with self.pipeline.evaluating(self.model.groups):
+            yield
 
 
 def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bool,
@@ -58,12 +81,13 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
     parameters = sum(p.numel() for p in model.parameters())
     layers, hidden = cost.dims(model.config)
     train_net.spec.selection.check_depth(layers)
+    # The parallelisms apply in torchtitan's order: pipeline stages cut the model, then tensor
+    # parallelism shards each stage over its own TP group.
+    pipeline = apply_pp(model, config, mesh, train_net, eval_net, replica)
     # Each rank launches the whole model's kernels on its shards, and its collectives'.
     kernels = cost.kernels_per_step(model, config.task) + cost.collective_kernels(layers, config.tp_size)
     compute = _compute(config, device)
     groups = mesh.process_groups() if distributed and mesh.dp > 1 else None
-    # The parallelisms apply in torchtitan's order: the model is built above; apply_pp (pipeline
-    # stages, a pp/ package) will cut it here, before tensor parallelism shards each stage.
     if groups is not None:
         tp_model = apply_tp(model, config, mesh, train_net, rank, groups["tp"][replica])
         replicas = [_replica(config, tp_model)]
@@ -74,7 +98,7 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
         others = [_replica(config, apply_tp(copies[r - 1], config, mesh,
                                             LossyNetwork(mesh.tp_network_spec(settings, r)), rank))
                   for r in range(1, mesh.dp)]
-        tp_model = apply_tp(model, config, mesh, train_net, rank)
+        tp_model = apply_tp(model, config, mesh, train_net, rank, pipeline=pipeline)
         replicas = [_replica(config, tp_model), *others]
     positions = [tp_rank] if groups is not None else range(mesh.tp) if mesh.dp > 1 else []
     networks = [LossyNetwork(mesh.dp_network_spec(settings, t, config.dp_lossy())) for t in positions]
@@ -83,7 +107,8 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
     return Parts(data, tp_model, train_net, eval_net, first.optimizer, first.scheduler,
                  autocast=_autocast(config.amp, device),
                  scaler=torch.amp.GradScaler(device.type, enabled=config.amp == "fp16"),
-                 compute=compute, parameters=parameters, layers=layers, hidden=hidden, kernels=kernels, dp=dp)
+                 compute=compute, parameters=parameters, layers=layers, hidden=hidden, kernels=kernels, dp=dp,
+                 pipeline=pipeline)
 
 
 def _replica(config: ExperimentConfig, tp_model: TensorParallelModel) -> Replica:
