@@ -39,6 +39,8 @@ class PipelineTiming:
     step a stage idles, averaged over stages: ``1 - mean(busy_s) / step_s``; ``bubble_ratio`` is that
     idle time over the compute: ``step_s / mean(busy_s) - 1``. Loss-free with equal stages and no
     transfer time they are (p-1)/(m+p-1) and (p-1)/m. Message time counts as idle: it is not compute.
+    ``peak_in_flight``: the most micro-batches whose activations stage 0 holds at once; ``timeline``:
+    every op, stage by stage in the order it ran.
     """
     schedule: str
     stages: int
