@@ -3,6 +3,8 @@
 Hand-computed cases use small integer seconds: sums of small integers are exact in binary floating
 point, so their times are compared exactly; closed forms over drawn floats use a relative tolerance of
 1e-12 (a few roundings of sums of at most a few dozen terms)."""
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -207,3 +209,16 @@ def test_gantt_chart(tmp_path):
     assert len(ax.patches) == 2 * 3 * 4
     assert sorted(text.get_text() for text in ax.texts) == sorted(
         f"{op.kind}{op.microbatch}" for op in t.timeline)
+
+
+def test_the_figures_docs_pipeline_md_quotes():
+    """docs/pipeline.md quotes these steps (p=4, m=8, f=1, b=2, messages 0.25 s, one repaired
+    activation 2 s longer); a change to the clock must update them."""
+    doc = " ".join((Path(__file__).resolve().parents[1] / "docs" / "pipeline.md").read_text().split())
+    late = [[0.25] * 8, [0.25] * 3 + [2.25] + [0.25] * 4, [0.25] * 8]
+    free = pipeline_time("1f1b", 4, 8, 1, 2).step_s
+    gpipe, one_f_one_b = (pipeline_time(s, 4, 8, 1, 2, 0.25, 0.25).step_s for s in ("gpipe", "1f1b"))
+    repaired = pipeline_time("1f1b", 4, 8, 1, 2, late, 0.25).step_s
+    assert (free, gpipe, one_f_one_b, repaired) == (33, 34.5, 37, 39)   # quarter seconds: exact
+    assert f"GPipe takes {gpipe:g} s and 1F1B takes {one_f_one_b:g} s, against {free:g} s" in doc
+    assert f"the step grows from {one_f_one_b:g} s to {repaired:g} s" in doc
