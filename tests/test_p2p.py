@@ -292,7 +292,8 @@ def test_policies_that_cannot_act_on_a_send_are_refused(policy):
     if net.recovery.acts_on_sends:
         assert net.send("s", "bwd", torch.ones(10), 0, 1).shape == (10,)
     else:
-        message = f"recovery={policy} does not act on point-to-point sends: use one of {', '.join(recovery.SEND_POLICIES)}"
+        message = (f"recovery={policy} does not act on point-to-point sends: use one of "
+                   f"{', '.join(recovery.SEND_POLICIES)}")
         with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
             net.send("s", "bwd", torch.ones(10), 0, 1)
     assert {"outliers", "outliers+hadamard"} == set(recovery.RECOVERY_POLICIES) - set(recovery.SEND_POLICIES)

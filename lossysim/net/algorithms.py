@@ -85,7 +85,8 @@ class Schedule:
         else:
             src, dst = pair
             if not (0 <= src < self.ranks and 0 <= dst < self.ranks and src != dst):
-                raise ValueError(f"a send from rank {src} to rank {dst}: need two distinct ranks of 0..{self.ranks - 1}")
+                raise ValueError(f"a send from rank {src} to rank {dst}: "
+                                 f"need two distinct ranks of 0..{self.ranks - 1}")
             self.sends = (Send(0, "send", src, dst, 0, 0, self.n_packets),)
         self.steps = 1 + max((s.step for s in self.sends), default=-1)
         self.max_packets = max((s.packets for s in self.sends), default=0)
