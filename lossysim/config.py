@@ -14,7 +14,7 @@ import yaml
 
 from .util import one_of, stream_seed
 from .mesh import Mesh
-from .net.recovery import SHARD_POLICIES
+from .net.recovery import SEND_POLICIES, SHARD_POLICIES
 from .net.spec import SETTINGS, NetworkSpec
 from .timing import DEFAULT_NIC, parse_compute
 
@@ -217,6 +217,9 @@ class ExperimentConfig:
         if self.backend != "sim":
             raise ValueError(f"pp_size={self.pp_size} with backend={self.backend}: pipeline stages run on "
                              "backend=sim only for now")
+        if self.recovery not in SEND_POLICIES:
+            raise ValueError(f"pp_size={self.pp_size} needs recovery={', '.join(SEND_POLICIES)}, not {self.recovery} "
+                             "(the boundaries' point-to-point sends)")
         if self.activation_checkpointing:
             raise ValueError(f"pp_size={self.pp_size} with activation_checkpointing: not supported yet "
                              "(a recomputed stage would resend its boundary's activations)")
@@ -245,7 +248,7 @@ class ExperimentConfig:
 
     def mesh(self) -> Mesh:
         """Where this run's ranks sit (``lossysim.mesh``): tp_size x pp_size x dp_size, ranks_per_node to a node."""
-        return Mesh(self.tp_size, self.dp_size, self.ranks_per_node, **({"pp": self.pp_size} if self.pp_size > 1 else {}))
+        return Mesh(self.tp_size, self.dp_size, self.ranks_per_node, pp=self.pp_size)
 
     def network_spec(self, evaluation: bool = False) -> NetworkSpec:
         """The training network of replica 0's TP group, placed by the mesh; ``evaluation``: the
