@@ -370,3 +370,16 @@ def test_a_state_saved_before_sends_had_a_phase_still_loads():
     assert torch.equal(old.all_reduce("s", "bwd", x, range(3)), net.all_reduce("s", "bwd", x, range(3)))
     old.send("s", "bwd", torch.randn(40), 0, 2)
     assert [r["phase"] for r in old.stats()].count("send") == 1
+
+
+def test_the_docs_p2p_table_is_the_model():
+    """docs/time_model.md's p2p table, cell by cell, to its printed rounding."""
+    from pathlib import Path
+    text = (Path(__file__).parent.parent / "docs" / "time_model.md").read_text()
+    header = "| link | 16 KiB | 1 MiB | 8 MiB |"
+    lines = text[text.index(header):].splitlines()[2:5]
+    assert len(lines) == 3
+    for line in lines:
+        name, *cells = [cell.strip().strip("`") for cell in line.strip("|").split("|")]
+        for nbytes, cell in zip((16384, 1 << 20, 8 << 20), cells):
+            assert cell == f"{nccl.p2p_time(nbytes, 1450, LINK_PRESETS[name]) * 1e6:.2f} us", (name, nbytes)
