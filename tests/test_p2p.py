@@ -370,3 +370,52 @@ def test_a_state_saved_before_sends_had_a_phase_still_loads():
     assert torch.equal(old.all_reduce("s", "bwd", x, range(3)), net.all_reduce("s", "bwd", x, range(3)))
     old.send("s", "bwd", torch.randn(40), 0, 2)
     assert [r["phase"] for r in old.stats()].count("send") == 1
+
+
+def test_the_docs_p2p_table_is_the_model():
+    """docs/time_model.md's p2p table, cell by cell, to its printed rounding."""
+    from pathlib import Path
+    text = (Path(__file__).parent.parent / "docs" / "time_model.md").read_text()
+    header = "| link | 16 KiB | 1 MiB | 8 MiB |"
+    lines = text[text.index(header):].splitlines()[2:5]
+    assert len(lines) == 3
+    for line in lines:
+        name, *cells = [cell.strip().strip("`") for cell in line.strip("|").split("|")]
+        for nbytes, cell in zip((16384, 1 << 20, 8 << 20), cells):
+            assert cell == f"{nccl.p2p_time(nbytes, 1450, LINK_PRESETS[name]) * 1e6:.2f} us", (name, nbytes)
+
+
+def test_a_process_that_holds_one_link_draws_the_others_without_data():
+    """A call site's links share one stream in call order: drawing another link's send with
+    ``simulate(pair=...)`` leaves this link's fates, counters and clock as a process running every
+    send gets them (dist: each process moves its own message and draws the rest)."""
+    spec = dict(seed=14, payload_bytes=32, ranks_per_node=2)
+    every, mine = LossyNetwork(4, "bernoulli:0.3", **spec), LossyNetwork(4, "bernoulli:0.3", **spec)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        theirs, x = torch.randn(70, generator=g), torch.randn(70, generator=g)
+        every.send("act", "fwd", theirs, 0, 2)
+        mine.simulate("act", "fwd", theirs.numel(), theirs.dtype, "send", pair=(0, 2))
+        assert torch.equal(mine.send("act", "fwd", x, 1, 3), every.send("act", "fwd", x, 1, 3))
+    assert mine.stats() == every.stats() and mine.clock() == every.clock()
+
+
+def test_a_send_a_library_moved_is_counted_and_timed():
+    """dist's loss-free or retransmitted messages: ``account`` counts and charges them as ``send`` would;
+    traffic that can lose packets must go through the network."""
+    net = LossyNetwork(2, "bernoulli:0.2", seed=1, payload_bytes=64, ranks_per_node=1, lossy="fwd")
+    x = torch.randn(160)
+    net.account("g", "bwd", x, "send", pair=(1, 0))
+    assert net.clock()["comm_s"] == pytest.approx(nccl.p2p_time(640, 64, net.spec.link_inter), rel=1e-12)
+    assert [(r["src"], r["dst"], r["phase"], r["sent"]) for r in net.stats()] == [(1, 0, "send", 10)]
+    with pytest.raises(RuntimeError, match="traffic is lossy"):
+        net.account("a", "fwd", x, "send", pair=(0, 1))
+
+
+@pytest.mark.parametrize("transport", ["drop", "retransmit", "deadline"])
+def test_an_empty_message_arrives_empty_and_takes_no_time(transport):
+    """Nothing to packetise, nothing to lose (a collective's empty message likewise)."""
+    net = LossyNetwork(2, "bernoulli:0.2", recovery="stale", transport=transport)
+    assert net.send("s", "bwd", torch.zeros(0, 4), 0, 1).shape == (0, 4)
+    assert net.all_reduce("s", "bwd", torch.zeros(2, 0), range(2)).shape == (2, 0)
+    assert net.clock()["comm_s"] == 0.0 and net.totals()["sent"] == 0

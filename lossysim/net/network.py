@@ -296,7 +296,7 @@ class LossyNetwork:
         fates = self._fates.get(device)
         if fates is None:
             fates = self._fates[device] = choose_fates(self.spec, device)
-        if not self.drops(direction, site):
+        if not self.drops(direction, site) or not transfer.steps:   # (an empty message has nothing to lose)
             channel.counters.count_sent(transfer.sent)
         else:
             if self.transport.repairs:

@@ -177,13 +177,14 @@ class Policy:
     def send(self, drawn, x: torch.Tensor, per_packet: int, watch: Watch, memory: Optional[Memory],
              update: bool) -> torch.Tensor:
         """What the receiver of a send of ``x`` ([n]) holds, ``[n]``, given what ``draw`` drew (its
-        packets, weighted by ``rescale``'s 1 / P(delivery); lost ones zero)."""
+        packets, weighted by ``rescale``'s 1 / P(delivery); lost ones zero); ``watch``, ``memory`` and
+        ``update`` as ``all_reduce`` takes them."""
         held = deliver.direct_sum(x.unsqueeze(0), drawn.weights, per_packet, dense=x.device.type == "cuda")[0]
         watch(held)
         return held
 
     def flops(self, sched: Schedule, per_packet: int, numel: int) -> float:
-        """Floating-point operations a rank adds to one all-reduce of ``numel`` elements."""
+        """Floating-point operations a rank adds to one all-reduce (or send) of ``numel`` elements."""
         return 0.0
 
     def side_bytes(self, numel: int, dtype: torch.dtype) -> int:
@@ -444,7 +445,8 @@ class SendBySend(Policy):
 
     def send(self, drawn, x, per_packet, watch, memory, update):
         n, n_packets = x.numel(), drawn.sched.n_packets
-        state = memory.sends(drawn.key, lambda: {name: x.new_zeros(1, n_packets, per_packet) for name in self.buffers})
+        state = memory.sends(drawn.key, lambda: {name: x.new_zeros(1, n_packets, per_packet)
+                                                 for name in self.buffers})
         held = None if update else drawn.held
         if held is None:
             payload = x.new_zeros(n_packets * per_packet)
