@@ -177,7 +177,8 @@ class ExperimentConfig:
             raise ValueError(f"dp_bucket_mb={self.dp_bucket_mb} must be a positive number of MiB")
         if self.batch_size % (self.dp_size * self.n_microbatches):
             raise ValueError(f"batch_size={self.batch_size} must be a multiple of dp_size={self.dp_size} x "
-                             f"microbatches={self.n_microbatches}: each replica trains on an equal shard of "
+                             f"microbatches={self.n_microbatches}{' (pp_size)' if self.microbatches is None else ''}: "
+                             "each replica trains on an equal shard of "
                              "the global batch, in equal micro-batches")
         if self.dp_size == 1:
             if self.dp_sync_every:
