@@ -215,9 +215,6 @@ class ExperimentConfig:
         if self.dp_size > 1:
             raise ValueError(f"pp_size={self.pp_size} with dp_size={self.dp_size}: pp_size with dp_size > 1 is "
                              "not supported yet")
-        if self.backend != "sim":
-            raise ValueError(f"pp_size={self.pp_size} with backend={self.backend}: pipeline stages run on "
-                             "backend=sim only for now")
         if self.recovery not in SEND_POLICIES:
             raise ValueError(f"pp_size={self.pp_size} needs recovery={', '.join(SEND_POLICIES)}, not {self.recovery} "
                              "(the boundaries' point-to-point sends)")

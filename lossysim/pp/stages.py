@@ -29,6 +29,7 @@ from torch import nn
 from ..config import ExperimentConfig, parse_layout
 from ..mesh import Mesh
 from ..net import LossyNetwork
+from ..tp import gather_full_model
 from ..tp.plans import plan_for
 from ..util import swapped
 
@@ -47,10 +48,9 @@ def stage_layout(pp_layout: Optional[str], stages: int, layers: int) -> tuple[in
     return counts
 
 
-def stage_parameters(model: nn.Module, layout: tuple[int, ...]) -> list[int]:
-    """Parameters (of the whole, unsharded model) each stage holds: its blocks, the embeddings on the
-    first, the final norm and the head on the last. A head tied to the embeddings is counted once, with
-    them, as 6 N T counts it (``lossysim.models.cost``)."""
+def parameter_stages(model: nn.Module, layout: tuple[int, ...]) -> dict[int, int]:
+    """The stage holding each parameter (by ``id``): its block's, the embeddings on the first, the
+    final norm and the head on the last (a head tied to the embeddings sits with them)."""
     plan, _ = plan_for(model)
     base = model.base_model
     stage_of = [s for s, count in enumerate(layout) for _ in range(count)]
@@ -60,9 +60,18 @@ def stage_parameters(model: nn.Module, layout: tuple[int, ...]) -> list[int]:
             owner[id(param)] = stage_of[int(name.split(".")[1])]
         else:
             owner[id(param)] = len(layout) - 1 if name.startswith(f"{plan.final_norm}.") else 0
-    counts = [0] * len(layout)
     for param in model.parameters():   # the head (outside the base model) on the last stage
-        counts[owner.get(id(param), len(layout) - 1)] += param.numel()
+        owner.setdefault(id(param), len(layout) - 1)
+    return owner
+
+
+def stage_parameters(model: nn.Module, layout: tuple[int, ...]) -> list[int]:
+    """Parameters (of the whole, unsharded model) each stage holds (``parameter_stages``), a head tied
+    to the embeddings counted once, with them, as 6 N T counts it (``lossysim.models.cost``)."""
+    owner = parameter_stages(model, layout)
+    counts = [0] * len(layout)
+    for param in model.parameters():
+        counts[owner[id(param)]] += param.numel()
     return counts
 
 
@@ -96,17 +105,23 @@ class Boundary:
     def send(self, x: torch.Tensor, direction: str) -> torch.Tensor:
         """Every TP rank's copy in ``x`` ([tp * rows, ...]) over its own link; what the receivers hold."""
         copies = x.reshape(self.tp, -1, *x.shape[1:])
-        slowest = [0.0, 0.0]
-        out = []
+        out = self.timed(direction, lambda t, src, dst: self.network.send(self.site, direction, copies[t], src, dst))
+        return torch.stack(out).reshape(x.shape)
+
+    def timed(self, direction: str, send) -> list:
+        """``send(t, src, dst)`` for TP rank t = 0.. of the sending stage over its link (network ranks),
+        in that order, the order every process draws them in; what they return. The slowest one's
+        seconds are this message's."""
+        slowest, out = [0.0, 0.0], []
         for t in range(self.tp):
             src, dst = (t, self.tp + t) if direction == "fwd" else (self.tp + t, t)
             before = self.network.clock()
-            out.append(self.network.send(self.site, direction, copies[t], src, dst))
+            out.append(send(t, src, dst))
             after = self.network.clock()
             slowest = [max(slowest[0], after["comm_s"] - before["comm_s"]),
                        max(slowest[1], after["comm_s_ideal_nic"] - before["comm_s_ideal_nic"])]
         self.seconds[direction].append(slowest)
-        return torch.stack(out).reshape(x.shape)
+        return out
 
     def take_seconds(self, direction: str) -> list[list[float]]:
         """[comm_s, comm_s_ideal_nic] of each send in ``direction`` since the last take, in order."""
@@ -114,13 +129,13 @@ class Boundary:
         return taken
 
 
-def _receive(boundary: Boundary):
-    """A forward pre-hook on a stage's first block: its input hidden states arrive over ``boundary``."""
+def on_hidden_states(apply):
+    """A forward pre-hook on a block: its input hidden states replaced by ``apply(hidden_states)``."""
     def hook(module, args, kwargs):
         if args:
-            return (_SendToNextStage.apply(args[0], boundary), *args[1:]), kwargs
+            return (apply(args[0]), *args[1:]), kwargs
         if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": _SendToNextStage.apply(kwargs["hidden_states"], boundary)}
+            return args, {**kwargs, "hidden_states": apply(kwargs["hidden_states"])}
         raise TypeError(f"{type(module).__name__} got no hidden states to receive from the previous stage")
     return hook
 
@@ -154,6 +169,20 @@ class Pipeline:
                 stack.enter_context(swapped(boundary, "seconds", evaluation.seconds))  # no step times them
             yield
 
+    def gathered(self, stages: dict) -> dict:
+        """A step's per-stage and per-boundary seconds (``run.step``), every stage's: here all of them
+        ran in this process (``dist``: each process brings its own)."""
+        return stages
+
+    def across_stages(self, values: list, device) -> list:
+        """Every stage's ``values`` (per-parameter sums of squares, a stage's in its parameter order),
+        stage after stage, on ``device``: here this process's are all of them."""
+        return values
+
+    def full_model(self, tp_model) -> nn.Module:
+        """The whole trained HF model (``gather_full_model``)."""
+        return gather_full_model(tp_model)
+
     def state_dict(self) -> dict:
         """Stage 1.. and every boundary's networks (stage 0's are saved as the run's own)."""
         return {"stages": [n.state_dict() for n in self.networks[1:]],
@@ -169,11 +198,10 @@ class Pipeline:
                 network.load_state_dict(saved)
 
 
-def apply_pp(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_net: LossyNetwork,
-             eval_net: LossyNetwork, replica: int = 0) -> Optional[Pipeline]:
-    """Cut ``model``'s blocks into ``config.pp_size`` stages (None for one stage): the stages' networks,
-    and a boundary send on the input of every stage's first block but the first's. Called before
-    ``apply_tp``, which puts each stage's blocks on its own TP group."""
+def cut_stages(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_net: LossyNetwork,
+               eval_net: LossyNetwork, replica: int = 0) -> Optional[Pipeline]:
+    """``model``'s blocks cut into ``config.pp_size`` stages (None for one stage): the layout, every
+    stage's networks (the first stage's are ``train_net`` and ``eval_net``) and every boundary's."""
     if config.pp_size == 1:
         return None
     plan, _ = plan_for(model)
@@ -189,7 +217,21 @@ def apply_pp(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_net: 
                   for b in range(config.pp_size - 1)]
     eval_boundaries = [Boundary(b, mesh.tp, LossyNetwork(mesh.pp_network_spec(evaluation, replica, b, lossy)))
                        for b in range(config.pp_size - 1)]
-    for boundary in boundaries:
-        first = sum(layout[:boundary.index + 1])
-        blocks[first].register_forward_pre_hook(_receive(boundary), with_kwargs=True)
     return Pipeline(layout, stage_parameters(model, layout), networks, eval_networks, boundaries, eval_boundaries)
+
+
+def apply_pp(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_net: LossyNetwork,
+             eval_net: LossyNetwork, replica: int = 0) -> Optional[Pipeline]:
+    """Cut ``model``'s blocks into ``config.pp_size`` stages (``cut_stages``; None for one stage), every
+    stage in this process (``sim``): a boundary send on the input of every stage's first block but the
+    first's. Called before ``apply_tp``, which puts each stage's blocks on its own TP group."""
+    pipeline = cut_stages(model, config, mesh, train_net, eval_net, replica)
+    if pipeline is None:
+        return None
+    plan, _ = plan_for(model)
+    blocks = model.base_model.get_submodule(plan.blocks)
+    for boundary in pipeline.boundaries:
+        first = sum(pipeline.layout[:boundary.index + 1])
+        blocks[first].register_forward_pre_hook(
+            on_hidden_states(lambda x, boundary=boundary: _SendToNextStage.apply(x, boundary)), with_kwargs=True)
+    return pipeline

@@ -15,6 +15,7 @@ from ..data import PreparedData, prepare_data
 from ..dp import DataParallel, Replica, apply_dp
 from ..models import build_model, check_max_length, cost
 from ..net import LossyNetwork
+from ..pp.dist import apply_dist_pp, attach
 from ..pp.stages import Pipeline, apply_pp
 from ..util import cache_dir, swapped
 from ..tp import TensorParallelModel, apply_tp
@@ -74,8 +75,8 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
                         seed=config.seed, task=config.task).to(device)
     mesh, settings = config.mesh(), config.network_settings()
     distributed = config.backend == "dist"
-    # dist runs this rank's replica and TP position; sim runs every rank, replica 0's being the run's own.
-    replica, tp_rank = mesh.coordinate(rank) if distributed else (0, 0)
+    # dist runs this rank's replica, stage and TP position; sim runs every rank, replica 0's being the run's own.
+    replica, stage, tp_rank = mesh.position(rank) if distributed else (0, 0, 0)
     train_net = LossyNetwork(mesh.tp_network_spec(settings, replica))
     eval_net = LossyNetwork(config.network_spec(evaluation=True))
     parameters = sum(p.numel() for p in model.parameters())
@@ -83,13 +84,18 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
     train_net.spec.selection.check_depth(layers)
     # The parallelisms apply in torchtitan's order: pipeline stages cut the model, then tensor
     # parallelism shards each stage over its own TP group.
-    pipeline = apply_pp(model, config, mesh, train_net, eval_net, replica)
+    # dist: this process's stage alone runs, its sends to the neighbouring stages' processes real.
+    pipeline = apply_dist_pp(model, config, mesh, train_net, eval_net, rank) if distributed else \
+        apply_pp(model, config, mesh, train_net, eval_net, replica)
     # Each rank launches the whole model's kernels on its shards, and its collectives'.
     kernels = cost.kernels_per_step(model, config.task) + cost.collective_kernels(layers, config.tp_size)
     compute = _compute(config, device)
-    groups = mesh.process_groups() if distributed and mesh.dp > 1 else None
+    groups = mesh.process_groups() if distributed and mesh.dp * mesh.pp > 1 else None
     if groups is not None:
-        tp_model = apply_tp(model, config, mesh, train_net, rank, groups["tp"][replica])
+        network = train_net if pipeline is None else pipeline.networks[stage]
+        tp_model = apply_tp(model, config, mesh, network, rank, groups["tp"][rank // mesh.tp])
+        if pipeline is not None:
+            tp_model = attach(pipeline, tp_model, groups["pp"][replica * mesh.tp + tp_rank], config.seed)
         replicas = [_replica(config, tp_model)]
     else:
         # Every replica starts from the same weights (DDP broadcasts rank 0's); replica 0 is built last
@@ -100,9 +106,10 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
                   for r in range(1, mesh.dp)]
         tp_model = apply_tp(model, config, mesh, train_net, rank, pipeline=pipeline)
         replicas = [_replica(config, tp_model), *others]
-    positions = [tp_rank] if groups is not None else range(mesh.tp) if mesh.dp > 1 else []
+    dp_groups = groups if mesh.dp > 1 else None   # (dist pipelines: a group of one replica)
+    positions = [tp_rank] if dp_groups is not None else range(mesh.tp) if mesh.dp > 1 else []
     networks = [LossyNetwork(mesh.dp_network_spec(settings, t, config.dp_lossy())) for t in positions]
-    dp = apply_dp(replicas, mesh, networks, config.dp_bucket_mb * (1 << 20), config.dp_mode, rank, groups)
+    dp = apply_dp(replicas, mesh, networks, config.dp_bucket_mb * (1 << 20), config.dp_mode, rank, dp_groups)
     first = replicas[0]
     return Parts(data, tp_model, train_net, eval_net, first.optimizer, first.scheduler,
                  autocast=_autocast(config.amp, device),

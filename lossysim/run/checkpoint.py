@@ -203,7 +203,7 @@ def _world(config: ExperimentConfig) -> int:
 def export_model(parts: "Parts", run_dir: Path, is_main: bool) -> None:
     """The gathered HF model and tokenizer in ``run_dir/checkpoint``, verified against the in-memory
     model before it counts. Every dist rank takes part in the gather; the main process writes."""
-    full = gather_full_model(parts.model)
+    full = gather_full_model(parts.model) if parts.pipeline is None else parts.pipeline.full_model(parts.model)
     if not is_main:
         return
     final = run_dir / "checkpoint"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import torch
 
@@ -9,6 +10,7 @@ from .. import timing
 from ..config import ExperimentConfig
 from ..models import cost
 from ..pp.schedule import pipeline_time
+from ..pp.stages import Pipeline
 from ..tp import TensorParallelModel
 from .build import Parts
 from .state import TrainState, Window
@@ -50,7 +52,7 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
     finite = True
     for replica, replica_losses in zip(dp.replicas, losses):
         parts.scaler.unscale_(replica.optimizer)
-        norm = _clip_grad_norm(replica.model, config.grad_clip)
+        norm = _clip_grad_norm(replica.model, config.grad_clip, parts.pipeline)
         ok = torch.isfinite(norm) & torch.isfinite(replica_losses).all()
         # Every rank must agree, or dist ranks would part ways at the next collective.
         finite &= bool(replica.model.group.all_gather_reliable(ok.reshape(1)).all())
@@ -88,8 +90,10 @@ def _accumulate(parts: Parts, config: ExperimentConfig, model: TensorParallelMod
     when micro-batches hold equal tokens). Returns the compute seconds, the forward's and backward's
     seconds (compute and TP traffic), every TP rank's loss of every micro-batch, the logits, and with
     pipeline stages (replica 0's) their times per micro-batch (``_stage_times``), else None."""
-    networks, k = [group.network for group in model.groups], config.n_microbatches
+    k = config.n_microbatches
     pipeline = parts.pipeline if model is parts.model else None
+    # dist: a process runs one stage; the others' networks are mirrors, still within a step
+    networks = pipeline.networks if pipeline is not None else [group.network for group in model.groups]
     rows = shard["input_ids"].shape[0] // k
     compute = forward_s = backward_s = 0.0
     losses, logits = [], []
@@ -120,6 +124,7 @@ def _accumulate(parts: Parts, config: ExperimentConfig, model: TensorParallelMod
     if pipeline is not None:
         stages["activation"] = [b.take_seconds("fwd") for b in pipeline.boundaries]
         stages["gradient"] = [b.take_seconds("bwd") for b in pipeline.boundaries]
+        stages = pipeline.gathered(stages)
     return compute, forward_s, backward_s, torch.cat(losses), torch.cat(logits), stages
 
 
@@ -169,12 +174,16 @@ def _compute_seconds(parts: Parts, config: ExperimentConfig, batch: dict, t0: fl
                                    kernels=parts.kernels)
 
 
-def _clip_grad_norm(model: TensorParallelModel, max_norm: float) -> torch.Tensor:
-    """Global gradient norm as Megatron computes it: replicated grads once, every rank's shards."""
+def _clip_grad_norm(model: TensorParallelModel, max_norm: float, pipeline: Optional[Pipeline] = None) -> torch.Tensor:
+    """Global gradient norm as Megatron computes it: replicated grads once, every rank's shards, every
+    pipeline stage's (dist: each stage's squares gathered, so every stage sums sim's numbers in sim's order)."""
+    device = next(model.parameters()).device
+    across = pipeline.across_stages if pipeline is not None else lambda values, device: values
+
     def sq(grads):
         # Grouped-query kv heads held by several ranks count once.
-        squares = [g.float().pow(2).sum() / copies for g, copies in grads]
-        return torch.stack(squares).sum() if squares else torch.zeros((), device=next(model.parameters()).device)
+        squares = across([g.float().pow(2).sum() / copies for g, copies in grads], device)
+        return torch.stack(squares).sum() if squares else torch.zeros((), device=device)
     sharded = [p for p in model.sharded_parameters() if p.grad is not None]
     # Each rank's own shards summed apart, then the ranks' sums: dist's order, so sim's norm has its bits.
     local = torch.stack([sq((p.grad[r], getattr(p, "tp_copies", 1)) for p in sharded)
