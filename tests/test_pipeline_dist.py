@@ -75,6 +75,7 @@ def _worker(index: int, out: str, cache: str, ports: dict) -> None:
             assert summary["status"] == "completed", (name, summary.get("error"), summary.get("diverged_at"))
             if name == "tp1-resumed":   # killed after its step-2 checkpoint: the rest is gone
                 if rank == 0:
+                    shutil.copy(run_dir / "metrics.jsonl", run_dir.parent / "first-metrics.jsonl")
                     shutil.rmtree(run_dir / "checkpoints" / "step-0000004")
                     shutil.rmtree(run_dir / "checkpoint")
                     (run_dir / "summary.json").unlink()
@@ -167,5 +168,22 @@ def test_lossy_dist_stages_are_sims_bit_for_bit(runs, sim, name):
 
 
 def test_a_dist_pipeline_resumes_exactly(runs, sim):
-    """Stopped after its step-2 checkpoint and resumed, a dist pipeline ends as sim's uninterrupted run."""
+    """Stopped after its step-2 checkpoint and resumed, a dist pipeline ends as sim's uninterrupted run;
+    the rows up to the checkpoint are the first run's (their wall-clock times), the rest the resumed one's."""
     _assert_same(sim("tp1-resumed"), runs / "tp1-resumed" / "dist")
+    first = read_jsonl(runs / "tp1-resumed" / "first-metrics.jsonl")
+    resumed = read_jsonl(runs / "tp1-resumed" / "dist" / "metrics.jsonl")
+    kept = [row for row in first if row["step"] <= 2]
+    assert resumed[:len(kept)] == kept and len(resumed) == len(first)
+    assert [r["time_s"] for r in resumed[len(kept):]] != [r["time_s"] for r in first[len(kept):]]
+
+
+def test_a_head_tied_to_the_embeddings_is_refused_in_one_line(tmp_path, four_blocks_here, monkeypatch):
+    """The first and the last stage would each hold a copy of the tied weight (Megatron all-reduces their
+    gradients; not modelled): refused before anything is sent."""
+    from lossysim.run.build import build
+    monkeypatch.setenv("LOSSYSIM_CACHE", str(tmp_path / "cache"))
+    config = tiny_run(tmp_path / "run", **{**BASE, "backend": "dist", "pp_size": 2, "task": "lm"})
+    with pytest.raises(ValueError, match=r"^pp_size=2 with backend=dist: the model's head is tied to its "
+                                         r"embeddings \(first and last stage\); use backend=sim$"):
+        build(config, torch.device("cpu"), 0, True, None)
