@@ -131,6 +131,9 @@ def _compute(config: ExperimentConfig, device: torch.device):
     if isinstance(compute, timing.Measured) and not (config.backend == "dist" and device.type == "cuda"):
         raise ValueError("compute=measured needs backend=dist on CUDA GPUs: a simulation's own wall "
                          "clock is not a cluster's time; name a GPU model instead (e.g. compute=h100)")
+    if isinstance(compute, timing.Measured) and config.pp_size > 1:
+        raise ValueError(f"compute=measured with pp_size={config.pp_size}: a process times its own stage, the "
+                         "clock splits a step's compute over the stages; name a GPU model (e.g. compute=h100)")
     return compute
 
 
