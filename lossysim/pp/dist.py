@@ -53,12 +53,12 @@ class _AwaitGradient(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, loss, link):
-        ctx.link, ctx.like = link, torch.empty_like(hidden)
+        ctx.link, ctx.like = link, (hidden.shape, hidden.dtype, hidden.device)
         return loss.clone()
 
     @staticmethod
-    def backward(ctx, grad):
-        return ctx.link.receive_gradient(ctx.like), None, None
+    def backward(ctx, grad):   # (``grad``, the loss's, is already in what the last stage sends)
+        return ctx.link.receive_gradient(*ctx.like), None, None
 
 
 @dataclass
@@ -103,8 +103,8 @@ class _Link:
         self._draw(self.after, "fwd", hidden, mine=False)
         raise _StageDone(hidden)
 
-    def receive_gradient(self, like: torch.Tensor) -> torch.Tensor:
-        buffer = torch.empty_like(like, memory_format=torch.contiguous_format)
+    def receive_gradient(self, shape, dtype, device) -> torch.Tensor:
+        buffer = torch.empty(shape, dtype=dtype, device=device)
         dist.recv(buffer, self.next)
         return self._draw(self.after, "bwd", buffer, mine=True)
 
