@@ -16,6 +16,11 @@ CPU = torch.device("cpu")
 # compounded over a few AdamW steps (the loss-free DP test's tolerance).
 PARAM_TOL = dict(rtol=1e-4, atol=1e-5)
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
+# Attention's key bias gets no gradient in exact arithmetic (softmax ignores what q.b adds to a whole
+# row of scores), only fp32 rounding of about 1e-11; AdamW divides that by its own square root, so
+# those elements move by rounding noise, differently on every CPU's kernels. Weights are compared
+# where the whole batch's gradient is above that noise.
+NOISE = 1e-8
 
 pytestmark = pytest.mark.usefixtures("private_cache")
 
@@ -40,12 +45,16 @@ def test_microbatches_train_as_one_batch(tp, dp, k, tmp_path, one_torch_thread):
     whole, whole_state, whole_window = _train(tmp_path, tp_size=tp, dp_size=dp)
     split, split_state, split_window = _train(tmp_path, tp_size=tp, dp_size=dp, microbatches=k)
     start = build(_config(tmp_path, tp_size=tp, dp_size=dp), CPU, 0, True, None).model
-    moved = 0.0
+    moved, noisy = 0.0, 0
     for (name, expected), got, initial in zip(whole.model.named_parameters(), split.model.parameters(),
                                               start.parameters()):
-        torch.testing.assert_close(got, expected, **PARAM_TOL, msg=name)
+        gradient = whole.optimizer.state[expected]["exp_avg"].abs()
+        kept = (gradient > NOISE) | (gradient == 0)      # unused embedding rows: no gradient, the same decay
+        noisy += int((~kept).sum())
+        torch.testing.assert_close(got[kept], expected[kept], **PARAM_TOL, msg=name)
         moved = max(moved, float((expected - initial).detach().abs().max()))
     assert moved > 100 * PARAM_TOL["atol"]     # the steps moved the weights well beyond the tolerance
+    assert noisy <= 1e-3 * sum(p.numel() for p in whole.model.parameters())   # the key biases, hardly more
     # The gradients themselves (AdamW's step hardly sees their scale; its first moment holds them, and
     # nothing is clipped): k micro-batches' mean, not their sum.
     for (name, p), q in zip(whole.model.named_parameters(), split.model.parameters()):
