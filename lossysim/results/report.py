@@ -34,7 +34,7 @@ from .labels import (DIRECTIONS, LOSS_MODEL, LOSS_RATE, NO_LOSS, NOT_APPLICABLE,
                      values, varying)
 from .stats import (ALPHA, CONFIDENCE, mean_ci, paired_difference, paired_p, time_to_target,
                     welch_p)
-from .settings import (CONFIG_KEYS, add_series, loss_free_runs, p_cell, series_reference, setting_columns,
+from .settings import (CONFIG_KEYS, add_series, loss_free_runs, p_cell, same, series_reference, setting_columns,
                        setting_groups, setting_keys, to_markdown)
 from . import perplexity
 from .table import collect, load_summary, write_summary_csv
@@ -533,10 +533,10 @@ def _baseline_runs(runs: pd.DataFrame, setting: dict) -> pd.DataFrame:
     base = runs[(runs["loss_model"] == "none") & (runs["status"] == "completed")]
     for key in TIME_KEYS:
         if key in base.columns and key in setting and key != "algorithm":
-            base = base[base[key].astype(str) == str(setting[key])]
+            base = base[same(base[key], setting[key])]
     if "algorithm" in base.columns and "algorithm" in setting:
-        same = base[base["algorithm"].astype(str) == str(setting["algorithm"])]
-        base = same if len(same) else base
+        like = base[same(base["algorithm"], setting["algorithm"])]
+        base = like if len(like) else base
     return base
 
 
