@@ -1,8 +1,8 @@
 """Retransmission: how real transports detect and repair a lost packet, and what it costs.
 
 A loss is revealed by a later packet on the same connection (a NAK, a SACK, the receiver's bitmap:
-one round trip), or by three duplicate ACKs for TCP; only a loss with nothing behind it on its
-connection (a *tail* loss) waits for a timer. ``Nic`` presets say which repair a transport does
+one round trip), or by three SACKed packets for TCP (one or two: RACK's reordering timer); only
+a loss with nothing behind it on its connection (a *tail* loss) waits for a timer. ``Nic`` presets say which repair a transport does
 (selective repeat or go-back-N), what a tail loss waits for, after how many retries it gives up,
 and for TCP how the congestion window shrinks at a loss; each preset's source is in
 docs/time_model.md. Also: expected transmissions under independent loss, the window a go-back-N
