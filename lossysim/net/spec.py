@@ -65,8 +65,8 @@ class NetworkSpec:
         ranks_per_node, lossy_links: the topology (``lossysim.net.topology``).
         transport, deadline: what a loss costs (``lossysim.net.transport``).
         nic: how lost packets are detected and repaired (a preset of ``lossysim.timing.retransmission``:
-            ideal, irn, srd, roce-gbn, tcp); ``retransmit`` (selective or go_back_n) and ``rto_s`` (every
-            timer, seconds) override it.
+            ideal, irn, srd, roce-gbn, roce-gbn-timeout, tcp, tcp-bbr); ``retransmit`` (selective or
+            go_back_n) and ``rto_s`` (every timer, seconds) override it.
         channels: connections per link (NCCL's channels): each one's last packets are its tail losses.
         nics_per_node: NICs a node's inter-node traffic spreads over (None: one per rank).
         link_intra, link_inter: the links of each class (``lossysim.timing.links``).
