@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Sequence, Union
 
 from ..loss import LossModel, parse_loss_model
-from ..timing import Compute, Link, Measured, parse_compute, parse_link
+from ..timing import Compute, Link, Measured, nccl, parse_compute, parse_link
 from ..timing.retransmission import DEFAULT_NIC, Nic, parse_nic
 from ..util import one_of
 from .algorithms import ALGORITHMS
@@ -197,6 +197,12 @@ class NetworkSpec:
     def link(self, link_class: str) -> Link:
         """The Link of class ``intra`` or ``inter``."""
         return self.link_intra if link_class == "intra" else self.link_inter
+
+    @property
+    def arch(self) -> str:
+        """The GPU generation NCCL's tuner tables are read for (LL ceilings, per-channel caps, NVLS): the
+        compute preset's (``h100`` -> hopper, ``a100`` -> ampere); Hopper for any other GPU."""
+        return nccl.arch_of(getattr(self.compute, "gpu", ""))
 
     def bus_bandwidth(self) -> float:
         """Bytes/s a rank's collective traffic sustains: its NVLink port inside a node; across nodes the

@@ -103,7 +103,7 @@ def loss_free_time(spec: NetworkSpec, sched: Schedule, message_bytes: int, packe
                   topology.link_class(s.src, s.dst)) for s in sched.sends]
         return timing.step_time(sends)
     return nccl.collective_time(sched.collective, sched.algorithm, R, nodes, message_bytes, packet_bytes,
-                                spec.link_intra, spec.link_inter, spec.bus_bandwidth())
+                                spec.link_intra, spec.link_inter, spec.bus_bandwidth(), spec.arch)
 
 
 def _steps(spec, sched, link_ids, n_links, numel, itemsize, per_packet, ideal, device) -> list:
