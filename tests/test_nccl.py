@@ -8,11 +8,17 @@ lossysim.timing.nccl's tables.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
+from scipy import stats
 
+from lossysim.net.algorithms import combine, depth, schedule
+from lossysim.net.network import LossyNetwork
 from lossysim.timing import LINK_PRESETS, nccl
 
 GBps = 1e9
+ALPHA = 1e-5  # p-value threshold of the statistical checks
 NV4, NV3, NDR, HDR = (LINK_PRESETS[n] for n in ("nvlink4", "nvlink3", "ib-ndr400", "ib-hdr200"))
 
 
@@ -92,3 +98,158 @@ def test_ceilings_slow_small_cross_node_messages():
     latency = (6.6 + (254 - 30) * 1.0 + 30 * 2.7) * 1e-6      # base, 224 NVLink hops at the 1 us proxy floor, 30 net
     assert t.latency_s == pytest.approx(latency, rel=1e-12)
     assert t.bandwidth_s == pytest.approx(2 ** 20 / (20.4e9 * 128 / 254), rel=1e-12)
+
+
+# -- NVLS and NVLS-tree: what arrives ------------------------------------------------------------
+
+def _powers(ranks: int, n: int) -> torch.Tensor:
+    """Rank j contributes 2**j: a received element's bits say whose data reached it."""
+    return torch.stack([torch.full((n,), 2.0 ** j, dtype=torch.float64) for j in range(ranks)])
+
+
+def test_nvls_sends_every_message_up_to_the_switch_and_back_down():
+    sched = schedule("nvls", "all_reduce", 4, 10)
+    assert [(s.step, s.phase, s.src, s.dst, s.packets) for s in sched.sends] == \
+        [(0, "reduce", r, (r + 1) % 4, 10) for r in range(4)] + \
+        [(1, "broadcast", (r - 1) % 4, r, 10) for r in range(4)]
+    # nvls_tree, 3 nodes of 2: the switches, node 1 and 2 up to node 0 (first ranks 2, 4 -> 0), back down
+    sched = schedule("nvls_tree", "all_reduce", 6, 5, per_node=2)
+    steps = [[(s.phase, s.src, s.dst) for s in sched.sends if s.step == k] for k in range(sched.steps)]
+    assert steps == [[("reduce", 0, 1), ("reduce", 1, 0), ("reduce", 2, 3), ("reduce", 3, 2), ("reduce", 4, 5),
+                      ("reduce", 5, 4)],
+                     [("reduce", 2, 0), ("reduce", 4, 0)],
+                     [("broadcast", 0, 2), ("broadcast", 0, 4)],
+                     [("broadcast", 1, 0), ("broadcast", 0, 1), ("broadcast", 3, 2), ("broadcast", 2, 3),
+                      ("broadcast", 5, 4), ("broadcast", 4, 5)]]
+    # across nodes nvls is nvls_tree, one node's nvls_tree is nvls, one rank per node a tree, others rings
+    assert schedule("nvls", "all_reduce", 6, 5, per_node=2).algorithm == "nvls_tree"
+    assert schedule("nvls_tree", "all_reduce", 4, 5).algorithm == "nvls"
+    assert schedule("nvls_tree", "all_reduce", 4, 5, per_node=1).algorithm == "tree"
+    assert schedule("nvls", "all_gather", 4, 5).algorithm == "ring"
+
+
+def _lose(sched, send: int, packet: int) -> torch.Tensor:
+    lost = torch.zeros(len(sched.sends), sched.max_packets, dtype=torch.bool)
+    lost[send, packet] = True
+    return lost
+
+
+def test_a_loss_on_the_way_up_takes_a_contribution_from_everyone_on_the_way_down_one_hole():
+    R, n = 4, 3
+    sched = schedule("nvls", "all_reduce", R, n)
+    up = next(i for i, s in enumerate(sched.sends) if s.phase == "reduce" and s.src == 2)
+    got = combine(sched, _lose(sched, up, 1))
+    expected = torch.ones(R, n, dtype=torch.bool)
+    expected[2, 1] = False                   # rank 2's packet 1 never reached the switch: no one has it
+    assert torch.equal(got.coef, expected) and bool(got.gain.all())
+    assert got.partial.tolist() == [False, True, False]
+    down = next(i for i, s in enumerate(sched.sends) if s.phase == "broadcast" and s.dst == 3)
+    got = combine(sched, _lose(sched, down, 0))
+    assert bool(got.coef.all()) and got.holes.nonzero().tolist() == [[3, 0]]
+    # nvls_tree, 4 nodes of 2: node 3's sum lost on its way to node 1 takes ranks 6 and 7 from everyone;
+    # the total lost on its way down to node 1 is a hole at node 1 and its child node 3 (ranks 2, 3, 6, 7)
+    sched = schedule("nvls_tree", "all_reduce", 8, 2, per_node=2)
+    hop = next(i for i, s in enumerate(sched.sends) if s.phase == "reduce" and s.src == 6 and s.dst == 2)
+    got = combine(sched, _lose(sched, hop, 0))
+    assert got.coef[:, 0].tolist() == [True] * 6 + [False] * 2 and bool(got.gain.all())
+    hop = next(i for i, s in enumerate(sched.sends) if s.phase == "broadcast" and s.src == 0 and s.dst == 2)
+    got = combine(sched, _lose(sched, hop, 1))
+    assert got.holes[:, 1].nonzero().flatten().tolist() == [2, 3, 6, 7] and bool(got.coef.all())
+
+
+@pytest.mark.parametrize("algorithm, per_node", [("nvls", None), ("nvls_tree", 2)])
+def test_nvls_probabilities_match_closed_forms(algorithm, per_node):
+    """Bernoulli p on every link, zero. Rank j's contribution reaches the sum with probability
+    (1-p)^(1 + d_j), d_j its node's depth in the tree of nodes (0 on one node); receiver i holds the sum
+    with probability (1-p)^(1 + d_i); an element is complete at i with probability (1-p)^(R + (N-1) +
+    1 + d_i): every rank's port up, every node's hop up, i's way down. Whoever holds a packet holds the
+    same value (one sum, formed once): receivers differ only by holes."""
+    R, p, per, calls = 8, 0.1, 2, 150
+    net = LossyNetwork(R, f"bernoulli:{p}", seed=11, payload_bytes=16, algorithm=algorithm, ranks_per_node=per_node)
+    P = per_node or R
+    N = R // P
+    node_depth = [depth(r // P) for r in range(R)]
+    n = per * 40
+    kept, held, complete, total, seen = np.zeros(R), np.zeros(R), np.zeros(R), 0, 0
+    for _ in range(calls):
+        out = net.all_reduce("s", "bwd", _powers(R, n), range(R))[:, ::per].to(torch.int64)   # one element a packet
+        bits = out.numpy()
+        present = bits != 0
+        # every two receivers holding a packet hold the same value
+        value = bits.max(0)
+        assert ((bits == value) | ~present).all()
+        somewhere = present.any(0)
+        for j in range(R):
+            kept[j] += ((value >> j) & 1)[somewhere].sum()
+        seen += somewhere.sum()
+        held += present.sum(1)
+        complete += (bits == 2 ** R - 1).sum(1)
+        total += bits.shape[1]
+    for i in range(R):
+        d = node_depth[i]
+        for count, probability in ((held[i], (1 - p) ** (1 + d)), (complete[i], (1 - p) ** (R + N + d))):
+            assert stats.binomtest(int(count), total, probability).pvalue > ALPHA, (i, count / total, probability)
+        # one hop more is rejected: the test can tell
+        assert stats.binomtest(int(complete[i]), total, (1 - p) ** (R + N + d + 1)).pvalue < ALPHA
+    # a contribution reaches the sum (read wherever some receiver holds the packet: the way down is
+    # independent of the way up) with probability (1-p)^(1 + d_j)
+    for j in range(R):
+        probability = (1 - p) ** (1 + node_depth[j])
+        assert stats.binomtest(int(kept[j]), int(seen), probability).pvalue > ALPHA, (j, kept[j] / seen, probability)
+
+
+def test_nvls_is_refused_where_nccl_cannot_run_it():
+    with pytest.raises(ValueError, match="recovery=stale replays every send"):
+        LossyNetwork(4, "bernoulli:0.1", algorithm="nvls", recovery="stale")
+    with pytest.raises(ValueError, match="compute=a100 is ampere"):
+        LossyNetwork(4, "bernoulli:0.1", algorithm="nvls_tree", compute="a100")
+    with pytest.raises(ValueError, match="hw=pci"):
+        LossyNetwork(4, "bernoulli:0.1", algorithm="nvls", link_intra="alpha=1us,bw=20GB/s,hw=pci")
+
+
+# -- algorithm: auto ---------------------------------------------------------------------------------
+
+def test_auto_runs_what_the_tuner_picks_and_records_it_per_call_site():
+    """One H100 node of 8: a 4 KiB all-reduce by the LL ring, 16 MiB by NVLS; two nodes of 4: a small one
+    by the LL tree, a large one by NVLS-tree; all-gathers on rings. Each site's record is the pick and
+    its loss-free time, which is what the clock moved by."""
+    net = LossyNetwork(8, "none", algorithm="auto", payload_bytes=1024)
+    before = 0.0
+    for site, numel, algorithm, protocol in (("small", 1024, "ring", "LL"), ("large", 1 << 22, "nvls", "Simple")):
+        net.all_reduce(site, "fwd", torch.zeros(8, numel), range(8))
+        row = [r for r in net.choices() if r["site"] == site]
+        assert [(r["collective"], r["bytes"], r["algorithm"], r["protocol"]) for r in row] == \
+            [("all_reduce", 4 * numel, algorithm, protocol)]
+        assert net.clock()["comm_s"] - before == pytest.approx(row[0]["seconds"], rel=1e-12)
+        before = net.clock()["comm_s"]
+    net.all_gather("gather", "fwd", torch.zeros(8, 1 << 20), range(8))
+    assert [r["algorithm"] for r in net.choices() if r["site"] == "gather"] == ["ring"]
+    two = LossyNetwork(8, "none", algorithm="auto", ranks_per_node=4, link_inter="ib-ndr400")
+    two.all_reduce("small", "fwd", torch.zeros(8, 256), range(8))
+    two.all_reduce("large", "fwd", torch.zeros(8, 1 << 24), range(8))
+    assert [(r["site"], r["algorithm"], r["protocol"]) for r in two.choices()] == \
+        [("small", "tree", "LL"), ("large", "nvls_tree", "Simple")]
+    # a named algorithm is recorded too, with the protocol NCCL's model gives it: 16 MiB by LL128,
+    # 40.6 us + 16 MiB / (0.92 x 370 GB/s x 8/14) = 126.9 us, against Simple's 56 us + 79.4 us
+    ring = LossyNetwork(8, "none", algorithm="ring")
+    ring.all_reduce("large", "fwd", torch.zeros(8, 1 << 22), range(8))
+    assert [(r["algorithm"], r["protocol"], r["channels"]) for r in ring.choices()] == [("ring", "LL128", 12)]
+
+
+def test_auto_under_loss_delivers_what_its_pick_delivers():
+    """The same seed and sizes: auto's deliveries are bit for bit those of the algorithm it picked."""
+    for numel in (256, 1 << 20):
+        auto = LossyNetwork(8, "bernoulli:0.05", seed=4, algorithm="auto", payload_bytes=4096)
+        x = _powers(8, numel)
+        got = auto.all_reduce("s", "bwd", x, range(8))
+        picked = auto.choices()[0]["algorithm"]
+        named = LossyNetwork(8, "bernoulli:0.05", seed=4, algorithm=picked, payload_bytes=4096)
+        assert torch.equal(got, named.all_reduce("s", "bwd", x, range(8))), picked
+        assert auto.clock() == named.clock()
+    assert picked == "nvls"
+
+
+def test_auto_offers_a_send_by_send_policy_rings_and_trees_only():
+    net = LossyNetwork(8, "bernoulli:0.01", algorithm="auto", recovery="stale")
+    net.all_reduce("s", "bwd", torch.zeros(8, 1 << 22), range(8))
+    assert net.choices()[0]["algorithm"] == "ring"

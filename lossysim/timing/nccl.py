@@ -293,14 +293,14 @@ def available(collective: str, algorithm: str, fabric: Fabric) -> bool:
 
 def estimate(collective: str, algorithm: str, ranks: int, nodes: int, nbytes: float, busbw_Bps: float,
              intra_hw: str = "nvlink", inter_hw: str = "net", protocols=PROTOCOLS, arch: str = DEFAULT_ARCH,
-             intra_Bps: float = None, nic_Bps: float = None) -> Estimate:
+             intra_Bps: float = None, nic_Bps: float = None, algorithms=ALGORITHMS) -> Estimate:
     """NCCL's modelled time of one loss-free collective of ``nbytes`` (each rank's message for an
     all-reduce, the whole output for an all-gather, the whole input for a reduce-scatter, as
-    nccl-tests sizes them) by ``algorithm``, fastest protocol (``auto``: fastest algorithm too).
-    ``intra_Bps`` (one rank's NVLink port) and ``nic_Bps`` (one NIC) default to ``busbw_Bps``."""
+    nccl-tests sizes them) by ``algorithm``, fastest protocol (``auto``: the fastest of ``algorithms``
+    too). ``intra_Bps`` (one rank's NVLink port) and ``nic_Bps`` (one NIC) default to ``busbw_Bps``."""
     if algorithm == AUTO:
         return choose(collective, Fabric(ranks, nodes, busbw_Bps, intra_Bps or busbw_Bps, nic_Bps or busbw_Bps,
-                                         arch, intra_hw, inter_hw), nbytes, protocols)
+                                         arch, intra_hw, inter_hw), nbytes, protocols, algorithms)
     _check(collective, algorithm)
     if ranks < 2:
         return Estimate(0.0, 0.0, 0.0, "Simple", algorithm, 0)
@@ -331,7 +331,7 @@ def _time(collective: str, algorithm: str, protocol: str, fabric: Fabric, nbytes
     return Estimate(latency + bandwidth, latency, bandwidth, protocol, algorithm, channels)
 
 
-def choose(collective: str, fabric: Fabric, nbytes: float, protocols=PROTOCOLS) -> Estimate:
+def choose(collective: str, fabric: Fabric, nbytes: float, protocols=PROTOCOLS, algorithms=ALGORITHMS) -> Estimate:
     """The (algorithm, protocol) NCCL's tuner runs for ``nbytes`` on this fabric: the fastest of every
     pair it enables (ties: NCCL's order, tree before ring before NVLS). All-gathers and
     reduce-scatters: the ring (lossysim runs them on rings; NCCL's NVLS and PAT variants are not
@@ -339,7 +339,7 @@ def choose(collective: str, fabric: Fabric, nbytes: float, protocols=PROTOCOLS) 
     if fabric.ranks < 2:
         return Estimate(0.0, 0.0, 0.0, "Simple", "ring", 0)
     best = None
-    for algorithm in ALGORITHMS:
+    for algorithm in (a for a in ALGORITHMS if a in algorithms):
         if not available(collective, algorithm, fabric):
             continue
         for protocol in protocols:
@@ -351,7 +351,7 @@ def choose(collective: str, fabric: Fabric, nbytes: float, protocols=PROTOCOLS) 
 
 def collective_estimate(collective: str, algorithm: str, ranks: int, nodes: int, message_bytes: int,
                         packet_bytes: int, intra: Link, inter: Link, busbw_Bps: float,
-                        arch: str = DEFAULT_ARCH) -> Estimate:
+                        arch: str = DEFAULT_ARCH, algorithms=ALGORITHMS) -> Estimate:
     """``estimate`` of a loss-free collective on our links: ``message_bytes`` is each rank's message
     (an all-reduce's or a reduce-scatter's input, an all-gather's shard), cut into packets of
     ``packet_bytes``; the busiest link class (``inter`` across nodes) adds its header to every packet;
@@ -362,7 +362,7 @@ def collective_estimate(collective: str, algorithm: str, ranks: int, nodes: int,
     wire = bottleneck.wire_bytes(message_bytes, -(-message_bytes // packet_bytes))
     nbytes = wire * ranks if collective == "all_gather" else wire   # nccl-tests: all-gather's whole output
     return estimate(collective, algorithm, ranks, nodes, nbytes, busbw_Bps, intra.hw, inter.hw, arch=arch,
-                    intra_Bps=intra.bandwidth_Bps, nic_Bps=inter.bandwidth_Bps)
+                    intra_Bps=intra.bandwidth_Bps, nic_Bps=inter.bandwidth_Bps, algorithms=algorithms)
 
 
 def collective_time(collective: str, algorithm: str, ranks: int, nodes: int, message_bytes: int,
