@@ -348,3 +348,28 @@ def test_nvls_bus_bandwidth_is_the_published_one():
     net.simulate("s", "fwd", 1 << 28, torch.float32)
     busbw = (1 << 30) / net.clock()["comm_s"] * 2 * 7 / 8
     assert busbw == pytest.approx(480e9, rel=0.05)
+
+
+def _show(us: float) -> str:
+    return f"{us:.1f} us" if us < 1000 else f"{us / 1000:.2f} ms"
+
+
+def test_the_docs_table_is_nccls_model_and_the_networks():
+    """docs/time_model.md's table against NCCL's own model, row by row."""
+    from pathlib import Path
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "time_model.md").read_text()
+    for nodes in (1, 2, 16):
+        for nbytes, size in ((1 << 20, "1 MiB"), (1 << 26, "64 MiB"), (1 << 30, "1 GiB")):
+            R = 8 * nodes
+            reference, algorithm, protocol = nccl_reference(R, nodes, nbytes)
+            settings = dict(ranks_per_node=8, link_intra="nvlink4", link_inter="ib-ndr400", payload_bytes=4096)
+            auto, ring = (LossyNetwork(R, "none", algorithm=a, **settings) for a in ("auto", "ring"))
+            for net in (auto, ring):
+                net.simulate("s", "fwd", nbytes // 4, torch.float32)
+            row, = auto.choices()
+            t = row["seconds"] * 1e6
+            busbw = nbytes / (t * 1e-6) * 2 * (R - 1) / R / 1e9
+            line = (f"| {nodes} x 8 | {size} | {algorithm} {protocol} | {_show(reference)} | {row['algorithm']} "
+                    f"{row['protocol']} ({row['channels']} ch) | {_show(t)} ({busbw:.0f}) | {t / reference:.3f} | "
+                    f"{_show(ring.clock()['comm_s'] * 1e6)} |")
+            assert line in doc, line
