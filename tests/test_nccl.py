@@ -92,6 +92,17 @@ def test_per_channel_caps():
     assert _busbw("ring", "Simple", _fabric(8, 16)) == pytest.approx(370 * GBps, rel=1e-12)
 
 
+def test_the_generation_is_the_compute_presets():
+    """An A100 run's LL ring is capped at 87.7 GB/s, an H100 run's at 141: a 1 MiB all-reduce on one node
+    of 8 (LL wins on both) takes 6.6 + 14 x 0.6 us and 1 MiB over the ceiling x 8/14."""
+    for compute, ceiling in (("a100", 87.7e9), ("h100", 141e9), ("h200", 141e9)):
+        net = LossyNetwork(8, "none", compute=compute, payload_bytes=1 << 20)
+        net.simulate("s", "fwd", 1 << 18, torch.float32)
+        row, = net.choices()
+        assert (row["algorithm"], row["protocol"]) == ("ring", "LL")
+        assert row["seconds"] == pytest.approx((6.6 + 14 * 0.6) * 1e-6 + 2 ** 20 / (ceiling * 8 / 14), rel=1e-12)
+
+
 def test_ceilings_slow_small_cross_node_messages():
     """Without the ceilings an LL ring across 16 nodes ran at 185 GB/s; NCCL's model caps it at 20.4."""
     fabric = _fabric(8, 16)

@@ -30,8 +30,8 @@ takes every contribution it carried with it (the receiver's own contribution goe
 on alone); a lost packet of an all-gather or broadcast send is a hole that every
 rank downstream inherits (a rank forwards what it has). Through a switch (NVLS) a packet lost on
 the way up takes that rank's contribution from every receiver, the rank's own included (its sum is
-the switch's); one lost on the way down is a hole at that one receiver; between nodes, as the tree. ``combine`` follows the
-lost packets along every path; ``path_weights`` multiplies per-send factors along
+the switch's); one lost on the way down is a hole at that one receiver; between nodes, as the tree.
+``combine`` follows the lost packets along every path; ``path_weights`` multiplies per-send factors along
 the same paths (for ``rescale``, 1 / P(delivery) at every hop: dividing what
 arrived by the probability that it arrives is what keeps the estimate of the sum
 unbiased), so a delivered path carries its product and a lost one 0.

@@ -2,8 +2,9 @@
 how long it takes without loss and what its repairs need. Built once per (collective, size, dtype,
 device) and reused by every call of that shape, so a call does no Python work per send.
 
-Time: a ring or tree collective takes what NCCL's cost model says (``lossysim.timing.nccl``: its
-latency, and its wire bytes over the bus bandwidth our links give); a send, NCCL's p2p time over its
+Time: a ring, tree, NVLS or NVLS-tree collective takes what NCCL's cost model says
+(``lossysim.timing.nccl``: its latency, and its wire bytes over the bus bandwidth our links give;
+``algorithm: auto`` first asks the model which algorithm NCCL runs); a send, NCCL's p2p time over its
 one link (``nccl.p2p_time``); the direct exchange (not an NCCL algorithm) takes one alpha-beta step
 with its ports shared (``timing.send_times``). Repairs add to that step by step
 (``lossysim.net.transport``).
