@@ -42,7 +42,7 @@ bandwidth at the protocol's share.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from .links import Link
 
@@ -65,8 +65,8 @@ HW_LATENCY_US = {
     "net": {"tree": (5.0, 8.5, 14.0), "ring": (2.7, 4.0, 14.0), "nvls": (0, 0, 18), "nvls_tree": (0, 0, 20.9)},
 }
 # GB/s, llMaxBws: LL's bus bandwidth ceiling. One node: per GPU generation; across nodes: per CPU
-# vendor and node count (2, more). lossysim assumes Intel hosts (DGX H100 and A100 nodes are Intel:
-# H100's are; A100's are AMD, whose row is 22.5 and 19.0: ``LL_MAX_BW_AMD``).
+# vendor and node count (2, more). lossysim assumes Intel hosts, as DGX H100's are (DGX A100's are AMD
+# EPYC, whose row ``LL_MAX_BW_AMD`` is kept as data).
 LL_MAX_BW_ONE_NODE = {"volta": 39.0, "ampere": 87.7, "hopper": 141.0, "blackwell": 282.0}
 LL_MAX_BW_INTEL = (39.0, 20.4)
 LL_MAX_BW_AMD = (22.5, 19.0)
@@ -258,7 +258,7 @@ def latency_s(collective: str, algorithm: str, protocol: str, ranks: int, nodes:
 
 
 def algorithm_bandwidth(collective: str, algorithm: str, protocol: str, ranks: int, nodes: int,
-                        busbw_Bps: float, nbytes: float, fabric: Fabric = None) -> float:
+                        busbw_Bps: float, nbytes: float, fabric: Optional[Fabric] = None) -> float:
     """Bytes per second of the message (nccl-tests' algbw) a loss-free collective sustains (0: NCCL does
     not run the pair)."""
     if fabric is None:
@@ -293,7 +293,8 @@ def available(collective: str, algorithm: str, fabric: Fabric) -> bool:
 
 def estimate(collective: str, algorithm: str, ranks: int, nodes: int, nbytes: float, busbw_Bps: float,
              intra_hw: str = "nvlink", inter_hw: str = "net", protocols=PROTOCOLS, arch: str = DEFAULT_ARCH,
-             intra_Bps: float = None, nic_Bps: float = None, algorithms=ALGORITHMS) -> Estimate:
+             intra_Bps: Optional[float] = None, nic_Bps: Optional[float] = None,
+             algorithms=ALGORITHMS) -> Estimate:
     """NCCL's modelled time of one loss-free collective of ``nbytes`` (each rank's message for an
     all-reduce, the whole output for an all-gather, the whole input for a reduce-scatter, as
     nccl-tests sizes them) by ``algorithm``, fastest protocol (``auto``: the fastest of ``algorithms``
