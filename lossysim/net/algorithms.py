@@ -199,10 +199,10 @@ class Schedule:
             out["down"] = [next(i for i, s in enumerate(self.sends) if s.step == last and s.dst == r)
                            for r in range(R)]
             P = self.per_node
-            leaders = {s.src // P: i for i, s in enumerate(self.sends) if 0 < s.step < last and s.phase == "reduce"}
+            heads = {s.src // P: i for i, s in enumerate(self.sends) if 0 < s.step < last and s.phase == "reduce"}
             below = {s.dst // P: i for i, s in enumerate(self.sends) if 0 < s.step < last and s.phase == "broadcast"}
             nodes = R // P
-            out["node_up"] = [leaders.get(k, none) for k in range(nodes)]
+            out["node_up"] = [heads.get(k, none) for k in range(nodes)]
             out["node_down"] = [below.get(k, none) for k in range(nodes)]
             out["node"] = [r // P for r in range(R)]
         elif key == ("ring", "all_gather"):
