@@ -560,3 +560,14 @@ def test_pipeline_labels_and_topology_count_every_stage():
     assert pipeline.value({**row, "pp_schedule": "1f1b", "microbatches": None}) == "pp 2 (1f1b, m=2)"
     assert pipeline.value({"pp_size": 1, "microbatches": 4}) == "pp 1 (m=4)"   # accumulation without stages
     assert pipeline.value({"pp_size": 2}) == "pp 2", "columns summary.csv lacks are not guessed"
+
+
+def test_a_retransmitted_run_names_no_recovery_policy():
+    """Under retransmission every packet arrives and no policy acts: its label says "–", not the
+    policy its config happens to carry."""
+    from lossysim.results.labels import KNOWN, NOT_APPLICABLE
+    recovery = next(d for d in KNOWN if d.name == "recovery")
+    row = {"loss_model": "bernoulli", "transport": "retransmit", "recovery": "zero"}
+    assert recovery.value(row) == NOT_APPLICABLE
+    assert recovery.value({**row, "transport": "drop"}) == "zero-fill"
+    assert recovery.value({**row, "transport": "deadline", "recovery": "hadamard"}) == "hadamard"
