@@ -9,10 +9,11 @@ usage() {
   cat <<'EOF'
 Usage: ./run_experiments.sh [options]
 
-Runs a sweep of tensor-parallel trainings under packet loss, prints the simulated time to
-reach a target accuracy and accuracy against loss rate, and writes the report (accuracy
-against simulated time first, then plots, report.md, summary.csv) into the output folder. A sweep that is stopped resumes where it left off when
-the same command runs again.
+Runs a sweep of tensor-, data- or pipeline-parallel trainings under packet loss, prints
+the simulated time to reach a target accuracy and accuracy against loss rate, and writes
+the report (accuracy against simulated time first, then plots, report.md, summary.csv)
+into the output folder. A sweep that is stopped resumes where it left off when the same
+command runs again.
 
 Profiles:
   quick  (default) tiny GPT-2 on the synthetic NLI task (synthetic, not MNLI), offline,
@@ -34,6 +35,13 @@ Profiles:
          and rescale) or on tensor-parallel traffic (tp across nodes), at 1% and 5%,
          3 seeds; accuracy, drift and time side by side. 21 runs, about 8 minutes.
          Spec: experiments/data_parallel.yaml
+  pp     what lost activations and their gradients between pipeline stages do: tp 1 and
+         tp 2 x pp 2 on the quick profile's task (1F1B, 2 micro-batches), a stage per node,
+         loss only on PP traffic between the nodes at 1% and 5%: zero, rescale, hadamard
+         (dropped) against retransmit (irn), each layout beside its loss-free run; and the
+         same 5% on DP gradients (tp 1 x dp 2) and on TP traffic (tp 2 across nodes). 3
+         seeds, 150 steps; accuracy, bubble, time per step and observed PP loss side by
+         side. 66 runs, about 13 minutes on 2 idle CPU cores. Spec: experiments/pipeline.yaml
   real   a real pretrained model, offline (needs the real extra: see the README's "Real
          model, offline"): SmolLM2-135M (weights dequantised from Q4_1) on Python's
          documentation text. First a reduced damage map into <out>/damage_map/ (forward
@@ -51,7 +59,7 @@ Profiles:
          (the first run downloads gpt2 and MNLI unless HF_HUB_OFFLINE=1)
 
 Options (each also read from the environment variable shown; options win):
-  --profile NAME     quick | mitigations | dp | real | mnli          [LOSSYSIM_PROFILE]
+  --profile NAME     quick | mitigations | dp | pp | real | mnli     [LOSSYSIM_PROFILE]
   --rates "R ..."    average loss rates, fractions or percents,      [LOSSYSIM_RATES]
                      e.g. "0 0.01 5%"; each gives a Bernoulli and a Gilbert-Elliott run
                      in every comparison of the spec (the loss-free baseline always
@@ -76,6 +84,7 @@ Examples:
   ./run_experiments.sh
   ./run_experiments.sh --rates "0 1% 5%" --burst "4 16" --seeds "0 1 2"
   ./run_experiments.sh --profile mitigations
+  ./run_experiments.sh --profile pp
   ./run_experiments.sh --profile real
   ./run_experiments.sh --profile mnli --shard 1/2 --out /shared/results/mnli
 EOF
@@ -159,9 +168,10 @@ case "$PROFILE" in
   quick) SPEC=experiments/quick.yaml ;;
   mitigations) SPEC=experiments/mitigations.yaml ;;
   dp) SPEC=experiments/data_parallel.yaml ;;
+  pp) SPEC=experiments/pipeline.yaml ;;
   real) SPEC=experiments/real.yaml ;;
   mnli) SPEC=experiments/mnli_sweep.yaml ;;
-  *) bad_usage "unknown profile: $PROFILE (expected quick, mitigations, dp, real or mnli)" ;;
+  *) bad_usage "unknown profile: $PROFILE (expected quick, mitigations, dp, pp, real or mnli)" ;;
 esac
 case "$BACKEND" in
   auto | sim | dist) ;;

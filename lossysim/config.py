@@ -14,7 +14,7 @@ import yaml
 
 from .util import one_of, stream_seed
 from .mesh import Mesh
-from .net.recovery import SHARD_POLICIES
+from .net.recovery import SEND_POLICIES, SHARD_POLICIES
 from .net.spec import SETTINGS, NetworkSpec
 from .timing import DEFAULT_NIC, parse_compute
 
@@ -31,7 +31,10 @@ DP_MODES = ("ddp", "fsdp")
 # Keys added after the first sweeps (data parallelism, micro-batches, ...): at their defaults they stay
 # out of a run's identity (the sweep's hash), so sweeps written before them still find their runs.
 IDENTITY_AT_DEFAULT_OMITTED = ("dp_size", "dp_bucket_mb", "dp_overlap", "dp_sync_every", "lossy_traffic",
-                              "dp_mode", "lossy_layers", "lossy_sites", "outlier_fraction", "microbatches")
+                              "dp_mode", "lossy_layers", "lossy_sites", "outlier_fraction", "microbatches",
+                              "pp_size", "pp_schedule", "pp_layout")
+# How a run's global ranks are ordered, innermost first (Megatron's and torchtitan's order; see mesh.py).
+RANK_ORDER = "tp, pp, dp (tp innermost)"
 
 
 def parse_report_to(value) -> tuple[str, ...]:
@@ -96,7 +99,10 @@ class ExperimentConfig:
     tp_size: int = 2
     backend: str = "sim"               # sim | dist
     sync_replicated: bool = True       # dist: average replicated grads over a reliable channel
-    dp_size: int = 1                   # data-parallel replicas of the TP group: world = tp_size x dp_size
+    dp_size: int = 1                   # data-parallel replicas of the TP group: world = tp_size x pp_size x dp_size
+    pp_size: int = 1                   # pipeline stages: the blocks cut into this many consecutive stages
+    pp_schedule: str = "1f1b"          # gpipe | 1f1b: how a step's micro-batches are timed through the stages
+    pp_layout: Optional[str] = None    # blocks per stage, e.g. "1,3" (None: an even split)
     dp_bucket_mb: float = 25.0         # DDP gradient bucket cap, MiB (PyTorch DDP's bucket_cap_mb)
     dp_overlap: bool = True            # bucket all-reduces overlap the backward pass, as DDP's do
     dp_sync_every: int = 0             # reliable broadcast of replica 0's parameters every K steps (0: never)
@@ -106,7 +112,7 @@ class ExperimentConfig:
     # training
     steps: int = 300
     batch_size: int = 16
-    microbatches: int = 1              # gradient accumulation: each replica's shard in this many forward/backwards
+    microbatches: Optional[int] = None  # each replica's shard in this many forward/backwards (None: pp_size)
     eval_batch_size: int = 64
     lr: float = 5e-4
     weight_decay: float = 0.01
@@ -131,10 +137,12 @@ class ExperimentConfig:
             raise ValueError("dataset=pydoc is unlabelled documentation text: use task=lm")
         _choice("backend", self.backend, BACKENDS)
         _choice("amp", self.amp, ("none", "bf16", "fp16"))
-        for name in ("steps", "batch_size", "microbatches", "eval_batch_size", "max_length", "eval_every",
-                     "log_every", "tp_size", "dp_size"):
+        for name in ("steps", "batch_size", "eval_batch_size", "max_length", "eval_every", "log_every", "tp_size",
+                     "dp_size", "pp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise ValueError(f"microbatches={self.microbatches} must be >= 1 (or null for pp_size)")
         for name in ("max_train_samples", "max_eval_samples"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -150,6 +158,7 @@ class ExperimentConfig:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+        self._validate_pipeline()
         self._validate_data_parallel()
         self._check_something_can_lose()
         try:
@@ -166,9 +175,10 @@ class ExperimentConfig:
         traffic_kinds(self.lossy_traffic)
         if not (math.isfinite(self.dp_bucket_mb) and self.dp_bucket_mb > 0):
             raise ValueError(f"dp_bucket_mb={self.dp_bucket_mb} must be a positive number of MiB")
-        if self.batch_size % (self.dp_size * self.microbatches):
+        if self.batch_size % (self.dp_size * self.n_microbatches):
             raise ValueError(f"batch_size={self.batch_size} must be a multiple of dp_size={self.dp_size} x "
-                             f"microbatches={self.microbatches}: each replica trains on an equal shard of "
+                             f"microbatches={self.n_microbatches}{' (pp_size)' if self.microbatches is None else ''}: "
+                             "each replica trains on an equal shard of "
                              "the global batch, in equal micro-batches")
         if self.dp_size == 1:
             if self.dp_sync_every:
@@ -180,11 +190,42 @@ class ExperimentConfig:
                              "(the other policies need the whole reduced message at every rank)")
         if self.dp_mode == "fsdp" and self.dp_sync_every:
             raise ValueError("dp_sync_every with dp_mode=fsdp: FSDP's replicas share one exact master copy and never drift")
-        if self.ranks_per_node is not None:
-            world, per = self.tp_size * self.dp_size, self.ranks_per_node
-            if per < 1 or world % per or (self.tp_size % per and per % self.tp_size):
-                raise ValueError(f"ranks_per_node={per} must divide tp_size={self.tp_size} or be a multiple of it, "
-                                 f"and divide the world tp_size x dp_size = {world}")
+        self._validate_ranks_per_node()
+
+    def _validate_ranks_per_node(self) -> None:
+        if self.ranks_per_node is None or self.dp_size * self.pp_size == 1:
+            return
+        world, per = self.tp_size * self.pp_size * self.dp_size, self.ranks_per_node
+        if per < 1 or world % per or (self.tp_size % per and per % self.tp_size):
+            raise ValueError(f"ranks_per_node={per} must divide tp_size={self.tp_size} or be a multiple of it, "
+                             f"and divide the world tp_size x pp_size x dp_size = {world}")
+
+    def _validate_pipeline(self) -> None:
+        """pp keys alone; pp_layout against the model's depth is checked where the depth is known
+        (``lossysim.pp.stages.stage_layout``, at build)."""
+        # Canonical: microbatches equal to pp_size is its default, so a run's identity (and an older
+        # saved config's ``microbatches: 1``) does not depend on whether it was written out.
+        if self.microbatches == self.pp_size:
+            self.microbatches = None
+        _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        if self.pp_layout is not None:
+            parse_layout(self.pp_layout, self.pp_size)
+        if self.pp_size == 1:
+            return
+        if self.dp_size > 1:
+            raise ValueError(f"pp_size={self.pp_size} with dp_size={self.dp_size}: pp_size with dp_size > 1 is "
+                             "not supported yet")
+        if self.recovery not in SEND_POLICIES:
+            raise ValueError(f"pp_size={self.pp_size} needs recovery={', '.join(SEND_POLICIES)}, not {self.recovery} "
+                             "(the boundaries' point-to-point sends)")
+        if self.activation_checkpointing:
+            raise ValueError(f"pp_size={self.pp_size} with activation_checkpointing: not supported yet "
+                             "(a recomputed stage would resend its boundary's activations)")
+
+    @property
+    def n_microbatches(self) -> int:
+        """Micro-batches per step (``microbatches``, or ``pp_size`` when unset; torch's ``n_microbatches``)."""
+        return self.pp_size if self.microbatches is None else self.microbatches
 
     def _check_something_can_lose(self) -> None:
         """A loss model that no traffic can meet is a mistake (the run would lose 0 packets, and say
@@ -192,17 +233,20 @@ class ExperimentConfig:
         spec = self.network_spec()
         if spec.loss.lossless:
             return
-        networks = [spec] + ([self.mesh().dp_network_spec(self.network_settings(), 0, self.dp_lossy())]
-                             if self.dp_size > 1 else [])
+        mesh, settings = self.mesh(), self.network_settings()
+        networks = [spec] + ([mesh.dp_network_spec(settings, 0, self.dp_lossy())] if self.dp_size > 1 else []) + \
+            [mesh.tp_network_spec(settings, 0, s) for s in range(1, self.pp_size)] + \
+            [mesh.pp_network_spec(settings, 0, b, self.pp_lossy()) for b in range(self.pp_size - 1)]
         if not any(net.lossy and net.topology.has_lossy_link for net in networks):
             raise ValueError(f"loss={self.loss} but no traffic can lose packets (tp_size={self.tp_size}, "
-                             f"dp_size={self.dp_size}, lossy={self.lossy}, lossy_traffic={self.lossy_traffic}, "
+                             f"pp_size={self.pp_size}, dp_size={self.dp_size}, lossy={self.lossy}, "
+                             f"lossy_traffic={self.lossy_traffic}, "
                              f"lossy_links={self.lossy_links}, ranks_per_node={self.ranks_per_node}): "
                              "use loss=none for a loss-free run, or make some traffic cross a lossy link")
 
     def mesh(self) -> Mesh:
-        """Where this run's ranks sit (``lossysim.mesh``): tp_size x dp_size, ranks_per_node to a node."""
-        return Mesh(self.tp_size, self.dp_size, self.ranks_per_node)
+        """Where this run's ranks sit (``lossysim.mesh``): tp_size x pp_size x dp_size, ranks_per_node to a node."""
+        return Mesh(self.tp_size, self.dp_size, self.ranks_per_node, pp=self.pp_size)
 
     def network_spec(self, evaluation: bool = False) -> NetworkSpec:
         """The training network of replica 0's TP group, placed by the mesh; ``evaluation``: the
@@ -213,8 +257,8 @@ class ExperimentConfig:
         """This run's network keys (``NetworkSpec``'s), before the mesh places them on a group's ranks."""
         settings = {name: getattr(self, name) for name in SETTINGS if hasattr(self, name)}
         kinds = traffic_kinds(self.lossy_traffic)
-        if kinds != TRAFFIC_KINDS:  # only then: the default keeps every spec (and its saved config) as it was
-            wanted = {"fwd": "tp_forward", "bwd": "tp_backward"}
+        wanted = {"fwd": "tp_forward", "bwd": "tp_backward"}
+        if not set(wanted.values()) <= set(kinds):  # only then: every spec (and its saved config) stays as it was
             directions = (self.lossy,) if self.lossy != "both" else ("fwd", "bwd")
             settings["lossy"] = tuple(d for d in directions if wanted[d] in kinds)
         if evaluation:
@@ -229,6 +273,12 @@ class ExperimentConfig:
             return ()
         return ("fwd", "bwd") if self.dp_mode == "fsdp" else ("bwd",)
 
+    def pp_lossy(self) -> tuple[str, ...]:
+        """The directions of the pipeline's boundary traffic that may lose packets: activations (``fwd``)
+        when ``lossy_traffic`` names pp_forward, their gradients (``bwd``) when it names pp_backward."""
+        kinds = traffic_kinds(self.lossy_traffic)
+        return tuple(d for d, kind in (("fwd", "pp_forward"), ("bwd", "pp_backward")) if kind in kinds)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -242,10 +292,25 @@ def upgrade(values: dict) -> dict:
     values = dict(values)
     if "nic" not in values and values.get("retransmit") == "selective":
         values["retransmit"] = None
+    if values.get("microbatches") == values.get("pp_size", 1):  # written before pp: 1, now its default
+        values["microbatches"] = None
     return {**{k: v for k, v in ExperimentConfig().to_dict().items() if k not in values}, **values}
 
 
-TRAFFIC_KINDS = ("tp_forward", "tp_backward", "dp")
+TRAFFIC_KINDS = ("tp_forward", "tp_backward", "dp", "pp_forward", "pp_backward")
+PP_SCHEDULES = ("gpipe", "1f1b")
+
+
+def parse_layout(value: str, stages: int) -> tuple[int, ...]:
+    """``pp_layout``: blocks per stage separated by commas (``"1,3"``), one entry >= 1 per stage."""
+    try:
+        counts = tuple(int(part) for part in str(value).replace(" ", "").split(","))
+    except ValueError:
+        counts = ()
+    if len(counts) != stages or min(counts, default=0) < 1:
+        raise ValueError(f"pp_layout={value!r} must be pp_size={stages} block counts >= 1 separated by commas "
+                         "(e.g. 1,3)")
+    return counts
 
 
 def traffic_kinds(value) -> tuple[str, ...]:

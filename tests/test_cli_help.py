@@ -60,5 +60,6 @@ def test_help_lists_exactly_the_values_an_option_takes(command, action):
 def test_every_fixed_set_was_found():
     """The probe above finds the sets it must (else the test would pass by checking nothing)."""
     fixed = {(command, action.dest) for command, action in _options() if _allowed(action.dest)}
-    assert {("train", k) for k in ("dp_mode", "backend", "lossy", "recovery", "algorithm", "transport", "nic")} <= fixed
+    assert {("train", k) for k in ("dp_mode", "backend", "lossy", "recovery", "algorithm", "transport", "nic",
+                                          "pp_schedule")} <= fixed
     assert {("estimate", k) for k in ("transport", "nic", "algorithm", "lossy_links", "recovery", "lossy")} <= fixed

@@ -446,3 +446,128 @@ def test_a_runs_restart_total_does_not_overwrite_the_restart_setting(tmp_path):
     assert sorted(frame["restart_total_s"]) == [600.4, 900.5]
     assert "restart_s" not in frame.columns or set(frame["restart_s"]) == {300.0}
     assert not any(c.endswith(".1") for c in frame.columns)
+
+
+# -- pipelines: stages beside data and tensor parallelism -------------------------------------------------------
+PP_TRAFFIC = "pp_forward,pp_backward"
+PIPELINES = [
+    # tp 1 x pp 2, a stage per node, loss on the boundary: 1F1B and GPipe, 2 and 4 micro-batches
+    {"loss": ["none", "bernoulli:0.05"], "pp_size": [2], "pp_schedule": ["1f1b", "gpipe"], "microbatches": [2, 4],
+     "lossy_traffic": [PP_TRAFFIC], "seed": [0, 1]},
+    # the same rate on DP gradients (tp 1 x dp 2) and on TP traffic (tp 2)
+    {"loss": ["none", "bernoulli:0.05"], "dp_size": [2], "lossy_traffic": ["dp"], "seed": [0, 1]},
+    {"loss": ["none", "bernoulli:0.05"], "tp_size": [2], "lossy_traffic": ["tp_forward,tp_backward"], "seed": [0, 1]},
+]
+
+
+@pytest.fixture
+def pipelines(tmp_path, monkeypatch):
+    """Pipelines of 2 stages in four schedules beside dp and tp runs (fake trainer), and their table."""
+    monkeypatch.setattr(sweep, "_default_train", lambda: Recorder())
+    spec = write_spec(tmp_path / "p.yaml", PIPELINES, tp_size=1, ranks_per_node=1, lossy_links="inter_node",
+                      batch_size=8)
+    out = tmp_path / "pp"
+    assert cli.main(["sweep", str(spec), "--out", str(out), "--no-progress"]) == 0
+    return out, report.load_runs(out)
+
+
+def layout(pp=1, m=None, schedule="1f1b", dp=1, tp=1, seed=0, loss="none"):
+    return from_dict({"loss": loss, "seed": seed, "pp_size": pp, "microbatches": m, "pp_schedule": schedule,
+                      "dp_size": dp, "tp_size": tp, "ranks_per_node": 1, "lossy_links": "inter_node",
+                      "lossy_traffic": PP_TRAFFIC if pp > 1 else "dp" if dp > 1 else "tp_forward,tp_backward"})
+
+
+LAYOUTS = {"pp 2 (1f1b, m=2)": dict(pp=2), "pp 2 (1f1b, m=4)": dict(pp=2, m=4),
+           "pp 2 (gpipe, m=2)": dict(pp=2, schedule="gpipe"), "pp 2 (gpipe, m=4)": dict(pp=2, m=4, schedule="gpipe"),
+           "dp": dict(dp=2), "tp": dict(tp=2)}
+
+
+def test_pipeline_runs_are_named_and_compared_with_their_own_layouts_baseline(pipelines):
+    out, runs = pipelines
+    assert len(runs) == 2 * 2 * len(LAYOUTS)
+    # summary.csv says which pipeline ran: stages always, schedule and micro-batches since some runs have stages
+    csv = pd.read_csv(out / "summary.csv")
+    assert {"pp_size", "pp_schedule", "microbatches"} <= set(csv.columns)
+    assert sorted(csv["pp_size"].unique()) == [1, 2]
+    assert any(name.startswith("bernoulli-0.05_tp1_pp2_gpipe_m4_seed1-") for name in csv["run_dir"])
+    pipeline = next(d for d in labels.KNOWN if d.name == "pipeline")
+    traffic = next(d for d in labels.KNOWN if d.name == "lossy traffic")
+    lossy = runs[runs["loss_model"] != "none"]
+    assert set(labels.values(lossy, pipeline)) == {*(k for k in LAYOUTS if k.startswith("pp")), "pp 1"}
+    assert set(labels.values(lossy, traffic)) == {"PP traffic", "DP gradients", "TP traffic"}
+    # Each lossy setting against the loss-free runs of its own layout: the fake's accuracies differ by layout
+    # (stages, schedule, micro-batches, replicas), so any other baseline would move delta off the loss's -5 pp.
+    table = report.settings(runs)
+    for name, kw in LAYOUTS.items():
+        rows = table[(table["loss_model"] != "none") & table["series"].str.contains(name, regex=False)] \
+            if name.startswith("pp") else None
+        if rows is None:
+            key = "dp_size" if name == "dp" else "tp_size"
+            rows = table[(table["loss_model"] != "none") & (table[key] == 2)]
+        (row,) = rows.itertuples()
+        want = np.mean([fake_accuracy(layout(**kw, seed=s)) for s in (0, 1)])
+        assert row.baseline_mean == pytest.approx(want, abs=1e-12), name
+        assert row.delta == pytest.approx(-0.05, abs=1e-12) and row.paired_delta == pytest.approx(-0.05, abs=1e-12)
+
+
+def test_pipeline_section_shows_accuracy_bubble_time_and_pp_loss_side_by_side(pipelines):
+    out, runs = pipelines
+    shown = report.pipeline_table(runs)
+    assert list(shown.columns[-6:]) == ["time per step (ms)", "x no loss", "bubble (%)", "PP per step (ms)",
+                                        "observed PP loss (%)", "n"]
+    pipeline = shown.columns.get_loc("pipeline")
+    for p, m in ((2, 2), (2, 4)):
+        for schedule in ("1f1b", "gpipe"):
+            for loss, stretch, observed in (("no loss", 1.0, "0"), ("5% Bernoulli", 1.5, "5")):
+                (row,) = [r for r in shown.itertuples(index=False)
+                          if r[pipeline] == f"pp {p} ({schedule}, m={m})" and r[0] == loss]
+                cells = dict(zip(shown.columns, row))
+                # closed forms: bubble (p-1)/(m+p-1), a step (m+p-1)/(m p) of one stage's 1 ms, stretched by loss
+                assert cells["bubble (%)"] == f"{100 * (p - 1) / (m + p - 1):.3g}"
+                # printed to 3 significant digits: within half a unit of the third
+                assert float(cells["time per step (ms)"]) == pytest.approx(stretch * (m + p - 1) / (m * p), rel=5e-3)
+                assert cells["x no loss"] == f"{stretch:.3f}", "timed against its own layout's loss-free runs"
+                assert cells["observed PP loss (%)"] == observed and cells["PP per step (ms)"] == "0"
+    for row in shown[shown["pipeline"] == "pp 1"].itertuples(index=False):
+        cells = dict(zip(shown.columns, row))
+        assert [cells[c] for c in ("bubble (%)", "PP per step (ms)", "observed PP loss (%)")] == ["–"] * 3
+        assert cells["x no loss"] == ("1.500" if cells["loss"] != "no loss" else "1.000")
+    # The time table says "–", never nan or a pipeline's off-path traffic sum, where a figure does not apply.
+    time_table, _ = report.time_to_accuracy_table(runs, report.load_metrics(out, runs))
+    assert not time_table.astype(str).apply(lambda c: c.str.contains("nan")).any().any()
+    staged = time_table["pipeline"] != "pp 1"
+    assert set(time_table.loc[staged, "comm per step (ms)"]) == {"–"}
+    assert set(time_table.loc[~staged, "bubble (%)"]) == {"–"} and set(time_table.loc[staged, "bubble (%)"]) == \
+        {"33.3", "20"}
+    text = report.write_report(out)["files"][0].read_text()
+    assert text.index("## Pipeline parallelism") < text.index("## Accuracy against average loss rate")
+    assert "| pp 2 (gpipe, m=4)" in text
+
+
+def test_a_sweep_without_stages_has_no_pipeline_section_or_columns(results):
+    runs = report.load_runs(results)
+    assert set(runs["pp_size"]) == {1} and "pp_schedule" not in runs.columns
+    assert report.section_pipeline(report.ReportInputs(results, runs, pd.DataFrame())) == ""
+    assert "bubble (%)" not in report.time_to_accuracy_table(runs, report.load_metrics(results, runs))[0].columns
+
+
+def test_pipeline_labels_and_topology_count_every_stage():
+    pipeline = next(d for d in labels.KNOWN if d.name == "pipeline")
+    topology = next(d for d in labels.KNOWN if d.name == "topology")
+    row = {"loss_model": "bernoulli", "tp_size": 2, "pp_size": 2, "ranks_per_node": 2, "lossy_links": "inter_node"}
+    assert topology.value(row) == "2 nodes x 2 ranks, loss between nodes"
+    assert pipeline.value({**row, "pp_schedule": "gpipe", "microbatches": 8}) == "pp 2 (gpipe, m=8)"
+    assert pipeline.value({**row, "pp_schedule": "1f1b", "microbatches": None}) == "pp 2 (1f1b, m=2)"
+    assert pipeline.value({"pp_size": 1, "microbatches": 4}) == "pp 1 (m=4)"   # accumulation without stages
+    assert pipeline.value({"pp_size": 2}) == "pp 2", "columns summary.csv lacks are not guessed"
+
+
+def test_a_retransmitted_run_names_no_recovery_policy():
+    """Under retransmission every packet arrives and no policy acts: its label says "–", not the
+    policy its config happens to carry."""
+    from lossysim.results.labels import KNOWN, NOT_APPLICABLE
+    recovery = next(d for d in KNOWN if d.name == "recovery")
+    row = {"loss_model": "bernoulli", "transport": "retransmit", "recovery": "zero"}
+    assert recovery.value(row) == NOT_APPLICABLE
+    assert recovery.value({**row, "transport": "drop"}) == "zero-fill"
+    assert recovery.value({**row, "transport": "deadline", "recovery": "hadamard"}) == "hadamard"

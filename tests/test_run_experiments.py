@@ -46,7 +46,7 @@ def test_help_prints_usage_and_sets_nothing_up(tmp_path):
     (["--bogus"], "unknown option: --bogus"),
     (["--steps"], "--steps needs a value"),
     (["--steps", "many"], "positive whole number"),
-    (["--profile", "huge"], "unknown profile: huge"),
+    (["--profile", "huge"], "unknown profile: huge (expected quick, mitigations, dp, pp, real or mnli)"),
     (["--backend=mpi"], "unknown backend: mpi"),
     (["--seeds", "0 x"], "whole numbers"),
 ])
@@ -191,6 +191,40 @@ def test_mitigations_profile_compares_every_recovery_policy(tmp_path, sandbox):
     assert len(runs) == 75 and len(runs) - len(lossy) == 3   # one loss-free baseline per seed
     for loss in ("bernoulli:0.05", "bernoulli:0.2", "ge:rate=0.05,burst=8"):
         assert sorted(c.recovery for c in lossy if c.loss == loss) == sorted(RECOVERY_POLICIES * 3), loss
+
+
+def test_pp_profile_loses_pp_traffic_between_two_nodes_beside_dp_and_tp(tmp_path, sandbox):
+    from lossysim.run import sweep
+    script, log, bin_dir = sandbox
+    result = run_script(script, ["--profile", "pp"], env_without_gpu_tools(tmp_path, bin_dir))
+    assert result.returncode == 0, result.stderr
+    assert sweep_argv(log)[3:] == ["experiments/pipeline.yaml", "--out", "results/pp", "--set", "backend=sim"]
+    help_text = run_script(SCRIPT, ["--help"], clean_env(tmp_path)).stdout
+    assert "quick | mitigations | dp | pp | real | mnli" in help_text and "Spec: experiments/pipeline.yaml" in help_text
+    runs = [run.config for run in sweep.expand(sweep.load_spec(ROOT / "experiments" / "pipeline.yaml"), tmp_path / "p")]
+    assert len(runs) == 66 and {c.seed for c in runs} == {0, 1, 2}
+    assert {(c.steps, c.model, c.backend) for c in runs} == {(runs[0].steps, "tiny", "sim")}, "one model, one length"
+    # every pipeline is 2 stages on 2 nodes, a stage's TP group filling a node: only the boundary crosses them
+    staged = [c for c in runs if c.pp_size > 1]
+    assert {(c.tp_size, c.pp_size, c.ranks_per_node, c.n_microbatches, c.pp_schedule) for c in staged} == \
+        {(1, 2, 1, 2, "1f1b"), (2, 2, 2, 2, "1f1b")}
+    lossy = [c for c in staged if c.loss != "none"]
+    assert all(c.lossy_links == "inter_node" and c.lossy_traffic == "pp_forward,pp_backward" for c in lossy)
+    for tp in (1, 2):
+        for rate in ("bernoulli:0.01", "bernoulli:0.05"):
+            ways = sorted(c.recovery if c.transport == "drop" else f"{c.transport} {c.nic}" for c in lossy
+                          if c.tp_size == tp and c.loss == rate)
+            assert ways == sorted(["zero", "rescale", "hadamard", "retransmit irn"] * 3), (tp, rate)
+        assert sum(c.loss == "none" for c in staged if c.tp_size == tp) == 3, "each layout's own baseline"
+    # the same 5% on DP gradients and on TP traffic across the same two nodes, each beside its loss-free run
+    others = [c for c in runs if c.pp_size == 1]
+    dp = [c for c in others if c.dp_size == 2]
+    tp = [c for c in others if c.dp_size == 1]
+    assert {(c.tp_size, c.ranks_per_node) for c in dp} == {(1, 1)}
+    assert {(c.tp_size, c.ranks_per_node) for c in tp} == {(2, 1)}
+    for group, traffic in ((dp, "dp"), (tp, "tp_forward,tp_backward")):
+        assert sorted(c.loss for c in group) == ["bernoulli:0.05"] * 3 + ["none"] * 3
+        assert {(c.lossy_traffic, c.lossy_links) for c in group if c.loss != "none"} == {(traffic, "inter_node")}
 
 
 # -- the real-model profile -----------------------------------------------------------------------------

@@ -30,7 +30,35 @@ def fake_accuracy(config: ExperimentConfig, split: str = "validation_matched") -
     model = parse_loss_model(config.loss)
     burst_penalty = 1.5 if (not model.lossless and model.mean_burst > 2) else 1.0
     shift = 0.0 if split == "validation_matched" else -0.01
-    return 0.9 - model.loss_rate * burst_penalty + 0.01 * config.seed + shift
+    # Each layout learns a little differently, so a setting compared with another layout's baseline shows.
+    layout = (0.01 * (config.pp_size - 1) + 0.002 * (config.n_microbatches - 1) + 0.003 * (config.dp_size - 1)
+              + (0.004 if config.pp_schedule == "gpipe" else 0.0))
+    return 0.9 - model.loss_rate * burst_penalty + 0.01 * config.seed + shift - layout
+
+
+def fake_step_s(config: ExperimentConfig) -> float:
+    """A fake run's simulated seconds per step: 1 ms, stretched by loss, and for ``p`` equal stages and ``m``
+    micro-batches with free sends the schedule's closed form, (m + p - 1) / (m p) of one stage's work."""
+    p, m = config.pp_size, config.n_microbatches
+    return 1e-3 * (1 + 10 * parse_loss_model(config.loss).loss_rate) * ((m + p - 1) / (m * p) if p > 1 else 1.0)
+
+
+def fake_pipeline(config: ExperimentConfig) -> dict:
+    """summary.json's ``pipeline`` section of a fake run with stages: bubble (p - 1) / (m + p - 1), and the
+    configured rate lost on the boundaries' lossy directions."""
+    p, m = config.pp_size, config.n_microbatches
+    rate = parse_loss_model(config.loss).loss_rate
+    lossy = config.pp_lossy()
+    sent = {d: 10000 for d in ("fwd", "bwd")}
+    lost = {d: round(sent[d] * rate) if d in lossy else 0 for d in sent}
+    section = {"pp_size": p, "pp_schedule": config.pp_schedule, "microbatches": m, "bubble": (p - 1) / (m + p - 1),
+               "pipeline_s_per_step": fake_step_s(config), "pp_s_per_step": 0.0,
+               "observed_loss_rate_pp": sum(lost.values()) / sum(sent[d] for d in lossy) if lossy else 0.0,
+               "packets_by_boundary": [[{"direction": d, "link_class": "inter", "sent": sent[d], "lost": lost[d]}
+                                        for d in sent]] * (p - 1)}
+    for d in sent:
+        section.update({f"packets_sent_pp_{d}": sent[d] * (p - 1), f"packets_lost_pp_{d}": lost[d] * (p - 1)})
+    return section
 
 
 def fake_run_experiment(config: ExperimentConfig, run_dir, *, progress=True, position=0, status="completed",
@@ -44,7 +72,7 @@ def fake_run_experiment(config: ExperimentConfig, run_dir, *, progress=True, pos
     metrics = run_dir / "metrics.jsonl"
     for step in range(config.eval_every, config.steps + 1, config.eval_every):
         frac = step / config.steps
-        clock = 1e-3 * step * (1 + 10 * model.loss_rate)  # the simulated clock every run writes
+        clock = fake_step_s(config) * step  # the simulated clock every run writes
         append_jsonl(metrics, {"step": step, "split": "train", "time_s": 0.1 * step, "sim_time_s": clock,
                                "loss": 1.0 - 0.5 * frac,
                                "accuracy": 0.5 + 0.3 * frac, "lr": config.lr, "tokens_per_s": 1000.0,
@@ -70,7 +98,10 @@ def fake_run_experiment(config: ExperimentConfig, run_dir, *, progress=True, pos
                "packets": {"train": packets, "eval": packets}, "packets_by_site": {"train": [], "eval": []},
                "disagreement": {"final_eval": model.loss_rate / 2, "final_eval_hidden_rel_diff": 0.0,
                                 "mean_train": model.loss_rate},
-               "diverged_at": {"step": config.steps // 2} if status == "diverged" else None, "versions": {}}
+               "diverged_at": {"step": config.steps // 2} if status == "diverged" else None, "versions": {},
+               "sim_time": {"total_s": fake_step_s(config) * config.steps}}
+    if config.pp_size > 1:
+        summary["pipeline"] = fake_pipeline(config)
     atomic_write_json(run_dir / "summary.json", summary)
     return summary
 
@@ -134,6 +165,19 @@ def test_expand_dedupes_lossless_specs_and_names_runs_stably(tmp_path):
     assert len(runs) == 1 + 4
     baseline = [r for r in runs if r.config.loss == "none"]
     assert len(baseline) == 1 and baseline[0].config.lossy == "both" and baseline[0].config.recovery == "zero"
+
+
+def test_pipeline_runs_name_their_stages_and_one_stage_keeps_its_old_name(tmp_path):
+    spec = sweep.load_spec(write_spec(tmp_path / "s.yaml", [
+        {"pp_size": [1], "microbatches": [None, 2]},             # one stage: accumulation is not named, as before
+        {"pp_size": [2], "pp_schedule": ["1f1b", "gpipe"], "microbatches": [None, 2, 4]},
+    ], tp_size=1, batch_size=8))
+    runs = sweep.expand(spec, tmp_path / "r")
+    names = [r.dir_name.rsplit("-", 1)[0] for r in runs]
+    # microbatches 2 with 2 stages is the default (pp_size): the same run as none given, run once
+    assert names == ["none_tp1_seed0", "none_tp1_seed0", "none_tp1_pp2_seed0", "none_tp1_pp2_m4_seed0",
+                     "none_tp1_pp2_gpipe_seed0", "none_tp1_pp2_gpipe_m4_seed0"]
+    assert len({r.key for r in runs}) == len(runs)   # (one stage's hash is tested in test_pipeline.py)
 
 
 def test_spec_base_file_and_grid_list(tmp_path):
@@ -373,6 +417,9 @@ def test_dist_runs_go_through_torchrun(tmp_path, monkeypatch):
     assert Path(cmd[cmd.index("--config") + 1]) == run_dir / "config.yaml"
     assert "--resume" not in cmd
     assert sweep.dist_command(sweep.from_dict({"tp_size": 2}), run_dir, resume=True)[-1] == "--resume"
+    # a process per rank: every stage's TP group too
+    staged = sweep.from_dict({"tp_size": 2, "pp_size": 2, "lossy_traffic": "pp_forward"})
+    assert f"--nproc_per_node={2 * 2}" in sweep.dist_command(staged, run_dir)
     frame = pd.read_csv(out / "summary.csv").set_index("seed")
     assert frame.loc[0, "status"] == "completed"
     assert frame.loc[1, "status"] == "failed" and "torchrun exited with status 1" in frame.loc[1, "error"]

@@ -11,7 +11,9 @@ reduces up one binary tree in heap layout (the parent of rank r is (r-1)//2, ran
 the root) level by level, then broadcasts back down. ``direct`` sends every rank's
 whole message to every other rank in one step. A ``reduce_scatter`` is the ring
 all-reduce's first half (every algorithm: NCCL runs reduce-scatters on rings): rank
-c ends with chunk c's sum and holds nothing of the other chunks.
+c ends with chunk c's sum and holds nothing of the other chunks. A ``send`` (NCCL's
+ncclSend/ncclRecv, point to point) runs no algorithm: one send of the whole message from one
+rank to another, in one step; its receiver holds what arrived (a lost packet is a hole).
 
 What a loss means (``combine``): a lost packet of a reduce-scatter or reduce send
 takes every contribution it carried with it (the receiver's own contribution goes
@@ -31,8 +33,8 @@ from typing import Optional
 import torch
 
 ALGORITHMS = ("ring", "tree", "direct")
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
-PHASES = ("reduce_scatter", "all_gather", "reduce", "broadcast", "exchange")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
+PHASES = ("reduce_scatter", "all_gather", "reduce", "broadcast", "exchange", "send")
 
 
 @dataclass(frozen=True)
@@ -60,19 +62,32 @@ def depth(rank: int) -> int:
 
 class Schedule:
     """The sends of one collective on one message size, and the index maps that
-    turn per-send packet weights into what each receiver holds."""
+    turn per-send packet weights into what each receiver holds. A ``send`` names its ``pair``
+    (source, destination)."""
 
-    def __init__(self, algorithm: str, collective: str, ranks: int, n_packets: int):
+    def __init__(self, algorithm: str, collective: str, ranks: int, n_packets: int,
+                 pair: Optional[tuple[int, int]] = None):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm={algorithm!r} must be one of {', '.join(ALGORITHMS)}")
         if collective not in COLLECTIVES:
             raise ValueError(f"collective={collective!r} must be one of {', '.join(COLLECTIVES)}")
+        if (collective == "send") != (pair is not None):
+            raise ValueError(f"pair={pair!r}: a send names its (source, destination), a collective none")
         # NCCL has no tree all-gather either: trees run all-reduce, rings the rest.
         if collective == "all_gather" and algorithm == "tree" or collective == "reduce_scatter":
             algorithm = "ring"
-        self.algorithm, self.collective = algorithm, collective
+        if collective == "send":   # whatever the network's algorithm: one message on one link
+            algorithm = "p2p"
+        self.algorithm, self.collective, self.pair = algorithm, collective, pair
         self.ranks, self.n_packets = int(ranks), int(n_packets)
-        self.sends: tuple[Send, ...] = tuple(_SENDS[(algorithm, collective)](self.ranks, self.n_packets))
+        if pair is None:
+            self.sends: tuple[Send, ...] = tuple(_SENDS[(algorithm, collective)](self.ranks, self.n_packets))
+        else:
+            src, dst = pair
+            if not (0 <= src < self.ranks and 0 <= dst < self.ranks and src != dst):
+                raise ValueError(f"a send from rank {src} to rank {dst}: "
+                                 f"need two distinct ranks of 0..{self.ranks - 1}")
+            self.sends = (Send(0, "send", src, dst, 0, 0, self.n_packets),)
         self.steps = 1 + max((s.step for s in self.sends), default=-1)
         self.max_packets = max((s.packets for s in self.sends), default=0)
         # Each directed link carries its sends in step order: its packets are one chain segment.
@@ -89,7 +104,8 @@ class Schedule:
         self._packet_layout: dict = {}
 
     def __repr__(self) -> str:
-        return (f"Schedule({self.algorithm}, {self.collective}, ranks={self.ranks}, "
+        pair = "" if self.pair is None else f", pair={self.pair}"
+        return (f"Schedule({self.algorithm}, {self.collective}, ranks={self.ranks}{pair}, "
                 f"n_packets={self.n_packets}, steps={self.steps}, sends={len(self.sends)})")
 
     # -- index tensors, built once per device ------------------------------------------
@@ -133,6 +149,8 @@ class Schedule:
         out = {}
         none = S  # the neutral row appended to the per-send values (no send: nothing lost, factor 1)
         key = (self.algorithm, self.collective)
+        if self.collective == "send":
+            return out     # one path, the send itself: ``_paths`` reads it as it is
         if key in (("ring", "all_reduce"), ("ring", "reduce_scatter")):
             index = {(s.step, s.src): i for i, s in enumerate(self.sends)}
             parts = [(c, pos) for c, (_, count) in enumerate(chunk_bounds(self.n_packets, R)) for pos in range(count)]
@@ -162,9 +180,11 @@ class Schedule:
 
 
 @functools.lru_cache(maxsize=512)
-def schedule(algorithm: str, collective: str, ranks: int, n_packets: int) -> Schedule:
-    """The (cached) schedule of one collective on a message of ``n_packets`` packets."""
-    return Schedule(algorithm, collective, ranks, n_packets)
+def schedule(algorithm: str, collective: str, ranks: int, n_packets: int,
+             pair: Optional[tuple[int, int]] = None) -> Schedule:
+    """The (cached) schedule of one collective (a send: from ``pair[0]`` to ``pair[1]``) on a message of
+    ``n_packets`` packets."""
+    return Schedule(algorithm, collective, ranks, n_packets, pair)
 
 
 # -- the sends of each algorithm ---------------------------------------------------------
@@ -233,7 +253,8 @@ class Delivery:
 
     All-reduce by ring or tree: the final reduced packet p holds ``sum_j coef[j, p] x_j`` and
     receiver i holds ``gain[i, p]`` times it. Direct all-reduce and all-gathers: receiver i holds
-    ``weights[i, j, p]`` times rank j's packet p. Weights are bool (delivered or not, weight 1) or
+    ``weights[i, j, p]`` times rank j's packet p. A send: ``weights[0, 0, p]``, its one receiver
+    and one sender. Weights are bool (delivered or not, weight 1) or
     floats (``rescale``); 0 or False is lost. ``partial[p]``: some contribution missed packet p;
     ``holes[i, p]``: receiver i got nothing of it.
     """
@@ -258,6 +279,8 @@ def _paths(sched: Schedule, values: torch.Tensor) -> Delivery:
     """Follow per-send values (``[sends, max_packets]``) along every path of the schedule: bool values
     (lost) are or-ed, float values (factors) multiplied. Returns the Delivery's coef/gain/weights in the
     values' kind: True (or the product) where a path is lost (or carries that product)."""
+    if sched.collective == "send":
+        return Delivery(weights=values.unsqueeze(0))            # [receiver, sender, packet]
     R = sched.ranks
     idx = sched.tensors(values.device)
     lost = values.dtype == torch.bool

@@ -10,6 +10,10 @@ A collective moves a message (one rank's tensor) by the sends of its algorithm's
    applies it to the tensors (``delivery``),
 5. the counters (``stats``) and the simulated clock move on (the policy's compute included).
 
+A point-to-point send (``send``: pipeline stages' activations and gradients) is a collective of one
+send of the whole message over one directed link: the same draws, repairs, policies, counters and
+clock (phase ``send``; its loss-free time is NCCL's p2p time, ``timing.nccl.p2p_time``).
+
 A policy with a side path (``outliers``) sends part of every message reliably: that traffic runs on a
 sibling network (the same spec, ``transport=retransmit``, ``recovery=zero``) at call site
 ``<site>/outliers``, with its own streams, counters and rows, merged into this network's clock,
@@ -26,7 +30,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..util import stream_seed, swapped
+from ..util import one_of, stream_seed, swapped
 from . import delivery as deliver
 from . import recovery as recoveries
 from . import sparse
@@ -179,10 +183,35 @@ class LossyNetwork:
         self.watch(site, direction, out)
         return out.view(len(receivers), *shards.shape)
 
-    def account(self, site: str, direction: str, message: torch.Tensor, collective: str = "all_reduce") -> None:
+    def send(self, site: str, direction: str, message: torch.Tensor, src: int, dst: int) -> torch.Tensor:
+        """Rank ``src`` sends ``message`` (any shape) to rank ``dst`` over their directed link (NCCL's
+        ncclSend/ncclRecv): what ``dst`` holds, the same shape and dtype (``message`` itself, not a
+        copy, when it arrives exact).
+
+        A collective of one send: its packets lose on the link's chain of this call site and
+        direction, the transport repairs and charges, the recovery policy (one of ``SEND_POLICIES``)
+        says what the receiver holds. The seconds one call takes are the difference of
+        ``clock()["comm_s"]`` before and after it (its repairs and the policy's compute included).
+        A call site's links share its random stream in call order: a process that runs some of the
+        sends (dist) draws the others' with ``simulate(..., collective="send", pair=(src, dst))``."""
+        if not self.recovery.acts_on_sends:
+            raise ValueError(f"recovery={self.recovery.name} does not act on point-to-point sends: use "
+                             f"{one_of(recoveries.SEND_POLICIES)}")
+        delivery = self._deliver(site, direction, "send", message, (src, dst))
+        if delivery is None:
+            self.watch(site, direction, message)
+            return message
+        per_packet, _ = self.packets(message.numel(), message.dtype)
+        held = self.recovery.on(direction).send(
+            delivery, message.reshape(-1), per_packet, watch=lambda seen: self.watch(site, direction, seen),
+            memory=self._channels[(site, direction)].memory, update=self._replaying is None)
+        return held.view(message.shape)
+
+    def account(self, site: str, direction: str, message: torch.Tensor, collective: str = "all_reduce",
+                pair: Optional[tuple[int, int]] = None) -> None:
         """Count and time one collective whose data a real library moves (dist, loss-free or
-        retransmitted): ``message`` is one rank's tensor."""
-        if self._deliver(site, direction, collective, message) is not None:
+        retransmitted): ``message`` is one rank's tensor (a send's: from ``pair[0]`` to ``pair[1]``)."""
+        if self._deliver(site, direction, collective, message, pair) is not None:
             raise RuntimeError(f"{site} {direction}: traffic is lossy, it must go through the network")
 
     def watch(self, site: str, direction: str, delivered: torch.Tensor) -> None:
@@ -225,16 +254,18 @@ class LossyNetwork:
             self._side.simulate(f"{site}/outliers", direction, nbytes, torch.uint8, "all_gather", device)
 
     # -- one collective: draw, repair, time ------------------------------------------
-    def _deliver(self, site: str, direction: str, collective: str, message: torch.Tensor) -> Optional[Delivery]:
+    def _deliver(self, site: str, direction: str, collective: str, message: torch.Tensor,
+                 pair: Optional[tuple[int, int]] = None) -> Optional[Delivery]:
         """What the receivers hold (None: the exact result; the recovery policy's draw, a Delivery for
         zero and rescale), counting and timing the traffic."""
-        return self.simulate(site, direction, message.numel(), message.dtype, collective, message.device)
+        return self.simulate(site, direction, message.numel(), message.dtype, collective, message.device, pair=pair)
 
     def simulate(self, site: str, direction: str, numel: int, dtype: torch.dtype, collective: str = "all_reduce",
-                 device="cpu", deliver: bool = True):
-        """One collective of a message of ``numel`` elements of ``dtype``, without its data: draw the
-        packets' fates, repair, count and move the clock exactly as a call with tensors would (every
-        collective goes through here). Returns what the receivers hold (None: the exact result).
+                 device="cpu", deliver: bool = True, pair: Optional[tuple[int, int]] = None):
+        """One collective of a message of ``numel`` elements of ``dtype`` (a send: from ``pair[0]`` to
+        ``pair[1]``), without its data: draw the packets' fates, repair, count and move the clock exactly
+        as a call with tensors would (every collective goes through here). Returns what the receivers
+        hold (None: the exact result).
 
         ``deliver=False`` (an estimate: no tensors to apply it to): where the recovery policy's draw has
         no side effects, may return the lost packets of each send (``sparse.Losses``) instead."""
@@ -251,18 +282,21 @@ class LossyNetwork:
         if self.ranks == 1:
             return None
         device = torch.device(device)
-        channel = self._channel(site, direction, device)
-        shape = (collective, int(numel), dtype, device)
+        if pair is not None:
+            pair = (int(pair[0]), int(pair[1]))
+        shape = (collective, int(numel), dtype, device, pair)
         transfer = self._transfers.get(shape)
         if transfer is None:
-            transfer = self._transfers[shape] = transfers.build(self.spec, self.links, *shape)
+            transfer = transfers.build(self.spec, self.links, *shape)   # (a bad pair is refused here)
+            self._transfers[shape] = transfer
+        channel = self._channel(site, direction, device)
         channel.counters.calls += 1
         self._ideal += transfer.ideal
         delivery, repairs, recovery_before = None, None, self._recovery_s
         fates = self._fates.get(device)
         if fates is None:
             fates = self._fates[device] = choose_fates(self.spec, device)
-        if not self.drops(direction, site):
+        if not self.drops(direction, site) or not transfer.steps:   # (an empty message has nothing to lose)
             channel.counters.count_sent(transfer.sent)
         else:
             if self.transport.repairs:
@@ -290,8 +324,8 @@ class LossyNetwork:
         """What arrives where, given the lost packets of each send (the policy's view of it), and the
         clock charged with the compute the policy adds to the collective."""
         policy = self.recovery.on(direction)
-        if policy.computes and collective == "all_reduce":
-            key = (policy.name, numel, dtype)
+        if policy.computes and collective in ("all_reduce", "send"):
+            key = (policy.name, collective, numel, dtype)
             seconds = self._recovery_cost.get(key)
             if seconds is None:
                 flops = policy.flops(transfer.sched, transfer.per_packet, numel)
@@ -442,6 +476,11 @@ class LossyNetwork:
         self._channels = {}
         for key, entry in state["channels"].items():
             site, direction = key.rsplit("|", 1)
+            counts = entry["counts"]
+            if counts.shape[1] < len(PHASES):   # saved before sends had a phase: they had sent nothing
+                grown = counts.new_zeros(counts.shape[0], len(PHASES), counts.shape[2])
+                grown[:, :counts.shape[1]] = counts
+                entry = {**entry, "counts": grown}
             ch = self._channel(site, direction, torch.device(entry["device"]))
             ch.chains.load_state_dict(entry)
             ch.counters.load_state_dict(entry)

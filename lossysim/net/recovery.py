@@ -28,9 +28,20 @@ One policy per network (``recovery`` in ``NetworkSpec``; docs/semantics.md compa
 send (``delivery.send_by_send``). What a policy keeps between calls (signs' stream, per-send
 buffers) is a call site's ``Memory``, saved with the network. The compute a policy adds to a
 collective is counted in FLOPs (``flops``); the network charges them at the compute model's rate.
+
+A point-to-point send (``LossyNetwork.send``: one sender, one receiver, the whole message) is the
+one-hop case of the same rules (``Policy.send``): ``zero`` leaves holes; ``rescale`` divides what
+arrives by the probability that it arrives, so every element is an unbiased estimate of the message
+(dropout's inverted scaling: with one sender there is no sum, but the rule is the one every hop of a
+collective follows); the Hadamard policies transform the message before it leaves and invert it at
+the receiver; ``stale`` fills a lost packet with what last arrived at the same place on that link at
+that call site; ``error_feedback`` has the sender add what the link failed to deliver at the site's
+previous call (gradients only). The ``outliers`` policies do not act on a send (their side path is an
+all-gather beside an all-reduce): ``acts_on_sends``, ``SEND_POLICIES``.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -136,6 +147,7 @@ class Policy:
     side_path = False       # sends part of a message reliably beside it (``side_bytes``)
     send_by_send = False    # acts on every send as it arrives (needs every send's lost packets, not a Delivery)
     acts_on_shards = True   # acts on a reduce-scatter (FSDP's gradients): needs no whole sum at every rank
+    acts_on_sends = True    # acts on a point-to-point send (pipeline stages' activations and gradients)
     on_activations = True   # acts on activations (else ``on(ACTIVATIONS)`` is zero)
     settings: tuple[str, ...] = ()   # the NetworkSpec settings it reads beside ``recovery``
 
@@ -149,7 +161,7 @@ class Policy:
         positions: ``sparse.Losses``); ``rescale`` weighs every delivered path by the product of its hops'
         1 / P(delivery)."""
         weights = None
-        if self.rescale and collective in ("all_reduce", "reduce_scatter"):
+        if self.rescale and collective in ("all_reduce", "reduce_scatter", "send"):
             weights = transfer.weights(torch.promote_types(dtype, torch.float32))
         if isinstance(lost, Losses):
             return lost.delivery(weights)
@@ -162,8 +174,17 @@ class Policy:
         where to write it (may be ``x`` itself: in place)."""
         return deliver.all_reduce(x, drawn, receivers, per_packet, rescale=self.rescale, watch=watch, out=out)
 
+    def send(self, drawn, x: torch.Tensor, per_packet: int, watch: Watch, memory: Optional[Memory],
+             update: bool) -> torch.Tensor:
+        """What the receiver of a send of ``x`` ([n]) holds, ``[n]``, given what ``draw`` drew (its
+        packets, weighted by ``rescale``'s 1 / P(delivery); lost ones zero); ``watch``, ``memory`` and
+        ``update`` as ``all_reduce`` takes them."""
+        held = deliver.direct_sum(x.unsqueeze(0), drawn.weights, per_packet, dense=x.device.type == "cuda")[0]
+        watch(held)
+        return held
+
     def flops(self, sched: Schedule, per_packet: int, numel: int) -> float:
-        """Floating-point operations a rank adds to one all-reduce of ``numel`` elements."""
+        """Floating-point operations a rank adds to one all-reduce (or send) of ``numel`` elements."""
         return 0.0
 
     def side_bytes(self, numel: int, dtype: torch.dtype) -> int:
@@ -292,7 +313,7 @@ class Hadamard(Policy):
 
     def draw(self, transfer, lost, collective, numel, dtype, memory):
         delivery = self.inner.draw(transfer, lost, collective, numel, dtype, memory)
-        if collective != "all_reduce":
+        if collective not in ("all_reduce", "send"):
             return delivery          # a gathered shard is not a sum: holes stay zeros
         return Transformed(delivery, memory.signs(numel))
 
@@ -303,6 +324,14 @@ class Hadamard(Policy):
         held = inverse(held.to(work), drawn.bits, self.block).to(x.dtype)
         watch(held)
         return deliver.into(out, held)
+
+    def send(self, drawn, x, per_packet, watch, memory, update):
+        work = torch.promote_types(x.dtype, torch.float32)
+        sent = transform(x.to(work), drawn.bits, self.block).to(x.dtype)
+        held = self.inner.send(drawn.delivery, sent, per_packet, lambda seen: None, memory, update)
+        held = inverse(held.to(work), drawn.bits, self.block).to(x.dtype)
+        watch(held)
+        return held
 
     def flops(self, sched, per_packet, numel):
         return 2 * hadamard_flops(numel, self.block)   # the sender's transform, the receiver's inverse
@@ -323,6 +352,7 @@ class Outliers(Policy):
     computes = True
     side_path = True
     acts_on_shards = False   # every receiver adds every rank's outliers to the whole sum
+    acts_on_sends = False    # the side path is an all-gather beside an all-reduce
 
     def __init__(self, inner: Policy, fraction: float):
         self.inner, self.fraction = inner, check_fraction(fraction)
@@ -387,10 +417,13 @@ class SendBySend(Policy):
     remembers = False               # a replay returns what the call delivered (it cannot recompute it)
 
     def draw(self, transfer, lost, collective, numel, dtype, memory):
-        if collective != "all_reduce":
+        if collective not in ("all_reduce", "send"):
             return super().draw(transfer, lost, collective, numel, dtype, memory)
         mask = lost.mask() if isinstance(lost, Losses) else lost
-        return Hops(transfer.sched, mask, f"{numel}:{str(dtype).removeprefix('torch.')}")
+        key = f"{numel}:{str(dtype).removeprefix('torch.')}"
+        if collective == "send":   # each link's messages keep their own buffers
+            key = "send{}>{}:{}".format(*transfer.sched.pair, key)
+        return Hops(transfer.sched, mask, key)
 
     def all_reduce(self, drawn, x, receivers, per_packet, watch, memory, update, out=None):
         sched = drawn.sched
@@ -409,6 +442,22 @@ class SendBySend(Policy):
         held = held[list(receivers)]
         watch(held)
         return deliver.into(out, held)
+
+    def send(self, drawn, x, per_packet, watch, memory, update):
+        n, n_packets = x.numel(), drawn.sched.n_packets
+        state = memory.sends(drawn.key, lambda: {name: x.new_zeros(1, n_packets, per_packet)
+                                                 for name in self.buffers})
+        held = None if update else drawn.held
+        if held is None:
+            payload = x.new_zeros(n_packets * per_packet)
+            payload[:n] = x
+            taken = self.arrive(state, _whole(n_packets, x.device), payload.view(1, n_packets, per_packet),
+                                drawn.lost[:, :n_packets], update)
+            held = taken.reshape(-1)[:n]
+            if self.remembers:
+                drawn.held = held
+        watch(held)
+        return held
 
     def arrive(self, state: dict, hop: deliver.Round, payload: torch.Tensor, lost: torch.Tensor,
                update: bool) -> torch.Tensor:
@@ -456,5 +505,16 @@ class ErrorFeedback(SendBySend):
 STALE, ERROR_FEEDBACK = Stale(), ErrorFeedback()
 
 
+@functools.lru_cache(maxsize=64)
+def _whole(n_packets: int, device: torch.device) -> deliver.Round:
+    """A send as one round: its only send, every packet of it (no padding); ``arrive`` reads no ranks."""
+    column = torch.zeros(1, 1, dtype=torch.long, device=device)
+    return deliver.Round(torch.zeros(1, dtype=torch.long, device=device), column, column,
+                         torch.arange(n_packets, device=device).unsqueeze(0),
+                         torch.ones(1, n_packets, dtype=torch.bool, device=device), adds=False)
+
+
 # The policies that act on a reduce-scatter: what FSDP's sharded gradients can use.
 SHARD_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_on_shards)
+# The policies that act on a point-to-point send: what pipeline stages' messages can use.
+SEND_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_on_sends)

@@ -3,9 +3,10 @@ how long it takes without loss and what its repairs need. Built once per (collec
 device) and reused by every call of that shape, so a call does no Python work per send.
 
 Time: a ring or tree collective takes what NCCL's cost model says (``lossysim.timing.nccl``: its
-latency, and its wire bytes over the bus bandwidth our links give); the direct exchange (not an
-NCCL algorithm) takes one alpha-beta step with its ports shared (``timing.send_times``). Repairs
-add to that step by step (``lossysim.net.transport``).
+latency, and its wire bytes over the bus bandwidth our links give); a send, NCCL's p2p time over its
+one link (``nccl.p2p_time``); the direct exchange (not an NCCL algorithm) takes one alpha-beta step
+with its ports shared (``timing.send_times``). Repairs add to that step by step
+(``lossysim.net.transport``).
 """
 from __future__ import annotations
 
@@ -63,10 +64,12 @@ class Transfer:
         return self._weights[dtype]
 
 
-def build(spec: NetworkSpec, links: list, collective: str, numel: int, dtype: torch.dtype, device) -> Transfer:
-    """The Transfer of one collective of ``numel`` elements of ``dtype`` on ``device``."""
+def build(spec: NetworkSpec, links: list, collective: str, numel: int, dtype: torch.dtype, device,
+          pair: Optional[tuple[int, int]] = None) -> Transfer:
+    """The Transfer of one collective of ``numel`` elements of ``dtype`` on ``device`` (a send: from
+    ``pair[0]`` to ``pair[1]``)."""
     per_packet, n_packets = packets(spec.payload_bytes, numel, dtype)
-    sched = schedule(spec.algorithm, collective, spec.ranks, n_packets)
+    sched = schedule(spec.algorithm, collective, spec.ranks, n_packets, pair)
     topology = spec.topology
     index = {link: i for i, link in enumerate(links)}
     link_ids = torch.tensor([index[link] for link in sched.links], dtype=torch.long, device=device)
@@ -87,11 +90,14 @@ def build(spec: NetworkSpec, links: list, collective: str, numel: int, dtype: to
 
 
 def loss_free_time(spec: NetworkSpec, sched: Schedule, message_bytes: int, packet_bytes: int) -> float:
-    """A collective's loss-free duration: NCCL's model for ring and tree, one alpha-beta step for direct."""
+    """A collective's loss-free duration: NCCL's model for ring, tree and a send, one alpha-beta step for
+    direct."""
     topology = spec.topology
     R, nodes = spec.ranks, topology.nodes
     if R < 2 or message_bytes == 0:
         return 0.0
+    if sched.collective == "send":
+        return nccl.p2p_time(message_bytes, packet_bytes, spec.link(topology.link_class(*sched.pair)))
     if sched.algorithm == "direct":
         sends = [(s.src, s.dst, message_bytes, sched.n_packets, spec.link(topology.link_class(s.src, s.dst)),
                   topology.link_class(s.src, s.dst)) for s in sched.sends]

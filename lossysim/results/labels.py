@@ -79,12 +79,14 @@ def _topology(row: Mapping) -> str:
     if tp is None:
         return "?"
     tp = int(tp)
-    dp = int(_get(row, "replicas") or 1)   # data-parallel replicas (summary.csv has it for dp runs only)
+    # data-parallel replicas (summary.csv has replicas for dp runs only, dp_size where it varies)
+    dp = int(_get(row, "replicas") or _get(row, "dp_size") or 1)
+    pp = int(_get(row, "pp_size") or 1)    # the stages' ranks count too (the pipeline dimension names them)
     if per_node is _MISSING:      # constant over the sweep, value unknown: say only what is known
-        text = _plural(tp * dp, "rank")
+        text = _plural(tp * pp * dp, "rank")
     else:
-        per_node = tp if per_node is None else int(per_node)   # None: a replica's ranks on one node
-        text = f"{_plural(max(tp * dp // per_node, 1), 'node')} x {_plural(per_node, 'rank')}"
+        per_node = tp if per_node is None else int(per_node)   # None: a TP group's ranks on one node
+        text = f"{_plural(max(tp * pp * dp // per_node, 1), 'node')} x {_plural(per_node, 'rank')}"
     if dp > 1:
         text += f", tp {tp} x dp {dp}"
     # A loss-free run loses nothing anywhere: where loss could happen says nothing about it.
@@ -93,9 +95,45 @@ def _topology(row: Mapping) -> str:
     return text
 
 
+def _pipeline(row: Mapping) -> str:
+    """``pp 2 (1f1b, m=2)``: stages, schedule and micro-batches (``pp_size`` by default); ``pp 1`` without
+    stages."""
+    pp = int(_get(row, "pp_size") or 1)
+    schedule, micro = _get(row, "pp_schedule", _MISSING), _get(row, "microbatches", _MISSING)
+    parts = [] if pp == 1 or schedule is _MISSING else [str(schedule or CONFIG_DEFAULTS["pp_schedule"])]
+    if micro is not _MISSING:   # absent: summary.csv from before pipelines, say only what is known
+        micro = pp if micro is None else int(micro)
+        parts += [f"m={micro}"] if pp > 1 or micro != 1 else []
+    return f"pp {pp}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+# ``lossy_traffic``'s kinds, readably; a run's value lists them separated by commas.
+TRAFFIC = {"tp_forward": "TP activations", "tp_backward": "TP gradients", "dp": "DP gradients",
+           "pp_forward": "PP activations", "pp_backward": "PP gradients"}
+_TRAFFIC_PAIRS = {("TP activations", "TP gradients"): "TP traffic", ("PP activations", "PP gradients"): "PP traffic"}
+
+
+def _traffic(row: Mapping) -> str:
+    value = str(_get(row, "lossy_traffic") or "all")
+    if value == "all":
+        return "all traffic"
+    names = [TRAFFIC.get(kind.strip(), kind.strip()) for kind in value.split(",")]
+    for pair, both in _TRAFFIC_PAIRS.items():   # a kind's two directions are one name
+        if set(pair) <= set(names):
+            names = [both if n == pair[0] else n for n in names if n != pair[1]]
+    return " and ".join(names)
+
+
 # Which traffic loses packets: activations (fwd), gradients (bwd) or both.
 DIRECTIONS = {"fwd": "fwd only", "bwd": "bwd only", "both": "fwd and bwd"}
 _RECOVERIES = {"zero": "zero-fill", "rescale": "rescale"}
+
+
+def _recovery(row: Mapping) -> str:
+    """The policy's name; "–" under retransmission, where every packet arrives and no policy acts."""
+    if str(_get(row, "transport")) == "retransmit":
+        return NOT_APPLICABLE
+    return _named("recovery", _RECOVERIES)(row)
 
 
 def _eval_lossy(row: Mapping) -> str:
@@ -139,10 +177,14 @@ KNOWN = (
     Dimension("algorithm", ("algorithm",), _plain("algorithm"), "Collective algorithm"),
     Dimension("transport", ("transport", "nic", "retransmit", "deadline", "rto_s"), _transport,
               "Transport: drop, retransmit or deadline", without_loss=False),
-    Dimension("topology", ("tp_size", "ranks_per_node", "lossy_links", "replicas"), _topology, "Topology"),
+    Dimension("topology", ("tp_size", "ranks_per_node", "lossy_links", "replicas", "dp_size", "pp_size"), _topology,
+              "Topology"),
+    Dimension("pipeline", ("pp_size", "pp_schedule", "microbatches"), _pipeline,
+              "Pipeline: stages, schedule, micro-batches"),
+    Dimension("lossy traffic", ("lossy_traffic",), _traffic, "Which traffic loses packets", without_loss=False),
     Dimension("lossy direction", ("lossy",), _named("lossy", DIRECTIONS),
               "Lossy direction: activations (fwd), gradients (bwd)", without_loss=False),
-    Dimension("recovery", ("recovery",), _named("recovery", _RECOVERIES), "Recovery of lost packets",
+    Dimension("recovery", ("recovery",), _recovery, "Recovery of lost packets",
               without_loss=False),
     Dimension("evaluation", ("eval_lossy",), _eval_lossy, "Lossy or reliable evaluation", without_loss=False),
     Dimension("inter-node link", ("link_inter",), _plain("link_inter", "{} between nodes"), "Inter-node link"),

@@ -30,16 +30,18 @@ from matplotlib.figure import Figure
 
 from ..io import atomic_write_text, check_writable, output_errors, read_jsonl
 from ..loss.spec import FAMILIES
-from .labels import DIRECTIONS, LOSS_MODEL, LOSS_RATE, NO_LOSS, Comparison, comparisons, describe, values, varying
+from .labels import (DIRECTIONS, LOSS_MODEL, LOSS_RATE, NO_LOSS, NOT_APPLICABLE, Comparison, comparisons, describe,
+                     values, varying)
 from .stats import (ALPHA, CONFIDENCE, mean_ci, paired_difference, paired_p, time_to_target,
                     welch_p)
-from .settings import (CONFIG_KEYS, add_series, loss_free_runs, p_cell, series_reference, setting_columns,
+from .settings import (CONFIG_KEYS, add_series, loss_free_runs, p_cell, same, series_reference, setting_columns,
                        setting_groups, setting_keys, to_markdown)
 from . import perplexity
 from .table import collect, load_summary, write_summary_csv
 
 # What sets a loss-free run's simulated time (its accuracy does not depend on them).
-TIME_KEYS = ("algorithm", "ranks_per_node", "link_intra", "link_inter", "compute", "tp_size")
+TIME_KEYS = ("algorithm", "ranks_per_node", "link_intra", "link_inter", "compute", "tp_size", "dp_size", "pp_size",
+             "pp_schedule", "microbatches")
 # The time-to-accuracy target, as a fraction of the loss-free baseline's final accuracy.
 TIME_TARGET_FRACTION = 0.9
 
@@ -531,10 +533,10 @@ def _baseline_runs(runs: pd.DataFrame, setting: dict) -> pd.DataFrame:
     base = runs[(runs["loss_model"] == "none") & (runs["status"] == "completed")]
     for key in TIME_KEYS:
         if key in base.columns and key in setting and key != "algorithm":
-            base = base[base[key].astype(str) == str(setting[key])]
+            base = base[same(base[key], setting[key])]
     if "algorithm" in base.columns and "algorithm" in setting:
-        same = base[base["algorithm"].astype(str) == str(setting["algorithm"])]
-        base = same if len(same) else base
+        like = base[same(base["algorithm"], setting["algorithm"])]
+        base = like if len(like) else base
     return base
 
 
@@ -567,8 +569,7 @@ def time_to_accuracy_table(runs: pd.DataFrame, metrics: pd.DataFrame,
         est, base = mean_ci(times), mean_ci(base_times)
         first = group.iloc[0]
         rows.append({
-            "loss": (NO_LOSS if setting["loss_model"] == "none"
-                     else f"{LOSS_RATE.value(first)} {LOSS_MODEL.value(first)}"),
+            "loss": _loss_cell(setting, first),
             **{d.name: d.value(first) for d in columns},
             "time to target (ms)": (_pm(est.mean, est.half_width, est.n, scale=1e3, digits=3) if times
                                     else "never" if known else "unknown" if len(done) else "-"),
@@ -577,16 +578,72 @@ def time_to_accuracy_table(runs: pd.DataFrame, metrics: pd.DataFrame,
                                                         if len(known) < len(done) else ""),
             "steps": f"{np.mean(steps):.0f}" if steps else "-",
             "x baseline": f"{est.mean / base.mean:.2f}" if times and base_times else "-",
-            "comm per step (ms)": f"{1e3 * done['comm_s_per_step'].mean():.3g}"
-            if "comm_s_per_step" in done.columns and len(done) else "-",
-            **({"DP per step (ms)": f"{1e3 * done['dp_s_per_step'].mean():.3g}" if len(done) else "-"}
-               if "dp_s_per_step" in done.columns else {}),
+            # A pipeline's traffic is summed over stages and boundaries, not all on its step's path: its own
+            # columns say what the sends cost the step.
+            "comm per step (ms)": NOT_APPLICABLE if _staged(first) else _ms_cell(done, "comm_s_per_step"),
+            **({"DP per step (ms)": _ms_cell(done, "dp_s_per_step")} if "dp_s_per_step" in done.columns else {}),
+            **_pipeline_cells(runs, done),
             "final accuracy (%)": _pm(*_mean_ci_tuple(done["accuracy"])),
             **_drift_cell(runs, done),
             "vs no loss, paired (pp)": _comparison_cells(st)["vs no loss, paired (pp)"],
             "p (paired)": _comparison_cells(st)["p (paired)"],
         })
     return pd.DataFrame(rows), target
+
+
+def _loss_cell(setting: dict, first: pd.Series) -> str:
+    """"no loss", or the rate and the loss model: "5% Bernoulli"."""
+    return NO_LOSS if setting["loss_model"] == "none" else f"{LOSS_RATE.value(first)} {LOSS_MODEL.value(first)}"
+
+
+def pipeline_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per setting, side by side: final accuracy (mean ± 95% CI over seeds) and its paired difference from
+    the loss-free run of the same seed, the simulated time per step and its ratio to the loss-free runs
+    timed like it, the stages' idle share (bubble), what the boundary sends add to a step, and the
+    observed loss on the boundaries' lossy traffic; "–" where a run has no stages."""
+    runs = add_series(runs)
+    runs = runs.assign(step_s=runs["sim_time_s"] / pd.to_numeric(runs["steps_done"], errors="coerce"))
+    columns = setting_columns(runs)
+    rows = []
+    for (setting, group), (_, st) in zip(setting_groups(runs), settings(runs, "accuracy").iterrows()):
+        done = group[group["status"] == "completed"]
+        base = runs.loc[_baseline_runs(runs, setting).index, "step_s"].dropna()
+        step = done["step_s"].dropna()
+        staged = _staged(group.iloc[0])
+        rows.append({
+            "loss": _loss_cell(setting, group.iloc[0]),
+            **{d.name: d.value(group.iloc[0]) for d in columns},
+            "accuracy (%)": _pm(st["mean"], st["ci"], int(st["n"])),
+            "vs no loss, paired (pp)": _comparison_cells(st)["vs no loss, paired (pp)"],
+            "p (paired)": _comparison_cells(st)["p (paired)"],
+            "time per step (ms)": _ms_cell(done, "step_s"),
+            "x no loss": f"{step.mean() / base.mean():.3f}" if len(step) and len(base) else NOT_APPLICABLE,
+            "bubble (%)": _ms_cell(done, "pp_bubble", 100) if staged else NOT_APPLICABLE,
+            "PP per step (ms)": _ms_cell(done, "pp_s_per_step") if staged else NOT_APPLICABLE,
+            "observed PP loss (%)": _ms_cell(done, "observed_loss_rate_pp", 100) if staged else NOT_APPLICABLE,
+            "n": int(st["n"]),
+        })
+    return pd.DataFrame(rows)
+
+
+def _staged(row) -> bool:
+    """Whether a run (or a setting's first run) has pipeline stages."""
+    return bool(pd.to_numeric(row.get("pp_size", 1), errors="coerce") > 1)
+
+
+def _ms_cell(done: pd.DataFrame, column: str, scale: float = 1e3) -> str:
+    """A per-step figure's mean over seeds (ms by default); "–" where the runs have none (a column only
+    another kind of run fills)."""
+    values = done[column].dropna() if column in done.columns else pd.Series(dtype=float)
+    return f"{scale * values.mean():.3g}" if len(values) else NOT_APPLICABLE
+
+
+def _pipeline_cells(runs: pd.DataFrame, done: pd.DataFrame) -> dict:
+    """Sweeps with pipeline stages: what the boundary sends add to a step and the stages' idle share,
+    mean over seeds; "–" for a run without stages; nothing for sweeps without any."""
+    if not (runs.get("pp_size", pd.Series(dtype=float)).fillna(1) > 1).any():
+        return {}
+    return {"PP per step (ms)": _ms_cell(done, "pp_s_per_step"), "bubble (%)": _ms_cell(done, "pp_bubble", 100)}
 
 
 def _drift_cell(runs: pd.DataFrame, done: pd.DataFrame) -> dict:
@@ -845,6 +902,21 @@ def section_problems(inputs: ReportInputs) -> str:
             + "".join(f"- `{run_dir}`: {why}\n" for run_dir, why in sorted(inputs.problems.items())))
 
 
+def section_pipeline(inputs: ReportInputs) -> str:
+    """Sweeps with pipeline stages only: accuracy, time per step, bubble and the boundaries' loss side by side."""
+    if not (inputs.runs.get("pp_size", pd.Series(dtype=float)).fillna(1) > 1).any():
+        return ""
+    return ("## Pipeline parallelism\n\n"
+            "Every setting, the runs with pipeline stages (`pp`) beside the others. Accuracy: mean ± 95% CI over "
+            "seeds, and the paired difference from the loss-free run of the same seed. `time per step`: the "
+            "simulated clock over the steps (for a pipeline, its schedule's critical path: compute, TP traffic "
+            "and boundary sends, repairs included); `x no loss` divides it by the loss-free runs timed like the "
+            "setting (same layout, links and compute). `bubble`: the stages' idle share of the step. `PP per "
+            "step`: what the boundary sends add to a step (the schedule less the same schedule with free sends). "
+            "`observed PP loss`: lost / sent packets on the boundaries' lossy traffic in training. \"–\": the "
+            "setting has no stages.\n\n" + to_markdown(pipeline_table(inputs.runs)))
+
+
 def section_perplexity(inputs: ReportInputs) -> str:
     """Causal-LM sweeps only: the perplexity table (lossysim.results.perplexity)."""
     return perplexity.section(inputs.results, inputs.out, inputs.runs) if perplexity.is_lm(inputs.runs) else ""
@@ -859,8 +931,8 @@ def section_plots(inputs: ReportInputs) -> str:
 
 
 # The report's sections, in order, each a function of ReportInputs returning markdown.
-SECTIONS = [section_overview, section_problems, section_time_to_accuracy, section_perplexity, section_damage_map,
-            section_accuracy, section_settings, section_plots]
+SECTIONS = [section_overview, section_problems, section_time_to_accuracy, section_pipeline, section_perplexity,
+            section_damage_map, section_accuracy, section_settings, section_plots]
 
 
 def write_report(results: Union[str, Path], out: Optional[Union[str, Path]] = None) -> dict:

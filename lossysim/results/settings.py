@@ -71,8 +71,17 @@ def loss_free_runs(runs: pd.DataFrame, setting: dict, value: str) -> pd.DataFram
     match = runs[(runs["status"] == "completed") & runs[value].notna() & (runs["loss_model"] == "none")]
     for k in setting_keys(runs):
         if k not in LOSSLESS_FREE:
-            match = match[match[k].astype(str) == str(setting[k])]
+            match = match[same(match[k], setting[k])]
     return match
+
+
+def same(column: pd.Series, value) -> pd.Series:
+    """Which of ``column``'s values equal ``value``, compared as text; a missing value (None or NaN: a key left
+    at its default, such as microbatches) matches only a missing one (pandas' string columns keep NaN as NaN,
+    so text alone never matches it)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return column.isna()
+    return column.map(str) == str(value)
 
 
 def p_cell(p: float, significant: bool) -> str:

@@ -21,7 +21,11 @@ from ..loss.spec import family
 from .stats import DEFAULT_TARGET, time_to_target
 
 # Always in summary.csv (the report groups by them); other config keys only when they vary.
-KEY_COLUMNS = ("loss", "lossy", "recovery", "tp_size", "seed", "model", "dataset", "backend")
+KEY_COLUMNS = ("loss", "lossy", "recovery", "tp_size", "pp_size", "seed", "model", "dataset", "backend")
+PIPELINE_KEYS = ("pp_schedule", "microbatches")
+# What summary.json's ``pipeline`` section adds to a row (runs with pp_size > 1 only).
+PIPELINE_COLUMNS = {"pp_bubble": "bubble", "pipeline_s_per_step": "pipeline_s_per_step",
+                    "pp_s_per_step": "pp_s_per_step", "observed_loss_rate_pp": "observed_loss_rate_pp"}
 
 
 def _number(value: Any) -> float:
@@ -63,6 +67,7 @@ def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
         model = None
     row: dict[str, Any] = {"run_dir": str(run_dir.relative_to(results)), "status": summary.get("status"),
                            "error": summary.get("error")}
+    config.setdefault("pp_size", 1)   # a run from before pipelines had one stage
     row.update({f"config.{k}": v for k, v in config.items()})
     row["dataset_name"] = dataset_display(summary, config)
     if model is None:
@@ -102,6 +107,11 @@ def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
     sent = lost = 0
     if data_parallel and "dp" in kinds:   # gradient buckets between replicas lose packets too
         sent, lost = data_parallel.get("packets_sent_dp") or 0, data_parallel.get("packets_lost_dp") or 0
+    pipeline = summary.get("pipeline")
+    pp_dirs = tuple(d for d in ("fwd", "bwd") if {"fwd": "pp_forward", "bwd": "pp_backward"}[d] in kinds)
+    for d in pp_dirs if pipeline else ():   # the stage boundaries' activations and their gradients
+        sent += pipeline.get(f"packets_sent_pp_{d}") or 0
+        lost += pipeline.get(f"packets_lost_pp_{d}") or 0
     for entry in (summary.get("packets") or {}).get("train") or []:
         d = entry.get("direction")
         for name in ("configured_loss_rate", "observed_loss_rate",
@@ -112,8 +122,11 @@ def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
             lost += entry.get("lost") or 0
     row["observed_loss_rate"] = lost / sent if sent else math.nan
     by_class: dict[str, list] = {}
-    for entry in (summary.get("packets_by_class") or {}).get("train") or []:
-        if entry.get("direction") in lossy_dirs:
+    boundaries = [(entry, pp_dirs) for entries in ((pipeline or {}).get("packets_by_boundary") or [])
+                  for entry in entries or []]
+    stages = [(entry, lossy_dirs) for entry in (summary.get("packets_by_class") or {}).get("train") or []]
+    for entry, dirs in stages + boundaries:
+        if entry.get("direction") in dirs:
             counts = by_class.setdefault(entry.get("link_class"), [0, 0])
             counts[0] += entry.get("sent") or 0
             counts[1] += entry.get("lost") or 0
@@ -138,6 +151,8 @@ def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
         row["drift_max"] = _number(data_parallel.get("drift_max"))
         row["observed_loss_rate_dp"] = _number(data_parallel.get("observed_loss_rate_dp"))
         row["dp_s_per_step"] = _number(data_parallel.get("dp_s_per_step"))
+    if pipeline:  # only runs with pp_size > 1 have these columns
+        row.update({column: _number(pipeline.get(key)) for column, key in PIPELINE_COLUMNS.items()})
     return row
 
 
@@ -173,7 +188,9 @@ def collect(results: Union[str, Path]) -> pd.DataFrame:
     if frame.empty:
         return pd.DataFrame(columns=["run_dir", "status", *KEY_COLUMNS])
     config_cols = [c for c in frame.columns if c.startswith("config.")]
-    keep = [c for c in config_cols if c[7:] in KEY_COLUMNS
+    # A pipeline's schedule and micro-batches say what ran even when every run shares them.
+    staged = set(PIPELINE_KEYS) if (pd.to_numeric(frame["config.pp_size"], errors="coerce") > 1).any() else set()
+    keep = [c for c in config_cols if c[7:] in KEY_COLUMNS or c[7:] in staged
             or (c[7:] not in NON_SEMANTIC and frame[c].astype(str).nunique(dropna=False) > 1)]
     keep.sort(key=lambda c: (KEY_COLUMNS.index(c[7:]) if c[7:] in KEY_COLUMNS else len(KEY_COLUMNS), c))
     frame = frame.drop(columns=[c for c in config_cols if c not in keep])

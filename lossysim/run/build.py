@@ -15,7 +15,9 @@ from ..data import PreparedData, prepare_data
 from ..dp import DataParallel, Replica, apply_dp
 from ..models import build_model, check_max_length, cost
 from ..net import LossyNetwork
-from ..util import cache_dir
+from ..pp.dist import apply_dist_pp, attach
+from ..pp.stages import Pipeline, apply_pp
+from ..util import cache_dir, swapped
 from ..tp import TensorParallelModel, apply_tp
 
 
@@ -38,6 +40,28 @@ class Parts:
     # every replica (replica 0 is model, train_net, optimizer, scheduler above) and the data-parallel
     # networks between them; without data parallelism a group of one (dp.dp_size == 1)
     dp: DataParallel
+    # pipeline stages (their networks and the boundaries between them); None with one stage
+    pipeline: Optional[Pipeline] = None
+
+    def networks(self) -> list[LossyNetwork]:
+        """Every network of replica 0's training traffic but the data-parallel ones: its stages' TP
+        networks (``train_net`` first) and the boundaries between them."""
+        if self.pipeline is None:
+            return [self.train_net]
+        return [*self.pipeline.networks, *self.pipeline.boundary_networks()]
+
+    @contextlib.contextmanager
+    def evaluating(self):
+        """The model on its evaluation networks (each stage's and boundary's), their counters zeroed."""
+        if self.pipeline is None:
+            self.eval_net.reset_stats()
+            with swapped(self.model.group, "network", self.eval_net):
+                yield
+            return
+        for network in [*self.pipeline.eval_networks, *(b.network for b in self.pipeline.eval_boundaries)]:
+            network.reset_stats()
+        with self.pipeline.evaluating(self.model.groups):
+            yield
 
 
 def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bool,
@@ -51,21 +75,27 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
                         seed=config.seed, task=config.task).to(device)
     mesh, settings = config.mesh(), config.network_settings()
     distributed = config.backend == "dist"
-    # dist runs this rank's replica and TP position; sim runs every rank, replica 0's being the run's own.
-    replica, tp_rank = mesh.coordinate(rank) if distributed else (0, 0)
+    # dist runs this rank's replica, stage and TP position; sim runs every rank, replica 0's being the run's own.
+    replica, stage, tp_rank = mesh.position(rank) if distributed else (0, 0, 0)
     train_net = LossyNetwork(mesh.tp_network_spec(settings, replica))
     eval_net = LossyNetwork(config.network_spec(evaluation=True))
     parameters = sum(p.numel() for p in model.parameters())
     layers, hidden = cost.dims(model.config)
     train_net.spec.selection.check_depth(layers)
+    # The parallelisms apply in torchtitan's order: pipeline stages cut the model, then tensor
+    # parallelism shards each stage over its own TP group.
+    # dist: this process's stage alone runs, its sends to the neighbouring stages' processes real.
+    pipeline = apply_dist_pp(model, config, mesh, train_net, eval_net, rank) if distributed else \
+        apply_pp(model, config, mesh, train_net, eval_net, replica)
     # Each rank launches the whole model's kernels on its shards, and its collectives'.
     kernels = cost.kernels_per_step(model, config.task) + cost.collective_kernels(layers, config.tp_size)
     compute = _compute(config, device)
-    groups = mesh.process_groups() if distributed and mesh.dp > 1 else None
-    # The parallelisms apply in torchtitan's order: the model is built above; apply_pp (pipeline
-    # stages, a pp/ package) will cut it here, before tensor parallelism shards each stage.
+    groups = mesh.process_groups() if distributed and mesh.dp * mesh.pp > 1 else None
     if groups is not None:
-        tp_model = apply_tp(model, config, mesh, train_net, rank, groups["tp"][replica])
+        network = train_net if pipeline is None else pipeline.networks[stage]
+        tp_model = apply_tp(model, config, mesh, network, rank, groups["tp"][rank // mesh.tp])
+        if pipeline is not None:
+            tp_model = attach(pipeline, tp_model, groups["pp"][replica * mesh.tp + tp_rank], config.seed)
         replicas = [_replica(config, tp_model)]
     else:
         # Every replica starts from the same weights (DDP broadcasts rank 0's); replica 0 is built last
@@ -74,16 +104,18 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
         others = [_replica(config, apply_tp(copies[r - 1], config, mesh,
                                             LossyNetwork(mesh.tp_network_spec(settings, r)), rank))
                   for r in range(1, mesh.dp)]
-        tp_model = apply_tp(model, config, mesh, train_net, rank)
+        tp_model = apply_tp(model, config, mesh, train_net, rank, pipeline=pipeline)
         replicas = [_replica(config, tp_model), *others]
-    positions = [tp_rank] if groups is not None else range(mesh.tp) if mesh.dp > 1 else []
+    dp_groups = groups if mesh.dp > 1 else None   # (dist pipelines: a group of one replica)
+    positions = [tp_rank] if dp_groups is not None else range(mesh.tp) if mesh.dp > 1 else []
     networks = [LossyNetwork(mesh.dp_network_spec(settings, t, config.dp_lossy())) for t in positions]
-    dp = apply_dp(replicas, mesh, networks, config.dp_bucket_mb * (1 << 20), config.dp_mode, rank, groups)
+    dp = apply_dp(replicas, mesh, networks, config.dp_bucket_mb * (1 << 20), config.dp_mode, rank, dp_groups)
     first = replicas[0]
     return Parts(data, tp_model, train_net, eval_net, first.optimizer, first.scheduler,
                  autocast=_autocast(config.amp, device),
                  scaler=torch.amp.GradScaler(device.type, enabled=config.amp == "fp16"),
-                 compute=compute, parameters=parameters, layers=layers, hidden=hidden, kernels=kernels, dp=dp)
+                 compute=compute, parameters=parameters, layers=layers, hidden=hidden, kernels=kernels, dp=dp,
+                 pipeline=pipeline)
 
 
 def _replica(config: ExperimentConfig, tp_model: TensorParallelModel) -> Replica:
@@ -99,6 +131,9 @@ def _compute(config: ExperimentConfig, device: torch.device):
     if isinstance(compute, timing.Measured) and not (config.backend == "dist" and device.type == "cuda"):
         raise ValueError("compute=measured needs backend=dist on CUDA GPUs: a simulation's own wall "
                          "clock is not a cluster's time; name a GPU model instead (e.g. compute=h100)")
+    if isinstance(compute, timing.Measured) and config.pp_size > 1:
+        raise ValueError(f"compute=measured with pp_size={config.pp_size}: a process times its own stage, the "
+                         "clock splits a step's compute over the stages; name a GPU model (e.g. compute=h100)")
     return compute
 
 

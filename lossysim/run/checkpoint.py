@@ -10,8 +10,10 @@ A rank's file is a dict of named parts, each one saved by its owner's
 ``state_dict`` (``save_training`` and ``resume`` list them): model, optimiser,
 scheduler, scaler, metric window, every random stream, both networks, the run's
 progress as a plain dict (``progress``) and, with data parallelism, ``dp``: the
-other replicas this process runs and the data-parallel networks. A new kind of
-parallelism adds a part; the format stays.
+other replicas this process runs and the data-parallel networks; with pipeline
+stages, ``pp``: every later stage's and every boundary's networks (training and
+evaluation) and the later stages' replicated streams. A new kind of parallelism
+adds a part; the format stays.
 
 Files hold only tensors and plain values (dicts, lists, numbers, strings), and
 are read with ``torch.load(weights_only=True)``: a file that needs anything else
@@ -142,6 +144,9 @@ def save_training(run_dir: Path, parts: "Parts", state: TrainState, window: Wind
     }
     if parts.dp.dp_size > 1:
         contents["dp"] = parts.dp.state_dict()
+    if parts.pipeline is not None:
+        contents["pp"] = {**parts.pipeline.state_dict(),
+                          "replicated_rng": [g.rng_state() for g in parts.model.groups[1:]]}
     return save(run_dir, state.step, contents, rank=rank, world=_world(config), keep=config.keep_checkpoints,
                 barrier=barrier)
 
@@ -175,6 +180,10 @@ def resume(run_dir: Path, parts: "Parts", window: Window, config: ExperimentConf
     parts.eval_net.load_state_dict(saved["eval_net"])
     if parts.dp.dp_size > 1:
         parts.dp.load_state_dict(saved["dp"])
+    if parts.pipeline is not None:
+        parts.pipeline.load_state_dict(saved["pp"])
+        for group, rng in zip(parts.model.groups[1:], saved["pp"]["replicated_rng"], strict=True):
+            group.load_rng_state(rng)
     state = TrainState.from_dict(saved["progress"])
     log.info("resumed from %s at step %d", found[0], state.step)
     return state
@@ -186,7 +195,7 @@ def _resumable(config: ExperimentConfig) -> dict:
 
 
 def _world(config: ExperimentConfig) -> int:
-    return config.tp_size * config.dp_size if config.backend == "dist" else 1
+    return config.tp_size * config.pp_size * config.dp_size if config.backend == "dist" else 1
 
 
 # -- the trained model ------------------------------------------------------------------------
@@ -194,7 +203,7 @@ def _world(config: ExperimentConfig) -> int:
 def export_model(parts: "Parts", run_dir: Path, is_main: bool) -> None:
     """The gathered HF model and tokenizer in ``run_dir/checkpoint``, verified against the in-memory
     model before it counts. Every dist rank takes part in the gather; the main process writes."""
-    full = gather_full_model(parts.model)
+    full = gather_full_model(parts.model) if parts.pipeline is None else parts.pipeline.full_model(parts.model)
     if not is_main:
         return
     final = run_dir / "checkpoint"

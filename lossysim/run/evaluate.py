@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from ..data import eval_batches
 from ..tp.parallelize import TensorParallelModel, relative_difference
-from ..util import swapped
 
 
 class _Task(NamedTuple):
@@ -41,9 +40,8 @@ def evaluate(parts, split: str, config, device: torch.device) -> dict:
 def _gather_split(parts, split: str, config, device: torch.device, task: _Task) -> torch.Tensor:
     model: TensorParallelModel = parts.model
     model.eval()
-    parts.eval_net.reset_stats()
     rows = []
-    with swapped(model.group, "network", parts.eval_net):
+    with parts.evaluating():
         for batch in eval_batches(parts.data.splits[split], config.eval_batch_size):
             batch = {k: v.to(device) for k, v in batch.items()}
             with parts.autocast:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ..config import BACKENDS, DP_MODES, ExperimentConfig, load_config, parse_overrides, save_yaml
+from ..config import BACKENDS, DP_MODES, PP_SCHEDULES, ExperimentConfig, load_config, parse_overrides, save_yaml
 from ..data import EVAL_SPLITS, MNLI, SYNTHETIC, train_batches
 from ..data.pydoc_text import PYDOC
 from ..io import atomic_write_json, atomic_write_text, check_writable, nearest_existing, run_status
@@ -51,6 +51,10 @@ FLAGS = {
     "--dp-size": ("dp_size", "data-parallel replicas of the tensor-parallel group (world = tp x dp)"),
     "--dp-mode": ("dp_mode", f"{one_of(DP_MODES)} (ddp: replicas hold whole parameters; fsdp: ZeRO-3, "
                              "parameters sharded and gathered)"),
+    "--pp-size": ("pp_size", "pipeline stages: the blocks cut into this many (world = tp x pp x dp)"),
+    "--pp-schedule": ("pp_schedule", f"how a step's micro-batches run through the stages: {one_of(PP_SCHEDULES)}"),
+    "--pp-layout": ("pp_layout", "blocks per stage, e.g. 1,3 (default: an even split)"),
+    "--microbatches": ("microbatches", "micro-batches per step (default: pp_size): gradients accumulate over them"),
     "--backend": ("backend", f"{one_of(BACKENDS)} (sim: all ranks in one process; dist: torchrun)"),
     "--lossy": ("lossy", f"which traffic is lossy: {one_of(LOSSY)}"),
     "--recovery": ("recovery", f"what a receiver makes of a lost packet: {one_of(RECOVERY_POLICIES)}"),
@@ -136,7 +140,7 @@ def _setup(config: ExperimentConfig, run_dir: Path, resume: bool):
                   runtime.barrier if config.backend == "dist" else None)
     if runtime.is_main:
         _check_free_space(run_dir, parts.model, config)
-    state = TrainState(last_row=record.clock_mark(0, 0.0, parts.train_net))
+    state = TrainState(last_row=record.clock_mark(0, 0.0, parts.train_net, parts.pipeline))
     window = Window(runtime.device)
     if resume:
         state = checkpoint.resume(run_dir, parts, window, config, runtime.rank, runtime.device) or state
@@ -176,7 +180,7 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
                 averages = window.flush(parts.model.group)
                 disagreement = parts.model.disagreement()
                 row = record.train_row(step, started, averages, state, parts.train_net,
-                                       parts.scheduler.get_last_lr()[0], disagreement, config)
+                                       parts.scheduler.get_last_lr()[0], disagreement, config, parts.pipeline)
                 if parts.dp.dp_size > 1:
                     row.update(record.dp_row(parts.dp, state))
                 state.train_disagreement.append(row["disagreement"])
@@ -184,7 +188,8 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
                 bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}",
                                 lost=f"{row['observed_loss_rate']:.4f}", refresh=False,
                                 **({"lost_dp": f"{row['observed_loss_rate_dp']:.4f}", "drift": f"{row['drift']:.2g}"}
-                                   if parts.dp.dp_size > 1 else {}))
+                                   if parts.dp.dp_size > 1 else {}),
+                                **({"lost_pp": f"{row['observed_loss_rate_pp']:.4f}"} if parts.pipeline else {}))
                 if config.max_failures and row["failures"] >= config.max_failures:
                     raise _GaveUp(step, row["failures"])
 
@@ -192,7 +197,7 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
                 for split in parts.data.eval_splits:
                     scores = evaluate(parts, split, config, rt.device)
                     row = record.eval_row(step, split, started, scores, state, parts.train_net, parts.eval_net,
-                                          config)
+                                          config, parts.pipeline)
                     if parts.dp.dp_size > 1:  # replica 0 is evaluated; how far the others are from it
                         row["drift"] = parts.dp.drift()
                     metrics.write(row)
@@ -218,9 +223,11 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
     if status == "completed" and config.save_checkpoint:
         checkpoint.export_model(parts, rt.run_dir, rt.is_main)
     summary = record.summary(status, diverged_at, config, parts.data.name, state, parts.train_net,
-                             parts.eval_net, started)
+                             parts.eval_net, started, parts.pipeline)
     if parts.dp.dp_size > 1:
         summary["data_parallel"] = record.dp_summary(parts.dp, config, state)
+    if parts.pipeline is not None:
+        summary["pipeline"] = record.pp_summary(parts.pipeline, config, state)
     if rt.is_main:
         atomic_write_json(rt.run_dir / "summary.json", summary)
     return summary
@@ -260,8 +267,9 @@ class _Runtime:
 def _start(config: ExperimentConfig, run_dir: Path, resume: bool) -> _Runtime:
     if config.backend == "dist":
         rank, world = init_distributed(timeout_s=config.timeout_s)
-        if world != config.tp_size * config.dp_size:
-            raise ValueError(f"tp_size={config.tp_size} x dp_size={config.dp_size} but torchrun started "
+        if world != config.tp_size * config.pp_size * config.dp_size:
+            raise ValueError(f"tp_size={config.tp_size} x pp_size={config.pp_size} x dp_size={config.dp_size} "
+                             f"but torchrun started "
                              f"{world} processes")
         shared = [config.to_dict(), str(run_dir)]  # rank 0's config is the experiment
         dist.broadcast_object_list(shared, src=0)

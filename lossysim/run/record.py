@@ -14,10 +14,11 @@ import torch
 import transformers
 
 from .. import __version__
-from ..config import ExperimentConfig
+from ..config import RANK_ORDER, ExperimentConfig
 from ..data import EVAL_SPLITS
 from ..io import append_jsonl, atomic_write_text, read_jsonl
 from ..net import LossyNetwork
+from ..pp.stages import Pipeline
 from .state import TrainState
 from .tracking import open_tracker
 
@@ -52,35 +53,45 @@ def cut_metrics(run_dir: Path, step: Optional[int]) -> None:
 
 
 def train_row(step: int, started: float, averages: dict, state: TrainState, network: LossyNetwork, lr: float,
-              disagreement: dict, config: ExperimentConfig) -> dict:
+              disagreement: dict, config: ExperimentConfig, pipeline: Optional[Pipeline] = None) -> dict:
     """A logged training step: the window's averages (``Window.flush``), the clock, traffic so far
-    and rank divergence."""
-    return {"step": step, "split": "train", "time_s": time.time() - started, **averages,
-            **clock_row(state, network, step, config), "lr": lr, **traffic(network),
-            "disagreement": disagreement["prediction"], "hidden_rel_diff": disagreement["hidden_rel_diff"]}
+    (every stage's TP traffic) and rank divergence; with pipeline stages, ``pp_row``'s columns."""
+    stages = [network] if pipeline is None else pipeline.networks
+    row = {"step": step, "split": "train", "time_s": time.time() - started, **averages,
+           **clock_row(state, network, step, config, pipeline), "lr": lr, **traffic(*stages),
+           "disagreement": disagreement["prediction"], "hidden_rel_diff": disagreement["hidden_rel_diff"]}
+    if pipeline is not None:
+        row.update(pp_traffic(pipeline.boundary_networks()))
+    return row
 
 
 def eval_row(step: int, split: str, started: float, scores: dict, state: TrainState,
-             train_net: LossyNetwork, eval_net: LossyNetwork, config: ExperimentConfig) -> dict:
+             train_net: LossyNetwork, eval_net: LossyNetwork, config: ExperimentConfig,
+             pipeline: Optional[Pipeline] = None) -> dict:
     """An evaluation: its scores, this evaluation's traffic, and the training clock it happened at."""
-    now = clock(state, train_net, config)
+    now = clock(state, train_net, config, pipeline)
+    stages = [eval_net] if pipeline is None else pipeline.eval_networks
     return {"step": step, "split": split, "time_s": time.time() - started,
             "sim_time_s": now["sim_time_s"], "sim_time_s_ideal_nic": now["sim_time_s_ideal_nic"],
             "loss": scores["loss"], "accuracy": scores["accuracy"],
-            **traffic(eval_net), "disagreement": scores["disagreement"],
-            "hidden_rel_diff": scores["hidden_rel_diff"]}
+            **traffic(*stages), "disagreement": scores["disagreement"],
+            "hidden_rel_diff": scores["hidden_rel_diff"],
+            **(pp_traffic([b.network for b in pipeline.eval_boundaries]) if pipeline is not None else {})}
 
 
-def traffic(network: LossyNetwork) -> dict:
-    """Packets sent and lost per direction so far, and the loss rate over the lossy directions."""
+def traffic(*networks: LossyNetwork) -> dict:
+    """Packets sent and lost per direction so far over ``networks`` (a pipeline's stages), and the loss
+    rate over their lossy directions."""
     row = {}
     lost_total = sent_total = 0
-    for entry in network.summary():
-        d = entry["direction"]
-        row[f"packets_sent_{d}"], row[f"packets_lost_{d}"] = entry["sent"], entry["lost"]
-        if d in network.lossy:
-            sent_total += entry["sent"]
-            lost_total += entry["lost"]
+    for network in networks:
+        for entry in network.summary():
+            d = entry["direction"]
+            row[f"packets_sent_{d}"] = row.get(f"packets_sent_{d}", 0) + entry["sent"]
+            row[f"packets_lost_{d}"] = row.get(f"packets_lost_{d}", 0) + entry["lost"]
+            if d in network.lossy:
+                sent_total += entry["sent"]
+                lost_total += entry["lost"]
     for d in ("fwd", "bwd"):
         row.setdefault(f"packets_sent_{d}", 0)
         row.setdefault(f"packets_lost_{d}", 0)
@@ -88,68 +99,113 @@ def traffic(network: LossyNetwork) -> dict:
     return row
 
 
+def pp_traffic(boundaries: list[LossyNetwork]) -> dict:
+    """The boundaries' packets: activations (``pp_fwd``) and their gradients (``pp_bwd``) sent and lost
+    so far, and the loss rate over their lossy directions (``observed_loss_rate_pp``)."""
+    found = traffic(*boundaries)
+    row = {f"packets_{kind}_pp_{d}": found[f"packets_{kind}_{d}"] for kind in ("sent", "lost") for d in ("fwd", "bwd")}
+    row["observed_loss_rate_pp"] = found["observed_loss_rate"]
+    return row
+
+
 # -- the simulated clock ------------------------------------------------------------------------
 
-def clock_mark(step: int, compute_s: float, network: LossyNetwork) -> dict:
+def _networks(network: LossyNetwork, pipeline: Optional[Pipeline]) -> list[LossyNetwork]:
+    """Replica 0's training networks: ``network`` alone, or every stage's and every boundary's."""
+    return [network] if pipeline is None else [*pipeline.networks, *pipeline.boundary_networks()]
+
+
+def _comm(networks: list[LossyNetwork]) -> dict:
+    """The networks' clocks summed (one network's clock as it is)."""
+    clocks = [network.clock() for network in networks]
+    return clocks[0] if len(clocks) == 1 else {key: sum(c[key] for c in clocks) for key in clocks[0]}
+
+
+def clock_mark(step: int, compute_s: float, network: LossyNetwork, pipeline: Optional[Pipeline] = None) -> dict:
     """The clock at ``step``, kept so the next train row can report per-step rates since it."""
-    return {"step": step, "compute_s": compute_s, **network.clock()}
+    return {"step": step, "compute_s": compute_s, **_comm(_networks(network, pipeline))}
 
 
-def clock(state: TrainState, network: LossyNetwork, config: ExperimentConfig) -> dict:
+def clock(state: TrainState, network: LossyNetwork, config: ExperimentConfig,
+          pipeline: Optional[Pipeline] = None) -> dict:
     """The simulated cluster's clock (see docs/time_model.md): modelled (or measured) compute, simulated
     communication with its repairs, and a restart for every collective the transport gave up on;
     beside it the same run's clock under the ideal nic (one resend and one round trip per loss, never
     a failure). A failure noticed here is charged once, into ``state``: ``restart_s`` plus
-    ``restart_lost_steps`` steps at the run's mean step time so far."""
-    comm = network.clock()
-    failures = network.failures()
+    ``restart_lost_steps`` steps at the run's mean step time so far. With pipeline stages the compute
+    and traffic of a step are its schedule's time (``pipeline_s``), failures any stage's or boundary's,
+    and ``comm_s`` the traffic time of every stage and boundary summed (not all of it on the path)."""
+    networks = _networks(network, pipeline)
+    comm = _comm(networks)
+    failures = sum(n.failures() for n in networks)
+    if pipeline is None:
+        busy, busy_ideal = state.compute_s + comm["comm_s"], state.compute_s + comm["comm_s_ideal_nic"]
+    else:
+        busy, busy_ideal = state.pipeline_s, state.pipeline_s_ideal_nic
     if failures > state.failures:
-        per_step = (state.compute_s + comm["comm_s"]) / max(state.step, 1)
+        per_step = busy / max(state.step, 1)
         state.restart_s += (failures - state.failures) * (config.restart_s + config.restart_lost_steps * per_step)
         state.failures = failures
-    return {"sim_time_s": state.compute_s + comm["comm_s"] + state.dp_s + state.restart_s,
-            "sim_time_s_ideal_nic": state.compute_s + comm["comm_s_ideal_nic"] + state.dp_s,
+    return {"sim_time_s": busy + state.dp_s + state.restart_s, "sim_time_s_ideal_nic": busy_ideal + state.dp_s,
             "restart_s": state.restart_s, "failures": failures, **comm}
 
 
-def clock_row(state: TrainState, network: LossyNetwork, step: int, config: ExperimentConfig) -> dict:
+def clock_row(state: TrainState, network: LossyNetwork, step: int, config: ExperimentConfig,
+              pipeline: Optional[Pipeline] = None) -> dict:
     """Simulated time per step since the last row, the cumulative clock, and the waits on retransmission
-    timers per link class (so the time can be recomputed for other timers); marks this row."""
-    now = clock(state, network, config)
+    timers per link class (so the time can be recomputed for other timers); marks this row. With
+    pipeline stages: ``pipeline_s_per_step`` (the schedule's step), ``pp_s_per_step`` (what the boundary
+    sends add to it) and ``pp_bubble`` (the stages' idle share of it), over the steps since the last row."""
+    now = clock(state, network, config, pipeline)
     last = state.last_row
     steps = max(step - last["step"], 1)
     row = {"sim_time_s": now["sim_time_s"], "sim_time_s_ideal_nic": now["sim_time_s_ideal_nic"],
            "comm_s_per_step": (now["comm_s"] - last["comm_s"]) / steps,
            "retransmit_s_per_step": (now["retransmit_s"] - last["retransmit_s"]) / steps,
            "compute_s_per_step": (state.compute_s - last["compute_s"]) / steps,
-           "failures": now["failures"], **repairs_by_class(network)}
+           "failures": now["failures"], **repairs_by_class(*_networks(network, pipeline))}
     if config.dp_size > 1:
         row["dp_s_per_step"] = (state.dp_s - last.get("dp_s", 0.0)) / steps
-    state.last_row = clock_mark(step, state.compute_s, network)
+    if pipeline is not None:
+        pipeline_s = state.pipeline_s - last.get("pipeline_s", 0.0)
+        row.update(pipeline_s_per_step=pipeline_s / steps, pp_s_per_step=(state.pp_s - last.get("pp_s", 0.0)) / steps,
+                   pp_bubble=bubble(state.pp_busy_s - last.get("pp_busy_s", 0.0), pipeline_s, pipeline.stages))
+    state.last_row = clock_mark(step, state.compute_s, network, pipeline)
     if config.dp_size > 1:
         state.last_row["dp_s"] = state.dp_s
+    if pipeline is not None:
+        state.last_row.update(pipeline_s=state.pipeline_s, pp_s=state.pp_s, pp_busy_s=state.pp_busy_s)
     return row
 
 
-def repairs_by_class(network: LossyNetwork) -> dict:
-    """Timer waits so far per link class (``timeouts_intra``, ``timeouts_inter``)."""
+def bubble(busy_s: float, pipeline_s: float, stages: int) -> float:
+    """The stages' idle share of the schedule's time: 1 - busy / (stages x time)."""
+    return 1.0 - busy_s / (stages * pipeline_s) if pipeline_s > 0 else 0.0
+
+
+def repairs_by_class(*networks: LossyNetwork) -> dict:
+    """Timer waits so far per link class (``timeouts_intra``, ``timeouts_inter``) over ``networks``."""
     row = {"timeouts_intra": 0, "timeouts_inter": 0}
-    for entry in network.summary(by=("link_class",)):
-        row[f"timeouts_{entry['link_class']}"] = entry["timeouts"]
+    for network in networks:
+        for entry in network.summary(by=("link_class",)):
+            key = f"timeouts_{entry['link_class']}"
+            row[key] = row.get(key, 0) + entry["timeouts"]
     return row
 
 
-def _sim_time_summary(state: TrainState, network: LossyNetwork, config: ExperimentConfig) -> dict:
+def _sim_time_summary(state: TrainState, network: LossyNetwork, config: ExperimentConfig,
+                      pipeline: Optional[Pipeline] = None) -> dict:
     steps = max(state.step, 1)
-    now = clock(state, network, config)
-    sent = {row["direction"]: row for row in network.summary()}
+    now = clock(state, network, config, pipeline)
+    networks = _networks(network, pipeline)
+    sent = [row for n in networks for row in n.summary()]
     return {"total_s": now["sim_time_s"], "total_s_ideal_nic": now["sim_time_s_ideal_nic"],
             "compute_s_per_step": state.compute_s / steps,
             "comm_s_per_step": now["comm_s"] / steps, "ideal_comm_s_per_step": now["ideal_comm_s"] / steps,
             "retransmit_s_per_step": now["retransmit_s"] / steps,
-            "retransmitted_packets": sum(row["resent"] for row in sent.values()),
-            "missing_packets": sum(row["missing"] for row in sent.values()),
-            "failures": now["failures"], "restart_s": now["restart_s"], **repairs_by_class(network),
+            "retransmitted_packets": sum(row["resent"] for row in sent),
+            "missing_packets": sum(row["missing"] for row in sent),
+            "failures": now["failures"], "restart_s": now["restart_s"], **repairs_by_class(*networks),
             "compute": config.compute, "algorithm": config.algorithm, "transport": config.transport,
             "nic": config.nic}
 
@@ -191,10 +247,26 @@ def dp_summary(dp, config: ExperimentConfig, state: TrainState) -> dict:
             "dp_s_per_step": state.dp_s / max(state.step, 1)}
 
 
+# -- pipeline parallelism -------------------------------------------------------------------------
+
+def pp_summary(pipeline: Pipeline, config: ExperimentConfig, state: TrainState) -> dict:
+    """summary.json's ``pipeline``: the layout (stages, schedule, micro-batches, blocks per stage, rank
+    order), the bubble and the boundary sends' time per step, and every boundary's and stage's traffic."""
+    steps = max(state.step, 1)
+    return {"pp_size": config.pp_size, "pp_schedule": config.pp_schedule, "microbatches": config.n_microbatches,
+            "stage_layers": list(pipeline.layout), "rank_order": RANK_ORDER,
+            "bubble": bubble(state.pp_busy_s, state.pipeline_s, pipeline.stages),
+            "pipeline_s_per_step": state.pipeline_s / steps, "pp_s_per_step": state.pp_s / steps,
+            **pp_traffic(pipeline.boundary_networks()),
+            "packets_by_boundary": [n.summary(by=("direction", "link_class")) for n in pipeline.boundary_networks()],
+            "packets_by_stage": [n.summary() for n in pipeline.networks]}
+
+
 # -- summary.json ---------------------------------------------------------------------------------
 
 def summary(status: str, diverged_at: Optional[dict], config: ExperimentConfig, dataset: str,
-            state: TrainState, train_net: LossyNetwork, eval_net: LossyNetwork, started: float) -> dict:
+            state: TrainState, train_net: LossyNetwork, eval_net: LossyNetwork, started: float,
+            pipeline: Optional[Pipeline] = None) -> dict:
     """How the run ended and what it measured."""
     final, seen, reached = state.final, state.train_disagreement, state.reached or {}
     return {
@@ -214,7 +286,7 @@ def summary(status: str, diverged_at: Optional[dict], config: ExperimentConfig, 
             "mean_train": sum(seen) / len(seen) if seen else None,
         },
         "diverged_at": diverged_at, "versions": versions(),
-        "sim_time": _sim_time_summary(state, train_net, config),
+        "sim_time": _sim_time_summary(state, train_net, config, pipeline),
         "time_to_accuracy": {"target": config.target_accuracy, "split": EVAL_SPLITS[0],
                              "step": reached.get("step"), "sim_time_s": reached.get("sim_time_s"),
                              "sim_time_s_ideal_nic": reached.get("sim_time_s_ideal_nic")},

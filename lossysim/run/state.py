@@ -28,11 +28,17 @@ class TrainState:
     restart_s: float = 0.0                       # simulated seconds their restarts cost
     dp_s: float = 0.0                            # data parallelism: seconds the buckets (and syncs) add
     drift: list = field(default_factory=list)    # data parallelism: every train row's replica drift
+    pipeline_s: float = 0.0                      # pipeline stages: the steps' schedule times, summed
+    pipeline_s_ideal_nic: float = 0.0            # ... the same steps' under the ideal nic
+    pp_s: float = 0.0                            # ... what the boundary sends added to them
+    pp_busy_s: float = 0.0                       # ... the stages' busy seconds (compute and TP traffic)
 
     def state_dict(self) -> dict:
         saved = dataclasses.asdict(self)  # a deep copy: later steps must not change a saved checkpoint
-        # Data parallelism's counters only when used: other runs' checkpoints keep the keys they always had.
-        for key, unused in (("dp_s", 0.0), ("drift", [])):
+        # Data and pipeline parallelism's counters only when used: other runs' checkpoints keep the keys
+        # they always had.
+        for key, unused in (("dp_s", 0.0), ("drift", []), ("pipeline_s", 0.0), ("pipeline_s_ideal_nic", 0.0),
+                            ("pp_s", 0.0), ("pp_busy_s", 0.0)):
             if saved[key] == unused:
                 del saved[key]
         return saved

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import torch
 
 from .. import timing
 from ..config import ExperimentConfig
 from ..models import cost
+from ..pp.schedule import pipeline_time
+from ..pp.stages import Pipeline
 from ..tp import TensorParallelModel
 from .build import Parts
 from .state import TrainState, Window
@@ -23,7 +26,8 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
     gradients accumulate; the gradient buckets are then averaged over the data-parallel networks (FSDP:
     the units' weights are gathered before, their gradients reduce-scattered after), and every replica
     clips and steps on what it received. The clock charges replica 0's compute and TP traffic plus the
-    time the data-parallel traffic adds (``lossysim.dp.timeline``)."""
+    time the data-parallel traffic adds (``lossysim.dp.timeline``); with pipeline stages, replica 0's
+    compute and traffic as its schedule runs them (``_pipeline_clock``)."""
     dp = parts.dp
     # tokens/s counts real tokens, not padding (counted on the host: no device sync)
     tokens = int(batch["attention_mask"].sum())
@@ -35,8 +39,10 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
     for index, replica in enumerate(dp.replicas):   # sim: every replica; dist: this rank's
         r = dp.first + index
         shard = {k: v[r * rows:(r + 1) * rows] for k, v in batch.items()}
-        compute, forward_s, backward_s, replica_losses, replica_logits = _accumulate(
+        compute, forward_s, backward_s, replica_losses, replica_logits, stages = _accumulate(
             parts, config, replica.model, shard, t0, device)
+        if index == 0 and stages is not None:
+            _pipeline_clock(config, state, stages)
         computes.append(compute)
         times.append(torch.tensor([[forward_s, backward_s]], dtype=torch.float64))
         losses.append(replica_losses)
@@ -46,7 +52,7 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
     finite = True
     for replica, replica_losses in zip(dp.replicas, losses):
         parts.scaler.unscale_(replica.optimizer)
-        norm = _clip_grad_norm(replica.model, config.grad_clip)
+        norm = _clip_grad_norm(replica.model, config.grad_clip, parts.pipeline)
         ok = torch.isfinite(norm) & torch.isfinite(replica_losses).all()
         # Every rank must agree, or dist ranks would part ways at the next collective.
         finite &= bool(replica.model.group.all_gather_reliable(ok.reshape(1)).all())
@@ -74,34 +80,86 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
     return True
 
 
+_CLOCKS = ("comm_s", "comm_s_ideal_nic")   # each stage time twice: the run's nic's, the ideal nic's
+
+
 def _accumulate(parts: Parts, config: ExperimentConfig, model: TensorParallelModel, shard: dict, t0: float,
-                device: torch.device) -> tuple[float, float, float, torch.Tensor, torch.Tensor]:
+                device: torch.device):
     """One replica's forward/backwards over its shard, ``microbatches`` of them, the gradients summed
     in place (each micro-batch's loss divided by their number: the gradient of the shard's mean loss
     when micro-batches hold equal tokens). Returns the compute seconds, the forward's and backward's
-    seconds (compute and TP traffic), every TP rank's loss of every micro-batch and the logits."""
-    network, k = model.network, config.microbatches
+    seconds (compute and TP traffic), every TP rank's loss of every micro-batch, the logits, and with
+    pipeline stages (replica 0's) their times per micro-batch (``_stage_times``), else None."""
+    k = config.n_microbatches
+    pipeline = parts.pipeline if model is parts.model else None
+    # dist: a process runs one stage; the others' networks are mirrors, still within a step
+    networks = pipeline.networks if pipeline is not None else [group.network for group in model.groups]
     rows = shard["input_ids"].shape[0] // k
     compute = forward_s = backward_s = 0.0
     losses, logits = [], []
+    stages = {"forward": [], "backward": []} if pipeline is not None else None
     model.train()
     for m in range(k):
         micro = {key: v[m * rows:(m + 1) * rows] for key, v in shard.items()}
-        start = network.clock()["comm_s"]
+        start = [network.clock() for network in networks]
         with parts.autocast:
             out = model(**(_lm_inputs(micro) if config.task == "lm" else micro))
-        forward_end = network.clock()["comm_s"]
+        forward_end = [network.clock() for network in networks]
         parts.scaler.scale(out.loss / k).backward()
-        backward_end = network.clock()["comm_s"]
+        backward_end = [network.clock() for network in networks]
         seconds = _compute_seconds(parts, config, micro, t0, device)
         t0 = time.perf_counter()       # measured compute: each micro-batch's own
         compute += seconds
         # 2N FLOPs per token forward, 4N backward: a third of the compute is forward.
-        forward_s += seconds / 3 + forward_end - start
-        backward_s += seconds * 2 / 3 + backward_end - forward_end
+        forward_s += seconds / 3 + sum(e["comm_s"] - s["comm_s"] for s, e in zip(start, forward_end))
+        backward_s += seconds * 2 / 3 + sum(e["comm_s"] - s["comm_s"] for s, e in zip(forward_end, backward_end))
+        if pipeline is not None:
+            shares = _stage_shares(parts, micro)
+            for phase, third, ends in (("forward", 1 / 3, (start, forward_end)), ("backward", 2 / 3,
+                                                                                    (forward_end, backward_end))):
+                stages[phase].append([[seconds * third * share + end[c] - begin[c] for c in _CLOCKS]
+                                      for share, begin, end in zip(shares, *ends)])
         losses.append(model.group.all_gather_reliable(model.rank_losses.detach()))
         logits.append(out.logits.detach())
-    return compute, forward_s, backward_s, torch.cat(losses), torch.cat(logits)
+    if pipeline is not None:
+        stages["activation"] = [b.take_seconds("fwd") for b in pipeline.boundaries]
+        stages["gradient"] = [b.take_seconds("bwd") for b in pipeline.boundaries]
+        stages = pipeline.gathered(stages)
+    return compute, forward_s, backward_s, torch.cat(losses), torch.cat(logits), stages
+
+
+def _stage_shares(parts: Parts, batch: dict) -> list[float]:
+    """Each pipeline stage's share of a micro-batch's modelled compute: its share of the step's FLOPs
+    (``cost.step_flops`` over the stage's parameters and layers; they sum to the whole model's)."""
+    rows, seq_len = batch["input_ids"].shape
+    flops = [cost.step_flops(n, rows * seq_len, layers, parts.hidden, seq_len)
+             for n, layers in zip(parts.pipeline.parameters, parts.pipeline.layout)]
+    return [f / sum(flops) for f in flops]
+
+
+def _pipeline_clock(config: ExperimentConfig, state: TrainState, stages: dict) -> None:
+    """Charge a step's schedule (``pipeline_time``) over its stages' forward and backward per
+    micro-batch (compute and TP traffic) and its boundaries' sends: ``pipeline_s`` (and under the ideal
+    nic), ``pp_s`` (what the sends add: the step less the same schedule with free sends) and the stages'
+    busy seconds (the bubble is the rest)."""
+    p, m = config.pp_size, config.n_microbatches
+
+    def arrays(phase: str, clock: int) -> list[list[float]]:
+        values = stages[phase]
+        if phase in ("forward", "backward"):   # [micro-batch][stage] -> [stage][micro-batch]
+            return [[values[i][s][clock] for i in range(m)] for s in range(p)]
+        return [[send[clock] for send in boundary] for boundary in values]
+
+    def step(clock: int, sends: bool = True) -> float:
+        kwargs = dict(activation_s=arrays("activation", clock), gradient_s=arrays("gradient", clock)) if sends else {}
+        return pipeline_time(config.pp_schedule, p, m, arrays("forward", clock), arrays("backward", clock),
+                             **kwargs).step_s
+
+    step_s = step(0)
+    state.pipeline_s += step_s
+    state.pipeline_s_ideal_nic += step(1)
+    state.pp_s += step_s - step(0, sends=False)
+    state.pp_busy_s += sum(map(sum, arrays("forward", 0))) + sum(map(sum, arrays("backward", 0)))
 
 
 def _compute_seconds(parts: Parts, config: ExperimentConfig, batch: dict, t0: float, device: torch.device) -> float:
@@ -116,12 +174,16 @@ def _compute_seconds(parts: Parts, config: ExperimentConfig, batch: dict, t0: fl
                                    kernels=parts.kernels)
 
 
-def _clip_grad_norm(model: TensorParallelModel, max_norm: float) -> torch.Tensor:
-    """Global gradient norm as Megatron computes it: replicated grads once, every rank's shards."""
+def _clip_grad_norm(model: TensorParallelModel, max_norm: float, pipeline: Optional[Pipeline] = None) -> torch.Tensor:
+    """Global gradient norm as Megatron computes it: replicated grads once, every rank's shards, every
+    pipeline stage's (dist: each stage's squares gathered, so every stage sums sim's numbers in sim's order)."""
+    device = next(model.parameters()).device
+    across = pipeline.across_stages if pipeline is not None else lambda values, device: values
+
     def sq(grads):
         # Grouped-query kv heads held by several ranks count once.
-        squares = [g.float().pow(2).sum() / copies for g, copies in grads]
-        return torch.stack(squares).sum() if squares else torch.zeros((), device=next(model.parameters()).device)
+        squares = across([g.float().pow(2).sum() / copies for g, copies in grads], device)
+        return torch.stack(squares).sum() if squares else torch.zeros((), device=device)
     sharded = [p for p in model.sharded_parameters() if p.grad is not None]
     # Each rank's own shards summed apart, then the ranks' sums: dist's order, so sim's norm has its bits.
     local = torch.stack([sq((p.grad[r], getattr(p, "tp_copies", 1)) for p in sharded)

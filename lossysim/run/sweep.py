@@ -186,9 +186,10 @@ def config_key(config: ExperimentConfig) -> str:
 
 
 def run_name(config: ExperimentConfig, key: str) -> str:
-    """``bernoulli-0.01_tp2_seed0-1a2b3c4d``: readable prefix, hash for uniqueness."""
+    """``bernoulli-0.01_tp2_seed0-1a2b3c4d`` (``..._tp1_pp2_seed0-...`` with stages): readable prefix, hash
+    for uniqueness."""
     defaults = ExperimentConfig()
-    parts = [label(config.loss), f"tp{config.tp_size}", f"seed{config.seed}"]
+    parts = [label(config.loss), f"tp{config.tp_size}", *_pipeline_parts(config), f"seed{config.seed}"]
     parts += [getattr(config, key) for key in ("lossy", "recovery", "algorithm")
               if getattr(config, key) != getattr(defaults, key)]
     if config.transport != defaults.transport:
@@ -198,6 +199,19 @@ def run_name(config: ExperimentConfig, key: str) -> str:
         parts.append(config.dp_mode)
     prefix = "".join(c if c.isalnum() or c in "._-" else "-" for c in "_".join(parts))
     return f"{prefix}-{key}"
+
+
+def _pipeline_parts(config: ExperimentConfig) -> list[str]:
+    """``pp2``, then the schedule and micro-batches where they are not the defaults (``gpipe``, ``m4``); nothing
+    for one stage, so runs named before pipelines keep their names."""
+    if config.pp_size == 1:   # micro-batches without stages (accumulation) were never named: keep it so
+        return []
+    parts = [f"pp{config.pp_size}"]
+    if config.pp_schedule != ExperimentConfig().pp_schedule:
+        parts.append(config.pp_schedule)
+    if config.microbatches is not None:
+        parts.append(f"m{config.microbatches}")
+    return parts
 
 
 def expand(spec: SweepSpec, out: Union[str, Path]) -> list[Run]:
@@ -309,7 +323,7 @@ ERROR_FILE = "error.txt"   # where a dist run's ranks put the one line that refu
 
 def dist_command(config: ExperimentConfig, run_dir: Path, resume: bool = False) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={config.tp_size * config.dp_size}", "-m", "lossysim", "train",
+            f"--nproc_per_node={config.tp_size * config.pp_size * config.dp_size}", "-m", "lossysim", "train",
             "--config", str(run_dir / "config.yaml"), "--out", str(run_dir), "--backend", "dist",
             *(["--resume"] if resume else [])]
 

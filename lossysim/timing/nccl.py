@@ -1,4 +1,5 @@
-"""NCCL's cost model of a collective: how long a loss-free ring or tree all-reduce or all-gather takes.
+"""NCCL's cost model of a collective: how long a loss-free ring or tree all-reduce or all-gather takes,
+and a point-to-point send (``p2p_time``).
 
 NCCL pipelines a collective: the message is cut into slices that stream through the ranks over
 several channels, so a collective costs a latency (a base per algorithm and protocol plus a
@@ -20,6 +21,12 @@ rank's NVLink port inside a node; across nodes the slower of that and the node's
 (NCCL spreads its channels over them, one NIC per GPU on DGX-class nodes). NCCL's per-channel
 caps (which need its channel count) and the GPU-specific LL bandwidth ceilings are not modelled:
 docs/time_model.md shows the comparison with NCCL's own figures and published nccl-tests results.
+
+A send (ncclSend/ncclRecv) is not in the tuner: NCCL picks its protocol by size (LL up to
+``NCCL_P2P_LL_THRESHOLD`` bytes per channel, 16 KiB by default, else Simple; never LL128,
+``src/enqueue.cc``), and the message crosses one link. It is timed as one step of a ring on that
+link: the protocol's base latency and one hop's hardware latency, then its bytes over the link's
+bandwidth at the protocol's share.
 """
 from __future__ import annotations
 
@@ -51,6 +58,9 @@ TREE_CORRECTION = {
 }
 # A ring across nodes is slower than the model once messages are large (the "plateau effect").
 RING_PLATEAU = 1.4
+# NCCL_P2P_LL_THRESHOLD's default: a send of at most this many bytes per channel goes by LL. Over NVLink
+# and networks NCCL cuts a send into parts of at least 64 KiB per channel, so it is the whole message's.
+P2P_LL_THRESHOLD = 16384
 
 
 class Estimate(NamedTuple):
@@ -137,3 +147,25 @@ def collective_time(collective: str, algorithm: str, ranks: int, nodes: int, mes
     wire = bottleneck.wire_bytes(message_bytes, -(-message_bytes // packet_bytes))
     nbytes = wire * ranks if collective == "all_gather" else wire   # nccl-tests: all-gather's whole output
     return estimate(collective, algorithm, ranks, nodes, nbytes, busbw_Bps, intra.hw, inter.hw).seconds
+
+
+def p2p_estimate(message_bytes: int, wire_bytes: int, link: Link) -> Estimate:
+    """NCCL's p2p send of ``message_bytes`` (``wire_bytes`` on the wire) over one ``link``: LL up to
+    ``P2P_LL_THRESHOLD`` bytes, else Simple; a ring step's base and hop latency for the link's hardware
+    class, and the wire bytes at the protocol's share of the link's bandwidth."""
+    if message_bytes == 0:
+        return Estimate(0.0, 0.0, 0.0, "Simple")
+    protocol = "LL" if message_bytes <= P2P_LL_THRESHOLD else "Simple"
+    p = PROTOCOLS.index(protocol)
+    latency = (BASE_LATENCY_US["ring"][p] + HW_LATENCY_US[link.hw]["ring"][p]) * 1e-6
+    bandwidth = wire_bytes / (link.bandwidth_Bps * RING_EFFICIENCY[protocol])
+    return Estimate(latency + bandwidth, latency, bandwidth, protocol)
+
+
+def p2p_time(message_bytes: int, packet_bytes: int, link: Link) -> float:
+    """Seconds a loss-free send of ``message_bytes`` takes over one ``link`` (the class between its two
+    ranks), cut into packets of ``packet_bytes`` whose headers the link adds: ``p2p_estimate``."""
+    if message_bytes == 0:
+        return 0.0
+    wire = link.wire_bytes(message_bytes, -(-message_bytes // packet_bytes))
+    return p2p_estimate(message_bytes, wire, link).seconds

@@ -12,7 +12,7 @@ Per block: two lossy all-reduces in forward (``reduce`` sites), two in backward
 from __future__ import annotations
 
 import copy
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -51,10 +51,12 @@ class TensorParallelModel(nn.Module):
     its own loss; replicated parameters receive the mean of the ranks' gradients.
     """
 
-    def __init__(self, model: nn.Module, group: SimGroup, plan: ShardingPlan, kind: str):
+    def __init__(self, model: nn.Module, group: SimGroup, plan: ShardingPlan, kind: str,
+                 stage_groups: Sequence[SimGroup] = ()):
         super().__init__()
         self.model = model
         self.group = group
+        self.groups = [group, *stage_groups]  # a pipeline's stages' TP groups, the first stage's first
         self.plan, self.kind = plan, kind
         self.rank_logits: Optional[torch.Tensor] = None
         self.rank_hidden: Optional[torch.Tensor] = None
@@ -86,7 +88,8 @@ class TensorParallelModel(nn.Module):
                 if value is not None and value.shape[0] == batch:
                     inputs[name] = value.repeat(ranks, *([1] * (value.dim() - 1)))
         first = inputs.get("input_ids", inputs.get("inputs_embeds"))
-        self.group.rows = first.shape[0] if first is not None else 1
+        for group in self.groups:
+            group.rows = first.shape[0] if first is not None else 1
         out = self.model(**inputs)
         key = "last_hidden_state" if self.kind == "model" else "logits"
         output = getattr(out, key)
@@ -178,13 +181,16 @@ def head_counts(plan: ShardingPlan, config, tp: int) -> tuple[int, int, int]:
 
 def parallelize(model: nn.Module, tp_size: int = 2, network: Optional[LossyNetwork] = None,
                 backend: str = "sim", seed: int = 0, process_group=None,
-                sync_replicated: bool = True) -> TensorParallelModel:
+                sync_replicated: bool = True, stages: Sequence[tuple[int, LossyNetwork]] = ()) -> TensorParallelModel:
     """Shard an HF model in place by its plan (GPT-2, Llama, Qwen2, Mistral: see ``lossysim.tp.plans``).
 
     ``network`` defaults to a loss-free one; ``seed`` seeds the replicated
     dropout stream. In ``dist``, rank 0's weights are broadcast first, so every
     rank starts from the same model. Pass ``copy.deepcopy(model)`` to keep the
-    original.
+    original. ``stages``: pipeline stages (``lossysim.pp``) after the first, each
+    (its first block, its TP network): their blocks run on a TP group of their own,
+    whose replicated dropout draws from a stream of its own (Megatron seeds each
+    stage apart); everything else is the first stage's.
     """
     plan, kind = plan_for(model)
     config = model.config
@@ -197,6 +203,8 @@ def parallelize(model: nn.Module, tp_size: int = 2, network: Optional[LossyNetwo
         raise ValueError(f"network has tp_size={network.ranks}, asked for tp_size={tp_size}")
     if backend == "sim":
         group = SimGroup(network, seed)
+    elif stages:
+        raise ValueError(f"pipeline stages run on backend sim only, not {backend!r}")
     elif backend == "dist":
         group = DistGroup(network, seed, process_group, sync_replicated)
         first = torch.distributed.get_global_rank(process_group, 0) if process_group is not None else 0
@@ -209,27 +217,32 @@ def parallelize(model: nn.Module, tp_size: int = 2, network: Optional[LossyNetwo
         _replace(base, name, ReplicatedDropout(getattr(config, attribute), group))
     local_heads = heads // tp_size
     local_kv = max(kv_heads // tp_size, 1)
+    stage_groups = [SimGroup(net, stream_seed(seed, f"pp.stage{s + 1}", "replicated-dropout"))
+                    for s, (_, net) in enumerate(stages)]
+    groups, starts = [group, *stage_groups], [first for first, _ in stages]
     for i, block in enumerate(base.get_submodule(plan.blocks)):
         prefix = f"{plan.blocks}.{i}"
+        stage = sum(i >= first for first in starts)
+        own = groups[stage]
         for path, spec in plan.layers.items():
             layer = block.get_submodule(path)
             if isinstance(spec, Column):
                 parts = kv_parts if spec.heads == "kv" else tp_size
-                new = ColumnParallel(layer, group, f"{prefix}.{path}", chunks=spec.packed, parts=parts)
+                new = ColumnParallel(layer, own, f"{prefix}.{path}", chunks=spec.packed, parts=parts)
             else:
-                new = RowParallel(layer, group, f"{prefix}.{path}", f"{prefix}.{spec.site}")
+                new = RowParallel(layer, own, f"{prefix}.{path}", f"{prefix}.{spec.site}")
             _replace(block, path, new)
         for path, attribute in plan.dropouts.items():
-            _replace(block, path, ReplicatedDropout(getattr(config, attribute), group))
+            _replace(block, path, ReplicatedDropout(getattr(config, attribute), own))
         for path, site in plan.inputs.items():
-            block.get_submodule(path).register_forward_pre_hook(_enter_tp(group, f"{prefix}.{site}"),
+            block.get_submodule(path).register_forward_pre_hook(_enter_tp(own, f"{prefix}.{site}"),
                                                                 with_kwargs=True)
         attention = block.get_submodule(plan.attention)
         values = {"heads": local_heads, "kv_heads": local_kv, "groups": local_heads // local_kv,
                   "width": local_heads * (config.hidden_size // heads)}
         for attribute, quantity in plan.local.items():
             setattr(attention, attribute, values[quantity])
-    tp_model = TensorParallelModel(model, group, plan, kind)
+    tp_model = TensorParallelModel(model, group, plan, kind, stage_groups)
     replicated = {id(p) for p in tp_model.replicated_parameters()}
     for module in model.modules():  # a RowParallel adds its replicated bias rank by rank itself
         if not isinstance(module, RowParallel) and any(id(p) in replicated for p in module.parameters(recurse=False)):
@@ -266,12 +279,15 @@ def gather_full_model(tp_model: TensorParallelModel) -> nn.Module:
 
 
 def apply_tp(model: nn.Module, config, mesh, network: LossyNetwork, rank: int,
-             process_group=None) -> TensorParallelModel:
+             process_group=None, pipeline=None) -> TensorParallelModel:
     """A run's tensor parallelism (torchtitan's ``apply_tp``): ``parallelize`` the model over its
-    replica's TP group (``mesh``, ``network``; ``process_group`` on dist), then seed this rank's own
-    dropout stream and checkpoint activations as ``config`` says."""
+    replica's TP group (``mesh``, ``network``; ``process_group`` on dist), each stage of a ``pipeline``
+    (``lossysim.pp.Pipeline``) over its own, then seed this rank's own dropout stream and checkpoint
+    activations as ``config`` says."""
+    stages = [] if pipeline is None else \
+        [(sum(pipeline.layout[:s]), pipeline.networks[s]) for s in range(1, pipeline.stages)]
     tp_model = parallelize(model, mesh.tp, network, backend=config.backend, seed=config.seed,
-                           process_group=process_group, sync_replicated=config.sync_replicated)
+                           process_group=process_group, sync_replicated=config.sync_replicated, stages=stages)
     # Dropout outside the replicated regions draws from the global generator: one stream per rank,
     # as Megatron seeds its model-parallel stream with the TP rank.
     torch.manual_seed(stream_seed(config.seed, "sharded-dropout", str(rank)))

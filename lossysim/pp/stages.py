@@ -1,0 +1,237 @@
+"""Pipeline stages: a model's blocks cut into consecutive stages, and the sends between them.
+
+``apply_pp`` cuts the blocks (``stage_layout``): the embeddings sit on the first stage, the final
+norm and the head on the last. Each stage is tensor-parallel over a TP group of its own, with its own
+``LossyNetwork`` (``Mesh.tp_network_spec(settings, replica, stage)``; stage 0's is the run's
+``train_net``, so a run with one stage keeps its streams). At boundary b, the input of stage b+1's
+first block, ``send_to_next_stage`` moves the hidden states over boundary b's network
+(``Mesh.pp_network_spec``: stage b's tp ranks, then stage b+1's): in ``sim`` they are
+``[tp * rows, ...]``, every TP rank's copy, and TP rank t of stage b sends its full copy to TP rank t
+of stage b+1 (network ranks t -> tp + t), the gradients coming back tp + t -> t. That is Megatron
+without its scatter/gather optimisation (each rank sending 1/tp, re-gathered over the receiving
+stage's TP links), which is not modelled.
+
+Micro-batches run one after another through the whole model in one process, each one's forward and
+then its backward: so boundary b's sends are issued in the order micro-batch 0's activation, micro-batch
+0's gradient, micro-batch 1's activation, ... at every boundary, and each boundary network draws its
+packets in that order (a one-process-per-stage backend must issue them in the same order to draw the
+same bits, whatever order its schedule runs them in). The schedule (``pipeline_time``) times them.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..config import ExperimentConfig, parse_layout
+from ..mesh import Mesh
+from ..net import LossyNetwork
+from ..tp import gather_full_model
+from ..tp.plans import plan_for
+from ..util import swapped
+
+
+def stage_layout(pp_layout: Optional[str], stages: int, layers: int) -> tuple[int, ...]:
+    """Blocks per stage: ``pp_layout``'s counts, which must sum to ``layers``; None: an even split,
+    refused when ``stages`` does not divide ``layers``."""
+    if pp_layout is None:
+        if layers % stages:
+            raise ValueError(f"pp_size={stages} does not divide the model's {layers} layers: set pp_layout "
+                             "(blocks per stage, e.g. 1,3) for an uneven split")
+        return (layers // stages,) * stages
+    counts = parse_layout(pp_layout, stages)
+    if sum(counts) != layers:
+        raise ValueError(f"pp_layout={pp_layout!r} holds {sum(counts)} blocks, the model has {layers} layers")
+    return counts
+
+
+def parameter_stages(model: nn.Module, layout: tuple[int, ...]) -> dict[int, int]:
+    """The stage holding each parameter (by ``id``): its block's, the embeddings on the first, the
+    final norm and the head on the last (a head tied to the embeddings sits with them)."""
+    plan, _ = plan_for(model)
+    base = model.base_model
+    stage_of = [s for s, count in enumerate(layout) for _ in range(count)]
+    owner = {}
+    for name, param in base.named_parameters():
+        if name.startswith(f"{plan.blocks}."):
+            owner[id(param)] = stage_of[int(name.split(".")[1])]
+        else:
+            owner[id(param)] = len(layout) - 1 if name.startswith(f"{plan.final_norm}.") else 0
+    for param in model.parameters():   # the head (outside the base model) on the last stage
+        owner.setdefault(id(param), len(layout) - 1)
+    return owner
+
+
+def stage_parameters(model: nn.Module, layout: tuple[int, ...]) -> list[int]:
+    """Parameters (of the whole, unsharded model) each stage holds (``parameter_stages``), a head tied
+    to the embeddings counted once, with them, as 6 N T counts it (``lossysim.models.cost``)."""
+    owner = parameter_stages(model, layout)
+    counts = [0] * len(layout)
+    for param in model.parameters():
+        counts[owner[id(param)]] += param.numel()
+    return counts
+
+
+class _SendToNextStage(torch.autograd.Function):
+    """forward: send the activations to the next stage, backward: send their gradients back."""
+
+    @staticmethod
+    def forward(ctx, x, boundary):
+        ctx.boundary = boundary
+        return boundary.send(x, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.boundary.send(grad, "bwd"), None
+
+
+@dataclass
+class Boundary:
+    """Boundary ``index`` between stage ``index`` and the next: its network and, per direction, the
+    seconds of every send since ``take_seconds`` (a send's time is its slowest TP rank's: the ranks
+    send side by side over links of their own)."""
+    index: int
+    tp: int
+    network: LossyNetwork
+    seconds: dict = field(default_factory=lambda: {"fwd": [], "bwd": []})
+
+    @property
+    def site(self) -> str:
+        return f"pp.boundary{self.index}"
+
+    def send(self, x: torch.Tensor, direction: str) -> torch.Tensor:
+        """Every TP rank's copy in ``x`` ([tp * rows, ...]) over its own link; what the receivers hold."""
+        copies = x.reshape(self.tp, -1, *x.shape[1:])
+        out = self.timed(direction, lambda t, src, dst: self.network.send(self.site, direction, copies[t], src, dst))
+        return torch.stack(out).reshape(x.shape)
+
+    def timed(self, direction: str, send) -> list:
+        """``send(t, src, dst)`` for TP rank t = 0.. of the sending stage over its link (network ranks),
+        in that order, the order every process draws them in; what they return. The slowest one's
+        seconds are this message's."""
+        slowest, out = [0.0, 0.0], []
+        for t in range(self.tp):
+            src, dst = (t, self.tp + t) if direction == "fwd" else (self.tp + t, t)
+            before = self.network.clock()
+            out.append(send(t, src, dst))
+            after = self.network.clock()
+            slowest = [max(slowest[0], after["comm_s"] - before["comm_s"]),
+                       max(slowest[1], after["comm_s_ideal_nic"] - before["comm_s_ideal_nic"])]
+        self.seconds[direction].append(slowest)
+        return out
+
+    def take_seconds(self, direction: str) -> list[list[float]]:
+        """[comm_s, comm_s_ideal_nic] of each send in ``direction`` since the last take, in order."""
+        taken, self.seconds[direction] = self.seconds[direction], []
+        return taken
+
+
+def on_hidden_states(apply):
+    """A forward pre-hook on a block: its input hidden states replaced by ``apply(hidden_states)``."""
+    def hook(module, args, kwargs):
+        if args:
+            return (apply(args[0]), *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": apply(kwargs["hidden_states"])}
+        raise TypeError(f"{type(module).__name__} got no hidden states to receive from the previous stage")
+    return hook
+
+
+@dataclass
+class Pipeline:
+    """A run's stages: blocks per stage, each stage's parameters (unsharded), its TP network (stage 0's
+    is the run's ``train_net``) and evaluation network, and the boundaries between them."""
+    layout: tuple[int, ...]
+    parameters: list[int]
+    networks: list[LossyNetwork]
+    eval_networks: list[LossyNetwork]
+    boundaries: list[Boundary]
+    eval_boundaries: list[Boundary]
+
+    @property
+    def stages(self) -> int:
+        return len(self.layout)
+
+    def boundary_networks(self) -> list[LossyNetwork]:
+        return [b.network for b in self.boundaries]
+
+    @contextlib.contextmanager
+    def evaluating(self, groups):
+        """Every stage group (``TensorParallelModel.groups``) and boundary on its evaluation network."""
+        with contextlib.ExitStack() as stack:
+            for group, network in zip(groups, self.eval_networks):
+                stack.enter_context(swapped(group, "network", network))
+            for boundary, evaluation in zip(self.boundaries, self.eval_boundaries):
+                stack.enter_context(swapped(boundary, "network", evaluation.network))
+                stack.enter_context(swapped(boundary, "seconds", evaluation.seconds))  # no step times them
+            yield
+
+    def gathered(self, stages: dict) -> dict:
+        """A step's per-stage and per-boundary seconds (``run.step``), every stage's: here all of them
+        ran in this process (``dist``: each process brings its own)."""
+        return stages
+
+    def across_stages(self, values: list, device) -> list:
+        """Every stage's ``values`` (per-parameter sums of squares, a stage's in its parameter order),
+        stage after stage, on ``device``: here this process's are all of them."""
+        return values
+
+    def full_model(self, tp_model) -> nn.Module:
+        """The whole trained HF model (``gather_full_model``)."""
+        return gather_full_model(tp_model)
+
+    def state_dict(self) -> dict:
+        """Stage 1.. and every boundary's networks (stage 0's are saved as the run's own)."""
+        return {"stages": [n.state_dict() for n in self.networks[1:]],
+                "eval_stages": [n.state_dict() for n in self.eval_networks[1:]],
+                "boundaries": [b.network.state_dict() for b in self.boundaries],
+                "eval_boundaries": [b.network.state_dict() for b in self.eval_boundaries]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, networks in (("stages", self.networks[1:]), ("eval_stages", self.eval_networks[1:]),
+                              ("boundaries", self.boundary_networks()),
+                              ("eval_boundaries", [b.network for b in self.eval_boundaries])):
+            for network, saved in zip(networks, state[key], strict=True):
+                network.load_state_dict(saved)
+
+
+def cut_stages(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_net: LossyNetwork,
+               eval_net: LossyNetwork, replica: int = 0) -> Optional[Pipeline]:
+    """``model``'s blocks cut into ``config.pp_size`` stages (None for one stage): the layout, every
+    stage's networks (the first stage's are ``train_net`` and ``eval_net``) and every boundary's."""
+    if config.pp_size == 1:
+        return None
+    plan, _ = plan_for(model)
+    blocks = model.base_model.get_submodule(plan.blocks)
+    layout = stage_layout(config.pp_layout, config.pp_size, len(blocks))
+    settings, evaluation = config.network_settings(), config.network_settings(evaluation=True)
+    networks = [train_net] + [LossyNetwork(mesh.tp_network_spec(settings, replica, s))
+                              for s in range(1, config.pp_size)]
+    eval_networks = [eval_net] + [LossyNetwork(mesh.tp_network_spec(evaluation, replica, s))
+                                  for s in range(1, config.pp_size)]
+    lossy = config.pp_lossy()
+    boundaries = [Boundary(b, mesh.tp, LossyNetwork(mesh.pp_network_spec(settings, replica, b, lossy)))
+                  for b in range(config.pp_size - 1)]
+    eval_boundaries = [Boundary(b, mesh.tp, LossyNetwork(mesh.pp_network_spec(evaluation, replica, b, lossy)))
+                       for b in range(config.pp_size - 1)]
+    return Pipeline(layout, stage_parameters(model, layout), networks, eval_networks, boundaries, eval_boundaries)
+
+
+def apply_pp(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_net: LossyNetwork,
+             eval_net: LossyNetwork, replica: int = 0) -> Optional[Pipeline]:
+    """Cut ``model``'s blocks into ``config.pp_size`` stages (``cut_stages``; None for one stage), every
+    stage in this process (``sim``): a boundary send on the input of every stage's first block but the
+    first's. Called before ``apply_tp``, which puts each stage's blocks on its own TP group."""
+    pipeline = cut_stages(model, config, mesh, train_net, eval_net, replica)
+    if pipeline is None:
+        return None
+    plan, _ = plan_for(model)
+    blocks = model.base_model.get_submodule(plan.blocks)
+    for boundary in pipeline.boundaries:
+        first = sum(pipeline.layout[:boundary.index + 1])
+        blocks[first].register_forward_pre_hook(
+            on_hidden_states(lambda x, boundary=boundary: _SendToNextStage.apply(x, boundary)), with_kwargs=True)
+    return pipeline
