@@ -599,3 +599,13 @@ def test_report_names_the_algorithm_each_collective_ran(quick_like):
     assert section.startswith("## Collectives: which algorithm each ran") and "| ring/LL" in section
     report.write_report(out)
     assert "## Collectives: which algorithm each ran" in (out / "report.md").read_text()
+
+def test_a_retransmitted_run_names_no_recovery_policy():
+    """Under retransmission every packet arrives and no policy acts: its label says "–", not the
+    policy its config happens to carry."""
+    from lossysim.results.labels import KNOWN, NOT_APPLICABLE
+    recovery = next(d for d in KNOWN if d.name == "recovery")
+    row = {"loss_model": "bernoulli", "transport": "retransmit", "recovery": "zero"}
+    assert recovery.value(row) == NOT_APPLICABLE
+    assert recovery.value({**row, "transport": "drop"}) == "zero-fill"
+    assert recovery.value({**row, "transport": "deadline", "recovery": "hadamard"}) == "hadamard"

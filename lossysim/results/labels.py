@@ -129,6 +129,13 @@ DIRECTIONS = {"fwd": "fwd only", "bwd": "bwd only", "both": "fwd and bwd"}
 _RECOVERIES = {"zero": "zero-fill", "rescale": "rescale"}
 
 
+def _recovery(row: Mapping) -> str:
+    """The policy's name; "–" under retransmission, where every packet arrives and no policy acts."""
+    if str(_get(row, "transport")) == "retransmit":
+        return NOT_APPLICABLE
+    return _named("recovery", _RECOVERIES)(row)
+
+
 def _eval_lossy(row: Mapping) -> str:
     lossy = str(_get(row, "eval_lossy")).lower() in ("true", "1", "1.0")
     return "lossy eval" if lossy else "reliable eval"
@@ -177,7 +184,7 @@ KNOWN = (
     Dimension("lossy traffic", ("lossy_traffic",), _traffic, "Which traffic loses packets", without_loss=False),
     Dimension("lossy direction", ("lossy",), _named("lossy", DIRECTIONS),
               "Lossy direction: activations (fwd), gradients (bwd)", without_loss=False),
-    Dimension("recovery", ("recovery",), _named("recovery", _RECOVERIES), "Recovery of lost packets",
+    Dimension("recovery", ("recovery",), _recovery, "Recovery of lost packets",
               without_loss=False),
     Dimension("evaluation", ("eval_lossy",), _eval_lossy, "Lossy or reliable evaluation", without_loss=False),
     Dimension("inter-node link", ("link_inter",), _plain("link_inter", "{} between nodes"), "Inter-node link"),
