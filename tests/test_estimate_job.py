@@ -9,6 +9,7 @@ from lossysim.data import train_batches
 from lossysim.estimate import Shape, Workload, estimate
 from lossysim.models import cost
 from lossysim.net import LossyNetwork, NetworkSpec
+from lossysim.net.transfer import packets
 from lossysim.pp import pipeline_time
 from lossysim.run.build import build
 from lossysim.run.state import TrainState, Window
@@ -80,3 +81,103 @@ def test_a_tp_dp_estimate_counts_and_times_what_training_does(tmp_path, changes)
     total = state.compute_s + parts.train_net.clock()["comm_s"] + state.dp_s
     assert row["step_mean_s"] == pytest.approx(total / STEPS, rel=1e-12)
     assert row["gpus"] == 4 and row["layout"] == "tp2 x pp1 x dp2 = 4 GPUs on 2 nodes"
+
+
+def _micro_seconds(shape, tokens: int, tp: int, seq: int) -> float:
+    """One micro-batch's modelled compute, as training charges it."""
+    from lossysim import timing
+    return timing.parse_compute("h100").step_time(
+        shape.parameters, tokens, tp, kernels=shape.kernels + cost.collective_kernels(shape.layers, tp),
+        attention_flops=cost.step_flops(0, tokens, shape.layers, shape.hidden, seq))
+
+
+def _all_reduce_s(spec: NetworkSpec, nodes: int, numel: int, dtype: torch.dtype) -> float:
+    from lossysim.timing import nccl
+    per_packet, _ = packets(spec.payload_bytes, numel, dtype)
+    return nccl.collective_time("all_reduce", "ring", spec.ranks, nodes, numel * dtype.itemsize,
+                                per_packet * dtype.itemsize, spec.link_intra, spec.link_inter, spec.bus_bandwidth())
+
+
+def test_zero_loss_pipeline_is_its_schedule_over_closed_forms_and_its_packets_are_sends_times_packets():
+    from lossysim.estimate import load
+    from lossysim.pp.stages import stage_parameters
+    from lossysim.timing import nccl
+    from transformers import AutoModelForCausalLM
+    shape, tp, m, seq, rows = load("tiny-llama"), 2, 3, 8, 2
+    spec = NetworkSpec(tp, "none", ranks_per_node=tp, link_inter="roce-400g")
+    workload = Workload(seq=seq, micro_batch=rows, pp_size=2, microbatches=m, gpus_per_node=tp)
+    row = estimate(shape, spec, workload, steps=2)
+    numel, dtype = seq * rows * shape.hidden, torch.bfloat16
+    per_packet, n = packets(spec.payload_bytes, numel, dtype)
+    # every TP rank's copy, both ways, every micro-batch, one boundary
+    assert row["pp_packets_sent"] == n * tp * 2 * m and row["packets_lost"] == 0
+    # a ring all-reduce sends each packet 2 (R - 1) times; 2 stages x 4 all-reduces per micro-batch
+    assert row["tp_packets_sent"] == m * 2 * 4 * 2 * (tp - 1) * n
+    send = nccl.p2p_time(numel * 2, per_packet * 2, spec.link_inter)
+    one = _all_reduce_s(spec, 1, numel, dtype)
+    c = _micro_seconds(shape, seq * rows, tp, seq)
+    with torch.device("meta"):
+        counts = stage_parameters(AutoModelForCausalLM.from_config(shape.config), (1, 1))
+    flops = [cost.step_flops(k, seq * rows, 1, shape.hidden, seq) for k in counts]
+    shares = [f / sum(flops) for f in flops]
+    forward = [[c * (1 / 3) * s + 2 * one] * m for s in shares]
+    backward = [[c * (2 / 3) * s + 2 * one] * m for s in shares]
+    expected = pipeline_time("1f1b", 2, m, forward, backward, send, send).step_s
+    assert row["step_mean_s"] == pytest.approx(expected, rel=1e-12)
+    assert row["loss_free_step_s"] == row["step_mean_s"] and row["slowdown"] == 1.0
+    # what the sends add: the step less the same schedule with free sends (0 when slack hides them)
+    free = pipeline_time("1f1b", 2, m, forward, backward).step_s
+    assert row["pp_loss_free_s"] == pytest.approx(expected - free, abs=1e-15) and row["pp_repair_s"] == 0
+    assert sum(row[f"stack_{k}_s"] for k in ("compute", "tp", "pp", "repair")) == pytest.approx(row["step_mean_s"])
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_zero_loss_ddp_is_compute_tp_and_its_bucket_in_closed_form(overlap):
+    from lossysim.estimate import load
+    from lossysim.tp.parallelize import parallelize
+    from transformers import AutoModelForCausalLM
+    shape, tp, dp, seq, rows = load("tiny-llama"), 2, 2, 8, 2
+    spec = NetworkSpec(tp, "none", ranks_per_node=tp, link_inter="roce-400g")
+    workload = Workload(seq=seq, micro_batch=rows, dp_size=dp, gpus_per_node=tp, dp_bucket_mb=1000,
+                        dp_overlap=overlap)
+    row = estimate(shape, spec, workload, steps=1)
+    with torch.device("meta"):
+        model = parallelize(AutoModelForCausalLM.from_config(shape.config), tp, LossyNetwork(tp))
+    sharded = {id(p) for p in model.sharded_parameters()}
+    local = sum((p[0] if id(p) in sharded else p).numel() for p in model.parameters())   # one bucket: all of it
+    dp_spec = NetworkSpec(dp, "none", ranks_per_node=1, link_inter="roce-400g")
+    bucket = _all_reduce_s(dp_spec, dp, local, torch.float32)
+    numel = seq * rows * shape.hidden
+    tp_s = 4 * 2 * _all_reduce_s(spec, 1, numel, torch.bfloat16)     # 2 blocks x (2 forward + 2 backward)
+    c = _micro_seconds(shape, seq * rows, tp, seq)
+    # one bucket, ready when the backward ends: it follows the backward with overlap or without
+    assert row["step_mean_s"] == pytest.approx(c + tp_s + bucket, rel=1e-12)
+    assert row["dp_loss_free_s"] == pytest.approx(bucket, rel=1e-9)
+    _, n = packets(dp_spec.payload_bytes, local, torch.float32)
+    assert row["dp_packets_sent"] == tp * 2 * (dp - 1) * n   # a group per TP position, a ring of dp
+
+
+def _error(capsys, *argv) -> str:
+    assert main(["estimate", "tiny-llama", "--tp-size", "2", "--seq", "8", *argv, "--steps", "1",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err, err
+    return err
+
+
+def test_bad_layouts_are_one_line_errors(capsys):
+    assert "pp_size=3 does not divide the model's 2 layers" in _error(capsys, "--pp-size", "3")
+    assert "ranks_per_node=4 must divide" in _error(capsys, "--dp-size", "3", "--gpus-per-node", "4")
+    assert "global_batch=7 does not split" in _error(capsys, "--dp-size", "2", "--global-batch", "7")
+    assert "global_batch=8 is not micro_batch=1 x microbatches=3" in _error(
+        capsys, "--dp-size", "2", "--global-batch", "8", "--microbatches", "3")
+    assert "ranks_per_node=16 is more GPUs than" in _error(capsys, "--dp-size", "2", "--gpus-per-node", "16")
+    assert "dp_size=0 must be" in _error(capsys, "--dp-size", "0")
+    assert "dp_mode=fsdp with pp_size=2" in _error(capsys, "--dp-size", "2", "--dp-mode", "fsdp", "--pp-size", "2")
+
+
+def test_a_global_batch_sets_the_microbatches_and_the_summary_names_the_layout(capsys):
+    row = estimate("tiny-llama", NetworkSpec(2, "none", ranks_per_node=2),
+                   Workload(seq=8, micro_batch=2, pp_size=2, dp_size=2, global_batch=12, gpus_per_node=4), steps=1)
+    assert row["microbatches"] == 3 and row["global_batch"] == 12
+    assert row["layout"] == "tp2 x pp2 x dp2 = 8 GPUs on 2 nodes"

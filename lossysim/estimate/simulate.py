@@ -73,7 +73,8 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
     shape.check_tp(tp)
     shape.check_seq(w.seq)
     layout = stage_layout(w.pp_layout, pp, shape.layers)
-    mesh = _mesh(spec, pp, dp)
+    per_node = spec.ranks_per_node if w.gpus_per_node is None else int(w.gpus_per_node)
+    mesh = _mesh(tp, pp, dp, per_node)
     gpu = timing.parse_compute(compute)
     if isinstance(gpu, timing.Measured):
         raise ValueError("compute=measured needs a real training run; name a GPU model (e.g. h100)")
@@ -106,7 +107,7 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
     counts = job.counts(steps)
     row = {
         "model": shape.name, "parameters": shape.parameters, "tp_size": tp, "pp_size": pp, "dp_size": dp,
-        "layout": layout_name(tp, pp, dp, spec.ranks_per_node), "gpus": mesh.world,
+        "layout": layout_name(tp, pp, dp, per_node), "gpus": mesh.world,
         "dp_mode": w.dp_mode if dp > 1 else "", "seq": w.seq, "micro_batch": w.micro_batch, "microbatches": m,
         "global_batch": w.micro_batch * m * dp, "pp_schedule": w.pp_schedule if pp > 1 else "",
         "stage_layers": ",".join(map(str, layout)), "dtype": w.dtype, "grad_dtype": w.grad_dtype,
@@ -114,7 +115,7 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
         "activation_checkpointing": w.activation_checkpointing,
         "loss": spec.loss.spec, "loss_rate": spec.loss.loss_rate, "transport": spec.transport, "nic": spec.nic,
         "algorithm": spec.algorithm, "link_intra": spec.link_intra.spec, "link_inter": spec.link_inter.spec,
-        "ranks_per_node": spec.ranks_per_node, "nics_per_node": spec.nics_per_node,
+        "ranks_per_node": per_node, "nics_per_node": spec.nics_per_node,
         "lossy_links": spec.lossy_links, "lossy": ",".join(spec.lossy), "recovery": spec.recovery,
         "seed": spec.seed, "compute": gpu.spec, "steps": steps,
         "collectives_per_step": m * sum(not call.replay for calls in job.calls for call in calls),
@@ -137,9 +138,11 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
     return row
 
 
-def _mesh(spec: NetworkSpec, pp: int, dp: int) -> Mesh:
+def _mesh(tp: int, pp: int, dp: int, per: Optional[int]) -> Mesh:
     """The job's mesh; a one-line ValueError naming ranks_per_node when a node's GPUs do not fit it."""
-    per, world, tp = spec.ranks_per_node, spec.ranks * pp * dp, spec.ranks
+    world = tp * pp * dp
+    if per is not None and per > world:
+        raise ValueError(f"ranks_per_node={per} is more GPUs than the layout's tp{tp} x pp{pp} x dp{dp} = {world}")
     if per is not None and pp * dp > 1 and ((per % tp and tp % per) or world % per):
         raise ValueError(f"ranks_per_node={per} must divide tp_size={tp} or be a multiple of it, and divide "
                          f"the world tp_size x pp_size x dp_size = {world}")

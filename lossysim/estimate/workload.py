@@ -35,7 +35,7 @@ class Workload:
     of them per step (None: ``pp_size``, as training; or derived from ``global_batch`` = micro_batch x
     microbatches x dp_size, as Megatron derives it). ``grad_dtype`` is the dtype gradients are reduced
     in (DDP's buckets, FSDP's reduce-scatters; fp32 as training's and AMP's); FSDP gathers weights in
-    ``dtype``."""
+    ``dtype``. ``gpus_per_node``: consecutive ranks to a node (None: the network's ``ranks_per_node``)."""
     seq: int = 4096
     micro_batch: int = 1
     dtype: str = "bf16"
@@ -50,6 +50,7 @@ class Workload:
     dp_bucket_mb: float = 25.0
     dp_overlap: bool = True
     grad_dtype: str = "fp32"
+    gpus_per_node: Optional[int] = None   # None: the network's ranks_per_node
 
     def __post_init__(self):
         if int(self.seq) < 1 or int(self.micro_batch) < 1:
@@ -57,7 +58,7 @@ class Workload:
         for key in ("dtype", "grad_dtype"):
             if getattr(self, key) not in DTYPES:
                 raise ValueError(f"{key}={getattr(self, key)!r} must be {one_of(DTYPES)}")
-        for key in ("pp_size", "dp_size", "microbatches", "global_batch"):
+        for key in ("pp_size", "dp_size", "microbatches", "global_batch", "gpus_per_node"):
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or int(value) != value or value < 1):
                 raise ValueError(f"{key}={value!r} must be an integer >= 1")
