@@ -116,7 +116,7 @@ def test_the_grid_runs_every_setting_and_writes_its_files(tmp_path, capsys):
     assert "skipped" in capsys.readouterr().err
     rows = run_grid("tiny", specs, Workload(seq=8, micro_batch=2), steps=2, progress=False)
     paths = write(rows, tmp_path)
-    assert [p.name for p in paths] == ["estimate.csv", "estimate.json", "slowdown.png"]
+    assert [p.name for p in paths] == ["estimate.csv", "estimate.json", "slowdown.png", "time_by_class.png"]
     assert json.loads((tmp_path / "estimate.json").read_text()) == rows
     for row in rows:
         assert row["step_p50_s"] <= row["step_p99_s"] and 0 < row["comm_share"] < 1

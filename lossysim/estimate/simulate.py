@@ -53,7 +53,7 @@ _THIRD = 1 / 3     # forward's share of a micro-batch's compute (2N FLOPs of 6N)
 
 
 class _Group(NamedTuple):
-    network: LossyNetwork
+    spec: NetworkSpec
     copies: int        # the identical loss-free groups it stands for (1: itself)
 
 
@@ -86,8 +86,7 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
     shares = job.shares(tokens)
 
     per_step, ideal_steps, stacks, added = [], [], [], defaultdict(lambda: np.zeros(2))
-    for _ in range(steps):
-        times = job.step()
+    for times in job.run(steps, tick):
         clock = _Clock(times, micro_s, shares, w, pp, dp, m, job.ready)
         per_step.append(clock.step(0))
         ideal_steps.append(clock.step(1))
@@ -98,8 +97,6 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
         stacks.append(stack + [per_step[-1] - ideal_steps[-1]])
         for cls in present:
             added[cls] += [per_step[-1] - clock.step(0, zero=(cls,)), ideal_steps[-1] - clock.step(1, zero=(cls,))]
-        if tick is not None:
-            tick()
 
     step_s, loss_free = np.asarray(per_step), float(np.mean(ideal_steps))
     stack = np.mean(stacks, axis=0)
@@ -160,7 +157,7 @@ class _Job:
         self.tp = [_groups([mesh.tp_network_spec(settings, r, s) for r in range(dp)]) for s in range(pp)]
         self.pp = [_groups([mesh.pp_network_spec(settings, r, b, ("fwd", "bwd")) for r in range(dp)])
                    for b in range(pp - 1)]
-        if pp > 1 and not self.tp[0][0].network.recovery.acts_on_sends:
+        if pp > 1 and not LossyNetwork(self.tp[0][0].spec).recovery.acts_on_sends:
             raise ValueError(f"pp_size={pp} needs a recovery policy that acts on point-to-point sends, "
                              f"not recovery={spec.recovery}")
         mode = w.dp_mode if dp > 1 else None
@@ -176,6 +173,8 @@ class _Job:
         self.numel = w.tokens * shape.hidden
         self.inexact = defaultdict(int)
         self.received = defaultdict(int)
+        self.sums = {}
+        self.networks: list[LossyNetwork] = []
 
     def blocks(self, stage: int) -> range:
         first = sum(self.layout[:stage])
@@ -221,30 +220,58 @@ class _Job:
                 owner[id(param)] = last if name.startswith(f"{plan.final_norm}.") else 0
         return owner
 
-    # -- one step ---------------------------------------------------------------------------------
-    def step(self) -> dict:
-        """Every class's messages of one step; their seconds, each as [with loss, loss-free]."""
-        m, dtype = self.w.n_microbatches, self.w.torch_dtype
-        tp = [[self._tp_group(g, s, m) for g in groups] for s, groups in enumerate(self.tp)]
-        pp = [[self._sends(g, b, m) for g in groups] for b, groups in enumerate(self.pp)]
-        out = {"tp": tp, "pp": pp, "bucket": [], "gather": []}
+    # -- the steps ------------------------------------------------------------------------------
+    def run(self, steps: int, tick: Optional[Callable[[], None]] = None) -> list[dict]:
+        """Every class's messages of ``steps`` steps; per step their seconds, each [with loss, loss-free].
+
+        A network's calls depend only on its own streams, so each group runs all its steps in turn.
+        Every network is kept until the estimate ends, as a training run keeps them: networks let go
+        mid-way made two equal estimates in one process draw differently (their memory reused)."""
+        m, dtype, grad = self.w.n_microbatches, self.w.torch_dtype, self.w.grad_torch_dtype
+        out = [{"tp": [[None] * len(g) for g in self.tp], "pp": [[None] * len(g) for g in self.pp],
+                "bucket": [], "gather": []} for _ in range(steps)]
+        for s, groups in enumerate(self.tp):
+            for j, group in enumerate(groups):
+                net = LossyNetwork(group.spec)
+                for step in out:
+                    step["tp"][s][j] = self._tp_group(net, group.copies, s, m)
+                self._count("tp", net, group.copies)
+        for b, groups in enumerate(self.pp):
+            for j, group in enumerate(groups):
+                net = LossyNetwork(group.spec)
+                for step in out:
+                    step["pp"][b][j] = self._sends(net, group.copies, b, m)
+                self._count("pp", net, group.copies)
         if self.mode == "ddp":
-            out["bucket"] = [self._slowest(groups, [(f"dp.bucket{b}", "bwd", bucket.numel, self.w.grad_torch_dtype,
-                                                     "all_reduce") for b, bucket in enumerate(buckets)], "dp")
-                             for groups, buckets in zip(self.dp, self.buckets)]
+            for step in out:
+                step["bucket"] = [None] * len(self.dp)
+            for s, (groups, buckets) in enumerate(zip(self.dp, self.buckets)):
+                messages = [(f"dp.bucket{b}", "bwd", bucket.numel, grad, "all_reduce") for b, bucket in enumerate(buckets)]
+                for step, seconds in zip(out, self._slowest(groups, messages, "dp", steps)):
+                    step["bucket"][s] = seconds
         elif self.mode == "fsdp":
-            grad = self.w.grad_torch_dtype
-            shard = [lambda net, n=b.numel: shard_numel(net, n, dtype) for b in self.buckets[0]]
-            out["gather"] = self._slowest(self.dp[0], [(f"fsdp.gather{b}", "fwd", shard[b], dtype, "all_gather")
-                                                       for b in range(len(self.buckets[0]))], "fsdp")
-            out["bucket"] = [self._slowest(self.dp[0], [
-                (f"fsdp.reduce{b}", "bwd", lambda net, n=bucket.numel: net.ranks * shard_numel(net, n, grad), grad,
-                 "reduce_scatter") for b, bucket in enumerate(self.buckets[0])], "fsdp")]
+            units = self.buckets[0]
+            messages = [(f"fsdp.gather{b}", "fwd", lambda net, n=unit.numel: shard_numel(net, n, dtype), dtype,
+                         "all_gather") for b, unit in enumerate(units)] + \
+                [(f"fsdp.reduce{b}", "bwd", lambda net, n=unit.numel: net.ranks * shard_numel(net, n, grad), grad,
+                  "reduce_scatter") for b, unit in enumerate(units)]
+            for step, seconds in zip(out, self._slowest(self.dp[0], messages, "fsdp", steps)):
+                step["gather"], step["bucket"] = seconds[:len(units)], [seconds[len(units):]]
+        for _ in range(steps if tick is not None else 0):
+            tick()
         return out
 
-    def _tp_group(self, group: _Group, stage: int, m: int) -> list:
+    def _count(self, cls: str, net: LossyNetwork, copies: int) -> None:
+        self.networks.append(net)
+        sums = self.sums.setdefault(cls, defaultdict(float))
+        totals = net.totals()
+        for name in ("sent", "lost", "resent"):
+            sums[name] += totals[name] * copies
+        sums["failures"] += net.failures() * copies
+
+    def _tp_group(self, net: LossyNetwork, copies: int, stage: int, m: int) -> list:
         """[micro-batch] of (forward, backward), each [with loss, loss-free] seconds of its all-reduces."""
-        net, calls, dtype = group.network, self.calls[stage], self.w.torch_dtype
+        calls, dtype = self.calls[stage], self.w.torch_dtype
         per_packet, _ = net.packets(self.numel, dtype)
         forwards = next((k for k, c in enumerate(calls) if c.direction != "fwd" or c.replay), len(calls))
         out = []
@@ -261,16 +288,15 @@ class _Job:
                 recording = net.recording(record) if self.w.activation_checkpointing else contextlib.nullcontext()
                 with recording:
                     delivery = net.simulate(call.site, call.direction, self.numel, dtype, deliver=False)
-                self._lost("tp", call.direction, delivery, per_packet, self.numel, net.ranks * self.numel,
-                           group.copies)
+                self._lost("tp", call.direction, delivery, per_packet, self.numel, net.ranks * self.numel, copies)
             marks.append(_mark(net))
             out.append(tuple([b[0] - a[0], b[1] - a[1]] for a, b in zip(marks, marks[1:])))
         return out
 
-    def _sends(self, group: _Group, boundary: int, m: int) -> list:
+    def _sends(self, net: LossyNetwork, copies: int, boundary: int, m: int) -> list:
         """[micro-batch] of (activation, gradient), each [with loss, loss-free] seconds of the slowest of
         the TP ranks' sends over ``boundary``, issued in training's order."""
-        net, dtype, tp = group.network, self.w.torch_dtype, self.mesh.tp
+        dtype, tp = self.w.torch_dtype, self.mesh.tp
         per_packet, _ = net.packets(self.numel, dtype)
         out = []
         for _ in range(m):
@@ -283,25 +309,28 @@ class _Job:
                                             deliver=False, pair=(t, tp + t) if direction == "fwd" else (tp + t, t))
                     after = _mark(net)
                     slowest = [max(slowest[0], after[0] - before[0]), max(slowest[1], after[1] - before[1])]
-                    self._lost("pp", direction, delivery, per_packet, self.numel, self.numel, group.copies)
+                    self._lost("pp", direction, delivery, per_packet, self.numel, self.numel, copies)
                 pair.append(slowest)
             out.append(tuple(pair))
         return out
 
-    def _slowest(self, groups: list[_Group], messages: list, cls: str) -> list:
-        """Each message's [with loss, loss-free] seconds, the slowest group's: groups run side by side."""
-        out = [[0.0, 0.0] for _ in messages]
+    def _slowest(self, groups: list[_Group], messages: list, cls: str, steps: int) -> list:
+        """Per step, each message's [with loss, loss-free] seconds, the slowest group's: groups run side
+        by side. ``messages``: (site, direction, numel or numel(network), dtype, collective)."""
+        out = [[[0.0, 0.0] for _ in messages] for _ in range(steps)]
         for group in groups:
-            net = group.network
-            for k, (site, direction, numel, dtype, collective) in enumerate(messages):
-                numel = numel(net) if callable(numel) else numel
-                before = _mark(net)
-                delivery = net.simulate(site, direction, numel, dtype, collective, deliver=False)
-                after = _mark(net)
-                out[k] = [max(out[k][0], after[0] - before[0]), max(out[k][1], after[1] - before[1])]
-                if collective == "all_reduce":
-                    per_packet, _ = net.packets(numel, dtype)
-                    self._lost(cls, direction, delivery, per_packet, numel, net.ranks * numel, group.copies)
+            net = LossyNetwork(group.spec)
+            for seconds in out:
+                for k, (site, direction, numel, dtype, collective) in enumerate(messages):
+                    numel = numel(net) if callable(numel) else numel
+                    before = _mark(net)
+                    delivery = net.simulate(site, direction, numel, dtype, collective, deliver=False)
+                    after = _mark(net)
+                    seconds[k] = [max(seconds[k][0], after[0] - before[0]), max(seconds[k][1], after[1] - before[1])]
+                    if collective == "all_reduce":
+                        per_packet, _ = net.packets(numel, dtype)
+                        self._lost(cls, direction, delivery, per_packet, numel, net.ranks * numel, group.copies)
+            self._count(cls, net, group.copies)
         return out
 
     def _lost(self, cls: str, direction: str, delivery, per_packet: int, numel: int, received: int,
@@ -318,19 +347,7 @@ class _Job:
 
     def counts(self, steps: int) -> dict:
         """Per class, per step: packets sent, lost and resent, and the transport's failures."""
-        out = {}
-        for cls, groups in (("tp", [g for s in self.tp for g in s]), ("pp", [g for b in self.pp for g in b]),
-                            (self.dp_class, [g for s in self.dp for g in s])):
-            if not groups:
-                continue
-            sums = defaultdict(float)
-            for group in groups:
-                totals = group.network.totals()
-                for name in ("sent", "lost", "resent"):
-                    sums[name] += totals[name] * group.copies / steps
-                sums["failures"] += group.network.failures() * group.copies / steps
-            out[cls] = dict(sums)
-        return out
+        return {cls: {name: value / steps for name, value in sums.items()} for cls, sums in self.sums.items()}
 
 
 class _Clock:
@@ -391,11 +408,11 @@ class _Clock:
 
 
 def _groups(specs: list[NetworkSpec]) -> list[_Group]:
-    """Identical groups' networks: every one that can lose packets, or one for all when none can."""
+    """Identical groups: every one that can lose packets, or one for all when none can."""
     first = LossyNetwork(specs[0])
     if first.loss_model.lossless or not first.topology.has_lossy_link or not first.lossy:
-        return [_Group(first, len(specs))]
-    return [_Group(first, 1)] + [_Group(LossyNetwork(spec), 1) for spec in specs[1:]]
+        return [_Group(specs[0], len(specs))]
+    return [_Group(spec, 1) for spec in specs]
 
 
 def _mark(net: LossyNetwork) -> tuple[float, float]:
