@@ -55,6 +55,8 @@ def add_arguments(parser) -> None:
                         help="GPUs (ranks) per node (default: a TP group to a node; tp alone: all on one node)")
     parser.add_argument("--nics-per-node", type=int, help="NICs a node's inter-node traffic spreads over "
                                                           "(default: one per GPU)")
+    parser.add_argument("--payload-bytes", type=int, help="payload bytes of a packet (default "
+                        f"{NetworkSpec.__dataclass_fields__['payload_bytes'].default}; RoCE at MTU 4096: 4096)")
     parser.add_argument("--pp-size", type=int, default=1, help="pipeline stages (default 1)")
     parser.add_argument("--pp-schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
     parser.add_argument("--pp-layout", help="blocks per stage, e.g. 9,10,10,11 (default: an even split)")
@@ -99,7 +101,8 @@ def run(args) -> int:
     # A TP group's own network holds at most its tp ranks to a node; the mesh places the rest.
     settings = grid({key: getattr(args, key) for key in GRID.values()}, ranks=args.tp_size,
                     ranks_per_node=None if per_node is None else min(per_node, args.tp_size),
-                    nics_per_node=args.nics_per_node, seed=args.seed)
+                    nics_per_node=args.nics_per_node, seed=args.seed,
+                    **({} if args.payload_bytes is None else {"payload_bytes": args.payload_bytes}))
     if args.out:
         check_writable(args.out, "--out")   # before the grid: a long estimate must not be lost at the end
     rows = run_grid(args.model, settings, workload, args.steps, args.compute, progress=not args.no_progress)
