@@ -63,7 +63,7 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
     ``workload`` describes, every TP group on ``network`` (a ``NetworkSpec`` or its settings; ``ranks`` is
     the TP size, ``ranks_per_node`` the GPUs of a node) and the mesh placing the other groups. Returns one
     flat row: per-step times with intervals, slowdown, packets, what was lost, and all of it per traffic
-    class (docs/estimate.md lists the columns). ``tick`` is called after each step."""
+    class (docs/estimate.md lists the columns). ``tick`` is called once per step, when all are done."""
     shape = model if isinstance(model, Shape) else load(model)
     spec = network if isinstance(network, NetworkSpec) else NetworkSpec(**network)
     if int(steps) < 1:
@@ -128,8 +128,10 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
     for cls in CLASSES:   # every class's columns, zero where the job has none of its traffic
         seconds = added[cls] / steps
         row.update({f"{cls}_loss_free_s": float(seconds[1]), f"{cls}_repair_s": float(seconds[0] - seconds[1]),
-                    **{f"{cls}_packets_{name}": counts.get(cls, {}).get(name, 0.0) for name in ("sent", "lost", "resent")},
+                    **{f"{cls}_packets_{name}": counts.get(cls, {}).get(name, 0.0)
+                       for name in ("sent", "lost", "resent")},
                     f"{cls}_elements_lost": job.elements_lost(cls)})
+    row.update({f"stack_{name}_s": 0.0 for name in ("compute", *CLASSES, "repair")})
     for name, value in zip(("compute", *job.classes, "repair"), stack):
         row[f"stack_{name}_s"] = float(value)
     return row
@@ -246,7 +248,8 @@ class _Job:
             for step in out:
                 step["bucket"] = [None] * len(self.dp)
             for s, (groups, buckets) in enumerate(zip(self.dp, self.buckets)):
-                messages = [(f"dp.bucket{b}", "bwd", bucket.numel, grad, "all_reduce") for b, bucket in enumerate(buckets)]
+                messages = [(f"dp.bucket{b}", "bwd", bucket.numel, grad, "all_reduce")
+                            for b, bucket in enumerate(buckets)]
                 for step, seconds in zip(out, self._slowest(groups, messages, "dp", steps)):
                     step["bucket"][s] = seconds
         elif self.mode == "fsdp":
