@@ -181,3 +181,26 @@ def test_a_global_batch_sets_the_microbatches_and_the_summary_names_the_layout(c
                    Workload(seq=8, micro_batch=2, pp_size=2, dp_size=2, global_batch=12, gpus_per_node=4), steps=1)
     assert row["microbatches"] == 3 and row["global_batch"] == 12
     assert row["layout"] == "tp2 x pp2 x dp2 = 8 GPUs on 2 nodes"
+
+
+def test_each_stage_buckets_its_own_local_gradients():
+    """A stage's DDP buckets hold exactly its parameters' local shards: its blocks, the embeddings on the
+    first stage, the final norm and the head on the last."""
+    from lossysim.estimate import load
+    from lossysim.estimate.simulate import _Job, _mesh
+    from lossysim.tp.parallelize import parallelize
+    from transformers import AutoModelForCausalLM
+    shape, tp = load("tiny-llama"), 2
+    spec = NetworkSpec(tp, "none", ranks_per_node=tp)
+    job = _Job(shape, spec, Workload(seq=8, pp_size=2, dp_size=2, dp_bucket_mb=0.05, gpus_per_node=tp),
+               _mesh(tp, 2, 2, tp), (1, 1))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(shape.config)
+    tp_model = parallelize(model, tp, LossyNetwork(tp))
+    sharded = {id(p) for p in tp_model.sharded_parameters()}
+    local = [0, 0]
+    for name, p in model.named_parameters():
+        stage = 1 if ".layers.1." in name or ".norm." in name or name.startswith("lm_head") else 0
+        local[stage] += (p[0] if id(p) in sharded else p).numel()
+    assert [sum(b.numel for b in stage) for stage in job.buckets] == local
+    assert all(len(stage) > 1 for stage in job.buckets)

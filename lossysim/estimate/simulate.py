@@ -194,8 +194,8 @@ class _Job:
         TP-sharded model (built on the meta device), in the reduce dtype."""
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(self.shape.config)
-        owner = self._owners(model)
         tp_model = parallelize(model, self.mesh.tp, LossyNetwork(self.mesh.tp)).to(self.w.grad_torch_dtype)
+        owner = self._owners(model)    # after sharding: its layers' parameters are new ones
         sharded = {id(p) for p in tp_model.sharded_parameters()}
         params = list(tp_model.parameters())
         cap = self.w.dp_bucket_mb * (1 << 20)
