@@ -1,6 +1,7 @@
 """lossysim estimate for a whole job (tp x pp x dp): a tiny 2-D estimate counts and times what a training
 run with the same settings does, each traffic class's zero-loss closed forms and packet counts, and
 bad layouts in one line."""
+import numpy as np
 import pytest
 import torch
 
@@ -204,3 +205,42 @@ def test_each_stage_buckets_its_own_local_gradients():
         local[stage] += (p[0] if id(p) in sharded else p).numel()
     assert [sum(b.numel for b in stage) for stage in job.buckets] == local
     assert all(len(stage) > 1 for stage in job.buckets)
+
+
+def _step_means(sampled: int, seeds, tp: int, pp: int) -> list[float]:
+    from lossysim.estimate import load
+    shape = load("tiny-llama")
+    workload = Workload(seq=64, micro_batch=4, pp_size=pp, dp_size=4, microbatches=8, gpus_per_node=tp,
+                        dp_bucket_mb=0.01, dp_overlap=pp > 1, sampled_groups=sampled)
+    return [estimate(shape, NetworkSpec(tp, "bernoulli:0.02", transport="retransmit", nic="irn", ranks_per_node=tp,
+                                        link_inter="roce-400g", lossy_links="inter_node", seed=seed),
+                     workload, steps=2)["step_mean_s"] for seed in seeds]
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 2), (4, 1)])
+def test_the_slowest_of_sampled_groups_has_full_simulations_distribution(tp, pp):
+    """Two of each stage's (boundary's) lossy groups simulated, the slowest of the rest drawn from their
+    times: the step's distribution over seeds is the full simulation's (two-sample KS and Welch's t on
+    30 seeds each; disjoint seeds, so the samples are independent). tp 2 x pp 2 x dp 4: every replica's
+    pp sends (4 per boundary, 2 drawn); tp 4 x dp 4: every DDP bucket (4 groups, 2 drawn; no overlap,
+    so each bucket's slowest is on the step's path)."""
+    from scipy import stats
+    full, sampled = _step_means(0, range(30), tp, pp), _step_means(2, range(1000, 1030), tp, pp)
+    assert len(set(full)) == 30    # continuous enough for the test: no ties
+    assert stats.ks_2samp(full, sampled).pvalue > 0.01
+    assert stats.ttest_ind(full, sampled, equal_var=False).pvalue > 0.01    # Welch: the means too
+
+
+def test_sampled_groups_count_what_they_stand_for_and_is_exact_when_zero():
+    """The model scales the simulated groups' packets by G / k (so a loss-free job counts exactly), and
+    sampled_groups=0 simulates every group: its row is the default's on a small mesh."""
+    from lossysim.estimate import load
+    shape = load("tiny-llama")
+    spec = NetworkSpec(2, "none", ranks_per_node=2, link_inter="roce-400g", lossy_links="inter_node")
+    rows = [estimate(shape, spec, Workload(seq=8, micro_batch=2, pp_size=2, dp_size=4, gpus_per_node=2,
+                                           sampled_groups=k), steps=2) for k in (None, 0, 1)]
+    assert rows[0] == rows[1]
+    for key in ("tp_packets_sent", "pp_packets_sent", "dp_packets_sent", "step_mean_s"):
+        assert rows[2][key] == pytest.approx(rows[0][key], rel=1e-12), key
+    with pytest.raises(ValueError, match="sampled_groups"):
+        Workload(sampled_groups=-1)

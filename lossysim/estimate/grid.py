@@ -71,6 +71,9 @@ def add_arguments(parser) -> None:
                         help="buckets wait for the backward to end (default: they overlap it, as DDP's do)")
     parser.add_argument("--grad-dtype", default="fp32", choices=tuple(DTYPES),
                         help="dtype gradients are reduced in (default fp32)")
+    parser.add_argument("--sampled-groups", type=int,
+                        help="lossy groups simulated per stage or boundary, the slowest of the rest drawn from "
+                             "their times (0: every group; default: every group up to 64 GPUs, else 2)")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each block's forward in backward (its all-reduces are charged again)")
     for flag, key in GRID.items():
@@ -93,7 +96,7 @@ def run(args) -> int:
                         dp_size=args.dp_size, dp_mode=args.dp_mode, microbatches=args.microbatches,
                         global_batch=args.global_batch, pp_schedule=args.pp_schedule, pp_layout=args.pp_layout,
                         dp_bucket_mb=args.dp_bucket_mb, dp_overlap=args.dp_overlap, grad_dtype=args.grad_dtype,
-                        gpus_per_node=args.ranks_per_node)
+                        gpus_per_node=args.ranks_per_node, sampled_groups=args.sampled_groups)
     per_node = args.ranks_per_node
     if per_node is not None and per_node > args.tp_size * args.pp_size * args.dp_size:
         raise ValueError(f"ranks_per_node={per_node} is more GPUs than the layout's "

@@ -45,6 +45,7 @@ from ..net.sparse import Losses, bad_packets_of
 from ..pp.schedule import pipeline_time
 from ..pp.stages import stage_layout, stage_parameters
 from ..tp.parallelize import parallelize
+from ..util import stream_seed
 from .shapes import Shape, load
 from .workload import Workload, layout_name, step_calls
 
@@ -54,7 +55,7 @@ _THIRD = 1 / 3     # forward's share of a micro-batch's compute (2N FLOPs of 6N)
 
 class _Group(NamedTuple):
     spec: NetworkSpec
-    copies: int        # the identical loss-free groups it stands for (1: itself)
+    copies: float      # the groups its counts stand for: loss-free ones alike (exact), or G / k sampled lossy ones
 
 
 def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], workload: Workload = Workload(),
@@ -124,6 +125,7 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
         **{f"packets_{name}": sum(c[name] for c in counts.values()) for name in ("sent", "lost", "resent")},
         "elements_lost_fwd": job.elements_lost("tp", "fwd"), "elements_lost_bwd": job.elements_lost("tp", "bwd"),
         "failures_per_1000_steps": 1000.0 * sum(c["failures"] for c in counts.values()),
+        "sampled_groups": job.sampled, "packets_drawn": job.drawn / steps,
     }
     for cls in CLASSES:   # every class's columns, zero where the job has none of its traffic
         seconds = added[cls] / steps
@@ -177,6 +179,26 @@ class _Job:
         self.received = defaultdict(int)
         self.sums = {}
         self.networks: list[LossyNetwork] = []
+        self.drawn = 0     # packet fates drawn (lossy groups simulated), all steps
+        self.sampled = w.sampled(mesh.world)
+        self.rng = np.random.default_rng(stream_seed(spec.seed, "estimate.slowest", "groups"))
+
+    def _sample(self, groups: list[_Group]) -> tuple[list[_Group], int]:
+        """The groups simulated, each standing for G / k of the G, and how many are drawn instead."""
+        k = self.sampled
+        if not k or len(groups) <= k or groups[0].copies > 1:
+            return groups, 0
+        return [g._replace(copies=len(groups) / k) for g in groups[:k]], len(groups) - k
+
+    def _draw_groups(self, per_step: list[list], k: int) -> None:
+        """Fill each step's groups after the first ``k`` (simulated) with [micro-batch] of two items,
+        each drawn independently from the simulated groups' items of that kind over every micro-batch
+        and step (they are identically distributed: the same messages on groups alike but for streams)."""
+        pool = np.asarray([groups[j] for groups in per_step for j in range(k)], dtype=float).reshape(-1, 2, 2)
+        for groups in per_step:
+            for j in range(k, len(groups)):
+                drawn = self.rng.integers(len(pool), size=(len(groups[0]), 2))
+                groups[j] = [(pool[a, 0].tolist(), pool[b, 1].tolist()) for a, b in drawn]
 
     def blocks(self, stage: int) -> range:
         first = sum(self.layout[:stage])
@@ -233,17 +255,33 @@ class _Job:
         out = [{"tp": [[None] * len(g) for g in self.tp], "pp": [[None] * len(g) for g in self.pp],
                 "bucket": [], "gather": []} for _ in range(steps)]
         for s, groups in enumerate(self.tp):
-            for j, group in enumerate(groups):
+            chosen, extra = self._sample(groups)
+            for j, group in enumerate(chosen):
                 net = LossyNetwork(group.spec)
+                if self.sampled and not _lossy(net):
+                    # loss-free and deterministic: every micro-batch of every step is the first one's
+                    once = self._tp_group(net, group.copies * m * steps, s, 1)
+                    for step in out:
+                        step["tp"][s][j] = once * m
+                    self._count("tp", net, group.copies * m * steps)
+                    continue
                 for step in out:
                     step["tp"][s][j] = self._tp_group(net, group.copies, s, m)
                 self._count("tp", net, group.copies)
+            if extra:
+                self._draw_groups([step["tp"][s] for step in out], len(chosen))
+        alike = defaultdict(list)   # boundaries whose groups differ only by their streams: one pool
         for b, groups in enumerate(self.pp):
-            for j, group in enumerate(groups):
+            chosen, extra = self._sample(groups)
+            for j, group in enumerate(chosen):
                 net = LossyNetwork(group.spec)
                 for step in out:
                     step["pp"][b][j] = self._sends(net, group.copies, b, m)
                 self._count("pp", net, group.copies)
+            if extra:
+                alike[dataclasses.replace(groups[0].spec, seed=0), len(chosen)].append(b)
+        for (_, k), boundaries in alike.items():
+            self._draw_groups([step["pp"][b] for step in out for b in boundaries], k)
         if self.mode == "ddp":
             for step in out:
                 step["bucket"] = [None] * len(self.dp)
@@ -264,8 +302,10 @@ class _Job:
             tick()
         return out
 
-    def _count(self, cls: str, net: LossyNetwork, copies: int) -> None:
+    def _count(self, cls: str, net: LossyNetwork, copies: float) -> None:
         self.networks.append(net)
+        if _lossy(net):
+            self.drawn += net.totals()["sent"]
         sums = self.sums.setdefault(cls, defaultdict(float))
         totals = net.totals()
         for name in ("sent", "lost", "resent"):
@@ -319,22 +359,34 @@ class _Job:
 
     def _slowest(self, groups: list[_Group], messages: list, cls: str, steps: int) -> list:
         """Per step, each message's [with loss, loss-free] seconds, the slowest group's: groups run side
-        by side. ``messages``: (site, direction, numel or numel(network), dtype, collective)."""
-        out = [[[0.0, 0.0] for _ in messages] for _ in range(steps)]
-        for group in groups:
+        by side. ``messages``: (site, direction, numel or numel(network), dtype, collective). Groups
+        beyond the sampled ones: each message's slowest repair is drawn from the simulated repairs of
+        every message of its kind (direction, collective and packets, on groups alike but for streams),
+        added to its own loss-free time (the same in every group)."""
+        chosen, extra = self._sample(groups)
+        seconds = np.zeros((len(chosen), steps, len(messages), 2))
+        kinds = [None] * len(messages)
+        for g, group in enumerate(chosen):
             net = LossyNetwork(group.spec)
-            for seconds in out:
+            for i in range(steps):
                 for k, (site, direction, numel, dtype, collective) in enumerate(messages):
                     numel = numel(net) if callable(numel) else numel
+                    kinds[k] = (direction, collective, net.packets(numel, dtype)[1])
                     before = _mark(net)
                     delivery = net.simulate(site, direction, numel, dtype, collective, deliver=False)
                     after = _mark(net)
-                    seconds[k] = [max(seconds[k][0], after[0] - before[0]), max(seconds[k][1], after[1] - before[1])]
+                    seconds[g, i, k] = after[0] - before[0], after[1] - before[1]
                     if collective == "all_reduce":
                         per_packet, _ = net.packets(numel, dtype)
                         self._lost(cls, direction, delivery, per_packet, numel, net.ranks * numel, group.copies)
             self._count(cls, net, group.copies)
-        return out
+        slowest = seconds.max(axis=0)
+        for kind in dict.fromkeys(kinds) if extra else ():
+            alike = [k for k, other in enumerate(kinds) if other == kind]
+            pool = (seconds[:, :, alike, 0] - seconds[:, :, alike, 1]).ravel()
+            drawn = pool[self.rng.integers(len(pool), size=(steps, len(alike), extra))].max(axis=2)
+            slowest[:, alike, 0] = np.maximum(slowest[:, alike, 0], slowest[:, alike, 1] + drawn)
+        return slowest.tolist()
 
     def _lost(self, cls: str, direction: str, delivery, per_packet: int, numel: int, received: int,
               copies: int) -> None:
@@ -412,10 +464,13 @@ class _Clock:
 
 def _groups(specs: list[NetworkSpec]) -> list[_Group]:
     """Identical groups: every one that can lose packets, or one for all when none can."""
-    first = LossyNetwork(specs[0])
-    if first.loss_model.lossless or not first.topology.has_lossy_link or not first.lossy:
+    if not _lossy(LossyNetwork(specs[0])):
         return [_Group(specs[0], len(specs))]
     return [_Group(spec, 1) for spec in specs]
+
+
+def _lossy(net: LossyNetwork) -> bool:
+    return not net.loss_model.lossless and net.topology.has_lossy_link and bool(net.lossy)
 
 
 def _mark(net: LossyNetwork) -> tuple[float, float]:

@@ -24,6 +24,7 @@ from ..tp.plans import Row
 from ..util import one_of
 from .shapes import Shape
 
+FULL_UP_TO = 64    # GPUs up to which every lossy group is simulated unless sampled_groups says otherwise
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -35,7 +36,10 @@ class Workload:
     of them per step (None: ``pp_size``, as training; or derived from ``global_batch`` = micro_batch x
     microbatches x dp_size, as Megatron derives it). ``grad_dtype`` is the dtype gradients are reduced
     in (DDP's buckets, FSDP's reduce-scatters; fp32 as training's and AMP's); FSDP gathers weights in
-    ``dtype``. ``gpus_per_node``: consecutive ranks to a node (None: the network's ``ranks_per_node``)."""
+    ``dtype``. ``gpus_per_node``: consecutive ranks to a node (None: the network's ``ranks_per_node``).
+    ``sampled_groups``: of a stage's (or boundary's) identical lossy groups, how many are simulated, the
+    slowest of the rest drawn from their times (docs/estimate.md, "The slowest of identical groups");
+    0: every group, exactly; None: every group up to ``FULL_UP_TO`` GPUs, else 2."""
     seq: int = 4096
     micro_batch: int = 1
     dtype: str = "bf16"
@@ -51,6 +55,7 @@ class Workload:
     dp_overlap: bool = True
     grad_dtype: str = "fp32"
     gpus_per_node: Optional[int] = None   # None: the network's ranks_per_node
+    sampled_groups: Optional[int] = None  # lossy groups simulated per stage or boundary (0: all; None: auto)
 
     def __post_init__(self):
         if int(self.seq) < 1 or int(self.micro_batch) < 1:
@@ -62,6 +67,10 @@ class Workload:
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or int(value) != value or value < 1):
                 raise ValueError(f"{key}={value!r} must be an integer >= 1")
+        if self.sampled_groups is not None and (isinstance(self.sampled_groups, bool) or
+                                                int(self.sampled_groups) != self.sampled_groups or
+                                                self.sampled_groups < 0):
+            raise ValueError(f"sampled_groups={self.sampled_groups!r} must be an integer >= 0 (0: every group)")
         if self.dp_mode not in DP_MODES:
             raise ValueError(f"dp_mode={self.dp_mode!r} must be {one_of(DP_MODES)}")
         if self.pp_schedule not in SCHEDULES:
@@ -88,6 +97,12 @@ class Workload:
         if self.global_batch is not None:
             return int(self.global_batch) // (int(self.micro_batch) * int(self.dp_size))
         return int(self.pp_size)
+
+    def sampled(self, world: int) -> int:
+        """Lossy groups simulated per stage or boundary: 0 for every one."""
+        if self.sampled_groups is not None:
+            return int(self.sampled_groups)
+        return 0 if world <= FULL_UP_TO else 2
 
     @property
     def tokens(self) -> int:
