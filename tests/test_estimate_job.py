@@ -207,25 +207,30 @@ def test_each_stage_buckets_its_own_local_gradients():
     assert all(len(stage) > 1 for stage in job.buckets)
 
 
-def _step_means(sampled: int, seeds, tp: int, pp: int) -> list[float]:
-    from lossysim.estimate import load
-    shape = load("tiny-llama")
+def _step_means(shape, sampled: int, seeds, tp: int, pp: int, overlap: bool) -> list[float]:
     workload = Workload(seq=64, micro_batch=4, pp_size=pp, dp_size=4, microbatches=8, gpus_per_node=tp,
-                        dp_bucket_mb=0.01, dp_overlap=pp > 1, sampled_groups=sampled)
+                        dp_bucket_mb=0.01, dp_overlap=overlap, sampled_groups=sampled)
     return [estimate(shape, NetworkSpec(tp, "bernoulli:0.02", transport="retransmit", nic="irn", ranks_per_node=tp,
                                         link_inter="roce-400g", lossy_links="inter_node", seed=seed),
                      workload, steps=2)["step_mean_s"] for seed in seeds]
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 2), (4, 1)])
-def test_the_slowest_of_sampled_groups_has_full_simulations_distribution(tp, pp):
+@pytest.mark.parametrize("tp, pp, overlap", [(2, 2, True), (4, 1, False), (2, 4, False)])
+def test_the_slowest_of_sampled_groups_has_full_simulations_distribution(tmp_path, tp, pp, overlap):
     """Two of each stage's (boundary's) lossy groups simulated, the slowest of the rest drawn from their
     times: the step's distribution over seeds is the full simulation's (two-sample KS and Welch's t on
     30 seeds each; disjoint seeds, so the samples are independent). tp 2 x pp 2 x dp 4: every replica's
     pp sends (4 per boundary, 2 drawn); tp 4 x dp 4: every DDP bucket (4 groups, 2 drawn; no overlap,
-    so each bucket's slowest is on the step's path)."""
+    so each bucket's slowest is on the step's path); tp 2 x pp 4 x dp 4: stages 1 and 2 (one block each,
+    alike) share stage 1's two simulated DDP groups, stage 2's drawn whole."""
     from scipy import stats
-    full, sampled = _step_means(0, range(30), tp, pp), _step_means(2, range(1000, 1030), tp, pp)
+    from lossysim.estimate import load
+    config = load("tiny-llama").config
+    config.num_hidden_layers = pp if pp > 2 else 2     # a block a stage: the middle stages alike
+    config.save_pretrained(tmp_path)
+    shape = load(str(tmp_path / "config.json"))
+    full = _step_means(shape, 0, range(30), tp, pp, overlap)
+    sampled = _step_means(shape, 2, range(1000, 1030), tp, pp, overlap)
     assert len(set(full)) == 30    # continuous enough for the test: no ties
     assert stats.ks_2samp(full, sampled).pvalue > 0.01
     assert stats.ttest_ind(full, sampled, equal_var=False).pvalue > 0.01    # Welch: the means too

@@ -183,12 +183,14 @@ class _Job:
         self.sampled = w.sampled(mesh.world)
         self.rng = np.random.default_rng(stream_seed(spec.seed, "estimate.slowest", "groups"))
 
-    def _sample(self, groups: list[_Group]) -> tuple[list[_Group], int]:
-        """The groups simulated, each standing for G / k of the G, and how many are drawn instead."""
+    def _sample(self, groups: list[_Group], stages: int = 1) -> tuple[list[_Group], int]:
+        """The groups simulated, each standing for its share of the G (of each of ``stages`` alike
+        stages), and how many of the first stage's are drawn instead."""
         k = self.sampled
-        if not k or len(groups) <= k or groups[0].copies > 1:
+        if not k or groups[0].copies > 1 or (len(groups) <= k and stages == 1):
             return groups, 0
-        return [g._replace(copies=len(groups) / k) for g in groups[:k]], len(groups) - k
+        k = min(k, len(groups))
+        return [g._replace(copies=len(groups) * stages / k) for g in groups[:k]], len(groups) - k
 
     def _draw_groups(self, per_step: list[list], k: int) -> None:
         """Fill each step's groups after the first ``k`` (simulated) with [micro-batch] of two items,
@@ -285,18 +287,24 @@ class _Job:
         if self.mode == "ddp":
             for step in out:
                 step["bucket"] = [None] * len(self.dp)
+            alike = defaultdict(list)   # under the model, stages alike but for streams share the simulated groups
             for s, (groups, buckets) in enumerate(zip(self.dp, self.buckets)):
+                same = self.sampled and groups[0].copies == 1
+                alike[(dataclasses.replace(groups[0].spec, seed=0), tuple(b.numel for b in buckets))
+                      if same else s].append(s)
+            for stages in alike.values():
                 messages = [(f"dp.bucket{b}", "bwd", bucket.numel, grad, "all_reduce")
-                            for b, bucket in enumerate(buckets)]
-                for step, seconds in zip(out, self._slowest(groups, messages, "dp", steps)):
-                    step["bucket"][s] = seconds
+                            for b, bucket in enumerate(self.buckets[stages[0]])]
+                for s, per_step in zip(stages, self._slowest(self.dp[stages[0]], messages, "dp", steps, len(stages))):
+                    for step, seconds in zip(out, per_step):
+                        step["bucket"][s] = seconds
         elif self.mode == "fsdp":
             units = self.buckets[0]
             messages = [(f"fsdp.gather{b}", "fwd", lambda net, n=unit.numel: shard_numel(net, n, dtype), dtype,
                          "all_gather") for b, unit in enumerate(units)] + \
                 [(f"fsdp.reduce{b}", "bwd", lambda net, n=unit.numel: net.ranks * shard_numel(net, n, grad), grad,
                   "reduce_scatter") for b, unit in enumerate(units)]
-            for step, seconds in zip(out, self._slowest(self.dp[0], messages, "fsdp", steps)):
+            for step, seconds in zip(out, self._slowest(self.dp[0], messages, "fsdp", steps)[0]):
                 step["gather"], step["bucket"] = seconds[:len(units)], [seconds[len(units):]]
         for _ in range(steps if tick is not None else 0):
             tick()
@@ -357,13 +365,14 @@ class _Job:
             out.append(tuple(pair))
         return out
 
-    def _slowest(self, groups: list[_Group], messages: list, cls: str, steps: int) -> list:
+    def _slowest(self, groups: list[_Group], messages: list, cls: str, steps: int, stages: int = 1) -> list:
         """Per step, each message's [with loss, loss-free] seconds, the slowest group's: groups run side
         by side. ``messages``: (site, direction, numel or numel(network), dtype, collective). Groups
         beyond the sampled ones: each message's slowest repair is drawn from the simulated repairs of
         every message of its kind (direction, collective and packets, on groups alike but for streams),
-        added to its own loss-free time (the same in every group)."""
-        chosen, extra = self._sample(groups)
+        added to its own loss-free time (the same in every group). ``stages`` > 1: as many stages alike
+        but for their streams, the groups of all but the first drawn whole. Returns [stage][step][message]."""
+        chosen, extra = self._sample(groups, stages)
         seconds = np.zeros((len(chosen), steps, len(messages), 2))
         kinds = [None] * len(messages)
         for g, group in enumerate(chosen):
@@ -380,12 +389,17 @@ class _Job:
                         per_packet, _ = net.packets(numel, dtype)
                         self._lost(cls, direction, delivery, per_packet, numel, net.ranks * numel, group.copies)
             self._count(cls, net, group.copies)
-        slowest = seconds.max(axis=0)
-        for kind in dict.fromkeys(kinds) if extra else ():
+        slowest = np.repeat(seconds.max(axis=0)[None], stages, axis=0)
+        slowest[1:, :, :, 0] = slowest[1:, :, :, 1]
+        for kind in dict.fromkeys(kinds) if extra or stages > 1 else ():
             alike = [k for k, other in enumerate(kinds) if other == kind]
             pool = (seconds[:, :, alike, 0] - seconds[:, :, alike, 1]).ravel()
-            drawn = pool[self.rng.integers(len(pool), size=(steps, len(alike), extra))].max(axis=2)
-            slowest[:, alike, 0] = np.maximum(slowest[:, alike, 0], slowest[:, alike, 1] + drawn)
+            for stage, draws in enumerate([extra] + [len(groups)] * (stages - 1)):
+                if not draws:
+                    continue
+                drawn = pool[self.rng.integers(len(pool), size=(steps, len(alike), draws))].max(axis=2)
+                both = slowest[stage][:, alike]
+                slowest[stage][:, alike, 0] = np.maximum(both[..., 0], both[..., 1] + drawn)
         return slowest.tolist()
 
     def _lost(self, cls: str, direction: str, delivery, per_packet: int, numel: int, received: int,
