@@ -249,3 +249,20 @@ def test_sampled_groups_count_what_they_stand_for_and_is_exact_when_zero():
         assert rows[2][key] == pytest.approx(rows[0][key], rel=1e-12), key
     with pytest.raises(ValueError, match="sampled_groups"):
         Workload(sampled_groups=-1)
+
+
+def test_equal_estimates_draw_alike_whatever_memory_is_reused():
+    """Networks are let go once counted: two equal estimates in one process, with garbage collected and
+    memory churned between them, give the same row (stage ownership of parameters once hung on ids of
+    freed objects, which made such runs differ)."""
+    import gc
+    from lossysim.estimate import load
+    shape = load("tiny-llama")
+    spec = NetworkSpec(2, "bernoulli:0.05", transport="retransmit", nic="irn", ranks_per_node=2,
+                       link_inter="roce-400g", lossy_links="inter_node", seed=3)
+    workload = Workload(seq=16, micro_batch=2, pp_size=2, dp_size=2, gpus_per_node=2, dp_bucket_mb=0.01)
+    first = estimate(shape, spec, workload, steps=3)
+    gc.collect()
+    churn = [bytearray(1000) for _ in range(1000)]
+    again = estimate(shape, spec, workload, steps=3)
+    assert first["packets_lost"] > 0 and first == again and len(churn) == 1000

@@ -178,7 +178,6 @@ class _Job:
         self.inexact = defaultdict(int)
         self.received = defaultdict(int)
         self.sums = {}
-        self.networks: list[LossyNetwork] = []
         self.drawn = 0     # packet fates drawn (lossy groups simulated), all steps
         self.sampled = w.sampled(mesh.world)
         self.rng = np.random.default_rng(stream_seed(spec.seed, "estimate.slowest", "groups"))
@@ -250,9 +249,8 @@ class _Job:
     def run(self, steps: int, tick: Optional[Callable[[], None]] = None) -> list[dict]:
         """Every class's messages of ``steps`` steps; per step their seconds, each [with loss, loss-free].
 
-        A network's calls depend only on its own streams, so each group runs all its steps in turn.
-        Every network is kept until the estimate ends, as a training run keeps them: networks let go
-        mid-way made two equal estimates in one process draw differently (their memory reused)."""
+        A network's calls depend only on its own streams, so each group runs all its steps in turn and
+        its network is let go once counted (its transfers are most of an estimate's memory)."""
         m, dtype, grad = self.w.n_microbatches, self.w.torch_dtype, self.w.grad_torch_dtype
         out = [{"tp": [[None] * len(g) for g in self.tp], "pp": [[None] * len(g) for g in self.pp],
                 "bucket": [], "gather": []} for _ in range(steps)]
@@ -311,7 +309,6 @@ class _Job:
         return out
 
     def _count(self, cls: str, net: LossyNetwork, copies: float) -> None:
-        self.networks.append(net)
         if _lossy(net):
             self.drawn += net.totals()["sent"]
         sums = self.sums.setdefault(cls, defaultdict(float))
