@@ -15,7 +15,9 @@ Four traffic classes, each on the networks the mesh gives its groups:
 
 Groups whose links cannot lose a packet are all alike: one is simulated and stands for the others
 (its counts multiplied), which is exact, as their fates are all "delivered". Every group whose links
-can lose packets is simulated.
+can lose packets is simulated, or, with ``Workload.sampled_groups`` k (the default beyond 64 GPUs), k of
+each stage's or boundary's alike groups, the slowest of the others drawn from their times
+(docs/estimate.md, "The slowest of identical groups").
 
 The clock is training's (docs/estimate.md, "The clock"): compute per micro-batch as a training run
 models it (``timing.compute``), a stage's share by its FLOPs, a third forward and two thirds backward,
