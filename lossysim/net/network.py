@@ -30,6 +30,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from ..timing.nccl import Estimate
 from ..util import one_of, stream_seed, swapped
 from . import delivery as deliver
 from . import recovery as recoveries
@@ -472,7 +473,9 @@ class LossyNetwork:
         state = {"config": self.config(), "channels": channels, "watch_index": self._watched,
                  "clock": {"repairs_s": None if self._repairs is None else self._repairs.cpu().clone(),
                            "ideal_comm_s": self._ideal,
-                           "recovery_s": self._recovery_s}}
+                           "recovery_s": self._recovery_s},
+                 # what each call ran, so a resumed run's summary names the collectives seen before it
+                 "choices": [[*key, *choice] for key, choice in self._choices.items()]}
         if self._side is not None:
             state["side"] = self._side.state_dict()
         return state
@@ -512,6 +515,7 @@ class LossyNetwork:
         self._repairs = None if repairs is None else repairs.to(device)
         self._ideal = clock["ideal_comm_s"]
         self._recovery_s = clock.get("recovery_s", 0.0)
+        self._choices = {tuple(entry[:4]): Estimate(*entry[4:]) for entry in state.get("choices", [])}
         if self._side is not None and "side" in state:
             self._side.load_state_dict(state["side"])
 
