@@ -266,3 +266,20 @@ def test_equal_estimates_draw_alike_whatever_memory_is_reused():
     churn = [bytearray(1000) for _ in range(1000)]
     again = estimate(shape, spec, workload, steps=3)
     assert first["packets_lost"] > 0 and first == again and len(churn) == 1000
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "auto"])
+def test_the_csv_names_what_each_class_ran(algorithm):
+    """The ``collectives`` column: per class and collective, the (algorithm/protocol, channels) NCCL's
+    model runs it as, as a network of that class records it (``LossyNetwork.choices``)."""
+    spec = {"ranks": 2, "algorithm": algorithm, "loss": "bernoulli:0.01", "transport": "retransmit"}
+    row = estimate("tiny", spec, Workload(seq=64, pp_size=2, dp_size=2, gpus_per_node=2), steps=1)
+    entries = row["collectives"].split("; ")
+    assert {e.split(":")[0] for e in entries} == {"tp all_reduce", "pp send", "dp all_reduce"}
+    assert all(" x" in e and ("KiB" in e or "MiB" in e) for e in entries)
+    assert any(e.startswith("pp send: p2p/") for e in entries)
+    tp = LossyNetwork(NetworkSpec(**spec))
+    tp.simulate("h.0.attn.reduce", "fwd", 64 * 2 * 64, torch.bfloat16, "all_reduce", deliver=False)
+    (choice,) = tp.choices()
+    assert any(e.startswith(f"tp all_reduce: {choice['algorithm']}/{choice['protocol']} x{choice['channels']}")
+               for e in entries)

@@ -384,3 +384,17 @@ def test_the_docs_table_is_nccls_model_and_the_networks():
                     f"{row['protocol']} ({row['channels']} ch) | {_show(t)} ({busbw:.0f}) | {t / reference:.3f} | "
                     f"{_show(ring.clock()['comm_s'] * 1e6)} |")
             assert line in doc, line
+
+
+def test_auto_sends_a_point_to_point_message_as_any_algorithm_does():
+    """A send is one message on one link (NCCL's p2p): under ``auto`` it is drawn, delivered and timed
+    as under a named algorithm, and recorded as p2p (pipeline stages run ``auto`` too)."""
+    message = torch.arange(5000, dtype=torch.float32)
+    held = {}
+    for algorithm in ("ring", "auto"):
+        net = LossyNetwork(4, "bernoulli:0.05", algorithm=algorithm, ranks_per_node=2, seed=3)
+        held[algorithm] = (net.send("pp.boundary0", "fwd", message, 1, 3), net.clock()["comm_s"], net.choices())
+    torch.testing.assert_close(held["auto"][0], held["ring"][0], rtol=0, atol=0)
+    assert (held["auto"][0] == 0).any(), "some packets were lost"
+    assert held["auto"][1] == held["ring"][1]
+    assert [c["algorithm"] for c in held["auto"][2]] == ["p2p"]

@@ -128,6 +128,7 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
         "elements_lost_fwd": job.elements_lost("tp", "fwd"), "elements_lost_bwd": job.elements_lost("tp", "bwd"),
         "failures_per_1000_steps": 1000.0 * sum(c["failures"] for c in counts.values()),
         "sampled_groups": job.sampled, "packets_drawn": job.drawn / steps,
+        "collectives": job.choice_summary(),
     }
     for cls in CLASSES:   # every class's columns, zero where the job has none of its traffic
         seconds = added[cls] / steps
@@ -181,6 +182,7 @@ class _Job:
         self.received = defaultdict(int)
         self.sums = {}
         self.drawn = 0     # packet fates drawn (lossy groups simulated), all steps
+        self.choices = defaultdict(set)   # (class, collective, algorithm, protocol, channels) -> bytes
         self.sampled = w.sampled(mesh.world)
         self.rng = np.random.default_rng(stream_seed(spec.seed, "estimate.slowest", "groups"))
 
@@ -318,6 +320,17 @@ class _Job:
         for name in ("sent", "lost", "resent"):
             sums[name] += totals[name] * copies
         sums["failures"] += net.failures() * copies
+        for c in net.choices():   # what NCCL runs each message as (``algorithm: auto`` picks per size)
+            self.choices[(cls, c["collective"], c["algorithm"], c["protocol"], c["channels"])].add(c["bytes"])
+
+    def choice_summary(self) -> str:
+        """One line per (class, collective, algorithm/protocol, channels) the job ran, with its message
+        sizes: the estimate's ``collectives`` column."""
+        def size(b: int) -> str:
+            return f"{b / 2**20:.3g} MiB" if b >= 2**20 else f"{b / 2**10:.3g} KiB"
+        return "; ".join(f"{cls} {collective}: {algorithm}/{protocol} x{channels} "
+                         f"({size(min(sizes))}{'' if len(sizes) == 1 else '-' + size(max(sizes))})"
+                         for (cls, collective, algorithm, protocol, channels), sizes in sorted(self.choices.items()))
 
     def _tp_group(self, net: LossyNetwork, copies: int, stage: int, m: int) -> list:
         """[micro-batch] of (forward, backward), each [with loss, loss-free] seconds of its all-reduces."""

@@ -73,8 +73,9 @@ def build(spec: NetworkSpec, links: list, collective: str, numel: int, dtype: to
     per_packet, n_packets = packets(spec.payload_bytes, numel, dtype)
     itemsize = dtype.itemsize
     algorithm = spec.algorithm
-    if algorithm == "auto" and collective != "send":
-        algorithm = choose(spec, collective, numel * itemsize, per_packet * itemsize).algorithm
+    if algorithm == "auto":   # a send is one message on one link whatever the algorithm (NCCL's p2p)
+        algorithm = "ring" if collective == "send" else choose(spec, collective, numel * itemsize,
+                                                               per_packet * itemsize).algorithm
     sched = schedule(algorithm, collective, spec.ranks, n_packets, pair,
                      spec.topology.ranks_per_node if algorithm in IN_SWITCH else None)
     topology = spec.topology
