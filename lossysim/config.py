@@ -75,7 +75,8 @@ class ExperimentConfig:
     outlier_fraction: float = 0.001    # outliers: share of each rank's message sent reliably, in (0, 0.5]
     payload_bytes: int = 1450
     eval_lossy: bool = True
-    algorithm: str = "ring"            # ring | tree | direct (see lossysim.net.algorithms)
+    # ring | tree | direct | nvls | nvls_tree (in the NVSwitch, Hopper NVLink) | auto (NCCL's tuner's pick per call)
+    algorithm: str = "ring"            # see lossysim.net.algorithms
     ranks_per_node: Optional[int] = None  # None: every rank on one node
     lossy_links: str = "all"           # all | inter_node (NVLink inside a node is reliable)
     lossy_layers: str = "all"          # TP sites of these layers can lose packets: all | 3 | 0-5,12

@@ -20,7 +20,7 @@ from lossysim.run.experiment import run_experiment
 from lossysim.run.state import TrainState, Window
 from lossysim.run.step import train_step
 from lossysim.timing import nccl
-from tiny_runs import dp_group_spec, tiny_run
+from tiny_runs import dp_group_spec, tiny_run, train_steps
 
 CPU = torch.device("cpu")
 # Sums over replicas and over the global batch add the same numbers in another order: fp32 rounding.
@@ -94,12 +94,7 @@ def parts_config(parts, tp, dp, tmp_path):
 
 
 def _lossy_step(config, steps=2):
-    parts = build(config, CPU, 0, True, None)
-    state, window = TrainState(), Window(CPU)
-    for _, batch in zip(range(steps), train_batches(parts.data, config.batch_size, config.seed)):
-        assert train_step(parts, config, state, window, batch, CPU)
-        state.step += 1
-    return parts, state
+    return train_steps(config, steps)[:2]
 
 
 def _dp_counts(parts) -> tuple[int, int]:

@@ -18,7 +18,7 @@ from lossysim.timing import direct_all_reduce_time, nccl
 # Published parameter counts (model cards; ../shared/REFERENCE.md), rounded as published: 3 digits.
 PUBLISHED_PARAMETERS = {"gpt2": 124e6, "gpt2-medium": 355e6, "gpt2-large": 774e6, "gpt2-xl": 1.56e9,
                         "llama-3.2-1b": 1.24e9, "llama-3.2-3b": 3.21e9, "llama-3.1-8b": 8.03e9,
-                        "llama-3.1-70b": 70.6e9, "qwen2.5-7b": 7.62e9, "mistral-7b": 7.24e9}
+                        "llama-3.1-70b": 70.6e9, "llama-3.1-405b": 406e9, "qwen2.5-7b": 7.62e9, "mistral-7b": 7.24e9}
 
 
 pytestmark = pytest.mark.usefixtures("private_cache")
@@ -116,7 +116,7 @@ def test_the_grid_runs_every_setting_and_writes_its_files(tmp_path, capsys):
     assert "skipped" in capsys.readouterr().err
     rows = run_grid("tiny", specs, Workload(seq=8, micro_batch=2), steps=2, progress=False)
     paths = write(rows, tmp_path)
-    assert [p.name for p in paths] == ["estimate.csv", "estimate.json", "slowdown.png"]
+    assert [p.name for p in paths] == ["estimate.csv", "estimate.json", "slowdown.png", "time_by_class.png"]
     assert json.loads((tmp_path / "estimate.json").read_text()) == rows
     for row in rows:
         assert row["step_p50_s"] <= row["step_p99_s"] and 0 < row["comm_share"] < 1

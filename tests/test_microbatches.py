@@ -5,11 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lossysim.data import train_batches
 from lossysim.run.build import build
-from lossysim.run.state import TrainState, Window
-from lossysim.run.step import train_step
-from tiny_runs import tiny_run
+from tiny_runs import tiny_run, train_steps
 
 CPU = torch.device("cpu")
 # The micro-batches' gradients are summed in another order than one backward sums them: fp32 rounding,
@@ -31,13 +28,7 @@ def _config(tmp_path, steps=3, **changes):
 
 
 def _train(tmp_path, steps=3, **changes):
-    config = _config(tmp_path, steps, **changes)
-    parts = build(config, CPU, 0, True, None)
-    state, window = TrainState(), Window(CPU)
-    for _, batch in zip(range(steps), train_batches(parts.data, config.batch_size, config.seed)):
-        assert train_step(parts, config, state, window, batch, CPU)
-        state.step += 1
-    return parts, state, window
+    return train_steps(_config(tmp_path, steps, **changes), steps)
 
 
 @pytest.mark.parametrize("tp,dp,k", [(1, 1, 2), (1, 1, 8), (2, 1, 4), (2, 2, 2)])

@@ -113,14 +113,16 @@ def test_estimate_refuses_an_unwritable_out_before_simulating(tmp_path, monkeypa
 
 def test_estimate_names_out_when_a_write_fails(tmp_path, monkeypatch, capsys):
     from lossysim.estimate import grid
-    row = {**{key: 0 for key in grid.SHOWN}, "loss_rate": 0.0}
+    row = {**{key: 0 for key in grid.SHOWN}, "loss_rate": 0.0, "layout": "tp2 x pp1 x dp1 = 2 GPUs on 1 node"}
     monkeypatch.setattr(grid, "run_grid", lambda *a, **k: [row])
 
     def full_disk(path, text):
         raise OSError(28, "No space left on device", str(path))
     monkeypatch.setattr(grid, "atomic_write_text", full_disk)
     assert cli.main([*ESTIMATE, "--out", str(tmp_path / "est")]) == 2
-    line = one_error_line(capsys.readouterr().err, "estimate")
+    layout, error = capsys.readouterr().err.strip().splitlines()   # the layout's name, then one error line
+    assert layout == row["layout"]
+    line = one_error_line(error, "estimate")
     assert line.endswith(f"--out {tmp_path / 'est'} is not writable: No space left on device")
 
 

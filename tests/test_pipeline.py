@@ -25,10 +25,8 @@ from lossysim.pp.stages import stage_layout, stage_parameters
 from lossysim.run import checkpoint
 from lossysim.run.build import build
 from lossysim.run.experiment import run_experiment
-from lossysim.run.state import TrainState, Window
-from lossysim.run.step import train_step
 from test_resume import assert_same_run
-from tiny_runs import tiny_run
+from tiny_runs import tiny_run, train_steps
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.usefixtures("private_cache")
@@ -47,12 +45,7 @@ def _config(tmp_path, name="run", steps=3, **changes) -> ExperimentConfig:
 
 
 def _train(config: ExperimentConfig, steps: int = 3):
-    parts = build(config, CPU, 0, True, None)
-    state, window = TrainState(), Window(CPU)
-    for _, batch in zip(range(steps), train_batches(parts.data, config.batch_size, config.seed)):
-        assert train_step(parts, config, state, window, batch, CPU)
-        state.step += 1
-    return parts, state
+    return train_steps(config, steps)[:2]
 
 
 def test_the_schedules_the_config_takes_are_the_clocks():

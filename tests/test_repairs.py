@@ -50,12 +50,15 @@ def repairs(nic, p, packets, trials, final=True, seed=0):
 
 # p where each preset's timers matter, and few enough packets that runs are quick; roce-gbn's fifth
 # timeout in a row waits seconds (the IB ACK timeout), so its p keeps that out of reach.
-CASES = {"ideal": (0.1, 60), "irn": (0.1, 60), "srd": (0.1, 60), "roce-gbn": (0.02, 150), "tcp": (0.2, 20)}
+CASES = {"ideal": (0.1, 60), "irn": (0.1, 60), "srd": (0.1, 60), "roce-gbn": (0.02, 150),
+         "roce-gbn-timeout": (0.02, 150), "tcp": (0.2, 20), "tcp-bbr": (0.2, 20)}
 
 
 @pytest.mark.parametrize("name", list(NIC_PRESETS))
 def test_repair_time_is_its_closed_form(name):
-    nic = NIC_PRESETS[name]
+    # the congestion window has no closed form under random loss (tests/test_tcp.py holds it to the
+    # response function): here its timers alone, which tcp shares with tcp-bbr
+    nic = replace(NIC_PRESETS[name], window="")
     p, n = CASES[name]
     extra, _, failed = repairs(nic, p, n, 1500)
     assert not failed.any()
@@ -205,3 +208,112 @@ def test_large_all_reduces_reach_the_published_bus_bandwidth(tp, per_node, intra
     size = 2 ** 30
     t = loss_free_time(spec, schedule("ring", "all_reduce", tp, 1), size, spec.payload_bytes)
     assert timing.busbw("all_reduce", tp, size, t) / 1e9 == pytest.approx(published, rel=0.05), source
+
+
+# What each preset charges, by hand. One connection of 20 packets in its last step (TAU 0.12 us, RTT
+# 6 us, go-back-N window 8); the tails are the last `dupacks` packets (TCP: 3). Timers at RTT 6 us:
+# ideal 6 us; irn 100 us; srd 3 RTT = 18 us; roce-gbn max(4 us x 2^s, RTT): 6, 8, 16, 32 us, then 4.29 s;
+# roce-gbn-timeout 4.096 us x 2^20 = 4.294967296 s; tcp: the probe at the last ACK (RTT) + 201 ms with one
+# packet out (2 RTT + 200 ms, capped by the RTO SRTT + 200 ms = 200.006 ms, both 201 jiffies), then the
+# RTO 0.201 s doubling. 20 packets end before any loss is known (a 50-packet window later): no cut.
+GBN_TIMEOUT = 4.096e-6 * 2 ** 20
+TAIL = {"ideal": RTT, "irn": 100e-6, "srd": 3 * RTT, "roce-gbn": RTT, "roce-gbn-timeout": GBN_TIMEOUT,
+        "tcp": RTT + 0.201, "tcp-bbr": RTT + 0.201}
+SECOND = {"ideal": RTT, "irn": 100e-6, "srd": 3 * RTT, "roce-gbn": 8e-6, "roce-gbn-timeout": GBN_TIMEOUT,
+          "tcp": 0.201, "tcp-bbr": 0.201}
+THIRD = {"ideal": RTT, "irn": 100e-6, "srd": 3 * RTT, "roce-gbn": 16e-6, "roce-gbn-timeout": GBN_TIMEOUT,
+         "tcp": 0.402, "tcp-bbr": 0.402}
+NAK = RTT - WINDOW * TAU   # go-back-N: the NAK returns while the 8 packets behind the loss go out
+
+
+def hand(name, rounds, packets=20):
+    """extra seconds and transmissions of one scripted connection (rounds: the k-th transmissions lost)."""
+    nic = NIC_PRESETS[name]
+    it = iter(rounds)
+
+    def draw(lengths, known=True):
+        lost = torch.zeros(len(lengths), int(lengths.max()), dtype=torch.bool)
+        for k in next(it, ()):
+            lost[0, k] = True
+        return lost, lambda used: None
+    r = run_step(Transport("retransmit", nic.mode), nic, one_connection(nic, packets), draw, math.inf)
+    return r.extra, int(r.transmissions[0])
+
+
+@pytest.mark.parametrize("name", list(NIC_PRESETS))
+def test_one_loss_mid_stream_costs_a_resend_and_a_round_trip(name):
+    """Packet 5 lost. Selective: 1 resend + RTT = 6.12 us, 21 sent. Go-back-N: 14 out in round 0 (5, the
+    lost one, 8 behind it), then 15 from packet 5: 29 sent, 9 TAU + (RTT - 8 TAU) = 6.12 us too."""
+    got, sent = hand(name, [[5]])
+    assert got == pytest.approx(TAU + RTT, abs=1e-12)
+    assert sent == (29 if NIC_PRESETS[name].mode == "go_back_n" else 21)
+
+
+@pytest.mark.parametrize("name", list(NIC_PRESETS))
+def test_one_loss_at_the_tail_waits_the_presets_timer(name):
+    """Packet 19 lost, nothing behind it: 1 resend + the tail timer (TAIL)."""
+    got, sent = hand(name, [[19]])
+    assert got == pytest.approx(TAU + TAIL[name], abs=1e-12) and sent == 21
+
+
+@pytest.mark.parametrize("name", list(NIC_PRESETS))
+def test_two_losses_in_one_round(name):
+    """Packets 3 and 11 lost. Selective: both resent after one RTT, 2 TAU + RTT. Go-back-N: 3 stops the
+    round at 12 packets (11 was among the 8 thrown away anyway), then 17 from packet 3: 29 sent,
+    9 TAU + (RTT - 8 TAU)."""
+    got, sent = hand(name, [[3, 11]])
+    if NIC_PRESETS[name].mode == "go_back_n":
+        assert got == pytest.approx(9 * TAU + NAK, abs=1e-12) and sent == 29
+    else:
+        assert got == pytest.approx(2 * TAU + RTT, abs=1e-12) and sent == 22
+
+
+@pytest.mark.parametrize("name", list(NIC_PRESETS))
+def test_a_resend_lost_again(name):
+    """Packet 5 lost, its resend lost too. Selective: RTT, then the lone resend is its round's tail: the
+    tail timer (TAIL), 2 resends. Go-back-N: round 0 sends 14, round 1 the resend and 8 behind it (9),
+    round 2 the 15 from packet 5: 38 sent, 18 TAU + 2 (RTT - 8 TAU)."""
+    got, sent = hand(name, [[5], [0]])
+    if NIC_PRESETS[name].mode == "go_back_n":
+        assert got == pytest.approx(18 * TAU + 2 * NAK, abs=1e-12) and sent == 38
+    else:
+        assert got == pytest.approx(2 * TAU + RTT + TAIL[name], abs=1e-12) and sent == 22
+
+
+@pytest.mark.parametrize("name", ["roce-gbn", "roce-gbn-timeout"])
+def test_go_back_n_resends_the_window_behind_a_loss(name):
+    """Packet 15 lost: 4 packets behind it go out and are thrown away (fewer than the window of 8);
+    the NAK comes RTT - 4 TAU after, then 16..20 again: 20 + 5 = 25 sent, 5 TAU + RTT - 4 TAU."""
+    got, sent = hand(name, [[15]])
+    assert got == pytest.approx(TAU + RTT, abs=1e-12) and sent == 25
+
+
+@pytest.mark.parametrize("name", list(NIC_PRESETS))
+def test_a_tail_lost_three_times_backs_off(name):
+    """Packet 19 lost, then its resend twice: 3 resends and the tail timers in a row (TCP: the probe,
+    the RTO, its double; roce-gbn: 6, 8, 16 us)."""
+    got, sent = hand(name, [[19], [0], [0]])
+    assert got == pytest.approx(3 * TAU + TAIL[name] + SECOND[name] + THIRD[name], abs=1e-12) and sent == 23
+
+
+@pytest.mark.parametrize("name", list(NIC_PRESETS))
+def test_a_step_waits_for_its_slowest_send(name):
+    """Two sends: 0 (20 packets, its link's last step) loses its tail; 1 (20 packets on a link twice as
+    slow and far, TAU 0.24 us and RTT 12 us, not its last step) loses 3 and 11. The step costs the larger:
+    TAU + TAIL against 2 x 2 TAU + 2 RTT (go-back-N: 2 x (9 TAU + NAK))."""
+    nic = NIC_PRESETS[name]
+    f64 = dict(dtype=torch.float64)
+    tails = torch.zeros(2, 20, dtype=torch.bool)
+    tails[0, 20 - nic.dupacks:] = True
+    sends = Sends(torch.tensor([20, 20]), torch.tensor([TAU, 2 * TAU], **f64), torch.tensor([RTT, 2 * RTT], **f64),
+                  torch.tensor([WINDOW, WINDOW]), torch.tensor([True, False]), tails, torch.tensor([nic.dupacks, 0]))
+    rounds = iter([[(0, 19), (1, 3), (1, 11)]])
+
+    def draw(lengths, known=True):
+        lost = torch.zeros(len(lengths), int(lengths.max()), dtype=torch.bool)
+        for send, k in next(rounds, ()):
+            lost[send, k] = True
+        return lost, lambda used: None
+    got = run_step(Transport("retransmit", nic.mode), nic, sends, draw, math.inf).extra
+    second = 2 * (9 * TAU + NAK) if nic.mode == "go_back_n" else 2 * (2 * TAU + RTT)
+    assert got == pytest.approx(max(TAU + TAIL[name], second), abs=1e-12)

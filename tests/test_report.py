@@ -562,6 +562,44 @@ def test_pipeline_labels_and_topology_count_every_stage():
     assert pipeline.value({"pp_size": 2}) == "pp 2", "columns summary.csv lacks are not guessed"
 
 
+# -- which algorithm each collective ran -----------------------------------------------------------------
+def _record_choices(run_dir: Path) -> None:
+    """What a real run writes into summary.json's collectives: a network of the run's spec calls every
+    TP site of the tiny model (2 blocks) at two sizes."""
+    from lossysim import LossyNetwork
+    from lossysim.config import load_config
+    import json
+    import torch
+    config = load_config(run_dir / "config.yaml")
+    net = LossyNetwork(config.network_spec())
+    for numel in (10240, 11264):
+        for site in (f"h.{i}.{m}.{k}" for i in range(2) for m in ("attn", "mlp") for k in ("copy", "reduce")):
+            net.simulate(site, "fwd" if site.endswith("reduce") else "bwd", numel, torch.float32)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["collectives"] = [{"network": "tp", **row} for row in net.choices()]
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+def test_report_names_the_algorithm_each_collective_ran(quick_like):
+    out, runs, metrics = quick_like
+    assert report.section_collectives(report.ReportInputs(out, runs, metrics)) == "", "no records, no section"
+    for run_dir in runs["run_dir"]:
+        _record_choices(out / run_dir)
+    table = report.collectives_table(out, runs)
+    # Three groups timed alike: ring on 2 nodes, direct on 2 nodes, ring on 2 x 2 (loss never splits a group).
+    assert list(table["runs"]) == ["ring, 2 nodes x 1 rank", "direct, 2 nodes x 1 rank", "ring, 2 nodes x 2 ranks"]
+    assert set(table["traffic"]) == {"TP"} and set(table["collective"]) == {"all_reduce"}
+    # 40 KiB on 2 ranks across roce-200g: NCCL's LL; the direct exchange has no protocol.
+    assert list(table["algorithm"]) == ["ring/LL", "direct", "ring/LL"]
+    assert list(table["channels"]) == ["1", "0", "2"]
+    sites = "h.*.attn.copy, h.*.attn.reduce, h.*.mlp.copy, h.*.mlp.reduce (8)"
+    assert list(table["call sites"]) == [sites] * 3
+    assert list(table["message"]) == ["40.0–44.0 KiB"] * 3
+    section = report.section_collectives(report.ReportInputs(out, runs, metrics))
+    assert section.startswith("## Collectives: which algorithm each ran") and "| ring/LL" in section
+    report.write_report(out)
+    assert "## Collectives: which algorithm each ran" in (out / "report.md").read_text()
+
 def test_a_retransmitted_run_names_no_recovery_policy():
     """Under retransmission every packet arrives and no policy acts: its label says "–", not the
     policy its config happens to carry."""

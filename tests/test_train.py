@@ -17,7 +17,7 @@ from lossysim.models import build_model
 from lossysim.run import experiment
 from lossysim.run.experiment import run_experiment
 from torchrun_launch import torchrun
-from tiny_runs import tiny_run
+from tiny_runs import dp_group_spec, tiny_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMINGS = ("time_s", "tokens_per_s", "wall_time_s")
@@ -298,3 +298,45 @@ def test_a_transport_that_gives_up_costs_a_restart_or_ends_the_run(tmp_path):
     ended = run_experiment(tiny(tmp_path / "b", max_failures=1, **lossy), tmp_path / "b" / "run", progress=False)
     assert ended["status"] == "gave_up" and ended["sim_time"]["failures"] >= 1
     assert ended["steps"] < 12
+
+
+def _replayed(spec, record: dict) -> dict:
+    """``record``'s call again on a fresh network of ``spec``: the choice NCCL's model makes for its size."""
+    net = LossyNetwork(spec)
+    pair = (0, 1) if record["collective"] == "send" else None
+    net.simulate(record["site"], record["direction"], record["bytes"] // 4, torch.float32, record["collective"],
+                 pair=pair)
+    row, = net.choices()
+    return row
+
+
+def test_summary_records_every_training_networks_nccl_choices(tmp_path):
+    """summary.json's collectives: one record per (network, site, direction, collective, bytes), for the TP
+    network, every DP group and (with stages) every stage and boundary; each the choice a fresh network of
+    the same spec makes for that message."""
+    config = tiny(tmp_path / "dp", algorithm="auto", dp_size=2, steps=2, eval_every=2, log_every=1)
+    summary = run_experiment(config, config.out, progress=False)
+    on_disk = json.loads((Path(config.out) / "summary.json").read_text())
+    assert on_disk["collectives"] == summary["collectives"]
+    records = summary["collectives"]
+    assert {r["network"] for r in records} == {"tp", "dp.tp0", "dp.tp1"}
+    assert {(r["site"], r["direction"]) for r in records if r["network"] == "tp"} == \
+        {(p["site"], p["direction"]) for p in summary["packets_by_site"]["train"]}
+    buckets = summary["data_parallel"]["buckets"]
+    for t in (0, 1):
+        assert sorted(r["site"] for r in records if r["network"] == f"dp.tp{t}") == \
+            sorted(f"dp.bucket{b}" for b in range(buckets))
+    settings, mesh = config.network_settings(), config.mesh()
+    specs = {"tp": mesh.tp_network_spec(settings), "dp.tp0": dp_group_spec(config, 0),
+             "dp.tp1": dp_group_spec(config, 1)}
+    for record in records:
+        assert {k: v for k, v in record.items() if k != "network"} == _replayed(specs[record["network"]], record)
+
+    config = tiny(tmp_path / "pp", pp_size=2, steps=2, eval_every=2, log_every=1)
+    records = run_experiment(config, config.out, progress=False)["collectives"]
+    assert {r["network"] for r in records} == {"tp.stage0", "tp.stage1", "pp.boundary0"}
+    for s in (0, 1):
+        assert {r["site"].split(".")[1] for r in records if r["network"] == f"tp.stage{s}"} == {str(s)}
+    sends = [r for r in records if r["network"] == "pp.boundary0"]
+    assert {(r["direction"], r["collective"], r["algorithm"]) for r in sends} == \
+        {("fwd", "send", "p2p"), ("bwd", "send", "p2p")}

@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Union
 
+import torch
+
 from lossysim.config import ExperimentConfig
 from lossysim.net import NetworkSpec
 
@@ -24,3 +26,19 @@ def tiny_run(out: Union[str, Path], /, **settings) -> ExperimentConfig:
 def dp_group_spec(config: ExperimentConfig, tp_rank: int = 0) -> NetworkSpec:
     """The network spec of TP position ``tp_rank``'s data-parallel group, as a run places it."""
     return config.mesh().dp_network_spec(config.network_settings(), tp_rank, config.dp_lossy())
+
+
+def train_steps(config: ExperimentConfig, steps: int):
+    """Build ``config``'s run (sim, CPU) and train ``steps`` steps with the run's own step: its parts,
+    state and window."""
+    from lossysim.data import train_batches
+    from lossysim.run.build import build
+    from lossysim.run.state import TrainState, Window
+    from lossysim.run.step import train_step
+    cpu = torch.device("cpu")
+    parts = build(config, cpu, 0, True, None)
+    state, window = TrainState(), Window(cpu)
+    for _, batch in zip(range(steps), train_batches(parts.data, config.batch_size, config.seed)):
+        assert train_step(parts, config, state, window, batch, cpu)
+        state.step += 1
+    return parts, state, window

@@ -3,8 +3,8 @@
 Every network key takes several values (comma lists or repeated flags; loss and link specs contain
 commas, so ``--loss``, ``--link-intra`` and ``--link-inter`` are repeated instead); the command runs
 their product and writes ``estimate.csv``,
-``estimate.json`` and, for several loss rates, ``slowdown.png`` (slowdown against loss rate, one
-line per transport).
+``estimate.json``, ``time_by_class.png`` (each setting's step stacked by traffic class) and, for
+several loss rates, ``slowdown.png`` (slowdown against loss rate, one line per transport).
 """
 from __future__ import annotations
 
@@ -23,11 +23,13 @@ from ..net.recovery import RECOVERY_POLICIES
 from ..net.spec import LOSSY
 from ..net.topology import LOSSY_LINKS
 from ..net.transport import TRANSPORTS
+from ..config import DP_MODES
+from ..pp.schedule import SCHEDULES
 from ..timing import NIC_PRESETS
 from ..util import one_of
 from .shapes import NAMES, load
 from .simulate import estimate
-from .workload import DTYPES, Workload
+from .workload import DTYPES, Workload, layout_name
 
 # Network keys that take several values: flag -> NetworkSpec field.
 GRID = {"--loss": "loss", "--transport": "transport", "--nic": "nic", "--algorithm": "algorithm",
@@ -38,8 +40,9 @@ WHOLE = ("loss", "link_intra", "link_inter")   # their specs contain commas: one
 CHOICES = {"transport": TRANSPORTS, "nic": tuple(NIC_PRESETS), "algorithm": ALGORITHMS, "lossy_links": LOSSY_LINKS,
            "recovery": RECOVERY_POLICIES, "lossy": LOSSY}
 # Columns printed on the terminal (every column goes to the files).
-SHOWN = ("loss", "transport", "nic", "algorithm", "loss_free_step_s", "step_mean_s", "step_p99_s", "slowdown",
-         "comm_share", "packets_lost", "packets_resent", "elements_lost_fwd", "failures_per_1000_steps")
+SHOWN = ("loss", "transport", "nic", "algorithm", "loss_free_step_s", "step_mean_s", "step_p50_s", "step_p99_s",
+         "step_p99_hi_s", "slowdown", "comm_share", "packets_lost", "packets_resent", "elements_lost_fwd",
+         "failures_per_1000_steps")
 
 
 def add_arguments(parser) -> None:
@@ -48,7 +51,29 @@ def add_arguments(parser) -> None:
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
     parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES), help="activation dtype (default bf16)")
     parser.add_argument("--tp-size", type=int, default=8, help="tensor-parallel degree (default 8)")
-    parser.add_argument("--ranks-per-node", type=int, help="ranks per node (default: all on one node)")
+    parser.add_argument("--ranks-per-node", "--gpus-per-node", dest="ranks_per_node", type=int,
+                        help="GPUs (ranks) per node (default: a TP group to a node; tp alone: all on one node)")
+    parser.add_argument("--nics-per-node", type=int, help="NICs a node's inter-node traffic spreads over "
+                                                          "(default: one per GPU)")
+    parser.add_argument("--payload-bytes", type=int, help="payload bytes of a packet (default "
+                        f"{NetworkSpec.__dataclass_fields__['payload_bytes'].default}; RoCE at MTU 4096: 4096)")
+    parser.add_argument("--pp-size", type=int, default=1, help="pipeline stages (default 1)")
+    parser.add_argument("--pp-schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
+    parser.add_argument("--pp-layout", help="blocks per stage, e.g. 9,10,10,11 (default: an even split)")
+    parser.add_argument("--dp-size", type=int, default=1, help="data-parallel replicas (default 1)")
+    parser.add_argument("--dp-mode", default="ddp", choices=DP_MODES, help="ddp or fsdp (default ddp)")
+    parser.add_argument("--microbatches", type=int,
+                        help="micro-batches per replica per step (default: from --global-batch, else pp size)")
+    parser.add_argument("--global-batch", type=int,
+                        help="sequences per step: micro-batch x microbatches x dp size, as Megatron derives it")
+    parser.add_argument("--dp-bucket-mb", type=float, default=25.0, help="DDP bucket (FSDP unit) MiB (default 25)")
+    parser.add_argument("--no-dp-overlap", dest="dp_overlap", action="store_false",
+                        help="buckets wait for the backward to end (default: they overlap it, as DDP's do)")
+    parser.add_argument("--grad-dtype", default="fp32", choices=tuple(DTYPES),
+                        help="dtype gradients are reduced in (default fp32)")
+    parser.add_argument("--sampled-groups", type=int,
+                        help="lossy groups simulated per stage or boundary, the slowest of the rest drawn from "
+                             "their times (0: every group; default: every group up to 64 GPUs, else 2)")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each block's forward in backward (its all-reduces are charged again)")
     for flag, key in GRID.items():
@@ -67,12 +92,24 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    workload = Workload(args.seq, args.micro_batch, args.dtype, args.activation_checkpointing)
+    workload = Workload(args.seq, args.micro_batch, args.dtype, args.activation_checkpointing, pp_size=args.pp_size,
+                        dp_size=args.dp_size, dp_mode=args.dp_mode, microbatches=args.microbatches,
+                        global_batch=args.global_batch, pp_schedule=args.pp_schedule, pp_layout=args.pp_layout,
+                        dp_bucket_mb=args.dp_bucket_mb, dp_overlap=args.dp_overlap, grad_dtype=args.grad_dtype,
+                        gpus_per_node=args.ranks_per_node, sampled_groups=args.sampled_groups)
+    per_node = args.ranks_per_node
+    if per_node is not None and per_node > args.tp_size * args.pp_size * args.dp_size:
+        raise ValueError(f"ranks_per_node={per_node} is more GPUs than the layout's "
+                         f"{layout_name(args.tp_size, args.pp_size, args.dp_size, None).split(' on ')[0]}")
+    # A TP group's own network holds at most its tp ranks to a node; the mesh places the rest.
     settings = grid({key: getattr(args, key) for key in GRID.values()}, ranks=args.tp_size,
-                    ranks_per_node=args.ranks_per_node, seed=args.seed)
+                    ranks_per_node=None if per_node is None else min(per_node, args.tp_size),
+                    nics_per_node=args.nics_per_node, seed=args.seed,
+                    **({} if args.payload_bytes is None else {"payload_bytes": args.payload_bytes}))
     if args.out:
         check_writable(args.out, "--out")   # before the grid: a long estimate must not be lost at the end
     rows = run_grid(args.model, settings, workload, args.steps, args.compute, progress=not args.no_progress)
+    print(rows[0]["layout"], file=sys.stderr)
     print(_table(rows))
     if args.out:
         with output_errors(args.out, "--out"):
@@ -124,7 +161,7 @@ def run_grid(model: str, settings: Iterable[NetworkSpec], workload: Workload, st
 
 
 def write(rows: list[dict], out) -> list[Path]:
-    """estimate.csv, estimate.json and, for several loss rates, slowdown.png in ``out``."""
+    """estimate.csv, estimate.json, time_by_class.png and, for several loss rates, slowdown.png in ``out``."""
     import pandas as pd
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -132,7 +169,32 @@ def write(rows: list[dict], out) -> list[Path]:
     atomic_write_text(paths[0], pd.DataFrame(rows).to_csv(index=False))
     atomic_write_text(paths[1], json.dumps(rows, indent=1) + "\n")
     plotted = plot(rows, out / "slowdown.png")
-    return paths + ([plotted] if plotted else [])
+    return paths + ([plotted] if plotted else []) + [stacked(rows, out / "time_by_class.png")]
+
+
+def stacked(rows: list[dict], path: Path) -> Path:
+    """One bar per setting: the step's compute (and bubble), each traffic class's loss-free time added in
+    turn (tp, pp, dp or fsdp), and the repairs, the whole bar the mean step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    parts = [key for key in ("compute", "tp", "pp", "dp", "fsdp", "repair")
+             if any(f"stack_{key}_s" in row for row in rows)]
+    labels = [f"{row['loss']}\n{_transport(row)}" for row in rows]
+    fig, ax = plt.subplots(figsize=(max(6.4, 0.9 * len(rows) + 2), 4.6))
+    bottom = [0.0] * len(rows)
+    for key in parts:
+        heights = [row.get(f"stack_{key}_s", 0.0) for row in rows]
+        ax.bar(range(len(rows)), heights, bottom=bottom, label="compute and bubble" if key == "compute" else
+               "repairs (all classes)" if key == "repair" else f"{key} (loss-free)")
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_xticks(range(len(rows)), labels, fontsize=7, rotation=30, ha="right")
+    ax.set(ylabel="seconds per step", title=f"{rows[0]['model']}, {rows[0]['layout']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def plot(rows: list[dict], path: Path) -> Optional[Path]:

@@ -1,96 +1,531 @@
-"""One estimate: the collectives of a model's training steps through one lossy network, without the model.
+"""One estimate: every traffic class of a job's training steps through lossy networks, without the model.
 
-Every all-reduce goes through ``LossyNetwork.simulate``, the code path of a training run's
-collectives: the same keyed streams draw the same fates, the same transport repairs them, the same
-counters and clock move. Only the tensors are missing: a message is its element count and dtype.
-Compute is modelled as a training run models it (``timing.compute``: the step's FLOPs at a GPU's
-peak times an MFU, or its kernel launches), and a step takes its compute plus its communication
-(no overlap).
+The job is tp x pp x dp ranks laid out as training lays them out (``Mesh``: tp innermost, then pp,
+then dp). Every message of a step goes through ``LossyNetwork.simulate``, the code path of a training
+run's collectives: the same keyed streams draw the same fates, the same transport repairs them, the
+same counters and clock move. Only the tensors are missing: a message is its element count and dtype.
+Four traffic classes, each on the networks the mesh gives its groups:
+
+- ``tp``: every stage's TP all-reduces (``step_calls``), per micro-batch, on each replica's stage group;
+- ``pp``: every boundary's activation and its gradient, per micro-batch, TP rank t to TP rank t
+  (``pp.stages``), a send's time its slowest TP rank's;
+- ``dp``: DDP's gradient buckets (``dp.buckets``, a TP rank's local tensors of its stage), all-reduced
+  over each (stage, TP position)'s data-parallel group, a bucket's time its slowest group's;
+- ``fsdp``: the same units all-gathered before the forward and reduce-scattered after the backward.
+
+Groups whose links cannot lose a packet are all alike: one is simulated and stands for the others
+(its counts multiplied), which is exact, as their fates are all "delivered". Every group whose links
+can lose packets is simulated, or, with ``Workload.sampled_groups`` k (the default beyond 64 GPUs), k of
+each stage's or boundary's alike groups, the slowest of the others drawn from their times
+(docs/estimate.md, "The slowest of identical groups").
+
+The clock is training's (docs/estimate.md, "The clock"): compute per micro-batch as a training run
+models it (``timing.compute``), a stage's share by its FLOPs, a third forward and two thirds backward,
+plus its TP traffic; with stages, the schedule's critical path (``pipeline_time``); DDP's buckets
+overlap backward and FSDP's gathers are prefetched one unit ahead as ``dp.timeline`` says.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import defaultdict, deque
-from typing import Callable, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
 
 from .. import timing
+from ..dp import timeline
+from ..dp.buckets import plan_buckets
+from ..dp.fsdp import shard_numel
+from ..mesh import Mesh
 from ..models import cost
 from ..net import LossyNetwork, NetworkSpec
 from ..net.recovery import packets_of
 from ..net.sparse import Losses, bad_packets_of
+from ..pp.schedule import pipeline_time
+from ..pp.stages import stage_layout, stage_parameters
+from ..tp.parallelize import parallelize
+from ..util import stream_seed
 from .shapes import Shape, load
-from .workload import Workload, step_calls
+from .workload import Workload, layout_name, step_calls
+
+CLASSES = ("tp", "pp", "dp", "fsdp")
+_THIRD = 1 / 3     # forward's share of a micro-batch's compute (2N FLOPs of 6N), as training charges it
+
+
+class _Group(NamedTuple):
+    spec: NetworkSpec
+    copies: float      # the groups its counts stand for: loss-free ones alike (exact), or G / k sampled lossy ones
 
 
 def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], workload: Workload = Workload(),
              steps: int = 10, compute: str = "h100", tick: Optional[Callable[[], None]] = None) -> dict:
-    """Simulate ``steps`` training steps of ``model`` (a name, a config path or a ``Shape``) over
-    ``network`` (a ``NetworkSpec`` or its settings). Returns one flat row: per-step times, slowdown,
-    packets, what was lost (docs/estimate.md lists the columns). ``tick`` is called after each step."""
+    """Simulate ``steps`` training steps of ``model`` (a name, a config path or a ``Shape``) on the job
+    ``workload`` describes, every TP group on ``network`` (a ``NetworkSpec`` or its settings; ``ranks`` is
+    the TP size, ``ranks_per_node`` the GPUs of a node) and the mesh placing the other groups. Returns one
+    flat row: per-step times with intervals, slowdown, packets, what was lost, and all of it per traffic
+    class (docs/estimate.md lists the columns). ``tick`` is called once per step, when all are done."""
     shape = model if isinstance(model, Shape) else load(model)
     spec = network if isinstance(network, NetworkSpec) else NetworkSpec(**network)
     if int(steps) < 1:
         raise ValueError(f"steps={steps} must be >= 1")
-    shape.check_tp(spec.ranks)
-    shape.check_seq(workload.seq)
+    steps, w = int(steps), workload
+    tp, pp, dp, m = spec.ranks, int(w.pp_size), int(w.dp_size), w.n_microbatches
+    shape.check_tp(tp)
+    shape.check_seq(w.seq)
+    layout = stage_layout(w.pp_layout, pp, shape.layers)
+    per_node = spec.ranks_per_node if w.gpus_per_node is None else int(w.gpus_per_node)
+    mesh = _mesh(tp, pp, dp, per_node)
     gpu = timing.parse_compute(compute)
     if isinstance(gpu, timing.Measured):
         raise ValueError("compute=measured needs a real training run; name a GPU model (e.g. h100)")
-    tokens = workload.tokens
-    kernels = shape.kernels + cost.collective_kernels(shape.layers, spec.ranks)   # as a training run counts them
-    compute_s = gpu.step_time(shape.parameters, tokens, spec.ranks, kernels=kernels,
-                              attention_flops=cost.step_flops(0, tokens, shape.layers, shape.hidden, workload.seq))
+    tokens = w.tokens
+    kernels = shape.kernels + cost.collective_kernels(shape.layers, tp)   # as a training run counts them
+    micro_s = gpu.step_time(shape.parameters, tokens, tp, kernels=kernels,
+                            attention_flops=cost.step_flops(0, tokens, shape.layers, shape.hidden, w.seq))
+    job = _Job(shape, spec, w, mesh, layout)
+    shares = job.shares(tokens)
 
-    net = LossyNetwork(spec)
-    calls = step_calls(shape, workload.activation_checkpointing)
-    numel, dtype = tokens * shape.hidden, workload.torch_dtype
-    per_packet, _ = net.packets(numel, dtype)
-    inexact, received = defaultdict(int), defaultdict(int)
-    comm, done = [], 0.0
-    for _ in range(int(steps)):
-        record = defaultdict(deque)   # the first forward's deliveries, for the recomputed one
-        for call in calls:
-            if call.replay:
-                with net.replaying(record):
-                    net.simulate(call.site, call.direction, numel, dtype)
-                continue
-            with net.recording(record) if workload.activation_checkpointing else contextlib.nullcontext():
-                delivery = net.simulate(call.site, call.direction, numel, dtype, deliver=False)
-            received[call.direction] += spec.ranks * numel
-            if delivery is not None:
-                inexact[call.direction] += _inexact_elements(delivery, per_packet, numel)
-        total = net.clock()["comm_s"]
-        comm.append(total - done)
-        done = total
-        if tick is not None:
-            tick()
+    per_step, ideal_steps, stacks, added = [], [], [], defaultdict(lambda: np.zeros(2))
+    for times in job.run(steps, tick):
+        clock = _Clock(times, micro_s, shares, w, pp, dp, m, job.ready)
+        per_step.append(clock.step(0))
+        ideal_steps.append(clock.step(1))
+        present = job.classes
+        stack = [clock.step(1, zero=present)]
+        for i, cls in enumerate(present):
+            stack.append(clock.step(1, zero=present[i + 1:]) - sum(stack))
+        stacks.append(stack + [per_step[-1] - ideal_steps[-1]])
+        for cls in present:
+            added[cls] += [per_step[-1] - clock.step(0, zero=(cls,)), ideal_steps[-1] - clock.step(1, zero=(cls,))]
 
-    clock, steps = net.clock(), int(steps)
-    totals = net.totals()
-    packets = {name: totals[name] / steps for name in ("sent", "lost", "resent")}
-    step_s = compute_s + np.asarray(comm)
-    loss_free = compute_s + clock["ideal_comm_s"] / steps
-    return {
-        "model": shape.name, "parameters": shape.parameters, "tp_size": spec.ranks, "seq": workload.seq,
-        "micro_batch": workload.micro_batch, "dtype": workload.dtype,
-        "activation_checkpointing": workload.activation_checkpointing,
+    step_s, loss_free = np.asarray(per_step), float(np.mean(ideal_steps))
+    stack = np.mean(stacks, axis=0)
+    compute_s = float(stack[0])
+    counts = job.counts(steps)
+    row = {
+        "model": shape.name, "parameters": shape.parameters, "tp_size": tp, "pp_size": pp, "dp_size": dp,
+        "layout": layout_name(tp, pp, dp, per_node), "gpus": mesh.world,
+        "dp_mode": w.dp_mode if dp > 1 else "", "seq": w.seq, "micro_batch": w.micro_batch, "microbatches": m,
+        "global_batch": w.micro_batch * m * dp, "pp_schedule": w.pp_schedule if pp > 1 else "",
+        "stage_layers": ",".join(map(str, layout)), "dtype": w.dtype, "grad_dtype": w.grad_dtype,
+        "dp_bucket_mb": w.dp_bucket_mb, "dp_overlap": w.dp_overlap,
+        "activation_checkpointing": w.activation_checkpointing,
         "loss": spec.loss.spec, "loss_rate": spec.loss.loss_rate, "transport": spec.transport, "nic": spec.nic,
         "algorithm": spec.algorithm, "link_intra": spec.link_intra.spec, "link_inter": spec.link_inter.spec,
-        "ranks_per_node": spec.ranks_per_node, "lossy_links": spec.lossy_links, "lossy": ",".join(spec.lossy),
-        "recovery": spec.recovery,
+        "ranks_per_node": per_node, "nics_per_node": spec.nics_per_node,
+        "lossy_links": spec.lossy_links, "lossy": ",".join(spec.lossy), "recovery": spec.recovery,
         "seed": spec.seed, "compute": gpu.spec, "steps": steps,
-        "collectives_per_step": sum(not call.replay for call in calls), "message_bytes": numel * dtype.itemsize,
-        "compute_s": compute_s, "loss_free_comm_s": clock["ideal_comm_s"] / steps, "loss_free_step_s": loss_free,
-        "step_mean_s": float(step_s.mean()), "step_p50_s": float(np.percentile(step_s, 50)),
-        "step_p99_s": float(np.percentile(step_s, 99)), "slowdown": float(step_s.mean()) / loss_free,
-        "comm_share": float(np.mean(comm)) / float(step_s.mean()),
-        "packets_sent": packets["sent"], "packets_lost": packets["lost"], "packets_resent": packets["resent"],
-        "elements_lost_fwd": inexact["fwd"] / received["fwd"] if received["fwd"] else 0.0,
-        "elements_lost_bwd": inexact["bwd"] / received["bwd"] if received["bwd"] else 0.0,
-        "failures_per_1000_steps": 1000.0 * net.failures() / steps,
+        "collectives_per_step": m * sum(not call.replay for calls in job.calls for call in calls),
+        "message_bytes": tokens * shape.hidden * w.torch_dtype.itemsize,
+        "compute_s": compute_s, "loss_free_comm_s": loss_free - compute_s, "loss_free_step_s": loss_free,
+        **_intervals(step_s),
+        "slowdown": float(step_s.mean()) / loss_free,
+        "comm_share": 1.0 - compute_s / float(step_s.mean()),
+        **{f"packets_{name}": sum(c[name] for c in counts.values()) for name in ("sent", "lost", "resent")},
+        "elements_lost_fwd": job.elements_lost("tp", "fwd"), "elements_lost_bwd": job.elements_lost("tp", "bwd"),
+        "failures_per_1000_steps": 1000.0 * sum(c["failures"] for c in counts.values()),
+        "sampled_groups": job.sampled, "packets_drawn": job.drawn / steps,
+        "collectives": job.choice_summary(),
     }
+    for cls in CLASSES:   # every class's columns, zero where the job has none of its traffic
+        seconds = added[cls] / steps
+        row.update({f"{cls}_loss_free_s": float(seconds[1]), f"{cls}_repair_s": float(seconds[0] - seconds[1]),
+                    **{f"{cls}_packets_{name}": counts.get(cls, {}).get(name, 0.0)
+                       for name in ("sent", "lost", "resent")},
+                    f"{cls}_elements_lost": job.elements_lost(cls)})
+    row.update({f"stack_{name}_s": 0.0 for name in ("compute", *CLASSES, "repair")})
+    for name, value in zip(("compute", *job.classes, "repair"), stack):
+        row[f"stack_{name}_s"] = float(value)
+    return row
+
+
+def _mesh(tp: int, pp: int, dp: int, per: Optional[int]) -> Mesh:
+    """The job's mesh; a one-line ValueError naming ranks_per_node when a node's GPUs do not fit it."""
+    world = tp * pp * dp
+    if per is not None and per > world:
+        raise ValueError(f"ranks_per_node={per} is more GPUs than the layout's tp{tp} x pp{pp} x dp{dp} = {world}")
+    if per is not None and pp * dp > 1 and ((per % tp and tp % per) or world % per):
+        raise ValueError(f"ranks_per_node={per} must divide tp_size={tp} or be a multiple of it, and divide "
+                         f"the world tp_size x pp_size x dp_size = {world}")
+    return Mesh(tp, dp, per, pp)
+
+
+class _Job:
+    """A job's groups, messages and bucket plans, and the per-step simulation of every class."""
+
+    def __init__(self, shape: Shape, spec: NetworkSpec, w: Workload, mesh: Mesh, layout: tuple[int, ...]):
+        self.shape, self.w, self.mesh, self.layout = shape, w, mesh, layout
+        tp, pp, dp = mesh.tp, mesh.pp, mesh.dp
+        settings = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init}
+        # tp[s]: stage s's groups, one per replica (or one for all: loss-free)
+        self.tp = [_groups([mesh.tp_network_spec(settings, r, s) for r in range(dp)]) for s in range(pp)]
+        self.pp = [_groups([mesh.pp_network_spec(settings, r, b, ("fwd", "bwd")) for r in range(dp)])
+                   for b in range(pp - 1)]
+        if pp > 1 and not LossyNetwork(self.tp[0][0].spec).recovery.acts_on_sends:
+            raise ValueError(f"pp_size={pp} needs a recovery policy that acts on point-to-point sends, "
+                             f"not recovery={spec.recovery}")
+        mode = w.dp_mode if dp > 1 else None
+        lossy = ("fwd", "bwd") if mode == "fsdp" else ("bwd",)
+        self.dp = [_groups([mesh.dp_network_spec(settings, t, lossy, stage=s) for t in range(tp)])
+                   for s in range(pp)] if mode else []
+        self.mode = mode
+        self.dp_class = "fsdp" if mode == "fsdp" else "dp"
+        self.classes = tuple(c for c, on in (("tp", tp > 1), ("pp", pp > 1), (self.dp_class, mode is not None)) if on)
+        self.buckets = self._buckets() if mode else []
+        self.ready = [[b.ready for b in stage] for stage in self.buckets]
+        self.calls = [step_calls(shape, w.activation_checkpointing, self.blocks(s)) for s in range(pp)]
+        self.numel = w.tokens * shape.hidden
+        self.inexact = defaultdict(int)
+        self.received = defaultdict(int)
+        self.sums = {}
+        self.drawn = 0     # packet fates drawn (lossy groups simulated), all steps
+        self.choices = defaultdict(set)   # (class, collective, algorithm, protocol, channels) -> bytes
+        self.sampled = w.sampled(mesh.world)
+        self.rng = np.random.default_rng(stream_seed(spec.seed, "estimate.slowest", "groups"))
+
+    def _sample(self, groups: list[_Group], stages: int = 1) -> tuple[list[_Group], int]:
+        """The groups simulated, each standing for its share of the G (of each of ``stages`` alike
+        stages), and how many of the first stage's are drawn instead."""
+        k = self.sampled
+        if not k or groups[0].copies > 1 or (len(groups) <= k and stages == 1):
+            return groups, 0
+        k = min(k, len(groups))
+        return [g._replace(copies=len(groups) * stages / k) for g in groups[:k]], len(groups) - k
+
+    def _draw_groups(self, per_step: list[list], k: int) -> None:
+        """Fill each step's groups after the first ``k`` (simulated) with [micro-batch] of two items,
+        each drawn independently from the simulated groups' items of that kind over every micro-batch
+        and step (they are identically distributed: the same messages on groups alike but for streams)."""
+        pool = np.asarray([groups[j] for groups in per_step for j in range(k)], dtype=float).reshape(-1, 2, 2)
+        for groups in per_step:
+            for j in range(k, len(groups)):
+                drawn = self.rng.integers(len(pool), size=(len(groups[0]), 2))
+                groups[j] = [(pool[a, 0].tolist(), pool[b, 1].tolist()) for a, b in drawn]
+
+    def blocks(self, stage: int) -> range:
+        first = sum(self.layout[:stage])
+        return range(first, first + self.layout[stage])
+
+    def shares(self, tokens: int) -> list[float]:
+        """Each stage's share of a micro-batch's compute: its share of the FLOPs (training's
+        ``_stage_shares``)."""
+        flops = [cost.step_flops(n, tokens, layers, self.shape.hidden, self.w.seq)
+                 for n, layers in zip(self._stage_parameters, self.layout)]
+        return [f / sum(flops) for f in flops]
+
+    def _buckets(self) -> list:
+        """Each stage's buckets of a TP rank's local gradients, planned as training plans them on the
+        TP-sharded model (built on the meta device), in the reduce dtype."""
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.shape.config)
+        tp_model = parallelize(model, self.mesh.tp, LossyNetwork(self.mesh.tp)).to(self.w.grad_torch_dtype)
+        owner = self._owners(model)    # after sharding: its layers' parameters are new ones
+        sharded = {id(p) for p in tp_model.sharded_parameters()}
+        params = list(tp_model.parameters())
+        cap = self.w.dp_bucket_mb * (1 << 20)
+        return [plan_buckets([p for p in params if owner.get(id(p), self.mesh.pp - 1) == s], sharded, cap)
+                for s in range(self.mesh.pp)]
+
+    @property
+    def _stage_parameters(self) -> list[int]:
+        if not hasattr(self, "_stage_counts"):
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(self.shape.config)
+            self._stage_counts = stage_parameters(model, self.layout)
+        return self._stage_counts
+
+    def _owners(self, model) -> dict:
+        """Parameter id -> its stage (as ``stage_parameters`` places them); the head is the last's."""
+        plan, last = self.shape.plan, self.mesh.pp - 1
+        stage_of = [s for s, count in enumerate(self.layout) for _ in range(count)]
+        owner = {}
+        for name, param in model.base_model.named_parameters():
+            if name.startswith(f"{plan.blocks}."):
+                owner[id(param)] = stage_of[int(name.split(".")[1])]
+            else:
+                owner[id(param)] = last if name.startswith(f"{plan.final_norm}.") else 0
+        return owner
+
+    # -- the steps ------------------------------------------------------------------------------
+    def run(self, steps: int, tick: Optional[Callable[[], None]] = None) -> list[dict]:
+        """Every class's messages of ``steps`` steps; per step their seconds, each [with loss, loss-free].
+
+        A network's calls depend only on its own streams, so each group runs all its steps in turn and
+        its network is let go once counted (its transfers are most of an estimate's memory)."""
+        m, dtype, grad = self.w.n_microbatches, self.w.torch_dtype, self.w.grad_torch_dtype
+        out = [{"tp": [[None] * len(g) for g in self.tp], "pp": [[None] * len(g) for g in self.pp],
+                "bucket": [], "gather": []} for _ in range(steps)]
+        for s, groups in enumerate(self.tp):
+            chosen, extra = self._sample(groups)
+            for j, group in enumerate(chosen):
+                net = LossyNetwork(group.spec)
+                if self.sampled and not _lossy(net):
+                    # loss-free and deterministic: every micro-batch of every step is the first one's
+                    once = self._tp_group(net, group.copies * m * steps, s, 1)
+                    for step in out:
+                        step["tp"][s][j] = once * m
+                    self._count("tp", net, group.copies * m * steps)
+                    continue
+                for step in out:
+                    step["tp"][s][j] = self._tp_group(net, group.copies, s, m)
+                self._count("tp", net, group.copies)
+            if extra:
+                self._draw_groups([step["tp"][s] for step in out], len(chosen))
+        alike = defaultdict(list)   # boundaries whose groups differ only by their streams: one pool
+        for b, groups in enumerate(self.pp):
+            chosen, extra = self._sample(groups)
+            for j, group in enumerate(chosen):
+                net = LossyNetwork(group.spec)
+                for step in out:
+                    step["pp"][b][j] = self._sends(net, group.copies, b, m)
+                self._count("pp", net, group.copies)
+            if extra:
+                alike[dataclasses.replace(groups[0].spec, seed=0), len(chosen)].append(b)
+        for (_, k), boundaries in alike.items():
+            self._draw_groups([step["pp"][b] for step in out for b in boundaries], k)
+        if self.mode == "ddp":
+            for step in out:
+                step["bucket"] = [None] * len(self.dp)
+            alike = defaultdict(list)   # under the model, stages alike but for streams share the simulated groups
+            for s, (groups, buckets) in enumerate(zip(self.dp, self.buckets)):
+                same = self.sampled and groups[0].copies == 1
+                alike[(dataclasses.replace(groups[0].spec, seed=0), tuple(b.numel for b in buckets))
+                      if same else s].append(s)
+            for stages in alike.values():
+                messages = [(f"dp.bucket{b}", "bwd", bucket.numel, grad, "all_reduce")
+                            for b, bucket in enumerate(self.buckets[stages[0]])]
+                for s, per_step in zip(stages, self._slowest(self.dp[stages[0]], messages, "dp", steps, len(stages))):
+                    for step, seconds in zip(out, per_step):
+                        step["bucket"][s] = seconds
+        elif self.mode == "fsdp":
+            units = self.buckets[0]
+            messages = [(f"fsdp.gather{b}", "fwd", lambda net, n=unit.numel: shard_numel(net, n, dtype), dtype,
+                         "all_gather") for b, unit in enumerate(units)] + \
+                [(f"fsdp.reduce{b}", "bwd", lambda net, n=unit.numel: net.ranks * shard_numel(net, n, grad), grad,
+                  "reduce_scatter") for b, unit in enumerate(units)]
+            for step, seconds in zip(out, self._slowest(self.dp[0], messages, "fsdp", steps)[0]):
+                step["gather"], step["bucket"] = seconds[:len(units)], [seconds[len(units):]]
+        for _ in range(steps if tick is not None else 0):
+            tick()
+        return out
+
+    def _count(self, cls: str, net: LossyNetwork, copies: float) -> None:
+        if _lossy(net):
+            self.drawn += net.totals()["sent"]
+        sums = self.sums.setdefault(cls, defaultdict(float))
+        totals = net.totals()
+        for name in ("sent", "lost", "resent"):
+            sums[name] += totals[name] * copies
+        sums["failures"] += net.failures() * copies
+        for c in net.choices():   # what NCCL runs each message as (``algorithm: auto`` picks per size)
+            self.choices[(cls, c["collective"], c["algorithm"], c["protocol"], c["channels"])].add(c["bytes"])
+
+    def choice_summary(self) -> str:
+        """One line per (class, collective, algorithm/protocol, channels) the job ran, with its message
+        sizes: the estimate's ``collectives`` column."""
+        def size(b: int) -> str:
+            return f"{b / 2**20:.3g} MiB" if b >= 2**20 else f"{b / 2**10:.3g} KiB"
+        return "; ".join(f"{cls} {collective}: {algorithm}/{protocol} x{channels} "
+                         f"({size(min(sizes))}{'' if len(sizes) == 1 else '-' + size(max(sizes))})"
+                         for (cls, collective, algorithm, protocol, channels), sizes in sorted(self.choices.items()))
+
+    def _tp_group(self, net: LossyNetwork, copies: int, stage: int, m: int) -> list:
+        """[micro-batch] of (forward, backward), each [with loss, loss-free] seconds of its all-reduces."""
+        calls, dtype = self.calls[stage], self.w.torch_dtype
+        per_packet, _ = net.packets(self.numel, dtype)
+        forwards = next((k for k, c in enumerate(calls) if c.direction != "fwd" or c.replay), len(calls))
+        out = []
+        for _ in range(m):
+            record = defaultdict(deque)   # the first forward's deliveries, for the recomputed one
+            marks = [_mark(net)]
+            for k, call in enumerate(calls):
+                if k == forwards:
+                    marks.append(_mark(net))
+                if call.replay:
+                    with net.replaying(record):
+                        net.simulate(call.site, call.direction, self.numel, dtype)
+                    continue
+                recording = net.recording(record) if self.w.activation_checkpointing else contextlib.nullcontext()
+                with recording:
+                    delivery = net.simulate(call.site, call.direction, self.numel, dtype, deliver=False)
+                self._lost("tp", call.direction, delivery, per_packet, self.numel, net.ranks * self.numel, copies)
+            marks.append(_mark(net))
+            out.append(tuple([b[0] - a[0], b[1] - a[1]] for a, b in zip(marks, marks[1:])))
+        return out
+
+    def _sends(self, net: LossyNetwork, copies: int, boundary: int, m: int) -> list:
+        """[micro-batch] of (activation, gradient), each [with loss, loss-free] seconds of the slowest of
+        the TP ranks' sends over ``boundary``, issued in training's order."""
+        dtype, tp = self.w.torch_dtype, self.mesh.tp
+        per_packet, _ = net.packets(self.numel, dtype)
+        out = []
+        for _ in range(m):
+            pair = []
+            for direction in ("fwd", "bwd"):
+                slowest = [0.0, 0.0]
+                for t in range(tp):
+                    before = _mark(net)
+                    delivery = net.simulate(f"pp.boundary{boundary}", direction, self.numel, dtype, "send",
+                                            deliver=False, pair=(t, tp + t) if direction == "fwd" else (tp + t, t))
+                    after = _mark(net)
+                    slowest = [max(slowest[0], after[0] - before[0]), max(slowest[1], after[1] - before[1])]
+                    self._lost("pp", direction, delivery, per_packet, self.numel, self.numel, copies)
+                pair.append(slowest)
+            out.append(tuple(pair))
+        return out
+
+    def _slowest(self, groups: list[_Group], messages: list, cls: str, steps: int, stages: int = 1) -> list:
+        """Per step, each message's [with loss, loss-free] seconds, the slowest group's: groups run side
+        by side. ``messages``: (site, direction, numel or numel(network), dtype, collective). Groups
+        beyond the sampled ones: each message's slowest repair is drawn from the simulated repairs of
+        every message of its kind (direction, collective and packets, on groups alike but for streams),
+        added to its own loss-free time (the same in every group). ``stages`` > 1: as many stages alike
+        but for their streams, the groups of all but the first drawn whole. Returns [stage][step][message]."""
+        chosen, extra = self._sample(groups, stages)
+        seconds = np.zeros((len(chosen), steps, len(messages), 2))
+        kinds = [None] * len(messages)
+        for g, group in enumerate(chosen):
+            net = LossyNetwork(group.spec)
+            for i in range(steps):
+                for k, (site, direction, numel, dtype, collective) in enumerate(messages):
+                    numel = numel(net) if callable(numel) else numel
+                    kinds[k] = (direction, collective, net.packets(numel, dtype)[1])
+                    before = _mark(net)
+                    delivery = net.simulate(site, direction, numel, dtype, collective, deliver=False)
+                    after = _mark(net)
+                    seconds[g, i, k] = after[0] - before[0], after[1] - before[1]
+                    if collective == "all_reduce":
+                        per_packet, _ = net.packets(numel, dtype)
+                        self._lost(cls, direction, delivery, per_packet, numel, net.ranks * numel, group.copies)
+            self._count(cls, net, group.copies)
+        slowest = np.repeat(seconds.max(axis=0)[None], stages, axis=0)
+        slowest[1:, :, :, 0] = slowest[1:, :, :, 1]
+        for kind in dict.fromkeys(kinds) if extra or stages > 1 else ():
+            alike = [k for k, other in enumerate(kinds) if other == kind]
+            pool = (seconds[:, :, alike, 0] - seconds[:, :, alike, 1]).ravel()
+            for stage, draws in enumerate([extra] + [len(groups)] * (stages - 1)):
+                if not draws:
+                    continue
+                drawn = pool[self.rng.integers(len(pool), size=(steps, len(alike), draws))].max(axis=2)
+                both = slowest[stage][:, alike]
+                slowest[stage][:, alike, 0] = np.maximum(both[..., 0], both[..., 1] + drawn)
+        return slowest.tolist()
+
+    def _lost(self, cls: str, direction: str, delivery, per_packet: int, numel: int, received: int,
+              copies: int) -> None:
+        self.received[cls, direction] += received * copies
+        if delivery is not None:
+            self.inexact[cls, direction] += _inexact_elements(delivery, per_packet, numel) * copies
+
+    def elements_lost(self, cls: str, direction: Optional[str] = None) -> float:
+        """The share of ``cls``'s received elements (in ``direction``, or both) that did not arrive exact."""
+        keys = [(cls, d) for d in (("fwd", "bwd") if direction is None else (direction,))]
+        received = sum(self.received[k] for k in keys)
+        return sum(self.inexact[k] for k in keys) / received if received else 0.0
+
+    def counts(self, steps: int) -> dict:
+        """Per class, per step: packets sent, lost and resent, and the transport's failures."""
+        return {cls: {name: value / steps for name, value in sums.items()} for cls, sums in self.sums.items()}
+
+
+class _Clock:
+    """One step's end from its parts' seconds (``k`` 0: with loss, 1: loss-free), any class zeroed."""
+
+    def __init__(self, times: dict, micro_s: float, shares: list[float], w: Workload, pp: int, dp: int, m: int,
+                 ready: list):
+        self.t, self.c, self.shares, self.w, self.pp, self.dp, self.m, self.ready = \
+            times, micro_s, shares, w, pp, dp, m, ready
+
+    def step(self, k: int, zero=()) -> float:
+        tp = self.t["tp"]
+        tp_of = (lambda s, r: [[[0.0, 0.0]] * 2] * self.m) if "tp" in zero else \
+            (lambda s, r: tp[s][r if len(tp[s]) > 1 else 0])
+        bucket = [[[0.0, 0.0]] * len(b) for b in self.t["bucket"]] if {"dp", "fsdp"} & set(zero) else self.t["bucket"]
+        gather = [] if "fsdp" in zero or not self.t["gather"] else [g[k] for g in self.t["gather"]]
+        replicas = self.dp if any(len(g) > 1 for g in (*tp, *self.t["pp"])) else 1
+        c, m, overlap = self.c, self.m, self.w.dp_overlap
+        if self.pp == 1:
+            paths = []
+            for r in range(replicas):
+                forward = backward = comm = 0.0
+                for f, b in tp_of(0, r):
+                    forward += c / 3 + f[k]
+                    backward += c * 2 / 3 + b[k]
+                    comm += f[k] + b[k]
+                paths.append((forward, backward, comm))
+            step = m * c + paths[0][2]
+            if self.dp > 1:   # training's ``DataParallel.added_seconds``
+                slow_f, slow_b = max(p[0] for p in paths), max(p[1] for p in paths)
+                ready = self.ready[0]
+                forward_end = timeline.gathered_forward_seconds(slow_f, ready, gather, overlap)
+                end = timeline.step_seconds(forward_end, slow_b, ready, [s[k] for s in bucket[0]], overlap)
+                step += end - paths[0][0] - paths[0][1]
+            return step
+        pp = self.t["pp"]
+        sends = (lambda b, r: [[[0.0, 0.0]] * 2] * m) if "pp" in zero else \
+            (lambda b, r: pp[b][r if len(pp[b]) > 1 else 0])
+        timings = []
+        for r in range(replicas):
+            stages = [tp_of(s, r) for s in range(self.pp)]
+            forward = [[c * _THIRD * share + f[k] for f, _ in stage] for stage, share in zip(stages, self.shares)]
+            backward = [[c * (2 / 3) * share + b[k] for _, b in stage] for stage, share in zip(stages, self.shares)]
+            links = [sends(b, r) for b in range(self.pp - 1)]
+            timings.append(pipeline_time(self.w.pp_schedule, self.pp, m, forward, backward,
+                                         [[a[k] for a, _ in link] for link in links],
+                                         [[g[k] for _, g in link] for link in links]))
+        step = max(t.step_s for t in timings)
+        if self.dp > 1 and bucket:
+            # Gradients are final once a stage's last backward ends (accumulation over micro-batches):
+            # its buckets fill during that backward, on every replica, and overlap it as DDP's do.
+            for s in range(self.pp):
+                last = [[op for op in t.timeline if op.stage == s and op.kind == "B"][-1] for t in timings]
+                start, end = max(op.start for op in last), max(op.end for op in last)
+                step = max(step, timeline.step_seconds(start, end - start, self.ready[s],
+                                                       [b[k] for b in bucket[s]], overlap))
+        return step
+
+
+def _groups(specs: list[NetworkSpec]) -> list[_Group]:
+    """Identical groups: every one that can lose packets, or one for all when none can."""
+    if not _lossy(LossyNetwork(specs[0])):
+        return [_Group(specs[0], len(specs))]
+    return [_Group(spec, 1) for spec in specs]
+
+
+def _lossy(net: LossyNetwork) -> bool:
+    return not net.loss_model.lossless and net.topology.has_lossy_link and bool(net.lossy)
+
+
+def _mark(net: LossyNetwork) -> tuple[float, float]:
+    clock = net.clock()
+    return clock["comm_s"], clock["ideal_comm_s"]
+
+
+def _intervals(step_s: np.ndarray, level: float = 0.95) -> dict:
+    """Mean, p50 and p99 of the step times, each with its ``level`` interval: Student's t for the mean;
+    for a quantile the order statistics whose ranks bracket it with that probability (distribution-free).
+    A bound the steps are too few to give is None: the interval is wide, take more steps (a p99's upper
+    bound needs about 300)."""
+    from scipy import stats
+    n, x = len(step_s), np.sort(step_s)
+    out = {"step_mean_s": float(x.mean())}
+    if n > 1:
+        half = float(stats.t.ppf(0.5 + level / 2, n - 1) * x.std(ddof=1) / np.sqrt(n))
+        out["step_mean_lo_s"], out["step_mean_hi_s"] = out["step_mean_s"] - half, out["step_mean_s"] + half
+    else:
+        out["step_mean_lo_s"] = out["step_mean_hi_s"] = None
+    tail = (1 - level) / 2
+    for name, q in (("p50", 0.5), ("p99", 0.99)):
+        out[f"step_{name}_s"] = float(np.percentile(x, 100 * q))
+        # P(X_(j) <= quantile) = P(Binomial(n, q) >= j): the lower rank l has it >= 1 - tail, the upper u
+        lo = int(stats.binom.ppf(tail, n, q))            # 1-based rank: X_(lo) <= quantile w.p. >= 1 - tail
+        hi = int(stats.binom.ppf(1 - tail, n, q)) + 1
+        out[f"step_{name}_lo_s"] = float(x[lo - 1]) if lo >= 1 else None
+        out[f"step_{name}_hi_s"] = float(x[hi - 1]) if hi <= n else None
+    return out
 
 
 def _inexact_elements(delivery, per_packet: int, numel: int) -> int:

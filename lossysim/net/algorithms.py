@@ -14,12 +14,24 @@ all-reduce's first half (every algorithm: NCCL runs reduce-scatters on rings): r
 c ends with chunk c's sum and holds nothing of the other chunks. A ``send`` (NCCL's
 ncclSend/ncclRecv, point to point) runs no algorithm: one send of the whole message from one
 rank to another, in one step; its receiver holds what arrived (a lost packet is a hole).
+``nvls`` is NVLink SHARP (NCCL_ALGO_NVLS) on one node: every rank sends its whole message up to
+the NVSwitch, which reduces it and multicasts the sum back down to every rank. The switch is no rank:
+rank r's port up and the port down to rank r+1 are drawn on the directed link r -> r+1 of its node
+(the up send first), so each port has its own loss chain and counters. ``nvls_tree`` (NCCL_ALGO_NVLS_TREE)
+runs NVLS inside every node and a binary tree of nodes between them (heap layout over nodes; node k's
+first rank sends its node's sum to node (k-1)//2's first rank, and the reduced sum comes back the same
+way) before the switches multicast it. Across nodes ``nvls`` runs as ``nvls_tree``, ``nvls_tree`` on one
+node as ``nvls``, and either with one rank per node (no switch to reduce in) as ``tree``; both run
+all-reduces only (other collectives on rings). ``auto`` is no schedule: the network asks NCCL's tuner
+(``lossysim.timing.nccl.choose``) which algorithm each collective runs.
 
 What a loss means (``combine``): a lost packet of a reduce-scatter or reduce send
 takes every contribution it carried with it (the receiver's own contribution goes
 on alone); a lost packet of an all-gather or broadcast send is a hole that every
-rank downstream inherits (a rank forwards what it has). ``combine`` follows the
-lost packets along every path; ``path_weights`` multiplies per-send factors along
+rank downstream inherits (a rank forwards what it has). Through a switch (NVLS) a packet lost on
+the way up takes that rank's contribution from every receiver, the rank's own included (its sum is
+the switch's); one lost on the way down is a hole at that one receiver; between nodes, as the tree.
+``combine`` follows the lost packets along every path; ``path_weights`` multiplies per-send factors along
 the same paths (for ``rescale``, 1 / P(delivery) at every hop: dividing what
 arrived by the probability that it arrives is what keeps the estimate of the sum
 unbiased), so a delivered path carries its product and a lost one 0.
@@ -32,7 +44,8 @@ from typing import Optional
 
 import torch
 
-ALGORITHMS = ("ring", "tree", "direct")
+ALGORITHMS = ("ring", "tree", "direct", "nvls", "nvls_tree", "auto")
+IN_SWITCH = ("nvls", "nvls_tree")    # reduced in the NVSwitch: no rank adds what a send carries
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
 PHASES = ("reduce_scatter", "all_gather", "reduce", "broadcast", "exchange", "send")
 
@@ -66,8 +79,8 @@ class Schedule:
     (source, destination)."""
 
     def __init__(self, algorithm: str, collective: str, ranks: int, n_packets: int,
-                 pair: Optional[tuple[int, int]] = None):
-        if algorithm not in ALGORITHMS:
+                 pair: Optional[tuple[int, int]] = None, per_node: Optional[int] = None):
+        if algorithm not in ALGORITHMS or algorithm == "auto":
             raise ValueError(f"algorithm={algorithm!r} must be one of {', '.join(ALGORITHMS)}")
         if collective not in COLLECTIVES:
             raise ValueError(f"collective={collective!r} must be one of {', '.join(COLLECTIVES)}")
@@ -76,12 +89,23 @@ class Schedule:
         # NCCL has no tree all-gather either: trees run all-reduce, rings the rest.
         if collective == "all_gather" and algorithm == "tree" or collective == "reduce_scatter":
             algorithm = "ring"
+        per_node = int(ranks) if per_node is None else int(per_node)
+        if algorithm in IN_SWITCH:
+            if collective != "all_reduce":
+                algorithm = "ring"
+            elif per_node == 1:
+                algorithm = "tree"
+            else:
+                algorithm = "nvls" if per_node >= ranks else "nvls_tree"
         if collective == "send":   # whatever the network's algorithm: one message on one link
             algorithm = "p2p"
         self.algorithm, self.collective, self.pair = algorithm, collective, pair
+        self.per_node = min(per_node, int(ranks)) if algorithm in IN_SWITCH else None
         self.ranks, self.n_packets = int(ranks), int(n_packets)
         if pair is None:
-            self.sends: tuple[Send, ...] = tuple(_SENDS[(algorithm, collective)](self.ranks, self.n_packets))
+            make = _SENDS[(algorithm, collective)]
+            self.sends: tuple[Send, ...] = tuple(make(self.ranks, self.n_packets, self.per_node)
+                                                 if algorithm in IN_SWITCH else make(self.ranks, self.n_packets))
         else:
             src, dst = pair
             if not (0 <= src < self.ranks and 0 <= dst < self.ranks and src != dst):
@@ -169,6 +193,18 @@ class Schedule:
             down = {s.dst: i for i, s in enumerate(self.sends) if s.phase == "broadcast"}
             out["up"] = [up.get(r, none) for r in range(R)]
             out["down"] = [down.get(r, none) for r in range(R)]
+        elif self.algorithm in IN_SWITCH:
+            last = self.steps - 1
+            out["up"] = [next(i for i, s in enumerate(self.sends) if s.step == 0 and s.src == r) for r in range(R)]
+            out["down"] = [next(i for i, s in enumerate(self.sends) if s.step == last and s.dst == r)
+                           for r in range(R)]
+            P = self.per_node
+            heads = {s.src // P: i for i, s in enumerate(self.sends) if 0 < s.step < last and s.phase == "reduce"}
+            below = {s.dst // P: i for i, s in enumerate(self.sends) if 0 < s.step < last and s.phase == "broadcast"}
+            nodes = R // P
+            out["node_up"] = [heads.get(k, none) for k in range(nodes)]
+            out["node_down"] = [below.get(k, none) for k in range(nodes)]
+            out["node"] = [r // P for r in range(R)]
         elif key == ("ring", "all_gather"):
             index = {(s.step, s.src): i for i, s in enumerate(self.sends)}
             out["hops"] = [[index[(h, (j + h) % R)] for h in range(R - 1)] for j in range(R)]
@@ -181,10 +217,10 @@ class Schedule:
 
 @functools.lru_cache(maxsize=512)
 def schedule(algorithm: str, collective: str, ranks: int, n_packets: int,
-             pair: Optional[tuple[int, int]] = None) -> Schedule:
+             pair: Optional[tuple[int, int]] = None, per_node: Optional[int] = None) -> Schedule:
     """The (cached) schedule of one collective (a send: from ``pair[0]`` to ``pair[1]``) on a message of
-    ``n_packets`` packets."""
-    return Schedule(algorithm, collective, ranks, n_packets, pair)
+    ``n_packets`` packets; ``per_node`` (ranks per node, default all) places NVLS's switches."""
+    return Schedule(algorithm, collective, ranks, n_packets, pair, per_node)
 
 
 # -- the sends of each algorithm ---------------------------------------------------------
@@ -227,6 +263,33 @@ def _direct_all_reduce(R: int, n: int):
                 yield Send(0, "exchange", src, dst, 0, 0, n)
 
 
+def _switch_port(r: int, P: int) -> int:
+    """The rank whose directed link from ``r`` stands for r's port to its node's switch (its successor
+    inside the node; the port down to that successor is drawn on the same link, after it)."""
+    first = r - r % P
+    return first + (r - first + 1) % P
+
+
+def _nvls_all_reduce(R: int, n: int, P: int):
+    """NVLS inside each node of P ranks; between nodes a heap-layout binary tree of the nodes' first
+    ranks."""
+    nodes = R // P
+    for r in range(R):                                    # up to the switch
+        yield Send(0, "reduce", r, _switch_port(r, P), 0, 0, n)
+    levels = depth(nodes - 1)
+    for step, level in enumerate(range(levels, 0, -1)):   # the nodes' sums up the tree, deepest first
+        for k in range(nodes):
+            if depth(k) == level:
+                yield Send(1 + step, "reduce", k * P, (k - 1) // 2 * P, 0, 0, n)
+    for level in range(1, levels + 1):                    # the total back down
+        for k in range(nodes):
+            if depth(k) == level:
+                yield Send(levels + level, "broadcast", (k - 1) // 2 * P, k * P, 0, 0, n)
+    for r in range(R):                                    # the switch multicasts it
+        first = r - r % P
+        yield Send(2 * levels + 1, "broadcast", first + (r - first - 1) % P, r, 0, 0, n)
+
+
 def _ring_all_gather(R: int, n: int):
     for h in range(R - 1):  # rank j's shard travels j -> j+1 -> ... -> j-1
         for r in range(R):
@@ -242,7 +305,8 @@ def _direct_all_gather(R: int, n: int):
 
 _SENDS = {("ring", "all_reduce"): _ring_all_reduce, ("tree", "all_reduce"): _tree_all_reduce,
           ("direct", "all_reduce"): _direct_all_reduce, ("ring", "all_gather"): _ring_all_gather,
-          ("direct", "all_gather"): _direct_all_gather, ("ring", "reduce_scatter"): _ring_reduce_scatter}
+          ("direct", "all_gather"): _direct_all_gather, ("ring", "reduce_scatter"): _ring_reduce_scatter,
+          ("nvls", "all_reduce"): _nvls_all_reduce, ("nvls_tree", "all_reduce"): _nvls_all_reduce}
 
 
 # -- what arrives ------------------------------------------------------------------------------
@@ -309,6 +373,17 @@ def _paths(sched: Schedule, values: torch.Tensor) -> Delivery:
             parents = [(r - 1) // 2 for r in ranks]
             coef[ranks] = join(up[ranks], coef[parents])
             gain[ranks] = join(down[ranks], gain[parents])
+        return Delivery(coef=coef[:, :sched.n_packets], gain=gain[:, :sched.n_packets])
+    if sched.algorithm in IN_SWITCH:
+        join = torch.logical_or if lost else torch.mul
+        node_up, node_down = v[idx["node_up"]], v[idx["node_down"]]        # [node, packet]: to / from parent
+        for level in range(1, depth(len(idx["node_up"]) - 1) + 1):          # parents before children
+            nodes = [k for k in range(len(idx["node_up"])) if depth(k) == level]
+            parents = [(k - 1) // 2 for k in nodes]
+            node_up[nodes] = join(node_up[nodes], node_up[parents])
+            node_down[nodes] = join(node_down[nodes], node_down[parents])
+        coef = join(v[idx["up"]], node_up[idx["node"]])
+        gain = join(v[idx["down"]], node_down[idx["node"]])
         return Delivery(coef=coef[:, :sched.n_packets], gain=gain[:, :sched.n_packets])
     if key == ("ring", "all_gather"):
         hops = v[idx["hops"]]                                   # [shard, hop, packet]

@@ -30,6 +30,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from ..timing.nccl import Estimate
 from ..util import one_of, stream_seed, swapped
 from . import delivery as deliver
 from . import recovery as recoveries
@@ -79,6 +80,7 @@ class LossyNetwork:
         self._recovery_s = 0.0                      # simulated seconds of the recovery policy's compute
         self._recovery_cost: dict[tuple, float] = {}   # per policy and message shape: seconds per call
         self._fates: dict = {}                      # per device: where the packets' fates are kept (``fates``)
+        self._choices: dict = {}                    # per (site, direction, collective, bytes): how NCCL runs it
         # The reliable side path of a policy that has one: built with this network, so that it is
         # swapped into every recording and replaying alongside.
         self._side: Optional[LossyNetwork] = None
@@ -289,6 +291,7 @@ class LossyNetwork:
         if transfer is None:
             transfer = transfers.build(self.spec, self.links, *shape)   # (a bad pair is refused here)
             self._transfers[shape] = transfer
+        self._choices[(site, direction, collective, int(numel) * dtype.itemsize)] = transfer.choice
         channel = self._channel(site, direction, device)
         channel.counters.calls += 1
         self._ideal += transfer.ideal
@@ -399,6 +402,17 @@ class LossyNetwork:
                                                                                  row["dst"], row["site"]) > 0,
                          self.loss_model.loss_rate, self.loss_model.mean_burst)
 
+    def choices(self) -> list[dict]:
+        """How each call site's collectives ran, one record per (site, direction, collective, message
+        bytes) seen: NCCL's ``algorithm`` (``ring``, ``tree``, ``nvls``, ``nvls_tree``; ``p2p`` for a send,
+        ``direct``), ``protocol`` (LL, LL128, Simple; empty for direct), ``channels`` and the loss-free
+        ``seconds`` one call takes. Under ``algorithm: auto`` these are the tuner's picks; ready for
+        ``pandas.DataFrame`` or a summary's JSON."""
+        rows = [{"site": site, "direction": direction, "collective": collective, "bytes": nbytes,
+                 "algorithm": c.algorithm, "protocol": c.protocol, "channels": c.channels, "seconds": c.seconds}
+                for (site, direction, collective, nbytes), c in self._choices.items()]
+        return rows + (self._side.choices() if self._side is not None else [])
+
     def clock(self) -> dict:
         """Simulated communication time so far (syncs): with loss, repairs and the recovery policy's compute
         (``comm_s``), without loss (``ideal_comm_s``), the repairs alone (``retransmit_s``), the policy's
@@ -459,7 +473,9 @@ class LossyNetwork:
         state = {"config": self.config(), "channels": channels, "watch_index": self._watched,
                  "clock": {"repairs_s": None if self._repairs is None else self._repairs.cpu().clone(),
                            "ideal_comm_s": self._ideal,
-                           "recovery_s": self._recovery_s}}
+                           "recovery_s": self._recovery_s},
+                 # what each call ran, so a resumed run's summary names the collectives seen before it
+                 "choices": [[*key, *choice] for key, choice in self._choices.items()]}
         if self._side is not None:
             state["side"] = self._side.state_dict()
         return state
@@ -499,6 +515,7 @@ class LossyNetwork:
         self._repairs = None if repairs is None else repairs.to(device)
         self._ideal = clock["ideal_comm_s"]
         self._recovery_s = clock.get("recovery_s", 0.0)
+        self._choices = {tuple(entry[:4]): Estimate(*entry[4:]) for entry in state.get("choices", [])}
         if self._side is not None and "side" in state:
             self._side.load_state_dict(state["side"])
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Sequence, Union
 
 from ..loss import LossModel, parse_loss_model
-from ..timing import Compute, Link, Measured, parse_compute, parse_link
+from ..timing import Compute, Link, Measured, nccl, parse_compute, parse_link
 from ..timing.retransmission import DEFAULT_NIC, Nic, parse_nic
 from ..util import one_of
-from .algorithms import ALGORITHMS
+from .algorithms import ALGORITHMS, IN_SWITCH
 from .recovery import (ACTIVATIONS, DEFAULT_HADAMARD_BLOCK, DEFAULT_OUTLIER_FRACTION, RECOVERY_POLICIES, Policy,
                        check_block, check_fraction, policy)
 from .selection import SiteSelection
@@ -61,12 +61,13 @@ class NetworkSpec:
         lossy: directions whose traffic can be lost (``fwd``, ``bwd``, or ``both``); the others are
             delivered intact but still counted and timed.
         max_burst: burst-length histogram bins; the last one holds longer runs.
-        algorithm: ``ring``, ``tree`` or ``direct`` (``lossysim.net.algorithms``).
+        algorithm: ``ring``, ``tree``, ``direct``, ``nvls``, ``nvls_tree`` (``lossysim.net.algorithms``) or
+            ``auto``: per collective and size, what NCCL's tuner picks (``lossysim.timing.nccl.choose``).
         ranks_per_node, lossy_links: the topology (``lossysim.net.topology``).
         transport, deadline: what a loss costs (``lossysim.net.transport``).
         nic: how lost packets are detected and repaired (a preset of ``lossysim.timing.retransmission``:
-            ideal, irn, srd, roce-gbn, tcp); ``retransmit`` (selective or go_back_n) and ``rto_s`` (every
-            timer, seconds) override it.
+            ideal, irn, srd, roce-gbn, roce-gbn-timeout, tcp, tcp-bbr); ``retransmit`` (selective or
+            go_back_n) and ``rto_s`` (every timer, seconds) override it.
         channels: connections per link (NCCL's channels): each one's last packets are its tail losses.
         nics_per_node: NICs a node's inter-node traffic spreads over (None: one per rank).
         link_intra, link_inter: the links of each class (``lossysim.timing.links``).
@@ -155,6 +156,14 @@ class NetworkSpec:
             raise ValueError(f"recovery={self.recovery} retransmits its outliers by go-back-N (nic={self.nic}), "
                              f"which is not supported with {loss.spec}: use a selective repeat nic or "
                              "retransmit=selective")
+        if self.algorithm in IN_SWITCH:
+            arch = nccl.arch_of(getattr(compute, "gpu", ""))
+            if recovery.send_by_send:
+                raise ValueError(f"algorithm={self.algorithm}: recovery={self.recovery} replays every send between "
+                                 "ranks, and NVLS reduces in the switch: use another recovery or algorithm=auto")
+            if nccl.NVLS_EFFICIENCY[arch] == 0 or links["link_intra"].hw != "nvlink":
+                raise ValueError(f"algorithm={self.algorithm} needs NVLink SHARP: Hopper or later GPUs (compute="
+                                 f"{compute.spec} is {arch}) on an NVLink link_intra (hw={links['link_intra'].hw})")
         rescale = recovery.rescale
         if rescale and loss.loss_rate >= 1.0:
             raise ValueError(f"recovery={self.recovery} needs a loss rate below 1: {loss.spec} loses every packet")
@@ -197,6 +206,12 @@ class NetworkSpec:
     def link(self, link_class: str) -> Link:
         """The Link of class ``intra`` or ``inter``."""
         return self.link_intra if link_class == "intra" else self.link_inter
+
+    @property
+    def arch(self) -> str:
+        """The GPU generation NCCL's tuner tables are read for (LL ceilings, per-channel caps, NVLS): the
+        compute preset's (``h100`` -> hopper, ``a100`` -> ampere); Hopper for any other GPU."""
+        return nccl.arch_of(getattr(self.compute, "gpu", ""))
 
     def bus_bandwidth(self) -> float:
         """Bytes/s a rank's collective traffic sustains: its NVLink port inside a node; across nodes the

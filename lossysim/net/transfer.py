@@ -2,8 +2,9 @@
 how long it takes without loss and what its repairs need. Built once per (collective, size, dtype,
 device) and reused by every call of that shape, so a call does no Python work per send.
 
-Time: a ring or tree collective takes what NCCL's cost model says (``lossysim.timing.nccl``: its
-latency, and its wire bytes over the bus bandwidth our links give); a send, NCCL's p2p time over its
+Time: a ring, tree, NVLS or NVLS-tree collective takes what NCCL's cost model says
+(``lossysim.timing.nccl``: its latency, and its wire bytes over the bus bandwidth our links give;
+``algorithm: auto`` first asks the model which algorithm NCCL runs); a send, NCCL's p2p time over its
 one link (``nccl.p2p_time``); the direct exchange (not an NCCL algorithm) takes one alpha-beta step
 with its ports shared (``timing.send_times``). Repairs add to that step by step
 (``lossysim.net.transport``).
@@ -17,7 +18,7 @@ import torch
 
 from .. import timing
 from ..timing import nccl
-from .algorithms import PHASES, Delivery, Schedule, path_weights, schedule
+from .algorithms import IN_SWITCH, PHASES, Delivery, Schedule, path_weights, schedule
 from .spec import NetworkSpec
 from .transport import Sends
 
@@ -54,6 +55,7 @@ class Transfer:
     sent: torch.Tensor                 # [phases, links] packets a call sends
     steps: list                        # the steps with traffic
     ideal: float                       # loss-free duration of the collective
+    choice: nccl.Estimate              # how it runs: NCCL's (algorithm, protocol, channels) and its time
     _weights: dict = field(default_factory=dict)
     host_steps: Optional[list] = None  # the steps as the fates keepers index them (``fates.HostStep``), once needed
 
@@ -69,7 +71,13 @@ def build(spec: NetworkSpec, links: list, collective: str, numel: int, dtype: to
     """The Transfer of one collective of ``numel`` elements of ``dtype`` on ``device`` (a send: from
     ``pair[0]`` to ``pair[1]``)."""
     per_packet, n_packets = packets(spec.payload_bytes, numel, dtype)
-    sched = schedule(spec.algorithm, collective, spec.ranks, n_packets, pair)
+    itemsize = dtype.itemsize
+    algorithm = spec.algorithm
+    if algorithm == "auto":   # a send is one message on one link whatever the algorithm (NCCL's p2p)
+        algorithm = "ring" if collective == "send" else choose(spec, collective, numel * itemsize,
+                                                               per_packet * itemsize).algorithm
+    sched = schedule(algorithm, collective, spec.ranks, n_packets, pair,
+                     spec.topology.ranks_per_node if algorithm in IN_SWITCH else None)
     topology = spec.topology
     index = {link: i for i, link in enumerate(links)}
     link_ids = torch.tensor([index[link] for link in sched.links], dtype=torch.long, device=device)
@@ -82,28 +90,46 @@ def build(spec: NetworkSpec, links: list, collective: str, numel: int, dtype: to
     sent = torch.zeros(len(PHASES), len(links), dtype=torch.long, device=device)
     for s, row in zip(sched.sends, sched.send_row):
         sent[PHASES.index(s.phase), link_ids[row]] += s.packets
-    itemsize = dtype.itemsize
-    ideal = loss_free_time(spec, sched, numel * itemsize, per_packet * itemsize)
+    chosen = loss_free(spec, sched, numel * itemsize, per_packet * itemsize)
+    ideal = chosen.seconds
     steps = _steps(spec, sched, link_ids, len(links), numel, itemsize, per_packet, ideal, device)
     return Transfer(sched, per_packet, link_ids, lossy_rows, factor, slots, tensors["link_packets"].to(torch.long),
-                    max(sched.link_packets, default=0), sent, steps, ideal)
+                    max(sched.link_packets, default=0), sent, steps, ideal, chosen)
+
+
+def choose(spec: NetworkSpec, collective: str, message_bytes: int, packet_bytes: int) -> nccl.Estimate:
+    """What NCCL's tuner runs for this collective and message on the spec's links
+    (``nccl.choose``); a policy that replays every send between ranks (``stale``, ``error_feedback``)
+    cannot run a reduction in the switch, so it is offered rings and trees only."""
+    allowed = nccl.ALGORITHMS if not spec.recovery_model.send_by_send else ("tree", "ring")
+    return nccl.collective_estimate(collective, "auto", spec.ranks, spec.topology.nodes, message_bytes, packet_bytes,
+                                    spec.link_intra, spec.link_inter, spec.bus_bandwidth(), spec.arch, allowed)
 
 
 def loss_free_time(spec: NetworkSpec, sched: Schedule, message_bytes: int, packet_bytes: int) -> float:
-    """A collective's loss-free duration: NCCL's model for ring, tree and a send, one alpha-beta step for
-    direct."""
+    """A collective's loss-free duration: NCCL's model for ring, tree, NVLS, NVLS-tree and a send, one
+    alpha-beta step for direct (``loss_free``'s seconds)."""
+    return loss_free(spec, sched, message_bytes, packet_bytes).seconds
+
+
+def loss_free(spec: NetworkSpec, sched: Schedule, message_bytes: int, packet_bytes: int) -> nccl.Estimate:
+    """A collective's loss-free duration and how it runs: (algorithm, protocol, channels), as NCCL's
+    model times it (a send: ``p2p``, LL or Simple, one channel; direct: no protocol, no channels)."""
     topology = spec.topology
     R, nodes = spec.ranks, topology.nodes
-    if R < 2 or message_bytes == 0:
-        return 0.0
     if sched.collective == "send":
-        return nccl.p2p_time(message_bytes, packet_bytes, spec.link(topology.link_class(*sched.pair)))
+        link = spec.link(topology.link_class(*sched.pair))
+        wire = link.wire_bytes(message_bytes, -(-message_bytes // packet_bytes)) if message_bytes else 0
+        return nccl.p2p_estimate(message_bytes, wire, link)._replace(algorithm="p2p", channels=1)
+    if R < 2 or message_bytes == 0:
+        return nccl.Estimate(0.0, 0.0, 0.0, "", sched.algorithm, 0)
     if sched.algorithm == "direct":
         sends = [(s.src, s.dst, message_bytes, sched.n_packets, spec.link(topology.link_class(s.src, s.dst)),
                   topology.link_class(s.src, s.dst)) for s in sched.sends]
-        return timing.step_time(sends)
-    return nccl.collective_time(sched.collective, sched.algorithm, R, nodes, message_bytes, packet_bytes,
-                                spec.link_intra, spec.link_inter, spec.bus_bandwidth())
+        seconds = timing.step_time(sends)
+        return nccl.Estimate(seconds, 0.0, seconds, "", "direct", 0)
+    return nccl.collective_estimate(sched.collective, sched.algorithm, R, nodes, message_bytes, packet_bytes,
+                                    spec.link_intra, spec.link_inter, spec.bus_bandwidth(), spec.arch)
 
 
 def _steps(spec, sched, link_ids, n_links, numel, itemsize, per_packet, ideal, device) -> list:

@@ -8,6 +8,8 @@
   - selective repeat: round 0 sends the message; each later round resends what the previous one
     lost, once the loss is known: one round trip when a later packet on the same connection
     reveals the gap, the preset's timer when nothing behind it does (a *tail* loss).
+    With RACK (TCP), a tail loss with an arrived packet behind it waits RACK's reordering timer;
+    with a congestion window (TCP CUBIC), each send also pays for the window its round-0 losses cut.
   - go-back-N (RoCE NICs): the receiver drops everything after a gap; the sender keeps sending
     until the NAK arrives (the ``window`` packets in flight during a round trip are wasted), then
     resends from the lost packet; a tail loss waits for the timer.
@@ -32,7 +34,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from ..timing.retransmission import Nic
+from ..timing.retransmission import Nic, congestion_delay_s
 
 TRANSPORTS = ("drop", "retransmit", "deadline")
 MODES = ("selective", "go_back_n")
@@ -171,12 +173,23 @@ def selective(nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, budget:
         lost_row, lost_column = np.divmod(lost, width)
         went = lost_column < to_send[lost_row]
         count(lost_row[went], lost_column[went], to_send)
-        tail = None
+        tail = reordered = None
         if row is None:  # round 0 sends every packet in order: the lost ones that went out are pending
             row, packet = lost_row[went], lost_column[went]
+            if nic.window and len(row):
+                waits = waits + _window_delays(nic, a, row, packet)
             if a.tails is not None and len(row):
+                at_tail = a.tails[row, packet]
                 tail = np.zeros(n, dtype=bool)
-                tail[row[a.tails[row, packet]]] = True
+                if nic.rack:  # a lost tail with an arrived packet behind it waits RACK's timer, not the probe
+                    hidden = at_tail & ~_arrived_behind(a, row, packet, lost, width, nic.dupacks)
+                    tail[row[hidden]] = True
+                    reordered = np.zeros(n, dtype=bool)
+                    reordered[row[at_tail & ~hidden]] = True
+                    reordered &= ~tail
+                    tail |= reordered
+                else:
+                    tail[row[at_tail]] = True
         elif len(lost) and len(row):
             # The k-th pending packet of a row goes out as its k-th transmission of the round (a row with
             # more pending than the round's width, one that stopped sending, reads the last column).
@@ -197,7 +210,11 @@ def selective(nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, budget:
             to_send = np.where(failed, 0, to_send)
         # (small arrays: Python's any and max over tolist() cost a tenth of numpy's reductions)
         if tail is not None and any(tail.tolist()):
-            wait = np.where(tail, nic.timer_s(torch.from_numpy(a.rtt), torch.from_numpy(streak)).numpy(), a.rtt)
+            rtt = torch.from_numpy(a.rtt)
+            wait = nic.timer_s(rtt, torch.from_numpy(streak), torch.from_numpy(pending)).numpy()
+            if reordered is not None:
+                wait = np.where(reordered, nic.reorder_s(rtt).numpy(), wait)
+            wait = np.where(tail, wait, a.rtt)
             streak, streaking = np.where(tail, streak + 1, 0), True
         else:
             wait, tail = a.rtt, None
@@ -219,6 +236,30 @@ def selective(nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, budget:
     extra = np.where(stopped, budget, resent + waits)
     keep = ~failed[row]
     return Result(row[keep], packet[keep], sent, _slowest(extra), _slowest(resent + shadow), timeouts, failed)
+
+
+def _arrived_behind(a: HostSends, row: np.ndarray, packet: np.ndarray, lost: np.ndarray, width: int,
+                    dupacks: int) -> np.ndarray:
+    """Whether a packet behind each lost (row, packet), among the next ``dupacks - 1`` tail positions
+    of its channel, arrived in round 0 (its SACK reveals the loss)."""
+    arrived = np.zeros(len(row), dtype=bool)
+    inside = np.ones(len(row), dtype=bool)
+    for j in range(1, dupacks):
+        behind = packet + j
+        inside &= (behind < a.packets[row]) & a.tails[row, np.minimum(behind, width - 1)]
+        arrived |= inside & ~_member(row * width + behind, lost)
+    return arrived
+
+
+def _window_delays(nic: Nic, a: HostSends, row: np.ndarray, packet: np.ndarray) -> np.ndarray:
+    """Per send, the seconds its congestion window's cuts at round 0's losses cost (``congestion_delay_s``);
+    ``row`` sorted, so each send's lost packets are one slice, in sending order."""
+    delays = np.zeros(len(a.packets))
+    bounds = np.searchsorted(row, np.arange(len(a.packets) + 1))
+    for r in np.unique(row).tolist():
+        delays[r] = congestion_delay_s(nic, int(a.packets[r]), packet[bounds[r]:bounds[r + 1]],
+                                       float(a.tau[r]), float(a.rtt[r]))
+    return delays
 
 
 def _member(keys: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:

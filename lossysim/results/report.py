@@ -37,6 +37,7 @@ from .stats import (ALPHA, CONFIDENCE, mean_ci, paired_difference, paired_p, tim
 from .settings import (CONFIG_KEYS, add_series, loss_free_runs, p_cell, same, series_reference, setting_columns,
                        setting_groups, setting_keys, to_markdown)
 from . import perplexity
+from .collectives import collectives_table
 from .table import collect, load_summary, write_summary_csv
 
 # What sets a loss-free run's simulated time (its accuracy does not depend on them).
@@ -917,6 +918,19 @@ def section_pipeline(inputs: ReportInputs) -> str:
             "setting has no stages.\n\n" + to_markdown(pipeline_table(inputs.runs)))
 
 
+def section_collectives(inputs: ReportInputs) -> str:
+    """Runs that recorded NCCL's choices (summary.json's ``collectives``): which algorithm each collective ran."""
+    table = collectives_table(inputs.results, inputs.runs)
+    if table.empty:
+        return ""
+    return ("## Collectives: which algorithm each ran\n\n"
+            "How NCCL ran each training collective, per group of runs timed alike (loss does not change the "
+            "choice): `algorithm` is NCCL's algorithm and protocol (`algorithm: auto`: its tuner's pick; a named "
+            "algorithm: the protocol NCCL's model gives it), `call sites` the sites with layer and bucket numbers "
+            "as `*` and how many, `message` and `loss-free per call` their range over sizes (docs/time_model.md)."
+            "\n\n" + to_markdown(table))
+
+
 def section_perplexity(inputs: ReportInputs) -> str:
     """Causal-LM sweeps only: the perplexity table (lossysim.results.perplexity)."""
     return perplexity.section(inputs.results, inputs.out, inputs.runs) if perplexity.is_lm(inputs.runs) else ""
@@ -931,8 +945,8 @@ def section_plots(inputs: ReportInputs) -> str:
 
 
 # The report's sections, in order, each a function of ReportInputs returning markdown.
-SECTIONS = [section_overview, section_problems, section_time_to_accuracy, section_pipeline, section_perplexity,
-            section_damage_map, section_accuracy, section_settings, section_plots]
+SECTIONS = [section_overview, section_problems, section_time_to_accuracy, section_pipeline, section_collectives,
+            section_perplexity, section_damage_map, section_accuracy, section_settings, section_plots]
 
 
 def write_report(results: Union[str, Path], out: Optional[Union[str, Path]] = None) -> dict:

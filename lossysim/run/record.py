@@ -262,6 +262,21 @@ def pp_summary(pipeline: Pipeline, config: ExperimentConfig, state: TrainState) 
             "packets_by_stage": [n.summary() for n in pipeline.networks]}
 
 
+# -- NCCL's choices -------------------------------------------------------------------------------
+
+def collectives(network: LossyNetwork, pipeline: Optional[Pipeline] = None, dp=None) -> list[dict]:
+    """summary.json's ``collectives``: every training network's ``LossyNetwork.choices()`` (one record per
+    site, direction, collective and message size), each tagged with the ``network`` it ran on: ``tp``
+    (stage ``s``'s: ``tp.stage{s}``), ``pp.boundary{b}`` (stage b to b+1), ``dp.tp{t}`` (TP position t's
+    data-parallel group; this process's alone on ``dist``)."""
+    named = [("tp", network)] if pipeline is None else [(f"tp.stage{s}", n) for s, n in enumerate(pipeline.networks)]
+    if pipeline is not None:
+        named += [(f"pp.boundary{b}", n) for b, n in enumerate(pipeline.boundary_networks())]
+    if dp is not None and dp.dp_size > 1:
+        named += [(f"dp.tp{t}", n) for t, n in enumerate(dp.networks)]
+    return [{"network": name, **choice} for name, n in named for choice in n.choices()]
+
+
 # -- summary.json ---------------------------------------------------------------------------------
 
 def summary(status: str, diverged_at: Optional[dict], config: ExperimentConfig, dataset: str,

@@ -1,11 +1,12 @@
 """Retransmission: how real transports detect and repair a lost packet, and what it costs.
 
 A loss is revealed by a later packet on the same connection (a NAK, a SACK, the receiver's bitmap:
-one round trip), or by three duplicate ACKs for TCP; only a loss with nothing behind it on its
-connection (a *tail* loss) waits for a timer. ``Nic`` presets say which repair a transport does
-(selective repeat or go-back-N), what a tail loss waits for, and after how many retries it gives
-up; each preset's source is in docs/time_model.md. Also: expected transmissions under independent
-loss, the window a go-back-N sender wastes, and the InfiniBand ACK timeout.
+one round trip), or by three SACKed packets for TCP (one or two: RACK's reordering timer); only
+a loss with nothing behind it on its connection (a *tail* loss) waits for a timer. ``Nic`` presets say which repair a transport does
+(selective repeat or go-back-N), what a tail loss waits for, after how many retries it gives up,
+and for TCP how the congestion window shrinks at a loss; each preset's source is in
+docs/time_model.md. Also: expected transmissions under independent loss, the window a go-back-N
+sender wastes, the InfiniBand ACK timeout, Linux TCP's timers and a TCP flow's response function.
 """
 from __future__ import annotations
 
@@ -18,9 +19,27 @@ import torch
 
 from .links import Link
 
-TCP_RTO_MIN_S = 0.2       # Linux TCP_RTO_MIN (HZ / 5)
+# Linux TCP, include/net/tcp.h. Timers run in jiffies: HZ = 1000 (CONFIG_HZ_1000; 250 on some
+# distributions makes each rounding 4 ms).
+HZ = 1000
+TCP_RTO_MIN_S = 0.2       # TCP_RTO_MIN (HZ / 5), also the probe's delayed-ACK allowance
+TCP_TIMEOUT_MIN_S = 0.002  # TCP_TIMEOUT_MIN_US: the least a probe or reordering timer adds
+TCP_RTO_MAX_S = 120.0     # TCP_RTO_MAX: where the RTO's doubling stops
+TCP_RETRIES2 = 15         # net.ipv4.tcp_retries2
+# The congestion window's cut and growth per round trip at a loss (net/ipv4/tcp_cubic.c: beta =
+# 717/1024; its Reno-friendly estimate grows by 3 (1 - beta) / (1 + beta) per round trip, RFC 9438
+# section 4.3; Reno, RFC 5681: halve, then one packet per round trip).
+CUBIC_BETA = 717 / 1024
+WINDOWS = {"cubic": (CUBIC_BETA, 3 * (1 - CUBIC_BETA) / (1 + CUBIC_BETA)), "reno": (0.5, 1.0)}
 IB_TIMEOUT_DEFAULT = 20   # NCCL_IB_TIMEOUT default in current NCCL releases (18 and 14 earlier)
 IB_RETRY_COUNT = 7        # NCCL_IB_RETRY_CNT default: retries before the queue pair errors
+
+
+def ib_timeout_s(t: int = IB_TIMEOUT_DEFAULT) -> float:
+    """IB local ACK timeout = 4.096 us * 2^t (NCCL_IB_TIMEOUT = t)."""
+    if int(t) != t or not 0 <= t <= 31:
+        raise ValueError(f"t={t!r} must be an integer in [0, 31]")
+    return 4.096e-6 * 2**int(t)
 
 
 @dataclass(frozen=True)
@@ -28,25 +47,42 @@ class Nic:
     """How a transport detects and repairs loss.
 
     ``mode``: selective repeat or go-back-N. ``dupacks``: how many later packets on a connection
-    reveal a gap (1: a NAK or SACK on the next packet; TCP: 3 duplicate ACKs). ``timer``: what a
-    loss nothing reveals waits for, a function of the round trip and of how many timeouts in a row
-    the same packet has waited (``timer_s``). ``retries``: retransmissions of one packet before the
+    reveal a gap at once (1: a NAK or SACK on the next packet; TCP: ``tp->reordering`` = 3 SACKed
+    packets). ``timer``: what a loss nothing reveals waits for, a function of the round trip and of
+    how many timeouts in a row the same packet has waited (``timer_s``); ``linux`` is Linux TCP's
+    RACK-TLP and RTO (``linux_tcp_timer_s``). ``retries``: retransmissions of one packet before the
     transport gives up and the collective fails (None: never). ``rto_s`` fixes every timer (an
-    explicit override)."""
+    explicit override). ``window``: how a loss shrinks the sender's congestion window (``cubic``,
+    ``reno``; empty: it does not, as BBR or an RDMA NIC), charged by ``congestion_delay_s``."""
     name: str
     mode: str = "selective"
     dupacks: int = 1
-    timer: str = "rtt"            # rtt | fixed | rtt_multiple | backoff | probe_then_rto
+    timer: str = "rtt"            # rtt | fixed | rtt_multiple | backoff | linux
     timer_value: float = 0.0      # fixed: seconds; rtt_multiple: the multiple; backoff: first timer (s)
     retries: Optional[int] = None
     rto_s: Optional[float] = None
+    window: str = ""              # cubic | reno | "" (a loss leaves the window alone)
 
-    def timer_s(self, rtt: torch.Tensor, timeouts: torch.Tensor) -> torch.Tensor:
-        """The wait of a tail loss: ``rtt`` per connection, ``timeouts`` it already waited in a row. Never
-        less than a round trip: a timer firing sooner would resend packets that were not lost."""
-        return torch.maximum(self._timer(rtt, timeouts), rtt)
+    def timer_s(self, rtt: torch.Tensor, timeouts: torch.Tensor,
+                outstanding: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The wait of a tail loss: ``rtt`` per connection, ``timeouts`` it already waited in a row,
+        ``outstanding`` its packets still unacknowledged (None: several). Never less than a round trip:
+        a timer firing sooner would resend packets that were not lost."""
+        return torch.maximum(self._timer(rtt, timeouts, outstanding), rtt)
 
-    def _timer(self, rtt: torch.Tensor, timeouts: torch.Tensor) -> torch.Tensor:
+    @property
+    def rack(self) -> bool:
+        """Whether a loss with fewer than ``dupacks`` packets behind it, some arrived, waits for RACK's
+        reordering timer (``reorder_s``) rather than for the tail timer."""
+        return self.timer == "linux"
+
+    def reorder_s(self, rtt: torch.Tensor) -> torch.Tensor:
+        """The wait of a loss that one or two later SACKed packets reveal (RACK, ``rack``)."""
+        if self.rto_s is not None:
+            return torch.maximum(torch.full_like(rtt, self.rto_s), rtt)
+        return rtt + _jiffies(rtt / 4 + TCP_TIMEOUT_MIN_S)
+
+    def _timer(self, rtt: torch.Tensor, timeouts: torch.Tensor, outstanding) -> torch.Tensor:
         if self.rto_s is not None:
             return torch.full_like(rtt, self.rto_s)
         if self.timer == "rtt":
@@ -58,8 +94,8 @@ class Nic:
         if self.timer == "backoff":  # doubling over four ranges, then the queue pair's ACK timeout
             return torch.where(timeouts < 4, self.timer_value * 2.0 ** timeouts.clamp(max=3).to(rtt.dtype),
                                torch.full_like(rtt, ib_timeout_s()))
-        # probe_then_rto: a tail-loss probe after two round trips, then the retransmission timeout
-        return torch.where(timeouts == 0, 2 * rtt, torch.full_like(rtt, TCP_RTO_MIN_S))
+        one = torch.zeros_like(timeouts, dtype=torch.bool) if outstanding is None else outstanding == 1
+        return linux_tcp_timer_s(rtt, timeouts, one)
 
     def override(self, retransmit: Optional[str] = None, rto_s: Optional[float] = None) -> "Nic":
         """This preset with the repair mode or every timer set explicitly."""
@@ -83,9 +119,16 @@ NIC_PRESETS = {
     # ConnectX RC (RoCE): go-back-N on a NAK; adaptive retransmission starting near 4 us and doubling
     # over four ranges, then the ACK timeout (4.096 us x 2^NCCL_IB_TIMEOUT); NCCL_IB_RETRY_CNT = 7.
     "roce-gbn": Nic("roce-gbn", "go_back_n", 1, "backoff", 4e-6, IB_RETRY_COUNT),
-    # TCP (gloo over sockets): fast retransmit after 3 duplicate ACKs, a tail-loss probe after 2 RTT
-    # (RFC 8985), then RTO >= 200 ms (Linux TCP_RTO_MIN); tcp_retries2 = 15.
-    "tcp": Nic("tcp", "selective", 3, "probe_then_rto", 0.0, 15),
+    # ConnectX RC with adaptive retransmission off: a tail loss waits the ACK timeout itself,
+    # 4.096 us x 2^NCCL_IB_TIMEOUT (4.29 s at NCCL's default 20), as NCCL's docs give it.
+    "roce-gbn-timeout": Nic("roce-gbn-timeout", "go_back_n", 1, "fixed", ib_timeout_s(), IB_RETRY_COUNT),
+    # Linux TCP (gloo, NCCL's socket transport) with SACK and RACK-TLP, the kernel's defaults: a loss
+    # with 3 SACKed packets behind it is resent after a round trip, with 1 or 2 after RACK's
+    # reordering timer, with none after the tail-loss probe, then the RTO doubling from SRTT + 200 ms
+    # (linux_tcp_timer_s); tcp_retries2 = 15. CUBIC (Linux's default) cuts the window at each loss.
+    "tcp": Nic("tcp", "selective", 3, "linux", 0.0, TCP_RETRIES2, window="cubic"),
+    # The same with BBR (tcp_bbr.c), whose rate follows the bottleneck it measures, not random loss.
+    "tcp-bbr": Nic("tcp-bbr", "selective", 3, "linux", 0.0, TCP_RETRIES2),
 }
 DEFAULT_NIC = "irn"
 
@@ -113,11 +156,83 @@ def window_packets(link: Link, packet_payload: int = 1450) -> int:
     return math.ceil(2 * link.latency_s * link.bandwidth_Bps / link.wire_bytes(packet_payload, 1))
 
 
-def ib_timeout_s(t: int = IB_TIMEOUT_DEFAULT) -> float:
-    """IB local ACK timeout = 4.096 us * 2^t (NCCL_IB_TIMEOUT = t)."""
-    if int(t) != t or not 0 <= t <= 31:
-        raise ValueError(f"t={t!r} must be an integer in [0, 31]")
-    return 4.096e-6 * 2**int(t)
+def linux_tcp_timer_s(srtt: torch.Tensor, timeouts: torch.Tensor, one_outstanding: torch.Tensor) -> torch.Tensor:
+    """What a tail loss waits on Linux TCP, from its last transmission, ``timeouts`` in a row behind it.
+
+    The RTO is SRTT + RTTVAR with RTTVAR floored at 200 ms (tcp_rtt_estimator in tcp_input.c floors
+    mdev_max_us at tcp_rto_min_us; __tcp_set_rto in tcp.h), in whole jiffies. The first wait is the
+    tail-loss probe, armed by the last ACK a round trip after the send (tcp_set_xmit_timer):
+    tcp_schedule_loss_probe (tcp_output.c) sets 2 SRTT + TCP_TIMEOUT_MIN_US, or + tcp_rto_min_us when
+    one packet is out (the receiver may delay that one ACK), and no later than the RTO. A probe lost
+    too waits the RTO (tcp_rearm_rto), and each later one twice the last (tcp_retransmit_timer),
+    up to TCP_RTO_MAX."""
+    rto = _jiffies(srtt + TCP_RTO_MIN_S)
+    probe = torch.where(one_outstanding, _jiffies(2 * srtt + TCP_RTO_MIN_S), _jiffies(2 * srtt + TCP_TIMEOUT_MIN_S))
+    backoff = (rto * 2.0 ** (timeouts - 1).clamp(min=0, max=30).to(srtt.dtype)).clamp(max=TCP_RTO_MAX_S)
+    return torch.where(timeouts == 0, srtt + torch.minimum(probe, rto), backoff)
+
+
+def _jiffies(seconds: torch.Tensor) -> torch.Tensor:
+    """usecs_to_jiffies: whole microseconds (as the kernel keeps its RTTs), rounded up to jiffies."""
+    us = torch.ceil(seconds * 1e6 - 1e-6)
+    return torch.ceil(us / (1e6 / HZ)) / HZ
+
+
+def congestion_delay_s(nic: Nic, packets: int, lost, tau: float, rtt: float) -> float:
+    """Seconds a send of ``packets`` packets takes beyond ``packets * tau`` because its congestion window
+    shrank at its losses (``lost``: sorted positions, in sending order; 0 without ``nic.window``).
+
+    One flow, fluid: the window starts at the pipe, ``rtt / tau`` packets (a warm connection; more
+    would only queue, and the links here have no queues), and sends ``w / rtt`` packets a second. A
+    loss is known a window later (a round trip); there the window is cut to ``beta w`` (at least 2,
+    tcp_cubic.c's ssthresh; one cut per recovery episode, so losses within that window are one event)
+    and grows by ``alpha`` packets per round trip back to the pipe. A periodic loss every 1/p packets
+    then gives sqrt(3 / (2 p)) packets per round trip (``response_packets_per_rtt``)."""
+    if not nic.window or not len(lost):
+        return 0.0
+    beta, alpha = WINDOWS[nic.window]
+    pipe = rtt / tau
+    w, at, seconds, i = pipe, 0.0, 0.0, 0
+    while i < len(lost):
+        dt, w = _grow(w, float(lost[i]) - at, pipe, alpha, tau, rtt)
+        seconds, at = seconds + dt, float(lost[i])
+        known = min(at + w, float(packets))
+        dt, w = _grow(w, known - at, pipe, alpha, tau, rtt)
+        seconds, at, w = seconds + dt, known, max(beta * w, 2.0)
+        while i < len(lost) and lost[i] < known:
+            i += 1
+    dt, _ = _grow(w, packets - at, pipe, alpha, tau, rtt)
+    return seconds + dt - packets * tau
+
+
+def _grow(w: float, sent: float, pipe: float, alpha: float, tau: float, rtt: float) -> tuple[float, float]:
+    """(seconds, window after) of sending ``sent`` packets from window ``w``: dw/dt = alpha / rtt below
+    the pipe, so ``sent = (w'^2 - w^2) / (2 alpha)`` and the time is ``(w' - w) rtt / alpha``; at the
+    pipe, ``tau`` a packet."""
+    if sent <= 0:
+        return 0.0, w
+    if w >= pipe:
+        return sent * tau, pipe
+    to_pipe = (pipe * pipe - w * w) / (2 * alpha)
+    if sent >= to_pipe:
+        return (pipe - w) * rtt / alpha + (sent - to_pipe) * tau, pipe
+    after = math.sqrt(w * w + 2 * alpha * sent)
+    return (after - w) * rtt / alpha, after
+
+
+def response_packets_per_rtt(p: float) -> float:
+    """A TCP flow's mean window under a loss every 1/p packets, below the pipe: sqrt(3 / (2 p)).
+
+    Cut to beta W at each loss, growing alpha per round trip: a cycle sends (1 + beta) W / 2 packets a
+    round trip for (1 - beta) W / alpha round trips, 1/p packets in all. With CUBIC's Reno-friendly
+    alpha = 3 (1 - beta) / (1 + beta) or Reno's (beta 1/2, alpha 1) the mean is sqrt(3 / (2 p)): the
+    Mathis et al. bound MSS / (RTT sqrt(p)) x sqrt(3/2), and RFC 9438 section 5's AIMD response
+    function (CUBIC's own cubic region, (C (3 + beta) / (4 (1 - beta)))^(1/4) (RTT/p)^(3/4) with RTT in
+    seconds, is far below it at a cluster's microsecond round trips)."""
+    _check_loss(p)
+    if p == 0:
+        raise ValueError("p=0 must be a loss probability in (0, 1): without loss the window is the pipe")
+    return math.sqrt(1.5 / p)
 
 
 def _check_loss(p: float) -> None:
@@ -126,7 +241,7 @@ def _check_loss(p: float) -> None:
 
 
 def parse_nic(name) -> Nic:
-    """A NIC preset by name (``ideal``, ``irn``, ``srd``, ``roce-gbn``, ``tcp``)."""
+    """A NIC preset by name (``ideal``, ``irn``, ``srd``, ``roce-gbn``, ``roce-gbn-timeout``, ``tcp``, ``tcp-bbr``)."""
     if isinstance(name, Nic):
         return name
     if name not in NIC_PRESETS:
@@ -134,7 +249,7 @@ def parse_nic(name) -> Nic:
     return NIC_PRESETS[name]
 
 
-_STREAK_CAP = 4   # every preset's timer is constant from the fourth timeout in a row on
+_STREAK_CAP = 12  # every preset's timer is constant from the twelfth timeout in a row on (TCP's RTO at 120 s)
 
 
 def expected_repair_s(nic: Nic, packets: int, p: float, tau: float, rtt: float, window: int = 0,
@@ -144,20 +259,28 @@ def expected_repair_s(nic: Nic, packets: int, p: float, tau: float, rtt: float, 
     round trip, or the preset's timer for a tail loss when the step is the connection's ``final``
     one; one channel). Exact, by first-step analysis of the Markov chain the transport runs
     (``lossysim.net.transport``), ignoring the retry limit (a packet fails with probability
-    p^(retries + 1))."""
+    p^(retries + 1)) and the congestion window (``congestion_delay_s``, which has no closed form
+    under random loss)."""
     _check_loss(p)
-    timers = [float(nic.timer_s(torch.tensor([rtt]), torch.tensor([s]))) if final else rtt
-              for s in range(_STREAK_CAP + 1)]
+    streaks = torch.arange(_STREAK_CAP + 1)
+    rtts = torch.full((_STREAK_CAP + 1,), rtt, dtype=torch.float64)
+    # timers[o, s]: the tail timer after s timeouts in a row, o = whether one packet is outstanding
+    timers = torch.stack([nic.timer_s(rtts, streaks, torch.full_like(streaks, o)) for o in (2, 1)]).numpy()
+    if not final:
+        timers = np.full_like(timers, rtt)
     dupacks = nic.dupacks if final else 0
     if nic.mode == "selective":
-        return _selective_expectation(packets, p, tau, rtt, dupacks, timers)
-    return _go_back_n_expectation(packets, p, tau, rtt, window, dupacks, timers) - packets * tau
+        reorder = float(nic.reorder_s(rtts[:1])) if nic.rack and dupacks else None
+        return _selective_expectation(packets, p, tau, rtt, dupacks, timers, reorder)
+    return _go_back_n_expectation(packets, p, tau, rtt, window, dupacks, timers[0]) - packets * tau
 
 
-def _selective_expectation(n, p, tau, rtt, dupacks, timers) -> float:
+def _selective_expectation(n, p, tau, rtt, dupacks, timers, reorder) -> float:
     """F(m, s): expected extra seconds once a round sends m packets with s timeouts in a row behind it.
     Of the m, the last min(dupacks, m) are tails; the lost ones (t tails, u others) go again after a
-    round trip, or after timers[s] when a tail was lost."""
+    round trip, or after timers[m' == 1, s] when a tail was lost (m' packets go again). With
+    ``reorder`` (RACK), the first round differs: a lost tail with an arrived one behind it waits
+    ``reorder``; only the last packet's loss waits the tail timer."""
     from scipy.stats import binom
     cap = _STREAK_CAP
     F = np.zeros((n + 1, cap + 1))
@@ -172,13 +295,29 @@ def _selective_expectation(n, p, tau, rtt, dupacks, timers) -> float:
             rest, self_loop = 0.0, 0.0
             for t in range(k + 1):
                 q, m2 = t_pmf[t] * u_pmf, t + u
-                wait, s2 = (timers[s], min(s + 1, cap)) if t else (rtt, 0)
+                wait, s2 = (timers[(m2 == 1).astype(int), s], min(s + 1, cap)) if t else (rtt, 0)
                 q = np.where(m2 > 0, q, 0.0)
                 here = (m2 == m) & (s2 == s)
                 self_loop += q[here].sum()
                 rest += (q * (wait + m2 * tau)).sum() + (q * np.where(here, 0.0, F[m2, s2])).sum()
             F[m, s] = rest / (1.0 - self_loop)
-    return float(F[n, 0])
+    k = min(dupacks, n)
+    if reorder is None or k == 0:
+        return float(F[n, 0])
+    u = np.arange(n - k + 1)
+    u_pmf = binom.pmf(u, n - k, p)
+    total = 0.0
+    for last in (0, 1):           # the last packet lost: the tail-loss probe
+        for t in range(k):        # the other k - 1 tails lost: revealed by an arrived one behind
+            q = binom.pmf(t, k - 1, p) * (p if last else 1 - p) * u_pmf
+            m2 = last + t + u
+            if last:
+                wait, s2 = timers[(m2 == 1).astype(int), 0], 1
+            else:
+                wait, s2 = (reorder, 1) if t else (rtt, 0)
+            q = np.where(m2 > 0, q, 0.0)
+            total += (q * (wait + m2 * tau + F[m2, s2])).sum()
+    return float(total)
 
 
 def _go_back_n_expectation(n, p, tau, rtt, window, dupacks, timers) -> float:
