@@ -226,9 +226,8 @@ THIRD = {"ideal": RTT, "irn": 100e-6, "srd": 3 * RTT, "roce-gbn": 16e-6, "roce-g
 NAK = RTT - WINDOW * TAU   # go-back-N: the NAK returns while the 8 packets behind the loss go out
 
 
-def hand(name, rounds, packets=20):
-    """extra seconds and transmissions of one scripted connection (rounds: the k-th transmissions lost)."""
-    nic = NIC_PRESETS[name]
+def scripted(rounds):
+    """A draw that loses, round by round, the k-th transmissions of the round that ``rounds`` lists."""
     it = iter(rounds)
 
     def draw(lengths, known=True):
@@ -236,7 +235,13 @@ def hand(name, rounds, packets=20):
         for k in next(it, ()):
             lost[0, k] = True
         return lost, lambda used: None
-    r = run_step(Transport("retransmit", nic.mode), nic, one_connection(nic, packets), draw, math.inf)
+    return draw
+
+
+def hand(name, rounds, packets=20):
+    """extra seconds and transmissions of one scripted connection (rounds: the k-th transmissions lost)."""
+    nic = NIC_PRESETS[name]
+    r = run_step(Transport("retransmit", nic.mode), nic, one_connection(nic, packets), scripted(rounds), math.inf)
     return r.extra, int(r.transmissions[0])
 
 

@@ -13,6 +13,7 @@ import torch
 from lossysim.net.transport import Sends, Transport, run_step
 from lossysim.timing.retransmission import (CUBIC_BETA, NIC_PRESETS, congestion_delay_s, linux_tcp_timer_s,
                                             response_packets_per_rtt)
+from test_repairs import scripted
 
 TCP, BBR = NIC_PRESETS["tcp"], NIC_PRESETS["tcp-bbr"]
 TAU, RTT = 1e-7, 1e-5        # pipe = RTT / TAU = 100 packets
@@ -26,18 +27,6 @@ def one_send(packets: int, tails: int = 3) -> Sends:
     f64 = dict(dtype=torch.float64)
     return Sends(torch.tensor([packets]), torch.tensor([TAU], **f64), torch.tensor([RTT], **f64),
                  torch.tensor([8]), torch.tensor([True]), mask, torch.tensor([tails]))
-
-
-def scripted(rounds):
-    """Round by round, the k-th transmissions of the round that are lost."""
-    it = iter(rounds)
-
-    def draw(lengths, known=True):
-        lost = torch.zeros(len(lengths), int(lengths.max()), dtype=torch.bool)
-        for k in next(it, ()):
-            lost[0, k] = True
-        return lost, lambda used: None
-    return draw
 
 
 def extra(nic, packets, rounds) -> float:
