@@ -299,6 +299,8 @@ def upgrade(values: dict) -> dict:
 
 
 TRAFFIC_KINDS = ("tp_forward", "tp_backward", "dp", "pp_forward", "pp_backward")
+# torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B; 1f1b is Megatron's
+# forward_backward_pipelining_without_interleaving (PipeDream-Flush). Timed by lossysim.pp.schedule.
 PP_SCHEDULES = ("gpipe", "1f1b")
 
 

@@ -15,11 +15,11 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from ..config import PP_SCHEDULES
 from ..util import one_of
 
-# torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B; 1f1b is Megatron's
-# forward_backward_pipelining_without_interleaving (PipeDream-Flush).
-SCHEDULES = ("gpipe", "1f1b")
+# the schedules config validates pp_schedule against: one tuple, defined where the key is
+SCHEDULES = PP_SCHEDULES
 
 
 class Op(NamedTuple):
