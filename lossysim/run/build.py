@@ -43,13 +43,6 @@ class Parts:
     # pipeline stages (their networks and the boundaries between them); None with one stage
     pipeline: Optional[Pipeline] = None
 
-    def networks(self) -> list[LossyNetwork]:
-        """Every network of replica 0's training traffic but the data-parallel ones: its stages' TP
-        networks (``train_net`` first) and the boundaries between them."""
-        if self.pipeline is None:
-            return [self.train_net]
-        return [*self.pipeline.networks, *self.pipeline.boundary_networks()]
-
     @contextlib.contextmanager
     def evaluating(self):
         """The model on its evaluation networks (each stage's and boundary's), their counters zeroed."""
