@@ -97,7 +97,7 @@ class Masks(_Keeper):
                                               transfer.lengths)
         channel.counters.record(transfer.link_ids, lost, self._bad(in_bad), transfer.lengths, transfer.slots,
                                 transfer.sent)
-        per_send = lost.flatten()[transfer.sched.packet_tensors(lost.device)["gather"]]
+        per_send = lost.flatten()[transfer.sched.gather(lost.device)]
         # A few losses: what arrives follows from them (on a CPU, where reading them is no host sync).
         if lost.device.type == "cpu" and sparse.works_out(transfer.sched):
             return sparse.Losses.of(transfer.sched, per_send)
