@@ -397,9 +397,9 @@ class _Job:
                     delivery = net.simulate(site, direction, numel, dtype, collective, deliver=False)
                     after = _mark(net)
                     seconds[g, i, k] = after[0] - before[0], after[1] - before[1]
-                    if collective == "all_reduce":
-                        per_packet, _ = net.packets(numel, dtype)
-                        self._lost(cls, direction, delivery, per_packet, numel, net.ranks * numel, group.copies)
+                    per_packet, _ = net.packets(numel, dtype)
+                    self._lost(cls, direction, delivery, per_packet, numel, _held(collective, net.ranks, numel),
+                               group.copies, collective)
             self._count(cls, net, group.copies)
         slowest = np.repeat(seconds.max(axis=0)[None], stages, axis=0)
         slowest[1:, :, :, 0] = slowest[1:, :, :, 1]
@@ -415,10 +415,10 @@ class _Job:
         return slowest.tolist()
 
     def _lost(self, cls: str, direction: str, delivery, per_packet: int, numel: int, received: int,
-              copies: int) -> None:
+              copies: int, collective: str = "all_reduce") -> None:
         self.received[cls, direction] += received * copies
         if delivery is not None:
-            self.inexact[cls, direction] += _inexact_elements(delivery, per_packet, numel) * copies
+            self.inexact[cls, direction] += _inexact_elements(delivery, per_packet, numel, collective) * copies
 
     def elements_lost(self, cls: str, direction: Optional[str] = None) -> float:
         """The share of ``cls``'s received elements (in ``direction``, or both) that did not arrive exact."""
@@ -528,9 +528,16 @@ def _intervals(step_s: np.ndarray, level: float = 0.95) -> dict:
     return out
 
 
-def _inexact_elements(delivery, per_packet: int, numel: int) -> int:
-    """Elements, over every receiver, that are not the exact sum: a hole, or a sum missing a contribution
+def _held(collective: str, ranks: int, numel: int) -> int:
+    """Elements a collective of ``numel`` (simulate's: an all-gather's per rank) leaves with its receivers:
+    every rank the sum, every rank every shard, or every rank its chunk's sum."""
+    return {"all_reduce": ranks * numel, "all_gather": ranks * ranks * numel, "reduce_scatter": numel}[collective]
+
+
+def _inexact_elements(delivery, per_packet: int, numel: int, collective: str = "all_reduce") -> int:
+    """Elements, over every receiver, that are not the exact result: a hole, or a sum missing a contribution
     (``delivery``: a policy's draw, or the lost packets as ``Losses``)."""
-    bad, last = delivery.bad_packets() if isinstance(delivery, Losses) else bad_packets_of(packets_of(delivery))
+    bad, last = delivery.bad_packets() if isinstance(delivery, Losses) else \
+        bad_packets_of(packets_of(delivery), collective)
     short = per_packet * -(-numel // per_packet) - numel       # the last packet is partial
     return bad * per_packet - last * short

@@ -174,7 +174,7 @@ class Losses:
         all-gather hop h for the R - 1 - h ranks after it)."""
         sched = self.sched
         if (sched.algorithm, sched.collective) != ("ring", "all_reduce"):
-            return bad_packets_of(combine(sched, self.mask()))
+            return bad_packets_of(combine(sched, self.mask()), sched.collective)
         R, first, rs, hop = _ring_sends(sched)
         p = first[self.send] + self.packet
         ag = ~rs[self.send]
@@ -231,10 +231,16 @@ def _ring_sends(sched):
     return cached
 
 
-def bad_packets_of(delivery) -> tuple[int, int]:
-    """(receiver, packet) pairs of a Delivery that are not the exact sum, in all and at the last packet."""
+def bad_packets_of(delivery, collective: str = "all_reduce") -> tuple[int, int]:
+    """Packets of a Delivery that do not hold the exact result, in all and at the message's last packet:
+    per (receiver, packet) a hole or a sum missing a contribution; an all-gather's per (receiver, shard,
+    packet), as every shard is data of its own; a reduce-scatter's per packet, held by its chunk's owner
+    alone."""
     if delivery.weights is not None:                            # [receivers, senders, packets]
-        bad = (delivery.weights == 0).any(1)
+        missed = delivery.weights == 0
+        bad = missed.flatten(0, 1) if collective == "all_gather" else missed.any(1)
+    elif collective == "reduce_scatter":                        # coef [senders, packets]: the owner's sum
+        bad = (delivery.coef == 0).any(0, keepdim=True)
     else:                                                       # coef [senders, packets], gain [receivers, packets]
         bad = (delivery.gain == 0) | (delivery.coef == 0).any(0)
     return (int(bad.sum()), int(bad[:, -1].sum())) if bad.numel() else (0, 0)
