@@ -99,7 +99,9 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
             stack.append(clock.step(1, zero=present[i + 1:]) - sum(stack))
         stacks.append(stack + [per_step[-1] - ideal_steps[-1]])
         for cls in present:
-            added[cls] += [per_step[-1] - clock.step(0, zero=(cls,)), ideal_steps[-1] - clock.step(1, zero=(cls,))]
+            # loss-free: what the class's messages add to the loss-free step; repair: what the step loses when
+            # only this class's messages lose nothing (>= 0: a schedule's end never grows as a part shrinks)
+            added[cls] += [per_step[-1] - clock.loss_free(cls).step(0), ideal_steps[-1] - clock.step(1, zero=(cls,))]
 
     step_s, loss_free = np.asarray(per_step), float(np.mean(ideal_steps))
     stack = np.mean(stacks, axis=0)
@@ -132,7 +134,7 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
     }
     for cls in CLASSES:   # every class's columns, zero where the job has none of its traffic
         seconds = added[cls] / steps
-        row.update({f"{cls}_loss_free_s": float(seconds[1]), f"{cls}_repair_s": float(seconds[0] - seconds[1]),
+        row.update({f"{cls}_loss_free_s": float(seconds[1]), f"{cls}_repair_s": float(seconds[0]),
                     **{f"{cls}_packets_{name}": counts.get(cls, {}).get(name, 0.0)
                        for name in ("sent", "lost", "resent")},
                     f"{cls}_elements_lost": job.elements_lost(cls)})
@@ -434,10 +436,19 @@ class _Job:
 class _Clock:
     """One step's end from its parts' seconds (``k`` 0: with loss, 1: loss-free), any class zeroed."""
 
+    KEYS = {"tp": ("tp",), "pp": ("pp",), "dp": ("bucket",), "fsdp": ("bucket", "gather")}   # a class's times
+
     def __init__(self, times: dict, micro_s: float, shares: list[float], w: Workload, pp: int, dp: int, m: int,
                  ready: list):
         self.t, self.c, self.shares, self.w, self.pp, self.dp, self.m, self.ready = \
             times, micro_s, shares, w, pp, dp, m, ready
+
+    def loss_free(self, cls: str) -> "_Clock":
+        """This clock with ``cls``'s messages at their loss-free seconds (their repairs taken away)."""
+        times = dict(self.t)
+        for key in self.KEYS[cls]:
+            times[key] = _at_loss_free(times[key])
+        return _Clock(times, self.c, self.shares, self.w, self.pp, self.dp, self.m, self.ready)
 
     def step(self, k: int, zero=()) -> float:
         tp = self.t["tp"]
@@ -486,6 +497,13 @@ class _Clock:
                 step = max(step, timeline.step_seconds(start, end - start, self.ready[s],
                                                        [b[k] for b in bucket[s]], overlap))
         return step
+
+
+def _at_loss_free(times):
+    """``times`` (nested lists ending in [with loss, loss-free] pairs of seconds) with every pair [free, free]."""
+    if len(times) == 2 and all(isinstance(x, (int, float)) for x in times):
+        return [times[1], times[1]]
+    return [_at_loss_free(x) for x in times]
 
 
 def _groups(specs: list[NetworkSpec]) -> list[_Group]:
