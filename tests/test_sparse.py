@@ -62,6 +62,16 @@ def test_sparse_path_is_the_general_path_bit_for_bit(settings, deliver, monkeypa
     assert fast["totals"]["lost"] > 0
 
 
+def test_sends_without_packets_take_no_losses(monkeypatch):
+    """A ring of 4 over 1 to 3 packets has sends without packets, some starting where the next link's
+    first packet does (past a full row of the draw): the losses go to the sends that own packets."""
+    spec = NetworkSpec(ranks=4, seed=3, loss="bernoulli:0.5", transport="drop")
+    fast = run(spec, sizes=(1, 2, 3), calls=20, deliver=False)
+    monkeypatch.setattr(sparse, "applies", lambda spec, device: False)
+    assert same(fast, run(spec, sizes=(1, 2, 3), calls=20, deliver=False))
+    assert fast["totals"]["lost"] > 0
+
+
 def test_an_estimate_is_the_same_on_either_path(monkeypatch):
     workload = Workload(seq=64, micro_batch=2)
     rows = {}

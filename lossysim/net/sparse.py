@@ -76,13 +76,15 @@ def _lossy_rows(transfer) -> np.ndarray:
 
 
 def _send_starts(transfer) -> tuple[np.ndarray, np.ndarray]:
-    """Where each send's packets begin in the flat [links, width] draw (sorted), and the sends in that order."""
+    """Where each send with packets begins in the flat [links, width] draw (sorted), and the sends in that order."""
     if not hasattr(transfer, "_send_starts"):
         sched = transfer.sched
-        starts = np.array([r * transfer.width + o for r, o in zip(sched.send_row, sched.send_offset)], dtype=np.int64)
-        order = np.argsort(starts, kind="stable")
-        # A send without packets starts where the next one does: searching finds the last such, the real one.
-        transfer._send_starts = (starts[order], order.astype(np.int64))
+        # A send without packets owns no loss: its start may be another's (the next send's on its row, or
+        # past a full row, the next row's first), so it is left out.
+        real = np.flatnonzero(_send_packets(sched) > 0)
+        starts = np.array([sched.send_row[s] * transfer.width + sched.send_offset[s] for s in real], dtype=np.int64)
+        order = np.argsort(starts)
+        transfer._send_starts = (starts[order], real[order])
     return transfer._send_starts
 
 
