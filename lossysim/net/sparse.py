@@ -25,44 +25,53 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..loss.models import Bernoulli
+from ..loss.models import LossModel
 from .algorithms import Delivery, chunk_bounds, combine
 
 
 def applies(spec, device: torch.device) -> bool:
     """Whether a network of ``spec`` draws, drops or repairs its calls on ``device`` here."""
-    loss = spec.loss
-    return (type(loss) is Bernoulli and loss.sparse and device.type == "cpu"
+    return (spec.loss.sparse and device.type == "cpu"
             and (not spec.transport_model.repairs or spec.nic_model.mode == "selective"))
 
 
-def lost_positions(model: Bernoulli, chains, rows: int, lossy: Optional[np.ndarray], width: int) -> np.ndarray:
-    """The next ``width`` fates of the lossy links among ``rows`` (``Chains.draw``'s draws; ``lossy`` None:
-    every row's), as sorted flat indices ``row * width + column`` over all the rows."""
-    if lossy is not None and not len(lossy):
+def lost_positions(model: LossModel, chains, link_ids: torch.Tensor, lossy: Optional[np.ndarray], width: int,
+                   used: np.ndarray) -> np.ndarray:
+    """The next ``width`` fates of the lossy links among ``link_ids`` (``lossy`` None: every row's), of which
+    ``used[row]`` go out, as sorted flat indices ``row * width + column`` over all the rows: ``Chains.draw``'s
+    draws with ``lengths=used``, the chains moved past the packets sent as it moves them."""
+    rows = len(link_ids)
+    if not rows or lossy is not None and not len(lossy):
         return np.zeros(0, dtype=np.int64)
-    if not chains.started:  # as Chains.draw starts its chains (for Bernoulli: no draw, no state)
+    if not chains.started:  # as Chains.draw starts its chains (Bernoulli: no draw, no state)
         _, _, chains.state = model.sample_with_states((chains.links, 0), chains.generator, None)
         chains.started = True
-    flat = model.lost_positions(rows if lossy is None else len(lossy), width, chains.generator)
+    ids = link_ids if lossy is None else link_ids[torch.from_numpy(lossy)]
+    state = None if chains.state is None else chains.state[ids]
+    flat, after = model.lost_positions(len(ids), width, chains.generator, state,
+                                       used if lossy is None else used[lossy])
+    if chains.state is not None:
+        moved = chains.state.clone()   # the old tensor may be a saved state's: never written in place
+        moved[ids] = after
+        chains.state = moved
     if lossy is None or not len(flat):
         return flat
     return lossy[flat // width] * width + flat % width
 
 
-def drop(model: Bernoulli, chains, counters, transfer) -> tuple[np.ndarray, np.ndarray]:
+def drop(model: LossModel, chains, counters, transfer) -> tuple[np.ndarray, np.ndarray]:
     """The ``drop`` transport's draw of one call (``Chains.draw`` over every link's packets, then
     ``Counters.record``), the losses as positions: returns the (send, packet) of each lost packet that
     was sent."""
     width, rows = transfer.width, len(transfer.link_ids)
     lossy = _lossy_rows(transfer)
-    flat = lost_positions(model, chains, rows, None if len(lossy) == rows else lossy, width) if width \
-        else np.zeros(0, dtype=np.int64)
     lengths = transfer.lengths.numpy()
+    flat = lost_positions(model, chains, transfer.link_ids, None if len(lossy) == rows else lossy, width, lengths)
     row, column = np.divmod(flat, max(width, 1))
     went = column < lengths[row]
     row, column = row[went], column[went]
-    counters.record_lost(transfer.link_ids, row, column, lengths, transfer.slots, transfer.sent)
+    counters.record_lost(transfer.link_ids, row, column, lengths, transfer.slots, transfer.sent,
+                         bad=model.hidden_state)
     starts, sends = _send_starts(transfer)
     key = row * width + column
     at = np.searchsorted(starts, key, side="right") - 1
