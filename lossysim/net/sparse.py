@@ -1,20 +1,23 @@
-"""Memoryless (Bernoulli) loss with its packets' fates kept as the positions of the losses.
+"""Bernoulli and simple Gilbert loss with its packets' fates kept as the positions of the losses.
 
 A step's mask is almost all False: at 1% loss a 70B model's step (4480 ring steps of about 46 000
 packets) would spend its time writing and reading masks. Here a draw gives the lost packets'
-positions (``lost_positions``: ``Bernoulli.lost_positions``, the same draws in the same order from
-the same generator as the mask ``Chains.draw`` gives), the counters take them as positions
-(``Counters.record_lost``), and the repairs are the transport's one rule (``transport.selective``),
-fed positions (``fates.Positions``). Masks, counts, the clock and the random streams come out bit for
-bit as the masks' path: tests/test_sparse.py holds the two against each other.
+positions (``lost_positions``: the model's ``lost_positions``, the same draws in the same order from
+the same generator as the mask ``Chains.draw`` gives, and the same chain states after them), the
+counters take them as positions (``Counters.record_lost``), and the repairs are the transport's one
+rule (``transport.selective``), fed positions (``fates.Positions``). Masks, counts, the clock and the
+random streams come out bit for bit as the masks' path: tests/test_sparse.py holds the two against
+each other.
 
 The ``drop`` transport draws its calls the same way (``drop``). An estimate needs no Delivery (what each
 receiver holds, ``[receivers, packets]``) but how many elements are not the exact sum: ``Losses`` keeps
 the lost packets of each send and counts those without building one (``LossyNetwork.simulate(deliver=
 False)``).
 
-Only for what it can do exactly: a Bernoulli loss with 0 < p <= 1/2 (memoryless: no chain state, no
-burst state to count), a selective-repeat nic when packets are repaired, and CPU tensors (``applies``).
+Only for what it can do exactly: a loss model whose ``sparse`` says so (Bernoulli with 0 < p <= 1/2:
+memoryless; a simple Gilbert chain that moves, losing every packet in Bad and none in Good: its chain
+state is carried per link as ``Chains`` carries it, and its lost packets are the ones sent in Bad,
+counted as such), a selective-repeat nic when packets are repaired, and CPU tensors (``applies``).
 Anything else keeps masks.
 """
 from __future__ import annotations
