@@ -16,6 +16,7 @@ from scipy import stats
 from lossysim.net.algorithms import chunk_bounds, depth, schedule
 from lossysim.net import delivery as deliver
 from lossysim.net.network import LossyNetwork
+from lossysim.net.spec import NetworkSpec
 
 ALPHA = 1e-5  # p-value threshold of the statistical checks
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -280,3 +281,21 @@ def test_direct_exchange_patching_what_receivers_missed_gives_the_full_sums_bits
             every = deliver.direct_sum(x, kept, 4, dense=True)
             torch.testing.assert_close(patched, every, rtol=0, atol=0, equal_nan=True)
             assert rate == 0 or not torch.equal(every[0], every[1])
+
+
+def test_a_repaired_call_builds_no_per_packet_layout_and_a_dropped_one_counts_by_it():
+    """The per-packet tables (where each send's packets sit in a draw; each packet's counter slot) are
+    built only where read: a 128-rank ring's 1 GB message would need gigabytes of them. A retransmitted
+    call counts step by step and never builds them; a dropped call counts its draw whole, slot by slot,
+    and its counts per phase are the schedule's."""
+    numel = 3 * 1024 + 5   # packets that do not split evenly into 4 chunks
+    for transport, built in (("retransmit", False), ("drop", True)):
+        schedule.cache_clear()   # a schedule another test built may hold them already
+        net = LossyNetwork(NetworkSpec(ranks=4, seed=1, loss="bernoulli:0.02", transport=transport, nic="irn",
+                                       algorithm="ring", payload_bytes=64))
+        net.simulate("s", "bwd", numel, torch.float32, deliver=False)
+        sched = schedule("ring", "all_reduce", 4, -(-numel // 16), None, None)   # the network's (cached) one
+        assert bool(sched._packet_layout) is built
+        sent = {row["phase"]: row["sent"] - row["resent"] for row in net.summary(by=("phase",))}
+        assert sent == {phase: sum(s.packets for s in sched.sends if s.phase == phase)
+                        for phase in ("reduce_scatter", "all_gather")}

@@ -283,3 +283,35 @@ def test_the_csv_names_what_each_class_ran(algorithm):
     (choice,) = tp.choices()
     assert any(e.startswith(f"tp all_reduce: {choice['algorithm']}/{choice['protocol']} x{choice['channels']}")
                for e in entries)
+
+
+def test_fsdp_counts_the_elements_its_gathers_and_reduce_scatters_lose():
+    """Dropped at p on every link of a ring of R: a gathered shard misses a packet at the receiver d hops
+    on with probability 1 - (1-p)^d (its own shard is exact), a reduce-scattered sum misses a contribution
+    with 1 - (1-p)^(R-1). Each unit leaves R x R shards after its gather and R sums after its reduce-scatter,
+    so the class's share is their weighted mean (20 steps: ~55,000 losses, a relative error of about 1%)."""
+    p, R = 0.05, 4
+    gather = sum(1 - (1 - p) ** d for d in range(1, R)) / R
+    reduce = 1 - (1 - p) ** (R - 1)
+    row = estimate("tiny-llama", NetworkSpec(1, f"bernoulli:{p}", transport="drop", ranks_per_node=1, seed=1),
+                   Workload(seq=8, micro_batch=2, dp_size=R, dp_mode="fsdp", gpus_per_node=1), steps=20)
+    assert row["fsdp_elements_lost"] == pytest.approx((R * R * gather + R * reduce) / (R * R + R), rel=0.05)
+    exact = estimate("tiny-llama", NetworkSpec(1, f"bernoulli:{p}", transport="retransmit", ranks_per_node=1),
+                     Workload(seq=8, micro_batch=2, dp_size=R, dp_mode="fsdp", gpus_per_node=1), steps=2)
+    assert exact["fsdp_elements_lost"] == 0 and exact["fsdp_packets_lost"] > 0
+
+
+def test_a_class_repair_is_what_its_losses_add_and_nothing_where_it_loses_nothing():
+    """A class's repair seconds are the step less the same step with only that class's messages loss-free:
+    never negative (a schedule's end never grows as a part shrinks) and exactly 0 for a class that lost no
+    packet (TP on loss-free links here), however the other classes' repairs move the schedule."""
+    from lossysim.estimate import load
+    spec = NetworkSpec(2, "bernoulli:0.05", transport="retransmit", nic="tcp", ranks_per_node=2,
+                       link_inter="roce-400g", lossy_links="inter_node")
+    for workload in (Workload(seq=8, micro_batch=2, pp_size=2, microbatches=3, gpus_per_node=2),
+                     Workload(seq=8, micro_batch=2, dp_size=2, gpus_per_node=2)):
+        row = estimate(load("tiny-llama"), spec, workload, steps=3)
+        assert row["tp_packets_lost"] == 0 and row["tp_repair_s"] == 0.0
+        lossy = [c for c in ("pp", "dp") if row[f"{c}_packets_lost"] > 0]
+        assert lossy and all(row[f"{c}_repair_s"] > 0 for c in lossy)
+        assert all(row[f"{c}_repair_s"] >= 0 for c in ("tp", "pp", "dp", "fsdp"))

@@ -49,16 +49,16 @@ def spy(monkeypatch):
             return lost, in_bad, next_state
 
         monkeypatch.setattr(net.loss_model, "sample_with_states", recorded)
-        if hasattr(net.loss_model, "lost_positions"):  # Bernoulli draws the same fates as positions (net.sparse)
+        if hasattr(net.loss_model, "lost_positions"):  # the same fates, as positions (net.sparse)
             positions = net.loss_model.lost_positions
 
-            def recorded_positions(rows, width, generator):
-                flat = positions(rows, width, generator)
+            def recorded_positions(rows, width, generator, state=None, used=None):
+                flat, after = positions(rows, width, generator, state, used)
                 if width:
                     lost = torch.zeros(rows * width, dtype=torch.bool)
                     lost[torch.from_numpy(flat)] = True
                     masks.append(lost.view(rows, width))
-                return flat
+                return flat, after
 
             monkeypatch.setattr(net.loss_model, "lost_positions", recorded_positions)
         return masks

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture
 def masks(monkeypatch):
     """``masks(net)`` -> list receiving every [links, packets] mask the network's loss model draws, in
-    order (as positions or as a mask: Bernoulli draws the same fates either way)."""
+    order (as positions or as a mask: the same fates either way)."""
     def attach(net):
         seen = []
         model = net.loss_model
@@ -40,13 +40,13 @@ def masks(monkeypatch):
                 seen.append(lost.clone())
             return lost, in_bad, after
 
-        def positioned(rows, width, generator):
-            flat = positions(rows, width, generator)
+        def positioned(rows, width, generator, state=None, used=None):
+            flat, after = positions(rows, width, generator, state, used)
             if width:
                 lost = torch.zeros(rows * width, dtype=torch.bool)
                 lost[torch.from_numpy(flat)] = True
                 seen.append(lost.view(rows, width))
-            return flat
+            return flat, after
 
         monkeypatch.setattr(model, "sample_with_states", sampled)
         if positions is not None:

@@ -1,10 +1,11 @@
-"""The sparse path (net/sparse.py: Bernoulli fates as loss positions) against the general one (masks): the
-same deliveries, counts, burst histogram, clock and random streams, bit for bit."""
+"""The sparse path (net/sparse.py: Bernoulli and simple Gilbert fates as loss positions) against the general
+one (masks): the same deliveries, counts, burst histogram, clock and random streams, bit for bit."""
 import numpy as np
 import pytest
 import torch
 
 from lossysim.estimate import Workload, estimate
+from lossysim.loss.models import Bernoulli, GilbertElliott
 from lossysim.net import LossyNetwork, NetworkSpec, sparse
 from lossysim.net.recovery import packets_of
 from lossysim.net.stats import count_runs
@@ -47,6 +48,16 @@ SETTINGS = [
     dict(loss="bernoulli:0.05", transport="drop"),
     dict(loss="bernoulli:0.05", transport="drop", recovery="rescale", algorithm="tree"),
     dict(loss="bernoulli:0.1", transport="drop", ranks_per_node=2, lossy_links="inter_node"),
+    # Simple Gilbert chains: the losses are the burst state's packets, the chains' states carried call to call.
+    dict(loss="ge:rate=0.01,burst=4", transport="retransmit", nic="irn"),
+    dict(loss="ge:rate=0.2,burst=8", transport="retransmit", nic="irn"),          # retries run out: failures
+    dict(loss="ge:rate=0.1,burst=3", transport="retransmit", nic="tcp", algorithm="direct"),
+    dict(loss="ge:rate=0.05,burst=2", transport="deadline", nic="srd", deadline=1.05),
+    dict(loss="ge:rate=0.1,burst=5", transport="deadline", nic="irn", algorithm="tree", ranks_per_node=2,
+         lossy_links="inter_node"),
+    dict(loss="ge:rate=0.05,burst=4", transport="drop"),
+    dict(loss="ge:rate=0.05,burst=3", transport="drop", recovery="rescale", algorithm="tree"),
+    dict(loss="ge:rate=0.1,burst=6", transport="drop", ranks_per_node=2, lossy_links="inter_node"),
 ]
 
 
@@ -62,6 +73,17 @@ def test_sparse_path_is_the_general_path_bit_for_bit(settings, deliver, monkeypa
     assert fast["totals"]["lost"] > 0
 
 
+@pytest.mark.parametrize("loss", ["bernoulli:0.5", "ge:rate=0.3,burst=3"])
+def test_sends_without_packets_take_no_losses(loss, monkeypatch):
+    """A ring of 4 over 1 to 3 packets has sends without packets, some starting where the next link's
+    first packet does (past a full row of the draw): the losses go to the sends that own packets."""
+    spec = NetworkSpec(ranks=4, seed=3, loss=loss, transport="drop")
+    fast = run(spec, sizes=(1, 2, 3), calls=20, deliver=False)
+    monkeypatch.setattr(sparse, "applies", lambda spec, device: False)
+    assert same(fast, run(spec, sizes=(1, 2, 3), calls=20, deliver=False))
+    assert fast["totals"]["lost"] > 0
+
+
 def test_an_estimate_is_the_same_on_either_path(monkeypatch):
     workload = Workload(seq=64, micro_batch=2)
     rows = {}
@@ -73,16 +95,41 @@ def test_an_estimate_is_the_same_on_either_path(monkeypatch):
     assert any(row["elements_lost_fwd"] > 0 for row in rows["sparse"])
 
 
-def test_lost_positions_are_the_mask_of_sample_with_states():
-    from lossysim.loss.models import Bernoulli
-    for p in (0.001, 0.01, 0.3, 0.5):
-        model = Bernoulli(p)
-        for rows, width in ((3, 100), (8, 2900), (1, 50000)):
+BURSTY = GilbertElliott.from_rate(0.05, 4)
+
+
+@pytest.mark.parametrize("model", [Bernoulli(0.001), Bernoulli(0.01), Bernoulli(0.3), Bernoulli(0.5), BURSTY,
+                                   GilbertElliott.from_rate(0.3, 20), GilbertElliott(0.9, 0.8)])
+def test_lost_positions_are_the_mask_of_sample_with_states(model):
+    """Short calls (one uniform per packet, at most _DENSE_BELOW packets) and long ones (gaps or sojourns),
+    from a fresh chain and from a given state with fewer packets sent than drawn: the same lost packets,
+    next state and generator state."""
+    assert model.sparse
+    for rows, width in ((3, 100), (8, 1024), (8, 2900), (1, 50000)):
+        for given in (False, True):
+            pick = torch.Generator().manual_seed(rows * width)
+            state = torch.rand(rows, generator=pick) < 0.5 if given and model.hidden_state else None
+            used = torch.randint(0, width + 1, (rows,), generator=pick) if given else None
             a, b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-            mask, _, _ = model.sample_with_states((rows, width), a)
-            flat = model.lost_positions(rows, width, b)
+            mask, _, after = model.sample_with_states((rows, width), a, state, used)
+            flat, moved = model.lost_positions(rows, width, b, state, None if used is None else used.numpy())
             assert torch.equal(mask.flatten().nonzero().flatten(), torch.from_numpy(flat))
+            assert same(moved, after)
             assert torch.equal(a.get_state(), b.get_state())
+
+
+def test_only_a_simple_gilbert_chain_that_moves_takes_positions():
+    """A chain that loses in Good or keeps some packets in Bad has losses apart from its states: masks."""
+    cpu = torch.device("cpu")
+    assert sparse.applies(NetworkSpec(ranks=4, loss="ge:rate=0.01,burst=4"), cpu)
+    for loss in ("ge:p_gb=0.01,p_bg=0.25,loss_bad=0.9,loss_good=0.0",
+                 "ge:p_gb=0.01,p_bg=0.25,loss_bad=1.0,loss_good=0.001",
+                 "netem:loss gemodel 1% 25% 100% 0.1%"):
+        spec = NetworkSpec(ranks=4, loss=loss)
+        assert not spec.loss.sparse and not sparse.applies(spec, cpu)
+    assert not GilbertElliott(0.0, 0.5).sparse and not GilbertElliott(0.5, 0.0).sparse
+    assert not sparse.applies(NetworkSpec(ranks=4, loss="ge:rate=0.01,burst=4", transport="retransmit",
+                                          nic="roce-gbn"), cpu)  # go-back-N reads masks
 
 
 @pytest.mark.parametrize("algorithm, collective", [("ring", "all_reduce"), ("ring", "reduce_scatter"),

@@ -99,7 +99,9 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
             stack.append(clock.step(1, zero=present[i + 1:]) - sum(stack))
         stacks.append(stack + [per_step[-1] - ideal_steps[-1]])
         for cls in present:
-            added[cls] += [per_step[-1] - clock.step(0, zero=(cls,)), ideal_steps[-1] - clock.step(1, zero=(cls,))]
+            # loss-free: what the class's messages add to the loss-free step; repair: what the step loses when
+            # only this class's messages lose nothing (>= 0: a schedule's end never grows as a part shrinks)
+            added[cls] += [per_step[-1] - clock.loss_free(cls).step(0), ideal_steps[-1] - clock.step(1, zero=(cls,))]
 
     step_s, loss_free = np.asarray(per_step), float(np.mean(ideal_steps))
     stack = np.mean(stacks, axis=0)
@@ -132,7 +134,7 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
     }
     for cls in CLASSES:   # every class's columns, zero where the job has none of its traffic
         seconds = added[cls] / steps
-        row.update({f"{cls}_loss_free_s": float(seconds[1]), f"{cls}_repair_s": float(seconds[0] - seconds[1]),
+        row.update({f"{cls}_loss_free_s": float(seconds[1]), f"{cls}_repair_s": float(seconds[0]),
                     **{f"{cls}_packets_{name}": counts.get(cls, {}).get(name, 0.0)
                        for name in ("sent", "lost", "resent")},
                     f"{cls}_elements_lost": job.elements_lost(cls)})
@@ -397,9 +399,9 @@ class _Job:
                     delivery = net.simulate(site, direction, numel, dtype, collective, deliver=False)
                     after = _mark(net)
                     seconds[g, i, k] = after[0] - before[0], after[1] - before[1]
-                    if collective == "all_reduce":
-                        per_packet, _ = net.packets(numel, dtype)
-                        self._lost(cls, direction, delivery, per_packet, numel, net.ranks * numel, group.copies)
+                    per_packet, _ = net.packets(numel, dtype)
+                    self._lost(cls, direction, delivery, per_packet, numel, _held(collective, net.ranks, numel),
+                               group.copies, collective)
             self._count(cls, net, group.copies)
         slowest = np.repeat(seconds.max(axis=0)[None], stages, axis=0)
         slowest[1:, :, :, 0] = slowest[1:, :, :, 1]
@@ -415,10 +417,10 @@ class _Job:
         return slowest.tolist()
 
     def _lost(self, cls: str, direction: str, delivery, per_packet: int, numel: int, received: int,
-              copies: int) -> None:
+              copies: int, collective: str = "all_reduce") -> None:
         self.received[cls, direction] += received * copies
         if delivery is not None:
-            self.inexact[cls, direction] += _inexact_elements(delivery, per_packet, numel) * copies
+            self.inexact[cls, direction] += _inexact_elements(delivery, per_packet, numel, collective) * copies
 
     def elements_lost(self, cls: str, direction: Optional[str] = None) -> float:
         """The share of ``cls``'s received elements (in ``direction``, or both) that did not arrive exact."""
@@ -434,10 +436,19 @@ class _Job:
 class _Clock:
     """One step's end from its parts' seconds (``k`` 0: with loss, 1: loss-free), any class zeroed."""
 
+    KEYS = {"tp": ("tp",), "pp": ("pp",), "dp": ("bucket",), "fsdp": ("bucket", "gather")}   # a class's times
+
     def __init__(self, times: dict, micro_s: float, shares: list[float], w: Workload, pp: int, dp: int, m: int,
                  ready: list):
         self.t, self.c, self.shares, self.w, self.pp, self.dp, self.m, self.ready = \
             times, micro_s, shares, w, pp, dp, m, ready
+
+    def loss_free(self, cls: str) -> "_Clock":
+        """This clock with ``cls``'s messages at their loss-free seconds (their repairs taken away)."""
+        times = dict(self.t)
+        for key in self.KEYS[cls]:
+            times[key] = _at_loss_free(times[key])
+        return _Clock(times, self.c, self.shares, self.w, self.pp, self.dp, self.m, self.ready)
 
     def step(self, k: int, zero=()) -> float:
         tp = self.t["tp"]
@@ -488,6 +499,13 @@ class _Clock:
         return step
 
 
+def _at_loss_free(times):
+    """``times`` (nested lists ending in [with loss, loss-free] pairs of seconds) with every pair [free, free]."""
+    if len(times) == 2 and all(isinstance(x, (int, float)) for x in times):
+        return [times[1], times[1]]
+    return [_at_loss_free(x) for x in times]
+
+
 def _groups(specs: list[NetworkSpec]) -> list[_Group]:
     """Identical groups: every one that can lose packets, or one for all when none can."""
     if not _lossy(LossyNetwork(specs[0])):
@@ -528,9 +546,16 @@ def _intervals(step_s: np.ndarray, level: float = 0.95) -> dict:
     return out
 
 
-def _inexact_elements(delivery, per_packet: int, numel: int) -> int:
-    """Elements, over every receiver, that are not the exact sum: a hole, or a sum missing a contribution
+def _held(collective: str, ranks: int, numel: int) -> int:
+    """Elements a collective of ``numel`` (simulate's: an all-gather's per rank) leaves with its receivers:
+    every rank the sum, every rank every shard, or every rank its chunk's sum."""
+    return {"all_reduce": ranks * numel, "all_gather": ranks * ranks * numel, "reduce_scatter": numel}[collective]
+
+
+def _inexact_elements(delivery, per_packet: int, numel: int, collective: str = "all_reduce") -> int:
+    """Elements, over every receiver, that are not the exact result: a hole, or a sum missing a contribution
     (``delivery``: a policy's draw, or the lost packets as ``Losses``)."""
-    bad, last = delivery.bad_packets() if isinstance(delivery, Losses) else bad_packets_of(packets_of(delivery))
+    bad, last = delivery.bad_packets() if isinstance(delivery, Losses) else \
+        bad_packets_of(packets_of(delivery), collective)
     short = per_packet * -(-numel // per_packet) - numel       # the last packet is partial
     return bad * per_packet - last * short

@@ -332,6 +332,8 @@ class LossModel:
     rewindable = False
     # Whether the chain has a hidden (Bad, burst) state whose packets ``in_bad`` marks.
     hidden_state = False
+    # Whether ``lost_positions`` can stand in for ``sample_with_states`` (net/sparse.py).
+    sparse = False
 
     def state_after(self, in_bad: torch.Tensor, next_state, used: torch.Tensor):
         """The chain state after the first ``used`` packets of a full draw that returned
@@ -398,15 +400,16 @@ class Bernoulli(LossModel):
         """Whether ``lost_positions`` can stand in for ``sample_with_states`` (0 < p <= 1/2)."""
         return 0.0 < self.p <= 0.5
 
-    def lost_positions(self, rows: int, width: int, generator: torch.Generator) -> np.ndarray:
-        """The lost packets of ``sample_with_states((rows, width), generator)``, as sorted flat indices
-        (a numpy int64 array), from the very same draws of a CPU generator: no mask is written.
-        Needs ``sparse``."""
+    def lost_positions(self, rows: int, width: int, generator: torch.Generator, state=None,
+                       used=None) -> tuple[np.ndarray, None]:
+        """``(positions, next_state)``: the lost packets of ``sample_with_states((rows, width), generator,
+        state, used)`` as sorted flat indices (a numpy int64 array), from the very same draws of a CPU
+        generator: no mask is written. Memoryless: the state stays None. Needs ``sparse``."""
         total = rows * width
         if total <= _DENSE_BELOW:
             lost = torch.rand((rows, width), generator=generator) < self.p
-            return np.flatnonzero(lost.numpy())
-        return _bernoulli_positions(total, self.p, generator, np)
+            return np.flatnonzero(lost.numpy()), state
+        return _bernoulli_positions(total, self.p, generator, np), state
 
 
 class NoLoss(Bernoulli):
@@ -500,8 +503,32 @@ class GilbertElliott(LossModel):
         inside = in_bad.gather(-1, used.clamp(max=n - 1).unsqueeze(-1)).squeeze(-1)
         return torch.where(used < n, inside, next_state)
 
-    def sample_with_states(self, n, generator, state=None, used=None):
-        shape = _shape(n)
+    @property
+    def simple(self) -> bool:
+        """A simple Gilbert chain: every packet lost in Bad, none in Good (the lost packets are the Bad ones)."""
+        return self.loss_bad == 1.0 and self.loss_good == 0.0
+
+    @property
+    def sparse(self) -> bool:
+        """Whether ``lost_positions`` can stand in for ``sample_with_states``: a simple chain that moves
+        both ways (losses are runs of Bad packets, as few as the chain's sojourns)."""
+        return self.simple and self.p_gb > 0.0 and self.p_bg > 0.0
+
+    def lost_positions(self, rows: int, width: int, generator: torch.Generator, state=None,
+                       used=None) -> tuple[np.ndarray, torch.Tensor]:
+        """``(positions, next_state)``: the lost packets of ``sample_with_states((rows, width), generator,
+        state, used)`` as sorted flat indices (a numpy int64 array), and its next state, from the very same
+        draws of a CPU generator: no mask is written. Needs ``sparse``."""
+        in_bad, sojourns, next_state = self._bad((rows, width), generator, state, used)
+        if in_bad is not None:
+            return np.flatnonzero(in_bad.numpy()), next_state
+        return _range_indices(*_segments_to_masks(*sojourns, width)).numpy(), next_state
+
+    def _bad(self, shape, generator, state, used):
+        """The chains' states of a draw of ``shape``, the part of ``sample_with_states`` that
+        ``lost_positions`` shares: ``(in_bad, sojourns, next_state)``, ``in_bad`` the ``[chains, packets]``
+        mask of a short call (one uniform per packet) and ``sojourns`` None, or for a long one ``in_bad``
+        None and ``sojourns`` ``(starts, ends, bad)`` ``[chains, J]``, the sojourns drawn."""
         device = generator.device
         chains, packets, state, used = _flat_chains(shape, state, used, device)
         if state is None:
@@ -509,26 +536,35 @@ class GilbertElliott(LossModel):
         state = state.to(torch.bool)
         if chains * packets <= _DENSE_BELOW:
             states = _scan_chain(self.p_gb, self.p_bg, (chains, packets), generator, state)
-            in_bad, next_state = states[:, :-1].contiguous(), states.gather(1, used.unsqueeze(-1)).squeeze(-1)
-            if self.loss_bad == 1.0 and self.loss_good == 0.0:
-                lost = in_bad.clone()
-            else:
-                v = torch.rand((chains, packets), generator=generator, device=device, dtype=torch.float64)
-                lost = v < torch.where(in_bad, _float64(self.loss_bad, device), _float64(self.loss_good, device))
-            return lost.view(shape), in_bad.view(shape), next_state.view(shape[:-1])
+            return states[:, :-1], None, states.gather(1, used.unsqueeze(-1)).squeeze(-1)
         # Packet t arrives in the state of the sojourn covering step t; step
         # ``packets`` is where the next call's first packet arrives.
         ends = _alternating(state, packets + 1, self.p_gb, self.p_bg, generator)
         bad = state.unsqueeze(-1) ^ (torch.arange(ends.shape[1], device=device) % 2 == 1)
         starts = torch.cat([torch.zeros_like(ends[:, :1]), ends[:, :-1]], 1)
         which = torch.searchsorted(ends, used.unsqueeze(-1), right=True).squeeze(-1)
-        next_state = state ^ (which % 2 == 1)
+        return None, (starts, ends, bad), state ^ (which % 2 == 1)
+
+    def sample_with_states(self, n, generator, state=None, used=None):
+        shape = _shape(n)
+        device = generator.device
+        chains, packets = math.prod(shape[:-1]), shape[-1]
+        in_bad, sojourns, next_state = self._bad(shape, generator, state, used)
+        if in_bad is not None:
+            in_bad = in_bad.contiguous()
+            if self.simple:
+                lost = in_bad.clone()
+            else:
+                v = torch.rand((chains, packets), generator=generator, device=device, dtype=torch.float64)
+                lost = v < torch.where(in_bad, _float64(self.loss_bad, device), _float64(self.loss_good, device))
+            return lost.view(shape), in_bad.view(shape), next_state.view(shape[:-1])
+        starts, ends, bad = sojourns
         bad_base, bad_len = _segments_to_masks(starts, ends, bad, packets)
         in_bad = _zeros(chains * packets, device)
         bad_idx = _range_indices(bad_base, bad_len)
         _put(in_bad, bad_idx, True)
         lost = _zeros(chains * packets, device)   # written sparsely: cheaper than copying in_bad
-        if self.loss_bad == 1.0 and self.loss_good == 0.0:
+        if self.simple:
             _put(lost, bad_idx, True)
         else:
             if self.loss_bad == 1.0:

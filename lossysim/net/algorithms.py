@@ -134,37 +134,41 @@ class Schedule:
 
     # -- index tensors, built once per device ------------------------------------------
     def tensors(self, device) -> dict:
+        """The paths' index maps (``_index_lists``) on ``device``."""
         device = torch.device(device)
         cached = self._tensors.get(device)
         if cached is None:
-            cached = {k: torch.as_tensor(v, device=device) for k, v in self._index_lists().items()}
-            cached.update(self.packet_tensors(device))
-            self._tensors[device] = cached
+            cached = self._tensors[device] = {k: torch.as_tensor(v, device=device)
+                                              for k, v in self._index_lists().items()}
         return cached
 
-    def packet_tensors(self, device) -> dict:
-        """Only the per-packet layout of ``tensors`` (gather, phase, link_packets), without the paths'
-        index maps: those cost a Python pass over every packet, and a call that only draws, counts or
-        repairs (an estimate's) never reads them."""
+    def gather(self, device) -> torch.Tensor:
+        """``[sends, max_packets]``: where each send's packets sit in the flattened ``[links, width]`` draw
+        (a send shorter than the longest reads some real slot past its end, which nothing reads back).
+        Built on first use: only a mask's drop reads it, and for a large collective it is the biggest
+        tensor a schedule has (a 128-rank ring's 1 GB message: half a GB)."""
         device = torch.device(device)
-        cached = self._packet_layout.get(device)
+        cached = self._packet_layout.get(("gather", device))
         if cached is None:
-            cached = self._packet_layout[device] = self._packet_tensors(device)
+            width = max(self.link_packets, default=0)
+            start = torch.tensor([r * width + o for r, o in zip(self.send_row, self.send_offset)],
+                                 dtype=torch.long, device=device).reshape(-1, 1)
+            cached = (start + torch.arange(self.max_packets, device=device)).clamp_(
+                max=max(len(self.links) * width - 1, 0))
+            self._packet_layout[("gather", device)] = cached
         return cached
 
-    def _packet_tensors(self, device) -> dict:
-        """Per send and packet: where it sits in the [links, width] draw (a send shorter than the longest
-        reads some real slot past its end, which nothing reads back); the phase of every drawn packet."""
-        width = max(self.link_packets, default=0)
-        slot = torch.arange(self.max_packets, device=device)
-        start = torch.tensor([r * width + o for r, o in zip(self.send_row, self.send_offset)],
-                             dtype=torch.long, device=device).reshape(-1, 1)
-        phase = torch.zeros(len(self.links), width, dtype=torch.long, device=device)
-        for i, s in enumerate(self.sends):
-            start_i = self.send_offset[i]
-            phase[self.send_row[i], start_i:start_i + s.packets] = PHASES.index(s.phase)
-        return {"gather": (start + slot).clamp(max=max(len(self.links) * width - 1, 0)), "phase": phase,
-                "link_packets": torch.tensor(self.link_packets, dtype=torch.long, device=device)}
+    def packet_phases(self, device) -> torch.Tensor:
+        """``[links, width]``: the phase (index in ``PHASES``) of every drawn packet, as int8; built on
+        first use (a counter slot per packet is needed only where a call's draw is counted whole)."""
+        device = torch.device(device)
+        cached = self._packet_layout.get(("phase", device))
+        if cached is None:
+            cached = torch.zeros(len(self.links), max(self.link_packets, default=0), dtype=torch.int8)
+            for s, row, first in zip(self.sends, self.send_row, self.send_offset):
+                cached[row, first:first + s.packets] = PHASES.index(s.phase)
+            cached = self._packet_layout[("phase", device)] = cached.to(device)
+        return cached
 
     def _index_lists(self) -> dict:
         """Where, in the per-send layout ``[sends (+1 neutral row), max_packets]`` flattened, each

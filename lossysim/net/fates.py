@@ -97,7 +97,7 @@ class Masks(_Keeper):
                                               transfer.lengths)
         channel.counters.record(transfer.link_ids, lost, self._bad(in_bad), transfer.lengths, transfer.slots,
                                 transfer.sent)
-        per_send = lost.flatten()[transfer.sched.packet_tensors(lost.device)["gather"]]
+        per_send = lost.flatten()[transfer.sched.gather(lost.device)]
         # A few losses: what arrives follows from them (on a CPU, where reading them is no host sync).
         if lost.device.type == "cpu" and sparse.works_out(transfer.sched):
             return sparse.Losses.of(transfer.sched, per_send)
@@ -127,7 +127,8 @@ class Masks(_Keeper):
 
 
 class Positions(_Keeper):
-    """Fates as the positions of the losses, in numpy (``sparse``): a memoryless loss on a CPU."""
+    """Fates as the positions of the losses, in numpy (``sparse``): a memoryless or simple Gilbert loss on a
+    CPU."""
 
     def drop(self, channel, transfer) -> Lost:
         return sparse.Losses(transfer.sched, *sparse.drop(self.spec.loss, channel.chains, channel.counters, transfer))
@@ -135,13 +136,13 @@ class Positions(_Keeper):
     def _step(self, channel, step, host: HostStep) -> Result:
         """Selective repeat (``transport.selective``), each round's losses drawn as positions."""
         spec, chains, counters = self.spec, channel.chains, channel.counters
-        rows = len(host.sends)
+        bad = spec.loss.hidden_state
 
         def draw(to_send: np.ndarray, width: int) -> np.ndarray:
-            return sparse.lost_positions(spec.loss, chains, rows, host.lossy, width)
+            return sparse.lost_positions(spec.loss, chains, host.link_ids, host.lossy, width, to_send)
 
         def count(row: np.ndarray, column: np.ndarray, to_send: np.ndarray) -> None:
-            counters.record_lost(host.link_ids, row, column, to_send, step.phase)
+            counters.record_lost(host.link_ids, row, column, to_send, step.phase, bad=bad)
 
         return selective(spec.nic_model, step.transport.host(), draw, count, step.budget,
                          give_up=spec.transport_model.kind == "deadline")

@@ -1,20 +1,23 @@
-"""Memoryless (Bernoulli) loss with its packets' fates kept as the positions of the losses.
+"""Bernoulli and simple Gilbert loss with its packets' fates kept as the positions of the losses.
 
 A step's mask is almost all False: at 1% loss a 70B model's step (4480 ring steps of about 46 000
 packets) would spend its time writing and reading masks. Here a draw gives the lost packets'
-positions (``lost_positions``: ``Bernoulli.lost_positions``, the same draws in the same order from
-the same generator as the mask ``Chains.draw`` gives), the counters take them as positions
-(``Counters.record_lost``), and the repairs are the transport's one rule (``transport.selective``),
-fed positions (``fates.Positions``). Masks, counts, the clock and the random streams come out bit for
-bit as the masks' path: tests/test_sparse.py holds the two against each other.
+positions (``lost_positions``: the model's ``lost_positions``, the same draws in the same order from
+the same generator as the mask ``Chains.draw`` gives, and the same chain states after them), the
+counters take them as positions (``Counters.record_lost``), and the repairs are the transport's one
+rule (``transport.selective``), fed positions (``fates.Positions``). Masks, counts, the clock and the
+random streams come out bit for bit as the masks' path: tests/test_sparse.py holds the two against
+each other.
 
 The ``drop`` transport draws its calls the same way (``drop``). An estimate needs no Delivery (what each
 receiver holds, ``[receivers, packets]``) but how many elements are not the exact sum: ``Losses`` keeps
 the lost packets of each send and counts those without building one (``LossyNetwork.simulate(deliver=
 False)``).
 
-Only for what it can do exactly: a Bernoulli loss with 0 < p <= 1/2 (memoryless: no chain state, no
-burst state to count), a selective-repeat nic when packets are repaired, and CPU tensors (``applies``).
+Only for what it can do exactly: a loss model whose ``sparse`` says so (Bernoulli with 0 < p <= 1/2:
+memoryless; a simple Gilbert chain that moves, losing every packet in Bad and none in Good: its chain
+state is carried per link as ``Chains`` carries it, and its lost packets are the ones sent in Bad,
+counted as such), a selective-repeat nic when packets are repaired, and CPU tensors (``applies``).
 Anything else keeps masks.
 """
 from __future__ import annotations
@@ -25,44 +28,53 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..loss.models import Bernoulli
+from ..loss.models import LossModel
 from .algorithms import Delivery, chunk_bounds, combine
 
 
 def applies(spec, device: torch.device) -> bool:
     """Whether a network of ``spec`` draws, drops or repairs its calls on ``device`` here."""
-    loss = spec.loss
-    return (type(loss) is Bernoulli and loss.sparse and device.type == "cpu"
+    return (spec.loss.sparse and device.type == "cpu"
             and (not spec.transport_model.repairs or spec.nic_model.mode == "selective"))
 
 
-def lost_positions(model: Bernoulli, chains, rows: int, lossy: Optional[np.ndarray], width: int) -> np.ndarray:
-    """The next ``width`` fates of the lossy links among ``rows`` (``Chains.draw``'s draws; ``lossy`` None:
-    every row's), as sorted flat indices ``row * width + column`` over all the rows."""
-    if lossy is not None and not len(lossy):
+def lost_positions(model: LossModel, chains, link_ids: torch.Tensor, lossy: Optional[np.ndarray], width: int,
+                   used: np.ndarray) -> np.ndarray:
+    """The next ``width`` fates of the lossy links among ``link_ids`` (``lossy`` None: every row's), of which
+    ``used[row]`` go out, as sorted flat indices ``row * width + column`` over all the rows: ``Chains.draw``'s
+    draws with ``lengths=used``, the chains moved past the packets sent as it moves them."""
+    rows = len(link_ids)
+    if not rows or lossy is not None and not len(lossy):
         return np.zeros(0, dtype=np.int64)
-    if not chains.started:  # as Chains.draw starts its chains (for Bernoulli: no draw, no state)
+    if not chains.started:  # as Chains.draw starts its chains (Bernoulli: no draw, no state)
         _, _, chains.state = model.sample_with_states((chains.links, 0), chains.generator, None)
         chains.started = True
-    flat = model.lost_positions(rows if lossy is None else len(lossy), width, chains.generator)
+    ids = link_ids if lossy is None else link_ids[torch.from_numpy(lossy)]
+    state = None if chains.state is None else chains.state[ids]
+    flat, after = model.lost_positions(len(ids), width, chains.generator, state,
+                                       used if lossy is None else used[lossy])
+    if chains.state is not None:
+        moved = chains.state.clone()   # the old tensor may be a saved state's: never written in place
+        moved[ids] = after
+        chains.state = moved
     if lossy is None or not len(flat):
         return flat
     return lossy[flat // width] * width + flat % width
 
 
-def drop(model: Bernoulli, chains, counters, transfer) -> tuple[np.ndarray, np.ndarray]:
+def drop(model: LossModel, chains, counters, transfer) -> tuple[np.ndarray, np.ndarray]:
     """The ``drop`` transport's draw of one call (``Chains.draw`` over every link's packets, then
     ``Counters.record``), the losses as positions: returns the (send, packet) of each lost packet that
     was sent."""
     width, rows = transfer.width, len(transfer.link_ids)
     lossy = _lossy_rows(transfer)
-    flat = lost_positions(model, chains, rows, None if len(lossy) == rows else lossy, width) if width \
-        else np.zeros(0, dtype=np.int64)
     lengths = transfer.lengths.numpy()
+    flat = lost_positions(model, chains, transfer.link_ids, None if len(lossy) == rows else lossy, width, lengths)
     row, column = np.divmod(flat, max(width, 1))
     went = column < lengths[row]
     row, column = row[went], column[went]
-    counters.record_lost(transfer.link_ids, row, column, lengths, transfer.slots, transfer.sent)
+    counters.record_lost(transfer.link_ids, row, column, lengths, transfer.slots, transfer.sent,
+                         bad=model.hidden_state)
     starts, sends = _send_starts(transfer)
     key = row * width + column
     at = np.searchsorted(starts, key, side="right") - 1
@@ -76,13 +88,15 @@ def _lossy_rows(transfer) -> np.ndarray:
 
 
 def _send_starts(transfer) -> tuple[np.ndarray, np.ndarray]:
-    """Where each send's packets begin in the flat [links, width] draw (sorted), and the sends in that order."""
+    """Where each send with packets begins in the flat [links, width] draw (sorted), and the sends in that order."""
     if not hasattr(transfer, "_send_starts"):
         sched = transfer.sched
-        starts = np.array([r * transfer.width + o for r, o in zip(sched.send_row, sched.send_offset)], dtype=np.int64)
-        order = np.argsort(starts, kind="stable")
-        # A send without packets starts where the next one does: searching finds the last such, the real one.
-        transfer._send_starts = (starts[order], order.astype(np.int64))
+        # A send without packets owns no loss: its start may be another's (the next send's on its row, or
+        # past a full row, the next row's first), so it is left out.
+        real = np.flatnonzero(_send_packets(sched) > 0)
+        starts = np.array([sched.send_row[s] * transfer.width + sched.send_offset[s] for s in real], dtype=np.int64)
+        order = np.argsort(starts)
+        transfer._send_starts = (starts[order], real[order])
     return transfer._send_starts
 
 
@@ -174,7 +188,7 @@ class Losses:
         all-gather hop h for the R - 1 - h ranks after it)."""
         sched = self.sched
         if (sched.algorithm, sched.collective) != ("ring", "all_reduce"):
-            return bad_packets_of(combine(sched, self.mask()))
+            return bad_packets_of(combine(sched, self.mask()), sched.collective)
         R, first, rs, hop = _ring_sends(sched)
         p = first[self.send] + self.packet
         ag = ~rs[self.send]
@@ -231,10 +245,16 @@ def _ring_sends(sched):
     return cached
 
 
-def bad_packets_of(delivery) -> tuple[int, int]:
-    """(receiver, packet) pairs of a Delivery that are not the exact sum, in all and at the last packet."""
+def bad_packets_of(delivery, collective: str = "all_reduce") -> tuple[int, int]:
+    """Packets of a Delivery that do not hold the exact result, in all and at the message's last packet:
+    per (receiver, packet) a hole or a sum missing a contribution; an all-gather's per (receiver, shard,
+    packet), as every shard is data of its own; a reduce-scatter's per packet, held by its chunk's owner
+    alone."""
     if delivery.weights is not None:                            # [receivers, senders, packets]
-        bad = (delivery.weights == 0).any(1)
+        missed = delivery.weights == 0
+        bad = missed.flatten(0, 1) if collective == "all_gather" else missed.any(1)
+    elif collective == "reduce_scatter":                        # coef [senders, packets]: the owner's sum
+        bad = (delivery.coef == 0).any(0, keepdim=True)
     else:                                                       # coef [senders, packets], gain [receivers, packets]
         bad = (delivery.gain == 0) | (delivery.coef == 0).any(0)
     return (int(bad.sum()), int(bad[:, -1].sum())) if bad.numel() else (0, 0)

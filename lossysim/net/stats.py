@@ -26,8 +26,8 @@ QUEUE_SPARSE = 1024        # draws queued as positions of their losses: no buffe
 class _Draw(NamedTuple):
     """A queued draw: packets sent per row, counter slots (per packet, or the draw's phase), packets
     sent per slot (with per-packet slots), columns it takes in the buffers, whether in_bad was kept;
-    or, queued by ``record_lost``, its lost packets' rows and positions (sent ones only, row-major), and
-    ``used`` a numpy array."""
+    or, queued by ``record_lost``, its lost packets' rows and positions (sent ones only, row-major),
+    ``used`` a numpy array and ``bad`` whether its lost packets are its burst state's."""
     used: torch.Tensor
     index: Union[torch.Tensor, int]
     sent: Optional[torch.Tensor]
@@ -89,17 +89,18 @@ class Counters:
             self.flush()
 
     def record_lost(self, link_ids: torch.Tensor, row: np.ndarray, position: np.ndarray, used: np.ndarray,
-                    index, sent: Optional[torch.Tensor] = None) -> None:
-        """Count a draw given as its lost packets rather than a mask (a CPU counter, a memoryless loss
-        model: nothing in a burst state): ``row[k], position[k]`` of each lost packet that was sent
-        (``position < used[row]``), sorted row-major; ``used[row]`` packets sent on each link of
-        ``link_ids``; ``index`` and ``sent`` as ``record`` takes them. Counts exactly what ``record``
-        counts of the same mask."""
+                    index, sent: Optional[torch.Tensor] = None, bad: bool = False) -> None:
+        """Count a draw given as its lost packets rather than a mask (a CPU counter): ``row[k], position[k]``
+        of each lost packet that was sent (``position < used[row]``), sorted row-major; ``used[row]`` packets
+        sent on each link of ``link_ids``; ``index`` and ``sent`` as ``record`` takes them. ``bad``: the loss
+        model has a burst state and its lost packets are the packets sent in it (a simple Gilbert chain's
+        in_bad is its lost mask), counted as ``sent_bad`` too. Counts exactly what ``record`` counts of the
+        same masks."""
         if self._queue and (self._queue[0].row is None or self._link_ids is not link_ids
                             and not torch.equal(self._link_ids, link_ids)):
             self.flush()  # a batch covers one set of links, and one kind of draw
         self._link_ids = link_ids
-        self._queue.append(_Draw(used, index, sent, 0, False, row, position))
+        self._queue.append(_Draw(used, index, sent, 0, bad, row, position))
         if len(self._queue) >= QUEUE_SPARSE:
             self.flush()
 
@@ -191,6 +192,9 @@ class Counters:
         draw = np.repeat(np.arange(len(queue)), [len(d.row) for d in queue])
         position = np.concatenate([d.position for d in queue]).astype(np.int64, copy=False)
         slot = np.concatenate(slots).astype(np.int64, copy=False)
+        if any(d.bad for d in queue):   # lost packets that were sent in the burst state: all of them
+            bad = np.repeat([d.bad for d in queue], [len(d.row) for d in queue])
+            counts[2] += np.bincount(slot[bad], minlength=len(counts[2]))
         order = np.argsort(row, kind="stable")
         row, draw, position, slot = row[order], draw[order], position[order], slot[order]
         self._losses(np, used, row, draw, position, slot, link_ids, counts, self.histogram.view(-1).numpy())

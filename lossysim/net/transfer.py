@@ -46,10 +46,10 @@ class Transfer:
     """Everything a call of this shape needs, derived once from the schedule, topology and time model."""
     sched: Schedule
     per_packet: int
+    links: int                         # the network's directed links (counter slots are phase * links + link)
     link_ids: torch.Tensor             # [rows] network link id of each schedule link
     lossy_rows: list                   # schedule rows whose links can lose packets
     factor: torch.Tensor               # [sends] weight of a delivered packet under rescale
-    slots: torch.Tensor                # [rows, width] counter slot (phase * links + link id) of each packet
     lengths: torch.Tensor              # [rows] packets per link
     width: int                         # max(lengths)
     sent: torch.Tensor                 # [phases, links] packets a call sends
@@ -58,6 +58,16 @@ class Transfer:
     choice: nccl.Estimate              # how it runs: NCCL's (algorithm, protocol, channels) and its time
     _weights: dict = field(default_factory=dict)
     host_steps: Optional[list] = None  # the steps as the fates keepers index them (``fates.HostStep``), once needed
+    _slots: Optional[torch.Tensor] = None
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """``[rows, width]`` counter slot (phase * links + link id) of each packet, built on first use: only
+        a call whose draw is counted whole reads it (a repaired call counts step by step, by ``Step.slots``)."""
+        if self._slots is None:
+            phase = self.sched.packet_phases(self.link_ids.device).long()
+            self._slots = phase * self.links + self.link_ids.unsqueeze(1) if phase.numel() else phase
+        return self._slots
 
     def weights(self, dtype: torch.dtype) -> Delivery:
         """What each path carries when delivered under ``rescale`` (``algorithms.path_weights``)."""
@@ -85,15 +95,14 @@ def build(spec: NetworkSpec, links: list, collective: str, numel: int, dtype: to
     rescale = 1.0 / (1.0 - spec.loss.loss_rate) if spec.loss.loss_rate < 1 else 0.0
     factor = torch.tensor([rescale if topology.lossy(s.src, s.dst) else 1.0 for s in sched.sends],
                           dtype=torch.float64, device=device)
-    tensors = sched.packet_tensors(device)
-    slots = tensors["phase"] * len(links) + link_ids.unsqueeze(1) if tensors["phase"].numel() else tensors["phase"]
     sent = torch.zeros(len(PHASES), len(links), dtype=torch.long, device=device)
     for s, row in zip(sched.sends, sched.send_row):
         sent[PHASES.index(s.phase), link_ids[row]] += s.packets
     chosen = loss_free(spec, sched, numel * itemsize, per_packet * itemsize)
     ideal = chosen.seconds
     steps = _steps(spec, sched, link_ids, len(links), numel, itemsize, per_packet, ideal, device)
-    return Transfer(sched, per_packet, link_ids, lossy_rows, factor, slots, tensors["link_packets"].to(torch.long),
+    return Transfer(sched, per_packet, len(links), link_ids, lossy_rows, factor,
+                    torch.tensor(sched.link_packets, dtype=torch.long, device=device),
                     max(sched.link_packets, default=0), sent, steps, ideal, chosen)
 
 
@@ -139,10 +148,14 @@ def _steps(spec, sched, link_ids, n_links, numel, itemsize, per_packet, ideal, d
     for s in sched.sends:  # the step in which each link sends for the last time: its connections end there
         if s.packets:
             last_step[(s.src, s.dst)] = max(last_step.get((s.src, s.dst), -1), s.step)
-    active = [k for k in range(sched.steps) if any(s.step == k and s.packets for s in sched.sends)]
+    by_step = {}   # step -> its sends with packets, in schedule order (one pass: a 128-rank ring has 32,512)
+    for i, s in enumerate(sched.sends):
+        if s.packets:
+            by_step.setdefault(s.step, []).append(i)
+    active = sorted(by_step)
     steps = []
     for k in active:
-        sends = [i for i, s in enumerate(sched.sends) if s.step == k and s.packets]
+        sends = by_step[k]
         hops = [sched.sends[i] for i in sends]
         links = [spec.link(topology.link_class(s.src, s.dst)) for s in hops]
         payload = [(min(numel, (s.first + s.packets) * per_packet) - s.first * per_packet) * itemsize for s in hops]
