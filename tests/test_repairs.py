@@ -91,6 +91,23 @@ def test_failures_occur_at_the_rate_the_retry_count_implies(mode):
     assert stats.binomtest(int(failed.sum()), trials, 1 - (1 - p ** 2) ** n).pvalue < ALPHA
 
 
+def test_a_send_the_deadline_stops_keeps_its_pending_packets_missing():
+    """Send 0 (5 packets) loses packets 1 and 2, send 1 (3 packets) its packet 0. Resending would take send
+    0 to 1 + 2 x 1 = 3 s, past the 2 s budget: it stops, and both stay missing, whatever later rounds draw;
+    send 1's resend (1.1 s) fits and arrives. The step ends at the budget."""
+    f64 = dict(dtype=torch.float64)
+    sends = lambda: Sends(torch.tensor([5, 3]), torch.tensor([1.0, 1.0], **f64),   # noqa: E731
+                          torch.tensor([1.0, 0.1], **f64), torch.tensor([8, 8]), torch.tensor([False, False]),
+                          torch.zeros(2, 5, dtype=torch.bool), torch.tensor([0, 0]))
+    script = [{(0, 1), (0, 2), (1, 0)}, set()]
+    nic = NIC_PRESETS["irn"]
+    by_masks = run_step(Transport("deadline", "selective"), nic, sends(), scripted_masks(script), 2.0)
+    by_positions = selective(nic, sends().host(), *scripted_positions(script), 2.0, give_up=True)
+    for result in (by_masks, by_positions):
+        assert list(zip(result.missing_row.tolist(), result.missing_packet.tolist())) == [(0, 1), (0, 2)]
+        assert result.transmissions.tolist() == [5, 4] and result.extra == 2.0
+
+
 # Scripted fates of one step of two sends (5 packets on a link's last step, 3 on an earlier one), round by
 # round as (send, k) pairs: the k-th transmission of the round on that send is lost.
 SCRIPT = [{(0, 1), (0, 4), (1, 0)},   # packet 4 of send 0 is a tail loss: nothing behind it reveals it
@@ -106,8 +123,8 @@ def scripted_sends() -> Sends:
                  torch.tensor([WINDOW, WINDOW]), torch.tensor([True, False]), tails, torch.tensor([1, 0]))
 
 
-def scripted_masks():
-    rounds = iter(SCRIPT)
+def scripted_masks(script=SCRIPT):
+    rounds = iter(script)
 
     def draw(lengths, known=True):
         lost = torch.zeros(len(lengths), int(lengths.max()), dtype=torch.bool)
@@ -117,8 +134,8 @@ def scripted_masks():
     return draw
 
 
-def scripted_positions():
-    rounds = iter(SCRIPT)
+def scripted_positions(script=SCRIPT):
+    rounds = iter(script)
 
     def draw(to_send, width):
         return np.array(sorted(send * width + k for send, k in next(rounds)), dtype=np.int64)

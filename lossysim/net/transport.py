@@ -167,6 +167,7 @@ def selective(nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, budget:
     streaking = False                                                   # some streak is not 0
     checks_failures = nic.retries is not None and not give_up
     to_send = pending = packets                                          # pending: per row
+    given_up = []     # (rows, packets) still pending when their send stopped at the deadline
     width, rounds, row = a.width, 0, None
     while True:
         lost = draw(to_send, width)                                         # flat row * width + column
@@ -192,7 +193,7 @@ def selective(nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, budget:
                     tail[row[at_tail]] = True
         elif len(lost) and len(row):
             # The k-th pending packet of a row goes out as its k-th transmission of the round (a row with
-            # more pending than the round's width, one that stopped sending, reads the last column).
+            # more pending than the round's width, one that failed and sends nothing, reads the last column).
             order = np.minimum(np.arange(len(row)) - (np.cumsum(pending) - pending)[row], width - 1)
             again = _member(row * width + order, lost)
             row, packet, order = row[again], packet[again], order[again]
@@ -222,8 +223,12 @@ def selective(nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, budget:
                 streak, streaking = np.zeros(n, dtype=np.int64), False
         if give_up and len(row):  # the next round must end within the budget, or the receiver stops waiting
             late = (to_send > 0) & ((sent - packets) * a.tau + waits + wait + to_send * a.tau > budget)
-            stopped = stopped | late
-            to_send = np.where(late, 0, to_send)
+            if any(late.tolist()):   # a stopped send's pending packets stay missing: set them aside
+                out = late[row]
+                given_up.append((row[out], packet[out]))
+                row, packet = row[~out], packet[~out]
+                stopped, pending = stopped | late, np.where(late, 0, pending)
+                to_send = np.where(late, 0, to_send)
         active = to_send > 0
         if not any(active.tolist()):
             break
@@ -235,7 +240,13 @@ def selective(nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, budget:
     resent = (sent - packets) * a.tau
     extra = np.where(stopped, budget, resent + waits)
     keep = ~failed[row]
-    return Result(row[keep], packet[keep], sent, _slowest(extra), _slowest(resent + shadow), timeouts, failed)
+    row, packet = row[keep], packet[keep]
+    if given_up:
+        row, packet = (np.concatenate([row, *(r for r, _ in given_up)]),
+                       np.concatenate([packet, *(p for _, p in given_up)]))
+        order = np.lexsort((packet, row))
+        row, packet = row[order], packet[order]
+    return Result(row, packet, sent, _slowest(extra), _slowest(resent + shadow), timeouts, failed)
 
 
 def _arrived_behind(a: HostSends, row: np.ndarray, packet: np.ndarray, lost: np.ndarray, width: int,
