@@ -126,6 +126,28 @@ def test_estimate_names_out_when_a_write_fails(tmp_path, monkeypatch, capsys):
     assert line.endswith(f"--out {tmp_path / 'est'} is not writable: No space left on device")
 
 
+def test_an_estimate_grid_that_stops_part_way_keeps_its_finished_rows(tmp_path, monkeypatch):
+    """Each finished setting is saved at once: the second of two settings fails (a crash, Ctrl-C), and
+    estimate.csv and estimate.json hold the first's row, the row the grid computed for it."""
+    import json
+    import pandas as pd
+    from lossysim.estimate import grid
+    real, calls = grid.estimate, []
+
+    def second_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(grid, "estimate", second_fails)
+    out = tmp_path / "est"
+    with pytest.raises(KeyboardInterrupt):
+        cli.main([*ESTIMATE, "--loss", "bernoulli:0.01", "--loss", "bernoulli:0.02", "--out", str(out)])
+    rows = json.loads((out / "estimate.json").read_text())
+    assert len(rows) == 1 and rows[0]["loss"] == "bernoulli:0.01"
+    assert pd.read_csv(out / "estimate.csv")["loss"].tolist() == ["bernoulli:0.01"]
+
+
 def test_sweep_refuses_an_unwritable_out_before_training(tmp_path, monkeypatch, capsys):
     rec = Recorder()
     monkeypatch.setattr(sweep, "_default_train", lambda: rec)

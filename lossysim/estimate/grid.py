@@ -108,7 +108,10 @@ def run(args) -> int:
                     **({} if args.payload_bytes is None else {"payload_bytes": args.payload_bytes}))
     if args.out:
         check_writable(args.out, "--out")   # before the grid: a long estimate must not be lost at the end
-    rows = run_grid(args.model, settings, workload, args.steps, args.compute, progress=not args.no_progress)
+    # Each finished row is saved at once: a grid that stops part way (a crash, Ctrl-C) keeps what it computed.
+    saved = (lambda done: _save(done, args.out)) if args.out else None
+    rows = run_grid(args.model, settings, workload, args.steps, args.compute, progress=not args.no_progress,
+                    on_row=saved)
     print(rows[0]["layout"], file=sys.stderr)
     print(_table(rows))
     if args.out:
@@ -145,8 +148,8 @@ def grid(values: dict, **fixed) -> list[NetworkSpec]:
 
 
 def run_grid(model: str, settings: Iterable[NetworkSpec], workload: Workload, steps: int, compute: str = "h100",
-             progress: bool = True) -> list[dict]:
-    """One ``estimate`` row per setting, the shape loaded once."""
+             progress: bool = True, on_row=None) -> list[dict]:
+    """One ``estimate`` row per setting, the shape loaded once; ``on_row(rows so far)`` after each."""
     shape = load(model)
     settings = list(settings)
     for spec in settings:
@@ -157,17 +160,26 @@ def run_grid(model: str, settings: Iterable[NetworkSpec], workload: Workload, st
               dynamic_ncols=True) as bar:
         for spec in settings:
             rows.append(estimate(shape, spec, workload, steps, compute, tick=lambda: bar.update(1)))
+            if on_row is not None:
+                on_row(rows)
     return rows
+
+
+def _save(rows: list[dict], out) -> None:
+    """The rows so far as estimate.csv and estimate.json in ``out`` (atomically: a reader never sees half)."""
+    import pandas as pd
+    with output_errors(out, "--out"):
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "estimate.csv", pd.DataFrame(rows).to_csv(index=False))
+        atomic_write_text(out / "estimate.json", json.dumps(rows, indent=1) + "\n")
 
 
 def write(rows: list[dict], out) -> list[Path]:
     """estimate.csv, estimate.json, time_by_class.png and, for several loss rates, slowdown.png in ``out``."""
-    import pandas as pd
+    _save(rows, out)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     paths = [out / "estimate.csv", out / "estimate.json"]
-    atomic_write_text(paths[0], pd.DataFrame(rows).to_csv(index=False))
-    atomic_write_text(paths[1], json.dumps(rows, indent=1) + "\n")
     plotted = plot(rows, out / "slowdown.png")
     return paths + ([plotted] if plotted else []) + [stacked(rows, out / "time_by_class.png")]
 
