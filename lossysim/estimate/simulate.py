@@ -394,12 +394,12 @@ class _Job:
             for i in range(steps):
                 for k, (site, direction, numel, dtype, collective) in enumerate(messages):
                     numel = numel(net) if callable(numel) else numel
-                    kinds[k] = (direction, collective, net.packets(numel, dtype)[1])
+                    per_packet, n_packets = net.packets(numel, dtype)
+                    kinds[k] = (direction, collective, n_packets)
                     before = _mark(net)
                     delivery = net.simulate(site, direction, numel, dtype, collective, deliver=False)
                     after = _mark(net)
                     seconds[g, i, k] = after[0] - before[0], after[1] - before[1]
-                    per_packet, _ = net.packets(numel, dtype)
                     self._lost(cls, direction, delivery, per_packet, numel, _held(collective, net.ranks, numel),
                                group.copies, collective)
             self._count(cls, net, group.copies)

@@ -49,11 +49,13 @@ def lost_positions(model: LossModel, chains, link_ids: torch.Tensor, lossy: Opti
     if not chains.started:  # as Chains.draw starts its chains (Bernoulli: no draw, no state)
         _, _, chains.state = model.sample_with_states((chains.links, 0), chains.generator, None)
         chains.started = True
-    ids = link_ids if lossy is None else link_ids[torch.from_numpy(lossy)]
-    state = None if chains.state is None else chains.state[ids]
-    flat, after = model.lost_positions(len(ids), width, chains.generator, state,
-                                       used if lossy is None else used[lossy])
-    if chains.state is not None:
+    drawn = rows if lossy is None else len(lossy)
+    if chains.state is None:   # memoryless: no chain to look up or move (a round's draw, kept cheap)
+        flat, _ = model.lost_positions(drawn, width, chains.generator)
+    else:
+        ids = link_ids if lossy is None else link_ids[torch.from_numpy(lossy)]
+        flat, after = model.lost_positions(drawn, width, chains.generator, chains.state[ids],
+                                           used if lossy is None else used[lossy])
         moved = chains.state.clone()   # the old tensor may be a saved state's: never written in place
         moved[ids] = after
         chains.state = moved

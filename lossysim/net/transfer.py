@@ -144,13 +144,12 @@ def loss_free(spec: NetworkSpec, sched: Schedule, message_bytes: int, packet_byt
 def _steps(spec, sched, link_ids, n_links, numel, itemsize, per_packet, ideal, device) -> list:
     """Per step with traffic: its sends as the transport needs them."""
     topology, nic = spec.topology, spec.nic_model
-    last_step = {}
-    for s in sched.sends:  # the step in which each link sends for the last time: its connections end there
-        if s.packets:
-            last_step[(s.src, s.dst)] = max(last_step.get((s.src, s.dst), -1), s.step)
-    by_step = {}   # step -> its sends with packets, in schedule order (one pass: a 128-rank ring has 32,512)
+    # One pass over the sends (a 128-rank ring has 32,512): each step's sends with packets, in schedule order,
+    # and the step in which each link sends for the last time (its connections end there).
+    last_step, by_step = {}, {}
     for i, s in enumerate(sched.sends):
         if s.packets:
+            last_step[(s.src, s.dst)] = max(last_step.get((s.src, s.dst), -1), s.step)
             by_step.setdefault(s.step, []).append(i)
     active = sorted(by_step)
     steps = []
