@@ -127,8 +127,9 @@ def test_estimate_names_out_when_a_write_fails(tmp_path, monkeypatch, capsys):
 
 
 def test_an_estimate_grid_that_stops_part_way_keeps_its_finished_rows(tmp_path, monkeypatch):
-    """Each finished setting is saved at once: the second of two settings fails (a crash, Ctrl-C), and
-    estimate.csv and estimate.json hold the first's row, the row the grid computed for it."""
+    """Each finished setting is saved at once, beside the results: the second of two settings fails (a crash,
+    Ctrl-C), estimate.partial.csv and .json hold the first's row, and the completed estimate already in
+    --out is left as it was. A grid that completes leaves no partial files."""
     import json
     import pandas as pd
     from lossysim.estimate import grid
@@ -139,13 +140,19 @@ def test_an_estimate_grid_that_stops_part_way_keeps_its_finished_rows(tmp_path, 
         if len(calls) == 2:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
-    monkeypatch.setattr(grid, "estimate", second_fails)
     out = tmp_path / "est"
+    assert cli.main([*ESTIMATE, "--loss", "bernoulli:0.05", "--out", str(out)]) == 0   # a completed one
+    completed = (out / "estimate.csv").read_text()
+    monkeypatch.setattr(grid, "estimate", second_fails)
     with pytest.raises(KeyboardInterrupt):
         cli.main([*ESTIMATE, "--loss", "bernoulli:0.01", "--loss", "bernoulli:0.02", "--out", str(out)])
-    rows = json.loads((out / "estimate.json").read_text())
+    rows = json.loads((out / "estimate.partial.json").read_text())
     assert len(rows) == 1 and rows[0]["loss"] == "bernoulli:0.01"
-    assert pd.read_csv(out / "estimate.csv")["loss"].tolist() == ["bernoulli:0.01"]
+    assert pd.read_csv(out / "estimate.partial.csv")["loss"].tolist() == ["bernoulli:0.01"]
+    assert (out / "estimate.csv").read_text() == completed
+    monkeypatch.setattr(grid, "estimate", real)   # then one that completes
+    assert cli.main([*ESTIMATE, "--loss", "bernoulli:0.01", "--out", str(out)]) == 0
+    assert not list(out.glob("estimate.partial.*"))
 
 
 def test_sweep_refuses_an_unwritable_out_before_training(tmp_path, monkeypatch, capsys):

@@ -108,8 +108,9 @@ def run(args) -> int:
                     **({} if args.payload_bytes is None else {"payload_bytes": args.payload_bytes}))
     if args.out:
         check_writable(args.out, "--out")   # before the grid: a long estimate must not be lost at the end
-    # Each finished row is saved at once: a grid that stops part way (a crash, Ctrl-C) keeps what it computed.
-    saved = (lambda done: _save(done, args.out)) if args.out else None
+    # Each finished row is saved at once, beside the results (never over a completed estimate's): a grid that
+    # stops part way (a crash, Ctrl-C) keeps what it computed in estimate.partial.csv and .json.
+    saved = (lambda done: _save(done, args.out, ".partial")) if args.out else None
     rows = run_grid(args.model, settings, workload, args.steps, args.compute, progress=not args.no_progress,
                     on_row=saved)
     print(rows[0]["layout"], file=sys.stderr)
@@ -165,21 +166,24 @@ def run_grid(model: str, settings: Iterable[NetworkSpec], workload: Workload, st
     return rows
 
 
-def _save(rows: list[dict], out) -> None:
-    """The rows so far as estimate.csv and estimate.json in ``out`` (atomically: a reader never sees half)."""
+def _save(rows: list[dict], out, suffix: str = "") -> list[Path]:
+    """``rows`` as estimate{suffix}.csv and .json in ``out``, atomically (a reader never sees half a file)."""
     import pandas as pd
     with output_errors(out, "--out"):
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "estimate.csv", pd.DataFrame(rows).to_csv(index=False))
-        atomic_write_text(out / "estimate.json", json.dumps(rows, indent=1) + "\n")
+        paths = [out / f"estimate{suffix}.csv", out / f"estimate{suffix}.json"]
+        atomic_write_text(paths[0], pd.DataFrame(rows).to_csv(index=False))
+        atomic_write_text(paths[1], json.dumps(rows, indent=1) + "\n")
+    return paths
 
 
 def write(rows: list[dict], out) -> list[Path]:
     """estimate.csv, estimate.json, time_by_class.png and, for several loss rates, slowdown.png in ``out``."""
-    _save(rows, out)
+    paths = _save(rows, out)
     out = Path(out)
-    paths = [out / "estimate.csv", out / "estimate.json"]
+    for partial in (out / "estimate.partial.csv", out / "estimate.partial.json"):   # complete now
+        partial.unlink(missing_ok=True)
     plotted = plot(rows, out / "slowdown.png")
     return paths + ([plotted] if plotted else []) + [stacked(rows, out / "time_by_class.png")]
 
