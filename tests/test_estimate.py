@@ -7,10 +7,9 @@ import torch
 
 from lossysim.cli import main
 from lossysim.config import ExperimentConfig
-from lossysim.estimate import Workload, estimate, load
+from lossysim.estimate import Workload, estimate, job_config, load
 from lossysim.estimate.grid import grid, run_grid, write
 from lossysim.estimate.shapes import PUBLISHED
-from lossysim.net import NetworkSpec
 from lossysim.net.transfer import packets
 from lossysim.run.experiment import run_experiment
 from lossysim.timing import direct_all_reduce_time, nccl
@@ -27,9 +26,10 @@ pytestmark = pytest.mark.usefixtures("private_cache")
 @pytest.mark.parametrize("algorithm, tp, nodes, checkpointing", [
     ("ring", 4, 2, False), ("tree", 4, 2, True), ("ring", 2, 1, True), ("direct", 4, 1, False)])
 def test_zero_loss_step_is_the_closed_forms_summed_over_its_collectives(algorithm, tp, nodes, checkpointing):
-    spec = NetworkSpec(tp, "none", algorithm=algorithm, ranks_per_node=tp // nodes, link_inter="roce-400g")
-    workload = Workload(seq=24, micro_batch=3, dtype="bf16", activation_checkpointing=checkpointing)
-    row = estimate("tiny-llama", spec, workload, steps=2)
+    config = job_config("tiny-llama", micro_batch=3, tp_size=tp, algorithm=algorithm, ranks_per_node=tp // nodes,
+                        link_inter="roce-400g", activation_checkpointing=checkpointing)
+    spec = config.network_spec()
+    row = estimate("tiny-llama", config, Workload(seq=24), steps=2)
     per_packet, n = packets(spec.payload_bytes, 24 * 3 * 128, torch.bfloat16)
     M = 24 * 3 * 128 * 2
     if algorithm == "direct":
@@ -62,8 +62,7 @@ def test_an_estimate_counts_and_times_what_a_training_run_does(tmp_path, model, 
                               log_every=3, seed=5, out=str(tmp_path / "run"), **{"dropout": 0.0, **changes}).validate()
     summary = run_experiment(config, config.out, progress=False)
     assert summary["status"] == "completed", summary.get("error")
-    workload = Workload(seq=16, micro_batch=8, dtype="fp32", activation_checkpointing=config.activation_checkpointing)
-    row = estimate(model, config.network_spec(), workload, steps=3)
+    row = estimate(model, config, Workload(seq=16), steps=3)     # the run's own config: 8 rows of fp32
     trained = summary["packets"]["train"]
     for name in ("sent", "lost", "resent"):
         assert row[f"packets_{name}"] * 3 == sum(entry[name] for entry in trained), name
@@ -109,12 +108,12 @@ def test_bad_input_is_a_one_line_error(tmp_path, capsys):
 
 
 def test_the_grid_runs_every_setting_and_writes_its_files(tmp_path, capsys):
-    specs = grid({"loss": ["bernoulli:0.01", "bernoulli:0.05"], "transport": ["drop,retransmit,deadline"],
-                  "nic": ["irn", "roce-gbn"]}, ranks=2)
+    specs = grid(job_config("tiny", micro_batch=2), {"loss": ["bernoulli:0.01", "bernoulli:0.05"],
+                                                     "transport": ["drop,retransmit,deadline"], "nic": ["irn", "roce-gbn"]})
     # drop repairs nothing (one nic is enough); deadline with go-back-N is refused and skipped
     assert len(specs) == 2 * (1 + 2 + 1)
     assert "skipped" in capsys.readouterr().err
-    rows = run_grid("tiny", specs, Workload(seq=8, micro_batch=2), steps=2, progress=False)
+    rows = run_grid("tiny", specs, Workload(seq=8), steps=2, progress=False)
     paths = write(rows, tmp_path)
     assert [p.name for p in paths] == ["estimate.csv", "estimate.json", "slowdown.png", "time_by_class.png"]
     assert json.loads((tmp_path / "estimate.json").read_text()) == rows
@@ -132,7 +131,7 @@ def test_the_grid_runs_every_setting_and_writes_its_files(tmp_path, capsys):
 def test_every_recovery_policy_sees_the_same_losses_and_only_its_compute_costs_time(capsys):
     """A policy copes after the packets' fates are drawn: the same seed loses the same packets and elements
     under each, and a policy that computes (Hadamard) adds its compute to the step, nothing else does."""
-    rows = {r: estimate("tiny", dict(ranks=2, loss="bernoulli:0.05", recovery=r), Workload(seq=8, micro_batch=2),
+    rows = {r: estimate("tiny", job_config("tiny", micro_batch=2, loss="bernoulli:0.05", recovery=r), Workload(seq=8),
                         steps=2)
             for r in ("zero", "rescale", "hadamard", "stale", "error_feedback")}
     for row in rows.values():

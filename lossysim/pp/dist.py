@@ -116,6 +116,7 @@ class DistPipeline(Pipeline):
     mirror their owner's state after every step and evaluation (``gathered``, ``evaluating``)."""
     stage: int = 0
     tp_rank: int = 0
+    replica: int = 0
     mesh: Optional[Mesh] = None
     group: Any = None      # this pipeline's process group (one rank per stage)
     link: Optional[_Link] = None
@@ -125,7 +126,7 @@ class DistPipeline(Pipeline):
         return self.stage == self.stages - 1
 
     def _rank(self, stage: int) -> int:
-        return self.mesh.rank(0, self.tp_rank, stage)
+        return self.mesh.rank(self.replica, self.tp_rank, stage)
 
     def from_last(self, value):
         """``value`` as the last stage holds it, on every stage of this pipeline (reliable)."""
@@ -191,7 +192,7 @@ class DistPipeline(Pipeline):
         full = gather_full_model(tp_model)
         owner = parameter_stages(full, self.layout)
         mine = {name: p.detach().cpu() for name, p in full.named_parameters() if owner[id(p)] == self.stage} \
-            if self.tp_rank == 0 else {}
+            if self.tp_rank == 0 and self.replica == 0 else {}
         every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, every, dst=0)
         if every is not None:
@@ -245,19 +246,19 @@ def apply_dist_pp(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_
     """Cut ``model``'s blocks into stages (``cut_stages``; None for one stage) for global rank ``rank``'s
     process: the other stages' blocks hand their input on, its stage's first block receives from the
     previous stage and the next stage's first block sends to it. ``attach`` it to the TP model."""
-    pipeline = cut_stages(model, config, mesh, train_net, eval_net)
+    replica, stage, tp_rank = mesh.position(rank)
+    pipeline = cut_stages(model, config, mesh, train_net, eval_net, replica)
     if pipeline is None:
         return None
     head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
     if head is not None and head.weight is embeddings.weight:
         raise ValueError(f"pp_size={config.pp_size} with backend=dist: the model's head is tied to its "
                          "embeddings (first and last stage); use backend=sim")
-    _, stage, tp_rank = mesh.position(rank)
     p = pipeline.stages
     link = _Link(pipeline.boundaries[stage - 1] if stage else None,
                  pipeline.boundaries[stage] if stage < p - 1 else None, tp_rank,
-                 mesh.rank(0, tp_rank, stage - 1) if stage else None,
-                 mesh.rank(0, tp_rank, stage + 1) if stage < p - 1 else None)
+                 mesh.rank(replica, tp_rank, stage - 1) if stage else None,
+                 mesh.rank(replica, tp_rank, stage + 1) if stage < p - 1 else None)
     plan, _ = plan_for(model)
     base = model.base_model
     blocks = base.get_submodule(plan.blocks)
@@ -276,7 +277,7 @@ def apply_dist_pp(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_
         blocks[first + pipeline.layout[stage]].register_forward_pre_hook(on_hidden_states(link.send),
                                                                          with_kwargs=True)
     fields = {f.name: getattr(pipeline, f.name) for f in dataclasses.fields(Pipeline)}
-    return DistPipeline(**fields, stage=stage, tp_rank=tp_rank, mesh=mesh, link=link)
+    return DistPipeline(**fields, stage=stage, tp_rank=tp_rank, replica=replica, mesh=mesh, link=link)
 
 
 def attach(pipeline: DistPipeline, tp_model: TensorParallelModel, group, seed: int) -> PipelineStage:

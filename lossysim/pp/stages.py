@@ -199,9 +199,10 @@ class Pipeline:
 
 
 def cut_stages(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_net: LossyNetwork,
-               eval_net: LossyNetwork, replica: int = 0) -> Optional[Pipeline]:
-    """``model``'s blocks cut into ``config.pp_size`` stages (None for one stage): the layout, every
-    stage's networks (the first stage's are ``train_net`` and ``eval_net``) and every boundary's."""
+               eval_net: Optional[LossyNetwork], replica: int = 0) -> Optional[Pipeline]:
+    """``model``'s blocks cut into ``config.pp_size`` stages (None for one stage): the layout, replica
+    ``replica``'s every stage's networks (the first stage's are ``train_net`` and ``eval_net``) and every
+    boundary's. Evaluation runs on replica 0's networks (none for another replica's: ``eval_net`` None)."""
     if config.pp_size == 1:
         return None
     plan, _ = plan_for(model)
@@ -210,18 +211,19 @@ def cut_stages(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_net
     settings, evaluation = config.network_settings(), config.network_settings(evaluation=True)
     networks = [train_net] + [LossyNetwork(mesh.tp_network_spec(settings, replica, s))
                               for s in range(1, config.pp_size)]
-    eval_networks = [eval_net] + [LossyNetwork(mesh.tp_network_spec(evaluation, replica, s))
-                                  for s in range(1, config.pp_size)]
+    eval_networks = [] if eval_net is None else \
+        [eval_net] + [LossyNetwork(mesh.tp_network_spec(evaluation, 0, s)) for s in range(1, config.pp_size)]
     lossy = config.pp_lossy()
     boundaries = [Boundary(b, mesh.tp, LossyNetwork(mesh.pp_network_spec(settings, replica, b, lossy)))
                   for b in range(config.pp_size - 1)]
-    eval_boundaries = [Boundary(b, mesh.tp, LossyNetwork(mesh.pp_network_spec(evaluation, replica, b, lossy)))
-                       for b in range(config.pp_size - 1)]
+    eval_boundaries = [] if eval_net is None else \
+        [Boundary(b, mesh.tp, LossyNetwork(mesh.pp_network_spec(evaluation, 0, b, lossy)))
+         for b in range(config.pp_size - 1)]
     return Pipeline(layout, stage_parameters(model, layout), networks, eval_networks, boundaries, eval_boundaries)
 
 
 def apply_pp(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_net: LossyNetwork,
-             eval_net: LossyNetwork, replica: int = 0) -> Optional[Pipeline]:
+             eval_net: Optional[LossyNetwork], replica: int = 0) -> Optional[Pipeline]:
     """Cut ``model``'s blocks into ``config.pp_size`` stages (``cut_stages``; None for one stage), every
     stage in this process (``sim``): a boundary send on the input of every stage's first block but the
     first's. Called before ``apply_tp``, which puts each stage's blocks on its own TP group."""

@@ -268,10 +268,9 @@ class _Runtime:
 def _start(config: ExperimentConfig, run_dir: Path, resume: bool) -> _Runtime:
     if config.backend == "dist":
         rank, world = init_distributed(timeout_s=config.timeout_s)
-        if world != config.tp_size * config.pp_size * config.dp_size:
-            raise ValueError(f"tp_size={config.tp_size} x pp_size={config.pp_size} x dp_size={config.dp_size} "
-                             f"but torchrun started "
-                             f"{world} processes")
+        if world != config.mesh().world:
+            raise ValueError(f"{config.mesh().name.split(' = ')[0]} is {config.mesh().world} ranks but torchrun "
+                             f"started {world} processes")
         shared = [config.to_dict(), str(run_dir)]  # rank 0's config is the experiment
         dist.broadcast_object_list(shared, src=0)
         config = ExperimentConfig(**shared[0]).validate()

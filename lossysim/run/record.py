@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from .. import __version__
-from ..config import RANK_ORDER, ExperimentConfig
+from ..config import ExperimentConfig
 from ..data import EVAL_SPLITS
 from ..io import append_jsonl, atomic_write_text, read_jsonl
 from ..net import LossyNetwork
@@ -254,7 +254,7 @@ def pp_summary(pipeline: Pipeline, config: ExperimentConfig, state: TrainState) 
     order), the bubble and the boundary sends' time per step, and every boundary's and stage's traffic."""
     steps = max(state.step, 1)
     return {"pp_size": config.pp_size, "pp_schedule": config.pp_schedule, "microbatches": config.n_microbatches,
-            "stage_layers": list(pipeline.layout), "rank_order": RANK_ORDER,
+            "stage_layers": list(pipeline.layout),
             "bubble": bubble(state.pp_busy_s, state.pipeline_s, pipeline.stages),
             "pipeline_s_per_step": state.pipeline_s / steps, "pp_s_per_step": state.pp_s / steps,
             **pp_traffic(pipeline.boundary_networks()),
@@ -273,7 +273,9 @@ def collectives(network: LossyNetwork, pipeline: Optional[Pipeline] = None, dp=N
     if pipeline is not None:
         named += [(f"pp.boundary{b}", n) for b, n in enumerate(pipeline.boundary_networks())]
     if dp is not None and dp.dp_size > 1:
-        named += [(f"dp.tp{t}", n) for t, n in enumerate(dp.networks)]
+        kind = "fsdp" if dp.fsdp else "dp"
+        named += [(f"{kind}.tp{t}" if len(dp.stage_networks) == 1 else f"{kind}.stage{s}.tp{t}", n)
+                  for s, stage in enumerate(dp.stage_networks) for t, n in enumerate(stage)]
     return [{"network": name, **choice} for name, n in named for choice in n.choices()]
 
 
@@ -286,7 +288,7 @@ def summary(status: str, diverged_at: Optional[dict], config: ExperimentConfig, 
     final, seen, reached = state.final, state.train_disagreement, state.reached or {}
     return {
         "status": status, "error": None, "name": config.name, "dataset": dataset,
-        "config": config.to_dict(), "steps": state.step,
+        "config": config.to_dict(), "mesh": config.mesh().describe(), "steps": state.step,
         "wall_time_s": time.time() - started,
         "tokens_per_s": state.tokens / max(state.train_time, 1e-9),
         "final": final, "best": state.best,
