@@ -81,6 +81,27 @@ def test_a_tp_dp_estimate_counts_and_times_what_training_does(tmp_path, changes)
     assert row["gpus"] == 4 and row["layout"] == "tp2 x pp1 x dp2 = 4 GPUs on 2 nodes"
 
 
+@pytest.mark.parametrize("changes", [dict(loss="none"), dict(loss="bernoulli:0.05", transport="retransmit", nic="irn"),
+                                     dict(loss="bernoulli:0.05", recovery="zero", dp_overlap=False)])
+def test_a_tp_pp_dp_estimate_counts_and_times_what_training_does(tmp_path, changes):
+    """The 3-D job (tp 2 x pp 2 x dp 2, a TP group to a node): every replica's stages and boundaries, every
+    stage's DDP groups, counted and timed by the estimate as the training run of the same config did."""
+    config, parts, state, shape = _trained(tmp_path, pp_size=2, dp_size=2, microbatches=2, ranks_per_node=2,
+                                           dp_bucket_mb=0.05, **changes)
+    row = estimate(shape, config, Workload(seq=16), steps=STEPS)
+    replicas = parts.dp.replicas
+    for cls, networks in (("tp", [n for r in replicas for n in r.pipeline.networks]),
+                          ("pp", [n for r in replicas for n in r.pipeline.boundary_networks()]),
+                          ("dp", parts.dp.networks)):
+        trained = _totals(networks)
+        for name in ("sent", "lost", "resent"):
+            assert row[f"{cls}_packets_{name}"] * STEPS == trained[name], (cls, name)
+    assert row["step_mean_s"] == pytest.approx((state.pipeline_s + state.dp_s) / STEPS, rel=1e-12)
+    assert row["layout"] == "tp2 x pp2 x dp2 = 8 GPUs on 4 nodes"
+    if changes["loss"] != "none":
+        assert row["dp_packets_lost"] > 0 and row["pp_packets_lost"] > 0
+
+
 def _micro_seconds(shape, tokens: int, tp: int, seq: int) -> float:
     """One micro-batch's modelled compute, as training charges it."""
     from lossysim import timing

@@ -338,7 +338,7 @@ class DistDataParallel(DataParallel):
     def summaries(self, by: Sequence[str] = ("direction",)) -> list[list[dict]]:
         every: list = [None] * self.tp_size
         dist.all_gather_object(every, self.networks[0].summary(by=by), group=self.tp_group)
-        return every
+        return [summary for stage in self.every_stage([every]) for summary in stage]   # every stage's groups
 
     @torch.no_grad()
     def drift(self) -> float:

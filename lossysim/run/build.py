@@ -80,10 +80,11 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
     compute = _compute(config, device)
     # The parallelisms apply in torchtitan's order: pipeline stages cut the model, then tensor
     # parallelism shards each stage over its own TP group, then data parallelism joins the replicas.
-    groups = mesh.process_groups() if distributed and mesh.world > mesh.tp else None
+    groups = None
     if distributed:
         # this process's stage alone runs, its sends to the neighbouring stages' processes real
         pipeline = apply_dist_pp(model, config, mesh, train_net, eval_net, rank)
+        groups = mesh.process_groups() if mesh.world > mesh.tp else None
         network = train_net if pipeline is None else pipeline.networks[stage]
         tp_model = apply_tp(model, config, mesh, network, rank, groups["tp"][rank] if groups else None)
         if pipeline is not None:

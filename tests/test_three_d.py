@@ -1,0 +1,65 @@
+"""3-D training: tp x pp x dp on one mesh (Megatron's order, tp innermost, pp outermost), on the tiny
+GPT-2 and the synthetic task. Loss-free, every replica of a tp 2 x pp 2 x dp 2 run trains as one
+unpipelined replica on the global batch; under loss, every kind of traffic loses at its configured rate
+on the groups the mesh places. (``dist`` against ``sim``: tests/test_pipeline_dist.py; resume after
+SIGKILL: tests/test_resume.py; the estimate's packets and clock: tests/test_estimate_job.py.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy import stats
+
+from lossysim.data import train_batches
+from lossysim.run.build import build
+from lossysim.run.state import TrainState, Window
+from lossysim.run.step import train_step
+from lossysim.tp import gather_full_model
+from test_data_parallel import PARAM_TOL, tiny
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.usefixtures("private_cache")
+
+
+def _train(config, steps: int):
+    parts = build(config, CPU, 0, True, None)
+    state, window = TrainState(), Window(CPU)
+    for _, batch in zip(range(steps), train_batches(parts.data, config.batch_size, config.seed)):
+        assert train_step(parts, config, state, window, batch, CPU)
+        state.step += 1
+    return parts, state
+
+
+def test_loss_free_tp2_pp2_dp2_trains_as_one_unpipelined_replica_on_the_global_batch(tmp_path, one_torch_thread):
+    """3 AdamW steps: each of the two replicas (each cut into two stages over TP groups of two, averaging
+    each stage's buckets over its own groups) ends with one tp 1 replica's weights, trained on the whole
+    batch of 8 at once, to PARAM_TOL (fp32 sums in another order: over replicas, micro-batches, shards)."""
+    single, _ = _train(tiny(tmp_path, tp_size=1), 3)
+    staged, state = _train(tiny(tmp_path, tp_size=2, pp_size=2, dp_size=2), 3)
+    assert len(staged.dp.stage_buckets) == 2 and all(len(stage) > 1 for stage in staged.dp.stage_buckets)
+    expected = dict(gather_full_model(single.model).named_parameters())
+    for replica in staged.dp.replicas:
+        full = dict(gather_full_model(replica.model).named_parameters())
+        assert full.keys() == expected.keys()
+        for name, value in expected.items():
+            torch.testing.assert_close(full[name], value.detach(), **PARAM_TOL, msg=name)
+    assert staged.dp.drift() == 0.0 and state.pipeline_s > 0 and state.dp_s >= 0
+
+
+def test_every_kind_of_traffic_loses_at_its_configured_rate_where_the_mesh_places_it(tmp_path, one_torch_thread):
+    """tp 2 x pp 2 x dp 2 with a TP group to a node: TP links stay inside nodes and lose nothing; every
+    replica's pipeline boundary and every stage's data-parallel groups cross nodes and lose at 5%
+    (binomial tests, every packet a trial)."""
+    p = 0.05
+    config = tiny(tmp_path, tp_size=2, pp_size=2, dp_size=2, ranks_per_node=2, lossy_links="inter_node",
+                  loss=f"bernoulli:{p}", steps=2)
+    parts, _ = _train(config, 2)
+    for replica in parts.dp.replicas:
+        for network in replica.pipeline.networks:
+            assert network.totals()["sent"] > 0 and network.totals()["lost"] == 0
+        for network in replica.pipeline.boundary_networks():
+            totals = network.totals()
+            assert stats.binomtest(totals["lost"], totals["sent"], p).pvalue > 1e-3
+    assert len(parts.dp.stage_networks) == 2 and all(len(stage) == 2 for stage in parts.dp.stage_networks)
+    for network in parts.dp.networks:
+        totals = network.totals()
+        assert totals["sent"] > 0 and stats.binomtest(totals["lost"], totals["sent"], p).pvalue > 1e-3
