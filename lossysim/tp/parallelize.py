@@ -145,9 +145,16 @@ def relative_difference(stacked: torch.Tensor) -> torch.Tensor:
 
     ``stacked`` is [ranks, ...], every rank's copy of what a loss-free network would keep identical
     (final hidden states); the result is [ranks], 0 for rank 0. The norms run over everything but
-    the rank dimension, so one number says how much the ranks of a TP model disagree.
+    the rank dimension, so one number says how much the ranks of a TP model disagree. They sum
+    squares along the last dimension first, then those sums (in fp64): one order whatever the number
+    of threads (a whole-tensor norm is split among threads, and a sim process with two threads then
+    differs from dist's one-thread ranks in the last bits).
     """
-    return (stacked - stacked[:1]).flatten(1).norm(dim=1) / stacked[0].norm().clamp_min(1e-30)
+    rows = stacked.reshape(stacked.shape[0], -1, stacked.shape[-1] if stacked.dim() > 1 else 1).double()
+
+    def norms(x: torch.Tensor) -> torch.Tensor:
+        return x.pow(2).sum(-1).sum(-1).sqrt()
+    return (norms(rows - rows[:1]) / norms(rows[:1]).clamp_min(1e-30)).float()
 
 
 def _enter_tp(group: SimGroup, site: str):
