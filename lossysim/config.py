@@ -204,9 +204,6 @@ class ExperimentConfig:
         if pp and self.dp_sync_every:
             raise ValueError(f"dp_sync_every with pp_size={self.pp_size}: synchronising pipelined replicas is not "
                              "modelled; set dp_sync_every=0")
-        if pp and self.activation_checkpointing:
-            raise ValueError(f"pp_size={self.pp_size} with activation_checkpointing: not supported yet "
-                             "(a recomputed stage would resend its boundary's activations)")
 
     def _validate_pipeline(self) -> None:
         """pp keys alone; pp_layout against the model's depth is checked where the depth is known

@@ -82,10 +82,13 @@ def test_a_tp_dp_estimate_counts_and_times_what_training_does(tmp_path, changes)
 
 
 @pytest.mark.parametrize("changes", [dict(loss="none"), dict(loss="bernoulli:0.05", transport="retransmit", nic="irn"),
-                                     dict(loss="bernoulli:0.05", recovery="zero", dp_overlap=False)])
+                                     dict(loss="bernoulli:0.05", recovery="zero", dp_overlap=False),
+                                     dict(loss="bernoulli:0.05", transport="retransmit", activation_checkpointing=True)])
 def test_a_tp_pp_dp_estimate_counts_and_times_what_training_does(tmp_path, changes):
     """The 3-D job (tp 2 x pp 2 x dp 2, a TP group to a node): every replica's stages and boundaries, every
-    stage's DDP groups, counted and timed by the estimate as the training run of the same config did."""
+    stage's DDP groups, counted and timed by the estimate as the training run of the same config did (with
+    activation checkpointing: each recomputed block's all-reduces charged again, a boundary's activations
+    not sent again)."""
     config, parts, state, shape = _trained(tmp_path, pp_size=2, dp_size=2, microbatches=2, ranks_per_node=2,
                                            dp_bucket_mb=0.05, **changes)
     row = estimate(shape, config, Workload(seq=16), steps=STEPS)

@@ -45,9 +45,13 @@ CASES = {
     "3d-lossy": dict(tp_size=1, pp_size=2, dp_size=2, dp_bucket_mb=0.05, **LOSSY),
     "3d-resumed": dict(tp_size=1, pp_size=2, dp_size=2, dp_bucket_mb=0.05, steps=4, eval_every=2,
                        checkpoint_every=2, keep_checkpoints=0, **LOSSY),
+    # a recomputed stage gets again what it received: no second receive, draw or time
+    "3d-checkpointed": dict(tp_size=1, pp_size=2, dp_size=2, dp_bucket_mb=0.05, activation_checkpointing=True,
+                            **LOSSY),
 }
 # Each phase's cases run one after another on their processes (first, world); phases start together.
-PHASES = [[("tp2-exact", 0, 4), ("tp2-lossy", 0, 4), ("pp4-lossy", 0, 4), ("3d-lossy", 0, 4), ("3d-resumed", 0, 4)],
+PHASES = [[("tp2-exact", 0, 4), ("tp2-lossy", 0, 4), ("pp4-lossy", 0, 4), ("3d-lossy", 0, 4), ("3d-resumed", 0, 4),
+           ("3d-checkpointed", 0, 4)],
           [("tp1-exact", 0, 2), ("tp1-lossy", 0, 2)],
           [("tp1-retransmit", 2, 2), ("tp1-resumed", 2, 2)]]
 
@@ -158,7 +162,8 @@ def test_loss_free_dist_stages_train_as_sim_and_as_one_stage(runs, sim, name):
         assert torch.equal(staged[key], one[key]), key
 
 
-@pytest.mark.parametrize("name", ["tp2-lossy", "pp4-lossy", "tp1-lossy", "tp1-retransmit", "3d-lossy"])
+@pytest.mark.parametrize("name", ["tp2-lossy", "pp4-lossy", "tp1-lossy", "tp1-retransmit", "3d-lossy",
+                                  "3d-checkpointed"])
 def test_lossy_dist_stages_are_sims_bit_for_bit(runs, sim, name):
     """Bernoulli loss on every link (TP and pipeline traffic, both directions), the gradient clipped:
     the same masks on the same numbers, so the same losses, packets, clock and weights."""

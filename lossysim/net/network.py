@@ -272,6 +272,8 @@ class LossyNetwork:
         ``deliver=False`` (an estimate: no tensors to apply it to): where the recovery policy's draw has
         no side effects, may return the lost packets of each send (``sparse.Losses``) instead."""
         key = (site, direction)
+        if self.ranks == 1:   # nothing to send (and nothing recorded to replay)
+            return None
         if self._replaying is not None:  # a recomputed forward sends again: its time counts again
             delivery, ideal, repairs, recovered = self._replaying[key].popleft()
             self._ideal += ideal
@@ -281,8 +283,6 @@ class LossyNetwork:
             if delivery is not None:   # the policy acted: its side path sends again too (replayed)
                 self._side_traffic(site, direction, collective, numel, dtype, device)
             return delivery
-        if self.ranks == 1:
-            return None
         device = torch.device(device)
         if pair is not None:
             pair = (int(pair[0]), int(pair[1]))

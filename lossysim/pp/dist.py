@@ -64,12 +64,21 @@ class _AwaitGradient(torch.autograd.Function):
 @dataclass
 class _Link:
     """This process's sends: boundary ``stage - 1`` from ``previous`` (a global rank), boundary ``stage``
-    to ``next`` (None where there is no such stage)."""
+    to ``next`` (None where there is no such stage). A recomputed forward (activation checkpointing)
+    gets again what the stage received, nothing received, drawn or timed (``recording``, ``replaying``)."""
     before: Optional[Boundary]
     after: Optional[Boundary]
     tp_rank: int
     previous: Optional[int]
     next: Optional[int]
+    _record: Optional[dict] = None
+    _replay: Optional[dict] = None
+
+    def recording(self, record: dict):
+        return swapped(self, "_record", record)
+
+    def replaying(self, record: dict):
+        return swapped(self, "_replay", record)
 
     def _draw(self, boundary: Boundary, direction: str, message: torch.Tensor, mine: bool) -> torch.Tensor:
         """Every TP rank's send over ``boundary`` in ``sim``'s order; ``mine``: this process receives its
@@ -85,12 +94,16 @@ class _Link:
     def receive(self, stand_in: torch.Tensor) -> torch.Tensor:
         """The stage's input: what the previous stage sent in place of ``stand_in`` (the embeddings'
         output, of the same shape). A leaf of this stage's graph, whose gradient goes back."""
+        if self._replay is not None:
+            return self._replay["received"].popleft()
         buffer = torch.empty_like(stand_in, memory_format=torch.contiguous_format)
         dist.recv(buffer, self.previous)
         received = self._draw(self.before, "fwd", buffer, mine=True)
         if torch.is_grad_enabled():
             received = received.detach().requires_grad_()
             received.register_hook(self.return_gradient)
+        if self._record is not None:
+            self._record["received"].append(received)
         return received
 
     def return_gradient(self, grad: torch.Tensor) -> None:
@@ -289,6 +302,7 @@ def attach(pipeline: DistPipeline, tp_model: TensorParallelModel, group, seed: i
         tp_model.group.seed = stream_seed(seed, f"pp.stage{pipeline.stage}", "replicated-dropout")
     tp_model.__class__ = PipelineStage   # the same modules, hooks and shards; a stage's forward
     tp_model.pipeline = pipeline
+    tp_model.replayed = [*tp_model.replayed, pipeline.link]   # what it received, for a recomputed block
     return tp_model
 
 

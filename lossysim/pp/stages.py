@@ -92,11 +92,18 @@ class _SendToNextStage(torch.autograd.Function):
 class Boundary:
     """Boundary ``index`` between stage ``index`` and the next: its network and, per direction, the
     seconds of every send since ``take_seconds`` (a send's time is its slowest TP rank's: the ranks
-    send side by side over links of their own)."""
+    send side by side over links of their own).
+
+    With activation checkpointing the next stage's first block, whose input this boundary delivers,
+    runs its forward again in the backward: the stage kept what arrived (Megatron's stage input is the
+    checkpoint's), so the recomputed forward gets it again, nothing sent, drawn or timed (``recording``,
+    ``replaying``)."""
     index: int
     tp: int
     network: LossyNetwork
     seconds: dict = field(default_factory=lambda: {"fwd": [], "bwd": []})
+    _record: Optional[dict] = field(default=None, repr=False)
+    _replay: Optional[dict] = field(default=None, repr=False)
 
     @property
     def site(self) -> str:
@@ -104,9 +111,20 @@ class Boundary:
 
     def send(self, x: torch.Tensor, direction: str) -> torch.Tensor:
         """Every TP rank's copy in ``x`` ([tp * rows, ...]) over its own link; what the receivers hold."""
+        if self._replay is not None and direction == "fwd":
+            return self._replay["received"].popleft()
         copies = x.reshape(self.tp, -1, *x.shape[1:])
         out = self.timed(direction, lambda t, src, dst: self.network.send(self.site, direction, copies[t], src, dst))
-        return torch.stack(out).reshape(x.shape)
+        received = torch.stack(out).reshape(x.shape)
+        if self._record is not None and direction == "fwd":
+            self._record["received"].append(received.detach())
+        return received
+
+    def recording(self, record: dict):
+        return swapped(self, "_record", record)
+
+    def replaying(self, record: dict):
+        return swapped(self, "_replay", record)
 
     def timed(self, direction: str, send) -> list:
         """``send(t, src, dst)`` for TP rank t = 0.. of the sending stage over its link (network ranks),

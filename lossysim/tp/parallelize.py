@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .groups import DistGroup, SimGroup
+from .groups import DistGroup, SimGroup, checkpoint_contexts
 from .layers import ColumnParallel, ReplicatedDropout, RowParallel, run_per_rank
 from ..net import LossyNetwork
 from .mappings import copy_to_tp
@@ -298,7 +298,10 @@ def apply_tp(model: nn.Module, config, mesh, network: LossyNetwork, rank: int,
     # Dropout outside the replicated regions draws from the global generator: one stream per rank,
     # as Megatron seeds its model-parallel stream with the TP rank.
     torch.manual_seed(stream_seed(config.seed, "sharded-dropout", str(rank)))
+    # What a recomputed block replays: every stage's TP group and (a block's input may be a pipeline
+    # boundary's send, dist's receive) the pipeline's; a dist stage adds its link when attached.
+    tp_model.replayed = [*tp_model.groups, *(pipeline.boundaries if pipeline is not None else [])]
     if config.activation_checkpointing:
         tp_model.model.activation_checkpointing_enable(
-            {"use_reentrant": False, "context_fn": tp_model.group.checkpoint_contexts})
+            {"use_reentrant": False, "context_fn": lambda: checkpoint_contexts(*tp_model.replayed)})
     return tp_model
