@@ -28,7 +28,7 @@ from ..timing import NIC_PRESETS
 from ..traffic import KINDS
 from ..util import one_of
 from .shapes import NAMES, load
-from .simulate import estimate
+from .simulate import CLASSES, estimate
 from .workload import DTYPES, Workload, job_config
 
 # Network keys that take several values: flag -> config key.
@@ -199,7 +199,7 @@ def stacked(rows: list[dict], path: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    parts = [key for key in ("compute", "tp", "pp", "dp", "fsdp", "repair")
+    parts = [key for key in ("compute", *CLASSES, "repair")
              if any(f"stack_{key}_s" in row for row in rows)]
     labels = [f"{row['loss']}\n{_transport(row)}" for row in rows]
     fig, ax = plt.subplots(figsize=(max(6.4, 0.9 * len(rows) + 2), 4.6))

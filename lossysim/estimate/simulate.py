@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from .. import timing
+from .. import timing, traffic
 from ..dp import timeline
 from ..dp.buckets import plan_buckets
 from ..dp.fsdp import shard_numel
@@ -51,7 +51,7 @@ from ..util import stream_seed
 from .shapes import Shape, load
 from .workload import AMP_DTYPE, DTYPES, Workload, step_calls
 
-CLASSES = ("tp", "pp", "dp", "fsdp")
+CLASSES = tuple(c.name for c in traffic.CLASSES)   # every class's columns, in the declared order
 _THIRD = 1 / 3     # forward's share of a micro-batch's compute (2N FLOPs of 6N), as training charges it
 
 
@@ -162,7 +162,9 @@ class _Job:
                    for s in range(pp)] if mode else []
         self.mode = mode
         self.dp_class = config.dp_class
-        self.classes = tuple(c for c, on in (("tp", tp > 1), ("pp", pp > 1), (self.dp_class, mode is not None)) if on)
+        # the job's classes: those whose axis has more than one rank (data-parallel traffic is DDP's or FSDP's)
+        self.classes = tuple(c.name for c in traffic.CLASSES if mesh.sizes[c.axis] > 1
+                             and (c.axis != "dp" or c.name == self.dp_class))
         self.buckets = self._buckets() if mode else []
         self.ready = [[b.ready for b in stage] for stage in self.buckets]
         self.calls = [step_calls(shape, config.activation_checkpointing, self.blocks(s)) for s in range(pp)]
