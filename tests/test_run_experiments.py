@@ -189,8 +189,10 @@ def test_mitigations_profile_compares_every_recovery_policy(tmp_path, sandbox):
     runs = sweep.expand(sweep.load_spec(ROOT / "experiments" / "mitigations.yaml"), tmp_path / "m")
     lossy = [run.config for run in runs if run.config.loss != "none"]
     assert len(runs) == 75 and len(runs) - len(lossy) == 3   # one loss-free baseline per seed
+    # drop_token acts on experts' all-to-alls alone, which this dense model does not send
+    dense = tuple(name for name in RECOVERY_POLICIES if name != "drop_token")
     for loss in ("bernoulli:0.05", "bernoulli:0.2", "ge:rate=0.05,burst=8"):
-        assert sorted(c.recovery for c in lossy if c.loss == loss) == sorted(RECOVERY_POLICIES * 3), loss
+        assert sorted(c.recovery for c in lossy if c.loss == loss) == sorted(dense * 3), loss
 
 
 def test_pp_profile_loses_pp_traffic_between_two_nodes_beside_dp_and_tp(tmp_path, sandbox):

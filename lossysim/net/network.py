@@ -33,6 +33,7 @@ import torch
 from ..timing.nccl import Estimate
 from ..util import one_of, stream_seed, swapped
 from . import delivery as deliver
+from . import exchange
 from . import recovery as recoveries
 from . import sparse
 from . import transfer as transfers
@@ -209,6 +210,14 @@ class LossyNetwork:
             memory=self._channels[(site, direction)].memory, update=self._replaying is None)
         return held.view(message.shape)
 
+    def all_to_all(self, site: str, direction: str, messages: Sequence[Sequence[torch.Tensor]],
+                   receivers: Optional[Sequence[int]] = None) -> list[list[torch.Tensor]]:
+        """Every rank's message to every other (``messages[src][dst]``, sizes of their own; a rank's to
+        itself stays home), as each of ``receivers`` (default all) holds them: ``[receiver][src]``.
+        NCCL's grouped sends, drawn, repaired, counted and timed as every call (``exchange``); the
+        messages to other receivers may be meta tensors (dist: their sizes alone move the streams)."""
+        return exchange.all_to_all(self, site, direction, messages, receivers)
+
     def account(self, site: str, direction: str, message: torch.Tensor, collective: str = "all_reduce",
                 pair: Optional[tuple[int, int]] = None) -> None:
         """Count and time one collective whose data a real library moves (dist, loss-free or
@@ -263,11 +272,12 @@ class LossyNetwork:
         return self.simulate(site, direction, message.numel(), message.dtype, collective, message.device, pair=pair)
 
     def simulate(self, site: str, direction: str, numel: int, dtype: torch.dtype, collective: str = "all_reduce",
-                 device="cpu", deliver: bool = True, pair: Optional[tuple[int, int]] = None):
+                 device="cpu", deliver: bool = True, pair: Optional[tuple[int, int]] = None,
+                 counts: Optional[Sequence[int]] = None):
         """One collective of a message of ``numel`` elements of ``dtype`` (a send: from ``pair[0]`` to
-        ``pair[1]``), without its data: draw the packets' fates, repair, count and move the clock exactly
-        as a call with tensors would (every collective goes through here). Returns what the receivers
-        hold (None: the exact result).
+        ``pair[1]``; an all-to-all: ``counts[s * ranks + d]`` elements from rank s to rank d), without its
+        data: draw the packets' fates, repair, count and move the clock exactly as a call with tensors would
+        (every collective goes through here). Returns what the receivers hold (None: the exact result).
 
         ``deliver=False`` (an estimate: no tensors to apply it to): where the recovery policy's draw has
         no side effects, may return the lost packets of each send (``sparse.Losses``) instead."""
@@ -286,12 +296,15 @@ class LossyNetwork:
         device = torch.device(device)
         if pair is not None:
             pair = (int(pair[0]), int(pair[1]))
-        shape = (collective, int(numel), dtype, device, pair)
-        transfer = self._transfers.get(shape)
-        if transfer is None:
-            transfer = transfers.build(self.spec, self.links, *shape)   # (a bad pair is refused here)
-            self._transfers[shape] = transfer
-        self._choices[(site, direction, collective, int(numel) * dtype.itemsize)] = transfer.choice
+        if counts is not None:   # an all-to-all's sizes are its routing's: built per call (``exchange``)
+            transfer = exchange.build(self.spec, tuple(int(n) for n in counts), dtype, device)
+        else:
+            shape = (collective, int(numel), dtype, device, pair)
+            transfer = self._transfers.get(shape)
+            if transfer is None:
+                transfer = transfers.build(self.spec, self.links, *shape)   # (a bad pair is refused here)
+                self._transfers[shape] = transfer
+            self._choices[(site, direction, collective, int(numel) * dtype.itemsize)] = transfer.choice
         channel = self._channel(site, direction, device)
         channel.counters.calls += 1
         self._ideal += transfer.ideal

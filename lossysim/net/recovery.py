@@ -19,6 +19,9 @@ One policy per network (``recovery`` in ``NetworkSpec``; docs/semantics.md compa
   path is real traffic: the network charges it as a retransmitted all-gather (``side_bytes``).
 - ``stale``: a lost packet of a send is replaced by the last values that arrived on that send
   (the same step, link and packets of this call site and direction); nothing yet: zero.
+- ``drop_token``: on an all-to-all (an expert's dispatch or combine), a row (one token's vector for one
+  expert) with any lost packet is lost whole: the expert skips the token, as one over its capacity; on
+  every other collective it is ``zero``.
 - ``error_feedback``: a sender keeps what a send failed to deliver and adds it to what that send
   carries at the next call of the call site, so the sum over calls is conserved at every receiver.
   It feeds gradients back: on activations (direction ``fwd``) it is ``zero``.
@@ -54,7 +57,7 @@ from .sparse import Losses
 from ..util import stream_seed
 
 RECOVERY_POLICIES = ("zero", "rescale", "hadamard", "hadamard+rescale", "stale", "error_feedback", "outliers",
-                     "outliers+hadamard")
+                     "outliers+hadamard", "drop_token")
 ACTIVATIONS = "fwd"            # the direction whose values are never summed again later
 DEFAULT_HADAMARD_BLOCK = 1 << 14
 DEFAULT_OUTLIER_FRACTION = 1e-3
@@ -87,7 +90,8 @@ def policy(name: str, hadamard_block: int = DEFAULT_HADAMARD_BLOCK,
         return Outliers(inner, outlier_fraction)
     if name.startswith("hadamard"):
         return Hadamard(RESCALE if name.endswith("+rescale") else ZERO, hadamard_block)
-    return {"zero": ZERO, "rescale": RESCALE, "stale": STALE, "error_feedback": ERROR_FEEDBACK}[name]
+    return {"zero": ZERO, "rescale": RESCALE, "stale": STALE, "error_feedback": ERROR_FEEDBACK,
+            "drop_token": DROP_TOKEN}[name]
 
 
 # -- what a policy keeps at a call site ------------------------------------------------------------
@@ -149,6 +153,7 @@ class Policy:
     acts_on_shards = True   # acts on a reduce-scatter (FSDP's gradients): needs no whole sum at every rank
     acts_on_sends = True    # acts on a point-to-point send (pipeline stages' activations and gradients)
     on_activations = True   # acts on activations (else ``on(ACTIVATIONS)`` is zero)
+    drops_rows = False      # an all-to-all's row (its last dimension) with a lost packet is lost whole
     settings: tuple[str, ...] = ()   # the NetworkSpec settings it reads beside ``recovery``
 
     def on(self, direction: str) -> "Policy":
@@ -202,7 +207,16 @@ class Rescale(Policy):
     rescale = True
 
 
-ZERO, RESCALE = Policy(), Rescale()
+class DropToken(Policy):
+    """An all-to-all's row (one token's vector for one expert: a message's last dimension) with any lost
+    packet is lost whole. Dispatch: the expert skips the token, as it skips one over its capacity;
+    combine: the token gets nothing from that expert; backward: the row's gradient is zero. On every
+    other collective it is ``zero``."""
+    name = "drop_token"
+    drops_rows = True
+
+
+ZERO, RESCALE, DROP_TOKEN = Policy(), Rescale(), DropToken()
 
 
 # -- Hadamard ----------------------------------------------------------------------------------------
