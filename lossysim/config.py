@@ -14,10 +14,13 @@ import yaml
 
 from .util import one_of, stream_seed
 from .mesh import DEFAULT_ORDER, Mesh
+from .net.exchange import EXCHANGE_POLICIES
 from .net.recovery import SEND_POLICIES, SHARD_POLICIES
 from .net.spec import SETTINGS, NetworkSpec
 from .timing import DEFAULT_NIC, parse_compute
 from .traffic import BY_NAME, KINDS as TRAFFIC_KINDS, parse_kinds as traffic_kinds
+
+EP_CLASSES = tuple(c.name for c in BY_NAME.values() if c.axis == "ep")   # an MoE block's all-to-alls
 
 
 # Keys that say where or how a run is executed, not what it trains: they stay out of a run's
@@ -33,7 +36,7 @@ DP_MODES = ("ddp", "fsdp")
 # out of a run's identity (the sweep's hash), so sweeps written before them still find their runs.
 IDENTITY_AT_DEFAULT_OMITTED = ("dp_size", "dp_bucket_mb", "dp_overlap", "dp_sync_every", "lossy_traffic",
                               "dp_mode", "lossy_layers", "lossy_sites", "outlier_fraction", "microbatches",
-                              "pp_size", "pp_schedule", "pp_layout", "parallel_order")
+                              "pp_size", "pp_schedule", "pp_layout", "parallel_order", "ep_size")
 
 
 def parse_report_to(value) -> tuple[str, ...]:
@@ -101,6 +104,7 @@ class ExperimentConfig:
     sync_replicated: bool = True       # dist: average replicated grads over a reliable channel
     dp_size: int = 1                   # data-parallel replicas of the TP group: world = tp_size x pp_size x dp_size
     pp_size: int = 1                   # pipeline stages: the blocks cut into this many consecutive stages
+    ep_size: int = 1                   # expert parallelism: each MoE block's experts over this many replicas
     parallel_order: str = DEFAULT_ORDER  # how global ranks are laid out, innermost first (Megatron's order)
     pp_schedule: str = "1f1b"          # gpipe | 1f1b: how a step's micro-batches are timed through the stages
     pp_layout: Optional[str] = None    # blocks per stage, e.g. "1,3" (None: an even split)
@@ -138,7 +142,7 @@ class ExperimentConfig:
             raise ValueError("dataset=pydoc is unlabelled documentation text: use task=lm")
         _choice("backend", self.backend, BACKENDS)
         _choice("amp", self.amp, ("none", "bf16", "fp16"))
-        for name in ("tp_size", "dp_size", "pp_size", "steps", "batch_size", "eval_batch_size", "max_length",
+        for name in ("tp_size", "dp_size", "pp_size", "ep_size", "steps", "batch_size", "eval_batch_size", "max_length",
                      "eval_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -204,6 +208,20 @@ class ExperimentConfig:
         if pp and self.dp_sync_every:
             raise ValueError(f"dp_sync_every with pp_size={self.pp_size}: synchronising pipelined replicas is not "
                              "modelled; set dp_sync_every=0")
+        self._validate_experts()
+
+    def _validate_experts(self) -> None:
+        """Expert parallelism's pairs for every command (training's own, and that the model has experts, are
+        checked where it is built: ``lossysim.ep``)."""
+        if self.recovery == "drop_token" and self.ep_size == 1:
+            raise ValueError("recovery=drop_token drops tokens whose expert all-to-all lost a packet: it needs "
+                             "ep_size > 1")
+        if self.ep_size == 1:
+            return
+        if self.recovery not in EXCHANGE_POLICIES:
+            raise ValueError(f"ep_size={self.ep_size} needs recovery={' or '.join(EXCHANGE_POLICIES)}, not "
+                             f"{self.recovery} (what an expert all-to-all's receiver makes of a lost packet)")
+        # (what training does not model beside experts, the estimate may: lossysim.ep refuses it at build)
 
     def _validate_pipeline(self) -> None:
         """pp keys alone; pp_layout against the model's depth is checked where the depth is known
@@ -236,10 +254,11 @@ class ExperimentConfig:
         mesh, settings = self.mesh(), self.network_settings()
         networks = [spec] + ([mesh.dp_network_spec(settings, 0, self.dp_lossy())] if self.dp_size > 1 else []) + \
             [mesh.tp_network_spec(settings, 0, s) for s in range(1, self.pp_size)] + \
-            [mesh.pp_network_spec(settings, 0, b, self.pp_lossy()) for b in range(self.pp_size - 1)]
+            [mesh.pp_network_spec(settings, 0, b, self.pp_lossy()) for b in range(self.pp_size - 1)] + \
+            [mesh.ep_network_spec(settings, 0, c, self.lossy_directions(c)) for c in EP_CLASSES if self.ep_size > 1]
         if not any(net.lossy and net.topology.has_lossy_link for net in networks):
             raise ValueError(f"loss={self.loss} but no traffic can lose packets (tp_size={self.tp_size}, "
-                             f"pp_size={self.pp_size}, dp_size={self.dp_size}, lossy={self.lossy}, "
+                             f"pp_size={self.pp_size}, dp_size={self.dp_size}, ep_size={self.ep_size}, lossy={self.lossy}, "
                              f"lossy_traffic={self.lossy_traffic}, "
                              f"lossy_links={self.lossy_links}, ranks_per_node={self.ranks_per_node}): "
                              "use loss=none for a loss-free run, or make some traffic cross a lossy link")
@@ -247,7 +266,8 @@ class ExperimentConfig:
     def mesh(self) -> Mesh:
         """Where this run's ranks sit (``lossysim.mesh``): tp_size x pp_size x dp_size in ``parallel_order``,
         ranks_per_node to a node (a bad layout: a one-line ValueError)."""
-        return Mesh(self.tp_size, self.dp_size, self.ranks_per_node, pp=self.pp_size, order=self.parallel_order)
+        return Mesh(self.tp_size, self.dp_size, self.ranks_per_node, pp=self.pp_size, ep=self.ep_size,
+                    order=self.parallel_order)
 
     def network_spec(self, evaluation: bool = False) -> NetworkSpec:
         """The training network of replica 0's TP group, placed by the mesh; ``evaluation``: the

@@ -24,6 +24,18 @@ def step_flops(parameters: float, tokens: float, layers: int, hidden: int, seq_l
     return 6.0 * parameters * tokens + 12.0 * layers * seq_len ** 2 * hidden * sequences
 
 
+def active_parameters(model: torch.nn.Module) -> int:
+    """The parameters one token's step multiplies: every one, less the routed experts it is not sent to
+    (an MoE block's experts times 1 - top-k / experts)."""
+    total = float(sum(p.numel() for p in model.parameters()))
+    top_k = getattr(model.config, "num_experts_per_tok", None)
+    for module in model.modules():
+        if top_k and hasattr(module, "gate_up_proj") and getattr(module, "num_experts", None):
+            experts = sum(p.numel() for p in module.parameters(recurse=False))
+            total -= experts * (1 - top_k / module.num_experts)
+    return int(round(total))
+
+
 def dims(config) -> tuple[int, int]:
     """(layers, hidden size) of an HF config."""
     layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer")

@@ -1,16 +1,20 @@
 """Named model shapes, as data: random-weight configurations the runner builds without a download."""
 from __future__ import annotations
 
-from transformers import GPT2Config, LlamaConfig
+from transformers import GPT2Config, LlamaConfig, MixtralConfig
 
 # Random-weight shapes: `tiny` and `tiny-llama` for CPU tests and demos, `small` = GPT-2 124M,
 # `llama-1b-shape` = Llama 3.2 1B (grouped-query attention, 32 query and 8 kv heads, tied embeddings),
 # `smollm2-135m-shape` = SmolLM2-135M (9 query and 3 kv heads: tp 3 or 9), the pretrained
-# `smollm2-135m`'s shape with random weights, to set fresh weights beside trained ones.
+# `smollm2-135m`'s shape with random weights, to set fresh weights beside trained ones; `tiny-moe` a
+# Mixtral-like mixture of experts (8 experts, 2 per token: ep 1, 2, 4 or 8).
 # The vocabulary is the data's tokenizer's.
 NAMED_SHAPES = {
     "tiny": (GPT2Config, dict(n_layer=2, n_head=4, n_embd=128)),
     "small": (GPT2Config, dict(n_layer=12, n_head=12, n_embd=768)),
+    "tiny-moe": (MixtralConfig, dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     hidden_size=64, intermediate_size=96, num_local_experts=8,
+                                     num_experts_per_tok=2, tie_word_embeddings=True)),
     "tiny-llama": (LlamaConfig, dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                      hidden_size=128, intermediate_size=352, tie_word_embeddings=True)),
     "llama-1b-shape": (LlamaConfig, dict(

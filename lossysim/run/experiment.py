@@ -52,6 +52,8 @@ FLAGS = {
     "--dp-mode": ("dp_mode", f"{one_of(DP_MODES)} (ddp: replicas hold whole parameters; fsdp: ZeRO-3, "
                              "parameters sharded and gathered)"),
     "--pp-size": ("pp_size", "pipeline stages: the blocks cut into this many (world = tp x pp x dp)"),
+    "--ep-size": ("ep_size", "expert parallelism: an MoE's experts over this many data-parallel replicas "
+                             "(divides dp)"),
     "--pp-schedule": ("pp_schedule", f"how a step's micro-batches run through the stages: {one_of(PP_SCHEDULES)}"),
     "--pp-layout": ("pp_layout", "blocks per stage, e.g. 1,3 (default: an even split)"),
     "--microbatches": ("microbatches", "micro-batches per step (default: pp_size): gradients accumulate over them"),
@@ -183,6 +185,8 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
                                        parts.scheduler.get_last_lr()[0], disagreement, config, parts.pipeline)
                 if parts.dp.dp_size > 1:
                     row.update(record.dp_row(parts.dp, state))
+                if config.ep_size > 1:
+                    row.update(record.ep_traffic(parts.ep))
                 state.train_disagreement.append(row["disagreement"])
                 metrics.write(row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}",
@@ -228,6 +232,8 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
         summary["data_parallel"] = record.dp_summary(parts.dp, config, state)
     if parts.pipeline is not None:
         summary["pipeline"] = record.pp_summary(parts.pipeline, config, state)
+    if config.ep_size > 1:
+        summary["expert_parallel"] = record.ep_summary(parts.ep, config, state)
     summary["collectives"] = record.collectives(parts.train_net, parts.pipeline, parts.dp)
     if rt.is_main:
         atomic_write_json(rt.run_dir / "summary.json", summary)

@@ -146,7 +146,8 @@ def clock(state: TrainState, network: LossyNetwork, config: ExperimentConfig,
         per_step = busy / max(state.step, 1)
         state.restart_s += (failures - state.failures) * (config.restart_s + config.restart_lost_steps * per_step)
         state.failures = failures
-    return {"sim_time_s": busy + state.dp_s + state.restart_s, "sim_time_s_ideal_nic": busy_ideal + state.dp_s,
+    return {"sim_time_s": busy + state.ep_s + state.dp_s + state.restart_s,
+            "sim_time_s_ideal_nic": busy_ideal + state.ep_s_ideal_nic + state.dp_s,
             "restart_s": state.restart_s, "failures": failures, **comm}
 
 
@@ -166,6 +167,8 @@ def clock_row(state: TrainState, network: LossyNetwork, step: int, config: Exper
            "failures": now["failures"], **repairs_by_class(*_networks(network, pipeline))}
     if config.dp_size > 1:
         row["dp_s_per_step"] = (state.dp_s - last.get("dp_s", 0.0)) / steps
+    if config.ep_size > 1:
+        row["ep_s_per_step"] = (state.ep_s - last.get("ep_s", 0.0)) / steps
     if pipeline is not None:
         pipeline_s = state.pipeline_s - last.get("pipeline_s", 0.0)
         row.update(pipeline_s_per_step=pipeline_s / steps, pp_s_per_step=(state.pp_s - last.get("pp_s", 0.0)) / steps,
@@ -173,6 +176,8 @@ def clock_row(state: TrainState, network: LossyNetwork, step: int, config: Exper
     state.last_row = clock_mark(step, state.compute_s, network, pipeline)
     if config.dp_size > 1:
         state.last_row["dp_s"] = state.dp_s
+    if config.ep_size > 1:
+        state.last_row["ep_s"] = state.ep_s
     if pipeline is not None:
         state.last_row.update(pipeline_s=state.pipeline_s, pp_s=state.pp_s, pp_busy_s=state.pp_busy_s)
     return row
@@ -245,6 +250,29 @@ def dp_summary(dp, config: ExperimentConfig, state: TrainState) -> dict:
             **({"mode": config.dp_mode} if config.dp_mode != "ddp" else {}),
             "drift_final": dp.drift(), "drift_max": max(state.drift, default=0.0),
             "dp_s_per_step": state.dp_s / max(state.step, 1)}
+
+
+# -- expert parallelism ---------------------------------------------------------------------------
+
+def ep_traffic(ep) -> dict:
+    """Replica 0's expert all-to-alls (``ep_dispatch``, ``ep_combine``, both directions; every TP rank's
+    group): packets sent and lost so far, and their loss rate over the lossy ones (``observed_loss_rate_ep``)."""
+    row, sent_lossy, lost_lossy = {}, 0, 0
+    for name, rows in ep.summaries().items():
+        row[f"packets_sent_{name}"] = sum(r["sent"] for r in rows)
+        row[f"packets_lost_{name}"] = sum(r["lost"] for r in rows)
+        sent_lossy += sum(r["sent"] for r in rows if r["configured_loss_rate"] > 0)
+        lost_lossy += sum(r["lost"] for r in rows if r["configured_loss_rate"] > 0)
+    row["observed_loss_rate_ep"] = lost_lossy / sent_lossy if sent_lossy else 0.0
+    return row
+
+
+def ep_summary(ep, config: ExperimentConfig, state: TrainState) -> dict:
+    """summary.json's ``expert_parallel``: the layout, replica 0's all-to-alls per class by direction and link
+    class, and their seconds per step."""
+    return {"ep_size": config.ep_size, "edp_size": config.dp_size // config.ep_size, **ep_traffic(ep),
+            "packets_by_class": ep.summaries(by=("direction", "link_class")),
+            "ep_s_per_step": state.ep_s / max(state.step, 1)}
 
 
 # -- pipeline parallelism -------------------------------------------------------------------------

@@ -276,6 +276,9 @@ def gather_full_model(tp_model: TensorParallelModel) -> nn.Module:
     for name, layer in tp_model.parallel_layers():
         for leaf, tensor in layer.full().items():
             state[f"{name}.{leaf}"] = tensor
+    for name, module in model.named_modules():
+        if hasattr(module, "gathered"):   # an MoE's experts, sharded over their ep group (lossysim.ep)
+            state.update({f"{name}.{leaf}": tensor for leaf, tensor in module.gathered().items()})
     dtype = next(model.parameters()).dtype
     full = type(model)(copy.deepcopy(model.config)).to(dtype)
     full.load_state_dict(state, strict=True)

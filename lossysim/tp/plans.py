@@ -48,6 +48,9 @@ class ShardingPlan:
     dropouts: dict = field(default_factory=dict)  # module -> config attribute of its p (in a block)
     base_dropouts: dict = field(default_factory=dict)  # the same, in the base model
     check: Optional[Callable] = None  # config -> an error message for what the plan cannot shard
+    # a mixture of experts' routed experts in a block (HF's experts module, called with the router's top-k
+    # experts and weights): replicated over the TP group, sharded over the expert-parallel group (lossysim.ep)
+    experts: Optional[str] = None
 
 
 def _gpt2_check(config) -> Optional[str]:
@@ -91,7 +94,15 @@ LLAMA = ShardingPlan(name="llama", classes=_classes("Llama"), **_LLAMA_LAYOUT)
 QWEN2 = ShardingPlan(name="qwen2", classes=_classes("Qwen2"), **_LLAMA_LAYOUT)
 MISTRAL = ShardingPlan(name="mistral", classes=_classes("Mistral"), **_LLAMA_LAYOUT)
 
-PLANS = (GPT2, LLAMA, QWEN2, MISTRAL)
+# Mixtures of experts: Llama's attention; the MLP is a router (replicated, as every parameter a plan does not
+# name) and routed experts, whole on every TP rank (expert-tensor parallelism 1) and sharded over the ep group.
+_MOE_LAYOUT = dict(_LLAMA_LAYOUT, inputs={"self_attn": "self_attn.copy"},
+                   layers={path: split for path, split in _LLAMA_LAYOUT["layers"].items() if path.startswith("self_attn")},
+                   experts="mlp.experts")
+MIXTRAL = ShardingPlan(name="mixtral", classes=_classes("Mixtral"), **_MOE_LAYOUT)
+QWEN3_MOE = ShardingPlan(name="qwen3_moe", classes=_classes("Qwen3Moe"), **_MOE_LAYOUT)
+
+PLANS = (GPT2, LLAMA, QWEN2, MISTRAL, MIXTRAL, QWEN3_MOE)
 
 
 def plan_for(model) -> tuple[ShardingPlan, str]:

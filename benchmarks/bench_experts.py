@@ -1,0 +1,71 @@
+"""What expert parallelism costs the simulator, measured side by side (medians of interleaved repeats).
+
+1. A sim dp 2 training step of the tiny MoE (``tiny-moe``: 2 blocks of 8 experts, 2 per token) with its
+   experts over an ep 2 group (each replica 4 experts, the tokens dispatched and combined through the lossy
+   all-to-all, the replicas side by side in lockstep), against the same step at ep 1 (each replica all 8
+   experts, no all-to-all): the same model, batch and replicas, dispatch and combine lossy at 1% between
+   two nodes. Target: <= 1.5x.
+2. One lossy all-to-all (Bernoulli 1%, 4 ranks over two nodes, rows of 64 floats, 0 to 80 rows per pair),
+   with its schedule built for the call's sizes, against a plain all-to-all (the messages concatenated per
+   receiver).
+
+    python benchmarks/bench_experts.py [--repeats 20]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_collectives import paired  # noqa: E402
+
+from lossysim import LossyNetwork  # noqa: E402
+from lossysim.config import ExperimentConfig  # noqa: E402
+from lossysim.data import train_batches  # noqa: E402
+from lossysim.run.build import build  # noqa: E402
+from lossysim.run.state import TrainState, Window  # noqa: E402
+from lossysim.run.step import train_step  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def stepper(ep: int):
+    config = ExperimentConfig(model="tiny-moe", dataset="synthetic", max_length=32, max_train_samples=800,
+                              batch_size=32, steps=10_000, tp_size=1, dp_size=2, ep_size=ep, ranks_per_node=1,
+                              loss="bernoulli:0.01", lossy_traffic="ep_dispatch,ep_combine,dp",
+                              out=tempfile.mkdtemp()).validate()
+    parts = build(config, CPU, 0, True, None)
+    state, window, batches = TrainState(), Window(CPU), train_batches(parts.data, config.batch_size, 0)
+    return lambda: train_step(parts, config, state, window, next(batches), CPU)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    os.environ.setdefault("LOSSYSIM_CACHE", tempfile.mkdtemp())
+    torch.manual_seed(0)
+
+    print("1. sim training step, tiny-moe, dp 2, 16 rows per replica, dispatch/combine/DP lossy at 1%")
+    ep2, ep1, ratio = paired(stepper(2), stepper(1), CPU, args.repeats)
+    print(f"   ep 2 {ep2 * 1e3:.1f} ms, ep 1 {ep1 * 1e3:.1f} ms, ratio {ratio:.2f} (target <= 1.5)")
+
+    print("2. one all-to-all, 4 ranks on 2 nodes, rows of 64 floats, Bernoulli 1%, vs a plain all-to-all")
+    g = torch.Generator().manual_seed(0)
+    messages = [[torch.randn(int(torch.randint(0, 80, (1,), generator=g)), 64, generator=g) for _ in range(4)]
+                for _ in range(4)]
+    network = LossyNetwork(4, "bernoulli:0.01", ranks_per_node=2, seed=0)
+    lossy, plain, ratio = paired(lambda: network.all_to_all("ep", "fwd", messages),
+                                 lambda: [torch.cat([messages[s][d] for s in range(4)]) for d in range(4)],
+                                 CPU, args.repeats)
+    print(f"   lossy {lossy * 1e3:.3f} ms, plain {plain * 1e3:.3f} ms, ratio {ratio:.1f}")
+
+
+if __name__ == "__main__":
+    main()
