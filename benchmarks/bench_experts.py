@@ -8,8 +8,12 @@
 2. One lossy all-to-all (Bernoulli 1%, 4 ranks over two nodes, rows of 64 floats, 0 to 80 rows per pair),
    with its schedule built for the call's sizes, against a plain all-to-all (the messages concatenated per
    receiver).
+3. ``lossysim estimate`` of one DeepSeek-V3 step in its published layout (2048 GPUs: pp 16 x dp 128, ep 64
+   over 8 nodes, tp 1; 15360 sequences of 4096 tokens, micro-batch 1), 1% Bernoulli loss on the expert
+   all-to-alls (dispatch and combine, both ways), retransmitted (irn): seconds to estimate it, one thread (a
+   shared machine's second core answers late: see docs/estimate.md). Target: <= 60 s.
 
-    python benchmarks/bench_experts.py [--repeats 20]
+    python benchmarks/bench_experts.py [--repeats 20] [--skip-deepseek]
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ def stepper(ep: int):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--skip-deepseek", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("LOSSYSIM_CACHE", tempfile.mkdtemp())
     torch.manual_seed(0)
@@ -65,6 +70,32 @@ def main():
                                  lambda: [torch.cat([messages[s][d] for s in range(4)]) for d in range(4)],
                                  CPU, args.repeats)
     print(f"   lossy {lossy * 1e3:.3f} ms, plain {plain * 1e3:.3f} ms, ratio {ratio:.1f}")
+    if not args.skip_deepseek:
+        deepseek()
+
+
+def deepseek():
+    import time
+
+    from lossysim.estimate import Workload, estimate, job_config, load
+    print("3. estimate of one DeepSeek-V3 step, published layout, 1% loss on the expert all-to-alls, irn")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        start = time.perf_counter()
+        shape = load("deepseek-v3")
+        loaded = time.perf_counter()
+        config = job_config("deepseek-v3", micro_batch=1, global_batch=15360, tp_size=1, pp_size=16, dp_size=128,
+                            ep_size=64, ranks_per_node=8, pp_layout="3," + "4," * 13 + "3,3", link_inter="ib-ndr400",
+                            loss="bernoulli:0.01", transport="retransmit", nic="irn",
+                            lossy_traffic="ep_dispatch,ep_combine,ep_dispatch_backward,ep_combine_backward")
+        row = estimate(shape, config, Workload(seq=4096), steps=1)
+        done = time.perf_counter()
+    finally:
+        torch.set_num_threads(threads)
+    print(f"   shape {loaded - start:.1f} s, step {done - loaded:.1f} s (target <= 60); step {row['step_mean_s']:.2f} s, "
+          f"loss-free {row['loss_free_step_s']:.2f} s, dispatch {row['stack_ep_dispatch_s']:.2f} s, "
+          f"combine {row['stack_ep_combine_s']:.2f} s, repairs {row['stack_repair_s']:.3f} s")
 
 
 if __name__ == "__main__":

@@ -215,7 +215,7 @@ def apply_ep(replicas: Sequence[Replica], config: ExperimentConfig, mesh: Mesh, 
     for module in replicas[0].model.experts:
         module.groups = [_dist_group(networks, process_group, module)]
     edp = []
-    if mesh.dp // mesh.ep > 1:
+    if mesh.ep > 1 and mesh.dp // mesh.ep > 1:
         replica, stage, tp_rank = mesh.position(rank)
         edp_net = LossyNetwork(mesh.edp_network_spec(config.network_settings(), rank, config.dp_lossy()))
         edp = [DistDataParallel(replicas[0], edp_net, bucket, replica_index=mesh.expert_coordinates(rank)[1],
@@ -247,7 +247,7 @@ def _connect_sim(replicas: Sequence[Replica], config: ExperimentConfig, mesh: Me
             for t in range(mesh.tp):
                 shared[(g, t)].experts.setdefault(module.site, [None] * mesh.ep)[member] = module
     edp = []
-    if mesh.dp // mesh.ep > 1:   # per expert block e: the replicas holding it, over one network per TP rank
+    if mesh.ep > 1 and mesh.dp // mesh.ep > 1:   # per expert block e: the replicas holding it, over one network per TP rank
         for e in range(mesh.ep):
             held = [r for r in range(mesh.dp) if mesh.expert_coordinates(mesh.rank(r, 0))[0] == e]
             networks = [[LossyNetwork(mesh.edp_network_spec(config.network_settings(), mesh.rank(held[0], t),

@@ -73,7 +73,8 @@ class ExpertParallel(nn.Module):
         self.tp_group = tp_group
         self.groups: list = []          # per local TP rank: its expert-parallel group (``connect``)
         for param in (self.gate_up_proj, self.down_proj):
-            param.expert_parallel = True  # averaged over its own expert-data-parallel group (lossysim.ep)
+            # averaged over its own expert-data-parallel group (lossysim.ep); with ep 1, as every replicated one
+            param.expert_parallel = ep_size > 1
             param.register_hook(tp_group.average_replicated)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

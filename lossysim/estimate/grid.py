@@ -62,6 +62,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--pp-layout", help="blocks per stage, e.g. 9,10,10,11 (default: an even split)")
     parser.add_argument("--dp-size", type=int, default=1, help="data-parallel replicas (default 1)")
     parser.add_argument("--dp-mode", default="ddp", choices=DP_MODES, help="ddp or fsdp (default ddp)")
+    parser.add_argument("--ep-size", type=int, default=1,
+                        help="expert parallelism: a mixture of experts' experts over this many of the data-parallel "
+                             "ranks (divides dp size; default 1)")
+    parser.add_argument("--routing-skew", type=float, default=0.0,
+                        help="experts' popularity by Zipf's law with this exponent (default 0: uniform routing)")
     parser.add_argument("--microbatches", type=int,
                         help="micro-batches per replica per step (default: from --global-batch, else pp size)")
     parser.add_argument("--global-batch", type=int,
@@ -96,7 +101,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    workload = Workload(args.seq, args.grad_dtype, args.sampled_groups)
+    workload = Workload(args.seq, args.grad_dtype, args.sampled_groups, args.routing_skew)
     configs = grid(config_of(args), {key: getattr(args, key) for key in GRID.values()})
     if args.out:
         check_writable(args.out, "--out")   # before the grid: a long estimate must not be lost at the end
@@ -118,6 +123,7 @@ def config_of(args) -> ExperimentConfig:
     """The training config the flags describe (the first value of every grid key), validated as ``lossysim
     train`` validates it: the same layout, micro-batch and network rules, the same one-line errors."""
     keys = dict(tp_size=args.tp_size, pp_size=args.pp_size, dp_size=args.dp_size, dp_mode=args.dp_mode,
+                ep_size=args.ep_size,
                 microbatches=args.microbatches, pp_schedule=args.pp_schedule, pp_layout=args.pp_layout,
                 dp_bucket_mb=args.dp_bucket_mb, dp_overlap=args.dp_overlap,
                 activation_checkpointing=args.activation_checkpointing, ranks_per_node=args.ranks_per_node,

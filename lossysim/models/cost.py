@@ -96,7 +96,8 @@ def _narrow(values: dict) -> dict:
     width = 4 * heads
     for key, value in (("hidden_size", width), ("n_embd", width), ("intermediate_size", 2 * width),
                        ("n_inner", None), ("head_dim", 4), ("vocab_size", 64), ("max_position_embeddings", 64),
-                       ("n_positions", 64)):
+                       ("n_positions", 64), ("moe_intermediate_size", 8), ("q_lora_rank", 8), ("kv_lora_rank", 8),
+                       ("qk_nope_head_dim", 4), ("qk_rope_head_dim", 4), ("v_head_dim", 4)):
         if key in values:
             values[key] = value
     values["num_key_value_heads"] = kv if "num_key_value_heads" in values else values.get("num_key_value_heads")

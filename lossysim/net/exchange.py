@@ -46,10 +46,15 @@ class Exchange(Schedule):
         self._lay_out()
 
 
-@functools.lru_cache(maxsize=256)
 def build(spec: NetworkSpec, counts: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Transfer:
     """The Transfer of an all-to-all whose rank s sends ``counts[s * R + d]`` elements of ``dtype`` to rank
-    d (cached: an estimate's calls repeat their sizes; training's change every call)."""
+    d (cached: an estimate's calls repeat their sizes, on groups alike but for their streams; training's
+    change every call)."""
+    return _build(spec.replace(seed=0), counts, dtype, torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _build(spec: NetworkSpec, counts: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Transfer:
     R = spec.ranks
     if len(counts) != R * R:
         raise ValueError(f"an all-to-all of {R} ranks needs {R * R} message sizes, got {len(counts)}")
