@@ -101,3 +101,17 @@ def test_sampled_ep_groups_stand_for_every_group():
         assert stats.binomtest(simulated[1], simulated[0] // 2, 0.05).pvalue > 1e-3, cls   # forward lossy only
     assert sampled["loss_free_step_s"] == pytest.approx(full["loss_free_step_s"], rel=1e-12)
     assert full["step_mean_s"] == full["loss_free_step_s"] == pytest.approx(sampled["step_mean_s"])   # drop: no repair
+
+
+def test_deepseek_v3_with_tp_is_sharded_by_heads_and_all_reduces_twice_a_block():
+    """DeepSeek-V3's plan at tp 2 (the tiny shape): MLA's q_b/kv_b column-parallel by heads and o_proj
+    row-parallel, the first block's dense MLP and the others' shared expert a Llama MLP: two all-reduces a
+    block each way, as a Llama block."""
+    from lossysim.estimate.workload import step_calls
+    shape = load("tiny-deepseek-v3")
+    calls = step_calls(shape, checkpointing=False)
+    assert len(calls) == 4 * shape.layers and {c.site.split(".", 2)[2] for c in calls} == \
+        {"self_attn.reduce", "mlp.reduce", "self_attn.copy", "mlp.copy"}
+    row = estimate(shape, job_config("tiny-deepseek-v3", micro_batch=2, tp_size=2, dp_size=2, ep_size=2,
+                                     ranks_per_node=2), Workload(seq=16), steps=1)
+    assert row["tp_packets_sent"] > 0 and row["ep_dispatch_packets_sent"] > 0

@@ -26,7 +26,7 @@ LOGIT_TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 def moe(tmp_path, **changes):
-    return tiny(tmp_path, model="tiny-moe", **changes)
+    return tiny(tmp_path, **{"model": "tiny-moe", **changes})
 
 
 def _hf(config, parts):
@@ -49,12 +49,33 @@ def _expected_grad(module, name: str, leaf: str, hf: dict, tp_rank=None) -> torc
     return full
 
 
-@pytest.mark.parametrize("tp,dp,ep", [(2, 2, 1), (1, 2, 2), (2, 2, 2), (1, 4, 4), (1, 4, 2)])
-def test_loss_free_ep_is_the_unsharded_model(tp, dp, ep, tmp_path):
+# Qwen3-MoE's architecture at tiny-moe's widths (it has no named shape of its own)
+QWEN3_MOE = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64,
+                 intermediate_size=96, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                 norm_topk_prob=True, tie_word_embeddings=True)
+
+
+@pytest.fixture
+def qwen3_moe(monkeypatch):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForSequenceClassification
+
+    from lossysim.models import build as models_build
+    from lossysim.models.shapes import NAMED_SHAPES
+    monkeypatch.setitem(NAMED_SHAPES, "tiny-qwen3-moe", (Qwen3MoeConfig, QWEN3_MOE))
+    monkeypatch.setitem(models_build._CLASSES["classification"], Qwen3MoeConfig, Qwen3MoeForSequenceClassification)
+
+
+@pytest.mark.parametrize("model,tp,dp,ep", [
+    ("tiny-moe", 2, 2, 1), ("tiny-moe", 1, 2, 2), ("tiny-moe", 2, 2, 2), ("tiny-moe", 1, 4, 4), ("tiny-moe", 1, 4, 2),
+    ("tiny-qwen3-moe", 2, 4, 2), ("tiny-qwen3-moe", 1, 4, 4),
+    ("tiny-deepseek-v3", 2, 2, 1), ("tiny-deepseek-v3", 2, 4, 2), ("tiny-deepseek-v3", 1, 4, 4)])
+def test_loss_free_ep_is_the_unsharded_model(model, tp, dp, ep, tmp_path, qwen3_moe):
     """One forward and backward: logits and loss of every replica are HF's on its rows; after the dense
     buckets' average and the experts' (over their expert-data-parallel groups, divided by ep) every
-    gradient is HF's on the whole batch (its shard or expert block of it), to GRAD_TOL."""
-    config = moe(tmp_path, tp_size=tp, dp_size=dp, ep_size=ep)
+    gradient is HF's on the whole batch (its shard or expert block of it), to GRAD_TOL. Mixtral's,
+    Qwen3-MoE's and DeepSeek-V3's (MLA attention by heads, its down-projections summed over TP ranks; a
+    dense first block; group-limited routing; a shared expert)."""
+    config = moe(tmp_path, model=model, tp_size=tp, dp_size=dp, ep_size=ep)
     parts = build(config, CPU, 0, True, None)
     hf = _hf(config, parts)
     batch = next(train_batches(parts.data, 8, 0))
@@ -78,7 +99,7 @@ def test_loss_free_ep_is_the_unsharded_model(tp, dp, ep, tmp_path):
     hf_grads = {n: p.grad for n, p in hf.named_parameters()}
     for replica in parts.dp.replicas:
         experts = [m for m in replica.model.modules() if isinstance(m, ExpertParallel)]
-        assert len(experts) == 2 and all(m.per_rank == 8 // ep for m in experts)
+        assert len(experts) == 2 and all(m.per_rank == 8 // ep for m in experts)   # (DeepSeek: 1 dense of 3)
         for module_name, module in replica.model.model.named_modules():
             for leaf, param in module.named_parameters(recurse=False):
                 name = f"{module_name}.{leaf}"

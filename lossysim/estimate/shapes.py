@@ -100,7 +100,7 @@ PUBLISHED = {
                                                          "mscale_all_dim": 1.0})),
 }
 # The runner's random-weight CPU shapes, so an estimate can be held against a training run.
-RUNNER = ("tiny", "tiny-llama", "tiny-moe")
+RUNNER = ("tiny", "tiny-llama", "tiny-moe", "tiny-deepseek-v3")
 NAMES = tuple(PUBLISHED) + RUNNER
 
 

@@ -95,7 +95,7 @@ def estimate(model: Union[str, Shape], config: ExperimentConfig, workload: Workl
     shape.check_ep(mesh.ep)
     tokens = w.seq * config.micro_batch_size
     kernels = shape.kernels + cost.collective_kernels(shape.layers, tp)   # as a training run counts them
-    micro_s = gpu.step_time(_busiest(shape, mesh.ep, w, config.seed), tokens, tp, kernels=kernels,
+    micro_s = gpu.step_time(_busiest(shape, mesh, w, config.seed), tokens, tp, kernels=kernels,
                             attention_flops=cost.step_flops(0, tokens, shape.layers, shape.hidden, w.seq))
     job = _Job(shape, config, w, layout, tokens)
     shares = job.shares(tokens)
@@ -667,15 +667,16 @@ def _block_sum(blocks: list[dict]) -> dict:
     return {cls: tuple([sum(b[cls][d][q] for b in blocks) for q in (0, 1)] for d in (0, 1)) for cls in EP_CLASSES}
 
 
-def _busiest(shape: Shape, ep: int, w: Workload, seed: int) -> float:
-    """The parameters the busiest rank's step multiplies per token: the active ones, its routed experts' as
-    loaded as the routing makes the busiest rank (``ep.routing.imbalance``; 1 with ep 1 or uniform routing)."""
+def _busiest(shape: Shape, mesh, w: Workload, seed: int) -> float:
+    """The parameters the busiest rank's step multiplies per token, as the compute model takes them (it
+    divides by tp): the active ones, its routed experts' as loaded as the routing makes the busiest rank
+    (``ep.routing.imbalance``; 1 with ep 1 or uniform routing) and run whole by every TP rank (tp times)."""
     active = shape.active or shape.parameters
-    if shape.experts is None or ep == 1:
+    if shape.experts is None:
         return active
     e = shape.experts
-    load = routing.imbalance(e.top_k, e.count, ep, w.routing_skew, seed)
-    return active + e.parameters * e.top_k / e.count * (load - 1.0)
+    load = routing.imbalance(e.top_k, e.count, mesh.ep, w.routing_skew, seed) if mesh.ep > 1 else 1.0
+    return active + e.parameters * e.top_k / e.count * (load * mesh.tp - 1.0)
 
 
 def _at_loss_free(times):

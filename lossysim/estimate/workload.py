@@ -105,8 +105,10 @@ def step_calls(shape: Shape, checkpointing: bool, blocks: Optional[Sequence[int]
     """The all-reduces of one micro-batch's forward and backward over ``blocks`` (default: every block;
     a pipeline stage's: its own), in the order a training run makes them."""
     plan = shape.plan
-    reduces = [spec.site for spec in plan.layers.values() if isinstance(spec, Row)]
-    copies = list(plan.inputs.values())[::-1]
+    # (a site two of a plan's layers name, DeepSeek-V3's dense MLP's and shared expert's, is one call: a block
+    # has one of them)
+    reduces = list(dict.fromkeys(spec.site for spec in plan.layers.values() if isinstance(spec, Row)))
+    copies = list(dict.fromkeys(plan.inputs.values()))[::-1]
     blocks = [f"{plan.blocks}.{i}" for i in (range(shape.layers) if blocks is None else blocks)]
     calls = [Call(f"{block}.{site}", "fwd", False) for block in blocks for site in reduces]
     module = reduces[-1].split(".")[0]

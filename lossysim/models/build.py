@@ -3,7 +3,7 @@ package-shipped model, see ``pretrained``, included), as a sequence classifier
 (``task: classification``) or a causal LM (``task: lm``).
 
 Every model built here is one ``lossysim.tp.plans`` can shard: GPT-2, Llama, Qwen2, Mistral, and the
-mixtures of experts Mixtral and Qwen3-MoE (their experts sharded by ``lossysim.ep``).
+mixtures of experts Mixtral, Qwen3-MoE and DeepSeek-V3 (their experts sharded by ``lossysim.ep``).
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GPT2Config,
                           GPT2ForSequenceClassification, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
                           LlamaForSequenceClassification, MixtralConfig, MixtralForCausalLM,
-                          MixtralForSequenceClassification)
+                          MixtralForSequenceClassification, DeepseekV3Config, DeepseekV3ForCausalLM,
+                          DeepseekV3ForSequenceClassification)
 
 from ..hub import hub_reachable, why_unavailable
 from ..tp.plans import plan_for
@@ -22,8 +23,10 @@ from .pretrained import PACKAGED, is_packaged, resolve
 from .shapes import NAMED_MAX_POSITIONS, NAMED_SHAPES
 
 _CLASSES = {"classification": {GPT2Config: GPT2ForSequenceClassification, LlamaConfig: LlamaForSequenceClassification,
-                               MixtralConfig: MixtralForSequenceClassification},
-            "lm": {GPT2Config: GPT2LMHeadModel, LlamaConfig: LlamaForCausalLM, MixtralConfig: MixtralForCausalLM}}
+                               MixtralConfig: MixtralForSequenceClassification,
+                               DeepseekV3Config: DeepseekV3ForSequenceClassification},
+            "lm": {GPT2Config: GPT2LMHeadModel, LlamaConfig: LlamaForCausalLM, MixtralConfig: MixtralForCausalLM,
+                   DeepseekV3Config: DeepseekV3ForCausalLM}}
 _AUTO = {"classification": AutoModelForSequenceClassification, "lm": AutoModelForCausalLM}
 
 

@@ -76,7 +76,7 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
     replica, stage, tp_rank = mesh.position(rank) if distributed else (0, 0, 0)
     train_net = LossyNetwork(mesh.tp_network_spec(settings, replica))
     eval_net = LossyNetwork(config.network_spec(evaluation=True))
-    parameters = cost.active_parameters(model)     # a token's step multiplies its experts' alone
+    parameters = cost.active_parameters(model, config.tp_size)   # a token's step multiplies its experts' alone
     layers, hidden = cost.dims(model.config)
     train_net.spec.selection.check_depth(layers)
     # Each rank launches the whole model's kernels on its shards, and its collectives'.

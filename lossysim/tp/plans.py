@@ -106,7 +106,10 @@ _MOE_LAYOUT = dict(_LLAMA_LAYOUT, inputs={"self_attn": "self_attn.copy"},
                    layers={path: split for path, split in _LLAMA_LAYOUT["layers"].items() if path.startswith("self_attn")},
                    experts="mlp.experts")
 MIXTRAL = ShardingPlan(name="mixtral", classes=_classes("Mixtral"), **_MOE_LAYOUT)
-QWEN3_MOE = ShardingPlan(name="qwen3_moe", classes=_classes("Qwen3Moe"), **_MOE_LAYOUT)
+# Qwen3's per-head norms of queries and keys run on each rank's heads inside the TP region: their gradients
+# are the ranks' summed (a kv head held by several ranks, tp > kv heads, would count more than once).
+QWEN3_MOE = ShardingPlan(name="qwen3_moe", classes=_classes("Qwen3Moe"), **_MOE_LAYOUT,
+                         summed=("self_attn.q_norm", "self_attn.k_norm"))
 
 # DeepSeek-V3: MLA attention sharded by heads (q_b_proj and kv_b_proj column-parallel, whole heads; o_proj
 # row-parallel); its low-rank down-projections (q_a_proj, kv_a_proj_with_mqa) and their norms are run whole
