@@ -310,7 +310,7 @@ class _Job:
         totals = net.totals()
         for name in ("sent", "lost", "resent"):
             sums[name] += totals[name] * copies
-        sums["failures"] += net.failures() * copies
+        sums["failures"] += net.totals()["failures"] * copies
         for c in net.choices():   # what NCCL runs each message as (``algorithm: auto`` picks per size)
             self.choices[(cls, c["collective"], c["algorithm"], c["protocol"], c["channels"])].add(c["bytes"])
 

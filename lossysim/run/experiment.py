@@ -209,7 +209,7 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
             bar.update(1)
     except _Divergence as div:
         status = "diverged"
-        diverged_at = {"step": div.args[0], **(parts.train_net.first_nonfinite() or {"site": None})}
+        diverged_at = {"step": div.args[0], **(parts.train_net.channels.first_nonfinite() or {"site": None})}
         log.warning("loss or gradients became non-finite at step %d (first non-finite traffic: %s); "
                     "run marked diverged", div.args[0], diverged_at["site"] or "none")
     except _GaveUp as stop:

@@ -137,7 +137,7 @@ def clock(state: TrainState, network: LossyNetwork, config: ExperimentConfig,
     and ``comm_s`` the traffic time of every stage and boundary summed (not all of it on the path)."""
     networks = _networks(network, pipeline)
     comm = _comm(networks)
-    failures = sum(n.failures() for n in networks)
+    failures = sum(n.totals()["failures"] for n in networks)
     if pipeline is None:
         busy, busy_ideal = state.compute_s + comm["comm_s"], state.compute_s + comm["comm_s_ideal_nic"]
     else:
