@@ -61,14 +61,18 @@ class _Group(NamedTuple):
 
 
 def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], workload: Workload = Workload(),
-             steps: int = 10, compute: str = "h100", tick: Optional[Callable[[], None]] = None) -> dict:
+             steps: int = 10, compute: Optional[str] = None, tick: Optional[Callable[[], None]] = None) -> dict:
     """Simulate ``steps`` training steps of ``model`` (a name, a config path or a ``Shape``) on the job
     ``workload`` describes, every TP group on ``network`` (a ``NetworkSpec`` or its settings; ``ranks`` is
-    the TP size, ``ranks_per_node`` the GPUs of a node) and the mesh placing the other groups. Returns one
+    the TP size, ``ranks_per_node`` the GPUs of a node) and the mesh placing the other groups. ``compute``
+    (default: the network's) is the GPU, which also sets the network's NCCL tables and whether NVLS runs, as
+    a training run's ``compute`` does. Returns one
     flat row: per-step times with intervals, slowdown, packets, what was lost, and all of it per traffic
     class (docs/estimate.md lists the columns). ``tick`` is called once per step, when all are done."""
     shape = model if isinstance(model, Shape) else load(model)
     spec = network if isinstance(network, NetworkSpec) else NetworkSpec(**network)
+    if compute is not None:   # checked by the spec, as training's: NVLS on an A100 is refused there
+        spec = spec.replace(compute=compute)
     if int(steps) < 1:
         raise ValueError(f"steps={steps} must be >= 1")
     steps, w = int(steps), workload
@@ -78,7 +82,7 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
     layout = stage_layout(w.pp_layout, pp, shape.layers)
     per_node = spec.ranks_per_node if w.gpus_per_node is None else int(w.gpus_per_node)
     mesh = _mesh(tp, pp, dp, per_node)
-    gpu = timing.parse_compute(compute)
+    gpu = spec.compute
     if isinstance(gpu, timing.Measured):
         raise ValueError("compute=measured needs a real training run; name a GPU model (e.g. h100)")
     tokens = w.tokens
