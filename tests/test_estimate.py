@@ -182,3 +182,25 @@ def test_a_name_no_setting_accepts_is_a_one_line_error(capsys):
     specs = grid({"transport": ["drop,deadline"], "nic": ["roce-gbn,irn"]}, ranks=2)
     assert {(s.transport, s.nic) for s in specs} == {("drop", "roce-gbn"), ("deadline", "irn")}
     assert "skipped transport=deadline, nic=roce-gbn" in capsys.readouterr().err
+
+
+def test_a_config_size_that_is_not_a_whole_number_names_its_field(tmp_path, capsys):
+    sizes = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 128, "vocab_size": 100}
+    for field, value in (("num_attention_heads", 0), ("num_hidden_layers", -2), ("head_dim", 0),
+                         ("hidden_size", 64.5), ("num_key_value_heads", True)):
+        (tmp_path / "config.json").write_text(json.dumps({**sizes, field: value}))
+        err = _error(capsys, str(tmp_path), "--tp-size", "2", "--seq", "8")
+        assert f"{field}={value!r} must be a whole number >= 1" in err, err
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 0}))
+    assert "n_head=0 must be" in _error(capsys, str(tmp_path), "--tp-size", "2", "--seq", "8")
+
+
+def test_a_group_larger_than_an_estimate_holds_is_refused_before_any_work(tmp_path, capsys):
+    """A group is simulated send by send (2R(R-1) sends an all-reduce): 100,000 replicas would grow until
+    killed; the estimate says so at once, naming the limit, and writes nothing."""
+    err = _error(capsys, "tiny", "--tp-size", "2", "--seq", "8", "--dp-size", "100000", "--out", str(tmp_path / "o"))
+    assert "dp_size=100000" in err and "2e+10 sends" in err and "use dp_size <= 1024" in err, err
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(ValueError, match="dp_size=1025"):
+        estimate("tiny", NetworkSpec(2), Workload(seq=8, dp_size=1025), steps=1)
