@@ -126,16 +126,18 @@ def test_estimate_names_out_when_a_write_fails(tmp_path, monkeypatch, capsys):
     assert line.endswith(f"--out {tmp_path / 'est'} is not writable: No space left on device")
 
 
-def test_an_estimate_grid_that_stops_part_way_keeps_its_finished_rows(tmp_path, monkeypatch):
-    """Each finished setting is saved at once, beside the results: the second of two settings fails (a crash,
-    Ctrl-C), estimate.partial.csv and .json hold the first's row, and the completed estimate already in
-    --out is left as it was. A grid that completes leaves no partial files."""
+def test_an_estimate_grid_that_stops_part_way_keeps_its_finished_rows(tmp_path, monkeypatch, capsys):
+    """Each finished setting is saved at once, beside the results: the second of two settings is interrupted
+    (Ctrl-C), which ends in one line (exit 130) naming where the first's row is; estimate.partial.csv and .json
+    hold it, and the completed estimate already in --out is left as it was. Another grid in that folder is
+    refused while the interrupted one's rows are there (it would replace them); one that completes leaves no
+    partial files."""
     import json
     import pandas as pd
     from lossysim.estimate import grid
     real, calls = grid.estimate, []
 
-    def second_fails(*args, **kwargs):
+    def second_interrupted(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt
@@ -143,16 +145,44 @@ def test_an_estimate_grid_that_stops_part_way_keeps_its_finished_rows(tmp_path, 
     out = tmp_path / "est"
     assert cli.main([*ESTIMATE, "--loss", "bernoulli:0.05", "--out", str(out)]) == 0   # a completed one
     completed = (out / "estimate.csv").read_text()
-    monkeypatch.setattr(grid, "estimate", second_fails)
-    with pytest.raises(KeyboardInterrupt):
-        cli.main([*ESTIMATE, "--loss", "bernoulli:0.01", "--loss", "bernoulli:0.02", "--out", str(out)])
-    rows = json.loads((out / "estimate.partial.json").read_text())
+    capsys.readouterr()
+    monkeypatch.setattr(grid, "estimate", second_interrupted)
+    assert cli.main([*ESTIMATE, "--loss", "bernoulli:0.01", "--loss", "bernoulli:0.02", "--out", str(out)]) == 130
+    assert capsys.readouterr().err.strip() == (f"lossysim estimate: interrupted after 1 of 2 settings; their rows are "
+                                               f"in {out / 'estimate.partial.csv'} and .json")
+    kept = (out / "estimate.partial.json").read_text()
+    rows = json.loads(kept)
     assert len(rows) == 1 and rows[0]["loss"] == "bernoulli:0.01"
     assert pd.read_csv(out / "estimate.partial.csv")["loss"].tolist() == ["bernoulli:0.01"]
     assert (out / "estimate.csv").read_text() == completed
-    monkeypatch.setattr(grid, "estimate", real)   # then one that completes
+    monkeypatch.setattr(grid, "estimate", real)
+    assert cli.main([*ESTIMATE, "--loss", "bernoulli:0.03", "--out", str(out)]) == 2
+    line = one_error_line(capsys.readouterr().err, "estimate")
+    assert "holds the rows of an interrupted estimate (estimate.partial.csv and estimate.partial.json)" in line
+    assert (out / "estimate.partial.json").read_text() == kept and (out / "estimate.csv").read_text() == completed
+    for partial in out.glob("estimate.partial.*"):   # the user moves them away: then one that completes
+        partial.unlink()
     assert cli.main([*ESTIMATE, "--loss", "bernoulli:0.01", "--out", str(out)]) == 0
     assert not list(out.glob("estimate.partial.*"))
+
+
+def test_an_estimate_leaves_no_file_of_an_earlier_one(tmp_path):
+    """A folder's files come from one estimate: rerun with one loss rate, the earlier grid's slowdown plot
+    (two rates) goes."""
+    out = tmp_path / "est"
+    assert cli.main([*ESTIMATE, "--loss", "bernoulli:0.01", "--loss", "bernoulli:0.02", "--out", str(out)]) == 0
+    assert (out / "slowdown.png").is_file()
+    assert cli.main([*ESTIMATE, "--loss", "bernoulli:0.01", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["estimate.csv", "estimate.json", "time_by_class.png"]
+
+
+def test_an_interrupted_command_is_one_line(monkeypatch, capsys):
+    from lossysim.loss import demo
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(demo, "run", interrupted)
+    assert cli.main(["demo"]) == 130
+    assert capsys.readouterr().err.strip() == "lossysim demo: interrupted"
 
 
 def test_sweep_refuses_an_unwritable_out_before_training(tmp_path, monkeypatch, capsys):

@@ -109,10 +109,23 @@ def run(args) -> int:
                     **({} if args.payload_bytes is None else {"payload_bytes": args.payload_bytes}))
     if args.out:
         check_writable(args.out, "--out")   # before the grid: a long estimate must not be lost at the end
+        _check_no_partial(Path(args.out))
     # Each finished row is saved at once, beside the results (never over a completed estimate's): a grid that
     # stops part way (a crash, Ctrl-C) keeps what it computed in estimate.partial.csv and .json.
-    saved = (lambda done: _save(done, args.out, ".partial")) if args.out else None
-    rows = run_grid(args.model, settings, workload, args.steps, progress=not args.no_progress, on_row=saved)
+    finished = []
+
+    def saved(done: list[dict]) -> None:
+        if args.out:
+            _save(done, args.out, PARTIAL)
+        finished[:] = done
+    try:
+        rows = run_grid(args.model, settings, workload, args.steps, progress=not args.no_progress, on_row=saved)
+    except KeyboardInterrupt:
+        kept = (f"; their rows are in {Path(args.out) / f'estimate{PARTIAL}.csv'} and .json" if args.out and finished
+                else "")
+        print(f"lossysim estimate: interrupted after {len(finished)} of {len(settings)} settings{kept}",
+              file=sys.stderr)
+        return 130
     print(rows[0]["layout"], file=sys.stderr)
     print(_table(rows))
     if args.out:
@@ -121,6 +134,17 @@ def run(args) -> int:
         for path in written:
             print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+PARTIAL = ".partial"   # the rows of a grid not yet complete: estimate.partial.csv and .json
+
+
+def _check_no_partial(out: Path) -> None:
+    """An interrupted grid's rows are the only copy of what it computed: another grid must not replace them."""
+    found = [p.name for p in (out / f"estimate{PARTIAL}.csv", out / f"estimate{PARTIAL}.json") if p.is_file()]
+    if found:
+        raise ValueError(f"--out {out} holds the rows of an interrupted estimate ({' and '.join(found)}): move or "
+                         "delete them to run another estimate there, or choose another --out")
 
 
 def grid(values: dict, **fixed) -> list[NetworkSpec]:
@@ -189,9 +213,11 @@ def write(rows: list[dict], out) -> list[Path]:
     """estimate.csv, estimate.json, time_by_class.png and, for several loss rates, slowdown.png in ``out``."""
     paths = _save(rows, out)
     out = Path(out)
-    for partial in (out / "estimate.partial.csv", out / "estimate.partial.json"):   # complete now
+    for partial in (out / f"estimate{PARTIAL}.csv", out / f"estimate{PARTIAL}.json"):   # complete now
         partial.unlink(missing_ok=True)
     plotted = plot(rows, out / "slowdown.png")
+    if plotted is None:   # an earlier estimate's plot must not pass for this one's
+        (out / "slowdown.png").unlink(missing_ok=True)
     return paths + ([plotted] if plotted else []) + [stacked(rows, out / "time_by_class.png")]
 
 
