@@ -204,13 +204,18 @@ def test_pydoc_is_a_causal_lm_dataset():
 
 # -- the damage map's edges (its measurements are docs/sensitivity.md's) ------------
 
-def test_damage_map_refuses_bad_sizes_before_any_work(tmp_path, capsys):
+def test_damage_map_refuses_bad_input_before_any_work(tmp_path, capsys, real_dir):
+    """One line, exit 2 and no --out folder for every bad argument (the model converted before: its first
+    conversion says so on stderr)."""
     from lossysim.real import damage_map
-    for argv in (["--rates", "0.01,1.5"], ["--layers", "3-1"], ["--sequences", "0"]):
+    for argv, why in ((["--rates", "0.01,1.5"], "1.5 must be in (0, 1)"), (["--layers", "3-1"], "lossy_layers='3-1'"),
+                      (["--sequences", "0"], "--sequences must be >= 1"), (["--threads", "0"], "--threads 0 must be"),
+                      (["--models", "smollm2-135m,foo"], "'foo' is not one of smollm2-135m, smollm2-135m-shape"),
+                      (["--layers", "2,99"], "--layers 2,99: smollm2-135m has layers 0-29")):
         out = tmp_path / "map"
         assert damage_map.main([*argv, "--out", str(out)]) == 2
         err = capsys.readouterr().err.strip()
-        assert err.startswith("damage_map: ") and "\n" not in err, err
+        assert err.startswith("damage_map: ") and "\n" not in err and why in err, err
         assert not out.exists()
 
 
