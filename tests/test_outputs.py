@@ -1,6 +1,7 @@
 """Output folders checked before any work, damaged results named, files written with the usual mode."""
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -62,6 +63,49 @@ def test_report_strict_exits_1_when_a_run_is_damaged(damaged, capsys):
     out, _ = damaged
     assert cli.main(["report", str(out), "--strict"]) == 1
     assert (out / "report.md").is_file()   # the rest is still reported
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda text: text[: len(text) // 2], "summary.json is not valid JSON"),
+    (lambda text: json.dumps({"status": "completed", "config": "oops"}), "completed run has a str as its config"),
+    (lambda text: json.dumps({"status": "completed"}), "summary.json of a completed run has no config"),
+    (lambda text: json.dumps({**json.loads(text), "final": {"validation_matched": [1]}}), "unexpected shape"),
+    (lambda text: json.dumps({**json.loads(text), "collectives": ["all_reduce", {"network": 3}]}),
+     "collectives hold 2 malformed record(s)"),
+], ids=["truncated", "config-of-another-type", "incomplete", "final-of-another-shape", "malformed-collectives"])
+def test_report_names_a_damaged_run_reports_the_rest_and_keeps_its_row(tmp_path, monkeypatch, capsys, damage, why):
+    """A summary.json cut short, of the wrong shape, incomplete, or with malformed collectives: the run is
+    named, the other five are reported, summary.csv keeps the row it had for a run it cannot read now
+    (marked stale: maybe the last readable copy of its results), and --strict exits 1."""
+    import pandas as pd
+    monkeypatch.setattr(sweep, "_default_train", lambda: Recorder())
+    spec = write_spec(tmp_path / "s.yaml", {"loss": ["none", "bernoulli:0.01", "bernoulli:0.05"], "seed": [0, 1]})
+    out = tmp_path / "results"
+    assert cli.main(["sweep", str(spec), "--out", str(out), "--no-progress"]) == 0
+    before = pd.read_csv(out / "summary.csv")
+    victim = sorted(d for d in out.iterdir() if d.is_dir())[2]
+    (victim / "summary.json").write_text(damage((victim / "summary.json").read_text()))
+    capsys.readouterr()
+    assert cli.main(["report", str(out), "--strict"]) == 1
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("lossysim report: warning: ")]
+    assert len(warnings) == 1 and victim.name in warnings[0] and why in warnings[0], err
+    md = (out / "report.md").read_text()
+    partly = "collectives" in why   # its numbers are sound: reported, its malformed records left out
+    assert f"{6 if partly else 5} runs: {6 if partly else 5} completed" in md
+    assert victim.name in md.split("## Runs that could not be read")[1].split("##")[0]
+    after = pd.read_csv(out / "summary.csv")
+    assert sorted(after["run_dir"]) == sorted(before["run_dir"])
+    if partly:
+        assert "stale" not in after.columns
+        return
+    assert after.set_index("run_dir")["stale"].to_dict() == {d: d == victim.name for d in before["run_dir"]}
+    kept = after[after["run_dir"] == victim.name].drop(columns="stale").dropna(axis=1)
+    earlier = before[before["run_dir"] == victim.name].dropna(axis=1)
+    pd.testing.assert_frame_equal(kept.reset_index(drop=True), earlier[kept.columns].reset_index(drop=True))
+    assert "summary.csv keeps the earlier rows of " + victim.name in err
+    assert cli.main(["report", str(out)]) == 0   # and again: still kept, still stale
+    assert pd.read_csv(out / "summary.csv").set_index("run_dir")["stale"][victim.name]
 
 
 def test_report_checks_its_out_before_creating_anything(tmp_path, capsys):
