@@ -70,9 +70,9 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
     ``workload`` describes, every TP group on ``network`` (a ``NetworkSpec`` or its settings; ``ranks`` is
     the TP size, ``ranks_per_node`` the GPUs of a node) and the mesh placing the other groups. ``compute``
     (default: the network's) is the GPU, which also sets the network's NCCL tables and whether NVLS runs, as
-    a training run's ``compute`` does. Returns one
-    flat row: per-step times with intervals, slowdown, packets, what was lost, and all of it per traffic
-    class (docs/estimate.md lists the columns). ``tick`` is called once per step, when all are done."""
+    a training run's ``compute`` does. Returns one flat row: per-step times with intervals, slowdown,
+    packets, what was lost, and all of it per traffic class (docs/estimate.md lists the columns). ``tick``
+    is called once per step, when all are done."""
     shape = model if isinstance(model, Shape) else load(model)
     spec = network if isinstance(network, NetworkSpec) else NetworkSpec(**network)
     if compute is not None:   # checked by the spec, as training's: NVLS on an A100 is refused there
