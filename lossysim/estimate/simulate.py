@@ -52,6 +52,10 @@ from .shapes import Shape, load
 from .workload import Workload, layout_name, step_calls
 
 CLASSES = ("tp", "pp", "dp", "fsdp")
+# The most ranks one group may have. Every collective is simulated send by send, and a ring all-reduce over
+# R ranks is 2R(R-1) sends whose schedule the network keeps (about 1.6 KB a send: a tiny model at dp 600,
+# 718,800 sends, peaked at 1.6 GB), so memory grows with the square of the largest group.
+MAX_GROUP_RANKS = 1024
 _THIRD = 1 / 3     # forward's share of a micro-batch's compute (2N FLOPs of 6N), as training charges it
 
 
@@ -61,14 +65,18 @@ class _Group(NamedTuple):
 
 
 def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], workload: Workload = Workload(),
-             steps: int = 10, compute: str = "h100", tick: Optional[Callable[[], None]] = None) -> dict:
+             steps: int = 10, compute: Optional[str] = None, tick: Optional[Callable[[], None]] = None) -> dict:
     """Simulate ``steps`` training steps of ``model`` (a name, a config path or a ``Shape``) on the job
     ``workload`` describes, every TP group on ``network`` (a ``NetworkSpec`` or its settings; ``ranks`` is
-    the TP size, ``ranks_per_node`` the GPUs of a node) and the mesh placing the other groups. Returns one
-    flat row: per-step times with intervals, slowdown, packets, what was lost, and all of it per traffic
-    class (docs/estimate.md lists the columns). ``tick`` is called once per step, when all are done."""
+    the TP size, ``ranks_per_node`` the GPUs of a node) and the mesh placing the other groups. ``compute``
+    (default: the network's) is the GPU, which also sets the network's NCCL tables and whether NVLS runs, as
+    a training run's ``compute`` does. Returns one flat row: per-step times with intervals, slowdown,
+    packets, what was lost, and all of it per traffic class (docs/estimate.md lists the columns). ``tick``
+    is called once per step, when all are done."""
     shape = model if isinstance(model, Shape) else load(model)
     spec = network if isinstance(network, NetworkSpec) else NetworkSpec(**network)
+    if compute is not None:   # checked by the spec, as training's: NVLS on an A100 is refused there
+        spec = spec.replace(compute=compute)
     if int(steps) < 1:
         raise ValueError(f"steps={steps} must be >= 1")
     steps, w = int(steps), workload
@@ -76,9 +84,10 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
     shape.check_tp(tp)
     shape.check_seq(w.seq)
     layout = stage_layout(w.pp_layout, pp, shape.layers)
+    _check_group_size(tp, dp)
     per_node = spec.ranks_per_node if w.gpus_per_node is None else int(w.gpus_per_node)
     mesh = _mesh(tp, pp, dp, per_node)
-    gpu = timing.parse_compute(compute)
+    gpu = spec.compute
     if isinstance(gpu, timing.Measured):
         raise ValueError("compute=measured needs a real training run; name a GPU model (e.g. h100)")
     tokens = w.tokens
@@ -153,6 +162,19 @@ def _mesh(tp: int, pp: int, dp: int, per: Optional[int]) -> Mesh:
         raise ValueError(f"ranks_per_node={per} must divide tp_size={tp} or be a multiple of it, and divide "
                          f"the world tp_size x pp_size x dp_size = {world}")
     return Mesh(tp, dp, per, pp)
+
+
+def _check_group_size(tp: int, dp: int) -> None:
+    """Refuse, before any work, a layout whose groups an estimate cannot hold (``MAX_GROUP_RANKS``):
+    a one-line ValueError with what it would take. Sampling (``sampled_groups``) bounds how many groups
+    are simulated, not how large one is."""
+    limit = MAX_GROUP_RANKS
+    for name, ranks in (("tp_size", tp), ("dp_size", dp)):
+        if ranks > limit:
+            raise ValueError(f"{name}={ranks}: its groups of {ranks} ranks would be simulated send by send, "
+                             f"{2 * ranks * (ranks - 1):.2g} sends an all-reduce against {2 * limit * (limit - 1):.2g} "
+                             f"at the most an estimate takes ({limit} ranks; --sampled-groups bounds how many groups "
+                             f"are simulated, not their size): use {name} <= {limit}")
 
 
 class _Job:
