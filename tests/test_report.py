@@ -438,8 +438,8 @@ def test_a_runs_restart_total_does_not_overwrite_the_restart_setting(tmp_path):
     for name, total in (("a", 600.4), ("b", 900.5)):
         run = tmp_path / name
         run.mkdir()
-        summary = {"status": "completed", "config": {"loss": "bernoulli:0.2", "seed": 0 if name == "a" else 1,
-                                                     "restart_s": 300.0},
+        summary = {"status": "completed", "steps": 1, "final": {},
+                   "config": {"loss": "bernoulli:0.2", "seed": 0 if name == "a" else 1, "restart_s": 300.0},
                    "sim_time": {"total_s": 1.0 + total, "restart_s": total, "failures": total // 300}}
         (run / "summary.json").write_text(json.dumps(summary))
     frame = table.collect(tmp_path)

@@ -38,7 +38,7 @@ from .settings import (CONFIG_KEYS, add_series, loss_free_runs, p_cell, same, se
                        setting_groups, setting_keys, to_markdown)
 from . import perplexity
 from .collectives import collectives_table
-from .table import collect, load_summary, write_summary_csv
+from .table import collect, write_summary_csv
 
 # What sets a loss-free run's simulated time (its accuracy does not depend on them).
 TIME_KEYS = ("algorithm", "ranks_per_node", "link_intra", "link_inter", "compute", "tp_size", "dp_size", "pp_size",
@@ -48,26 +48,16 @@ TIME_TARGET_FRACTION = 0.9
 
 
 # -- loading -------------------------------------------------------------------------------------------
-def load_runs(results: Union[str, Path]) -> pd.DataFrame:
-    """One row per finished run under ``results`` (summary.csv's table, rebuilt from disk)."""
+def load_runs(results: Union[str, Path], problems: Optional[dict[str, str]] = None) -> pd.DataFrame:
+    """One row per finished run under ``results`` (summary.csv's table, rebuilt from disk); ``problems``
+    gets run directory -> why, for each run left out (``table.collect``)."""
     results = Path(results)
-    runs = collect(results)
+    runs = collect(results, problems)
     if runs.empty and (results / "summary.csv").is_file():
         runs = pd.read_csv(results / "summary.csv")
     if runs.empty:
         raise ValueError(f"no finished runs (*/summary.json) under {results}")
     return runs
-
-
-def unreadable_runs(results: Union[str, Path]) -> dict[str, str]:
-    """Run directory -> why its summary.json cannot be read (``load_runs`` leaves these runs out)."""
-    results = Path(results)
-    found = {}
-    for path in sorted(results.glob("*/summary.json")):
-        why = load_summary(path.parent)[1]
-        if why:
-            found[path.parent.name] = why
-    return found
 
 
 def load_metrics(results: Union[str, Path], runs: pd.DataFrame,
@@ -834,6 +824,7 @@ class ReportInputs:
     plots: list[Path] = field(default_factory=list)
     problems: dict[str, str] = field(default_factory=dict)   # run directory -> why it is left out or partial
     out: Optional[Path] = None                                # where report.md goes (default: results)
+    collectives: Optional[pd.DataFrame] = None                # collectives_table's (None: read when needed)
 
     def __post_init__(self):
         self.out = self.out or self.results
@@ -898,8 +889,9 @@ def section_problems(inputs: ReportInputs) -> str:
     if not inputs.problems:
         return ""
     return ("## Runs that could not be read\n\n"
-            "Left out of every table and plot when their summary cannot be read; otherwise reported from "
-            "summary.json alone.\n\n"
+            "Left out of every table and plot when their summary cannot be read or lacks what its status always "
+            "records (summary.csv keeps the row it had for them, marked stale); otherwise reported without what "
+            "is named.\n\n"
             + "".join(f"- `{run_dir}`: {why}\n" for run_dir, why in sorted(inputs.problems.items())))
 
 
@@ -920,7 +912,7 @@ def section_pipeline(inputs: ReportInputs) -> str:
 
 def section_collectives(inputs: ReportInputs) -> str:
     """Runs that recorded NCCL's choices (summary.json's ``collectives``): which algorithm each collective ran."""
-    table = collectives_table(inputs.results, inputs.runs)
+    table = inputs.collectives if inputs.collectives is not None else collectives_table(inputs.results, inputs.runs)
     if table.empty:
         return ""
     return ("## Collectives: which algorithm each ran\n\n"
@@ -950,19 +942,22 @@ SECTIONS = [section_overview, section_problems, section_time_to_accuracy, sectio
 
 
 def write_report(results: Union[str, Path], out: Optional[Union[str, Path]] = None) -> dict:
-    """Write the plots, report.md and a merged summary.csv; return the tables, the written paths and
-    ``problems`` (run directory -> why it is left out or reported from its summary alone)."""
+    """Write the plots, report.md and a merged summary.csv; return the tables, the written paths,
+    ``problems`` (run directory -> why it is left out or partly reported) and ``stale`` (the runs whose
+    earlier rows summary.csv keeps)."""
     results = Path(results)
     out = Path(out) if out else results
     check_writable(out, "--out" if out != results else "the results folder")
-    runs = load_runs(results)
-    problems = unreadable_runs(results)
+    problems: dict[str, str] = {}
+    runs = load_runs(results, problems)
     metrics = load_metrics(results, runs, problems)
+    collectives = collectives_table(results, runs, problems)   # before any file: what it finds is a problem too
     with output_errors(out, "--out" if out != results else "the results folder"):
-        return _write(results, out, runs, metrics, problems)
+        return _write(results, out, runs, metrics, problems, collectives)
 
 
-def _write(results: Path, out: Path, runs: pd.DataFrame, metrics: pd.DataFrame, problems: dict) -> dict:
+def _write(results: Path, out: Path, runs: pd.DataFrame, metrics: pd.DataFrame, problems: dict,
+           collectives: pd.DataFrame) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     drawn = {
@@ -978,14 +973,17 @@ def _write(results: Path, out: Path, runs: pd.DataFrame, metrics: pd.DataFrame, 
             _save(drawing, out / name)
             written.append(out / name)
     extra = perplexity.write(out, runs) if perplexity.is_lm(runs) else []
+    stale = []
     if out.resolve() == results.resolve():
-        write_summary_csv(results)   # shards that shared this folder end up in one table
-    inputs = ReportInputs(results, runs, metrics, written, problems, out)
+        table = write_summary_csv(results)   # shards that shared this folder end up in one table
+        stale = sorted(table.loc[table["stale"].astype(bool), "run_dir"].astype(str)) if "stale" in table else []
+    inputs = ReportInputs(results, runs, metrics, written, problems, out, collectives)
     text = "\n".join([f"# Sweep report: {results.name}\n", *(section(inputs) for section in SECTIONS)])
     report_md = out / "report.md"
     atomic_write_text(report_md, text)
     return {"runs": runs, "pivot": accuracy_pivot(runs), "table": summary_table(runs),
-            "settings": settings(runs), "files": [report_md, *written, *extra], "problems": problems}
+            "settings": settings(runs), "files": [report_md, *written, *extra], "problems": problems,
+            "stale": stale}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -1007,4 +1005,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
     for run_dir, why in sorted(report["problems"].items()):
         print(f"lossysim report: warning: {run_dir}: {why}", file=sys.stderr)
+    if report["stale"]:
+        print(f"lossysim report: summary.csv keeps the earlier rows of {', '.join(report['stale'])}, marked stale",
+              file=sys.stderr)
     return 1 if args.strict and report["problems"] else 0
