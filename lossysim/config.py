@@ -13,11 +13,11 @@ from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from .util import one_of, stream_seed
-from .mesh import DEFAULT_ORDER, Mesh
+from .mesh import DEFAULT_ORDER, Mesh, parse_order
 from .net.recovery import SEND_POLICIES, SHARD_POLICIES
 from .net.spec import SETTINGS, NetworkSpec
 from .timing import DEFAULT_NIC, parse_compute
-from .traffic import BY_NAME, KINDS as TRAFFIC_KINDS, parse_kinds as traffic_kinds
+from .traffic import BY_NAME, parse_kinds as traffic_kinds
 
 
 # Keys that say where or how a run is executed, not what it trains: they stay out of a run's
@@ -162,6 +162,7 @@ class ExperimentConfig:
         self._validate_pipeline()
         self._validate_data_parallel()
         self._validate_pairs()
+        self.parallel_order = "-".join(parse_order(self.parallel_order))   # one spelling: one run identity
         self.mesh()                       # the layout's one check, for train, sweep and estimate alike
         self._check_something_can_lose()
         try:

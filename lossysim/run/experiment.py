@@ -255,6 +255,7 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
         summary["data_parallel"] = record.dp_summary(parts.dp, config, state)
     if parts.pipeline is not None:
         summary["pipeline"] = record.pp_summary(parts.pipeline, config, state)
+    summary["traffic"] = record.traffic_summary(parts.train_net, parts.pipeline, parts.dp)
     summary["collectives"] = record.collectives(parts.train_net, parts.pipeline, parts.dp)
     if rt.is_main:
         atomic_write_json(rt.run_dir / "summary.json", summary)
