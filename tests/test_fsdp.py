@@ -245,7 +245,7 @@ def test_dp_mode_at_its_default_keeps_run_names(tmp_path):
 
 @pytest.mark.parametrize("changes,message", [
     (dict(dp_mode="zero3"), "dp_mode='zero3' must be one of ddp, fsdp"),
-    (dict(dp_mode="fsdp", dp_size=2, recovery="hadamard"), "dp_mode=fsdp needs recovery=zero or rescale"),
+    (dict(dp_mode="fsdp", dp_size=2, recovery="hadamard"), "dp_mode=fsdp: recovery=hadamard does not act on reduce-scatters: use one of zero, rescale"),
     (dict(dp_mode="fsdp", dp_size=2, dp_sync_every=2), "dp_sync_every with dp_mode=fsdp"),
 ])
 def test_bad_fsdp_settings_are_one_line_errors(changes, message, tmp_path):

@@ -245,7 +245,7 @@ def test_a_bad_outlier_fraction_is_one_line_and_exit_2(tmp_path, capsys, value):
 def test_settings_that_cannot_repair_the_side_path_are_refused():
     with pytest.raises(ValueError, match="retransmits its outliers"):
         NetworkSpec(2, "bernoulli:1", recovery="outliers")
-    with pytest.raises(ValueError, match="dp_mode=fsdp needs recovery=zero or rescale"):
+    with pytest.raises(ValueError, match="dp_mode=fsdp: recovery=outliers does not act on reduce-scatters"):
         from lossysim.config import ExperimentConfig
         ExperimentConfig(dp_size=2, tp_size=1, batch_size=4, dp_mode="fsdp", recovery="outliers").validate()
     with pytest.raises(ValueError, match="does not act on reduce-scatters"):

@@ -31,7 +31,6 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..timing.nccl import Estimate
-from ..util import one_of
 from . import delivery as deliver
 from . import recovery as recoveries
 from . import sparse
@@ -117,9 +116,7 @@ class LossyNetwork:
         ``rescale``), zeros elsewhere. Only ``zero`` and ``rescale`` act on a reduce-scatter: the other
         policies need the whole reduced message at every rank."""
         _check(contributions, self.ranks)
-        if not self.recovery.acts_on_shards:
-            raise ValueError(f"recovery={self.recovery.name} does not act on reduce-scatters "
-                             f"({' or '.join(recoveries.SHARD_POLICIES)} do)")
+        recoveries.require(self.recovery.name, "reduce_scatter")
         n = contributions[0].numel()
         delivery = _call(self, site, direction, "reduce_scatter", contributions[0])
         if delivery is None:
@@ -157,9 +154,7 @@ class LossyNetwork:
         chain of this site and direction, the transport's repairs, the policy (one of ``SEND_POLICIES``).
         A site's links share its stream in call order: a process that runs some of the sends (dist)
         draws the others' with ``simulate(..., collective="send", pair=(src, dst))``."""
-        if not self.recovery.acts_on_sends:
-            raise ValueError(f"recovery={self.recovery.name} does not act on point-to-point sends: use "
-                             f"{one_of(recoveries.SEND_POLICIES)}")
+        recoveries.require(self.recovery.name, "send")
         delivery = _call(self, site, direction, "send", message, (src, dst))
         if delivery is None:
             self.watch(site, direction, message)
