@@ -13,12 +13,11 @@ from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from .util import one_of, stream_seed
-from .mesh import DEFAULT_ORDER, Mesh
-from .net.exchange import EXCHANGE_POLICIES
-from .net.recovery import SEND_POLICIES, SHARD_POLICIES
+from .mesh import DEFAULT_ORDER, Mesh, parse_order
+from .net.recovery import require
 from .net.spec import SETTINGS, NetworkSpec
 from .timing import DEFAULT_NIC, parse_compute
-from .traffic import BY_NAME, KINDS as TRAFFIC_KINDS, parse_kinds as traffic_kinds
+from .traffic import BY_NAME, parse_kinds as traffic_kinds
 
 EP_CLASSES = tuple(c.name for c in BY_NAME.values() if c.axis == "ep")   # an MoE block's all-to-alls
 
@@ -166,6 +165,7 @@ class ExperimentConfig:
         self._validate_pipeline()
         self._validate_data_parallel()
         self._validate_pairs()
+        self.parallel_order = "-".join(parse_order(self.parallel_order))   # one spelling: one run identity
         self.mesh()                       # the layout's one check, for train, sweep and estimate alike
         self._check_something_can_lose()
         try:
@@ -193,35 +193,24 @@ class ExperimentConfig:
 
     def _validate_pairs(self) -> None:
         """Settings each fine alone that do not go together: checked here only, for every command."""
-        fsdp, pp = self.dp_mode == "fsdp" and self.dp_size > 1, self.pp_size > 1
-        if fsdp and self.recovery not in SHARD_POLICIES:
-            raise ValueError(f"dp_mode=fsdp needs recovery={' or '.join(SHARD_POLICIES)}, not {self.recovery} "
-                             "(the other policies need the whole reduced message at every rank)")
+        fsdp, pp, ep = self.dp_mode == "fsdp" and self.dp_size > 1, self.pp_size > 1, self.ep_size > 1
+        for used, setting, collective in ((fsdp, "dp_mode=fsdp", "reduce_scatter"),
+                                          (pp, f"pp_size={self.pp_size}", "send"),
+                                          (ep, f"ep_size={self.ep_size}", "all_to_all")):
+            try:
+                require(self.recovery, collective, used)
+            except ValueError as err:
+                raise ValueError(f"{setting}: {err}") from None
         if fsdp and self.dp_sync_every:
             raise ValueError("dp_sync_every with dp_mode=fsdp: FSDP's replicas share one exact master copy and never drift")
         if fsdp and pp:
             raise ValueError(f"dp_mode=fsdp with pp_size={self.pp_size}: FSDP's gathers around a pipeline schedule "
                              "are not modelled; use dp_mode=ddp or pp_size=1")
-        if pp and self.recovery not in SEND_POLICIES:
-            raise ValueError(f"pp_size={self.pp_size} needs recovery={', '.join(SEND_POLICIES)}, not {self.recovery} "
-                             "(the boundaries' point-to-point sends)")
         if pp and self.dp_sync_every:
             raise ValueError(f"dp_sync_every with pp_size={self.pp_size}: synchronising pipelined replicas is not "
                              "modelled; set dp_sync_every=0")
-        self._validate_experts()
-
-    def _validate_experts(self) -> None:
-        """Expert parallelism's pairs for every command (training's own, and that the model has experts, are
-        checked where it is built: ``lossysim.ep``)."""
-        if self.recovery == "drop_token" and self.ep_size == 1:
-            raise ValueError("recovery=drop_token drops tokens whose expert all-to-all lost a packet: it needs "
-                             "ep_size > 1")
-        if self.ep_size == 1:
-            return
-        if self.recovery not in EXCHANGE_POLICIES:
-            raise ValueError(f"ep_size={self.ep_size} needs recovery={' or '.join(EXCHANGE_POLICIES)}, not "
-                             f"{self.recovery} (what an expert all-to-all's receiver makes of a lost packet)")
-        # (what training does not model beside experts, the estimate may: lossysim.ep refuses it at build)
+        # (what training does not model beside experts, ep with pipeline stages, the estimate does:
+        # lossysim.ep refuses it where training builds it)
 
     def _validate_pipeline(self) -> None:
         """pp keys alone; pp_layout against the model's depth is checked where the depth is known

@@ -136,8 +136,21 @@ def test_a_receiver_needs_only_its_own_messages():
 
 
 def test_refuses_a_policy_that_does_not_act_on_it():
-    with pytest.raises(ValueError, match="recovery=rescale does not act on an all-to-all"):
+    with pytest.raises(ValueError, match="recovery=rescale does not act on all-to-alls: use one of zero, drop_token"):
         LossyNetwork(2, "bernoulli:0.1", recovery="rescale").all_to_all("ep", "fwd", routed(0, ranks=2))
+
+
+def test_drop_token_acts_on_all_to_alls_alone_and_needs_one():
+    """The one rule (``recovery.require``): drop_token is zero on every other collective, so a run without an
+    all-to-all is refused it; a run with one may carry its sends and reduce-scatters too."""
+    from lossysim.net.recovery import require
+    for collective in ("send", "reduce_scatter", "all_to_all"):
+        require("drop_token", collective)
+    for collective in ("send", "reduce_scatter"):
+        require("drop_token", collective, used=False)
+    with pytest.raises(ValueError, match="recovery=drop_token acts on all-to-alls only"):
+        require("drop_token", "all_to_all", used=False)
+    require("zero", "all_to_all", used=False)
 
 
 def _same(a, b) -> bool:

@@ -215,9 +215,9 @@ def test_a_lost_dispatch_packet_skips_the_token_at_its_expert_under_drop_token(r
 @pytest.mark.parametrize("settings, message", [
     (["--dp-size", "2", "--ep-size", "2"], "ep_size=2 needs a mixture-of-experts model"),
     (["--model", "tiny-moe", "--dp-size", "2", "--ep-size", "4"], "ep_size=4 must divide dp_size x cp_size = 2"),
-    (["--model", "tiny-moe", "--recovery", "drop_token"], "recovery=drop_token drops tokens"),
+    (["--model", "tiny-moe", "--recovery", "drop_token"], "ep_size=1: recovery=drop_token acts on all-to-alls only (elsewhere it is zero), and the run has none"),
     (["--model", "tiny-moe", "--dp-size", "2", "--ep-size", "2", "--recovery", "rescale"],
-     "ep_size=2 needs recovery=zero or drop_token, not rescale"),
+     "ep_size=2: recovery=rescale does not act on all-to-alls: use one of zero, drop_token"),
     (["--model", "tiny-moe", "--dp-size", "2", "--ep-size", "2", "--pp-size", "2"],
      "training ep_size=2 with pp_size=2 (pipeline stages) is not supported"),
 ])

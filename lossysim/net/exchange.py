@@ -25,11 +25,9 @@ import torch
 
 from ..timing import nccl
 from .algorithms import Schedule, Send
+from .recovery import require
 from .spec import NetworkSpec
 from .transfer import Transfer, assemble, packets as packetise
-
-# The recovery policies an all-to-all acts on: a hole, or the row it touched.
-EXCHANGE_POLICIES = ("zero", "drop_token")
 
 
 class Exchange(Schedule):
@@ -104,9 +102,7 @@ def all_to_all(network, site: str, direction: str, messages: Sequence[Sequence[t
     if len(messages) != R or any(len(row) != R for row in messages):
         raise ValueError(f"an all-to-all of {R} ranks needs {R} x {R} messages (messages[src][dst])")
     policy = network.recovery.on(direction)
-    if policy.name not in EXCHANGE_POLICIES:
-        raise ValueError(f"recovery={policy.name} does not act on an all-to-all: use "
-                         f"{' or '.join(EXCHANGE_POLICIES)}")
+    require(policy.name, "all_to_all")
     receivers = list(range(R)) if receivers is None else [int(r) for r in receivers]
     held = [[messages[s][d] for s in range(R)] for d in receivers]
     real = [t for row in held for t in row if t.device.type != "meta"]

@@ -54,7 +54,7 @@ import torch
 from . import delivery as deliver
 from .algorithms import Delivery, Schedule, combine
 from .sparse import Losses
-from ..util import stream_seed
+from ..util import one_of, stream_seed
 
 RECOVERY_POLICIES = ("zero", "rescale", "hadamard", "hadamard+rescale", "stale", "error_feedback", "outliers",
                      "outliers+hadamard", "drop_token")
@@ -154,6 +154,8 @@ class Policy:
     acts_on_sends = True    # acts on a point-to-point send (pipeline stages' activations and gradients)
     on_activations = True   # acts on activations (else ``on(ACTIVATIONS)`` is zero)
     drops_rows = False      # an all-to-all's row (its last dimension) with a lost packet is lost whole
+    acts_on_exchanges = True  # acts on an all-to-all (an MoE's dispatch and combine): a hole, or the row it hit
+    only_on: Optional[str] = None   # the one collective it acts on (elsewhere it is ``zero``): a run needs it
     settings: tuple[str, ...] = ()   # the NetworkSpec settings it reads beside ``recovery``
 
     def on(self, direction: str) -> "Policy":
@@ -205,6 +207,7 @@ class Rescale(Policy):
     """What arrives, divided by the probability that it arrives."""
     name = "rescale"
     rescale = True
+    acts_on_exchanges = False   # (an all-to-all's rows are no sum to keep unbiased; not modelled)
 
 
 class DropToken(Policy):
@@ -214,6 +217,7 @@ class DropToken(Policy):
     other collective it is ``zero``."""
     name = "drop_token"
     drops_rows = True
+    only_on = "all_to_all"
 
 
 ZERO, RESCALE, DROP_TOKEN = Policy(), Rescale(), DropToken()
@@ -318,6 +322,7 @@ class Hadamard(Policy):
     keeps_memory = True
     computes = True
     acts_on_shards = False   # the inverse transform needs the whole sum
+    acts_on_exchanges = False
     settings = ("hadamard_block",)
 
     def __init__(self, inner: Policy, block: int):
@@ -366,6 +371,7 @@ class Outliers(Policy):
     computes = True
     side_path = True
     acts_on_shards = False   # every receiver adds every rank's outliers to the whole sum
+    acts_on_exchanges = False
     acts_on_sends = False    # the side path is an all-gather beside an all-reduce
 
     def __init__(self, inner: Policy, fraction: float):
@@ -427,6 +433,7 @@ class SendBySend(Policy):
     computes = True
     send_by_send = True
     acts_on_shards = False   # its all-reduce replays every hop of the ring
+    acts_on_exchanges = False
     buffers: tuple[str, ...] = ()   # per-send buffers, one payload each, zeros until written
     remembers = False               # a replay returns what the call delivered (it cannot recompute it)
 
@@ -532,3 +539,20 @@ def _whole(n_packets: int, device: torch.device) -> deliver.Round:
 SHARD_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_on_shards)
 # The policies that act on a point-to-point send: what pipeline stages' messages can use.
 SEND_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_on_sends)
+# The policies that act on an all-to-all: what an MoE's dispatch and combine can use.
+EXCHANGE_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_on_exchanges)
+
+
+def require(name: str, collective: str, used: bool = True) -> None:
+    """The one rule of what a policy acts on, for the network (a Python caller) and the config (a run's
+    layout) alike: ``collective`` ``send`` (pipeline stages' point-to-point sends), ``reduce_scatter``
+    (FSDP's sharded gradients) or ``all_to_all`` (an MoE's dispatch and combine). ``used``: whether the
+    run has that collective; a policy that acts on it alone (``only_on``) needs it. A one-line
+    ValueError naming the policies that do."""
+    acts, what = {"send": (SEND_POLICIES, "point-to-point sends"),
+                  "reduce_scatter": (SHARD_POLICIES, "reduce-scatters"),
+                  "all_to_all": (EXCHANGE_POLICIES, "all-to-alls")}[collective]
+    if used and name not in acts:
+        raise ValueError(f"recovery={name} does not act on {what}: use {one_of(acts)}")
+    if not used and policy(name).only_on == collective:
+        raise ValueError(f"recovery={name} acts on {what} only (elsewhere it is zero), and the run has none")
