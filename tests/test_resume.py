@@ -28,6 +28,8 @@ TIMINGS = ("time_s", "tokens_per_s", "wall_time_s")
 LAYOUTS = {"tp": {},
            "ddp": dict(dp_size=2, recovery="error_feedback", dp_sync_every=5, dp_bucket_mb=0.05),
            "fsdp": dict(dp_size=2, dp_mode="fsdp", recovery="rescale", dp_bucket_mb=0.05)}
+# 3-D: tp 2 x pp 2 x dp 2, every replica's stages and boundaries and every stage's DDP groups losing packets.
+THREE_D = dict(pp_size=2, dp_size=2, dp_bucket_mb=0.05)
 
 
 pytestmark = pytest.mark.usefixtures("private_cache")
@@ -94,12 +96,13 @@ def _wait_for(predicate, proc, timeout=240):
     raise AssertionError("timed out waiting for the run to progress")
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [*LAYOUTS, "3d"])
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, layout):
-    reference = config_for(tmp_path / "reference", **LAYOUTS[layout])
+    changes = THREE_D if layout == "3d" else LAYOUTS[layout]
+    reference = config_for(tmp_path / "reference", **changes)
     assert run_experiment(reference, reference.out, progress=False)["status"] == "completed"
 
-    killed = config_for(tmp_path / "killed", **LAYOUTS[layout])
+    killed = config_for(tmp_path / "killed", **changes)
     config_path = tmp_path / "killed.yaml"
     config_path.write_text(yaml.safe_dump(killed.to_dict()))
     proc = subprocess.Popen([sys.executable, "-m", "lossysim", "train", "--config", str(config_path),

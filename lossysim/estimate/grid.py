@@ -16,22 +16,22 @@ from typing import Iterable, Optional
 
 from tqdm.auto import tqdm
 
+from ..config import DP_MODES, PP_SCHEDULES, ExperimentConfig
 from ..io import atomic_write_text, check_writable, output_errors
-from ..net import NetworkSpec
+from ..mesh import DEFAULT_ORDER
 from ..net.algorithms import ALGORITHMS
 from ..net.recovery import RECOVERY_POLICIES
 from ..net.spec import LOSSY
 from ..net.topology import LOSSY_LINKS
 from ..net.transport import TRANSPORTS
-from ..config import DP_MODES
-from ..pp.schedule import SCHEDULES
 from ..timing import NIC_PRESETS
+from ..traffic import KINDS
 from ..util import one_of
 from .shapes import NAMES, load
-from .simulate import estimate
-from .workload import DTYPES, Workload, layout_name
+from .simulate import CLASSES, estimate
+from .workload import DTYPES, Workload, job_config
 
-# Network keys that take several values: flag -> NetworkSpec field.
+# Network keys that take several values: flag -> config key.
 GRID = {"--loss": "loss", "--transport": "transport", "--nic": "nic", "--algorithm": "algorithm",
         "--link-intra": "link_intra", "--link-inter": "link_inter", "--lossy-links": "lossy_links",
         "--recovery": "recovery", "--lossy": "lossy"}
@@ -56,9 +56,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--nics-per-node", type=int, help="NICs a node's inter-node traffic spreads over "
                                                           "(default: one per GPU)")
     parser.add_argument("--payload-bytes", type=int, help="payload bytes of a packet (default "
-                        f"{NetworkSpec.__dataclass_fields__['payload_bytes'].default}; RoCE at MTU 4096: 4096)")
+                        f"{ExperimentConfig.__dataclass_fields__['payload_bytes'].default}; RoCE at MTU 4096: 4096)")
     parser.add_argument("--pp-size", type=int, default=1, help="pipeline stages (default 1)")
-    parser.add_argument("--pp-schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
+    parser.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES, help="pipeline schedule (default 1f1b)")
     parser.add_argument("--pp-layout", help="blocks per stage, e.g. 9,10,10,11 (default: an even split)")
     parser.add_argument("--dp-size", type=int, default=1, help="data-parallel replicas (default 1)")
     parser.add_argument("--dp-mode", default="ddp", choices=DP_MODES, help="ddp or fsdp (default ddp)")
@@ -76,8 +76,12 @@ def add_arguments(parser) -> None:
                              "their times (0: every group; default: every group up to 64 GPUs, else 2)")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each block's forward in backward (its all-reduces are charged again)")
+    parser.add_argument("--parallel-order", default=DEFAULT_ORDER,
+                        help=f"how global ranks are laid out, innermost first (default {DEFAULT_ORDER}, Megatron's)")
+    parser.add_argument("--lossy-traffic", default="all",
+                        help=f"which traffic can lose packets: all, or some of {', '.join(KINDS)} (default all)")
     for flag, key in GRID.items():
-        default = NetworkSpec.__dataclass_fields__[key].default
+        default = ExperimentConfig.__dataclass_fields__[key].default
         if isinstance(default, tuple):
             default = "both"
         values = f": {one_of(CHOICES[key])}" if key in CHOICES else ""
@@ -93,20 +97,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    workload = Workload(args.seq, args.micro_batch, args.dtype, args.activation_checkpointing, pp_size=args.pp_size,
-                        dp_size=args.dp_size, dp_mode=args.dp_mode, microbatches=args.microbatches,
-                        global_batch=args.global_batch, pp_schedule=args.pp_schedule, pp_layout=args.pp_layout,
-                        dp_bucket_mb=args.dp_bucket_mb, dp_overlap=args.dp_overlap, grad_dtype=args.grad_dtype,
-                        gpus_per_node=args.ranks_per_node, sampled_groups=args.sampled_groups)
-    per_node = args.ranks_per_node
-    if per_node is not None and per_node > args.tp_size * args.pp_size * args.dp_size:
-        raise ValueError(f"ranks_per_node={per_node} is more GPUs than the layout's "
-                         f"{layout_name(args.tp_size, args.pp_size, args.dp_size, None).split(' on ')[0]}")
-    # A TP group's own network holds at most its tp ranks to a node; the mesh places the rest.
-    settings = grid({key: getattr(args, key) for key in GRID.values()}, ranks=args.tp_size,
-                    ranks_per_node=None if per_node is None else min(per_node, args.tp_size),
-                    nics_per_node=args.nics_per_node, seed=args.seed, compute=args.compute,
-                    **({} if args.payload_bytes is None else {"payload_bytes": args.payload_bytes}))
+    workload = Workload(args.seq, args.grad_dtype, args.sampled_groups)
+    configs = grid(config_of(args), {key: getattr(args, key) for key in GRID.values()})
     if args.out:
         check_writable(args.out, "--out")   # before the grid: a long estimate must not be lost at the end
         _check_no_partial(Path(args.out))
@@ -119,11 +111,11 @@ def run(args) -> int:
             _save(done, args.out, PARTIAL)
         finished[:] = done
     try:
-        rows = run_grid(args.model, settings, workload, args.steps, progress=not args.no_progress, on_row=saved)
+        rows = run_grid(args.model, configs, workload, args.steps, progress=not args.no_progress, on_row=saved)
     except KeyboardInterrupt:
         kept = (f"; their rows are in {Path(args.out) / f'estimate{PARTIAL}.csv'} and .json" if args.out and finished
                 else "")
-        print(f"lossysim estimate: interrupted after {len(finished)} of {len(settings)} settings{kept}",
+        print(f"lossysim estimate: interrupted after {len(finished)} of {len(configs)} settings{kept}",
               file=sys.stderr)
         return 130
     print(rows[0]["layout"], file=sys.stderr)
@@ -134,6 +126,20 @@ def run(args) -> int:
         for path in written:
             print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def config_of(args) -> ExperimentConfig:
+    """The training config the flags describe (the first value of every grid key), validated as ``lossysim
+    train`` validates it: the same layout, micro-batch and network rules, the same one-line errors."""
+    keys = dict(tp_size=args.tp_size, pp_size=args.pp_size, dp_size=args.dp_size, dp_mode=args.dp_mode,
+                microbatches=args.microbatches, pp_schedule=args.pp_schedule, pp_layout=args.pp_layout,
+                dp_bucket_mb=args.dp_bucket_mb, dp_overlap=args.dp_overlap,
+                activation_checkpointing=args.activation_checkpointing, ranks_per_node=args.ranks_per_node,
+                nics_per_node=args.nics_per_node, compute=args.compute, seed=args.seed,
+                parallel_order=args.parallel_order, lossy_traffic=args.lossy_traffic)
+    if args.payload_bytes is not None:
+        keys["payload_bytes"] = args.payload_bytes
+    return job_config(args.model, args.micro_batch, args.dtype, args.global_batch, **keys)
 
 
 PARTIAL = ".partial"   # the rows of a grid not yet complete: estimate.partial.csv and .json
@@ -147,51 +153,50 @@ def _check_no_partial(out: Path) -> None:
                          "delete them to run another estimate there, or choose another --out")
 
 
-def grid(values: dict, **fixed) -> list[NetworkSpec]:
-    """The product of every key's values (``values[key]``: None, or strings given once or comma-separated),
-    each a checked NetworkSpec; ``fixed`` settings apply to all. A combination the spec refuses (deadline
+def grid(base: ExperimentConfig, values: dict) -> list[ExperimentConfig]:
+    """The product of every network key's values (``values[key]``: None, or strings given once or
+    comma-separated) over ``base``, each a validated config. A combination the config refuses (deadline
     with a go-back-N nic) is skipped with a note; a value that no combination accepts (an unknown name,
-    NVLS on a GPU without it) is an error, the spec's own, as in training."""
+    NVLS on a GPU without it) is an error, the config's own, as in training."""
     axes = {}
     for key, given in values.items():
         if not given:
             continue
         items = given if key in WHOLE else [v.strip() for value in given for v in value.split(",") if v.strip()]
         axes[key] = list(dict.fromkeys(items))
-    keys, specs, refused, accepted = list(axes), [], [], set()
+    keys, configs, refused, accepted = list(axes), [], [], set()
     for combo in itertools.product(*axes.values()):
         chosen = dict(zip(keys, combo))
         try:
-            spec = NetworkSpec(**fixed, **chosen)
+            config = base.replace(**chosen)
         except ValueError as err:
             refused.append((chosen, err))
             continue
         accepted.update(chosen.items())
         if chosen.get("transport") == "drop" and "nic" in axes and chosen["nic"] != axes["nic"][0]:
             continue  # a dropped packet is never repaired: every nic gives the same row
-        specs.append(spec)
+        configs.append(config)
     for chosen, err in refused:
-        if not specs or any(item not in accepted for item in chosen.items()):
+        if not configs or any(item not in accepted for item in chosen.items()):
             raise err
     for chosen, err in refused:
         print(f"skipped {', '.join(f'{k}={v}' for k, v in chosen.items())}: {err}", file=sys.stderr)
-    return specs
+    return configs
 
 
-def run_grid(model: str, settings: Iterable[NetworkSpec], workload: Workload, steps: int,
-             compute: Optional[str] = None, progress: bool = True, on_row=None) -> list[dict]:
-    """One ``estimate`` row per setting, the shape loaded once; ``on_row(rows so far)`` after each.
-    ``compute``: the GPU of every setting (default: each setting's own)."""
+def run_grid(model: str, configs: Iterable[ExperimentConfig], workload: Workload, steps: int,
+             progress: bool = True, on_row=None) -> list[dict]:
+    """One ``estimate`` row per config, the shape loaded once; ``on_row(rows so far)`` after each."""
     shape = load(model)
-    settings = list(settings)
-    for spec in settings:
-        shape.check_tp(spec.ranks)
+    configs = list(configs)
+    for config in configs:
+        shape.check_tp(config.tp_size)
     shape.check_seq(workload.seq)
     rows = []
-    with tqdm(total=len(settings) * steps, desc=f"estimate {shape.name}", disable=not progress,
+    with tqdm(total=len(configs) * steps, desc=f"estimate {shape.name}", disable=not progress,
               dynamic_ncols=True) as bar:
-        for spec in settings:
-            rows.append(estimate(shape, spec, workload, steps, compute, tick=lambda: bar.update(1)))
+        for config in configs:
+            rows.append(estimate(shape, config, workload, steps, tick=lambda: bar.update(1)))
             if on_row is not None:
                 on_row(rows)
     return rows
@@ -227,7 +232,7 @@ def stacked(rows: list[dict], path: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    parts = [key for key in ("compute", "tp", "pp", "dp", "fsdp", "repair")
+    parts = [key for key in ("compute", *CLASSES, "repair")
              if any(f"stack_{key}_s" in row for row in rows)]
     labels = [f"{row['loss']}\n{_transport(row)}" for row in rows]
     fig, ax = plt.subplots(figsize=(max(6.4, 0.9 * len(rows) + 2), 4.6))

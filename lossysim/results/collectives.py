@@ -15,11 +15,11 @@ from typing import Optional
 import pandas as pd
 
 from ..io import read_summary
+from ..traffic import of_network
 from .labels import dimensions, varying
 
 # The labels' dimensions that decide NCCL's choice (a loss setting does not).
 CHOSEN_BY = ("algorithm", "topology", "pipeline", "inter-node link", "intra-node link", "compute", "model")
-TRAFFIC = {"tp": "TP", "pp": "PP", "dp": "DP"}
 COLUMNS = ["runs", "traffic", "collective", "algorithm", "channels", "call sites", "message", "loss-free per call"]
 
 
@@ -67,7 +67,8 @@ def collectives_table(results: Path, runs: pd.DataFrame, problems: Optional[dict
                                              "of the collectives table")
         for record in good:
             protocol = record.get("protocol") or ""
-            records.append({"runs": group, "traffic": TRAFFIC.get(record["network"].split(".")[0], record["network"]),
+            traffic = of_network(record["network"])
+            records.append({"runs": group, "traffic": traffic.label if traffic else record["network"],
                             "collective": record["collective"],
                             "algorithm": record["algorithm"] + (f"/{protocol}" if protocol else ""),
                             "channels": record["channels"], "site": record["site"], "bytes": record["bytes"],

@@ -6,7 +6,6 @@ themselves, and reports, notebooks and the sweep read runs one way. Nothing here
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -14,7 +13,8 @@ from typing import Any, Optional, Union
 import pandas as pd
 import yaml
 
-from ..config import NON_SEMANTIC, TRAFFIC_KINDS, traffic_kinds
+from ..config import NON_SEMANTIC
+from ..traffic import KINDS as TRAFFIC_KINDS, parse_kinds as traffic_kinds
 from ..io import atomic_write_text, load_summary, read_jsonl, read_summary, run_status  # noqa: F401 (re-exported)
 from ..loss import parse_loss_model
 from ..loss.spec import family
@@ -125,6 +125,11 @@ def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
         if d in lossy_dirs:
             sent += entry.get("sent") or 0
             lost += entry.get("lost") or 0
+    classes = summary.get("traffic")
+    if isinstance(classes, dict):   # every class's lossy directions, as the run declared them (lossysim.traffic)
+        lossy = [d for per in classes.values() if isinstance(per, dict) for d in per.values()
+                 if isinstance(d, dict) and d.get("lossy")]
+        sent, lost = sum(d.get("sent") or 0 for d in lossy), sum(d.get("lost") or 0 for d in lossy)
     row["observed_loss_rate"] = lost / sent if sent else math.nan
     by_class: dict[str, list] = {}
     boundaries = [(entry, pp_dirs) for entries in ((pipeline or {}).get("packets_by_boundary") or [])

@@ -215,7 +215,7 @@ def _resumable(config: ExperimentConfig) -> dict:
 
 
 def _world(config: ExperimentConfig) -> int:
-    return config.tp_size * config.pp_size * config.dp_size if config.backend == "dist" else 1
+    return config.mesh().world if config.backend == "dist" else 1
 
 
 # -- the trained model ------------------------------------------------------------------------

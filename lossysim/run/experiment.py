@@ -236,7 +236,7 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
             bar.update(1)
     except _Divergence as div:
         status = "diverged"
-        diverged_at = {"step": div.args[0], **(parts.train_net.first_nonfinite() or {"site": None})}
+        diverged_at = {"step": div.args[0], **(parts.train_net.channels.first_nonfinite() or {"site": None})}
         log.warning("loss or gradients became non-finite at step %d (first non-finite traffic: %s); "
                     "run marked diverged", div.args[0], diverged_at["site"] or "none")
     except _GaveUp as stop:
@@ -255,6 +255,7 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
         summary["data_parallel"] = record.dp_summary(parts.dp, config, state)
     if parts.pipeline is not None:
         summary["pipeline"] = record.pp_summary(parts.pipeline, config, state)
+    summary["traffic"] = record.traffic_summary(parts.train_net, parts.pipeline, parts.dp)
     summary["collectives"] = record.collectives(parts.train_net, parts.pipeline, parts.dp)
     if rt.is_main:
         atomic_write_json(rt.run_dir / "summary.json", summary)
@@ -299,10 +300,9 @@ class _Runtime:
 def _start(config: ExperimentConfig, run_dir: Path, resume: bool) -> _Runtime:
     if config.backend == "dist":
         rank, world = init_distributed(timeout_s=config.timeout_s)
-        if world != config.tp_size * config.pp_size * config.dp_size:
-            raise ValueError(f"tp_size={config.tp_size} x pp_size={config.pp_size} x dp_size={config.dp_size} "
-                             f"but torchrun started "
-                             f"{world} processes")
+        if world != config.mesh().world:
+            raise ValueError(f"{config.mesh().name.split(' = ')[0]} is {config.mesh().world} ranks but torchrun "
+                             f"started {world} processes")
         shared = [config.to_dict(), str(run_dir)]  # rank 0's config is the experiment
         dist.broadcast_object_list(shared, src=0)
         config = ExperimentConfig(**shared[0]).validate()
