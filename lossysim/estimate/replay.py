@@ -228,10 +228,9 @@ class Replay:
         t0, scale = rt.steps[j][0], self.scale * US
         mine = [t for t in transfers if rt.rank in t.issues]
         points = [_Point(t.issues[rt.rank], "issue", t.id) for t in mine]
-        busy = rt.busy[j]
-        gaps = [(busy[i][1], busy[i + 1][0]) for i in range(len(busy) - 1)]
-        if busy:
-            gaps.append((busy[-1][1], rt.steps[j][1]))
+        # the pauses: before the stream's first work, between its works and after its last
+        edges = [(t0, t0), *rt.busy[j], (rt.steps[j][1], rt.steps[j][1])]
+        gaps = [(edges[i][1], edges[i + 1][0]) for i in range(len(edges) - 1)]
         waits = set()
         for a, b in gaps:
             a, b = (a - t0) * scale, (b - t0) * scale

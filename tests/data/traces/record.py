@@ -31,7 +31,7 @@ SEQ, MICRO_BATCH, MICROBATCHES = 64, 2, 4
 # FSDP's ranks mirror each other: one file stands for both), and what the estimate needs to describe the
 # same job by its named shape.
 JOBS = {
-    "ddp": dict(world=2, traced=2, keep=(0,), dp_size=2, dp_mode="ddp", pp_size=1, microbatches=1),
+    "ddp": dict(world=2, traced=2, keep=(0,), dp_size=2, dp_mode="ddp", pp_size=1, microbatches=1, dp_bucket_mb=1),
     "fsdp": dict(world=2, traced=1, keep=(0,), dp_size=2, dp_mode="fsdp", pp_size=1, microbatches=1),
     "pp": dict(world=2, traced=1, keep=(0, 1), dp_size=1, pp_size=2, pp_schedule="gpipe", microbatches=MICROBATCHES),
 }
@@ -67,7 +67,9 @@ def _data_parallel(rank: int, mode: str, out: Path) -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     if mode == "ddp":
-        model = nn.parallel.DistributedDataParallel(model)
+        # a cap of one's own (1 MiB: many buckets to compare); DDP's default cap, 25 MiB, also makes its
+        # first bucket 1 MiB (docs/estimate.md)
+        model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=JOBS["ddp"]["dp_bucket_mb"])
     else:
         from torch.distributed.fsdp import fully_shard
         # lossysim's FSDP keeps a unit's gathered weights through the backward (FSDP2's default gathers
