@@ -28,6 +28,7 @@ step, in turn.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections import defaultdict
 from typing import Callable, NamedTuple, Optional
@@ -87,6 +88,7 @@ class Layout:
                              "--tp-size, --pp-size and --dp-size (and --ranks-per-node) that make the traced job")
         self.config, self.settings = config, config.network_settings()
         self.axis = {name: self._axis(ranks) for name, ranks in trace.groups.items()}
+        self._placed: dict = {}
 
     def _axis(self, ranks: tuple) -> Optional[str]:
         for axis in self.mesh.axes:
@@ -99,6 +101,15 @@ class Layout:
 
     def place(self, call: Call, ranks: tuple) -> tuple[Optional[_Place], Optional[tuple], str]:
         """(where the call goes or None, a send's (source, destination) in that network, its direction)."""
+        p2p = call.kind in ("send", "recv")
+        key = (call.group, call.kind, call.rank, call.peer) if p2p else (call.group, call.kind in _GATHER)
+        if key not in self._placed:
+            self._placed[key] = self._place(call, ranks)
+        place, pair, direction = self._placed[key]
+        cls = place.cls if place else None
+        return place, pair, direction if p2p or cls is None else _direction(cls, call)
+
+    def _place(self, call: Call, ranks: tuple) -> tuple[Optional[_Place], Optional[tuple], str]:
         axis = self.axis.get(call.group)
         if axis is None or len(ranks) < 2:
             return None, None, "fwd"
@@ -231,14 +242,17 @@ class Replay:
         # the pauses: before the stream's first work, between its works and after its last
         edges = [(t0, t0), *rt.busy[j], (rt.steps[j][1], rt.steps[j][1])]
         gaps = [(edges[i][1], edges[i + 1][0]) for i in range(len(edges) - 1)]
+        by_end = sorted(mine, key=lambda t: t.ends[rt.rank])
+        ends = [t.ends[rt.rank] for t in by_end]
         waits = set()
         for a, b in gaps:
             a, b = (a - t0) * scale, (b - t0) * scale
             if b <= a:
                 continue
-            waited = [t for t in mine if t.issues[rt.rank] <= a and a <= t.ends[rt.rank] <= b]
-            if waited:
-                t = max(waited, key=lambda t: t.ends[rt.rank])
+            # the call that ended last in the pause, of those issued before it
+            first, last = bisect.bisect_left(ends, a), bisect.bisect_right(ends, b)
+            t = next((t for t in reversed(by_end[first:last]) if t.issues[rt.rank] <= a), None)
+            if t is not None:
                 points.append(_Point(b, "wait", t.id, a, b - t.ends[rt.rank]))
                 waits.add(t.id)
         # What a rank receives, it uses: where the message was already there in the trace (its sender was
