@@ -228,8 +228,8 @@ class Replay:
 
     def _transfer(self, index: int, call: Call, ranks: tuple, base: tuple) -> _Transfer:
         kind = "send" if call.kind == "recv" else call.kind
-        place, pair, direction = (None, None, "fwd") if kind not in COLLECTIVES else \
-            self.layout.place(dataclasses.replace(call, kind=kind, rank=base[1], peer=base[2]) if kind == "send" else call, ranks)
+        as_sent = dataclasses.replace(call, kind=kind, rank=base[1], peer=base[2]) if kind == "send" else call
+        place, pair, direction = (None, None, "fwd") if kind not in COLLECTIVES else self.layout.place(as_sent, ranks)
         cls = place.cls if place else None
         stream = base if kind == "send" else ("group", call.group)
         return _Transfer(index, dataclasses.replace(call, kind=kind), cls, place, direction, pair, stream)
@@ -345,7 +345,8 @@ class Replay:
                     cursor[rank] += 1
                     moved = True
             run_streams()
-            if all(cursor[r] == len(p) for r, p in points.items()) and all(h == len(queues[s]) for s, h in heads.items()):
+            if all(cursor[r] == len(p) for r, p in points.items()) and \
+                    all(h == len(queues[s]) for s, h in heads.items()):
                 break
             if not moved:
                 if forced:

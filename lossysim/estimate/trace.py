@@ -137,6 +137,9 @@ def read(path) -> Trace:
             raise ValueError(f"{file}: rank {rank.rank} again (also {ranks[rank.rank].path}): one trace per rank")
         ranks[rank.rank] = rank
     first = next(iter(ranks.values()))
+    empty = [r.path for r in ranks.values() if not r.steps]
+    if empty:
+        raise ValueError(f"{empty[0]}: the trace holds no events: profile at least one step")
     for r in ranks.values():
         if (r.world, r.groups) != (first.world, first.groups):
             raise ValueError(f"{r.path}: world {r.world} and process groups differ from {first.path}'s: "
@@ -166,7 +169,8 @@ def _load(file: Path) -> dict:
     except (EOFError, OSError, zlib.error, UnicodeDecodeError, json.JSONDecodeError) as err:
         what = "truncated" if isinstance(err, EOFError) or "Expecting" in str(err) or "Unterminated" in str(err) \
             else "unreadable"
-        raise ValueError(f"{file}: not a profiler trace ({what}: {str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"{file}: not a profiler trace ({what}: {reason})") from None
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
         raise ValueError(f"{file}: not a PyTorch profiler trace (no traceEvents list): write one with "
                          "torch.profiler's export_chrome_trace")
@@ -392,10 +396,12 @@ def _gloo_calls(file: Path, rank: int, groups: dict, events: list, main, unknown
             ops.append(e)
         elif name.lower().startswith("nccl") and e.get("cat") == "kernel":
             unknown[name] += 1
-    if ops and len(groups) > 1:
-        raise ValueError(f"{file}: a gloo trace names no call's process group and this job has {len(groups)} "
-                         f"({', '.join(groups)}): profile it on NCCL, or with one process group")
-    group = next(iter(groups))
+    # groups of the same ranks are the same placement (a device mesh's group beside the default one)
+    distinct = {ranks: name for name, ranks in reversed(list(groups.items())) if len(ranks) > 1}
+    if ops and len(distinct) > 1:
+        raise ValueError(f"{file}: a gloo trace names no call's process group and this job has {len(distinct)} "
+                         f"({', '.join(distinct.values())}): profile it on NCCL, or with one process group")
+    group = next(iter(distinct.values()), next(iter(groups)))
     used = set()
     calls = []
     for e in ops:
