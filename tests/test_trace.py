@@ -143,6 +143,7 @@ def test_the_command_writes_every_estimates_files_and_what_it_read(tmp_path, cap
     read = json.loads((out / "trace_read.json").read_text())
     assert read["process_group_axes"] == {"0": "pp"} and read["ranks_traced"] == [0, 1]
     assert {r["collective"]: r["calls"] for r in read["calls_per_step"]} == {"send": 4, "recv": 4}
+    assert read["per_class"] == {"pp": {"calls": 8, "bytes": 8 * 2 * 64 * 128 * 4}} and read["not_simulated"] == {}
 
 
 def test_a_named_model_replaces_the_traces_compute(tmp_path, capsys):

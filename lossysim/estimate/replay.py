@@ -400,15 +400,10 @@ class Replay:
         spec = config.network_spec()
         counts = _Job.counts(self, steps)
         compute_s = float(stack[0])
-        calls, nbytes, skipped = defaultdict(float), defaultdict(float), defaultdict(lambda: [0.0, 0.0])
-        for step in self.steps:
-            for t in step["transfers"]:
-                if t.cls:
-                    calls[t.cls] += 1 / len(self.steps)
-                    nbytes[t.cls] += t.call.bytes / len(self.steps)
-            for name, (n, b) in step["skipped"].items():
-                skipped[name][0] += n / len(self.steps)
-                skipped[name][1] += b / len(self.steps)
+        per_class = self.per_class()
+        calls = {cls: n for cls, (n, _) in per_class.items()}
+        nbytes = {cls: b for cls, (_, b) in per_class.items()}
+        skipped = {name: (row["calls"], row["bytes"]) for name, row in self.not_simulated().items()}
         row = {
             "model": "", "parameters": None, "tp_size": mesh.tp, "pp_size": mesh.pp, "dp_size": mesh.dp,
             "layout": mesh.name, "parallel_order": mesh.order, "gpus": mesh.world, "dp_mode": "", "seq": "",
@@ -446,6 +441,25 @@ class Replay:
         for name, value in zip(("compute", *self.classes, "repair"), stack):
             row[f"stack_{name}_s"] = float(value)
         return row
+
+    def per_class(self) -> dict:
+        """Per class, the calls and bytes of a traced step (mean over the traced steps, every group)."""
+        out = defaultdict(lambda: [0.0, 0.0])
+        for step in self.steps:
+            for t in step["transfers"]:
+                if t.cls:
+                    out[t.cls][0] += 1 / len(self.steps)
+                    out[t.cls][1] += t.call.bytes / len(self.steps)
+        return {cls: tuple(out[cls]) for cls in CLASSES if cls in out}
+
+    def not_simulated(self) -> dict:
+        """What a traced step does not send, by what and why: its calls and bytes (mean over the steps)."""
+        out = defaultdict(lambda: {"calls": 0.0, "bytes": 0.0})
+        for step in self.steps:
+            for name, (n, b) in step["skipped"].items():
+                out[name]["calls"] += n / len(self.steps)
+                out[name]["bytes"] += b / len(self.steps)
+        return dict(sorted(out.items()))
 
     def _dtype(self) -> str:
         sizes = defaultdict(int)

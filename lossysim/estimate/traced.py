@@ -39,6 +39,9 @@ def run(args) -> int:
         scale, compute = modelled / traced, f"modelled ({args.compute}, {args.model})"
         read.update(compute_traced_s=traced, compute_modelled_s=modelled)
     read["compute"] = compute
+    classes = Replay(trace, base, scale)
+    read["per_class"] = {cls: {"calls": calls, "bytes": nbytes} for cls, (calls, nbytes) in classes.per_class().items()}
+    read["not_simulated"] = classes.not_simulated()
     _print_read(read)
     saved = (lambda done: _save(done, args.out, ".partial")) if args.out else None
     rows = []
@@ -82,6 +85,10 @@ def _print_read(read: dict) -> None:
     for row in read["calls_per_step"]:
         lines.append(f"  per step: {row['calls']:g} {row['collective']} on group {row['process_group']}, "
                      f"{row['bytes'] / 2**20:.3g} MiB")
+    for cls, row in read["per_class"].items():
+        lines.append(f"  class {cls}: {row['calls']:g} calls, {row['bytes'] / 2**20:.3g} MiB per step")
+    for name, row in read["not_simulated"].items():
+        lines.append(f"  not sent: {name}: {row['calls']:g} per step, {row['bytes']:g} B")
     unknown = read["not_understood"]
     lines.append("  not understood: " + ("none" if not unknown else
                                          "; ".join(f"{name} x{count}" for name, count in unknown.items())))
