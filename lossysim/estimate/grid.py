@@ -93,7 +93,8 @@ def add_arguments(parser) -> None:
                             help=f"{key}{values} (repeatable{'' if key in WHOLE else ' or comma-separated'}; "
                                  f"default {default})")
     parser.add_argument("--seed", type=int, default=0, help="root of every call site's random stream")
-    parser.add_argument("--compute", default="h100", help="GPU model for compute time (default h100)")
+    parser.add_argument("--compute", default="h100", help="GPU model: compute time, and NCCL's tables and NVLS as in "
+                                                            "training (default h100)")
     parser.add_argument("--steps", type=int, default=10, help="simulated steps per setting (default 10)")
     parser.add_argument("--out", help="folder for estimate.csv, estimate.json and slowdown.png")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -109,10 +110,23 @@ def run(args) -> int:
     configs = grid(config_of(args), {key: getattr(args, key) for key in GRID.values()})
     if args.out:
         check_writable(args.out, "--out")   # before the grid: a long estimate must not be lost at the end
+        _check_no_partial(Path(args.out))
     # Each finished row is saved at once, beside the results (never over a completed estimate's): a grid that
     # stops part way (a crash, Ctrl-C) keeps what it computed in estimate.partial.csv and .json.
-    saved = (lambda done: _save(done, args.out, ".partial")) if args.out else None
-    rows = run_grid(args.model, configs, workload, args.steps, progress=not args.no_progress, on_row=saved)
+    finished = []
+
+    def saved(done: list[dict]) -> None:
+        if args.out:
+            _save(done, args.out, PARTIAL)
+        finished[:] = done
+    try:
+        rows = run_grid(args.model, configs, workload, args.steps, progress=not args.no_progress, on_row=saved)
+    except KeyboardInterrupt:
+        kept = (f"; their rows are in {Path(args.out) / f'estimate{PARTIAL}.csv'} and .json" if args.out and finished
+                else "")
+        print(f"lossysim estimate: interrupted after {len(finished)} of {len(configs)} settings{kept}",
+              file=sys.stderr)
+        return 130
     print(rows[0]["layout"], file=sys.stderr)
     print(_table(rows))
     if args.out:
@@ -139,26 +153,43 @@ def config_of(args) -> ExperimentConfig:
     return job_config(args.model or "tiny", args.micro_batch, args.dtype, args.global_batch, **keys)
 
 
+PARTIAL = ".partial"   # the rows of a grid not yet complete: estimate.partial.csv and .json
+
+
+def _check_no_partial(out: Path) -> None:
+    """An interrupted grid's rows are the only copy of what it computed: another grid must not replace them."""
+    found = [p.name for p in (out / f"estimate{PARTIAL}.csv", out / f"estimate{PARTIAL}.json") if p.is_file()]
+    if found:
+        raise ValueError(f"--out {out} holds the rows of an interrupted estimate ({' and '.join(found)}): move or "
+                         "delete them to run another estimate there, or choose another --out")
+
+
 def grid(base: ExperimentConfig, values: dict) -> list[ExperimentConfig]:
     """The product of every network key's values (``values[key]``: None, or strings given once or
-    comma-separated) over ``base``, each a validated config."""
+    comma-separated) over ``base``, each a validated config. A combination the config refuses (deadline
+    with a go-back-N nic) is skipped with a note; a value that no combination accepts (an unknown name,
+    NVLS on a GPU without it) is an error, the config's own, as in training."""
     axes = {}
     for key, given in values.items():
         if not given:
             continue
         items = given if key in WHOLE else [v.strip() for value in given for v in value.split(",") if v.strip()]
         axes[key] = list(dict.fromkeys(items))
-    keys, configs, refused = list(axes), [], []
+    keys, configs, refused, accepted = list(axes), [], [], set()
     for combo in itertools.product(*axes.values()):
         chosen = dict(zip(keys, combo))
+        try:
+            config = base.replace(**chosen)
+        except ValueError as err:
+            refused.append((chosen, err))
+            continue
+        accepted.update(chosen.items())
         if chosen.get("transport") == "drop" and "nic" in axes and chosen["nic"] != axes["nic"][0]:
             continue  # a dropped packet is never repaired: every nic gives the same row
-        try:
-            configs.append(base.replace(**chosen))
-        except ValueError as err:  # e.g. deadline with a go-back-N nic: skip it, run the rest
-            refused.append((chosen, err))
-    if not configs and refused:
-        raise refused[0][1]
+        configs.append(config)
+    for chosen, err in refused:
+        if not configs or any(item not in accepted for item in chosen.items()):
+            raise err
     for chosen, err in refused:
         print(f"skipped {', '.join(f'{k}={v}' for k, v in chosen.items())}: {err}", file=sys.stderr)
     return configs
@@ -198,9 +229,11 @@ def write(rows: list[dict], out) -> list[Path]:
     """estimate.csv, estimate.json, time_by_class.png and, for several loss rates, slowdown.png in ``out``."""
     paths = _save(rows, out)
     out = Path(out)
-    for partial in (out / "estimate.partial.csv", out / "estimate.partial.json"):   # complete now
+    for partial in (out / f"estimate{PARTIAL}.csv", out / f"estimate{PARTIAL}.json"):   # complete now
         partial.unlink(missing_ok=True)
     plotted = plot(rows, out / "slowdown.png")
+    if plotted is None:   # an earlier estimate's plot must not pass for this one's
+        (out / "slowdown.png").unlink(missing_ok=True)
     return paths + ([plotted] if plotted else []) + [stacked(rows, out / "time_by_class.png")]
 
 
