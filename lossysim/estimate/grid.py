@@ -12,7 +12,7 @@ import itertools
 import json
 import sys
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from tqdm.auto import tqdm
 
@@ -108,6 +108,14 @@ def run(args) -> int:
         raise ValueError("name a model (a named shape, a config.json or a model directory), or give --trace")
     workload = Workload(args.seq, args.grad_dtype, args.sampled_groups)
     configs = grid(config_of(args), {key: getattr(args, key) for key in GRID.values()})
+    return run_rows(args, configs, lambda on_row: run_grid(args.model, configs, workload, args.steps,
+                                                           progress=not args.no_progress, on_row=on_row))
+
+
+def run_rows(args, configs: list, rows_of: Callable, extra: Optional[Callable[[], dict]] = None) -> int:
+    """Every estimate's run of a grid: ``rows_of(on_row)`` computes the rows of ``configs``, calling
+    ``on_row(rows so far)`` after each; the table, and with ``--out`` the files (``extra()``: more files,
+    name -> text, written beside them)."""
     if args.out:
         check_writable(args.out, "--out")   # before the grid: a long estimate must not be lost at the end
         _check_no_partial(Path(args.out))
@@ -120,7 +128,7 @@ def run(args) -> int:
             _save(done, args.out, PARTIAL)
         finished[:] = done
     try:
-        rows = run_grid(args.model, configs, workload, args.steps, progress=not args.no_progress, on_row=saved)
+        rows = rows_of(saved)
     except KeyboardInterrupt:
         kept = (f"; their rows are in {Path(args.out) / f'estimate{PARTIAL}.csv'} and .json" if args.out and finished
                 else "")
@@ -132,6 +140,9 @@ def run(args) -> int:
     if args.out:
         with output_errors(args.out, "--out"):
             written = write(rows, args.out)
+            for name, text in (extra() if extra else {}).items():
+                atomic_write_text(Path(args.out) / name, text)
+                written.append(Path(args.out) / name)
         for path in written:
             print(f"wrote {path}", file=sys.stderr)
     return 0

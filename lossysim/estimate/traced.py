@@ -3,8 +3,9 @@ of network settings every estimate runs (docs/estimate.md, "Estimate your own jo
 
 The layout comes from the usual flags (``--tp-size``, ``--pp-size``, ``--dp-size``, ``--ranks-per-node``,
 ...), through the same ``ExperimentConfig`` and ``Mesh`` as every estimate; with none of them, from the trace:
-its world as one data-parallel group, or as a pipeline when it sends. The output is every estimate's
-(estimate.csv, .json, the plots, partial rows while it runs) plus ``trace_read.json``: what was read.
+its world as one data-parallel group, or as a pipeline when it sends. The rows are run, saved and written as
+every estimate's (``grid.run_rows``: estimate.csv, .json, the plots, partial rows while it runs, Ctrl-C),
+with ``trace_read.json`` beside them: what was read.
 """
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..io import atomic_write_text, check_writable, output_errors
 from . import trace as traces
-from .grid import GRID, _save, _table, config_of, grid, write
+from .grid import GRID, config_of, grid, run_rows
 from .replay import Layout, Replay, traced_compute
 from .simulate import estimate
 from .workload import Workload
@@ -28,42 +28,40 @@ def run(args) -> int:
     base = config_of(args)
     layout = Layout(trace, base)             # the layout's check against the trace, before any work
     configs = grid(base, {key: getattr(args, key) for key in GRID.values()})
-    if args.out:
-        check_writable(args.out, "--out")
     read = {"trace": str(args.trace), **traces.describe(trace), "process_group_axes": layout.describe(trace)}
-    scale, compute = 1.0, "trace"
-    if args.model:
-        workload = Workload(args.seq, args.grad_dtype, args.sampled_groups)
-        modelled = estimate(args.model, base.replace(loss="none"), workload, 1)["compute_s"]
-        traced = traced_compute(trace, base)
-        scale, compute = modelled / traced, f"modelled ({args.compute}, {args.model})"
-        read.update(compute_traced_s=traced, compute_modelled_s=modelled)
-    read["compute"] = compute
-    classes = Replay(trace, base, scale)
-    read["per_class"] = {cls: {"calls": calls, "bytes": nbytes} for cls, (calls, nbytes) in classes.per_class().items()}
-    read["not_simulated"] = classes.not_simulated()
-    _print_read(read)
-    saved = (lambda done: _save(done, args.out, ".partial")) if args.out else None
-    rows = []
     name = args.model or Path(args.trace).name
-    with tqdm(total=len(configs) * args.steps, desc=f"estimate {name}", disable=args.no_progress,
-              dynamic_ncols=True) as bar:
-        for config in configs:
-            row = Replay(trace, config, scale).run(args.steps, tick=lambda: bar.update(1))
-            row.update(model=name, compute=compute)
-            rows.append(row)
-            if saved is not None:
-                saved(rows)
-    print(rows[0]["layout"], file=sys.stderr)
-    print(_table(rows))
-    if args.out:
-        with output_errors(args.out, "--out"):
-            written = write(rows, args.out)
-            path = Path(args.out) / "trace_read.json"
-            atomic_write_text(path, json.dumps(read, indent=1) + "\n")
-        for path in [*written, path]:
-            print(f"wrote {path}", file=sys.stderr)
-    return 0
+
+    def rows_of(on_row) -> list[dict]:
+        scale, compute = _compute(args, trace, base, read)
+        first = Replay(trace, base, scale)
+        read.update(per_class={cls: {"calls": calls, "bytes": nbytes}
+                               for cls, (calls, nbytes) in first.per_class().items()},
+                    not_simulated=first.not_simulated())
+        _print_read(read)
+        rows = []
+        with tqdm(total=len(configs) * args.steps, desc=f"estimate {name}", disable=args.no_progress,
+                  dynamic_ncols=True) as bar:
+            for config in configs:
+                row = Replay(trace, config, scale).run(args.steps, tick=lambda: bar.update(1))
+                row.update(model=name, compute=compute)
+                rows.append(row)
+                on_row(rows)
+        return rows
+    return run_rows(args, configs, rows_of, extra=lambda: {"trace_read.json": json.dumps(read, indent=1) + "\n"})
+
+
+def _compute(args, trace: traces.Trace, base, read: dict) -> tuple[float, str]:
+    """The factor on the trace's compute and what the row calls it: the trace's own, or (a model named)
+    the named model's modelled compute over the trace's."""
+    if not args.model:
+        read["compute"] = "trace"
+        return 1.0, "trace"
+    workload = Workload(args.seq, args.grad_dtype, args.sampled_groups)
+    modelled = estimate(args.model, base.replace(loss="none"), workload, 1)["compute_s"]
+    traced = traced_compute(trace, base)
+    compute = f"modelled ({args.compute}, {args.model})"
+    read.update(compute=compute, compute_traced_s=traced, compute_modelled_s=modelled)
+    return modelled / traced, compute
 
 
 def _default_layout(args, trace: traces.Trace) -> None:
