@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from lossysim.estimate import job_config  # noqa: E402
 from lossysim.estimate import trace as traces  # noqa: E402
-from lossysim.estimate.replay import simulate_trace  # noqa: E402
+from lossysim.estimate.trace_replay import simulate_trace  # noqa: E402
 from nccl_trace import NcclCall, write_trace  # noqa: E402
 
 TP_CALLS, DP_CALLS = 3840, 160

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lossysim.cli import main
-from lossysim.estimate import replay as replays
+from lossysim.estimate import trace_replay as replays
 from lossysim.estimate import trace as traces
 from lossysim.estimate.workload import job_config
 from lossysim.net import LossyNetwork

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lossysim.dp.fsdp import shard_numel
-from lossysim.estimate import load, replay, trace as traces
+from lossysim.estimate import load, trace as traces, trace_replay as replay
 from lossysim.estimate.simulate import _Job, estimate
 from lossysim.estimate.workload import Workload, job_config
 from lossysim.net import LossyNetwork

@@ -1,5 +1,5 @@
 """Reading a PyTorch profiler trace (``torch.profiler``'s Chrome/Kineto JSON): a job's communication calls,
-its steps and when each rank computed, as ``estimate.replay`` replays them (docs/estimate.md, "Estimate
+its steps and when each rank computed, as ``estimate.trace_replay`` replays them (docs/estimate.md, "Estimate
 your own job").
 
 One trace per rank (``export_chrome_trace``; ``.json`` or ``.json.gz``): a folder of them, or one file
