@@ -12,7 +12,7 @@ import itertools
 import json
 import sys
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from tqdm.auto import tqdm
 
@@ -46,21 +46,25 @@ SHOWN = ("loss", "transport", "nic", "algorithm", "loss_free_step_s", "step_mean
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("model", help=f"a named shape ({', '.join(NAMES)}), a config.json or a model directory")
+    parser.add_argument("model", nargs="?", help=f"a named shape ({', '.join(NAMES)}), a config.json or a model "
+                        "directory (with --trace: optional, its modelled compute replaces the trace's)")
+    parser.add_argument("--trace", help="estimate your own job: its torch.profiler traces (a folder, one per rank, "
+                                        "or one file whose peers mirror it); docs/estimate.md")
     parser.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
     parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES), help="activation dtype (default bf16)")
-    parser.add_argument("--tp-size", type=int, default=8, help="tensor-parallel degree (default 8)")
+    parser.add_argument("--tp-size", type=int, help="tensor-parallel degree (default 8; with --trace 1)")
     parser.add_argument("--ranks-per-node", "--gpus-per-node", dest="ranks_per_node", type=int,
                         help="GPUs (ranks) per node (default: a TP group to a node; tp alone: all on one node)")
     parser.add_argument("--nics-per-node", type=int, help="NICs a node's inter-node traffic spreads over "
                                                           "(default: one per GPU)")
     parser.add_argument("--payload-bytes", type=int, help="payload bytes of a packet (default "
                         f"{ExperimentConfig.__dataclass_fields__['payload_bytes'].default}; RoCE at MTU 4096: 4096)")
-    parser.add_argument("--pp-size", type=int, default=1, help="pipeline stages (default 1)")
+    parser.add_argument("--pp-size", type=int, help="pipeline stages (default 1)")
     parser.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES, help="pipeline schedule (default 1f1b)")
     parser.add_argument("--pp-layout", help="blocks per stage, e.g. 9,10,10,11 (default: an even split)")
-    parser.add_argument("--dp-size", type=int, default=1, help="data-parallel replicas (default 1)")
+    parser.add_argument("--dp-size", type=int, help="data-parallel replicas (default 1; with --trace and no "
+                                                     "layout: the world, or the pipeline's stages if it sends)")
     parser.add_argument("--dp-mode", default="ddp", choices=DP_MODES, help="ddp or fsdp (default ddp)")
     parser.add_argument("--ep-size", type=int, default=1,
                         help="expert parallelism: a mixture of experts' experts over this many of the data-parallel "
@@ -102,8 +106,21 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    if args.trace:
+        from .traced import run as run_trace
+        return run_trace(args)
+    if not args.model:
+        raise ValueError("name a model (a named shape, a config.json or a model directory), or give --trace")
     workload = Workload(args.seq, args.grad_dtype, args.sampled_groups, args.routing_skew)
     configs = grid(config_of(args), {key: getattr(args, key) for key in GRID.values()})
+    return run_rows(args, configs, lambda on_row: run_grid(args.model, configs, workload, args.steps,
+                                                           progress=not args.no_progress, on_row=on_row))
+
+
+def run_rows(args, configs: list, rows_of: Callable, extra: Optional[Callable[[], dict]] = None) -> int:
+    """Every estimate's run of a grid: ``rows_of(on_row)`` computes the rows of ``configs``, calling
+    ``on_row(rows so far)`` after each; the table, and with ``--out`` the files (``extra()``: more files,
+    name -> text, written beside them)."""
     if args.out:
         check_writable(args.out, "--out")   # before the grid: a long estimate must not be lost at the end
         _check_no_partial(Path(args.out))
@@ -116,7 +133,7 @@ def run(args) -> int:
             _save(done, args.out, PARTIAL)
         finished[:] = done
     try:
-        rows = run_grid(args.model, configs, workload, args.steps, progress=not args.no_progress, on_row=saved)
+        rows = rows_of(saved)
     except KeyboardInterrupt:
         kept = (f"; their rows are in {Path(args.out) / f'estimate{PARTIAL}.csv'} and .json" if args.out and finished
                 else "")
@@ -128,6 +145,9 @@ def run(args) -> int:
     if args.out:
         with output_errors(args.out, "--out"):
             written = write(rows, args.out)
+            for name, text in (extra() if extra else {}).items():
+                atomic_write_text(Path(args.out) / name, text)
+                written.append(Path(args.out) / name)
         for path in written:
             print(f"wrote {path}", file=sys.stderr)
     return 0
@@ -136,8 +156,9 @@ def run(args) -> int:
 def config_of(args) -> ExperimentConfig:
     """The training config the flags describe (the first value of every grid key), validated as ``lossysim
     train`` validates it: the same layout, micro-batch and network rules, the same one-line errors."""
-    keys = dict(tp_size=args.tp_size, pp_size=args.pp_size, dp_size=args.dp_size, dp_mode=args.dp_mode,
-                ep_size=args.ep_size,
+    keys = dict(tp_size=8 if args.tp_size is None else args.tp_size,
+                pp_size=1 if args.pp_size is None else args.pp_size,
+                dp_size=1 if args.dp_size is None else args.dp_size, dp_mode=args.dp_mode, ep_size=args.ep_size,
                 microbatches=args.microbatches, pp_schedule=args.pp_schedule, pp_layout=args.pp_layout,
                 dp_bucket_mb=args.dp_bucket_mb, dp_overlap=args.dp_overlap,
                 activation_checkpointing=args.activation_checkpointing, ranks_per_node=args.ranks_per_node,
@@ -145,7 +166,7 @@ def config_of(args) -> ExperimentConfig:
                 parallel_order=args.parallel_order, lossy_traffic=args.lossy_traffic)
     if args.payload_bytes is not None:
         keys["payload_bytes"] = args.payload_bytes
-    return job_config(args.model, args.micro_batch, args.dtype, args.global_batch, **keys)
+    return job_config(args.model or "tiny", args.micro_batch, args.dtype, args.global_batch, **keys)
 
 
 PARTIAL = ".partial"   # the rows of a grid not yet complete: estimate.partial.csv and .json
