@@ -27,14 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_collectives import paired  # noqa: E402
+from bench_collectives import paired, stepping  # noqa: E402
 
 from lossysim import LossyNetwork  # noqa: E402
 from lossysim.config import ExperimentConfig  # noqa: E402
-from lossysim.data import train_batches  # noqa: E402
-from lossysim.run.build import build  # noqa: E402
-from lossysim.run.state import TrainState, Window  # noqa: E402
-from lossysim.run.step import train_step  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -44,9 +40,7 @@ def stepper(ep: int):
                               batch_size=32, steps=10_000, tp_size=1, dp_size=2, ep_size=ep, ranks_per_node=1,
                               loss="bernoulli:0.01", lossy_traffic="ep_dispatch,ep_combine,dp",
                               out=tempfile.mkdtemp()).validate()
-    parts = build(config, CPU, 0, True, None)
-    state, window, batches = TrainState(), Window(CPU), train_batches(parts.data, config.batch_size, 0)
-    return lambda: train_step(parts, config, state, window, next(batches), CPU)
+    return stepping(config, CPU)
 
 
 def main():

@@ -126,28 +126,12 @@ def test_resume_is_exact(tmp_path):
     """A run resumed from its step-2 checkpoint ends as the uninterrupted one: metrics, summary, exported
     weights (every expert gathered) and the last checkpoint (every replica, every ep group's networks) bit
     for bit."""
-    import shutil
-    from pathlib import Path
-
-    from lossysim.run import checkpoint
-    from lossysim.run.experiment import run_experiment
-    from test_resume import assert_same_run
+    from test_resume import assert_resumes_exactly
     settings = dict(dp_size=2, ep_size=2, loss="ge:rate=0.05,burst=4", checkpoint_every=2, keep_checkpoints=0,
                     save_checkpoint=True, steps=4, eval_every=2, log_every=1)
-    reference = moe(tmp_path / "reference", **settings)
-    assert run_experiment(reference, reference.out, progress=False)["status"] == "completed"
-    resumed = moe(tmp_path / "resumed", **settings)
-    assert run_experiment(resumed, resumed.out, progress=False)["status"] == "completed"
-    for later in checkpoint.complete(resumed.out)[1:]:
-        shutil.rmtree(later)
-    for name in ("summary.json", "checkpoint"):
-        path = Path(resumed.out) / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-    summary = run_experiment(resumed, resumed.out, progress=False, resume=True)
-    assert summary["status"] == "completed", summary.get("error")
-    assert_same_run(Path(reference.out), Path(resumed.out))
+    summary = assert_resumes_exactly(moe(tmp_path / "reference", **settings), tmp_path / "resumed")
     assert summary["expert_parallel"]["packets_lost_ep_dispatch"] > 0
-    exported = load_file(Path(resumed.out) / "checkpoint" / "model.safetensors")
+    exported = load_file(tmp_path / "resumed" / "checkpoint" / "model.safetensors")
     # every expert gathered (transformers writes Mixtral's published layout: one tensor per expert)
     assert {k.split(".")[5] for k in exported if k.startswith("model.layers.0.block_sparse_moe.experts.")} == \
         {str(e) for e in range(8)}
