@@ -13,7 +13,11 @@
    all-to-alls (dispatch and combine, both ways), retransmitted (irn): seconds to estimate it, one thread (a
    shared machine's second core answers late: see docs/estimate.md). Target: <= 60 s.
 
-    python benchmarks/bench_experts.py [--repeats 20] [--skip-deepseek]
+Every part runs on one intra-op thread (``--threads``): ``sim``'s ep replicas take turns on one thread
+anyway, and two threads on a shared 2-core machine time its other jobs (two runs on 2 threads measured ep
+1's step at 2.0 s and 7.2 s, ep 2's at 0.11 s and 0.65 s; on one thread 52 ms and 57 ms).
+
+    python benchmarks/bench_experts.py [--repeats 20] [--threads 1] [--skip-deepseek]
 """
 from __future__ import annotations
 
@@ -46,8 +50,10 @@ def stepper(ep: int):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
     parser.add_argument("--skip-deepseek", action="store_true")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     os.environ.setdefault("LOSSYSIM_CACHE", tempfile.mkdtemp())
     torch.manual_seed(0)
 
@@ -73,20 +79,15 @@ def deepseek():
 
     from lossysim.estimate import Workload, estimate, job_config, load
     print("3. estimate of one DeepSeek-V3 step, published layout, 1% loss on the expert all-to-alls, irn")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        start = time.perf_counter()
-        shape = load("deepseek-v3")
-        loaded = time.perf_counter()
-        config = job_config("deepseek-v3", micro_batch=1, global_batch=15360, tp_size=1, pp_size=16, dp_size=128,
-                            ep_size=64, ranks_per_node=8, pp_layout="3," + "4," * 13 + "3,3", link_inter="ib-ndr400",
-                            loss="bernoulli:0.01", transport="retransmit", nic="irn",
-                            lossy_traffic="ep_dispatch,ep_combine,ep_dispatch_backward,ep_combine_backward")
-        row = estimate(shape, config, Workload(seq=4096), steps=1)
-        done = time.perf_counter()
-    finally:
-        torch.set_num_threads(threads)
+    start = time.perf_counter()
+    shape = load("deepseek-v3")
+    loaded = time.perf_counter()
+    config = job_config("deepseek-v3", micro_batch=1, global_batch=15360, tp_size=1, pp_size=16, dp_size=128,
+                        ep_size=64, ranks_per_node=8, pp_layout="3," + "4," * 13 + "3,3", link_inter="ib-ndr400",
+                        loss="bernoulli:0.01", transport="retransmit", nic="irn",
+                        lossy_traffic="ep_dispatch,ep_combine,ep_dispatch_backward,ep_combine_backward")
+    row = estimate(shape, config, Workload(seq=4096), steps=1)
+    done = time.perf_counter()
     print(f"   shape {loaded - start:.1f} s, step {done - loaded:.1f} s (target <= 60); step {row['step_mean_s']:.2f} s, "
           f"loss-free {row['loss_free_step_s']:.2f} s, dispatch {row['stack_ep_dispatch_s']:.2f} s, "
           f"combine {row['stack_ep_combine_s']:.2f} s, repairs {row['stack_repair_s']:.3f} s")
