@@ -16,7 +16,7 @@ from lossysim.run.build import build
 from lossysim.tp.layers import ColumnParallel, RowParallel
 from safetensors.torch import load_file
 from test_data_parallel import GRAD_TOL, tiny
-from tiny_runs import train_steps
+from tiny_runs import assert_train_refuses, train_steps
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.usefixtures("private_cache", "one_torch_thread")
@@ -199,17 +199,12 @@ def test_a_lost_dispatch_packet_skips_the_token_at_its_expert_under_drop_token(r
 @pytest.mark.parametrize("settings, message", [
     (["--dp-size", "2", "--ep-size", "2"], "ep_size=2 needs a mixture-of-experts model"),
     (["--model", "tiny-moe", "--dp-size", "2", "--ep-size", "4"], "ep_size=4 must divide dp_size x cp_size = 2"),
-    (["--model", "tiny-moe", "--recovery", "drop_token"], "ep_size=1: recovery=drop_token acts on all-to-alls only (elsewhere it is zero), and the run has none"),
+    (["--model", "tiny-moe", "--recovery", "drop_token"],
+     "ep_size=1: recovery=drop_token acts on all-to-alls only (elsewhere it is zero), and the run has none"),
     (["--model", "tiny-moe", "--dp-size", "2", "--ep-size", "2", "--recovery", "rescale"],
      "ep_size=2: recovery=rescale does not act on all-to-alls: use one of zero, drop_token"),
     (["--model", "tiny-moe", "--dp-size", "2", "--ep-size", "2", "--pp-size", "2"],
      "training ep_size=2 with pp_size=2 (pipeline stages) is not supported"),
 ])
 def test_bad_expert_settings_are_one_line_and_exit_2(settings, message, tmp_path, capsys):
-    from lossysim import cli
-    out = tmp_path / "o"
-    code = cli.main(["train", "--set", "max_length=32", "--set", "batch_size=8", "--set", "max_train_samples=16",
-                     "--steps", "1", "--tp-size", "1", "--no-progress", "--out", str(out), *settings])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1 and message in err, err
-    assert not (out / "summary.json").exists()
+    assert_train_refuses(settings, message, tmp_path / "o", capsys)
