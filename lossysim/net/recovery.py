@@ -22,6 +22,8 @@ One policy per network (``recovery`` in ``NetworkSpec``; docs/semantics.md compa
 - ``error_feedback``: a sender keeps what a send failed to deliver and adds it to what that send
   carries at the next call of the call site, so the sum over calls is conserved at every receiver.
   It feeds gradients back: on activations (direction ``fwd``) it is ``zero``.
+- ``mask``: ``zero``'s holes, known to the receiver: context parallelism's attention leaves a key or
+  value a lost packet touched out of the softmax (``lossysim.cp``); everywhere else it is ``zero``.
 
 ``zero``, ``rescale`` and the Hadamard policies act on what a whole collective delivers (its
 ``Delivery``); ``stale`` and ``error_feedback`` act on every send, so they run the schedule send by
@@ -54,7 +56,7 @@ from .sparse import Losses
 from ..util import stream_seed
 
 RECOVERY_POLICIES = ("zero", "rescale", "hadamard", "hadamard+rescale", "stale", "error_feedback", "outliers",
-                     "outliers+hadamard")
+                     "outliers+hadamard", "mask")
 ACTIVATIONS = "fwd"            # the direction whose values are never summed again later
 DEFAULT_HADAMARD_BLOCK = 1 << 14
 DEFAULT_OUTLIER_FRACTION = 1e-3
@@ -87,7 +89,7 @@ def policy(name: str, hadamard_block: int = DEFAULT_HADAMARD_BLOCK,
         return Outliers(inner, outlier_fraction)
     if name.startswith("hadamard"):
         return Hadamard(RESCALE if name.endswith("+rescale") else ZERO, hadamard_block)
-    return {"zero": ZERO, "rescale": RESCALE, "stale": STALE, "error_feedback": ERROR_FEEDBACK}[name]
+    return {"zero": ZERO, "rescale": RESCALE, "stale": STALE, "error_feedback": ERROR_FEEDBACK, "mask": MASK}[name]
 
 
 # -- what a policy keeps at a call site ------------------------------------------------------------
@@ -149,6 +151,7 @@ class Policy:
     acts_on_shards = True   # acts on a reduce-scatter (FSDP's gradients): needs no whole sum at every rank
     acts_on_sends = True    # acts on a point-to-point send (pipeline stages' activations and gradients)
     on_activations = True   # acts on activations (else ``on(ACTIVATIONS)`` is zero)
+    masks_keys = False      # a context-parallel receiver leaves keys it lost out of attention (``mask``)
     settings: tuple[str, ...] = ()   # the NetworkSpec settings it reads beside ``recovery``
 
     def on(self, direction: str) -> "Policy":
@@ -202,7 +205,16 @@ class Rescale(Policy):
     rescale = True
 
 
-ZERO, RESCALE = Policy(), Rescale()
+class Mask(Policy):
+    """``zero``'s holes, and a receiver that knows where they are: context parallelism's attention leaves a key
+    whose packet was lost out of the softmax of the queries that would have read it (``lossysim.cp``). On
+    every other message (all-reduces, pipeline sends, gradients) there is no softmax to leave it out of: it
+    is ``zero``."""
+    name = "mask"
+    masks_keys = True
+
+
+ZERO, RESCALE, MASK = Policy(), Rescale(), Mask()
 
 
 # -- Hadamard ----------------------------------------------------------------------------------------
