@@ -211,21 +211,22 @@ class Mesh:
                               "nics_per_node": None, "seed": stream_seed(settings["seed"], group, "network"),
                               "lossy_layers": "all", "lossy_sites": "all", "lossy": lossy})
 
-    def pp_network_spec(self, settings: dict, replica: int, boundary: int, lossy: tuple[str, ...]) -> NetworkSpec:
+    def pp_network_spec(self, settings: dict, replica: int, boundary: int, lossy: tuple[str, ...],
+                        context: int = 0) -> NetworkSpec:
         """Replica ``replica``'s pipeline boundary ``boundary`` (between stages ``boundary`` and
         ``boundary + 1``): ``2 tp`` ranks, stage ``boundary``'s TP ranks then the next stage's (local rank
         t and ``tp + t`` are the global ranks ``rank(replica, t, boundary)`` and ``rank(replica, t,
         boundary + 1)``), on the nodes the mesh puts them, chains of their own; ``lossy``: the directions
-        that may lose packets (``fwd``: activations, ``bwd``: their gradients). Every message is a
-        candidate: site selection picks TP sites."""
+        that may lose packets (``fwd``: activations, ``bwd``: their gradients); ``context``: the context
+        rank whose stages it joins. Every message is a candidate: site selection picks TP sites."""
         if not 0 <= boundary < self.pp - 1:
             has = f"a pipeline of {self.pp} stages has boundaries 0..{self.pp - 2}" if self.pp > 1 else \
                 "one stage has no pipeline boundary"
             raise ValueError(f"boundary={boundary}: {has}")
-        ranks = self.tp_ranks(replica, boundary) + self.tp_ranks(replica, boundary + 1)
+        ranks = self.tp_ranks(replica, boundary, context) + self.tp_ranks(replica, boundary + 1, context)
+        name = f"pp.replica{replica}.boundary{boundary}" + (f".cp{context}" if context else "")
         return NetworkSpec(**{**settings, "ranks": len(ranks), "ranks_per_node": self._per_node(ranks),
-                              "seed": stream_seed(settings["seed"], f"pp.replica{replica}.boundary{boundary}",
-                                                  "network"),
+                              "seed": stream_seed(settings["seed"], name, "network"),
                               "lossy_layers": "all", "lossy_sites": "all", "lossy": lossy})
 
     def _per_node(self, ranks: list[int]) -> int:

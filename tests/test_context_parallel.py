@@ -124,3 +124,159 @@ def test_a_sequence_length_cp_cannot_split_is_one_line_and_exit_2(tmp_path, caps
     assert code == 2 and len(err.splitlines()) == 1
     assert "max_length=32 is not a multiple of 2 x cp_size = 6" in err
     assert not (tmp_path / "run").exists()
+
+
+# -- what a lost key or value means ------------------------------------------------------------------
+
+def _exchange_network(cp: int, loss: str, **settings) -> LossyNetwork:
+    return LossyNetwork(cp, loss, seed=3, ranks_per_node=1, payload_bytes=64, **settings)
+
+
+def _holes(missed: torch.Tensor, per_packet: int, n: int) -> torch.Tensor:
+    return missed.repeat_interleave(per_packet, dim=-1)[..., :n]
+
+
+def test_a_ring_forwards_what_arrived_and_a_hole_stays_for_every_rank_further_on():
+    """cp 4, 10% Bernoulli loss: a block reaches the rank h hops on missing each packet with probability
+    1 - 0.9^h (a hop forwards the holes it got: binomial tests per distance), holds zeros exactly where it
+    misses a packet and the block's own values elsewhere, and what one rank misses the next misses too."""
+    from lossysim.cp.exchange import ring_forward
+    p, cp = 0.1, 4
+    network = _exchange_network(cp, f"bernoulli:{p}")
+    blocks = torch.randn(cp, 16 * 2000) + 5.0          # no element is 0 by chance
+    held, missed, rounds = ring_forward(network, "h.0.attn.kv", blocks)
+    per_packet, packets = network.packets(blocks.shape[1], blocks.dtype)
+    assert len(rounds) == cp - 1 and missed.shape == (cp, cp, packets)
+    for i in range(cp):
+        assert not missed[i, i].any() and torch.equal(held[i, i], blocks[i])
+        for j in range(cp):
+            holes = _holes(missed[i, j], per_packet, blocks.shape[1])
+            assert torch.equal(held[i, j], torch.where(holes, 0.0, blocks[j]))
+            before = (i - 1) % cp
+            if j != i:
+                assert not (missed[before, j] & ~missed[i, j]).any()
+    for h in range(1, cp):
+        counts = [int(missed[(j + h) % cp, j].sum()) for j in range(cp)]
+        assert stats.binomtest(sum(counts), cp * packets, 1 - (1 - p) ** h).pvalue > 1e-3, h
+
+
+@pytest.mark.parametrize("mode", ["ring", "allgather"])
+def test_retransmission_delivers_every_block_exact_and_a_deadline_leaves_holes(mode):
+    """Retransmitted, every receiver holds every block exactly (nothing missing) and the repairs cost time;
+    under a deadline what did not arrive in time is missing, a hole where the gaps say."""
+    from lossysim.cp.exchange import FORWARD
+    blocks = torch.randn(2, 4000) + 5.0
+    repaired = _exchange_network(2, "bernoulli:0.2", transport="retransmit")
+    held, missed, _ = FORWARD[mode](repaired, "h.0.attn.kv", blocks)
+    assert missed is None and all(torch.equal(held[i, j], blocks[j]) for i in range(2) for j in range(2))
+    assert repaired.clock()["retransmit_s"] > 0 and repaired.totals()["resent"] > 0
+    late = _exchange_network(2, "bernoulli:0.2", transport="deadline", deadline=1.0)
+    held, missed, _ = FORWARD[mode](late, "h.0.attn.kv", blocks)
+    per_packet, _ = late.packets(blocks.shape[1], blocks.dtype)
+    assert late.totals()["missing"] == int(missed.sum()) > 0
+    for i in range(2):
+        for j in range(2):
+            assert torch.equal(held[i, j], torch.where(_holes(missed[i, j], per_packet, 4000), 0.0, blocks[j]))
+
+
+def test_the_backward_sends_every_rank_s_key_value_gradient_back_to_the_block_s_owner():
+    """Loss-free, each block's gradient is the sum of what every receiver's attention gave it (ring and
+    all-gather alike); lost, the ring's backward misses some of it, the all-gather's reduce-scatter too."""
+    from lossysim.cp.exchange import BACKWARD
+    grads = torch.randn(4, 4, 1000)
+    for mode in ("ring", "allgather"):
+        got, rounds = BACKWARD[mode](_exchange_network(4, "none"), "h.0.attn.kv", grads)
+        torch.testing.assert_close(got, grads.sum(0), rtol=1e-6, atol=1e-6)
+        lossy, _ = BACKWARD[mode](_exchange_network(4, "bernoulli:0.2"), "h.0.attn.kv", grads)
+        assert not torch.allclose(lossy, grads.sum(0))
+
+
+@pytest.mark.parametrize("mode", ["ring", "allgather"])
+@pytest.mark.parametrize("recovery", ["zero", "mask"])
+def test_a_lost_key_is_a_zero_key_or_masked_out_of_the_softmax(monkeypatch, mode, recovery):
+    """tp 1 x cp 2 GPT-2, 30% of the keys' and values' packets lost: in every layer each context rank's
+    attention is, in fp64 and query by query, a softmax over the keys causally before it (padding out) of
+    the blocks as they arrived (``zero``: lost elements zero, still in the softmax), or (``mask``) over those
+    whose key and value arrived whole in that head only, renormalised."""
+    from lossysim.cp import context as module
+    seen = []
+    exchanged, attend = module.exchanged, module.attention.attend
+
+    def record_exchange(exchange, site, blocks):
+        held, missed = exchanged(exchange, site, blocks)
+        seen.append({"held": held.detach(), "missed": missed,
+                     "per_packet": exchange.network.packets(held.shape[-1], held.dtype)[0]})
+        return held, missed
+
+    def record_attend(query, keys, values, ok, scaling, dropout):
+        out = attend(query, keys, values, ok, scaling, dropout)
+        seen[-1].update(query=query.detach(), out=out.detach(), scaling=scaling)
+        return out
+    monkeypatch.setattr(module, "exchanged", record_exchange)
+    monkeypatch.setattr(module.attention, "attend", record_attend)
+    ref = build("lm", "sdpa")
+    model, context = _context_parallel(ref, "lm", 1, 2, mode, loss="bernoulli:0.3", recovery=recovery,
+                                       lossy_traffic="cp_forward", payload_bytes=64)
+    from _tp_common import make_batch
+    batch = make_batch("lm")
+    model.eval()
+    with torch.no_grad():
+        model(**batch)
+    valid, k_pos, q_pos = context._keys
+    heads, d = 4, 8
+    assert len(seen) == 2 and any(s["missed"].any() for s in seen)
+    for layer in seen:
+        B, L = valid.shape[0], q_pos.shape[1]
+        blocks = layer["held"].view(2, 2, 2, B, heads, L, d).double()     # [receiver, origin, K|V, ...]
+        gone = _holes(layer["missed"], layer["per_packet"], layer["held"].shape[-1]).view(2, 2, 2, B, heads, L, d)
+        gone = gone.any(-1).any(2)                                          # [receiver, origin, B, heads, L]
+        query = layer["query"].view(2, B, heads, L, d).double()
+        for c in range(2):
+            keys = blocks[c, :, 0].permute(1, 2, 0, 3, 4).reshape(B, heads, 2 * L, d)
+            values = blocks[c, :, 1].permute(1, 2, 0, 3, 4).reshape(B, heads, 2 * L, d)
+            lost = gone[c].permute(1, 2, 0, 3).reshape(B, heads, 2 * L)
+            for b in range(B):
+                for h in range(heads):
+                    for i in range(L):
+                        ok = (k_pos <= q_pos[c, i]) & valid[b]
+                        if recovery == "mask":
+                            ok = ok & ~lost[b, h]
+                        scores = keys[b, h, ok] @ query[c, b, h, i] * layer["scaling"]
+                        expected = torch.softmax(scores, 0) @ values[b, h, ok]
+                        got = layer["out"][c * B + b, i, h].double()
+                        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+# -- the estimate --------------------------------------------------------------------------------------
+
+@pytest.mark.usefixtures("private_cache")
+@pytest.mark.parametrize("mode, changes", [("ring", dict(loss="bernoulli:0.05", transport="retransmit", nic="irn")),
+                                           ("allgather", dict(loss="bernoulli:0.05", recovery="mask")),
+                                           ("ring", dict(loss="none", dp_size=2))])
+def test_a_tp_cp_estimate_counts_and_times_what_training_does(tmp_path, mode, changes):
+    """tp 2 x cp 2 (a TP group to a node, the context groups across nodes), tiny-llama on 8 x 16-token
+    batches: the estimate of the run's own config counts every context group's and every context rank's TP
+    packets as training sent them, and its step is training's clock: compute, context rank 0's TP traffic and
+    what the exchanges added beside attention."""
+    from lossysim.estimate import Workload, estimate
+    from test_estimate_job import STEPS, _totals, _trained
+    config, parts, state, shape = _trained(tmp_path, cp_size=2, cp_mode=mode, ranks_per_node=2, **changes)
+    row = estimate(shape, config, Workload(seq=16), steps=STEPS)
+    contexts = [r.model.context for r in parts.dp.replicas]
+    for cls, networks in (("cp", [n for c in contexts for n in c.train_networks.cp]),
+                          ("tp", [r.model.group.network for r in parts.dp.replicas] +
+                           [n for c in contexts for n in c.train_networks.tp])):
+        trained = _totals(networks)
+        for name in ("sent", "lost", "resent"):
+            assert row[f"{cls}_packets_{name}"] * STEPS == trained[name], (cls, name)
+    total = state.compute_s + parts.train_net.clock()["comm_s"] + state.cp_s + state.dp_s
+    assert row["step_mean_s"] == pytest.approx(total / STEPS, rel=1e-12)
+    assert row["cp_size"] == 2 and row["stack_cp_s"] > 0 and state.cp_s > 0
+    if changes["loss"] != "none":
+        assert row["cp_packets_lost"] > 0 and row["cp_repair_s"] >= 0
+
+
+def test_the_estimate_refuses_a_sequence_cp_cannot_split(capsys):
+    code = cli.main(["estimate", "llama-3.1-8b", "--seq", "131070", "--cp-size", "16"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "--seq=131070 is not a multiple of 2 x cp_size = 32" in err
