@@ -201,9 +201,10 @@ class _Job:
         self.sampled = w.sampled(mesh.world)
         self.rng = np.random.default_rng(stream_seed(config.seed, "estimate.slowest", "groups"))
 
-    def _sample(self, groups: list[_Group], stages: int = 1) -> tuple[list[_Group], int]:
+    def _sample(self, groups: list[_Group], stages: float = 1) -> tuple[list[_Group], int]:
         """The groups simulated, each standing for its share of the G (of each of ``stages`` alike
-        stages), and how many of the first stage's are drawn instead."""
+        stages: a stage of fewer blocks counts its share), and how many of the first stage's are drawn
+        instead."""
         k = self.sampled
         if not k or groups[0].copies > 1 or (len(groups) <= k and stages == 1):
             return groups, 0
@@ -332,23 +333,25 @@ class _Job:
         """Every stage's context groups' exchanges, per step: ``out[step]["cp"][s][j]``, group j's [micro-batch,
         direction, (with loss, loss-free), block] seconds added (``_context_group``). A loss-free group is the
         same at every micro-batch, step and stage alike (simulated once); with sampled groups, stages alike but
-        for their streams share the first one's simulated groups, the others' drawn from them."""
+        for their streams (and their number of blocks: a stage of fewer reads its first blocks') share the
+        simulated groups of the one with the most blocks, the others' drawn from them."""
         alike = defaultdict(list)
         for s, groups in enumerate(self.cp):
             spec = dataclasses.replace(groups[0].spec, seed=0)
-            shared = groups[0].copies > 1 or self.sampled
-            alike[(len(self.blocks(s)), spec, groups[0].copies) if shared else s].append(s)
+            alike[(spec, groups[0].copies) if groups[0].copies > 1 or self.sampled else s].append(s)
         for stages in alike.values():
-            first, groups = stages[0], self.cp[stages[0]]
+            # the stage with the most blocks stands for the others (a stage of fewer: its first blocks)
+            first = max(stages, key=lambda s: len(self.blocks(s)))
+            groups, weight = self.cp[first], sum(len(self.blocks(s)) for s in stages) / len(self.blocks(first))
             if groups[0].copies > 1:   # loss-free: one group, deterministic
                 net = LossyNetwork(groups[0].spec)
                 once = self._context_group(net, 1, first, 1)
                 for s in stages:
                     for step in out:
-                        step["cp"][s][0] = np.repeat(once, m, axis=0)
-                self._count("cp", net, groups[0].copies * m * steps * len(stages))
+                        step["cp"][s][0] = np.repeat(once[..., :len(self.blocks(s))], m, axis=0)
+                self._count("cp", net, groups[0].copies * m * steps * weight)
                 continue
-            chosen, extra = self._sample(groups, len(stages))
+            chosen, extra = self._sample(groups, weight)
             for j, group in enumerate(chosen):
                 net = LossyNetwork(group.spec)
                 for step in out:
@@ -363,7 +366,7 @@ class _Job:
                         continue
                     # forward and backward drawn apart, as ``_draw_groups`` draws TP's
                     drawn = self.rng.integers(len(pool), size=(fill, m, 2))
-                    filled = np.stack([pool[drawn[..., 0], 0], pool[drawn[..., 1], 1]], axis=2)
+                    filled = np.stack([pool[drawn[..., 0], 0], pool[drawn[..., 1], 1]], axis=2)[..., :len(self.blocks(s))]
                     step["cp"][s] = (step["cp"][first][:k] if s == first else []) + list(filled)
 
     def _context_group(self, net: LossyNetwork, copies: float, stage: int, m: int) -> np.ndarray:
