@@ -44,8 +44,8 @@ Profiles:
          3 seeds, 150 steps; accuracy, bubble, time per step and observed PP loss side by
          side. 81 runs, about 20 minutes on 2 idle CPU cores. Spec: experiments/pipeline.yaml
   cp     what lost keys and values do between context-parallel ranks: the tiny GPT-2 as a
-         causal LM on Python's documentation text (pydoc, offline), pieces of up to 128
-         tokens cut into 4 chunks, tp 1 x cp 2 with a context rank per node, the keys,
+         byte-level causal LM on Python's documentation text (pydoc, offline), pieces of up
+         to 128 bytes cut into 4 chunks, tp 1 x cp 2 with a context rank per node, the keys,
          values and their gradients losing 1% and 5% between the nodes: zero-filled,
          masked out of the softmax (mask) or retransmitted (irn); beside the same loss on
          TP traffic (tp 2 across the nodes), each beside its loss-free runs, 3 seeds, 60

@@ -280,3 +280,15 @@ def test_the_estimate_refuses_a_sequence_cp_cannot_split(capsys):
     code = cli.main(["estimate", "llama-3.1-8b", "--seq", "131070", "--cp-size", "16"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "--seq=131070 is not a multiple of 2 x cp_size = 32" in err
+
+
+def test_the_estimate_counts_the_holes_a_ring_forwards():
+    """cp 4 ring, 10% Bernoulli loss dropped: a block's receiver h hops on misses 1 - 0.9^h of its elements
+    (what every hop on the way lost), a gradient's receiver what its own hop lost; the estimate's share of
+    received key/value elements not exact is their mean, (mean_h (1 - 0.9^h) + 0.1) / 2, within sampling."""
+    from lossysim.estimate import Workload, estimate, job_config
+    p = 0.1
+    config = job_config("tiny-llama", tp_size=1, cp_size=4, ranks_per_node=1, loss=f"bernoulli:{p}", max_length=1024)
+    row = estimate("tiny-llama", config, Workload(seq=1024), steps=10)
+    forwarded = sum(1 - (1 - p) ** h for h in range(1, 4)) / 3
+    assert row["cp_elements_lost"] == pytest.approx((forwarded + p) / 2, abs=0.01)

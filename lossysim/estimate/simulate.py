@@ -401,6 +401,8 @@ class _Job:
             self._lost("cp", direction, delivery, per_packet, numel, _held(collective, cp, numel), copies, collective)
             return [[after[0] - before[0], after[1] - before[1]]]
         rounds = []
+        holes = [np.zeros(0, dtype=np.int64) for _ in range(cp)]   # per origin: the packets its block misses
+        short = per_packet * -(-n // per_packet) - n                   # the last packet is partial
         for step in (range(1, cp) if direction == "fwd" else range(cp - 1, 0, -1)):
             slowest = [0.0, 0.0]
             for i in range(cp):
@@ -409,7 +411,17 @@ class _Job:
                 delivery = net.simulate(site, direction, n, dtype, "send", deliver=False, pair=pair)
                 after = _mark(net)
                 slowest = [max(slowest[0], after[0] - before[0]), max(slowest[1], after[1] - before[1])]
-                self._lost("cp", direction, delivery, per_packet, n, n, copies)
+                if direction == "bwd":   # a gradient's sum: what this hop lost
+                    self._lost("cp", direction, delivery, per_packet, n, n, copies)
+                    continue
+                # keys and values: a hop forwards what arrived, its receiver misses every hole so far
+                origin = (i - step + 1) % cp
+                if delivery is not None:
+                    holes[origin] = np.union1d(holes[origin], _lost_packets(delivery))
+                missed = holes[origin]
+                self.received["cp", "fwd"] += n * copies
+                self.inexact["cp", "fwd"] += (len(missed) * per_packet -
+                                              short * int(len(missed) and missed[-1] == -(-n // per_packet) - 1)) * copies
             rounds.append(slowest)
         return rounds
 
@@ -656,6 +668,13 @@ def _held(collective: str, ranks: int, numel: int) -> int:
     """Elements a collective of ``numel`` (simulate's: an all-gather's per rank) leaves with its receivers:
     every rank the sum, every rank every shard, or every rank its chunk's sum."""
     return {"all_reduce": ranks * numel, "all_gather": ranks * ranks * numel, "reduce_scatter": numel}[collective]
+
+
+def _lost_packets(delivery) -> np.ndarray:
+    """A send's lost packets, sorted (``delivery``: a policy's draw, or the lost packets as ``Losses``)."""
+    if isinstance(delivery, Losses):
+        return np.unique(delivery.packet)
+    return np.nonzero((packets_of(delivery).weights[0, 0] == 0).cpu().numpy())[0]
 
 
 def _inexact_elements(delivery, per_packet: int, numel: int, collective: str = "all_reduce") -> int:
