@@ -1,7 +1,7 @@
 """What context parallelism costs the simulator and the estimate, measured side by side.
 
-1. A sim tp 1 x cp 2 training step of the tiny GPT-2 as a causal LM on CPython's documentation topics
-   (pydoc; 16 rows of up to 128 tokens) against the tp 1 step on the same batch: the same compute, plus
+1. A sim tp 1 x cp 2 training step of the tiny GPT-2 as a byte-level causal LM on CPython's documentation
+   topics (pydoc; 16 rows of up to 128 bytes, the cp profile's) against the tp 1 step on the same batch: the same compute, plus
    cutting the sequences into the ranks' chunks, the keys' and values' sends in every block (each context
    rank on its own node, 1% Bernoulli loss, ``mask``) and their gradients back, and the reassembly.
    Target: <= 1.5x (interleaved repeats: min and median of each).
@@ -45,7 +45,8 @@ JOBS = {"llama-3.1-8b": dict(cp_size=16),
 
 def stepper(cp: int, device: torch.device):
     """One training step at a time of tp 1 x cp ``cp`` (each context rank on its own node)."""
-    config = ExperimentConfig(model="tiny", task="lm", dataset="pydoc", max_length=128, max_train_samples=400,
+    config = ExperimentConfig(model="tiny", task="lm", dataset="pydoc", tokenizer="bytes", max_length=128,
+                              max_train_samples=400,
                               batch_size=BATCH, steps=10_000, dropout=0.0, tp_size=1, cp_size=cp, ranks_per_node=1,
                               lossy_links="inter_node", recovery="mask" if cp > 1 else "zero",
                               # one context rank sends nothing: config refuses a loss nothing meets
@@ -57,10 +58,11 @@ def stepper(cp: int, device: torch.device):
     return lambda: train_step(parts, config, state, window, batch, device)
 
 
-def estimated(model: str, layout: dict) -> tuple[float, dict]:
-    start = time.perf_counter()
+def estimated(model: str, layout: dict) -> tuple[float, float, dict]:
+    """Wall and CPU seconds of one estimated step, and its row."""
+    start, cpu = time.perf_counter(), time.process_time()
     row = estimate(load(model), job_config(model, **NETWORK, **layout), Workload(seq=131072), steps=1)
-    return time.perf_counter() - start, row
+    return time.perf_counter() - start, time.process_time() - cpu, row
 
 
 def main() -> int:
@@ -79,8 +81,9 @@ def main() -> int:
           f"medians {statistics.median(two) / statistics.median(one):.2f}x")
     if args.estimate:
         for model, layout in JOBS.items():
-            seconds, row = estimated(model, layout)
+            seconds, cpu, row = estimated(model, layout)
             print(f"{model} {row['layout']}, seq 131072, 1% bernoulli, irn: estimated in {seconds:.1f} s "
+                  f"(CPU {cpu:.1f} s) "
                   f"({row['packets_drawn']:.3g} packet fates drawn); step {row['step_mean_s']:.3f} s, slowdown "
                   f"{row['slowdown']:.4f}, cp {row['stack_cp_s']:.4f} s loss-free + repairs {row['cp_repair_s']:.4f} s")
             print(f"TARGET {model} estimate: {seconds:.1f} s (<= {ESTIMATE_TARGET_S:.0f} s: "

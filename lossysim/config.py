@@ -228,6 +228,9 @@ class ExperimentConfig:
         if fsdp:
             raise ValueError(f"cp_size={cp} with dp_mode=fsdp: FSDP's gathers beside context parallelism are not "
                              "modelled; use dp_mode=ddp")
+        if self.activation_checkpointing:
+            raise ValueError(f"cp_size={cp} with activation_checkpointing: a recomputed block's key/value "
+                             "exchange is not modelled; set activation_checkpointing=false")
 
     def _validate_pipeline(self) -> None:
         """pp keys alone; pp_layout against the model's depth is checked where the depth is known

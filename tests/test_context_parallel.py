@@ -292,3 +292,14 @@ def test_the_estimate_counts_the_holes_a_ring_forwards():
     row = estimate("tiny-llama", config, Workload(seq=1024), steps=10)
     forwarded = sum(1 - (1 - p) ** h for h in range(1, 4)) / 3
     assert row["cp_elements_lost"] == pytest.approx((forwarded + p) / 2, abs=0.01)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(cp_size=2, recovery="rescale"), "cp_size=2 needs recovery=zero or mask, not rescale"),
+    (dict(recovery="mask"), "recovery=mask leaves lost keys out of attention: it needs cp_size > 1"),
+    (dict(cp_size=2, dp_size=2, dp_mode="fsdp"), "cp_size=2 with dp_mode=fsdp"),
+    (dict(cp_size=2, activation_checkpointing=True), "cp_size=2 with activation_checkpointing"),
+    (dict(cp_size=2, cp_mode="ulysses"), "cp_mode='ulysses' must be")])
+def test_settings_context_parallelism_does_not_take_are_one_line_errors(changes, message):
+    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(")):
+        ExperimentConfig(**changes).validate()
