@@ -303,3 +303,21 @@ def test_the_estimate_counts_the_holes_a_ring_forwards():
 def test_settings_context_parallelism_does_not_take_are_one_line_errors(changes, message):
     with pytest.raises(ValueError, match="^" + message.replace("(", r"\(")):
         ExperimentConfig(**changes).validate()
+
+
+def test_sampled_context_groups_count_what_they_stand_for():
+    """tp 2 x cp 2 x pp 2 x dp 2 (stages alike), 4 micro-batches: with one group and one micro-batch of each
+    simulated, the others drawn, the counts are scaled to stand for all of them, exactly loss-free and in
+    packets sent; the packets lost within sampling of the full simulation's; the loss-free step the same."""
+    from lossysim.estimate import Workload, estimate, job_config, load
+    shape = load("tiny-llama")
+    layout = dict(micro_batch=2, tp_size=2, cp_size=2, pp_size=2, dp_size=2, microbatches=4, ranks_per_node=2,
+                  lossy_links="inter_node", max_length=256)
+    for loss in ("none", "bernoulli:0.2"):
+        config = job_config("tiny-llama", loss=loss, **layout)
+        full, sampled = (estimate(shape, config, Workload(seq=256, sampled_groups=k), steps=2) for k in (0, 1))
+        for key in ("cp_packets_sent", "tp_packets_sent", "loss_free_step_s"):
+            assert sampled[key] == pytest.approx(full[key], rel=1e-12), (loss, key)
+        if loss != "none":
+            assert full["cp_packets_lost"] > 100
+            assert sampled["cp_packets_lost"] == pytest.approx(full["cp_packets_lost"], rel=0.3)

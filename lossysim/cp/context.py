@@ -95,10 +95,6 @@ class ContextParallel(nn.Module):
             raise RuntimeError("this replica has no evaluation networks: evaluation runs replica 0")
         return self.train_networks if self.training else self.eval_networks
 
-    def networks(self) -> list[LossyNetwork]:
-        """Every training network (for a run's statistics and clock)."""
-        return self.train_networks.all()
-
     @contextlib.contextmanager
     def evaluating(self):
         """An evaluation: its networks' counters start from zero (the model's eval mode selects them)."""

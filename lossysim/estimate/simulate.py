@@ -334,7 +334,8 @@ class _Job:
         direction, (with loss, loss-free), block] seconds added (``_context_group``). A loss-free group is the
         same at every micro-batch, step and stage alike (simulated once); with sampled groups, stages alike but
         for their streams (and their number of blocks: a stage of fewer reads its first blocks') share the
-        simulated groups of the one with the most blocks, the others' drawn from them."""
+        simulated groups of the one with the most blocks, the others' drawn from them, and a simulated group
+        simulates ``sampled_groups`` of its micro-batches, the others drawn alike."""
         alike = defaultdict(list)
         for s, groups in enumerate(self.cp):
             spec = dataclasses.replace(groups[0].spec, seed=0)
@@ -352,13 +353,23 @@ class _Job:
                 self._count("cp", net, groups[0].copies * m * steps * weight)
                 continue
             chosen, extra = self._sample(groups, weight)
+            # under the model, a simulated group also simulates only k of its micro-batches (alike but for
+            # their draws), the others drawn from them as the other groups' are: every block's exchange of
+            # every micro-batch is hundreds of sends
+            simulated = min(self.sampled, m) if self.sampled else m
             for j, group in enumerate(chosen):
                 net = LossyNetwork(group.spec)
+                copies = group.copies * m / simulated
                 for step in out:
-                    step["cp"][first][j] = self._context_group(net, group.copies, first, m)
-                self._count("cp", net, group.copies)
+                    step["cp"][first][j] = self._context_group(net, copies, first, simulated)
+                self._count("cp", net, copies)
             k = len(chosen)
             pool = np.concatenate([step["cp"][first][j] for step in out for j in range(k)])   # [items, 2, 2, blocks]
+            for step in out:
+                for j in range(k if simulated < m else 0):
+                    drawn = self.rng.integers(len(pool), size=(m - simulated, 2))
+                    more = np.stack([pool[drawn[:, 0], 0], pool[drawn[:, 1], 1]], axis=1)
+                    step["cp"][first][j] = np.concatenate([step["cp"][first][j], more])
             for s in stages:
                 fill = len(groups) - k if s == first else len(groups)
                 for step in out:
