@@ -10,7 +10,7 @@
    Llama 3's long-context layout (tp 8 x cp 16 x pp 16 x dp 8, 16,384 GPUs). Target: <= 60 s each on 2
    cores.
 
-    python benchmarks/bench_context.py [--device cuda] [--repeats 20] [--estimate]
+    python benchmarks/bench_context.py [--device cuda] [--repeats 20] [--threads 1] [--estimate]
 """
 from __future__ import annotations
 
@@ -70,7 +70,11 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--estimate", action="store_true", help="also time the two estimates")
+    parser.add_argument("--threads", type=int, help="intra-op threads (default: torch's; on shared cores 1 keeps "
+                                                     "idle threads from spinning into the figures)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {device}")
     one, two = side_by_side([stepper(1, device), stepper(2, device)], device, args.repeats)
