@@ -13,11 +13,11 @@ from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from .util import one_of, stream_seed
-from .mesh import DEFAULT_ORDER, Mesh
-from .net.recovery import SEND_POLICIES, SHARD_POLICIES
+from .mesh import DEFAULT_ORDER, Mesh, parse_order
+from .net.recovery import require
 from .net.spec import SETTINGS, NetworkSpec
 from .timing import DEFAULT_NIC, parse_compute
-from .traffic import BY_NAME, KINDS as TRAFFIC_KINDS, parse_kinds as traffic_kinds
+from .traffic import BY_NAME, parse_kinds as traffic_kinds
 
 
 # Keys that say where or how a run is executed, not what it trains: they stay out of a run's
@@ -35,7 +35,6 @@ IDENTITY_AT_DEFAULT_OMITTED = ("dp_size", "dp_bucket_mb", "dp_overlap", "dp_sync
                               "dp_mode", "lossy_layers", "lossy_sites", "outlier_fraction", "microbatches",
                               "pp_size", "pp_schedule", "pp_layout", "parallel_order", "cp_size", "cp_mode")
 CP_MODES = ("ring", "allgather")   # Megatron's p2p ring of K/V blocks; Llama 3's all-gathered K/V
-CP_POLICIES = ("zero", "mask")     # what a context-parallel receiver may make of a lost K/V packet
 
 
 def parse_report_to(value) -> tuple[str, ...]:
@@ -166,6 +165,7 @@ class ExperimentConfig:
         self._validate_pipeline()
         self._validate_data_parallel()
         self._validate_pairs()
+        self.parallel_order = "-".join(parse_order(self.parallel_order))   # one spelling: one run identity
         self.mesh()                       # the layout's one check, for train, sweep and estimate alike
         self._check_something_can_lose()
         try:
@@ -195,17 +195,18 @@ class ExperimentConfig:
         """Settings each fine alone that do not go together: checked here only, for every command."""
         fsdp, pp = self.dp_mode == "fsdp" and self.dp_size > 1, self.pp_size > 1
         self._validate_context(fsdp)
-        if fsdp and self.recovery not in SHARD_POLICIES:
-            raise ValueError(f"dp_mode=fsdp needs recovery={' or '.join(SHARD_POLICIES)}, not {self.recovery} "
-                             "(the other policies need the whole reduced message at every rank)")
+        for on, setting, collective in ((fsdp, "dp_mode=fsdp", "reduce_scatter"),
+                                        (pp, f"pp_size={self.pp_size}", "send"),
+                                        (self.cp_size > 1, f"cp_size={self.cp_size}", "kv_exchange")):
+            try:
+                require(self.recovery, collective) if on else None
+            except ValueError as err:
+                raise ValueError(f"{setting}: {err}") from None
         if fsdp and self.dp_sync_every:
             raise ValueError("dp_sync_every with dp_mode=fsdp: FSDP's replicas share one exact master copy and never drift")
         if fsdp and pp:
             raise ValueError(f"dp_mode=fsdp with pp_size={self.pp_size}: FSDP's gathers around a pipeline schedule "
                              "are not modelled; use dp_mode=ddp or pp_size=1")
-        if pp and self.recovery not in SEND_POLICIES:
-            raise ValueError(f"pp_size={self.pp_size} needs recovery={', '.join(SEND_POLICIES)}, not {self.recovery} "
-                             "(the boundaries' point-to-point sends)")
         if pp and self.dp_sync_every:
             raise ValueError(f"dp_sync_every with pp_size={self.pp_size}: synchronising pipelined replicas is not "
                              "modelled; set dp_sync_every=0")
@@ -222,9 +223,6 @@ class ExperimentConfig:
         if self.max_length % (2 * cp):
             raise ValueError(f"max_length={self.max_length} is not a multiple of 2 x cp_size = {2 * cp}: context "
                              "parallelism cuts every sequence into 2 x cp_size equal chunks")
-        if self.recovery not in CP_POLICIES:
-            raise ValueError(f"cp_size={cp} needs recovery={' or '.join(CP_POLICIES)}, not {self.recovery} "
-                             "(what a receiver makes of a lost key or value)")
         if fsdp:
             raise ValueError(f"cp_size={cp} with dp_mode=fsdp: FSDP's gathers beside context parallelism are not "
                              "modelled; use dp_mode=ddp")

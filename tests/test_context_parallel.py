@@ -9,6 +9,7 @@ for bit, and a resumed run ends as an uninterrupted one."""
 from __future__ import annotations
 
 import copy
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -104,7 +105,13 @@ def test_a_context_parallel_run_resumes_exactly(tmp_path):
     settings = dict(tp_size=2, cp_size=2, ranks_per_node=2, loss="bernoulli:0.05", recovery="mask", steps=4,
                     eval_every=2, save_checkpoint=True)
     whole = tiny(tmp_path, **settings, out=str(tmp_path / "whole"))
-    assert run_experiment(whole, whole.out, progress=False)["status"] == "completed"
+    summary = run_experiment(whole, whole.out, progress=False)
+    assert summary["status"] == "completed"
+    # summary.json's traffic classes count the keys' and values' packets as the context summary does
+    cp = summary["context_parallel"]
+    for direction, traffic in summary["traffic"]["cp"].items():
+        assert traffic["lossy"] and traffic["sent"] == cp[f"packets_sent_cp_{direction}"] > 0
+        assert traffic["lost"] == cp[f"packets_lost_cp_{direction}"] > 0
     cut = tiny(tmp_path, **settings, checkpoint_every=2, keep_checkpoints=0, out=str(tmp_path / "cut"))
     assert run_experiment(cut, cut.out, progress=False)["status"] == "completed"
     out = Path(cut.out)
@@ -295,7 +302,7 @@ def test_the_estimate_counts_the_holes_a_ring_forwards():
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(cp_size=2, recovery="rescale"), "cp_size=2 needs recovery=zero or mask, not rescale"),
+    (dict(cp_size=2, recovery="rescale"), "cp_size=2: recovery=rescale does not act on key/value exchanges: use one of zero, mask"),
     (dict(recovery="mask"), "recovery=mask leaves lost keys out of attention: it needs cp_size > 1"),
     (dict(cp_size=2, dp_size=2, dp_mode="fsdp"), "cp_size=2 with dp_mode=fsdp"),
     (dict(cp_size=2, activation_checkpointing=True), "cp_size=2 with activation_checkpointing"),
@@ -303,6 +310,22 @@ def test_the_estimate_counts_the_holes_a_ring_forwards():
 def test_settings_context_parallelism_does_not_take_are_one_line_errors(changes, message):
     with pytest.raises(ValueError, match="^" + message.replace("(", r"\(")):
         ExperimentConfig(**changes).validate()
+
+
+def test_the_network_refuses_a_policy_the_key_value_exchange_does_not_take_before_drawing():
+    """The one rule (``recovery.require``) holds for a Python caller of ``with_gaps`` too: a policy that
+    keeps state or spreads its holes is refused before any packet is drawn; zero and mask are the ones."""
+    from lossysim.net import recovery
+    assert recovery.KV_POLICIES == ("zero", "mask")
+    for name in recovery.RECOVERY_POLICIES:
+        net = LossyNetwork(2, "bernoulli:0.5", recovery=name)
+        if name in recovery.KV_POLICIES:
+            held, missed = net.with_gaps("kv", "fwd", "send", torch.ones(64), pair=(0, 1))
+            assert held.shape == (64,) and net.totals()["sent"] > 0
+            continue
+        with pytest.raises(ValueError, match=f"^recovery={re.escape(name)} does not act on key/value exchanges"):
+            net.with_gaps("kv", "fwd", "send", torch.ones(64), pair=(0, 1))
+        assert net.totals()["sent"] == 0
 
 
 def test_sampled_context_groups_count_what_they_stand_for():

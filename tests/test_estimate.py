@@ -143,3 +143,64 @@ def test_every_recovery_policy_sees_the_same_losses_and_only_its_compute_costs_t
                  "--loss", "bernoulli:0.05", "--recovery", "zero,stale"]) == 0
     header, *lines = capsys.readouterr().out.strip().splitlines()
     assert "recovery" in header.split() and len(lines) == 2
+
+
+def test_the_gpu_reaches_the_network_settings_as_in_training(capsys):
+    """``--compute`` sets NCCL's tables and whether NVLS runs, as a training run's ``compute`` does: NVLS on
+    an A100 is refused with training's own message, auto never picks it there, and the A100's loss-free
+    collectives are NCCL's Ampere times, not the Hopper ones."""
+    with pytest.raises(ValueError) as refused:
+        ExperimentConfig(tp_size=2, compute="a100", algorithm="nvls").validate()
+    for algorithms in ("nvls", "ring,nvls"):
+        assert _error(capsys, "tiny", "--tp-size", "2", "--seq", "8", "--compute", "a100", "--algorithm",
+                      algorithms).endswith(str(refused.value))
+    shape = load("llama-3.2-1b")
+    picks = {gpu: estimate(shape, job_config(shape.name, tp_size=8, algorithm="auto", ranks_per_node=8, compute=gpu),
+                           Workload(seq=4096), steps=1)["collectives"] for gpu in ("h100", "a100")}
+    assert "nvls" in picks["h100"] and "nvls" not in picks["a100"], picks
+    # one node of 4: a 1 MiB all-reduce runs LL, whose ceiling NCCL sets per GPU generation
+    config = job_config("tiny-llama", micro_batch=2, tp_size=4, algorithm="ring", ranks_per_node=4, compute="a100")
+    spec = config.network_spec()
+    row = estimate("tiny-llama", config, Workload(seq=2048), steps=1)
+    per_packet, _ = packets(spec.payload_bytes, 2048 * 2 * 128, torch.bfloat16)
+    one = {arch: nccl.collective_time("all_reduce", "ring", 4, 1, 2048 * 2 * 128 * 2, per_packet * 2,
+                                      spec.link_intra, spec.link_inter, spec.bus_bandwidth(), arch)
+           for arch in ("ampere", "hopper")}
+    assert one["ampere"] > 1.2 * one["hopper"]
+    assert row["compute"].startswith("a100") and row["loss_free_comm_s"] == pytest.approx(2 * 4 * one["ampere"],
+                                                                                          rel=1e-12)
+
+
+def test_a_name_no_setting_accepts_is_a_one_line_error(capsys):
+    """An unknown name in a list is refused as training refuses it, not skipped; a combination that only
+    some values refuse (deadline with a go-back-N nic) is still skipped with a note."""
+    base = ("tiny", "--tp-size", "2", "--seq", "8")
+    assert "nic='foo' must be one of" in _error(capsys, *base, "--transport", "retransmit", "--nic", "tcp,foo")
+    assert "nic='foo'" in _error(capsys, *base, "--nic", "tcp,foo")   # drop: one nic runs, every one is checked
+    assert "algorithm='bar' must be one of" in _error(capsys, *base, "--algorithm", "ring,bar")
+    assert "recovery='baz'" in _error(capsys, *base, "--recovery", "baz,zero")
+    specs = grid(job_config("tiny"), {"transport": ["drop,deadline"], "nic": ["roce-gbn,irn"]})
+    assert {(s.transport, s.nic) for s in specs} == {("drop", "roce-gbn"), ("deadline", "irn")}
+    assert "skipped transport=deadline, nic=roce-gbn" in capsys.readouterr().err
+
+
+def test_a_config_size_that_is_not_a_whole_number_names_its_field(tmp_path, capsys):
+    sizes = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 128, "vocab_size": 100}
+    for field, value in (("num_attention_heads", 0), ("num_hidden_layers", -2), ("head_dim", 0),
+                         ("hidden_size", 64.5), ("num_key_value_heads", True)):
+        (tmp_path / "config.json").write_text(json.dumps({**sizes, field: value}))
+        err = _error(capsys, str(tmp_path), "--tp-size", "2", "--seq", "8")
+        assert f"{field}={value!r} must be a whole number >= 1" in err, err
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 0}))
+    assert "n_head=0 must be" in _error(capsys, str(tmp_path), "--tp-size", "2", "--seq", "8")
+
+
+def test_a_group_larger_than_an_estimate_holds_is_refused_before_any_work(tmp_path, capsys):
+    """A group is simulated send by send (2R(R-1) sends an all-reduce): 100,000 replicas would grow until
+    killed; the estimate says so at once, naming the limit, and writes nothing."""
+    err = _error(capsys, "tiny", "--tp-size", "2", "--seq", "8", "--dp-size", "100000", "--out", str(tmp_path / "o"))
+    assert "dp_size=100000" in err and "2e+10 sends" in err and "use dp_size <= 1024" in err, err
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(ValueError, match="dp_size=1025"):
+        estimate("tiny", job_config("tiny", dp_size=1025), Workload(seq=8), steps=1)

@@ -216,3 +216,38 @@ def test_every_process_creates_every_group_in_one_order(tp, dp, pp, monkeypatch)
         assert groups["tp"][r] == tuple(mesh.tp_ranks(replica, stage))
         assert groups["dp"][r] == tuple(mesh.dp_ranks(t, stage))
         assert groups["pp"][r] == tuple(mesh.pp_ranks(replica, t))
+
+
+@pytest.mark.parametrize("train, estimate, needle", [
+    (["--tp-size", "1", "--pp-size", "2", "--set", "ranks_per_node=3"],
+     ["--tp-size", "1", "--pp-size", "2", "--ranks-per-node", "3"], "ranks_per_node=3 is more GPUs than the layout's"),
+    (["--tp-size", "2", "--pp-size", "2", "--dp-size", "2", "--dp-mode", "fsdp"],
+     ["--tp-size", "2", "--pp-size", "2", "--dp-size", "2", "--dp-mode", "fsdp"], "dp_mode=fsdp with pp_size=2"),
+    (["--tp-size", "2", "--pp-size", "2", "--recovery", "outliers"],
+     ["--tp-size", "2", "--pp-size", "2", "--recovery", "outliers"],
+     "pp_size=2: recovery=outliers does not act on point-to-point sends"),
+    (["--tp-size", "2", "--set", "parallel_order=tp-dp-pp"], ["--tp-size", "2", "--parallel-order", "tp-dp-pp"],
+     "parallel_order='tp-dp-pp' must name each of"),
+])
+def test_train_sweep_and_estimate_refuse_a_layout_in_one_and_the_same_line(train, estimate, needle, tmp_path, capsys):
+    """One layout check (the mesh's, and the config's pairs) for every command: the same one line, exit 2,
+    nothing written."""
+    import yaml
+    from lossysim.cli import main
+    lines = []
+    for argv in (["train", "--steps", "1", "--set", "batch_size=8", "--out", str(tmp_path / "t"), "--no-progress", *train],
+                 ["estimate", "tiny-llama", "--seq", "8", "--steps", "1", "--no-progress", *estimate]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err, err
+        lines.append(err.split(": error: ", 1)[1])
+    assert lines[0] == lines[1]
+    overrides = dict(zip(train[0::2], train[1::2]))
+    keys = {flag.lstrip("-").replace("-", "_"): value for flag, value in overrides.items() if flag != "--set"}
+    keys.update(dict(v.split("=", 1) for f, v in zip(train[0::2], train[1::2]) if f == "--set"))
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump({"base": {}, "steps": 1, "batch_size": 8, "grid": [{k: [v] for k, v in keys.items()}]}))
+    assert main(["sweep", str(spec), "--out", str(tmp_path / "s"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and lines[0] in err, err
+    assert not (tmp_path / "t").exists() and not (tmp_path / "s").exists()

@@ -24,8 +24,8 @@ def run(spec: NetworkSpec, sizes=(100, 5000, 40000), calls=3, deliver=True) -> d
                     drawn = vars(packets_of(drawn)) if deliver else sparse.bad_packets_of(packets_of(drawn))
                 deliveries.append(drawn)
     return {"deliveries": deliveries, "stats": net.stats(), "bursts": net.burst_histogram(), "clock": net.clock(),
-            "failures": net.failures(), "totals": net.totals(),
-            "streams": [ch.chains.generator.get_state() for ch in net._channels.values()]}
+            "failures": net.totals()["failures"], "totals": net.totals(),
+            "streams": [ch.chains.generator.get_state() for ch in net.channels.by_key.values()]}
 
 
 def same(a, b) -> bool:

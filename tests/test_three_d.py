@@ -120,3 +120,24 @@ def test_a_one_rank_group_records_and_replays_nothing():
     with network.replaying(record):
         assert torch.equal(network.all_reduce("h.0.attn.reduce", "fwd", x, [0]), x)
     assert network.totals()["sent"] == 0 and network.clock()["comm_s"] == 0
+
+
+def test_summary_names_every_class_it_sent_and_which_directions_could_lose(tmp_path, one_torch_thread):
+    """summary.json's ``traffic``, one entry per class the run sent (declared in lossysim.traffic), each
+    direction's packets and whether ``lossy_traffic`` let it lose; summary.csv's observed loss rate is over
+    the lossy directions of every class."""
+    import json
+    from lossysim.results.table import collect
+    from lossysim.run.experiment import run_experiment
+    config = tiny(tmp_path, tp_size=2, pp_size=2, dp_size=2, ranks_per_node=1, loss="bernoulli:0.05", steps=2,
+                  eval_every=2, lossy_traffic="pp_forward,dp", out=str(tmp_path / "runs" / "a"))
+    assert run_experiment(config, config.out, progress=False)["status"] == "completed"
+    summary = json.loads((tmp_path / "runs" / "a" / "summary.json").read_text())
+    traffic = summary["traffic"]
+    assert list(traffic) == ["tp", "pp", "dp"]
+    assert {c: {d: v["lossy"] for d, v in per.items()} for c, per in traffic.items()} == \
+        {"tp": {"fwd": False, "bwd": False}, "pp": {"fwd": True, "bwd": False}, "dp": {"bwd": True}}
+    assert traffic["tp"]["fwd"]["lost"] == 0 and traffic["pp"]["fwd"]["lost"] > 0 and traffic["dp"]["bwd"]["lost"] > 0
+    lossy = [traffic["pp"]["fwd"], traffic["dp"]["bwd"]]
+    row = collect(tmp_path / "runs").iloc[0]
+    assert row["observed_loss_rate"] == sum(d["lost"] for d in lossy) / sum(d["sent"] for d in lossy)

@@ -60,6 +60,10 @@ from .shapes import Shape, load
 from .workload import AMP_DTYPE, DTYPES, Workload, step_calls
 
 CLASSES = tuple(c.name for c in traffic.CLASSES)   # every class's columns, in the declared order
+# The most ranks one group may have. Every collective is simulated send by send, and a ring all-reduce over
+# R ranks is 2R(R-1) sends whose schedule the network keeps (about 1.6 KB a send: a tiny model at dp 600,
+# 718,800 sends, peaked at 1.6 GB), so memory grows with the square of the largest group.
+MAX_GROUP_RANKS = 1024
 _THIRD = 1 / 3     # forward's share of a micro-batch's compute (2N FLOPs of 6N), as training charges it
 
 
@@ -86,6 +90,7 @@ def estimate(model: Union[str, Shape], config: ExperimentConfig, workload: Workl
     if cp > 1:
         check_length(w.seq, cp, "seq")
     layout = stage_layout(config.pp_layout, pp, shape.layers)
+    _check_group_size(mesh)
     gpu = timing.parse_compute(config.compute)
     if isinstance(gpu, timing.Measured):
         raise ValueError("compute=measured needs a real training run; name a GPU model (e.g. h100)")
@@ -155,6 +160,19 @@ def estimate(model: Union[str, Shape], config: ExperimentConfig, workload: Workl
     for name, value in zip(("compute", *job.classes, "repair"), stack):
         row[f"stack_{name}_s"] = float(value)
     return row
+
+
+def _check_group_size(mesh) -> None:
+    """Refuse, before any work, a layout whose groups an estimate cannot hold (``MAX_GROUP_RANKS``):
+    a one-line ValueError with what it would take. Sampling (``sampled_groups``) bounds how many groups
+    are simulated, not how large one is."""
+    limit = MAX_GROUP_RANKS
+    for axis, ranks in mesh.sizes.items():
+        if ranks > limit:
+            raise ValueError(f"{axis}_size={ranks}: its groups of {ranks} ranks would be simulated send by send, "
+                             f"{2 * ranks * (ranks - 1):.2g} sends an all-reduce against {2 * limit * (limit - 1):.2g} "
+                             f"at the most an estimate takes ({limit} ranks; --sampled-groups bounds how many groups "
+                             f"are simulated, not their size): use {axis}_size <= {limit}")
 
 
 class _Job:
@@ -443,7 +461,7 @@ class _Job:
         totals = net.totals()
         for name in ("sent", "lost", "resent"):
             sums[name] += totals[name] * copies
-        sums["failures"] += net.failures() * copies
+        sums["failures"] += net.totals()["failures"] * copies
         for c in net.choices():   # what NCCL runs each message as (``algorithm: auto`` picks per size)
             self.choices[(cls, c["collective"], c["algorithm"], c["protocol"], c["channels"])].add(c["bytes"])
 

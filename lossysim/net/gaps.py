@@ -6,7 +6,7 @@ under ``recovery: mask`` the receiver knows which of a block's packets did not a
 numbers its packets) and leaves the keys they carried out of attention (``lossysim.cp``). The tensors
 are the ones ``LossyNetwork.send`` and ``LossyNetwork.all_gather`` return (the policy's holes); the gaps
 come from the same ``Delivery``, drawn once by the network (``LossyNetwork.with_gaps``). Only policies
-that keep nothing between calls act here (``zero``, ``mask``: what context parallelism allows).
+that keep nothing between calls act here (``recovery.KV_POLICIES``: ``zero``, ``mask``).
 """
 from __future__ import annotations
 
@@ -24,8 +24,6 @@ def held(network, site: str, direction: str, collective: str, message: torch.Ten
     bool, None when every packet arrived) of a ``send`` of ``message`` (any shape; one receiver, one
     sender) or an ``all_gather`` of ``message`` ([ranks, ...], held as ``[len(receivers), ranks, ...]``)."""
     policy = network.recovery.on(direction)
-    if policy.keeps_memory or policy.side_path:
-        raise ValueError(f"recovery={policy.name} keeps state between calls: a receiver's gaps are zero's or mask's")
 
     def watch(seen: torch.Tensor) -> None:
         network.watch(site, direction, seen)

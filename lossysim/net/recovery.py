@@ -53,7 +53,7 @@ import torch
 from . import delivery as deliver
 from .algorithms import Delivery, Schedule, combine
 from .sparse import Losses
-from ..util import stream_seed
+from ..util import one_of, stream_seed
 
 RECOVERY_POLICIES = ("zero", "rescale", "hadamard", "hadamard+rescale", "stale", "error_feedback", "outliers",
                      "outliers+hadamard", "mask")
@@ -151,6 +151,7 @@ class Policy:
     acts_on_shards = True   # acts on a reduce-scatter (FSDP's gradients): needs no whole sum at every rank
     acts_on_sends = True    # acts on a point-to-point send (pipeline stages' activations and gradients)
     on_activations = True   # acts on activations (else ``on(ACTIVATIONS)`` is zero)
+    acts_on_keys = True     # acts on context parallelism's keys and values: holes a receiver sees (``net/gaps.py``)
     masks_keys = False      # a context-parallel receiver leaves keys it lost out of attention (``mask``)
     settings: tuple[str, ...] = ()   # the NetworkSpec settings it reads beside ``recovery``
 
@@ -203,6 +204,7 @@ class Rescale(Policy):
     """What arrives, divided by the probability that it arrives."""
     name = "rescale"
     rescale = True
+    acts_on_keys = False    # all-gathered keys are no sums (zeros where lost): the ring's would differ from them
 
 
 class Mask(Policy):
@@ -316,6 +318,7 @@ class Hadamard(Policy):
     keeps_memory = True
     computes = True
     acts_on_shards = False   # the inverse transform needs the whole sum
+    acts_on_keys = False     # its noise spreads over the block: no receiver can tell which keys it spoilt
     settings = ("hadamard_block",)
 
     def __init__(self, inner: Policy, block: int):
@@ -365,6 +368,7 @@ class Outliers(Policy):
     side_path = True
     acts_on_shards = False   # every receiver adds every rank's outliers to the whole sum
     acts_on_sends = False    # the side path is an all-gather beside an all-reduce
+    acts_on_keys = False     # its side path rides an all-reduce: a key/value exchange has none
 
     def __init__(self, inner: Policy, fraction: float):
         self.inner, self.fraction = inner, check_fraction(fraction)
@@ -425,6 +429,7 @@ class SendBySend(Policy):
     computes = True
     send_by_send = True
     acts_on_shards = False   # its all-reduce replays every hop of the ring
+    acts_on_keys = False     # what it keeps between calls is not a receiver's gaps
     buffers: tuple[str, ...] = ()   # per-send buffers, one payload each, zeros until written
     remembers = False               # a replay returns what the call delivered (it cannot recompute it)
 
@@ -530,3 +535,17 @@ def _whole(n_packets: int, device: torch.device) -> deliver.Round:
 SHARD_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_on_shards)
 # The policies that act on a point-to-point send: what pipeline stages' messages can use.
 SEND_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_on_sends)
+# The policies that act on context parallelism's key/value exchange (``lossysim.cp``).
+KV_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_on_keys)
+
+
+def require(name: str, collective: str) -> None:
+    """The one rule of what a policy acts on, for the network (a Python caller) and the config (a run's
+    layout) alike: ``collective`` ``send`` (pipeline stages' point-to-point sends), ``reduce_scatter``
+    (FSDP's sharded gradients) or ``kv_exchange`` (context parallelism's keys and values, by sends or an
+    all-gather); a one-line ValueError naming the policies that do."""
+    acts, what = {"send": (SEND_POLICIES, "point-to-point sends"),
+                  "reduce_scatter": (SHARD_POLICIES, "reduce-scatters"),
+                  "kv_exchange": (KV_POLICIES, "key/value exchanges")}[collective]
+    if name not in acts:
+        raise ValueError(f"recovery={name} does not act on {what}: use {one_of(acts)}")

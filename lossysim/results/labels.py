@@ -91,8 +91,8 @@ def _topology(row: Mapping) -> str:
     else:
         per_node = tp if per_node is None else int(per_node)   # None: a TP group's ranks on one node
         text = f"{_plural(max(world // per_node, 1), 'node')} x {_plural(per_node, 'rank')}"
-    if dp > 1:
-        text += f", tp {tp} x dp {dp}"
+    if dp > 1:   # (with one replica, the pipeline dimension names the stages)
+        text += ", " + " x ".join([f"tp {tp}", *([f"pp {pp}"] if pp > 1 else []), f"dp {dp}"])
     # A loss-free run loses nothing anywhere: where loss could happen says nothing about it.
     if _get(row, "lossy_links") == "inter_node" and not _lossless(row):
         text += ", loss between nodes"

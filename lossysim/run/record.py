@@ -19,6 +19,7 @@ from ..data import EVAL_SPLITS
 from ..io import append_jsonl, atomic_write_text, read_jsonl
 from ..net import LossyNetwork
 from ..pp.stages import Pipeline
+from ..traffic import CLASSES
 from .state import TrainState
 from .tracking import open_tracker
 
@@ -137,7 +138,7 @@ def clock(state: TrainState, network: LossyNetwork, config: ExperimentConfig,
     and ``comm_s`` the traffic time of every stage and boundary summed (not all of it on the path)."""
     networks = _networks(network, pipeline)
     comm = _comm(networks)
-    failures = sum(n.failures() for n in networks)
+    failures = sum(n.totals()["failures"] for n in networks)
     if pipeline is None:
         busy, busy_ideal = state.compute_s + comm["comm_s"], state.compute_s + comm["comm_s_ideal_nic"]
     else:
@@ -284,6 +285,32 @@ def cp_summary(context, config: ExperimentConfig, state: TrainState) -> dict:
     return {"cp_size": config.cp_size, "cp_mode": config.cp_mode, "cp_s_per_step": state.cp_s / max(state.step, 1),
             **cp_traffic(context.train_networks.cp),
             "packets_by_group": [n.summary(by=("direction", "link_class")) for n in context.train_networks.cp]}
+
+
+# -- every traffic class ---------------------------------------------------------------------------
+
+def traffic_summary(network: LossyNetwork, pipeline: Optional[Pipeline], dp, context=None) -> dict:
+    """summary.json's ``traffic``: every class (``lossysim.traffic``) the run sent, per direction: packets
+    sent and lost, the observed loss rate and whether the direction may lose packets (``lossy``). Replica
+    0's TP, pipeline and context traffic, every data-parallel group's."""
+    carriers = {"tp": [network] if pipeline is None else pipeline.networks,
+                "pp": pipeline.boundary_networks() if pipeline is not None else [],
+                "fsdp" if dp.fsdp else "dp": dp.networks if dp.dp_size > 1 else [],
+                "cp": context.train_networks.cp if context is not None else []}
+    out = {}
+    for cls in CLASSES:
+        networks = carriers.get(cls.name, [])
+        if not networks:
+            continue
+        summaries = dp.summaries() if cls.axis == "dp" else [n.summary() for n in networks]
+        per = {}
+        for kind in cls.directions:
+            sent = sum(e["sent"] for s in summaries for e in s if e["direction"] == kind.direction)
+            lost = sum(e["lost"] for s in summaries for e in s if e["direction"] == kind.direction)
+            per[kind.direction] = {"sent": sent, "lost": lost, "observed_loss_rate": lost / sent if sent else 0.0,
+                                   "lossy": kind.direction in networks[0].lossy}
+        out[cls.name] = per
+    return out
 
 
 # -- NCCL's choices -------------------------------------------------------------------------------
