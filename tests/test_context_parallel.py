@@ -344,3 +344,31 @@ def test_sampled_context_groups_count_what_they_stand_for():
         if loss != "none":
             assert full["cp_packets_lost"] > 100
             assert sampled["cp_packets_lost"] == pytest.approx(full["cp_packets_lost"], rel=0.3)
+
+
+def test_a_traced_context_parallel_job_gives_each_context_rank_s_tp_group_its_own_network(tmp_path):
+    """tp 2 x cp 2 on 4 NCCL ranks (Megatron's order: a context group across the TP groups): the TP groups of
+    context ranks 0 and 1 are two groups, each on its own network as training places it (not both on
+    context rank 0's, sharing its streams and clock), and the context groups' all-gathers are class cp."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from nccl_trace import NcclCall, write_trace
+    from lossysim.estimate import job_config, trace as traces, trace_replay as replays
+    groups = {"1": (0, 1), "2": (2, 3), "3": (0, 2), "4": (1, 3)}
+    for rank in range(4):
+        tp, cp = ("1" if rank < 2 else "2"), ("3" if rank % 2 == 0 else "4")
+        calls = [NcclCall("_allgather_base", 4096, 8192, cp, 100, 50), NcclCall("allreduce", 8192, 8192, tp, 300, 50)]
+        write_trace(tmp_path / f"rank{rank}.json.gz", rank, groups, [(0, 1000, calls)], [(0, 90), (400, 550)])
+    trace = traces.read(tmp_path)
+    config = job_config(tp_size=2, cp_size=2, ranks_per_node=2, max_length=1024)
+    layout = replays.Layout(trace, config)
+    assert layout.describe(trace) == {"1": "tp", "2": "tp", "3": "cp", "4": "cp"}
+    settings = config.network_settings()
+    placed = []
+    for group, context in (("1", 0), ("2", 1)):
+        call = next(c for c in trace.ranks[groups[group][0]].calls[0] if c.group == group)
+        place, _, _ = layout.place(call, groups[group])
+        assert place.cls == "tp" and place.spec == config.mesh().tp_network_spec(settings, 0, 0, context)
+        placed.append(place.key)
+    assert placed[0] != placed[1]
+    row = replays.simulate_trace(trace, config, steps=1)
+    assert (row["tp_calls"], row["cp_calls"]) == (2, 2) and row["cp_bytes"] == 2 * 4096 * 2
