@@ -302,7 +302,8 @@ def test_the_estimate_counts_the_holes_a_ring_forwards():
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(cp_size=2, recovery="rescale"), "cp_size=2: recovery=rescale does not act on key/value exchanges: use one of zero, mask"),
+    (dict(cp_size=2, recovery="rescale"),
+     "cp_size=2: recovery=rescale does not act on key/value exchanges: use one of zero, mask"),
     (dict(recovery="mask"), "recovery=mask leaves lost keys out of attention: it needs cp_size > 1"),
     (dict(cp_size=2, dp_size=2, dp_mode="fsdp"), "cp_size=2 with dp_mode=fsdp"),
     (dict(cp_size=2, activation_checkpointing=True), "cp_size=2 with activation_checkpointing"),
@@ -372,3 +373,32 @@ def test_a_traced_context_parallel_job_gives_each_context_rank_s_tp_group_its_ow
     assert placed[0] != placed[1]
     row = replays.simulate_trace(trace, config, steps=1)
     assert (row["tp_calls"], row["cp_calls"]) == (2, 2) and row["cp_bytes"] == 2 * 4096 * 2
+
+
+@pytest.mark.parametrize("bandwidth, hidden", [("1Gbps", "neither"), ("67Gbps", "backward"), ("400Gbps", "both")])
+def test_a_ring_round_costs_the_longer_of_its_send_and_the_attention_it_overlaps(tmp_path, bandwidth, hidden):
+    """cp 4 ring, a context rank per node, loss-free: every block's 3 rounds each way add what their send
+    (timed alone on the context group's network) takes beyond one ring step's attention (backward's twice
+    forward's): over slow links both, over links whose send falls between the two only the forward's, over
+    fast links nothing, the sends hidden."""
+    from lossysim import timing
+    from lossysim.cp import clock as cp_clock
+    from lossysim.estimate import Workload, estimate, job_config, load
+    path = tmp_path / "config.json"   # Llama-like blocks (32 heads, 8 kv heads of 128): attention outlasts a send
+    path.write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, '
+                    '"num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 8, '
+                    '"intermediate_size": 11008, "vocab_size": 1000, "max_position_embeddings": 32768}')
+    seq, cp, shape = 32768, 4, load(str(path))
+    config = job_config(str(path), tp_size=1, cp_size=cp, ranks_per_node=1, max_length=seq,
+                        link_inter=f"roce-400g,bw={bandwidth}")
+    net = LossyNetwork(config.mesh().cp_network_spec(config.network_settings(), 0, 0, ("fwd", "bwd")))
+    net.simulate("kv", "fwd", 2 * 8 * (seq // cp) * 128, torch.bfloat16, "send", pair=(0, 1))   # one block's
+    send = net.clock()["comm_s"]
+    gpu = timing.parse_compute(config.compute)
+    forward, backward = (gpu.seconds(cp_clock.attention_step_flops(1, seq, shape.hidden, 1, cp, d))
+                         for d in ("fwd", "bwd"))
+    assert {"neither": send > backward, "backward": forward < send < backward, "both": send < forward}[hidden]
+    row = estimate(shape, config, Workload(seq=seq), steps=1)
+    exposed = shape.layers * (cp - 1) * (max(0.0, send - forward) + max(0.0, send - backward))
+    assert row["stack_cp_s"] == pytest.approx(exposed, rel=1e-9, abs=1e-15)
+    assert (row["stack_cp_s"] == 0) == (hidden == "both")
