@@ -87,12 +87,14 @@ def test_keys_and_values_lose_packets_at_the_configured_rate_across_nodes(tmp_pa
             assert entry["sent"] > 0 and stats.binomtest(entry["lost"], entry["sent"], p).pvalue > 1e-3, entry
 
 
-def test_dist_context_ranks_are_sim_bit_for_bit_under_loss(tmp_path):
+@pytest.mark.parametrize("mode", ["ring", "allgather"])
+def test_dist_context_ranks_are_sim_bit_for_bit_under_loss(tmp_path, mode):
     """cp 2 as 2 gloo processes, the tiny GPT-2 as a causal LM (its head tied to the embeddings: both
     context ranks' gradients of it, summed in sim's order), keys and values losing 5% of their packets
-    and masked where lost: every metrics row and every saved weight, bit for bit."""
-    rows, weights = sim_and_dist(tmp_path, tp_size=1, cp_size=2, dp_size=1, task="lm", loss="bernoulli:0.05",
-                                 recovery="mask", ranks_per_node=1, grad_clip=0.1)
+    and masked where lost (the ring's sends, or the all-gather and its reduce-scatter): every metrics row
+    and every saved weight, bit for bit."""
+    rows, weights = sim_and_dist(tmp_path, tp_size=1, cp_size=2, cp_mode=mode, dp_size=1, task="lm",
+                                 loss="bernoulli:0.05", recovery="mask", ranks_per_node=1, grad_clip=0.1)
     assert_dist_is_sim(rows, weights)
     last = [r for r in rows["sim"] if r["split"] == "train"][-1]
     assert last["packets_lost_cp_fwd"] > 0 and last["packets_lost_cp_bwd"] > 0 and last["cp_s_per_step"] > 0
