@@ -9,7 +9,7 @@ usage() {
   cat <<'EOF'
 Usage: ./run_experiments.sh [options]
 
-Runs a sweep of tensor-, data- or pipeline-parallel trainings under packet loss, prints
+Runs a sweep of tensor-, data-, pipeline- or context-parallel trainings under packet loss, prints
 the simulated time to reach a target accuracy and accuracy against loss rate, and writes
 the report (accuracy against simulated time first, then plots, report.md, summary.csv)
 into the output folder. A sweep that is stopped resumes where it left off when the same
@@ -43,6 +43,14 @@ Profiles:
          3-D, tp 2 x pp 2 x dp 2 a rank per node, 5% on TP, PP or DP traffic alone or on all.
          3 seeds, 150 steps; accuracy, bubble, time per step and observed PP loss side by
          side. 81 runs, about 20 minutes on 2 idle CPU cores. Spec: experiments/pipeline.yaml
+  cp     what lost keys and values do between context-parallel ranks: the tiny GPT-2 as a
+         byte-level causal LM on Python's documentation text (pydoc, offline), pieces of up
+         to 128 bytes cut into 4 chunks, tp 1 x cp 2 with a context rank per node, the keys,
+         values and their gradients losing 1% and 5% between the nodes: zero-filled,
+         masked out of the softmax (mask) or retransmitted (irn); beside the same loss on
+         TP traffic (tp 2 across the nodes), each beside its loss-free runs, 3 seeds, 60
+         steps; perplexity, time per step and observed loss side by side. 30 runs, within
+         15 minutes on 2 idle CPU cores. Spec: experiments/context.yaml
   real   a real pretrained model, offline (needs the real extra: see the README's "Real
          model, offline"): SmolLM2-135M (weights dequantised from Q4_1) on Python's
          documentation text. First a reduced damage map into <out>/damage_map/ (forward
@@ -60,7 +68,7 @@ Profiles:
          (the first run downloads gpt2 and MNLI unless HF_HUB_OFFLINE=1)
 
 Options (each also read from the environment variable shown; options win):
-  --profile NAME     quick | mitigations | dp | pp | real | mnli     [LOSSYSIM_PROFILE]
+  --profile NAME     quick | mitigations | dp | pp | cp | real | mnli  [LOSSYSIM_PROFILE]
   --rates "R ..."    average loss rates, fractions or percents,      [LOSSYSIM_RATES]
                      e.g. "0 0.01 5%"; each gives a Bernoulli and a Gilbert-Elliott run
                      in every comparison of the spec (the loss-free baseline always
@@ -86,6 +94,7 @@ Examples:
   ./run_experiments.sh --rates "0 1% 5%" --burst "4 16" --seeds "0 1 2"
   ./run_experiments.sh --profile mitigations
   ./run_experiments.sh --profile pp
+  ./run_experiments.sh --profile cp
   ./run_experiments.sh --profile real
   ./run_experiments.sh --profile mnli --shard 1/2 --out /shared/results/mnli
 EOF
@@ -170,9 +179,10 @@ case "$PROFILE" in
   mitigations) SPEC=experiments/mitigations.yaml ;;
   dp) SPEC=experiments/data_parallel.yaml ;;
   pp) SPEC=experiments/pipeline.yaml ;;
+  cp) SPEC=experiments/context.yaml ;;
   real) SPEC=experiments/real.yaml ;;
   mnli) SPEC=experiments/mnli_sweep.yaml ;;
-  *) bad_usage "unknown profile: $PROFILE (expected quick, mitigations, dp, pp, real or mnli)" ;;
+  *) bad_usage "unknown profile: $PROFILE (expected quick, mitigations, dp, pp, cp, real or mnli)" ;;
 esac
 case "$BACKEND" in
   auto | sim | dist) ;;

@@ -33,7 +33,8 @@ DP_MODES = ("ddp", "fsdp")
 # out of a run's identity (the sweep's hash), so sweeps written before them still find their runs.
 IDENTITY_AT_DEFAULT_OMITTED = ("dp_size", "dp_bucket_mb", "dp_overlap", "dp_sync_every", "lossy_traffic",
                               "dp_mode", "lossy_layers", "lossy_sites", "outlier_fraction", "microbatches",
-                              "pp_size", "pp_schedule", "pp_layout", "parallel_order")
+                              "pp_size", "pp_schedule", "pp_layout", "parallel_order", "cp_size", "cp_mode")
+CP_MODES = ("ring", "allgather")   # Megatron's p2p ring of K/V blocks; Llama 3's all-gathered K/V
 
 
 def parse_report_to(value) -> tuple[str, ...]:
@@ -101,6 +102,8 @@ class ExperimentConfig:
     sync_replicated: bool = True       # dist: average replicated grads over a reliable channel
     dp_size: int = 1                   # data-parallel replicas of the TP group: world = tp_size x pp_size x dp_size
     pp_size: int = 1                   # pipeline stages: the blocks cut into this many consecutive stages
+    cp_size: int = 1                   # context-parallel ranks: each sequence cut into 2 x cp_size chunks
+    cp_mode: str = "ring"              # ring (K/V blocks passed around, Megatron's) | allgather (Llama 3's)
     parallel_order: str = DEFAULT_ORDER  # how global ranks are laid out, innermost first (Megatron's order)
     pp_schedule: str = "1f1b"          # gpipe | 1f1b: how a step's micro-batches are timed through the stages
     pp_layout: Optional[str] = None    # blocks per stage, e.g. "1,3" (None: an even split)
@@ -138,7 +141,7 @@ class ExperimentConfig:
             raise ValueError("dataset=pydoc is unlabelled documentation text: use task=lm")
         _choice("backend", self.backend, BACKENDS)
         _choice("amp", self.amp, ("none", "bf16", "fp16"))
-        for name in ("tp_size", "dp_size", "pp_size", "steps", "batch_size", "eval_batch_size", "max_length",
+        for name in ("tp_size", "dp_size", "pp_size", "cp_size", "steps", "batch_size", "eval_batch_size", "max_length",
                      "eval_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -191,8 +194,10 @@ class ExperimentConfig:
     def _validate_pairs(self) -> None:
         """Settings each fine alone that do not go together: checked here only, for every command."""
         fsdp, pp = self.dp_mode == "fsdp" and self.dp_size > 1, self.pp_size > 1
+        self._validate_context(fsdp)
         for on, setting, collective in ((fsdp, "dp_mode=fsdp", "reduce_scatter"),
-                                        (pp, f"pp_size={self.pp_size}", "send")):
+                                        (pp, f"pp_size={self.pp_size}", "send"),
+                                        (self.cp_size > 1, f"cp_size={self.cp_size}", "kv_exchange")):
             try:
                 require(self.recovery, collective) if on else None
             except ValueError as err:
@@ -205,6 +210,25 @@ class ExperimentConfig:
         if pp and self.dp_sync_every:
             raise ValueError(f"dp_sync_every with pp_size={self.pp_size}: synchronising pipelined replicas is not "
                              "modelled; set dp_sync_every=0")
+
+    def _validate_context(self, fsdp: bool) -> None:
+        """Context parallelism's settings and their pairs (``lossysim.cp``)."""
+        _choice("cp_mode", self.cp_mode, CP_MODES)
+        cp = self.cp_size
+        if self.recovery == "mask" and cp == 1:
+            raise ValueError("recovery=mask leaves lost keys out of attention: it needs cp_size > 1 (on other "
+                             "traffic it is zero); use recovery=zero")
+        if cp == 1:
+            return
+        if self.max_length % (2 * cp):
+            raise ValueError(f"max_length={self.max_length} is not a multiple of 2 x cp_size = {2 * cp}: context "
+                             "parallelism cuts every sequence into 2 x cp_size equal chunks")
+        if fsdp:
+            raise ValueError(f"cp_size={cp} with dp_mode=fsdp: FSDP's gathers beside context parallelism are not "
+                             "modelled; use dp_mode=ddp")
+        if self.activation_checkpointing:
+            raise ValueError(f"cp_size={cp} with activation_checkpointing: a recomputed block's key/value "
+                             "exchange is not modelled; set activation_checkpointing=false")
 
     def _validate_pipeline(self) -> None:
         """pp keys alone; pp_layout against the model's depth is checked where the depth is known
@@ -237,18 +261,20 @@ class ExperimentConfig:
         mesh, settings = self.mesh(), self.network_settings()
         networks = [spec] + ([mesh.dp_network_spec(settings, 0, self.dp_lossy())] if self.dp_size > 1 else []) + \
             [mesh.tp_network_spec(settings, 0, s) for s in range(1, self.pp_size)] + \
-            [mesh.pp_network_spec(settings, 0, b, self.pp_lossy()) for b in range(self.pp_size - 1)]
+            [mesh.pp_network_spec(settings, 0, b, self.pp_lossy()) for b in range(self.pp_size - 1)] + \
+            ([mesh.cp_network_spec(settings, 0, 0, self.lossy_directions("cp"))] if self.cp_size > 1 else [])
         if not any(net.lossy and net.topology.has_lossy_link for net in networks):
             raise ValueError(f"loss={self.loss} but no traffic can lose packets (tp_size={self.tp_size}, "
-                             f"pp_size={self.pp_size}, dp_size={self.dp_size}, lossy={self.lossy}, "
+                             f"pp_size={self.pp_size}, dp_size={self.dp_size}, cp_size={self.cp_size}, lossy={self.lossy}, "
                              f"lossy_traffic={self.lossy_traffic}, "
                              f"lossy_links={self.lossy_links}, ranks_per_node={self.ranks_per_node}): "
                              "use loss=none for a loss-free run, or make some traffic cross a lossy link")
 
     def mesh(self) -> Mesh:
-        """Where this run's ranks sit (``lossysim.mesh``): tp_size x pp_size x dp_size in ``parallel_order``,
-        ranks_per_node to a node (a bad layout: a one-line ValueError)."""
-        return Mesh(self.tp_size, self.dp_size, self.ranks_per_node, pp=self.pp_size, order=self.parallel_order)
+        """Where this run's ranks sit (``lossysim.mesh``): tp_size x cp_size x pp_size x dp_size in
+        ``parallel_order``, ranks_per_node to a node (a bad layout: a one-line ValueError)."""
+        return Mesh(self.tp_size, self.dp_size, self.ranks_per_node, pp=self.pp_size, cp=self.cp_size,
+                    order=self.parallel_order)
 
     def network_spec(self, evaluation: bool = False) -> NetworkSpec:
         """The training network of replica 0's TP group, placed by the mesh; ``evaluation``: the
@@ -268,7 +294,7 @@ class ExperimentConfig:
         return settings
 
     def lossy_directions(self, traffic: str) -> tuple[str, ...]:
-        """The directions of a traffic class (``lossysim.traffic``: tp, pp, dp, fsdp) that ``lossy_traffic``
+        """The directions of a traffic class (``lossysim.traffic``: tp, pp, dp, fsdp, cp) that ``lossy_traffic``
         lets lose packets (TP's are further limited by ``lossy``)."""
         return BY_NAME[traffic].lossy(traffic_kinds(self.lossy_traffic))
 

@@ -39,6 +39,8 @@ CLASSES = (
     TrafficClass("dp", "dp", "DP", (Direction("bwd", "dp", "DP gradients"),)),
     TrafficClass("fsdp", "dp", "FSDP", (Direction("fwd", "dp", "FSDP weight gathers"),
                                         Direction("bwd", "dp", "FSDP gradient reduce-scatters"))),
+    TrafficClass("cp", "cp", "CP", (Direction("fwd", "cp_forward", "CP keys and values"),
+                                    Direction("bwd", "cp_backward", "CP key/value gradients"))),
 )
 BY_NAME = {c.name: c for c in CLASSES}
 # lossy_traffic's keys, each named once, in the classes' order; a key's label is its first direction's
@@ -64,5 +66,5 @@ def parse_kinds(value) -> tuple[str, ...]:
 
 def of_network(name: str) -> Optional[TrafficClass]:
     """The class a summary's ``collectives`` network tag names (``tp.stage1``, ``pp.boundary0``,
-    ``dp.tp0``, ``fsdp.tp1``), or None."""
+    ``dp.tp0``, ``fsdp.tp1``, ``cp.tp0``), or None."""
     return BY_NAME.get(name.split(".")[0])

@@ -22,6 +22,8 @@ One policy per network (``recovery`` in ``NetworkSpec``; docs/semantics.md compa
 - ``error_feedback``: a sender keeps what a send failed to deliver and adds it to what that send
   carries at the next call of the call site, so the sum over calls is conserved at every receiver.
   It feeds gradients back: on activations (direction ``fwd``) it is ``zero``.
+- ``mask``: ``zero``'s holes, known to the receiver: context parallelism's attention leaves a key or
+  value a lost packet touched out of the softmax (``lossysim.cp``); everywhere else it is ``zero``.
 
 ``zero``, ``rescale`` and the Hadamard policies act on what a whole collective delivers (its
 ``Delivery``); ``stale`` and ``error_feedback`` act on every send, so they run the schedule send by
@@ -54,7 +56,7 @@ from .sparse import Losses
 from ..util import one_of, stream_seed
 
 RECOVERY_POLICIES = ("zero", "rescale", "hadamard", "hadamard+rescale", "stale", "error_feedback", "outliers",
-                     "outliers+hadamard")
+                     "outliers+hadamard", "mask")
 ACTIVATIONS = "fwd"            # the direction whose values are never summed again later
 DEFAULT_HADAMARD_BLOCK = 1 << 14
 DEFAULT_OUTLIER_FRACTION = 1e-3
@@ -87,7 +89,7 @@ def policy(name: str, hadamard_block: int = DEFAULT_HADAMARD_BLOCK,
         return Outliers(inner, outlier_fraction)
     if name.startswith("hadamard"):
         return Hadamard(RESCALE if name.endswith("+rescale") else ZERO, hadamard_block)
-    return {"zero": ZERO, "rescale": RESCALE, "stale": STALE, "error_feedback": ERROR_FEEDBACK}[name]
+    return {"zero": ZERO, "rescale": RESCALE, "stale": STALE, "error_feedback": ERROR_FEEDBACK, "mask": MASK}[name]
 
 
 # -- what a policy keeps at a call site ------------------------------------------------------------
@@ -149,6 +151,8 @@ class Policy:
     acts_on_shards = True   # acts on a reduce-scatter (FSDP's gradients): needs no whole sum at every rank
     acts_on_sends = True    # acts on a point-to-point send (pipeline stages' activations and gradients)
     on_activations = True   # acts on activations (else ``on(ACTIVATIONS)`` is zero)
+    acts_on_keys = True     # acts on context parallelism's keys and values: holes a receiver sees (``net/gaps.py``)
+    masks_keys = False      # a context-parallel receiver leaves keys it lost out of attention (``mask``)
     settings: tuple[str, ...] = ()   # the NetworkSpec settings it reads beside ``recovery``
 
     def on(self, direction: str) -> "Policy":
@@ -200,9 +204,19 @@ class Rescale(Policy):
     """What arrives, divided by the probability that it arrives."""
     name = "rescale"
     rescale = True
+    acts_on_keys = False    # all-gathered keys are no sums (zeros where lost): the ring's would differ from them
 
 
-ZERO, RESCALE = Policy(), Rescale()
+class Mask(Policy):
+    """``zero``'s holes, and a receiver that knows where they are: context parallelism's attention leaves a key
+    whose packet was lost out of the softmax of the queries that would have read it (``lossysim.cp``). On
+    every other message (all-reduces, pipeline sends, gradients) there is no softmax to leave it out of: it
+    is ``zero``."""
+    name = "mask"
+    masks_keys = True
+
+
+ZERO, RESCALE, MASK = Policy(), Rescale(), Mask()
 
 
 # -- Hadamard ----------------------------------------------------------------------------------------
@@ -304,6 +318,7 @@ class Hadamard(Policy):
     keeps_memory = True
     computes = True
     acts_on_shards = False   # the inverse transform needs the whole sum
+    acts_on_keys = False     # its noise spreads over the block: no receiver can tell which keys it spoilt
     settings = ("hadamard_block",)
 
     def __init__(self, inner: Policy, block: int):
@@ -353,6 +368,7 @@ class Outliers(Policy):
     side_path = True
     acts_on_shards = False   # every receiver adds every rank's outliers to the whole sum
     acts_on_sends = False    # the side path is an all-gather beside an all-reduce
+    acts_on_keys = False     # its side path rides an all-reduce: a key/value exchange has none
 
     def __init__(self, inner: Policy, fraction: float):
         self.inner, self.fraction = inner, check_fraction(fraction)
@@ -413,6 +429,7 @@ class SendBySend(Policy):
     computes = True
     send_by_send = True
     acts_on_shards = False   # its all-reduce replays every hop of the ring
+    acts_on_keys = False     # what it keeps between calls is not a receiver's gaps
     buffers: tuple[str, ...] = ()   # per-send buffers, one payload each, zeros until written
     remembers = False               # a replay returns what the call delivered (it cannot recompute it)
 
@@ -518,13 +535,17 @@ def _whole(n_packets: int, device: torch.device) -> deliver.Round:
 SHARD_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_on_shards)
 # The policies that act on a point-to-point send: what pipeline stages' messages can use.
 SEND_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_on_sends)
+# The policies that act on context parallelism's key/value exchange (``lossysim.cp``).
+KV_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_on_keys)
 
 
 def require(name: str, collective: str) -> None:
     """The one rule of what a policy acts on, for the network (a Python caller) and the config (a run's
-    layout) alike: ``collective`` ``send`` (pipeline stages' point-to-point sends) or ``reduce_scatter``
-    (FSDP's sharded gradients); a one-line ValueError naming the policies that do."""
+    layout) alike: ``collective`` ``send`` (pipeline stages' point-to-point sends), ``reduce_scatter``
+    (FSDP's sharded gradients) or ``kv_exchange`` (context parallelism's keys and values, by sends or an
+    all-gather); a one-line ValueError naming the policies that do."""
     acts, what = {"send": (SEND_POLICIES, "point-to-point sends"),
-                  "reduce_scatter": (SHARD_POLICIES, "reduce-scatters")}[collective]
+                  "reduce_scatter": (SHARD_POLICIES, "reduce-scatters"),
+                  "kv_exchange": (KV_POLICIES, "key/value exchanges")}[collective]
     if name not in acts:
         raise ValueError(f"recovery={name} does not act on {what}: use {one_of(acts)}")
