@@ -13,11 +13,12 @@ walk the axis. Nodes hold ``ranks_per_node`` consecutive ranks (default ``tp``: 
 
 Every group gets its own ``LossyNetwork``, whose spec is the run's network settings (from config)
 placed on the group's ranks: each group's topology puts its ranks on the nodes the mesh puts them. A
-TP group's network is replica r's stage s's; a DP group's joins one rank per replica at one stage and
-TP position; a pipeline boundary's holds the two stages' TP groups. Each group's links draw from
-streams of their own, named by the group (``tp.replica1.stage2``, ``dp.stage1.group0``,
-``pp.replica0.boundary1``), except replica 0's first stage's TP group: a run with one replica and one
-stage keeps its streams.
+TP group's network is replica r's stage s's (at context rank c); a DP group's joins one rank per replica
+at one stage and TP position; a pipeline boundary's holds the two stages' TP groups; a context group's
+holds one rank per context rank at one replica, stage and TP position. Each group's links draw from
+streams of their own, named by the group (``tp.replica1.stage2``, ``tp.replica0.cp1``, ``dp.stage1.group0``,
+``pp.replica0.boundary1``, ``cp.replica0.tp1``), except replica 0's first stage's first context rank's TP
+group: a run with one replica, one stage and one context rank keeps its streams.
 """
 from __future__ import annotations
 
@@ -142,9 +143,10 @@ class Mesh:
         return rank // self.per_node
 
     # -- the coordinates the training code names -----------------------------------------------------
-    def rank(self, replica: int, tp_rank: int, stage: int = 0) -> int:
-        """The global rank of TP rank ``tp_rank`` of stage ``stage`` of replica ``replica``."""
-        return self.rank_at(tp=tp_rank, dp=replica, pp=stage)
+    def rank(self, replica: int, tp_rank: int, stage: int = 0, context: int = 0) -> int:
+        """The global rank of TP rank ``tp_rank`` of stage ``stage`` of replica ``replica`` (at context-parallel
+        rank ``context``)."""
+        return self.rank_at(tp=tp_rank, dp=replica, pp=stage, cp=context)
 
     def position(self, rank: int) -> tuple[int, int, int]:
         """(replica, stage, tp_rank) of a global rank."""
@@ -156,8 +158,12 @@ class Mesh:
         replica, _, tp_rank = self.position(rank)
         return replica, tp_rank
 
-    def tp_ranks(self, replica: int, stage: int = 0) -> list[int]:
-        return self.group("tp", self.rank(replica, 0, stage))
+    def tp_ranks(self, replica: int, stage: int = 0, context: int = 0) -> list[int]:
+        return self.group("tp", self.rank(replica, 0, stage, context))
+
+    def cp_ranks(self, replica: int, tp_rank: int, stage: int = 0) -> list[int]:
+        """Replica ``replica``'s stage ``stage``'s context-parallel group at TP position ``tp_rank``."""
+        return self.group("cp", self.rank(replica, tp_rank, stage))
 
     def dp_ranks(self, tp_rank: int, stage: int = 0) -> list[int]:
         return self.group("dp", self.rank(0, tp_rank, stage))
@@ -221,18 +227,29 @@ class Mesh:
                               "lossy_layers": "all", "lossy_sites": "all", "lossy": lossy})
 
     # -- each group's network ----------------------------------------------------------------------
-    def tp_network_spec(self, settings: dict, replica: int = 0, stage: int = 0) -> NetworkSpec:
-        """Replica ``replica``'s stage ``stage``'s TP group on the run's network ``settings``
-        (``NetworkSpec``'s keys), on the nodes the mesh puts it and, beyond replica 0's first stage,
-        chains of its own."""
+    def tp_network_spec(self, settings: dict, replica: int = 0, stage: int = 0, context: int = 0) -> NetworkSpec:
+        """Replica ``replica``'s stage ``stage``'s TP group (at context-parallel rank ``context``) on the
+        run's network ``settings`` (``NetworkSpec``'s keys), on the nodes the mesh puts it and, beyond
+        replica 0's first stage's first context rank, chains of its own."""
         placed = {**settings, "ranks": self.tp}
         if self.ranks_per_node is not None and self.world > self.tp:
-            placed["ranks_per_node"] = self._per_node(self.tp_ranks(replica, stage))
-        if stage:
-            placed["seed"] = stream_seed(settings["seed"], f"tp.replica{replica}.stage{stage}", "network")
-        elif replica:
-            placed["seed"] = stream_seed(settings["seed"], f"tp.replica{replica}", "network")
+            placed["ranks_per_node"] = self._per_node(self.tp_ranks(replica, stage, context))
+        if stage or replica or context:
+            name = f"tp.replica{replica}" + (f".stage{stage}" if stage else "") + (f".cp{context}" if context else "")
+            placed["seed"] = stream_seed(settings["seed"], name, "network")
         return NetworkSpec(**placed)
+
+    def cp_network_spec(self, settings: dict, replica: int, tp_rank: int, lossy: tuple[str, ...],
+                        stage: int = 0) -> NetworkSpec:
+        """Replica ``replica``'s stage ``stage``'s context-parallel group at TP position ``tp_rank``: ``cp``
+        ranks, on the nodes the mesh puts them (a TP group to a node puts each on its own), chains of their
+        own; ``lossy``: the directions that may lose packets (``fwd``: keys and values, ``bwd``: their
+        gradients). Every message is a candidate: site selection picks TP sites."""
+        name = f"cp.replica{replica}.tp{tp_rank}" + (f".stage{stage}" if stage else "")
+        return NetworkSpec(**{**settings, "ranks": self.cp,
+                              "ranks_per_node": self._per_node(self.cp_ranks(replica, tp_rank, stage)),
+                              "seed": stream_seed(settings["seed"], name, "network"),
+                              "lossy_layers": "all", "lossy_sites": "all", "lossy": lossy})
 
     def dp_network_spec(self, settings: dict, tp_rank: int, lossy: tuple[str, ...], stage: int = 0) -> NetworkSpec:
         """Stage ``stage``'s TP position ``tp_rank``'s data-parallel group: ``dp`` ranks, one per
@@ -244,21 +261,22 @@ class Mesh:
                               "nics_per_node": None, "seed": stream_seed(settings["seed"], group, "network"),
                               "lossy_layers": "all", "lossy_sites": "all", "lossy": lossy})
 
-    def pp_network_spec(self, settings: dict, replica: int, boundary: int, lossy: tuple[str, ...]) -> NetworkSpec:
+    def pp_network_spec(self, settings: dict, replica: int, boundary: int, lossy: tuple[str, ...],
+                        context: int = 0) -> NetworkSpec:
         """Replica ``replica``'s pipeline boundary ``boundary`` (between stages ``boundary`` and
         ``boundary + 1``): ``2 tp`` ranks, stage ``boundary``'s TP ranks then the next stage's (local rank
         t and ``tp + t`` are the global ranks ``rank(replica, t, boundary)`` and ``rank(replica, t,
         boundary + 1)``), on the nodes the mesh puts them, chains of their own; ``lossy``: the directions
-        that may lose packets (``fwd``: activations, ``bwd``: their gradients). Every message is a
-        candidate: site selection picks TP sites."""
+        that may lose packets (``fwd``: activations, ``bwd``: their gradients); ``context``: the context
+        rank whose stages it joins. Every message is a candidate: site selection picks TP sites."""
         if not 0 <= boundary < self.pp - 1:
             has = f"a pipeline of {self.pp} stages has boundaries 0..{self.pp - 2}" if self.pp > 1 else \
                 "one stage has no pipeline boundary"
             raise ValueError(f"boundary={boundary}: {has}")
-        ranks = self.tp_ranks(replica, boundary) + self.tp_ranks(replica, boundary + 1)
+        ranks = self.tp_ranks(replica, boundary, context) + self.tp_ranks(replica, boundary + 1, context)
+        name = f"pp.replica{replica}.boundary{boundary}" + (f".cp{context}" if context else "")
         return NetworkSpec(**{**settings, "ranks": len(ranks), "ranks_per_node": self._per_node(ranks),
-                              "seed": stream_seed(settings["seed"], f"pp.replica{replica}.boundary{boundary}",
-                                                  "network"),
+                              "seed": stream_seed(settings["seed"], name, "network"),
                               "lossy_layers": "all", "lossy_sites": "all", "lossy": lossy})
 
     def _per_node(self, ranks: list[int]) -> int:

@@ -46,6 +46,8 @@ CLASSES = (
                                                                 "EP dispatch gradients"))),
     TrafficClass("ep_combine", "ep", "EP combine", (Direction("fwd", "ep_combine", "EP combine"),
                                                     Direction("bwd", "ep_combine_backward", "EP combine gradients"))),
+    TrafficClass("cp", "cp", "CP", (Direction("fwd", "cp_forward", "CP keys and values"),
+                                    Direction("bwd", "cp_backward", "CP key/value gradients"))),
 )
 BY_NAME = {c.name: c for c in CLASSES}
 # lossy_traffic's keys, each named once, in the classes' order; a key's label is its first direction's
@@ -71,5 +73,5 @@ def parse_kinds(value) -> tuple[str, ...]:
 
 def of_network(name: str) -> Optional[TrafficClass]:
     """The class a summary's ``collectives`` network tag names (``tp.stage1``, ``pp.boundary0``,
-    ``dp.tp0``, ``fsdp.tp1``, ``ep_dispatch.group0``), or None."""
+    ``dp.tp0``, ``fsdp.tp1``, ``ep_dispatch.group0``, ``cp.tp0``), or None."""
     return BY_NAME.get(name.split(".")[0])

@@ -294,7 +294,8 @@ def sim_and_dist(tmp_path, **settings) -> tuple[dict, list]:
     sim = tiny(tmp_path, **settings, out=str(tmp_path / "sim"))
     assert run_experiment(sim, sim.out, progress=False)["status"] == "completed"
     result = torchrun(["train", "--config", str(spec), "--backend", "dist", "--out", str(tmp_path / "dist"),
-                       "--no-progress"], nproc=settings["tp_size"] * settings["dp_size"],
+                       "--no-progress"],
+                      nproc=settings["tp_size"] * settings["dp_size"] * settings.get("cp_size", 1),
                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {name: read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("sim", "dist")}

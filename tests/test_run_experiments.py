@@ -46,7 +46,7 @@ def test_help_prints_usage_and_sets_nothing_up(tmp_path):
     (["--bogus"], "unknown option: --bogus"),
     (["--steps"], "--steps needs a value"),
     (["--steps", "many"], "positive whole number"),
-    (["--profile", "huge"], "unknown profile: huge (expected quick, mitigations, dp, pp, moe, real or mnli)"),
+    (["--profile", "huge"], "unknown profile: huge (expected quick, mitigations, dp, pp, moe, cp, real or mnli)"),
     (["--backend=mpi"], "unknown backend: mpi"),
     (["--seeds", "0 x"], "whole numbers"),
 ])
@@ -179,7 +179,7 @@ def test_failed_runs_still_get_a_report_and_set_the_exit_status(tmp_path, sandbo
 
 
 def test_mitigations_profile_compares_every_recovery_policy(tmp_path, sandbox):
-    from lossysim.net.recovery import RECOVERY_POLICIES
+    from lossysim.net.recovery import RECOVERY_POLICIES, policy
     from lossysim.run import sweep
     script, log, bin_dir = sandbox
     result = run_script(script, ["--profile", "mitigations"], env_without_gpu_tools(tmp_path, bin_dir))
@@ -189,8 +189,9 @@ def test_mitigations_profile_compares_every_recovery_policy(tmp_path, sandbox):
     runs = sweep.expand(sweep.load_spec(ROOT / "experiments" / "mitigations.yaml"), tmp_path / "m")
     lossy = [run.config for run in runs if run.config.loss != "none"]
     assert len(runs) == 75 and len(runs) - len(lossy) == 3   # one loss-free baseline per seed
-    # drop_token acts on experts' all-to-alls alone, which this dense model does not send
-    dense = tuple(name for name in RECOVERY_POLICIES if name != "drop_token")
+    # every policy that acts on TP traffic (drop_token acts on experts' all-to-alls alone, which this dense
+    # model does not send; mask on context parallelism's keys alone)
+    dense = tuple(name for name in RECOVERY_POLICIES if policy(name).only_on is None and not policy(name).masks_keys)
     for loss in ("bernoulli:0.05", "bernoulli:0.2", "ge:rate=0.05,burst=8"):
         assert sorted(c.recovery for c in lossy if c.loss == loss) == sorted(dense * 3), loss
 
@@ -202,7 +203,7 @@ def test_pp_profile_loses_pp_traffic_between_two_nodes_beside_dp_and_tp(tmp_path
     assert result.returncode == 0, result.stderr
     assert sweep_argv(log)[3:] == ["experiments/pipeline.yaml", "--out", "results/pp", "--set", "backend=sim"]
     help_text = run_script(SCRIPT, ["--help"], clean_env(tmp_path)).stdout
-    assert "quick | mitigations | dp | pp | moe | real | mnli" in help_text and "Spec: experiments/pipeline.yaml" in help_text
+    assert "quick | mitigations | dp | pp | moe | cp | real | mnli" in help_text and "Spec: experiments/pipeline.yaml" in help_text
     runs = [run.config for run in sweep.expand(sweep.load_spec(ROOT / "experiments" / "pipeline.yaml"), tmp_path / "p")]
     assert len(runs) == 81 and {c.seed for c in runs} == {0, 1, 2}
     assert {(c.steps, c.model, c.backend) for c in runs} == {(runs[0].steps, "tiny", "sim")}, "one model, one length"
@@ -259,6 +260,35 @@ def test_moe_profile_loses_expert_traffic_between_two_nodes_beside_dp_and_tp(tmp
     tp = [c for c in runs if c.ep_size == 1]
     assert {(c.tp_size, c.dp_size, c.ranks_per_node) for c in tp} == {(2, 1, 1)}
     assert {c.lossy_traffic for c in tp if c.loss != "none"} == {"tp_forward,tp_backward"}
+    assert sorted(c.loss for c in tp) == sorted(["none", "bernoulli:0.01", "bernoulli:0.05"] * 3)
+
+
+def test_cp_profile_loses_keys_and_values_between_two_nodes_beside_tp_traffic(tmp_path, sandbox):
+    """tp 1 x cp 2, a context rank per node, the keys and values losing 1% and 5% between the nodes (zero,
+    mask, retransmitted by irn), beside the same rates on TP traffic (tp 2 across the nodes), each layout
+    beside its loss-free runs: a causal LM on pydoc, sequences long enough to split, 3 seeds."""
+    from lossysim.run import sweep
+    script, log, bin_dir = sandbox
+    result = run_script(script, ["--profile", "cp"], env_without_gpu_tools(tmp_path, bin_dir))
+    assert result.returncode == 0, result.stderr
+    assert sweep_argv(log)[3:] == ["experiments/context.yaml", "--out", "results/cp", "--set", "backend=sim"]
+    runs = [run.config for run in sweep.expand(sweep.load_spec(ROOT / "experiments" / "context.yaml"), tmp_path / "c")]
+    assert len(runs) == 30 and {c.seed for c in runs} == {0, 1, 2}
+    assert {(c.task, c.dataset, c.model, c.steps, c.ranks_per_node) for c in runs} == \
+        {("lm", "pydoc", "tiny", runs[0].steps, 1)}
+    assert {c.lossy_links for c in runs if c.loss != "none"} == {"inter_node"}
+    assert all(c.max_length % (2 * c.cp_size) == 0 and c.max_length >= 64 for c in runs)
+    context = [c for c in runs if c.cp_size == 2]
+    assert {c.tp_size for c in context} == {1}
+    assert {c.lossy_traffic for c in context if c.loss != "none"} == {"cp_forward,cp_backward"}
+    for rate in ("bernoulli:0.01", "bernoulli:0.05"):
+        ways = sorted(c.recovery if c.transport == "drop" else f"{c.transport} {c.nic}" for c in context
+                      if c.loss == rate)
+        assert ways == sorted(["zero", "mask", "retransmit irn"] * 3), rate
+    tp = [c for c in runs if c.cp_size == 1]
+    assert {(c.tp_size, c.lossy_traffic) for c in tp if c.loss != "none"} == {(2, "tp_forward,tp_backward")}
+    for group in (context, tp):
+        assert sum(c.loss == "none" for c in group) == 3, "each layout's own baseline"
     assert sorted(c.loss for c in tp) == sorted(["none", "bernoulli:0.01", "bernoulli:0.05"] * 3)
 
 

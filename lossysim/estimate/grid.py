@@ -16,7 +16,8 @@ from typing import Callable, Iterable, Optional
 
 from tqdm.auto import tqdm
 
-from ..config import DP_MODES, PP_SCHEDULES, ExperimentConfig
+from ..cp.layout import check_length
+from ..config import CP_MODES, DP_MODES, PP_SCHEDULES, ExperimentConfig
 from ..io import atomic_write_text, check_writable, output_errors
 from ..mesh import DEFAULT_ORDER
 from ..net.algorithms import ALGORITHMS
@@ -71,6 +72,10 @@ def add_arguments(parser) -> None:
                              "ranks (divides dp size; default 1)")
     parser.add_argument("--routing-skew", type=float, default=0.0,
                         help="experts' popularity by Zipf's law with this exponent (default 0: uniform routing)")
+    parser.add_argument("--cp-size", type=int, default=1,
+                        help="context-parallel ranks: every sequence cut into 2 x cp chunks (default 1)")
+    parser.add_argument("--cp-mode", default="ring", choices=CP_MODES,
+                        help="ring (K/V blocks passed around, Megatron's) or allgather (Llama 3's) (default ring)")
     parser.add_argument("--microbatches", type=int,
                         help="micro-batches per replica per step (default: from --global-batch, else pp size)")
     parser.add_argument("--global-batch", type=int,
@@ -156,9 +161,12 @@ def run_rows(args, configs: list, rows_of: Callable, extra: Optional[Callable[[]
 def config_of(args) -> ExperimentConfig:
     """The training config the flags describe (the first value of every grid key), validated as ``lossysim
     train`` validates it: the same layout, micro-batch and network rules, the same one-line errors."""
+    if args.cp_size > 1:   # named by its flag before the config, whose sequence length is max_length
+        check_length(args.seq, args.cp_size, "--seq")
     keys = dict(tp_size=8 if args.tp_size is None else args.tp_size,
                 pp_size=1 if args.pp_size is None else args.pp_size,
                 dp_size=1 if args.dp_size is None else args.dp_size, dp_mode=args.dp_mode, ep_size=args.ep_size,
+                cp_size=args.cp_size, cp_mode=args.cp_mode, max_length=args.seq,
                 microbatches=args.microbatches, pp_schedule=args.pp_schedule, pp_layout=args.pp_layout,
                 dp_bucket_mb=args.dp_bucket_mb, dp_overlap=args.dp_overlap,
                 activation_checkpointing=args.activation_checkpointing, ranks_per_node=args.ranks_per_node,

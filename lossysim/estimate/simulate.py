@@ -4,7 +4,7 @@ The job is tp x pp x dp ranks laid out as training lays them out (``Mesh``: tp i
 then dp). Every message of a step goes through ``LossyNetwork.simulate``, the code path of a training
 run's collectives: the same keyed streams draw the same fates, the same transport repairs them, the
 same counters and clock move. Only the tensors are missing: a message is its element count and dtype.
-Four traffic classes, each on the networks the mesh gives its groups:
+Its traffic classes, each on the networks the mesh gives its groups:
 
 - ``tp``: every stage's TP all-reduces (``step_calls``), per micro-batch, on each replica's stage group;
 - ``pp``: every boundary's activation and its gradient, per micro-batch, TP rank t to TP rank t
@@ -18,6 +18,12 @@ Four traffic classes, each on the networks the mesh gives its groups:
   expert-data-parallel groups (class ``dp``), after the backward, as training averages them. Beyond
   ``FULL_UP_TO`` GPUs, a few micro-batches of one stage's sampled groups are simulated and every other block's
   calls drawn from theirs (docs/estimate.md, "Experts").
+- ``cp``: every block's keys and values over each (stage, replica, TP position)'s context group, per
+  micro-batch: the ring's rounds of point-to-point sends (or an all-gather), and their gradients back (or
+  a reduce-scatter), training's exchanges (``cp.exchange``), each round's time its slowest send's and what
+  it adds the part not hidden behind that step's attention (``cp.clock``), the slowest TP position's per
+  block. With context parallelism every TP message and pipeline send is a context rank's: its local tokens
+  (seq / cp), on each context rank's groups (the clock reads context rank 0's, as training does).
 
 Groups whose links cannot lose a packet are all alike: one is simulated and stands for the others
 (its counts multiplied), which is exact, as their fates are all "delivered". Every group whose links
@@ -46,6 +52,8 @@ from ..dp import timeline
 from ..dp.buckets import plan_buckets
 from ..dp.fsdp import shard_numel
 from ..config import EP_CLASSES, ExperimentConfig
+from ..cp import clock as cp_clock
+from ..cp.layout import check_length
 from ..ep import routing
 from ..models import cost
 from ..net import LossyNetwork, NetworkSpec
@@ -53,7 +61,7 @@ from ..net.recovery import packets_of
 from ..net.sparse import Losses, bad_packets_of
 from ..pp.schedule import pipeline_time
 from ..pp.stages import stage_layout, stage_parameters
-from ..tp.parallelize import parallelize
+from ..tp.parallelize import head_counts, parallelize
 from ..util import stream_seed
 from .shapes import Shape, load
 from .workload import AMP_DTYPE, DTYPES, Workload, step_calls
@@ -89,9 +97,11 @@ def estimate(model: Union[str, Shape], config: ExperimentConfig, workload: Workl
     if int(steps) < 1:
         raise ValueError(f"steps={steps} must be >= 1")
     steps, w, mesh = int(steps), workload, config.mesh()
-    tp, pp, dp, m = mesh.tp, mesh.pp, mesh.dp, config.n_microbatches
+    tp, pp, dp, cp, m = mesh.tp, mesh.pp, mesh.dp, mesh.cp, config.n_microbatches
     shape.check_tp(tp)
     shape.check_seq(w.seq)
+    if cp > 1:
+        check_length(w.seq, cp, "seq")
     layout = stage_layout(config.pp_layout, pp, shape.layers)
     _check_group_size(mesh)
     gpu = timing.parse_compute(config.compute)
@@ -100,14 +110,17 @@ def estimate(model: Union[str, Shape], config: ExperimentConfig, workload: Workl
     shape.check_ep(mesh.ep)
     tokens = w.seq * config.micro_batch_size
     kernels = shape.kernels + cost.collective_kernels(shape.layers, tp)   # as a training run counts them
-    micro_s = gpu.step_time(_busiest(shape, mesh, w, config.seed), tokens, tp, kernels=kernels,
+    # a rank computes its share of every sequence: 1 / (tp x cp) of the FLOPs, as training charges it
+    micro_s = gpu.step_time(_busiest(shape, mesh, w, config.seed), tokens, tp * cp, kernels=kernels,
                             attention_flops=cost.step_flops(0, tokens, shape.layers, shape.hidden, w.seq))
     job = _Job(shape, config, w, layout, tokens)
+    job.attention_s = [gpu.seconds(cp_clock.attention_step_flops(config.micro_batch_size, w.seq, shape.hidden, tp, cp,
+                                                                 d)) for d in ("fwd", "bwd")]
     shares = job.shares(tokens)
 
     per_step, ideal_steps, stacks, added = [], [], [], defaultdict(lambda: np.zeros(2))
     for times in job.run(steps, tick):
-        clock = _Clock(times, micro_s, shares, config, pp, dp, m, job.ready)
+        clock = _Clock(times, micro_s, shares, config, pp, dp, m, job.ready, cp)
         per_step.append(clock.step(0))
         ideal_steps.append(clock.step(1))
         present = job.classes
@@ -131,6 +144,7 @@ def estimate(model: Union[str, Shape], config: ExperimentConfig, workload: Workl
         "routing_skew": w.routing_skew if mesh.ep > 1 else 0.0,
         "routing_imbalance": routing.imbalance(shape.experts.top_k, shape.experts.count, mesh.ep, w.routing_skew,
                                                config.seed) if mesh.ep > 1 else 1.0,
+        "cp_size": cp, "cp_mode": config.cp_mode if cp > 1 else "",
         "layout": mesh.name, "parallel_order": mesh.order, "gpus": mesh.world,
         "dp_mode": config.dp_mode if dp > 1 else "", "seq": w.seq, "micro_batch": config.micro_batch_size,
         "microbatches": m, "global_batch": config.batch_size, "pp_schedule": config.pp_schedule if pp > 1 else "",
@@ -143,7 +157,7 @@ def estimate(model: Union[str, Shape], config: ExperimentConfig, workload: Workl
         "lossy_links": spec.lossy_links, "lossy": ",".join(spec.lossy), "recovery": spec.recovery,
         "seed": spec.seed, "compute": gpu.spec, "steps": steps,
         "collectives_per_step": m * sum(not call.replay for calls in job.calls for call in calls),
-        "message_bytes": tokens * shape.hidden * job.dtype.itemsize,
+        "message_bytes": job.numel * job.dtype.itemsize,
         "compute_s": compute_s, "loss_free_comm_s": loss_free - compute_s, "loss_free_step_s": loss_free,
         **_intervals(step_s),
         "slowdown": float(step_s.mean()) / loss_free,
@@ -185,14 +199,20 @@ class _Job:
     def __init__(self, shape: Shape, config: ExperimentConfig, w: Workload, layout: tuple[int, ...], tokens: int):
         self.shape, self.config, self.w, self.layout = shape, config, w, layout
         self.mesh = mesh = config.mesh()
-        tp, pp, dp = mesh.tp, mesh.pp, mesh.dp
+        tp, pp, dp, cp = mesh.tp, mesh.pp, mesh.dp, mesh.cp
         self.dtype_name = AMP_DTYPE[config.amp]
         self.dtype = DTYPES[self.dtype_name]
         settings = config.network_settings()
-        # tp[s]: stage s's groups, one per replica (or one for all: loss-free)
-        self.tp = [_groups([mesh.tp_network_spec(settings, r, s) for r in range(dp)]) for s in range(pp)]
-        self.pp = [_groups([mesh.pp_network_spec(settings, r, b, config.pp_lossy()) for r in range(dp)])
-                   for b in range(pp - 1)]
+        # tp[s]: stage s's groups, one per replica and context rank (context rank 0's first; or one for
+        # all: loss-free); pp[b] alike
+        self.tp = [_groups([mesh.tp_network_spec(settings, r, s, c) for r in range(dp) for c in range(cp)])
+                   for s in range(pp)]
+        self.pp = [_groups([mesh.pp_network_spec(settings, r, b, config.pp_lossy(), c) for r in range(dp)
+                            for c in range(cp)]) for b in range(pp - 1)]
+        # cp[s]: stage s's context groups, one per replica and TP position (none without context parallelism)
+        self.cp = [_groups([mesh.cp_network_spec(settings, r, t, config.lossy_directions("cp"), s)
+                            for r in range(dp) for t in range(tp)]) for s in range(pp)] if cp > 1 else []
+        self.attention_s = [0.0, 0.0]   # one ring step's attention per rank and block, forward and backward
         mode = config.dp_mode if dp > 1 else None
         self.dp = [_groups([mesh.dp_network_spec(settings, t, config.dp_lossy(), stage=s) for t in range(tp)])
                    for s in range(pp)] if mode else []
@@ -205,7 +225,11 @@ class _Job:
         self.buckets = self._buckets() if mode else []
         self.ready = [[b.ready for b in stage] for stage in self.buckets]
         self.calls = [step_calls(shape, config.activation_checkpointing, self.blocks(s)) for s in range(pp)]
-        self.numel = tokens * shape.hidden
+        self.numel = tokens * shape.hidden // cp     # a context rank's tokens of the micro-batch
+        heads, kv, _ = head_counts(shape.plan, shape.config, tp)
+        head_dim = getattr(shape.config, "head_dim", None) or shape.hidden // heads
+        # a context rank's block: its tokens' keys and values for its TP rank's kv heads
+        self.kv_numel = 2 * config.micro_batch_size * max(kv // tp, 1) * (w.seq // cp) * head_dim
         self.inexact = defaultdict(int)
         self.received = defaultdict(int)
         self.sums = {}
@@ -239,9 +263,10 @@ class _Job:
             self.edp.append(_groups([mesh.edp_network_spec(settings, mesh.rank_at(tp=t, dp=e, pp=s), config.dp_lossy())
                                      for t in range(mesh.tp) for e in range(ep)]) if edp > 1 else [])
 
-    def _sample(self, groups: list[_Group], stages: int = 1) -> tuple[list[_Group], int]:
+    def _sample(self, groups: list[_Group], stages: float = 1) -> tuple[list[_Group], int]:
         """The groups simulated, each standing for its share of the G (of each of ``stages`` alike
-        stages), and how many of the first stage's are drawn instead."""
+        stages: a stage of fewer blocks counts its share), and how many of the first stage's are drawn
+        instead."""
         k = self.sampled
         if not k or groups[0].copies > 1 or (len(groups) <= k and stages == 1):
             return groups, 0
@@ -320,7 +345,8 @@ class _Job:
         its network is let go once counted (its transfers are most of an estimate's memory)."""
         m, dtype, grad = self.config.n_microbatches, self.dtype, self.w.grad_torch_dtype
         out = [{"tp": [[None] * len(g) for g in self.tp], "pp": [[None] * len(g) for g in self.pp],
-                "bucket": [], "gather": []} for _ in range(steps)]
+                "cp": [[None] * len(g) for g in self.cp], "bucket": [], "gather": []} for _ in range(steps)]
+        self._contexts(out, steps, m)
         for s, groups in enumerate(self.tp):
             chosen, extra = self._sample(groups)
             for j, group in enumerate(chosen):
@@ -462,6 +488,114 @@ class _Job:
             self.inexact[cls, direction] += missing * per_packet * copies
         return [out[b] for b in blocks]
 
+    # -- context parallelism ------------------------------------------------------------------------
+    def _contexts(self, out: list[dict], steps: int, m: int) -> None:
+        """Every stage's context groups' exchanges, per step: ``out[step]["cp"][s][j]``, group j's [micro-batch,
+        direction, (with loss, loss-free), block] seconds added (``_context_group``). A loss-free group is the
+        same at every micro-batch, step and stage alike (simulated once); with sampled groups, stages alike but
+        for their streams (and their number of blocks: a stage of fewer reads its first blocks') share the
+        simulated groups of the one with the most blocks, the others' drawn from them, and a simulated group
+        simulates ``sampled_groups`` of its micro-batches, the others drawn alike."""
+        alike = defaultdict(list)
+        for s, groups in enumerate(self.cp):
+            spec = dataclasses.replace(groups[0].spec, seed=0)
+            alike[(spec, groups[0].copies) if groups[0].copies > 1 or self.sampled else s].append(s)
+        for stages in alike.values():
+            # the stage with the most blocks stands for the others (a stage of fewer: its first blocks)
+            first = max(stages, key=lambda s: len(self.blocks(s)))
+            groups, weight = self.cp[first], sum(len(self.blocks(s)) for s in stages) / len(self.blocks(first))
+            if groups[0].copies > 1:   # loss-free: one group, deterministic
+                net = LossyNetwork(groups[0].spec)
+                once = self._context_group(net, 1, first, 1)
+                for s in stages:
+                    for step in out:
+                        step["cp"][s][0] = np.repeat(once[..., :len(self.blocks(s))], m, axis=0)
+                self._count("cp", net, groups[0].copies * m * steps * weight)
+                continue
+            chosen, extra = self._sample(groups, weight)
+            # under the model, a simulated group also simulates only k of its micro-batches (alike but for
+            # their draws), the others drawn from them as the other groups' are: every block's exchange of
+            # every micro-batch is hundreds of sends
+            simulated = min(self.sampled, m) if self.sampled else m
+            for j, group in enumerate(chosen):
+                net = LossyNetwork(group.spec)
+                copies = group.copies * m / simulated
+                for step in out:
+                    step["cp"][first][j] = self._context_group(net, copies, first, simulated)
+                self._count("cp", net, copies)
+            k = len(chosen)
+            pool = np.concatenate([step["cp"][first][j] for step in out for j in range(k)])   # [items, 2, 2, blocks]
+            for step in out:
+                for j in range(k if simulated < m else 0):
+                    drawn = self.rng.integers(len(pool), size=(m - simulated, 2))
+                    more = np.stack([pool[drawn[:, 0], 0], pool[drawn[:, 1], 1]], axis=1)
+                    step["cp"][first][j] = np.concatenate([step["cp"][first][j], more])
+            for s in stages:
+                fill = len(groups) - k if s == first else len(groups)
+                for step in out:
+                    if not fill:
+                        continue
+                    # forward and backward drawn apart, as ``_draw_groups`` draws TP's
+                    drawn = self.rng.integers(len(pool), size=(fill, m, 2))
+                    filled = np.stack([pool[drawn[..., 0], 0], pool[drawn[..., 1], 1]], axis=2)[..., :len(self.blocks(s))]
+                    step["cp"][s] = (step["cp"][first][:k] if s == first else []) + list(filled)
+
+    def _context_group(self, net: LossyNetwork, copies: float, stage: int, m: int) -> np.ndarray:
+        """[micro-batch, direction, (with loss, loss-free), block]: what each block's exchange over this
+        context group adds beside its attention (``cp.clock.exposed``), in training's order: every block's
+        forward exchange, then every block's backward one, blocks in reverse."""
+        cp, mode, dtype, n = self.mesh.cp, self.config.cp_mode, self.dtype, self.kv_numel
+        plan, blocks = self.shape.plan, list(self.blocks(stage))
+        per_packet, _ = net.packets(n, dtype)
+        out = np.zeros((m, 2, 2, len(blocks)))
+        for i in range(m):
+            for d, direction in enumerate(("fwd", "bwd")):
+                order = range(len(blocks)) if direction == "fwd" else reversed(range(len(blocks)))
+                for b in order:
+                    site = f"{plan.blocks}.{blocks[b]}.{plan.attention}.kv"
+                    rounds = self._exchange(net, site, direction, mode, cp, n, per_packet, copies)
+                    for k in (0, 1):
+                        out[i, d, k, b] = cp_clock.exposed(mode, [r[k] for r in rounds], self.attention_s[d])
+        return out
+
+    def _exchange(self, net: LossyNetwork, site: str, direction: str, mode: str, cp: int, n: int, per_packet: int,
+                  copies: float) -> list:
+        """One block's exchange (``cp.exchange``'s calls, without tensors): each round's [with loss, loss-free]
+        seconds, the slowest send's."""
+        dtype = self.dtype
+        if mode == "allgather":
+            collective = "all_gather" if direction == "fwd" else "reduce_scatter"
+            numel = n if direction == "fwd" else cp * per_packet * -(-n // per_packet)   # each origin padded
+            before = _mark(net)
+            delivery = net.simulate(site, direction, numel, dtype, collective, deliver=False)
+            after = _mark(net)
+            self._lost("cp", direction, delivery, per_packet, numel, _held(collective, cp, numel), copies, collective)
+            return [[after[0] - before[0], after[1] - before[1]]]
+        rounds = []
+        holes = [np.zeros(0, dtype=np.int64) for _ in range(cp)]   # per origin: the packets its block misses
+        short = per_packet * -(-n // per_packet) - n                   # the last packet is partial
+        for step in (range(1, cp) if direction == "fwd" else range(cp - 1, 0, -1)):
+            slowest = [0.0, 0.0]
+            for i in range(cp):
+                pair = (i, (i + 1) % cp) if direction == "fwd" else ((i + 1) % cp, i)
+                before = _mark(net)
+                delivery = net.simulate(site, direction, n, dtype, "send", deliver=False, pair=pair)
+                after = _mark(net)
+                slowest = [max(slowest[0], after[0] - before[0]), max(slowest[1], after[1] - before[1])]
+                if direction == "bwd":   # a gradient's sum: what this hop lost
+                    self._lost("cp", direction, delivery, per_packet, n, n, copies)
+                    continue
+                # keys and values: a hop forwards what arrived, its receiver misses every hole so far
+                origin = (i - step + 1) % cp
+                if delivery is not None:
+                    holes[origin] = np.union1d(holes[origin], _lost_packets(delivery))
+                missed = holes[origin]
+                self.received["cp", "fwd"] += n * copies
+                self.inexact["cp", "fwd"] += (len(missed) * per_packet -
+                                              short * int(len(missed) and missed[-1] == -(-n // per_packet) - 1)) * copies
+            rounds.append(slowest)
+        return rounds
+
     def _count(self, cls: str, net: LossyNetwork, copies: float) -> None:
         if _lossy(net):
             self.drawn += net.totals()["sent"]
@@ -586,12 +720,12 @@ class _Clock:
 
     # a class's times (the experts' buckets are data-parallel traffic)
     KEYS = {"tp": ("tp",), "pp": ("pp",), "dp": ("bucket", "expert_bucket"), "fsdp": ("bucket", "gather"),
-            **{cls: (cls,) for cls in EP_CLASSES}}
+            **{cls: (cls,) for cls in EP_CLASSES}, "cp": ("cp",)}
 
     def __init__(self, times: dict, micro_s: float, shares: list[float], config: ExperimentConfig, pp: int, dp: int,
-                 m: int, ready: list):
-        self.t, self.c, self.shares, self.config, self.pp, self.dp, self.m, self.ready = \
-            times, micro_s, shares, config, pp, dp, m, ready
+                 m: int, ready: list, cp: int = 1):
+        self.t, self.c, self.shares, self.config, self.pp, self.dp, self.m, self.ready, self.cp = \
+            times, micro_s, shares, config, pp, dp, m, ready, cp
 
     def loss_free(self, cls: str) -> "_Clock":
         """This clock with ``cls``'s messages at their loss-free seconds (their repairs taken away)."""
@@ -599,7 +733,16 @@ class _Clock:
         for key in self.KEYS[cls]:
             if key in times:
                 times[key] = _at_loss_free(times[key])
-        return _Clock(times, self.c, self.shares, self.config, self.pp, self.dp, self.m, self.ready)
+        return _Clock(times, self.c, self.shares, self.config, self.pp, self.dp, self.m, self.ready, self.cp)
+
+    def _context(self, s: int, r: int, k: int) -> np.ndarray:
+        """[micro-batch, direction]: what replica ``r``'s stage ``s``'s context exchanges add, each block's
+        slowest TP position's (zeros without context parallelism)."""
+        groups = self.t["cp"][s] if self.t["cp"] else []
+        if not groups:
+            return np.zeros((self.m, 2))
+        mine = groups if len(groups) == 1 else groups[r * len(groups) // self.dp:(r + 1) * len(groups) // self.dp]
+        return np.max(np.stack(mine), axis=0)[:, :, k].sum(-1)
 
     def _experts(self, zero) -> Callable:
         """``(stage, replica)`` -> [micro-batch] of (forward, backward) [with loss, loss-free] seconds of the
@@ -621,12 +764,13 @@ class _Clock:
         return of
 
     def _replicas(self) -> list[int]:
-        """One replica of each kind whose paths differ (replica 0 first): a replica's TP groups and pipeline
-        boundaries are its own where every one was simulated, its ep groups its expert-data index's."""
+        """One replica of each kind whose paths differ (replica 0 first): a replica's TP groups, pipeline
+        boundaries and context groups are its own where every one was simulated, its ep groups its
+        expert-data index's."""
         mesh = self.config.mesh()
         tp, pp = self.t["tp"], self.t["pp"]
         experts = any(len(groups) > 1 for cls in EP_CLASSES for groups in self.t.get(cls, []))
-        own = any(len(g) > 1 for g in (*tp, *pp))
+        own = any(len(g) > 1 for g in (*tp, *pp, *self.t["cp"]))
         kinds: dict = {}
         for r in range(self.dp if own or experts else 1):
             kinds.setdefault((r if own else 0, r // mesh.ep if experts else 0), r)
@@ -641,8 +785,9 @@ class _Clock:
     def step(self, k: int, zero=()) -> float:
         tp = self.t["tp"]
         tp_of = (lambda s, r: [[[0.0, 0.0]] * 2] * self.m) if "tp" in zero else \
-            (lambda s, r: tp[s][r if len(tp[s]) > 1 else 0])
+            (lambda s, r: tp[s][r * self.cp if len(tp[s]) > 1 else 0])   # context rank 0's, as training charges
         ep_of = self._experts(zero)
+        cp_of = (lambda s, r: np.zeros((self.m, 2))) if "cp" in zero else (lambda s, r: self._context(s, r, k))
         bucket = [[[0.0, 0.0]] * len(b) for b in self.t["bucket"]] if {"dp", "fsdp"} & set(zero) else self.t["bucket"]
         gather = [] if "fsdp" in zero or not self.t["gather"] else [g[k] for g in self.t["gather"]]
         replicas = self._replicas()
@@ -651,10 +796,10 @@ class _Clock:
             paths = []
             for r in replicas:
                 forward = backward = comm = 0.0
-                for (f, b), (ef, eb) in zip(tp_of(0, r), ep_of(0, r)):
-                    forward += c / 3 + f[k] + ef[k]
-                    backward += c * 2 / 3 + b[k] + eb[k]
-                    comm += f[k] + b[k] + ef[k] + eb[k]
+                for (f, b), (ef, eb), (cf, cb) in zip(tp_of(0, r), ep_of(0, r), cp_of(0, r)):
+                    forward += c / 3 + f[k] + ef[k] + cf
+                    backward += c * 2 / 3 + b[k] + eb[k] + cb
+                    comm += f[k] + b[k] + ef[k] + eb[k] + cf + cb
                 paths.append((forward, backward, comm))
             step = m * c + paths[0][2]
             if self.dp > 1:   # training's ``DataParallel.added_seconds``
@@ -663,15 +808,18 @@ class _Clock:
             return step + self._expert_buckets(k, zero)
         pp = self.t["pp"]
         sends = (lambda b, r: [[[0.0, 0.0]] * 2] * m) if "pp" in zero else \
-            (lambda b, r: pp[b][r if len(pp[b]) > 1 else 0])
+            (lambda b, r: pp[b][r * self.cp if len(pp[b]) > 1 else 0])
         timings = []
         for r in replicas:
             stages = [tp_of(s, r) for s in range(self.pp)]
             moe = [ep_of(s, r) for s in range(self.pp)]
-            forward = [[c * _THIRD * share + f[k] + ef[k] for (f, _), (ef, _) in zip(stage, alltoall)]
-                       for stage, alltoall, share in zip(stages, moe, self.shares)]
-            backward = [[c * (2 / 3) * share + b[k] + eb[k] for (_, b), (_, eb) in zip(stage, alltoall)]
-                        for stage, alltoall, share in zip(stages, moe, self.shares)]
+            contexts = [cp_of(s, r) for s in range(self.pp)]
+            forward = [[c * _THIRD * share + f[k] + ef[k] + added[0]
+                        for (f, _), (ef, _), added in zip(stage, alltoall, context)]
+                       for stage, alltoall, context, share in zip(stages, moe, contexts, self.shares)]
+            backward = [[c * (2 / 3) * share + b[k] + eb[k] + added[1]
+                         for (_, b), (_, eb), added in zip(stage, alltoall, context)]
+                        for stage, alltoall, context, share in zip(stages, moe, contexts, self.shares)]
             links = [sends(b, r) for b in range(self.pp - 1)]
             timings.append(pipeline_time(self.config.pp_schedule, self.pp, m, forward, backward,
                                          [[a[k] for a, _ in link] for link in links],
@@ -698,7 +846,12 @@ def _busiest(shape: Shape, mesh, w: Workload, seed: int) -> float:
 
 
 def _at_loss_free(times):
-    """``times`` (nested lists ending in [with loss, loss-free] pairs of seconds) with every pair [free, free]."""
+    """``times`` (nested lists ending in [with loss, loss-free] pairs of seconds, or a context group's
+    [micro-batch, direction, (with loss, loss-free), block] array) with every pair [free, free]."""
+    if isinstance(times, np.ndarray):
+        free = times.copy()
+        free[:, :, 0] = free[:, :, 1]
+        return free
     if len(times) == 2 and all(isinstance(x, (int, float)) for x in times):
         return [times[1], times[1]]
     return [_at_loss_free(x) for x in times]
@@ -748,6 +901,13 @@ def _held(collective: str, ranks: int, numel: int) -> int:
     """Elements a collective of ``numel`` (simulate's: an all-gather's per rank) leaves with its receivers:
     every rank the sum, every rank every shard, or every rank its chunk's sum."""
     return {"all_reduce": ranks * numel, "all_gather": ranks * ranks * numel, "reduce_scatter": numel}[collective]
+
+
+def _lost_packets(delivery) -> np.ndarray:
+    """A send's lost packets, sorted (``delivery``: a policy's draw, or the lost packets as ``Losses``)."""
+    if isinstance(delivery, Losses):
+        return np.unique(delivery.packet)
+    return np.nonzero((packets_of(delivery).weights[0, 0] == 0).cpu().numpy())[0]
 
 
 def _inexact_elements(delivery, per_packet: int, numel: int, collective: str = "all_reduce") -> int:

@@ -122,8 +122,9 @@ class Layout:
             return None, None, "fwd"
         direction = _direction(cls, call)
         mesh, at = self.mesh, self.mesh.coordinates(ranks[0])
-        if axis == "tp":
-            spec, key = mesh.tp_network_spec(self.settings, at["dp"], at["pp"]), ("tp", at["dp"], at["pp"])
+        if axis == "tp":   # each context rank's TP group is a group of its own, as in training
+            spec = mesh.tp_network_spec(self.settings, at["dp"], at["pp"], at["cp"])
+            key = ("tp", at["dp"], at["pp"], at["cp"])
         elif axis == "dp":
             spec = mesh.dp_network_spec(self.settings, at["tp"], self.config.lossy_directions(cls), stage=at["pp"])
             key = (cls, at["pp"], at["tp"])
@@ -137,9 +138,9 @@ class Layout:
         a, b = mesh.coordinates(src), mesh.coordinates(dst)
         if axis == "pp" and abs(a["pp"] - b["pp"]) == 1:
             boundary = min(a["pp"], b["pp"])
-            spec = mesh.pp_network_spec(self.settings, a["dp"], boundary, self.config.lossy_directions("pp"))
-            members = mesh.tp_ranks(a["dp"], boundary) + mesh.tp_ranks(a["dp"], boundary + 1)
-            place = _Place("pp", ("pp", a["dp"], boundary), spec, {r: i for i, r in enumerate(members)})
+            spec = mesh.pp_network_spec(self.settings, a["dp"], boundary, self.config.lossy_directions("pp"), a["cp"])
+            members = mesh.tp_ranks(a["dp"], boundary, a["cp"]) + mesh.tp_ranks(a["dp"], boundary + 1, a["cp"])
+            place = _Place("pp", ("pp", a["dp"], boundary, a["cp"]), spec, {r: i for i, r in enumerate(members)})
             return place, (place.local[src], place.local[dst]), "fwd" if b["pp"] > a["pp"] else "bwd"
         cls = _class_of(axis, "send")
         if cls is None or axis == "pp":     # a send between stages that are not neighbours: not modelled

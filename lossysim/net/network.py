@@ -33,6 +33,7 @@ import torch
 from ..timing.nccl import Estimate
 from . import delivery as deliver
 from . import exchange
+from . import gaps
 from . import recovery as recoveries
 from . import sparse
 from . import transfer as transfers
@@ -173,6 +174,18 @@ class LossyNetwork:
         NCCL's grouped sends, drawn, repaired, counted and timed as every call (``exchange``); the
         messages to other receivers may be meta tensors (dist: their sizes alone move the streams)."""
         return exchange.all_to_all(self, site, direction, messages, receivers)
+    def with_gaps(self, site: str, direction: str, collective: str, message: torch.Tensor,
+                  receivers: Sequence[int] = (0,), pair: Optional[tuple[int, int]] = None):
+        """A ``send`` (``pair``: src, dst) or an ``all_gather`` (``message``: [ranks, ...], ``receivers``)
+        whose receivers learn which packets they missed: (what they hold, as those calls return it;
+        ``[receivers, senders, packets]`` bool, True where a packet did not arrive, or None), drawn,
+        repaired, counted and timed as those calls are (``net/gaps.py``: context parallelism's keys and
+        values under ``recovery: mask``)."""
+        recoveries.require(self.recovery.name, "kv_exchange")
+        if collective != "send":
+            _check(message, self.ranks)
+        delivery = _call(self, site, direction, collective, message if collective == "send" else message[0], pair)
+        return gaps.held(self, site, direction, collective, message, delivery, receivers)
 
     def account(self, site: str, direction: str, message: torch.Tensor, collective: str = "all_reduce",
                 pair: Optional[tuple[int, int]] = None) -> None:

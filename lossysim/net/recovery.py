@@ -25,6 +25,8 @@ One policy per network (``recovery`` in ``NetworkSpec``; docs/semantics.md compa
 - ``error_feedback``: a sender keeps what a send failed to deliver and adds it to what that send
   carries at the next call of the call site, so the sum over calls is conserved at every receiver.
   It feeds gradients back: on activations (direction ``fwd``) it is ``zero``.
+- ``mask``: ``zero``'s holes, known to the receiver: context parallelism's attention leaves a key or
+  value a lost packet touched out of the softmax (``lossysim.cp``); everywhere else it is ``zero``.
 
 ``zero``, ``rescale`` and the Hadamard policies act on what a whole collective delivers (its
 ``Delivery``); ``stale`` and ``error_feedback`` act on every send, so they run the schedule send by
@@ -57,7 +59,7 @@ from .sparse import Losses
 from ..util import one_of, stream_seed
 
 RECOVERY_POLICIES = ("zero", "rescale", "hadamard", "hadamard+rescale", "stale", "error_feedback", "outliers",
-                     "outliers+hadamard", "drop_token")
+                     "outliers+hadamard", "drop_token", "mask")
 ACTIVATIONS = "fwd"            # the direction whose values are never summed again later
 DEFAULT_HADAMARD_BLOCK = 1 << 14
 DEFAULT_OUTLIER_FRACTION = 1e-3
@@ -91,7 +93,7 @@ def policy(name: str, hadamard_block: int = DEFAULT_HADAMARD_BLOCK,
     if name.startswith("hadamard"):
         return Hadamard(RESCALE if name.endswith("+rescale") else ZERO, hadamard_block)
     return {"zero": ZERO, "rescale": RESCALE, "stale": STALE, "error_feedback": ERROR_FEEDBACK,
-            "drop_token": DROP_TOKEN}[name]
+            "drop_token": DROP_TOKEN, "mask": MASK}[name]
 
 
 # -- what a policy keeps at a call site ------------------------------------------------------------
@@ -155,6 +157,8 @@ class Policy:
     on_activations = True   # acts on activations (else ``on(ACTIVATIONS)`` is zero)
     drops_rows = False      # an all-to-all's row (its last dimension) with a lost packet is lost whole
     acts_on_exchanges = True  # acts on an all-to-all (an MoE's dispatch and combine): a hole, or the row it hit
+    acts_on_keys = True     # acts on context parallelism's keys and values: holes a receiver sees (``net/gaps.py``)
+    masks_keys = False      # a context-parallel receiver leaves keys it lost out of attention (``mask``)
     only_on: Optional[str] = None   # the one collective it acts on (elsewhere it is ``zero``): a run needs it
     settings: tuple[str, ...] = ()   # the NetworkSpec settings it reads beside ``recovery``
 
@@ -208,6 +212,7 @@ class Rescale(Policy):
     name = "rescale"
     rescale = True
     acts_on_exchanges = False   # (an all-to-all's rows are no sum to keep unbiased; not modelled)
+    acts_on_keys = False    # all-gathered keys are no sums (zeros where lost): the ring's would differ from them
 
 
 class DropToken(Policy):
@@ -218,9 +223,20 @@ class DropToken(Policy):
     name = "drop_token"
     drops_rows = True
     only_on = "all_to_all"
+    acts_on_keys = False    # (experts beside context parallelism are refused: config._validate_pairs)
 
 
-ZERO, RESCALE, DROP_TOKEN = Policy(), Rescale(), DropToken()
+class Mask(Policy):
+    """``zero``'s holes, and a receiver that knows where they are: context parallelism's attention leaves a key
+    whose packet was lost out of the softmax of the queries that would have read it (``lossysim.cp``). On
+    every other message (all-reduces, pipeline sends, gradients) there is no softmax to leave it out of: it
+    is ``zero``."""
+    name = "mask"
+    masks_keys = True
+    acts_on_exchanges = False   # (it needs cp_size > 1, and experts beside context parallelism are refused)
+
+
+ZERO, RESCALE, DROP_TOKEN, MASK = Policy(), Rescale(), DropToken(), Mask()
 
 
 # -- Hadamard ----------------------------------------------------------------------------------------
@@ -323,6 +339,7 @@ class Hadamard(Policy):
     computes = True
     acts_on_shards = False   # the inverse transform needs the whole sum
     acts_on_exchanges = False
+    acts_on_keys = False     # its noise spreads over the block: no receiver can tell which keys it spoilt
     settings = ("hadamard_block",)
 
     def __init__(self, inner: Policy, block: int):
@@ -373,6 +390,7 @@ class Outliers(Policy):
     acts_on_shards = False   # every receiver adds every rank's outliers to the whole sum
     acts_on_exchanges = False
     acts_on_sends = False    # the side path is an all-gather beside an all-reduce
+    acts_on_keys = False     # its side path rides an all-reduce: a key/value exchange has none
 
     def __init__(self, inner: Policy, fraction: float):
         self.inner, self.fraction = inner, check_fraction(fraction)
@@ -434,6 +452,7 @@ class SendBySend(Policy):
     send_by_send = True
     acts_on_shards = False   # its all-reduce replays every hop of the ring
     acts_on_exchanges = False
+    acts_on_keys = False     # what it keeps between calls is not a receiver's gaps
     buffers: tuple[str, ...] = ()   # per-send buffers, one payload each, zeros until written
     remembers = False               # a replay returns what the call delivered (it cannot recompute it)
 
@@ -541,17 +560,21 @@ SHARD_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_o
 SEND_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_on_sends)
 # The policies that act on an all-to-all: what an MoE's dispatch and combine can use.
 EXCHANGE_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_on_exchanges)
+# The policies that act on context parallelism's key/value exchange (``lossysim.cp``).
+KV_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_on_keys)
 
 
 def require(name: str, collective: str, used: bool = True) -> None:
     """The one rule of what a policy acts on, for the network (a Python caller) and the config (a run's
     layout) alike: ``collective`` ``send`` (pipeline stages' point-to-point sends), ``reduce_scatter``
-    (FSDP's sharded gradients) or ``all_to_all`` (an MoE's dispatch and combine). ``used``: whether the
-    run has that collective; a policy that acts on it alone (``only_on``) needs it. A one-line
-    ValueError naming the policies that do."""
+    (FSDP's sharded gradients), ``all_to_all`` (an MoE's dispatch and combine) or ``kv_exchange`` (context
+    parallelism's keys and values, by sends or an all-gather). ``used``: whether the run has that
+    collective; a policy that acts on it alone (``only_on``) needs it. A one-line ValueError naming the
+    policies that do."""
     acts, what = {"send": (SEND_POLICIES, "point-to-point sends"),
                   "reduce_scatter": (SHARD_POLICIES, "reduce-scatters"),
-                  "all_to_all": (EXCHANGE_POLICIES, "all-to-alls")}[collective]
+                  "all_to_all": (EXCHANGE_POLICIES, "all-to-alls"),
+                  "kv_exchange": (KV_POLICIES, "key/value exchanges")}[collective]
     if used and name not in acts:
         raise ValueError(f"recovery={name} does not act on {what}: use {one_of(acts)}")
     if not used and policy(name).only_on == collective:

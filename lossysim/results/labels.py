@@ -84,7 +84,8 @@ def _topology(row: Mapping) -> str:
     # data-parallel replicas (summary.csv has replicas for dp runs only, dp_size where it varies)
     dp = int(_get(row, "replicas") or _get(row, "dp_size") or 1)
     pp = int(_get(row, "pp_size") or 1)    # the stages' ranks count too (the pipeline dimension names them)
-    world = Mesh(tp, dp, pp=pp).world
+    cp = int(_get(row, "cp_size") or 1)    # and the context ranks (the cp_size dimension names them)
+    world = Mesh(tp, dp, pp=pp, cp=cp).world
     if per_node is _MISSING:      # constant over the sweep, value unknown: say only what is known
         text = _plural(world, "rank")
     else:

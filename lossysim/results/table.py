@@ -120,6 +120,11 @@ def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
         sent += pipeline.get(f"packets_sent_pp_{d}") or 0
         lost += pipeline.get(f"packets_lost_pp_{d}") or 0
     experts = summary.get("expert_parallel")   # (its traffic is in summary.json's ``traffic``, below)
+    context = summary.get("context_parallel")
+    for d in ("fwd", "bwd") if context else ():   # the context groups' keys and values and their gradients
+        if {"fwd": "cp_forward", "bwd": "cp_backward"}[d] in kinds:
+            sent += context.get(f"packets_sent_cp_{d}") or 0
+            lost += context.get(f"packets_lost_cp_{d}") or 0
     for entry in (summary.get("packets") or {}).get("train") or []:
         d = entry.get("direction")
         for name in ("configured_loss_rate", "observed_loss_rate",
@@ -164,6 +169,9 @@ def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
         row["drift_max"] = _number(data_parallel.get("drift_max"))
         row["observed_loss_rate_dp"] = _number(data_parallel.get("observed_loss_rate_dp"))
         row["dp_s_per_step"] = _number(data_parallel.get("dp_s_per_step"))
+    if context:  # only runs with cp_size > 1 have these columns
+        row["observed_loss_rate_cp"] = _number(context.get("observed_loss_rate_cp"))
+        row["cp_s_per_step"] = _number(context.get("cp_s_per_step"))
     if pipeline:  # only runs with pp_size > 1 have these columns
         row.update({column: _number(pipeline.get(key)) for column, key in PIPELINE_COLUMNS.items()})
     if experts:   # only runs with ep_size > 1

@@ -11,6 +11,7 @@ import transformers
 
 from .. import timing
 from ..config import ExperimentConfig
+from ..cp import ContextParallel, apply_cp
 from ..data import PreparedData, prepare_data
 from ..dp import DataParallel, Replica, apply_dp
 from ..ep import ExpertParallelism, apply_ep, check as check_experts, shard_experts
@@ -45,13 +46,16 @@ class Parts:
     pipeline: Optional[Pipeline] = None
     # a mixture of experts' expert parallelism (its groups, their networks; sim: its lockstep); None without
     ep: Optional[ExpertParallelism] = None
+    # replica 0's context parallelism (its context groups' and context ranks' networks); None without
+    context: Optional[ContextParallel] = None
 
     @contextlib.contextmanager
     def evaluating(self):
         """The model on its evaluation networks (each stage's and boundary's), their counters zeroed."""
         if self.pipeline is None:
             self.eval_net.reset_stats()
-            with swapped(self.model.group, "network", self.eval_net):
+            with swapped(self.model.group, "network", self.eval_net), \
+                    (self.context.evaluating() if self.context is not None else contextlib.nullcontext()):
                 yield
             return
         for network in [*self.pipeline.eval_networks, *(b.network for b in self.pipeline.eval_boundaries)]:
@@ -72,10 +76,12 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
                         seed=config.seed, task=config.task).to(device)
     mesh, settings = config.mesh(), config.network_settings()
     distributed = config.backend == "dist"
-    # dist runs this rank's replica, stage and TP position; sim runs every rank, replica 0's being the run's own.
+    # dist runs this rank's replica, stage, context rank and TP position; sim runs every rank, replica 0's
+    # (its context rank 0's TP group) being the run's own.
     replica, stage, tp_rank = mesh.position(rank) if distributed else (0, 0, 0)
-    train_net = LossyNetwork(mesh.tp_network_spec(settings, replica))
-    eval_net = LossyNetwork(config.network_spec(evaluation=True))
+    context = mesh.coordinates(rank)["cp"] if distributed else 0
+    train_net = LossyNetwork(mesh.tp_network_spec(settings, replica, context=context))
+    eval_net = LossyNetwork(mesh.tp_network_spec(config.network_settings(evaluation=True), context=context))
     parameters = cost.active_parameters(model, config.tp_size)   # a token's step multiplies its experts' alone
     layers, hidden = cost.dims(model.config)
     train_net.spec.selection.check_depth(layers)
@@ -83,7 +89,8 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
     kernels = cost.kernels_per_step(model, config.task) + cost.collective_kernels(layers, config.tp_size)
     compute = _compute(config, device)
     # The parallelisms apply in torchtitan's order: pipeline stages cut the model, then tensor
-    # parallelism shards each stage over its own TP group, then data parallelism joins the replicas.
+    # parallelism shards each stage over its own TP group, context parallelism cuts its sequences, then
+    # data parallelism joins the replicas.
     groups = None
     if distributed:
         # this process's stage alone runs, its sends to the neighbouring stages' processes real
@@ -94,6 +101,7 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
         if pipeline is not None:
             tp_model = attach(pipeline, tp_model, groups["pp"][rank], config.seed)
         shard_experts(tp_model, mesh, rank)
+        apply_cp(tp_model, config, mesh, rank, replica, groups, compute)
         replicas = [_replica(config, tp_model, pipeline)]
     else:
         # Every replica starts from the same weights (DDP broadcasts rank 0's), copied before any stage's
@@ -101,8 +109,8 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
         # as without data parallelism.
         copies = [copy.deepcopy(model) for _ in range(mesh.dp - 1)]
         others = [_sim_replica(config, copies[r - 1], mesh, LossyNetwork(mesh.tp_network_spec(settings, r)), None,
-                               rank, r) for r in range(1, mesh.dp)]
-        replicas = [_sim_replica(config, model, mesh, train_net, eval_net, rank, 0), *others]
+                               rank, r, compute) for r in range(1, mesh.dp)]
+        replicas = [_sim_replica(config, model, mesh, train_net, eval_net, rank, 0, compute), *others]
         pipeline, tp_model = replicas[0].pipeline, replicas[0].model
     dp_groups = groups if mesh.dp > 1 else None   # (dist pipelines: a group of one replica)
     positions = [[tp_rank]] if dp_groups is not None else \
@@ -116,15 +124,17 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
                  autocast=_autocast(config.amp, device),
                  scaler=torch.amp.GradScaler(device.type, enabled=config.amp == "fp16"),
                  compute=compute, parameters=parameters, layers=layers, hidden=hidden, kernels=kernels, dp=dp,
-                 pipeline=pipeline, ep=ep)
+                 pipeline=pipeline, ep=ep, context=getattr(tp_model, "context", None))
 
 
 def _sim_replica(config: ExperimentConfig, model, mesh, train_net: LossyNetwork,
-                 eval_net: Optional[LossyNetwork], rank: int, replica: int) -> Replica:
-    """``sim``: replica ``replica`` of ``model`` cut into its stages (its own networks) and sharded."""
+                 eval_net: Optional[LossyNetwork], rank: int, replica: int, compute) -> Replica:
+    """``sim``: replica ``replica`` of ``model`` cut into its stages (its own networks), sharded and its
+    sequences split over its context ranks."""
     pipeline = apply_pp(model, config, mesh, train_net, eval_net, replica)
     tp_model = apply_tp(model, config, mesh, train_net, rank, pipeline=pipeline)
     shard_experts(tp_model, mesh, mesh.rank(replica, 0))
+    apply_cp(tp_model, config, mesh, rank, replica, compute=compute)
     return _replica(config, tp_model, pipeline)
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ..config import BACKENDS, DP_MODES, PP_SCHEDULES, ExperimentConfig, load_config, parse_overrides, save_yaml
+from ..config import BACKENDS, CP_MODES, DP_MODES, PP_SCHEDULES, ExperimentConfig, load_config, parse_overrides, save_yaml
 from ..data import EVAL_SPLITS, MNLI, SYNTHETIC, train_batches
 from ..data.pydoc_text import PYDOC
 from ..io import atomic_write_json, atomic_write_text, check_writable, nearest_existing, read_summary, run_status
@@ -54,6 +54,8 @@ FLAGS = {
     "--pp-size": ("pp_size", "pipeline stages: the blocks cut into this many (world = tp x pp x dp)"),
     "--ep-size": ("ep_size", "expert parallelism: an MoE's experts over this many data-parallel replicas "
                              "(divides dp)"),
+    "--cp-size": ("cp_size", "context-parallel ranks: every sequence cut into 2 x cp chunks (world = tp x cp x pp x dp)"),
+    "--cp-mode": ("cp_mode", f"how context ranks get each other's keys and values: {one_of(CP_MODES)}"),
     "--pp-schedule": ("pp_schedule", f"how a step's micro-batches run through the stages: {one_of(PP_SCHEDULES)}"),
     "--pp-layout": ("pp_layout", "blocks per stage, e.g. 1,3 (default: an even split)"),
     "--microbatches": ("microbatches", "micro-batches per step (default: pp_size): gradients accumulate over them"),
@@ -214,6 +216,8 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
                     row.update(record.dp_row(parts.dp, state))
                 if config.ep_size > 1:
                     row.update(record.ep_traffic(parts.ep))
+                if parts.context is not None:
+                    row.update(record.cp_traffic(parts.context.train_networks.cp))
                 state.train_disagreement.append(row["disagreement"])
                 metrics.write(row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}",
@@ -231,6 +235,8 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
                                           config, parts.pipeline)
                     if parts.dp.dp_size > 1:  # replica 0 is evaluated; how far the others are from it
                         row["drift"] = parts.dp.drift()
+                    if parts.context is not None:
+                        row.update(record.cp_traffic(parts.context.eval_networks.cp))
                     metrics.write(row)
                     # time to accuracy is measured on the first (primary) split
                     state.record_evaluation(row, config.target_accuracy if split == EVAL_SPLITS[0] else None)
@@ -261,8 +267,10 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
         summary["pipeline"] = record.pp_summary(parts.pipeline, config, state)
     if config.ep_size > 1:
         summary["expert_parallel"] = record.ep_summary(parts.ep, config, state)
-    summary["traffic"] = record.traffic_summary(parts.train_net, parts.pipeline, parts.dp, parts.ep)
-    summary["collectives"] = record.collectives(parts.train_net, parts.pipeline, parts.dp)
+    if parts.context is not None:
+        summary["context_parallel"] = record.cp_summary(parts.context, config, state)
+    summary["traffic"] = record.traffic_summary(parts.train_net, parts.pipeline, parts.dp, parts.ep, parts.context)
+    summary["collectives"] = record.collectives(parts.train_net, parts.pipeline, parts.dp, parts.context)
     if rt.is_main:
         atomic_write_json(rt.run_dir / "summary.json", summary)
     return summary

@@ -147,8 +147,8 @@ def clock(state: TrainState, network: LossyNetwork, config: ExperimentConfig,
         per_step = busy / max(state.step, 1)
         state.restart_s += (failures - state.failures) * (config.restart_s + config.restart_lost_steps * per_step)
         state.failures = failures
-    return {"sim_time_s": busy + state.ep_s + state.dp_s + state.restart_s,
-            "sim_time_s_ideal_nic": busy_ideal + state.ep_s_ideal_nic + state.dp_s,
+    return {"sim_time_s": busy + state.ep_s + state.dp_s + state.cp_s + state.restart_s,
+            "sim_time_s_ideal_nic": busy_ideal + state.ep_s_ideal_nic + state.dp_s + state.cp_s_ideal_nic,
             "restart_s": state.restart_s, "failures": failures, **comm}
 
 
@@ -170,6 +170,8 @@ def clock_row(state: TrainState, network: LossyNetwork, step: int, config: Exper
         row["dp_s_per_step"] = (state.dp_s - last.get("dp_s", 0.0)) / steps
     if config.ep_size > 1:
         row["ep_s_per_step"] = (state.ep_s - last.get("ep_s", 0.0)) / steps
+    if config.cp_size > 1:
+        row["cp_s_per_step"] = (state.cp_s - last.get("cp_s", 0.0)) / steps
     if pipeline is not None:
         pipeline_s = state.pipeline_s - last.get("pipeline_s", 0.0)
         row.update(pipeline_s_per_step=pipeline_s / steps, pp_s_per_step=(state.pp_s - last.get("pp_s", 0.0)) / steps,
@@ -179,6 +181,8 @@ def clock_row(state: TrainState, network: LossyNetwork, step: int, config: Exper
         state.last_row["dp_s"] = state.dp_s
     if config.ep_size > 1:
         state.last_row["ep_s"] = state.ep_s
+    if config.cp_size > 1:
+        state.last_row["cp_s"] = state.cp_s
     if pipeline is not None:
         state.last_row.update(pipeline_s=state.pipeline_s, pp_s=state.pp_s, pp_busy_s=state.pp_busy_s)
     return row
@@ -291,15 +295,35 @@ def pp_summary(pipeline: Pipeline, config: ExperimentConfig, state: TrainState) 
             "packets_by_stage": [n.summary() for n in pipeline.networks]}
 
 
+# -- context parallelism --------------------------------------------------------------------------
+
+def cp_traffic(networks: list[LossyNetwork]) -> dict:
+    """The context groups' packets: keys and values (``cp_fwd``) and their gradients (``cp_bwd``) sent and
+    lost so far, and the loss rate over their lossy directions (``observed_loss_rate_cp``)."""
+    found = traffic(*networks)
+    row = {f"packets_{kind}_cp_{d}": found[f"packets_{kind}_{d}"] for kind in ("sent", "lost") for d in ("fwd", "bwd")}
+    row["observed_loss_rate_cp"] = found["observed_loss_rate"]
+    return row
+
+
+def cp_summary(context, config: ExperimentConfig, state: TrainState) -> dict:
+    """summary.json's ``context_parallel``: the layout, what the exchanges added per step, and every
+    context group's traffic per direction and link class."""
+    return {"cp_size": config.cp_size, "cp_mode": config.cp_mode, "cp_s_per_step": state.cp_s / max(state.step, 1),
+            **cp_traffic(context.train_networks.cp),
+            "packets_by_group": [n.summary(by=("direction", "link_class")) for n in context.train_networks.cp]}
+
+
 # -- every traffic class ---------------------------------------------------------------------------
 
-def traffic_summary(network: LossyNetwork, pipeline: Optional[Pipeline], dp, ep=None) -> dict:
+def traffic_summary(network: LossyNetwork, pipeline: Optional[Pipeline], dp, ep=None, context=None) -> dict:
     """summary.json's ``traffic``: every class (``lossysim.traffic``) the run sent, per direction: packets
     sent and lost, the observed loss rate and whether the direction may lose packets (``lossy``). Replica
-    0's TP, pipeline and expert traffic (every TP rank's ep group), every data-parallel group's."""
+    0's TP, pipeline, expert (every TP rank's ep group) and context traffic, every data-parallel group's."""
     carriers = {"tp": [network] if pipeline is None else pipeline.networks,
                 "pp": pipeline.boundary_networks() if pipeline is not None else [],
-                "fsdp" if dp.fsdp else "dp": dp.networks if dp.dp_size > 1 else []}
+                "fsdp" if dp.fsdp else "dp": dp.networks if dp.dp_size > 1 else [],
+                "cp": context.train_networks.cp if context is not None else []}
     experts = ep.summaries() if ep is not None and ep.mesh.ep > 1 else {}
     carriers.update({name: [ep.groups[0].train[name]] for name in experts})
     out = {}
@@ -325,11 +349,11 @@ def traffic_summary(network: LossyNetwork, pipeline: Optional[Pipeline], dp, ep=
 
 # -- NCCL's choices -------------------------------------------------------------------------------
 
-def collectives(network: LossyNetwork, pipeline: Optional[Pipeline] = None, dp=None) -> list[dict]:
+def collectives(network: LossyNetwork, pipeline: Optional[Pipeline] = None, dp=None, context=None) -> list[dict]:
     """summary.json's ``collectives``: every training network's ``LossyNetwork.choices()`` (one record per
     site, direction, collective and message size), each tagged with the ``network`` it ran on: ``tp``
     (stage ``s``'s: ``tp.stage{s}``), ``pp.boundary{b}`` (stage b to b+1), ``dp.tp{t}`` (TP position t's
-    data-parallel group; this process's alone on ``dist``)."""
+    data-parallel group; this process's alone on ``dist``), ``cp.tp{t}`` (TP position t's context group)."""
     named = [("tp", network)] if pipeline is None else [(f"tp.stage{s}", n) for s, n in enumerate(pipeline.networks)]
     if pipeline is not None:
         named += [(f"pp.boundary{b}", n) for b, n in enumerate(pipeline.boundary_networks())]
@@ -337,6 +361,8 @@ def collectives(network: LossyNetwork, pipeline: Optional[Pipeline] = None, dp=N
         kind = "fsdp" if dp.fsdp else "dp"
         named += [(f"{kind}.tp{t}" if len(dp.stage_networks) == 1 else f"{kind}.stage{s}.tp{t}", n)
                   for s, stage in enumerate(dp.stage_networks) for t, n in enumerate(stage)]
+    if context is not None:
+        named += [(f"cp.tp{t}", n) for t, n in zip(context.tp_positions, context.train_networks.cp)]
     return [{"network": name, **choice} for name, n in named for choice in n.choices()]
 
 

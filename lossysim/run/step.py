@@ -38,7 +38,7 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
     rows = batch["input_ids"].shape[0] // dp.dp_size
     t0 = time.perf_counter()
     gather_s = dp.gather_weights()                 # FSDP: every replica's working weights; DDP: none
-    computes, times, losses, logits, stage_times = [], [], [], [], []
+    computes, times, losses, logits, stage_times, context_s = [], [], [], [], [], []
 
     def replica_step(index: int):                  # sim: every replica; dist: this rank's
         r = dp.first + index
@@ -46,8 +46,9 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
         return _accumulate(parts, config, dp.replicas[index], shard, t0, device, index)
     tasks = [functools.partial(replica_step, index) for index in range(len(dp.replicas))]
     # an expert-parallel group's replicas run side by side (their experts meet); the others one by one
-    for compute, forward_s, backward_s, replica_losses, replica_logits, stages in \
+    for compute, forward_s, backward_s, replica_losses, replica_logits, stages, exposed in \
             (parts.ep.run(tasks) if parts.ep is not None else [task() for task in tasks]):
+        context_s.append(exposed)
         stage_times.append(stages)
         computes.append(compute)
         times.append(torch.tensor([[forward_s, backward_s]], dtype=torch.float64))
@@ -82,6 +83,8 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
     # its TP traffic (on train_net's clock) are charged; replicas step side by side and dp_s is what the
     # slowest one's path and the buckets it waits for add.
     state.compute_s += computes[0]
+    state.cp_s += context_s[0][0]       # what replica 0's context exchanges add beside its attention
+    state.cp_s_ideal_nic += context_s[0][1]
     if parts.pipeline is None:      # (with stages, ``_pipeline_clock`` charged the buckets)
         state.dp_s += dp.added_seconds(times, gather_s, bucket_s, config.dp_overlap)
     state.dp_s += experts_s
@@ -107,8 +110,9 @@ def _accumulate(parts: Parts, config: ExperimentConfig, replica: Replica, shard:
     """One replica's forward/backwards over its shard, ``microbatches`` of them, the gradients summed
     in place (each micro-batch's loss divided by their number: the gradient of the shard's mean loss
     when micro-batches hold equal tokens). Returns the compute seconds, the forward's and backward's
-    seconds (compute and TP traffic), every TP rank's loss of every micro-batch, the logits, and with
-    pipeline stages their times per micro-batch (``_stage_times``), else None."""
+    seconds (compute, TP traffic and what context exchanges add), every TP rank's loss of every
+    micro-batch, the logits, with pipeline stages their times per micro-batch (``_stage_times``), else
+    None, and the context exchanges' added seconds ([with the run's nic, the ideal nic])."""
     k, model, pipeline = config.n_microbatches, replica.model, replica.pipeline
     # dist: a process runs one stage; the others' networks are mirrors, still within a step
     networks = pipeline.networks if pipeline is not None else [group.network for group in model.groups]
@@ -116,6 +120,8 @@ def _accumulate(parts: Parts, config: ExperimentConfig, replica: Replica, shard:
         networks = [*networks, *parts.ep.clocks(index)]
     rows = shard["input_ids"].shape[0] // k
     compute = forward_s = backward_s = 0.0
+    exposed = [0.0, 0.0]
+    context = getattr(model, "context", None)
     losses, logits = [], []
     stages = {"forward": [], "backward": []} if pipeline is not None else None
     model.train()
@@ -133,6 +139,10 @@ def _accumulate(parts: Parts, config: ExperimentConfig, replica: Replica, shard:
         # 2N FLOPs per token forward, 4N backward: a third of the compute is forward.
         forward_s += seconds / 3 + sum(e["comm_s"] - s["comm_s"] for s, e in zip(start, forward_end))
         backward_s += seconds * 2 / 3 + sum(e["comm_s"] - s["comm_s"] for s, e in zip(forward_end, backward_end))
+        if context is not None:
+            added = context.take_seconds()
+            forward_s, backward_s = forward_s + added["fwd"][0], backward_s + added["bwd"][0]
+            exposed = [exposed[k] + added["fwd"][k] + added["bwd"][k] for k in (0, 1)]
         if pipeline is not None:
             shares = _stage_shares(parts, micro)
             for phase, third, ends in (("forward", 1 / 3, (start, forward_end)), ("backward", 2 / 3,
@@ -145,7 +155,7 @@ def _accumulate(parts: Parts, config: ExperimentConfig, replica: Replica, shard:
         stages["activation"] = [b.take_seconds("fwd") for b in pipeline.boundaries]
         stages["gradient"] = [b.take_seconds("bwd") for b in pipeline.boundaries]
         stages = pipeline.gathered(stages)
-    return compute, forward_s, backward_s, torch.cat(losses), torch.cat(logits), stages
+    return compute, forward_s, backward_s, torch.cat(losses), torch.cat(logits), stages, exposed
 
 
 def _stage_shares(parts: Parts, batch: dict) -> list[float]:
@@ -199,8 +209,9 @@ def _compute_seconds(parts: Parts, config: ExperimentConfig, batch: dict, t0: fl
     # The GPU computes every position of the padded batch.
     rows, seq_len = batch["input_ids"].shape
     attention = cost.step_flops(0, rows * seq_len, parts.layers, parts.hidden, seq_len)
-    return parts.compute.step_time(parts.parameters, rows * seq_len, config.tp_size, attention_flops=attention,
-                                   kernels=parts.kernels)
+    # Context parallelism splits every sequence's tokens (and its attention) over cp_size ranks too.
+    return parts.compute.step_time(parts.parameters, rows * seq_len, config.tp_size * config.cp_size,
+                                   attention_flops=attention, kernels=parts.kernels)
 
 
 def _clip_grad_norm(model: TensorParallelModel, max_norm: float, pipeline: Optional[Pipeline] = None,

@@ -39,6 +39,21 @@ class SimGroup:
     def local_size(self) -> int:
         return len(self.ranks)
 
+    @property
+    def stacked(self) -> int:
+        """Rows blocks of ``[stacked * batch, ...]``, one per rank this process runs: its TP ranks (context
+        parallelism's group stacks each TP rank's context ranks too: ``lossysim.cp``)."""
+        return self.local_size
+
+    def per_rank(self, shards: torch.Tensor) -> torch.Tensor:
+        """A sharded parameter (``[local_size, ...]``) as each stacked rank multiplies by it."""
+        return shards
+
+    def replicated_views(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A replicated parameter as each stacked rank's own view (``run_per_rank``): autograd sums the
+        views' gradients, rank by rank, as dist's all-reduce adds the ranks' sums."""
+        return param.expand(self.stacked, *param.shape).unbind(0)
+
     def all_reduce(self, x: torch.Tensor, site: str, direction: str) -> torch.Tensor:
         return self.network.all_reduce(site, direction, x, self.ranks)
 

@@ -103,13 +103,13 @@ class ColumnParallel(nn.Module):
         return summed[[self.owners[r] for r in self.group.ranks]]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = _per_rank(x, self.group.local_size)
-        weight = self.weight.to(h.dtype)
+        h = _per_rank(x, self.group.stacked)
+        weight = self.group.per_rank(self.weight).to(h.dtype)
         weight = weight.transpose(1, 2) if self.linear else weight
         if self.bias is None:
             out = torch.bmm(h, weight)
         else:
-            out = torch.baddbmm(self.bias.unsqueeze(1).to(h.dtype), h, weight)
+            out = torch.baddbmm(self.group.per_rank(self.bias).unsqueeze(1).to(h.dtype), h, weight)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def extra_repr(self) -> str:
@@ -151,8 +151,8 @@ class RowParallel(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = _per_rank(x, self.group.local_size)
-        weight = self.weight.to(h.dtype)
+        h = _per_rank(x, self.group.stacked)
+        weight = self.group.per_rank(self.weight).to(h.dtype)
         partial = torch.bmm(h, weight.transpose(1, 2) if self.linear else weight)
         out = reduce_from_tp(partial, self.group, self.site)
         if self.bias is not None:  # [R, 1, n]: each rank's bias gradient is its own rows' sum (run_per_rank)
@@ -200,11 +200,10 @@ def run_per_rank(module: nn.Module, group: SimGroup) -> None:
     forward = type(module).forward
 
     def per_rank(x: torch.Tensor, *args, **kwargs):
-        ranks = group.local_size
+        ranks = group.stacked
         if x.shape[0] == 1 and group.rows > 1:
             x = x.expand(group.rows, *x.shape[1:])
-        views = {name: getattr(module, name).expand(ranks, *getattr(module, name).shape).unbind(0)
-                 for name in names}
+        views = {name: group.replicated_views(getattr(module, name)) for name in names}
         outs = []
         for r, rows in enumerate(x.chunk(ranks)):
             state = vars(module)
