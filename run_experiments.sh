@@ -43,6 +43,12 @@ Profiles:
          3-D, tp 2 x pp 2 x dp 2 a rank per node, 5% on TP, PP or DP traffic alone or on all.
          3 seeds, 150 steps; accuracy, bubble, time per step and observed PP loss side by
          side. 81 runs, about 20 minutes on 2 idle CPU cores. Spec: experiments/pipeline.yaml
+  moe    what a lost expert dispatch or combine packet does: a tiny Mixtral-like MoE on the quick
+         profile's task, its experts over ep 2 (a replica per node), loss only between the
+         nodes at 1% and 5% on the dispatch, on the combine and on both: zero, drop_token (the
+         expert skips the token) and retransmit (irn), beside its loss-free run; the same loss
+         on its dense gradient buckets, and on TP traffic (tp 2 across the nodes). 3 seeds,
+         100 steps. 72 runs, within 15 minutes on 2 idle CPU cores. Spec: experiments/moe.yaml
   cp     what lost keys and values do between context-parallel ranks: the tiny GPT-2 as a
          byte-level causal LM on Python's documentation text (pydoc, offline), pieces of up
          to 128 bytes cut into 4 chunks, tp 1 x cp 2 with a context rank per node, the keys,
@@ -68,7 +74,7 @@ Profiles:
          (the first run downloads gpt2 and MNLI unless HF_HUB_OFFLINE=1)
 
 Options (each also read from the environment variable shown; options win):
-  --profile NAME     quick | mitigations | dp | pp | cp | real | mnli  [LOSSYSIM_PROFILE]
+  --profile NAME     quick | mitigations | dp | pp | moe | cp | real | mnli [LOSSYSIM_PROFILE]
   --rates "R ..."    average loss rates, fractions or percents,      [LOSSYSIM_RATES]
                      e.g. "0 0.01 5%"; each gives a Bernoulli and a Gilbert-Elliott run
                      in every comparison of the spec (the loss-free baseline always
@@ -94,6 +100,7 @@ Examples:
   ./run_experiments.sh --rates "0 1% 5%" --burst "4 16" --seeds "0 1 2"
   ./run_experiments.sh --profile mitigations
   ./run_experiments.sh --profile pp
+  ./run_experiments.sh --profile moe
   ./run_experiments.sh --profile cp
   ./run_experiments.sh --profile real
   ./run_experiments.sh --profile mnli --shard 1/2 --out /shared/results/mnli
@@ -179,10 +186,11 @@ case "$PROFILE" in
   mitigations) SPEC=experiments/mitigations.yaml ;;
   dp) SPEC=experiments/data_parallel.yaml ;;
   pp) SPEC=experiments/pipeline.yaml ;;
+  moe) SPEC=experiments/moe.yaml ;;
   cp) SPEC=experiments/context.yaml ;;
   real) SPEC=experiments/real.yaml ;;
   mnli) SPEC=experiments/mnli_sweep.yaml ;;
-  *) bad_usage "unknown profile: $PROFILE (expected quick, mitigations, dp, pp, cp, real or mnli)" ;;
+  *) bad_usage "unknown profile: $PROFILE (expected quick, mitigations, dp, pp, moe, cp, real or mnli)" ;;
 esac
 case "$BACKEND" in
   auto | sim | dist) ;;

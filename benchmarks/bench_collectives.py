@@ -58,6 +58,18 @@ def paired(a, b, device, repeats: int) -> tuple[float, float, float]:
     return statistics.median(ta), statistics.median(tb), statistics.median(ratio)
 
 
+def stepping(config, device):
+    """One sim training step of the validated ``config`` at a time (its parts built once, the batches in
+    order): what a benchmark of a parallelism's step times."""
+    from lossysim.data import train_batches
+    from lossysim.run.build import build
+    from lossysim.run.state import TrainState, Window
+    from lossysim.run.step import train_step
+    parts = build(config, device, 0, True, None)
+    state, window, batches = TrainState(), Window(device), train_batches(parts.data, config.batch_size, 0)
+    return lambda: train_step(parts, config, state, window, next(batches), device)
+
+
 def floor(x: torch.Tensor) -> torch.Tensor:
     """What any all-reduce handing each of R receivers its own tensor must do: sum into one row,
     copy it to the others, read it once more (the non-finite watch)."""

@@ -25,15 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_collectives import paired  # noqa: E402
+from bench_collectives import paired, stepping  # noqa: E402
 
 from lossysim import LossyNetwork  # noqa: E402
 from lossysim.config import ExperimentConfig  # noqa: E402
-from lossysim.data import train_batches  # noqa: E402
 from lossysim.dp import DataParallel, Replica  # noqa: E402
-from lossysim.run.build import build  # noqa: E402
-from lossysim.run.state import TrainState, Window  # noqa: E402
-from lossysim.run.step import train_step  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -45,9 +41,7 @@ def stepper(per_replica: int, dp: int):
                               # one replica has no inter-node traffic: config refuses a loss nothing meets
                               loss="bernoulli:0.01" if dp > 1 else "none",
                               out=tempfile.mkdtemp()).validate()
-    parts = build(config, CPU, 0, True, None)
-    state, window, batches = TrainState(), Window(CPU), train_batches(parts.data, config.batch_size, 0)
-    return lambda: train_step(parts, config, state, window, next(batches), CPU)
+    return stepping(config, CPU)
 
 
 def main():

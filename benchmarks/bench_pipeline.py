@@ -21,13 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_collectives import timed  # noqa: E402
+from bench_collectives import stepping, timed  # noqa: E402
 
 from lossysim.config import ExperimentConfig  # noqa: E402
-from lossysim.data import train_batches  # noqa: E402
-from lossysim.run.build import build  # noqa: E402
-from lossysim.run.state import TrainState, Window  # noqa: E402
-from lossysim.run.step import train_step  # noqa: E402
 
 BATCH = 32
 TARGET = 1.3
@@ -42,9 +38,7 @@ def stepper(pp: int, device: torch.device, microbatches: int = 0):
                               # one stage sends nothing: config refuses a loss nothing meets
                               loss="bernoulli:0.01" if pp > 1 else "none",
                               device=str(device), out=tempfile.mkdtemp()).validate()
-    parts = build(config, device, 0, True, None)
-    state, window, batches = TrainState(), Window(device), train_batches(parts.data, config.batch_size, 0)
-    return lambda: train_step(parts, config, state, window, next(batches), device)
+    return stepping(config, device)
 
 
 def side_by_side(steps, device, repeats: int) -> list[list[float]]:

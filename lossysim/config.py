@@ -19,6 +19,8 @@ from .net.spec import SETTINGS, NetworkSpec
 from .timing import DEFAULT_NIC, parse_compute
 from .traffic import BY_NAME, parse_kinds as traffic_kinds
 
+EP_CLASSES = tuple(c.name for c in BY_NAME.values() if c.axis == "ep")   # an MoE block's all-to-alls
+
 
 # Keys that say where or how a run is executed, not what it trains: they stay out of a run's
 # identity (the sweep's hash, what a resumed checkpoint must match), so a shard on another
@@ -33,7 +35,8 @@ DP_MODES = ("ddp", "fsdp")
 # out of a run's identity (the sweep's hash), so sweeps written before them still find their runs.
 IDENTITY_AT_DEFAULT_OMITTED = ("dp_size", "dp_bucket_mb", "dp_overlap", "dp_sync_every", "lossy_traffic",
                               "dp_mode", "lossy_layers", "lossy_sites", "outlier_fraction", "microbatches",
-                              "pp_size", "pp_schedule", "pp_layout", "parallel_order", "cp_size", "cp_mode")
+                              "pp_size", "pp_schedule", "pp_layout", "parallel_order", "ep_size", "cp_size",
+                              "cp_mode")
 CP_MODES = ("ring", "allgather")   # Megatron's p2p ring of K/V blocks; Llama 3's all-gathered K/V
 
 
@@ -102,6 +105,7 @@ class ExperimentConfig:
     sync_replicated: bool = True       # dist: average replicated grads over a reliable channel
     dp_size: int = 1                   # data-parallel replicas of the TP group: world = tp_size x pp_size x dp_size
     pp_size: int = 1                   # pipeline stages: the blocks cut into this many consecutive stages
+    ep_size: int = 1                   # expert parallelism: each MoE block's experts over this many replicas
     cp_size: int = 1                   # context-parallel ranks: each sequence cut into 2 x cp_size chunks
     cp_mode: str = "ring"              # ring (K/V blocks passed around, Megatron's) | allgather (Llama 3's)
     parallel_order: str = DEFAULT_ORDER  # how global ranks are laid out, innermost first (Megatron's order)
@@ -141,8 +145,8 @@ class ExperimentConfig:
             raise ValueError("dataset=pydoc is unlabelled documentation text: use task=lm")
         _choice("backend", self.backend, BACKENDS)
         _choice("amp", self.amp, ("none", "bf16", "fp16"))
-        for name in ("tp_size", "dp_size", "pp_size", "cp_size", "steps", "batch_size", "eval_batch_size", "max_length",
-                     "eval_every", "log_every"):
+        for name in ("tp_size", "dp_size", "pp_size", "ep_size", "cp_size", "steps", "batch_size", "eval_batch_size",
+                     "max_length", "eval_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.microbatches is not None and self.microbatches < 1:
@@ -193,13 +197,17 @@ class ExperimentConfig:
 
     def _validate_pairs(self) -> None:
         """Settings each fine alone that do not go together: checked here only, for every command."""
-        fsdp, pp = self.dp_mode == "fsdp" and self.dp_size > 1, self.pp_size > 1
+        fsdp, pp, ep = self.dp_mode == "fsdp" and self.dp_size > 1, self.pp_size > 1, self.ep_size > 1
+        if ep and self.cp_size > 1:
+            raise ValueError(f"ep_size={self.ep_size} with cp_size={self.cp_size}: experts beside context "
+                             "parallelism are not modelled (training or estimate); leave one of them at 1")
         self._validate_context(fsdp)
-        for on, setting, collective in ((fsdp, "dp_mode=fsdp", "reduce_scatter"),
-                                        (pp, f"pp_size={self.pp_size}", "send"),
-                                        (self.cp_size > 1, f"cp_size={self.cp_size}", "kv_exchange")):
+        for used, setting, collective in ((fsdp, "dp_mode=fsdp", "reduce_scatter"),
+                                          (pp, f"pp_size={self.pp_size}", "send"),
+                                          (ep, f"ep_size={self.ep_size}", "all_to_all"),
+                                          (self.cp_size > 1, f"cp_size={self.cp_size}", "kv_exchange")):
             try:
-                require(self.recovery, collective) if on else None
+                require(self.recovery, collective, used)
             except ValueError as err:
                 raise ValueError(f"{setting}: {err}") from None
         if fsdp and self.dp_sync_every:
@@ -210,6 +218,8 @@ class ExperimentConfig:
         if pp and self.dp_sync_every:
             raise ValueError(f"dp_sync_every with pp_size={self.pp_size}: synchronising pipelined replicas is not "
                              "modelled; set dp_sync_every=0")
+        # (what training does not model beside experts, ep with pipeline stages, the estimate does:
+        # lossysim.ep refuses it where training builds it)
 
     def _validate_context(self, fsdp: bool) -> None:
         """Context parallelism's settings and their pairs (``lossysim.cp``)."""
@@ -262,18 +272,21 @@ class ExperimentConfig:
         networks = [spec] + ([mesh.dp_network_spec(settings, 0, self.dp_lossy())] if self.dp_size > 1 else []) + \
             [mesh.tp_network_spec(settings, 0, s) for s in range(1, self.pp_size)] + \
             [mesh.pp_network_spec(settings, 0, b, self.pp_lossy()) for b in range(self.pp_size - 1)] + \
+            [mesh.ep_network_spec(settings, 0, c, self.lossy_directions(c)) for c in EP_CLASSES if self.ep_size > 1] + \
             ([mesh.cp_network_spec(settings, 0, 0, self.lossy_directions("cp"))] if self.cp_size > 1 else [])
         if not any(net.lossy and net.topology.has_lossy_link for net in networks):
             raise ValueError(f"loss={self.loss} but no traffic can lose packets (tp_size={self.tp_size}, "
-                             f"pp_size={self.pp_size}, dp_size={self.dp_size}, cp_size={self.cp_size}, lossy={self.lossy}, "
+                             f"pp_size={self.pp_size}, dp_size={self.dp_size}, ep_size={self.ep_size}, "
+                             f"cp_size={self.cp_size}, lossy={self.lossy}, "
                              f"lossy_traffic={self.lossy_traffic}, "
                              f"lossy_links={self.lossy_links}, ranks_per_node={self.ranks_per_node}): "
                              "use loss=none for a loss-free run, or make some traffic cross a lossy link")
 
     def mesh(self) -> Mesh:
         """Where this run's ranks sit (``lossysim.mesh``): tp_size x cp_size x pp_size x dp_size in
-        ``parallel_order``, ranks_per_node to a node (a bad layout: a one-line ValueError)."""
-        return Mesh(self.tp_size, self.dp_size, self.ranks_per_node, pp=self.pp_size, cp=self.cp_size,
+        ``parallel_order`` (ep_size carved out of the data-parallel ranks), ranks_per_node to a node (a bad
+        layout: a one-line ValueError)."""
+        return Mesh(self.tp_size, self.dp_size, self.ranks_per_node, pp=self.pp_size, cp=self.cp_size, ep=self.ep_size,
                     order=self.parallel_order)
 
     def network_spec(self, evaluation: bool = False) -> NetworkSpec:

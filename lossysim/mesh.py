@@ -176,6 +176,56 @@ class Mesh:
         """Every rank that holds stage ``stage`` (of every replica, at every TP position)."""
         return [r for r in range(self.world) if self.coordinates(r)["pp"] == stage]
 
+    # -- expert parallelism: ep carved out of dp x cp --------------------------------------------------
+    def expert_coordinates(self, rank: int) -> tuple[int, int]:
+        """(ep, edp) of a global rank: its (cp, dp) index ``cp + cp_size x dp`` cut as Megatron's expert layers
+        cut it, ep innermost (the expert order: expert-tensor = tp, ep, expert-data, pp)."""
+        at = self.coordinates(rank)
+        return divmod(at["cp"] + self.cp * at["dp"], self.ep)[::-1]
+
+    def ep_group(self, rank: int) -> list[int]:
+        """The ranks whose experts ``rank``'s tokens may go to (the same tp, pp and expert-data index), in
+        ep order."""
+        return self._expert_group(rank, "ep")
+
+    def edp_group(self, rank: int) -> list[int]:
+        """The ranks holding ``rank``'s experts (Megatron's expert-data-parallel group), in their order."""
+        return self._expert_group(rank, "edp")
+
+    def _expert_group(self, rank: int, axis: str) -> list[int]:
+        at, (ep, edp) = self.coordinates(rank), self.expert_coordinates(rank)
+        indices = [edp * self.ep + e for e in range(self.ep)] if axis == "ep" else \
+            [d * self.ep + ep for d in range(self.dp * self.cp // self.ep)]
+        return [self.rank_at(**{**at, "cp": c % self.cp, "dp": c // self.cp}) for c in indices]
+
+    def expert_groups(self, axis: str) -> list[list[int]]:
+        """Every ``ep`` or ``edp`` group, by their first rank."""
+        first = (lambda r: self.expert_coordinates(r)[0] == 0) if axis == "ep" else \
+            (lambda r: self.expert_coordinates(r)[1] == 0)
+        return [self._expert_group(r, axis) for r in range(self.world) if first(r)]
+
+    def ep_network_spec(self, settings: dict, rank: int, traffic: str, lossy: tuple[str, ...]) -> NetworkSpec:
+        """The expert-parallel group of ``rank`` carrying traffic class ``traffic`` (``ep_dispatch`` or
+        ``ep_combine``): ``ep`` ranks on the nodes the mesh puts them, one NIC each, chains of their own
+        per class and group; ``lossy``: the directions that may lose packets. Every message is a
+        candidate: site selection picks TP sites."""
+        ranks = self.ep_group(rank)
+        at, (_, edp) = self.coordinates(rank), self.expert_coordinates(rank)
+        name = f"{traffic}.tp{at['tp']}.group{edp}" + (f".stage{at['pp']}" if at["pp"] else "")
+        return NetworkSpec(**{**settings, "ranks": self.ep, "ranks_per_node": self._per_node(ranks),
+                              "nics_per_node": None, "seed": stream_seed(settings["seed"], name, "network"),
+                              "lossy_layers": "all", "lossy_sites": "all", "lossy": lossy})
+
+    def edp_network_spec(self, settings: dict, rank: int, lossy: tuple[str, ...]) -> NetworkSpec:
+        """The expert-data-parallel group of ``rank`` (the ranks holding its experts), as a data-parallel
+        group's network (``dp_network_spec``) of its own: its ranks' nodes, one NIC each, its own chains."""
+        ranks = self.edp_group(rank)
+        at, (ep, _) = self.coordinates(rank), self.expert_coordinates(rank)
+        name = f"edp.tp{at['tp']}.experts{ep}" + (f".stage{at['pp']}" if at["pp"] else "")
+        return NetworkSpec(**{**settings, "ranks": len(ranks), "ranks_per_node": self._per_node(ranks),
+                              "nics_per_node": None, "seed": stream_seed(settings["seed"], name, "network"),
+                              "lossy_layers": "all", "lossy_sites": "all", "lossy": lossy})
+
     # -- each group's network ----------------------------------------------------------------------
     def tp_network_spec(self, settings: dict, replica: int = 0, stage: int = 0, context: int = 0) -> NetworkSpec:
         """Replica ``replica``'s stage ``stage``'s TP group (at context-parallel rank ``context``) on the
@@ -241,12 +291,17 @@ class Mesh:
                          "unevenly: use a multiple or a divisor of tp_size")
 
     def process_groups(self) -> dict[str, dict[int, object]]:
-        """dist's process groups: per axis (``tp``, ``dp``, ``pp``, ...), each global rank's group. Every
+        """dist's process groups: per axis (``tp``, ``dp``, ``pp``, ...; ``ep`` and ``edp`` with experts), each
+        global rank's group. Every
         process creates every group, in the same order, as torch.distributed requires."""
         import torch.distributed as dist
         out = {}
         for axis in self.axes:
             out[axis] = {}
             for ranks in self.groups(axis):
+                out[axis].update(dict.fromkeys(ranks, dist.new_group(ranks)))
+        for axis in ("ep", "edp") if self.ep > 1 else ():
+            out[axis] = {}
+            for ranks in self.expert_groups(axis):
                 out[axis].update(dict.fromkeys(ranks, dist.new_group(ranks)))
         return out

@@ -39,6 +39,13 @@ CLASSES = (
     TrafficClass("dp", "dp", "DP", (Direction("bwd", "dp", "DP gradients"),)),
     TrafficClass("fsdp", "dp", "FSDP", (Direction("fwd", "dp", "FSDP weight gathers"),
                                         Direction("bwd", "dp", "FSDP gradient reduce-scatters"))),
+    # An MoE block's all-to-alls over its expert-parallel group: tokens to their experts (dispatch) and the
+    # experts' outputs back (combine); in backward each carries the other's way the gradient of its data.
+    TrafficClass("ep_dispatch", "ep", "EP dispatch", (Direction("fwd", "ep_dispatch", "EP dispatch"),
+                                                      Direction("bwd", "ep_dispatch_backward",
+                                                                "EP dispatch gradients"))),
+    TrafficClass("ep_combine", "ep", "EP combine", (Direction("fwd", "ep_combine", "EP combine"),
+                                                    Direction("bwd", "ep_combine_backward", "EP combine gradients"))),
     TrafficClass("cp", "cp", "CP", (Direction("fwd", "cp_forward", "CP keys and values"),
                                     Direction("bwd", "cp_backward", "CP key/value gradients"))),
 )
@@ -66,5 +73,5 @@ def parse_kinds(value) -> tuple[str, ...]:
 
 def of_network(name: str) -> Optional[TrafficClass]:
     """The class a summary's ``collectives`` network tag names (``tp.stage1``, ``pp.boundary0``,
-    ``dp.tp0``, ``fsdp.tp1``, ``cp.tp0``), or None."""
+    ``dp.tp0``, ``fsdp.tp1``, ``ep_dispatch.group0``, ``cp.tp0``), or None."""
     return BY_NAME.get(name.split(".")[0])

@@ -17,7 +17,13 @@ from lossysim.timing import direct_all_reduce_time, nccl
 # Published parameter counts (model cards; ../shared/REFERENCE.md), rounded as published: 3 digits.
 PUBLISHED_PARAMETERS = {"gpt2": 124e6, "gpt2-medium": 355e6, "gpt2-large": 774e6, "gpt2-xl": 1.56e9,
                         "llama-3.2-1b": 1.24e9, "llama-3.2-3b": 3.21e9, "llama-3.1-8b": 8.03e9,
-                        "llama-3.1-70b": 70.6e9, "llama-3.1-405b": 406e9, "qwen2.5-7b": 7.62e9, "mistral-7b": 7.24e9}
+                        "llama-3.1-70b": 70.6e9, "llama-3.1-405b": 406e9, "qwen2.5-7b": 7.62e9, "mistral-7b": 7.24e9,
+                        "mixtral-8x7b": 46.7e9, "mixtral-8x22b": 141e9, "qwen3-30b-a3b": 30.5e9,
+                        "qwen3-235b-a22b": 235e9, "deepseek-v3": 671e9}
+# ... and the mixtures of experts' active ones, published to two digits (whether the embeddings count
+# differs between cards: 3% covers it)
+PUBLISHED_ACTIVE = {"mixtral-8x7b": 12.9e9, "mixtral-8x22b": 39e9, "qwen3-30b-a3b": 3.3e9, "qwen3-235b-a22b": 22e9,
+                    "deepseek-v3": 37e9}
 
 
 pytestmark = pytest.mark.usefixtures("private_cache")
@@ -71,12 +77,15 @@ def test_an_estimate_counts_and_times_what_a_training_run_does(tmp_path, model, 
     assert row["loss_free_comm_s"] == pytest.approx(summary["sim_time"]["ideal_comm_s_per_step"], rel=1e-12)
 
 
-def test_published_shapes_have_their_published_parameter_counts():
+def test_published_shapes_have_their_published_parameter_counts(one_torch_thread):
     assert set(PUBLISHED) == set(PUBLISHED_PARAMETERS)
     for name, published in PUBLISHED_PARAMETERS.items():
         shape = load(name)
         assert shape.parameters == pytest.approx(published, rel=0.005), name   # within the published rounding
+        assert shape.active == pytest.approx(PUBLISHED_ACTIVE.get(name, shape.parameters), rel=0.03), name
     assert load("llama-3.1-70b").hidden == 8192 and load("llama-3.1-70b").layers == 80
+    deepseek = load("deepseek-v3").experts
+    assert deepseek.blocks == tuple(range(3, 61)) and (deepseek.count, deepseek.top_k) == (256, 8)
 
 
 def test_a_config_file_or_model_directory_is_a_shape(tmp_path):

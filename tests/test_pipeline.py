@@ -15,7 +15,6 @@ import torch
 from scipy.stats import binomtest
 from transformers import GPT2Config
 
-from lossysim import cli
 from lossysim.config import PP_SCHEDULES, ExperimentConfig
 from lossysim.data import train_batches
 from lossysim.io import read_jsonl
@@ -26,7 +25,7 @@ from lossysim.run import checkpoint
 from lossysim.run.build import build
 from lossysim.run.experiment import run_experiment
 from test_resume import assert_same_run
-from tiny_runs import tiny_run, train_steps
+from tiny_runs import assert_train_refuses, tiny_run, train_steps
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.usefixtures("private_cache")
@@ -222,12 +221,7 @@ def test_resume_is_exact(tmp_path, one_torch_thread):
     (["--pp-size", "2", "--dp-size", "2", "--set", "ranks_per_node=3"], "ranks_per_node=3 must divide tp_size=1"),
 ])
 def test_bad_pipeline_settings_are_one_line_and_exit_2(settings, message, tmp_path, capsys):
-    out = tmp_path / "o"
-    code = cli.main(["train", "--set", "max_length=32", "--set", "batch_size=8", "--set", "max_train_samples=16",
-                     "--steps", "1", "--tp-size", "1", "--no-progress", "--out", str(out), *settings])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1 and message in err, err
-    assert not (out / "summary.json").exists()
+    assert_train_refuses(settings, message, tmp_path / "o", capsys)
 
 
 def test_identity_of_runs_without_pipeline_keys_is_unchanged():

@@ -270,17 +270,19 @@ def test_a_checkpoint_written_by_0_2_resumes_exactly(tmp_path):
     assert strip(summary["sim_time"]) == strip(json.loads((Path(config.out) / "summary.json").read_text())["sim_time"])
 
 
-def assert_resumes_exactly(config, resumed: Path) -> None:
-    """Run ``config`` through, then again in ``resumed`` from its first checkpoint (the later ones and
-    the summary deleted): the two end the same."""
+def assert_resumes_exactly(config, resumed: Path) -> dict:
+    """Run ``config`` through, then again in ``resumed`` from its first checkpoint (the later ones, the
+    summary and the exported model deleted): the two end the same. The resumed run's summary."""
     assert run_experiment(config, config.out, progress=False)["status"] == "completed"
     shutil.copytree(config.out, resumed)
     for path in checkpoint.complete(resumed)[1:]:
         shutil.rmtree(path)
     (resumed / "summary.json").unlink()
+    shutil.rmtree(resumed / "checkpoint", ignore_errors=True)   # (save_checkpoint's export: written again)
     summary = run_experiment(config.replace(out=str(resumed)), resumed, progress=False, resume=True)
     assert summary["status"] == "completed", summary.get("error")
     assert_same_run(Path(config.out), resumed)
+    return summary
 
 
 @pytest.mark.parametrize("recovery", ["hadamard", "error_feedback"])

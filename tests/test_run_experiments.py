@@ -46,7 +46,7 @@ def test_help_prints_usage_and_sets_nothing_up(tmp_path):
     (["--bogus"], "unknown option: --bogus"),
     (["--steps"], "--steps needs a value"),
     (["--steps", "many"], "positive whole number"),
-    (["--profile", "huge"], "unknown profile: huge (expected quick, mitigations, dp, pp, cp, real or mnli)"),
+    (["--profile", "huge"], "unknown profile: huge (expected quick, mitigations, dp, pp, moe, cp, real or mnli)"),
     (["--backend=mpi"], "unknown backend: mpi"),
     (["--seeds", "0 x"], "whole numbers"),
 ])
@@ -189,10 +189,11 @@ def test_mitigations_profile_compares_every_recovery_policy(tmp_path, sandbox):
     runs = sweep.expand(sweep.load_spec(ROOT / "experiments" / "mitigations.yaml"), tmp_path / "m")
     lossy = [run.config for run in runs if run.config.loss != "none"]
     assert len(runs) == 75 and len(runs) - len(lossy) == 3   # one loss-free baseline per seed
+    # every policy that acts on TP traffic (drop_token acts on experts' all-to-alls alone, which this dense
+    # model does not send; mask on context parallelism's keys alone)
+    dense = tuple(name for name in RECOVERY_POLICIES if policy(name).only_on is None and not policy(name).masks_keys)
     for loss in ("bernoulli:0.05", "bernoulli:0.2", "ge:rate=0.05,burst=8"):
-        # every policy that acts on TP traffic (``mask`` acts on context parallelism's keys only)
-        acting = [name for name in RECOVERY_POLICIES if not policy(name).masks_keys]
-        assert sorted(c.recovery for c in lossy if c.loss == loss) == sorted(acting * 3), loss
+        assert sorted(c.recovery for c in lossy if c.loss == loss) == sorted(dense * 3), loss
 
 
 def test_pp_profile_loses_pp_traffic_between_two_nodes_beside_dp_and_tp(tmp_path, sandbox):
@@ -202,7 +203,7 @@ def test_pp_profile_loses_pp_traffic_between_two_nodes_beside_dp_and_tp(tmp_path
     assert result.returncode == 0, result.stderr
     assert sweep_argv(log)[3:] == ["experiments/pipeline.yaml", "--out", "results/pp", "--set", "backend=sim"]
     help_text = run_script(SCRIPT, ["--help"], clean_env(tmp_path)).stdout
-    assert "quick | mitigations | dp | pp | cp | real | mnli" in help_text and "Spec: experiments/pipeline.yaml" in help_text
+    assert "quick | mitigations | dp | pp | moe | cp | real | mnli" in help_text and "Spec: experiments/pipeline.yaml" in help_text
     runs = [run.config for run in sweep.expand(sweep.load_spec(ROOT / "experiments" / "pipeline.yaml"), tmp_path / "p")]
     assert len(runs) == 81 and {c.seed for c in runs} == {0, 1, 2}
     assert {(c.steps, c.model, c.backend) for c in runs} == {(runs[0].steps, "tiny", "sim")}, "one model, one length"
@@ -233,6 +234,33 @@ def test_pp_profile_loses_pp_traffic_between_two_nodes_beside_dp_and_tp(tmp_path
     for group, traffic in ((dp, "dp"), (tp, "tp_forward,tp_backward")):
         assert sorted(c.loss for c in group) == ["bernoulli:0.05"] * 3 + ["none"] * 3
         assert {(c.lossy_traffic, c.lossy_links) for c in group if c.loss != "none"} == {(traffic, "inter_node")}
+
+
+def test_moe_profile_loses_expert_traffic_between_two_nodes_beside_dp_and_tp(tmp_path, sandbox):
+    from lossysim.run import sweep
+    script, log, bin_dir = sandbox
+    result = run_script(script, ["--profile", "moe"], env_without_gpu_tools(tmp_path, bin_dir))
+    assert result.returncode == 0, result.stderr
+    assert sweep_argv(log)[3:] == ["experiments/moe.yaml", "--out", "results/moe", "--set", "backend=sim"]
+    assert "Spec: experiments/moe.yaml" in run_script(SCRIPT, ["--help"], clean_env(tmp_path)).stdout
+    runs = [run.config for run in sweep.expand(sweep.load_spec(ROOT / "experiments" / "moe.yaml"), tmp_path / "m")]
+    assert len(runs) == 72 and {c.seed for c in runs} == {0, 1, 2}
+    assert {(c.steps, c.model, c.backend) for c in runs} == {(100, "tiny-moe", "sim")}
+    assert {c.lossy_links for c in runs if c.loss != "none"} == {"inter_node"}
+    experts = [c for c in runs if c.ep_size == 2]
+    assert {(c.tp_size, c.dp_size, c.ranks_per_node) for c in experts} == {(1, 2, 1)}   # a replica per node
+    dispatch, combine = "ep_dispatch,ep_dispatch_backward", "ep_combine,ep_combine_backward"
+    for rate in ("bernoulli:0.01", "bernoulli:0.05"):
+        for traffic in (dispatch, combine, f"{dispatch},{combine}"):
+            ways = sorted(c.recovery if c.transport == "drop" else f"{c.transport} {c.nic}" for c in experts
+                          if c.loss == rate and c.lossy_traffic == traffic)
+            assert ways == sorted(["zero", "drop_token", "retransmit irn"] * 3), (rate, traffic)
+        assert sum(c.loss == rate and c.lossy_traffic == "dp" for c in experts) == 3
+    assert sum(c.loss == "none" for c in experts) == 3
+    tp = [c for c in runs if c.ep_size == 1]
+    assert {(c.tp_size, c.dp_size, c.ranks_per_node) for c in tp} == {(2, 1, 1)}
+    assert {c.lossy_traffic for c in tp if c.loss != "none"} == {"tp_forward,tp_backward"}
+    assert sorted(c.loss for c in tp) == sorted(["none", "bernoulli:0.01", "bernoulli:0.05"] * 3)
 
 
 def test_cp_profile_loses_keys_and_values_between_two_nodes_beside_tp_traffic(tmp_path, sandbox):

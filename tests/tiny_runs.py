@@ -42,3 +42,14 @@ def train_steps(config: ExperimentConfig, steps: int):
         assert train_step(parts, config, state, window, batch, cpu)
         state.step += 1
     return parts, state, window
+
+
+def assert_train_refuses(settings: list, message: str, out: Path, capsys) -> None:
+    """``lossysim train`` of a one-step tiny run with ``settings`` (flags) exits 2 with one line holding
+    ``message`` and writes no summary."""
+    from lossysim import cli
+    code = cli.main(["train", "--set", "max_length=32", "--set", "batch_size=8", "--set", "max_train_samples=16",
+                     "--steps", "1", "--tp-size", "1", "--no-progress", "--out", str(out), *settings])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and message in err, err
+    assert not (out / "summary.json").exists()

@@ -84,9 +84,12 @@ class DataParallel:
     first = 0
     fsdp = False              # DDP: every replica holds whole parameters (``fsdp`` shards them)
 
-    def __init__(self, replicas: Sequence[Replica], networks: Sequence[Sequence[LossyNetwork]], bucket_bytes: float):
+    def __init__(self, replicas: Sequence[Replica], networks: Sequence[Sequence[LossyNetwork]], bucket_bytes: float,
+                 experts: bool = False):
         """``networks[s][t]``: stage s's TP position t's group (one stage without a pipeline; none at all
-        for a group of one)."""
+        for a group of one). ``experts``: average the experts' parameters (``lossysim.ep``, over a group of
+        the replicas holding the same experts) instead of every other one."""
+        self.experts = experts
         self.replicas = list(replicas)
         self.stage_networks = [list(stage) for stage in networks]
         self.networks = [n for stage in self.stage_networks for n in stage]   # every group's, stage by stage
@@ -102,8 +105,11 @@ class DataParallel:
         params = list(model.parameters())
         self._sharded = {i for i, p in enumerate(params) if id(p) in sharded_ids}
         self._stage_of = self.replicas[0].stage_of_parameters()
+        # an expert's parameters live on the replicas holding that expert: their own groups average them
+        self._mine = [getattr(p, "expert_parallel", False) == self.experts for p in params]
         self.stage_buckets: list[list[Bucket]] = [
-            bucketing.plan_buckets(params, sharded_ids, bucket_bytes, [owner == s for owner in self._stage_of])
+            bucketing.plan_buckets(params, sharded_ids, bucket_bytes,
+                                   [owner == s and mine for owner, mine in zip(self._stage_of, self._mine)])
             for s in stages]
         self.buckets: list[Bucket] = [b for stage in self.stage_buckets for b in stage]
         self._buffers: dict = {}
@@ -239,7 +245,7 @@ class DataParallel:
         one, and the replicated ones on rank 0 only (counted once)."""
         return [(p[t:t + 1], b[t:t + 1]) if i in self._sharded else (p, b)
                 for i, (p, b) in enumerate(zip(params, base))
-                if self._stage_of[i] == stage and (i in self._sharded or t == 0)]
+                if self._stage_of[i] == stage and self._mine[i] and (i in self._sharded or t == 0)]
 
     @torch.no_grad()
     def synchronise(self) -> float:
@@ -262,7 +268,9 @@ class DistDataParallel(DataParallel):
     ``sim`` applies for it."""
 
     def __init__(self, replica: Replica, network: LossyNetwork, bucket_bytes: float, *, replica_index: int,
-                 tp_rank: int, dp_size: int, tp_size: int, dp_group, tp_group, stage: int = 0, pp_group=None):
+                 tp_rank: int, dp_size: int, tp_size: int, dp_group, tp_group, stage: int = 0, pp_group=None,
+                 experts: bool = False):
+        self.experts = experts
         self.replicas = [replica]
         self.stage_networks = [[network]]
         self.networks = [network]
@@ -345,7 +353,8 @@ class DistDataParallel(DataParallel):
         """As ``sim``'s: each rank sums its local squares of its stage's parameters (a replicated
         parameter counted on TP rank 0 only), the replica's ranks' sums are gathered and added TP rank by
         TP rank, stage by stage; the worst replica wins."""
-        params = [(i, p) for i, p in enumerate(self.replicas[0].model.parameters()) if self._stage_of[i] == self.stage]
+        params = [(i, p) for i, p in enumerate(self.replicas[0].model.parameters())
+                  if self._stage_of[i] == self.stage and self._mine[i]]
         pairs = []
         for i, p in params:
             b = p.detach().float().clone()

@@ -67,6 +67,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dp-size", type=int, help="data-parallel replicas (default 1; with --trace and no "
                                                      "layout: the world, or the pipeline's stages if it sends)")
     parser.add_argument("--dp-mode", default="ddp", choices=DP_MODES, help="ddp or fsdp (default ddp)")
+    parser.add_argument("--ep-size", type=int, default=1,
+                        help="expert parallelism: a mixture of experts' experts over this many of the data-parallel "
+                             "ranks (divides dp size; default 1)")
+    parser.add_argument("--routing-skew", type=float, default=0.0,
+                        help="experts' popularity by Zipf's law with this exponent (default 0: uniform routing)")
     parser.add_argument("--cp-size", type=int, default=1,
                         help="context-parallel ranks: every sequence cut into 2 x cp chunks (default 1)")
     parser.add_argument("--cp-mode", default="ring", choices=CP_MODES,
@@ -111,7 +116,7 @@ def run(args) -> int:
         return run_trace(args)
     if not args.model:
         raise ValueError("name a model (a named shape, a config.json or a model directory), or give --trace")
-    workload = Workload(args.seq, args.grad_dtype, args.sampled_groups)
+    workload = Workload(args.seq, args.grad_dtype, args.sampled_groups, args.routing_skew)
     configs = grid(config_of(args), {key: getattr(args, key) for key in GRID.values()})
     return run_rows(args, configs, lambda on_row: run_grid(args.model, configs, workload, args.steps,
                                                            progress=not args.no_progress, on_row=on_row))
@@ -160,7 +165,7 @@ def config_of(args) -> ExperimentConfig:
         check_length(args.seq, args.cp_size, "--seq")
     keys = dict(tp_size=8 if args.tp_size is None else args.tp_size,
                 pp_size=1 if args.pp_size is None else args.pp_size,
-                dp_size=1 if args.dp_size is None else args.dp_size, dp_mode=args.dp_mode,
+                dp_size=1 if args.dp_size is None else args.dp_size, dp_mode=args.dp_mode, ep_size=args.ep_size,
                 cp_size=args.cp_size, cp_mode=args.cp_mode, max_length=args.seq,
                 microbatches=args.microbatches, pp_schedule=args.pp_schedule, pp_layout=args.pp_layout,
                 dp_bucket_mb=args.dp_bucket_mb, dp_overlap=args.dp_overlap,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
@@ -55,14 +56,66 @@ PUBLISHED = {
                                    num_key_value_heads=8, intermediate_size=14336, vocab_size=32000,
                                    tie_word_embeddings=False, max_position_embeddings=32768, rms_norm_eps=1e-5,
                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # Mixtures of experts (transformers' config classes default to the flagship's shape; the figures below are
+    # the model cards' config.json, spelled out).
+    # mistralai/Mixtral-8x7B-v0.1: 46.7B parameters, 12.9B active (2 of 8 experts a token)
+    "mixtral-8x7b": ("mixtral", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                     num_key_value_heads=8, intermediate_size=14336, num_local_experts=8,
+                                     num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=32768,
+                                     rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # mistralai/Mixtral-8x22B-Instruct-v0.1: 141B parameters, 39B active
+    "mixtral-8x22b": ("mixtral", dict(hidden_size=6144, num_hidden_layers=56, num_attention_heads=48,
+                                      num_key_value_heads=8, intermediate_size=16384, num_local_experts=8,
+                                      num_experts_per_tok=2, vocab_size=32768, max_position_embeddings=65536,
+                                      rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # Qwen/Qwen3-30B-A3B: 30.5B parameters, 3.3B active (8 of 128 experts, each 768 wide)
+    "qwen3-30b-a3b": ("qwen3_moe", dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                                        num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                                        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                        norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960,
+                                        rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # Qwen/Qwen3-235B-A22B: 235B parameters, 22B active
+    "qwen3-235b-a22b": ("qwen3_moe", dict(hidden_size=4096, num_hidden_layers=94, num_attention_heads=64,
+                                          num_key_value_heads=4, head_dim=128, intermediate_size=12288,
+                                          moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
+                                          norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960,
+                                          rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # deepseek-ai/DeepSeek-V3: 671B parameters, 37B active; MLA attention, the first 3 blocks dense, then 256
+    # routed experts (8 a token, from at most 4 of 8 groups) and one shared expert per block
+    "deepseek-v3": ("deepseek_v3", dict(hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
+                                        num_key_value_heads=128, intermediate_size=18432,
+                                        moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1,
+                                        num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=3,
+                                        routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=1536,
+                                        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                        v_head_dim=128, vocab_size=129280, max_position_embeddings=163840,
+                                        rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                                         "original_max_position_embeddings": 4096,
+                                                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                                                         "mscale_all_dim": 1.0})),
 }
 # The config.json fields a shape is made of (Llama's names, GPT-2's): whole numbers >= 1 where present.
 SIZE_FIELDS = ("num_hidden_layers", "n_layer", "hidden_size", "n_embd", "num_attention_heads", "n_head",
                "num_key_value_heads", "intermediate_size", "n_inner", "head_dim", "vocab_size",
                "max_position_embeddings", "n_positions")
 # The runner's random-weight CPU shapes, so an estimate can be held against a training run.
-RUNNER = ("tiny", "tiny-llama")
+RUNNER = ("tiny", "tiny-llama", "tiny-moe", "tiny-deepseek-v3")
 NAMES = tuple(PUBLISHED) + RUNNER
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture of experts' routed experts: which blocks have them, how many, how many a token goes to,
+    and their parameters (every block's, all experts)."""
+    blocks: tuple[int, ...]
+    count: int
+    top_k: int
+    parameters: int
 
 
 @dataclass(frozen=True)
@@ -75,6 +128,17 @@ class Shape:
     layers: int
     hidden: int
     kernels: int         # kernel launches of one training step on one rank (``models.cost``)
+    active: int = 0      # the parameters a token's step multiplies (a mixture of experts': its experts' alone)
+    experts: Optional[Experts] = None
+
+    def check_ep(self, ep_size: int) -> None:
+        """A one-line ValueError when ``ep_size`` cannot shard this model's experts."""
+        if ep_size == 1:
+            return
+        if self.experts is None:
+            raise ValueError(f"ep_size={ep_size} needs a mixture-of-experts model, not {self.name}")
+        if self.experts.count % ep_size:
+            raise ValueError(f"ep_size={ep_size} does not divide the {self.experts.count} experts of {self.name}")
 
     def check_tp(self, tp_size: int) -> None:
         """A one-line ValueError when ``tp_size`` cannot shard this model as ``parallelize`` would."""
@@ -146,16 +210,31 @@ def load(name: str) -> Shape:
         raise ValueError(f"{name}: {err}") from None
     layers, hidden = cost.dims(config)
     return Shape(name, config, plan, sum(p.numel() for p in model.parameters()), layers, hidden,
-                 _kernels(config, layers))
+                 _kernels(config, layers), cost.active_parameters(model), _experts(model, plan))
+
+
+def _experts(model, plan: ShardingPlan) -> Optional[Experts]:
+    """The routed experts of ``model`` (a meta one), None without."""
+    if plan.experts is None:
+        return None
+    parent, _, leaf = plan.experts.rpartition(".")
+    found = {i: getattr(block.get_submodule(parent), leaf) for i, block in
+             enumerate(model.base_model.get_submodule(plan.blocks)) if hasattr(block.get_submodule(parent), leaf)}
+    first = next(iter(found.values()))
+    return Experts(tuple(found), int(first.num_experts), int(model.config.num_experts_per_tok),
+                   sum(p.numel() for module in found.values() for p in module.parameters()))
 
 
 def _kernels(config: PretrainedConfig, layers: int) -> int:
     """Kernel launches of a training step, from copies of one and two blocks: every block launches the
-    same kernels, and counting 80 of them takes half a minute."""
+    same kernels, and counting 80 of them takes half a minute (a mixture of experts' copies are its MoE
+    blocks: DeepSeek-V3's first dense blocks count as those)."""
     key = "n_layer" if hasattr(config, "n_layer") else "num_hidden_layers"
     counts = []
     for depth in (1, 2):
         values = {**config.to_dict(), key: depth}
+        if "first_k_dense_replace" in values:
+            values["first_k_dense_replace"] = 0
         values.pop("layer_types", None)  # one entry per layer: rebuilt for the copy's depth
         with torch.device("meta"):
             copy = AutoModelForCausalLM.from_config(type(config).from_dict(values))

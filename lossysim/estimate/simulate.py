@@ -4,7 +4,7 @@ The job is tp x pp x dp ranks laid out as training lays them out (``Mesh``: tp i
 then dp). Every message of a step goes through ``LossyNetwork.simulate``, the code path of a training
 run's collectives: the same keyed streams draw the same fates, the same transport repairs them, the
 same counters and clock move. Only the tensors are missing: a message is its element count and dtype.
-Four traffic classes, each on the networks the mesh gives its groups:
+Its traffic classes, each on the networks the mesh gives its groups:
 
 - ``tp``: every stage's TP all-reduces (``step_calls``), per micro-batch, on each replica's stage group;
 - ``pp``: every boundary's activation and its gradient, per micro-batch, TP rank t to TP rank t
@@ -12,6 +12,12 @@ Four traffic classes, each on the networks the mesh gives its groups:
 - ``dp``: DDP's gradient buckets (``dp.buckets``, a TP rank's local tensors of its stage), all-reduced
   over each (stage, TP position)'s data-parallel group, a bucket's time its slowest group's;
 - ``fsdp``: the same units all-gathered before the forward and reduce-scattered after the backward;
+- ``ep_dispatch``, ``ep_combine``: a mixture of experts' all-to-alls per MoE block and micro-batch on every
+  (stage, TP position, expert-data index)'s ep group, sized by the routing assumed (``ep.routing``: uniform or
+  skewed); in backward their gradients the other way; the experts' gradient buckets over their
+  expert-data-parallel groups (class ``dp``), after the backward, as training averages them. Beyond
+  ``FULL_UP_TO`` GPUs, a few micro-batches of one stage's sampled groups are simulated and every other block's
+  calls drawn from theirs (docs/estimate.md, "Experts").
 - ``cp``: every block's keys and values over each (stage, replica, TP position)'s context group, per
   micro-batch: the ring's rounds of point-to-point sends (or an all-gather), and their gradients back (or
   a reduce-scatter), training's exchanges (``cp.exchange``), each round's time its slowest send's and what
@@ -45,9 +51,10 @@ from .. import timing, traffic
 from ..dp import timeline
 from ..dp.buckets import plan_buckets
 from ..dp.fsdp import shard_numel
-from ..config import ExperimentConfig
+from ..config import EP_CLASSES, ExperimentConfig
 from ..cp import clock as cp_clock
 from ..cp.layout import check_length
+from ..ep import routing
 from ..models import cost
 from ..net import LossyNetwork, NetworkSpec
 from ..net.recovery import packets_of
@@ -72,6 +79,12 @@ class _Group(NamedTuple):
     copies: float      # the groups its counts stand for: loss-free ones alike (exact), or G / k sampled lossy ones
 
 
+class _ExpertGroup(NamedTuple):
+    """An ep group's two networks (``ep_dispatch``, ``ep_combine``) and the groups its counts stand for."""
+    specs: tuple
+    copies: float
+
+
 def estimate(model: Union[str, Shape], config: ExperimentConfig, workload: Workload = Workload(),
              steps: int = 10, tick: Optional[Callable[[], None]] = None) -> dict:
     """Simulate ``steps`` training steps of ``model`` (a name, a config path or a ``Shape``) on the job a
@@ -94,10 +107,11 @@ def estimate(model: Union[str, Shape], config: ExperimentConfig, workload: Workl
     gpu = timing.parse_compute(config.compute)
     if isinstance(gpu, timing.Measured):
         raise ValueError("compute=measured needs a real training run; name a GPU model (e.g. h100)")
+    shape.check_ep(mesh.ep)
     tokens = w.seq * config.micro_batch_size
     kernels = shape.kernels + cost.collective_kernels(shape.layers, tp)   # as a training run counts them
     # a rank computes its share of every sequence: 1 / (tp x cp) of the FLOPs, as training charges it
-    micro_s = gpu.step_time(shape.parameters, tokens, tp * cp, kernels=kernels,
+    micro_s = gpu.step_time(_busiest(shape, mesh, w, config.seed), tokens, tp * cp, kernels=kernels,
                             attention_flops=cost.step_flops(0, tokens, shape.layers, shape.hidden, w.seq))
     job = _Job(shape, config, w, layout, tokens)
     job.attention_s = [gpu.seconds(cp_clock.attention_step_flops(config.micro_batch_size, w.seq, shape.hidden, tp, cp,
@@ -125,7 +139,11 @@ def estimate(model: Union[str, Shape], config: ExperimentConfig, workload: Workl
     counts = job.counts(steps)
     spec = job.tp[0][0].spec
     row = {
-        "model": shape.name, "parameters": shape.parameters, "tp_size": tp, "pp_size": pp, "dp_size": dp,
+        "model": shape.name, "parameters": shape.parameters, "active_parameters": shape.active or shape.parameters,
+        "tp_size": tp, "pp_size": pp, "dp_size": dp, "ep_size": mesh.ep,
+        "routing_skew": w.routing_skew if mesh.ep > 1 else 0.0,
+        "routing_imbalance": routing.imbalance(shape.experts.top_k, shape.experts.count, mesh.ep, w.routing_skew,
+                                               config.seed) if mesh.ep > 1 else 1.0,
         "cp_size": cp, "cp_mode": config.cp_mode if cp > 1 else "",
         "layout": mesh.name, "parallel_order": mesh.order, "gpus": mesh.world,
         "dp_mode": config.dp_mode if dp > 1 else "", "seq": w.seq, "micro_batch": config.micro_batch_size,
@@ -203,6 +221,7 @@ class _Job:
         # the job's classes: those whose axis has more than one rank (data-parallel traffic is DDP's or FSDP's)
         self.classes = tuple(c.name for c in traffic.CLASSES if mesh.sizes[c.axis] > 1
                              and (c.axis != "dp" or c.name == self.dp_class))
+        self._init_experts(shape, config, w, tokens, settings)
         self.buckets = self._buckets() if mode else []
         self.ready = [[b.ready for b in stage] for stage in self.buckets]
         self.calls = [step_calls(shape, config.activation_checkpointing, self.blocks(s)) for s in range(pp)]
@@ -218,6 +237,31 @@ class _Job:
         self.choices = defaultdict(set)   # (class, collective, algorithm, protocol, channels) -> bytes
         self.sampled = w.sampled(mesh.world)
         self.rng = np.random.default_rng(stream_seed(config.seed, "estimate.slowest", "groups"))
+
+    def _init_experts(self, shape: Shape, config: ExperimentConfig, w: Workload, tokens: int, settings: dict) -> None:
+        """A mixture of experts' ep groups per stage (tp x expert-data of them), the routing's message sizes,
+        and the experts' gradient buckets over their expert-data-parallel groups."""
+        mesh, experts = self.mesh, shape.experts
+        self.experts = experts if mesh.ep > 1 else None
+        self.ep_blocks = [[i for i in self.blocks(s) if self.experts and i in experts.blocks] for s in range(mesh.pp)]
+        self.ep, self.expert_buckets, self.edp = [], [], []
+        if self.experts is None:
+            return
+        ep, edp = mesh.ep, mesh.dp // mesh.ep
+        per = routing.rows(tokens, experts.top_k, experts.count, ep, w.routing_skew, config.seed)
+        sent = tuple(0 if s == d else per[s][d] * shape.hidden for s in range(ep) for d in range(ep))
+        self.ep_counts = (sent, tuple(sent[d * ep + s] for s in range(ep) for d in range(ep)))   # dispatch, combine
+        for s in range(mesh.pp):
+            pairs = [tuple(mesh.ep_network_spec(settings, mesh.rank_at(tp=t, dp=g * ep, pp=s), c,
+                                                config.lossy_directions(c)) for c in EP_CLASSES)
+                     for t in range(mesh.tp) for g in range(edp)]
+            lossy = self.ep_lossy = any(_lossy(LossyNetwork(spec)) for spec in pairs[0])
+            self.ep.append([_ExpertGroup(p, 1) for p in pairs] if lossy else [_ExpertGroup(pairs[0], len(pairs))])
+            local = [torch.empty(experts.parameters // len(experts.blocks) // ep, device="meta", requires_grad=True,
+                                 dtype=w.grad_torch_dtype) for _ in self.ep_blocks[s]]
+            self.expert_buckets.append(plan_buckets(local, set(), config.dp_bucket_mb * (1 << 20)) if local else [])
+            self.edp.append(_groups([mesh.edp_network_spec(settings, mesh.rank_at(tp=t, dp=e, pp=s), config.dp_lossy())
+                                     for t in range(mesh.tp) for e in range(ep)]) if edp > 1 else [])
 
     def _sample(self, groups: list[_Group], stages: float = 1) -> tuple[list[_Group], int]:
         """The groups simulated, each standing for its share of the G (of each of ``stages`` alike
@@ -255,13 +299,23 @@ class _Job:
         TP-sharded model (built on the meta device), in the reduce dtype."""
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(self.shape.config)
+        experts = self._expert_parameters(model)   # averaged over their own groups (``expert_buckets``)
         tp_model = parallelize(model, self.mesh.tp, LossyNetwork(self.mesh.tp)).to(self.w.grad_torch_dtype)
         owner = self._owners(model)    # after sharding: its layers' parameters are new ones
         sharded = {id(p) for p in tp_model.sharded_parameters()}
-        params = list(tp_model.parameters())
+        params = [p for p in tp_model.parameters() if id(p) not in experts]
         cap = self.config.dp_bucket_mb * (1 << 20)
         return [plan_buckets([p for p in params if owner.get(id(p), self.mesh.pp - 1) == s], sharded, cap)
                 for s in range(self.mesh.pp)]
+
+    def _expert_parameters(self, model) -> set[int]:
+        """The ids of ``model``'s routed experts' parameters (none without expert parallelism)."""
+        plan = self.shape.plan
+        if self.experts is None:
+            return set()
+        parent, _, leaf = plan.experts.rpartition(".")
+        return {id(p) for block in model.base_model.get_submodule(plan.blocks)
+                if hasattr(block.get_submodule(parent), leaf) for p in getattr(block.get_submodule(parent), leaf).parameters()}
 
     @property
     def _stage_parameters(self) -> list[int]:
@@ -343,10 +397,98 @@ class _Job:
                   "reduce_scatter") for b, unit in enumerate(units)]
             for step, seconds in zip(out, self._slowest(self.dp[0], messages, "fsdp", steps)[0]):
                 step["gather"], step["bucket"] = seconds[:len(units)], [seconds[len(units):]]
+        if self.experts is not None:
+            self._run_experts(out, steps)
         for _ in range(steps if tick is not None else 0):
             tick()
         return out
 
+    # -- experts ------------------------------------------------------------------------------------
+    def _run_experts(self, out: list[dict], steps: int) -> None:
+        """Every step's all-to-alls per stage, ep group and micro-batch (``out[step][cls][stage][group]``:
+        [micro-batch] of (forward, backward), each [with loss, loss-free]), and the experts' buckets per stage
+        (``out[step]["expert_bucket"][stage]``: each bucket's [with loss, loss-free], the slowest group's).
+
+        Every group and micro-batch is simulated up to ``FULL_UP_TO`` GPUs (a loss-free job: one micro-batch of
+        one group stands for all, exactly). Beyond, ``sampled`` groups of the first stage with experts run one
+        micro-batch each, and every block's calls elsewhere are drawn from theirs, block by block: every ep
+        group's messages are the same sizes, on networks alike but for their streams."""
+        m, zero = self.config.n_microbatches, ([0.0, 0.0], [0.0, 0.0])
+        stages = [s for s in range(self.mesh.pp) if self.ep_blocks[s]]
+        for step in out:
+            for cls in EP_CLASSES:   # a stage without experts sends none
+                step[cls] = [[None] * len(self.ep[s]) if s in stages else [[zero] * m] for s in range(self.mesh.pp)]
+            step["expert_bucket"] = [[] for _ in range(self.mesh.pp)]
+        if self.sampled and self.ep_lossy:
+            self._sampled_experts(out, steps, stages)
+        for s in stages if not (self.sampled and self.ep_lossy) else ():
+            blocks = self.ep_blocks[s]
+            for j, group in enumerate(self.ep[s]):
+                nets = [LossyNetwork(spec) for spec in group.specs]
+                if self.sampled:   # loss-free, deterministic: one micro-batch stands for every one
+                    copies = group.copies * m * steps
+                    micro = _block_sum(self._ep_micro(nets, blocks, copies))
+                    for step in out:
+                        for cls in EP_CLASSES:
+                            step[cls][s][j] = [micro[cls]] * m
+                else:
+                    copies = group.copies
+                    for step in out:
+                        micro = [_block_sum(self._ep_micro(nets, blocks, copies)) for _ in range(m)]
+                        for cls in EP_CLASSES:
+                            step[cls][s][j] = [mb[cls] for mb in micro]
+                for cls, net in zip(EP_CLASSES, nets):
+                    self._count(cls, net, copies)
+        for s in stages:
+            if self.edp[s] and self.expert_buckets[s]:
+                messages = [(f"dp.bucket{b}", "bwd", bucket.numel, self.w.grad_torch_dtype, "all_reduce")
+                            for b, bucket in enumerate(self.expert_buckets[s])]
+                for step, seconds in zip(out, self._slowest(self.edp[s], messages, "dp", steps)[0]):
+                    step["expert_bucket"][s] = seconds
+
+    def _sampled_experts(self, out: list[dict], steps: int, stages: list[int]) -> None:
+        m, first = self.config.n_microbatches, stages[0]
+        chosen = self.ep[first][:self.sampled]
+        units = steps * sum(len(self.ep[s]) * m * len(self.ep_blocks[s]) for s in stages)   # block calls in all
+        copies = units / (len(chosen) * len(self.ep_blocks[first]))
+        pool = []
+        for group in chosen:
+            nets = [LossyNetwork(spec) for spec in group.specs]
+            pool += self._ep_micro(nets, self.ep_blocks[first], copies)
+            for cls, net in zip(EP_CLASSES, nets):
+                self._count(cls, net, copies)
+        for step in out:
+            for s in stages:
+                drawn = self.rng.integers(len(pool), size=(len(self.ep[s]), m, len(self.ep_blocks[s])))
+                for cls in EP_CLASSES:
+                    step[cls][s] = [[_block_sum([pool[i] for i in blocks])[cls] for blocks in group.tolist()]
+                                    for group in drawn]
+
+    def _ep_micro(self, nets: list[LossyNetwork], blocks: list[int], copies: float) -> list[dict]:
+        """One micro-batch's all-to-alls on one ep group, as training makes them: forward, block by block,
+        dispatch then combine; backward, blocks in reverse, combine's gradient then dispatch's. Per block,
+        per class: (forward, backward), each [with loss, loss-free] seconds."""
+        sent, back = self.ep_counts
+        site = f"{self.shape.plan.blocks}.{{}}.{self.shape.plan.experts}.{{}}"
+        calls = [(b, cls, "fwd", sent if cls == EP_CLASSES[0] else back) for b in blocks for cls in EP_CLASSES]
+        calls += [(b, cls, "bwd", sent if cls == EP_CLASSES[1] else back) for b in reversed(blocks)
+                  for cls in reversed(EP_CLASSES)]
+        out = {b: {cls: ([0.0, 0.0], [0.0, 0.0]) for cls in EP_CLASSES} for b in blocks}
+        for b, cls, direction, counts in calls:
+            net = nets[EP_CLASSES.index(cls)]
+            before, lost = _mark(net), net.totals()
+            net.simulate(site.format(b, cls.removeprefix("ep_")), direction, sum(counts), self.dtype, "all_to_all",
+                         deliver=False, counts=counts)
+            after, now = _mark(net), net.totals()
+            pair = out[b][cls][0 if direction == "fwd" else 1]
+            pair[0], pair[1] = pair[0] + after[0] - before[0], pair[1] + after[1] - before[1]
+            missing = now["missing"] - lost["missing"] if net.transport.repairs else now["lost"] - lost["lost"]
+            per_packet, _ = net.packets(1, self.dtype)
+            self.received[cls, direction] += sum(counts) * copies
+            self.inexact[cls, direction] += missing * per_packet * copies
+        return [out[b] for b in blocks]
+
+    # -- context parallelism ------------------------------------------------------------------------
     def _contexts(self, out: list[dict], steps: int, m: int) -> None:
         """Every stage's context groups' exchanges, per step: ``out[step]["cp"][s][j]``, group j's [micro-batch,
         direction, (with loss, loss-free), block] seconds added (``_context_group``). A loss-free group is the
@@ -576,7 +718,9 @@ class _Job:
 class _Clock:
     """One step's end from its parts' seconds (``k`` 0: with loss, 1: loss-free), any class zeroed."""
 
-    KEYS = {"tp": ("tp",), "pp": ("pp",), "dp": ("bucket",), "fsdp": ("bucket", "gather"), "cp": ("cp",)}   # a class's times
+    # a class's times (the experts' buckets are data-parallel traffic)
+    KEYS = {"tp": ("tp",), "pp": ("pp",), "dp": ("bucket", "expert_bucket"), "fsdp": ("bucket", "gather"),
+            **{cls: (cls,) for cls in EP_CLASSES}, "cp": ("cp",)}
 
     def __init__(self, times: dict, micro_s: float, shares: list[float], config: ExperimentConfig, pp: int, dp: int,
                  m: int, ready: list, cp: int = 1):
@@ -587,7 +731,8 @@ class _Clock:
         """This clock with ``cls``'s messages at their loss-free seconds (their repairs taken away)."""
         times = dict(self.t)
         for key in self.KEYS[cls]:
-            times[key] = _at_loss_free(times[key])
+            if key in times:
+                times[key] = _at_loss_free(times[key])
         return _Clock(times, self.c, self.shares, self.config, self.pp, self.dp, self.m, self.ready, self.cp)
 
     def _context(self, s: int, r: int, k: int) -> np.ndarray:
@@ -599,46 +744,105 @@ class _Clock:
         mine = groups if len(groups) == 1 else groups[r * len(groups) // self.dp:(r + 1) * len(groups) // self.dp]
         return np.max(np.stack(mine), axis=0)[:, :, k].sum(-1)
 
+    def _experts(self, zero) -> Callable:
+        """``(stage, replica)`` -> [micro-batch] of (forward, backward) [with loss, loss-free] seconds of the
+        replica's all-to-alls: each class's summed (those not in ``zero``), the slowest of its TP ranks' groups."""
+        present = [cls for cls in EP_CLASSES if cls in self.t and cls not in zero]
+        mesh = self.config.mesh()
+
+        def of(s: int, r: int) -> list:
+            total = [([0.0, 0.0], [0.0, 0.0]) for _ in range(self.m)]
+            for cls in present:
+                groups = self.t[cls][s]
+                mine = [groups[0]] if len(groups) == 1 else \
+                    [groups[t * (mesh.dp // mesh.ep) + r // mesh.ep] for t in range(mesh.tp)]
+                for i, pair in enumerate(total):
+                    for d in (0, 1):
+                        for q in (0, 1):
+                            pair[d][q] += max(group[i][d][q] for group in mine)
+            return total
+        return of
+
+    def _replicas(self) -> list[int]:
+        """One replica of each kind whose paths differ (replica 0 first): a replica's TP groups, pipeline
+        boundaries and context groups are its own where every one was simulated, its ep groups its
+        expert-data index's."""
+        mesh = self.config.mesh()
+        tp, pp = self.t["tp"], self.t["pp"]
+        experts = any(len(groups) > 1 for cls in EP_CLASSES for groups in self.t.get(cls, []))
+        own = any(len(g) > 1 for g in (*tp, *pp, *self.t["cp"]))
+        kinds: dict = {}
+        for r in range(self.dp if own or experts else 1):
+            kinds.setdefault((r if own else 0, r // mesh.ep if experts else 0), r)
+        return list(kinds.values())
+
+    def _expert_buckets(self, k: int, zero) -> float:
+        """What the experts' buckets add after the backward: the slowest stage's, one after another."""
+        if "dp" in zero or not self.t.get("expert_bucket"):
+            return 0.0
+        return max((sum(seconds[k] for seconds in stage) for stage in self.t["expert_bucket"]), default=0.0)
+
     def step(self, k: int, zero=()) -> float:
         tp = self.t["tp"]
         tp_of = (lambda s, r: [[[0.0, 0.0]] * 2] * self.m) if "tp" in zero else \
             (lambda s, r: tp[s][r * self.cp if len(tp[s]) > 1 else 0])   # context rank 0's, as training charges
+        ep_of = self._experts(zero)
         cp_of = (lambda s, r: np.zeros((self.m, 2))) if "cp" in zero else (lambda s, r: self._context(s, r, k))
         bucket = [[[0.0, 0.0]] * len(b) for b in self.t["bucket"]] if {"dp", "fsdp"} & set(zero) else self.t["bucket"]
         gather = [] if "fsdp" in zero or not self.t["gather"] else [g[k] for g in self.t["gather"]]
-        replicas = self.dp if any(len(g) > 1 for g in (*tp, *self.t["pp"], *self.t["cp"])) else 1
+        replicas = self._replicas()
         c, m, overlap = self.c, self.m, self.config.dp_overlap
         if self.pp == 1:
             paths = []
-            for r in range(replicas):
+            for r in replicas:
                 forward = backward = comm = 0.0
-                for (f, b), (cf, cb) in zip(tp_of(0, r), cp_of(0, r)):
-                    forward += c / 3 + f[k] + cf
-                    backward += c * 2 / 3 + b[k] + cb
-                    comm += f[k] + b[k] + cf + cb
+                for (f, b), (ef, eb), (cf, cb) in zip(tp_of(0, r), ep_of(0, r), cp_of(0, r)):
+                    forward += c / 3 + f[k] + ef[k] + cf
+                    backward += c * 2 / 3 + b[k] + eb[k] + cb
+                    comm += f[k] + b[k] + ef[k] + eb[k] + cf + cb
                 paths.append((forward, backward, comm))
             step = m * c + paths[0][2]
             if self.dp > 1:   # training's ``DataParallel.added_seconds``
                 step += timeline.added_seconds([p[:2] for p in paths], self.ready[0], gather,
                                                [s[k] for s in bucket[0]], overlap)
-            return step
+            return step + self._expert_buckets(k, zero)
         pp = self.t["pp"]
         sends = (lambda b, r: [[[0.0, 0.0]] * 2] * m) if "pp" in zero else \
             (lambda b, r: pp[b][r * self.cp if len(pp[b]) > 1 else 0])
         timings = []
-        for r in range(replicas):
+        for r in replicas:
             stages = [tp_of(s, r) for s in range(self.pp)]
+            moe = [ep_of(s, r) for s in range(self.pp)]
             contexts = [cp_of(s, r) for s in range(self.pp)]
-            forward = [[c * _THIRD * share + f[k] + added[0] for (f, _), added in zip(stage, context)]
-                       for stage, context, share in zip(stages, contexts, self.shares)]
-            backward = [[c * (2 / 3) * share + b[k] + added[1] for (_, b), added in zip(stage, context)]
-                        for stage, context, share in zip(stages, contexts, self.shares)]
+            forward = [[c * _THIRD * share + f[k] + ef[k] + added[0]
+                        for (f, _), (ef, _), added in zip(stage, alltoall, context)]
+                       for stage, alltoall, context, share in zip(stages, moe, contexts, self.shares)]
+            backward = [[c * (2 / 3) * share + b[k] + eb[k] + added[1]
+                         for (_, b), (_, eb), added in zip(stage, alltoall, context)]
+                        for stage, alltoall, context, share in zip(stages, moe, contexts, self.shares)]
             links = [sends(b, r) for b in range(self.pp - 1)]
             timings.append(pipeline_time(self.config.pp_schedule, self.pp, m, forward, backward,
                                          [[a[k] for a, _ in link] for link in links],
                                          [[g[k] for _, g in link] for link in links]))
         buckets = [[b[k] for b in stage] for stage in bucket] if self.dp > 1 else []
-        return timeline.pipeline_step_seconds(timings, self.ready, buckets, overlap)
+        return timeline.pipeline_step_seconds(timings, self.ready, buckets, overlap) + self._expert_buckets(k, zero)
+
+
+def _block_sum(blocks: list[dict]) -> dict:
+    """Per class, the (forward, backward) [with loss, loss-free] seconds of ``blocks`` together."""
+    return {cls: tuple([sum(b[cls][d][q] for b in blocks) for q in (0, 1)] for d in (0, 1)) for cls in EP_CLASSES}
+
+
+def _busiest(shape: Shape, mesh, w: Workload, seed: int) -> float:
+    """The parameters the busiest rank's step multiplies per token, as the compute model takes them (it
+    divides by tp): the active ones, its routed experts' as loaded as the routing makes the busiest rank
+    (``ep.routing.imbalance``; 1 with ep 1 or uniform routing) and run whole by every TP rank (tp times)."""
+    active = shape.active or shape.parameters
+    if shape.experts is None:
+        return active
+    e = shape.experts
+    load = routing.imbalance(e.top_k, e.count, mesh.ep, w.routing_skew, seed) if mesh.ep > 1 else 1.0
+    return active + e.parameters * e.top_k / e.count * (load * mesh.tp - 1.0)
 
 
 def _at_loss_free(times):

@@ -5,9 +5,10 @@ calls, its own compute, on the layout the flags describe (docs/estimate.md, "Est
 group's calls are ``tp``, a data-parallel group's all-reduces ``dp`` and its all-gathers and
 reduce-scatters ``fsdp``, a send between neighbouring pipeline stages ``pp`` (activations forward,
 gradients back); any other axis's, the traffic class ``traffic`` declares for it. A group that is no
-axis's group (the world group of a 3-D job) and a collective the network has no model of (broadcast,
-all-to-all, barrier, ...) are not sent: they are counted, named and take no time (their traced time on
-gloo or in an NCCL kernel is mostly waiting for peers, which the replay models itself).
+axis's group (the world group of a 3-D job), a collective the network has no model of (broadcast,
+barrier, ...) and an all-to-all (an expert group is no axis of the mesh's: ``ep`` lives inside dp) are
+not sent: they are counted, named and take no time (their traced time on gloo or in an NCCL kernel is
+mostly waiting for peers, which the replay models itself).
 
 **Networks.** Each group's calls go through ``LossyNetwork.simulate`` on the network the mesh gives that
 group (``tp_network_spec``, ``dp_network_spec``, ``pp_network_spec``; any other group placed on its
@@ -221,6 +222,8 @@ class Replay:
 
     def _why(self, call: Call) -> str:
         """Why a call is not sent."""
+        if call.kind == "all_to_all":
+            return "the replay does not send all-to-alls (an MoE job: its named shape and --ep-size)"
         if call.kind not in COLLECTIVES:
             return "the network has no model of it"
         if self.layout.axis.get(call.group) is None:

@@ -56,7 +56,7 @@ def _compute(args, trace: traces.Trace, base, read: dict) -> tuple[float, str]:
     if not args.model:
         read["compute"] = "trace"
         return 1.0, "trace"
-    workload = Workload(args.seq, args.grad_dtype, args.sampled_groups)
+    workload = Workload(args.seq, args.grad_dtype, args.sampled_groups, args.routing_skew)
     modelled = estimate(args.model, base.replace(loss="none"), workload, 1)["compute_s"]
     traced = traced_compute(trace, base)
     compute = f"modelled ({args.compute}, {args.model})"

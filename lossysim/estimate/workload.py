@@ -36,10 +36,13 @@ class Workload:
     buckets, FSDP's reduce-scatters; fp32 as training's and AMP's), and ``sampled_groups``: of a stage's
     (or boundary's) identical lossy groups, how many are simulated, the slowest of the rest drawn from their
     times (docs/estimate.md, "The slowest of identical groups"); 0: every group, exactly; None: every group up
-    to ``FULL_UP_TO`` GPUs, else 2."""
+    to ``FULL_UP_TO`` GPUs, else 2. ``routing_skew``: a mixture of experts' routing as assumed (training routes
+    with the model's router): 0 uniform, z > 0 the experts' popularity by Zipf's law with exponent z
+    (``lossysim.ep.routing``)."""
     seq: int = 4096
     grad_dtype: str = "fp32"
     sampled_groups: Optional[int] = None  # lossy groups simulated per stage or boundary (0: all; None: auto)
+    routing_skew: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.seq, bool) or int(self.seq) != self.seq or self.seq < 1:
@@ -50,6 +53,9 @@ class Workload:
                                                 int(self.sampled_groups) != self.sampled_groups or
                                                 self.sampled_groups < 0):
             raise ValueError(f"sampled_groups={self.sampled_groups!r} must be an integer >= 0 (0: every group)")
+        if isinstance(self.routing_skew, bool) or not (float(self.routing_skew) >= 0 and
+                                                       float(self.routing_skew) < float("inf")):
+            raise ValueError(f"routing_skew={self.routing_skew!r} must be a finite number >= 0 (0: uniform)")
 
     def sampled(self, world: int) -> int:
         """Lossy groups simulated per stage or boundary: 0 for every one."""
@@ -99,8 +105,10 @@ def step_calls(shape: Shape, checkpointing: bool, blocks: Optional[Sequence[int]
     """The all-reduces of one micro-batch's forward and backward over ``blocks`` (default: every block;
     a pipeline stage's: its own), in the order a training run makes them."""
     plan = shape.plan
-    reduces = [spec.site for spec in plan.layers.values() if isinstance(spec, Row)]
-    copies = list(plan.inputs.values())[::-1]
+    # (a site two of a plan's layers name, DeepSeek-V3's dense MLP's and shared expert's, is one call: a block
+    # has one of them)
+    reduces = list(dict.fromkeys(spec.site for spec in plan.layers.values() if isinstance(spec, Row)))
+    copies = list(dict.fromkeys(plan.inputs.values()))[::-1]
     blocks = [f"{plan.blocks}.{i}" for i in (range(shape.layers) if blocks is None else blocks)]
     calls = [Call(f"{block}.{site}", "fwd", False) for block in blocks for site in reduces]
     module = reduces[-1].split(".")[0]

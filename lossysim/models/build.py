@@ -2,7 +2,8 @@
 package-shipped model, see ``pretrained``, included), as a sequence classifier
 (``task: classification``) or a causal LM (``task: lm``).
 
-Every model built here is one ``lossysim.tp.plans`` can shard: GPT-2, Llama, Qwen2, Mistral.
+Every model built here is one ``lossysim.tp.plans`` can shard: GPT-2, Llama, Qwen2, Mistral, and the
+mixtures of experts Mixtral, Qwen3-MoE and DeepSeek-V3 (their experts sharded by ``lossysim.ep``).
 """
 from __future__ import annotations
 
@@ -12,15 +13,20 @@ from typing import Optional
 import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GPT2Config,
                           GPT2ForSequenceClassification, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                          LlamaForSequenceClassification)
+                          LlamaForSequenceClassification, MixtralConfig, MixtralForCausalLM,
+                          MixtralForSequenceClassification, DeepseekV3Config, DeepseekV3ForCausalLM,
+                          DeepseekV3ForSequenceClassification)
 
 from ..hub import hub_reachable, why_unavailable
 from ..tp.plans import plan_for
 from .pretrained import PACKAGED, is_packaged, quiet_transformers, resolve
 from .shapes import NAMED_MAX_POSITIONS, NAMED_SHAPES
 
-_CLASSES = {"classification": {GPT2Config: GPT2ForSequenceClassification, LlamaConfig: LlamaForSequenceClassification},
-            "lm": {GPT2Config: GPT2LMHeadModel, LlamaConfig: LlamaForCausalLM}}
+_CLASSES = {"classification": {GPT2Config: GPT2ForSequenceClassification, LlamaConfig: LlamaForSequenceClassification,
+                               MixtralConfig: MixtralForSequenceClassification,
+                               DeepseekV3Config: DeepseekV3ForSequenceClassification},
+            "lm": {GPT2Config: GPT2LMHeadModel, LlamaConfig: LlamaForCausalLM, MixtralConfig: MixtralForCausalLM,
+                   DeepseekV3Config: DeepseekV3ForCausalLM}}
 _AUTO = {"classification": AutoModelForSequenceClassification, "lm": AutoModelForCausalLM}
 
 

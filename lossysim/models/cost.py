@@ -24,6 +24,20 @@ def step_flops(parameters: float, tokens: float, layers: int, hidden: int, seq_l
     return 6.0 * parameters * tokens + 12.0 * layers * seq_len ** 2 * hidden * sequences
 
 
+def active_parameters(model: torch.nn.Module, tp_size: int = 1) -> int:
+    """The parameters one token's step multiplies: every one, less the routed experts it is not sent to
+    (an MoE block's experts times 1 - top-k / experts). ``tp_size``: the compute model divides a step's
+    FLOPs by it, but every TP rank runs its experts whole (expert-tensor parallelism 1, ``lossysim.ep``):
+    their share counts tp_size times."""
+    total = float(sum(p.numel() for p in model.parameters()))
+    top_k = getattr(model.config, "num_experts_per_tok", None)
+    for module in model.modules():
+        if top_k and hasattr(module, "gate_up_proj") and getattr(module, "num_experts", None):
+            experts = sum(p.numel() for p in module.parameters(recurse=False))
+            total += experts * (top_k / module.num_experts * tp_size - 1)
+    return int(round(total))
+
+
 def dims(config) -> tuple[int, int]:
     """(layers, hidden size) of an HF config."""
     layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer")
@@ -84,7 +98,8 @@ def _narrow(values: dict) -> dict:
     width = 4 * heads
     for key, value in (("hidden_size", width), ("n_embd", width), ("intermediate_size", 2 * width),
                        ("n_inner", None), ("head_dim", 4), ("vocab_size", 64), ("max_position_embeddings", 64),
-                       ("n_positions", 64)):
+                       ("n_positions", 64), ("moe_intermediate_size", 8), ("q_lora_rank", 8), ("kv_lora_rank", 8),
+                       ("qk_nope_head_dim", 4), ("qk_rope_head_dim", 4), ("v_head_dim", 4)):
         if key in values:
             values[key] = value
     values["num_key_value_heads"] = kv if "num_key_value_heads" in values else values.get("num_key_value_heads")

@@ -112,6 +112,10 @@ class Schedule:
                 raise ValueError(f"a send from rank {src} to rank {dst}: "
                                  f"need two distinct ranks of 0..{self.ranks - 1}")
             self.sends = (Send(0, "send", src, dst, 0, 0, self.n_packets),)
+        self._lay_out()
+
+    def _lay_out(self) -> None:
+        """Where each send's packets sit: its link's row, its offset on it, the steps and widths."""
         self.steps = 1 + max((s.step for s in self.sends), default=-1)
         self.max_packets = max((s.packets for s in self.sends), default=0)
         # Each directed link carries its sends in step order: its packets are one chain segment.

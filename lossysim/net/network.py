@@ -32,6 +32,7 @@ import torch
 
 from ..timing.nccl import Estimate
 from . import delivery as deliver
+from . import exchange
 from . import gaps
 from . import recovery as recoveries
 from . import sparse
@@ -166,6 +167,13 @@ class LossyNetwork:
             memory=self.channels.by_key[(site, direction)].memory, update=self.replay.replaying is None)
         return held.view(message.shape)
 
+    def all_to_all(self, site: str, direction: str, messages: Sequence[Sequence[torch.Tensor]],
+                   receivers: Optional[Sequence[int]] = None) -> list[list[torch.Tensor]]:
+        """Every rank's message to every other (``messages[src][dst]``, sizes of their own; a rank's to
+        itself stays home), as each of ``receivers`` (default all) holds them: ``[receiver][src]``.
+        NCCL's grouped sends, drawn, repaired, counted and timed as every call (``exchange``); the
+        messages to other receivers may be meta tensors (dist: their sizes alone move the streams)."""
+        return exchange.all_to_all(self, site, direction, messages, receivers)
     def with_gaps(self, site: str, direction: str, collective: str, message: torch.Tensor,
                   receivers: Sequence[int] = (0,), pair: Optional[tuple[int, int]] = None):
         """A ``send`` (``pair``: src, dst) or an ``all_gather`` (``message``: [ranks, ...], ``receivers``)
@@ -203,11 +211,12 @@ class LossyNetwork:
 
     # -- one collective: draw, repair, time ------------------------------------------
     def simulate(self, site: str, direction: str, numel: int, dtype: torch.dtype, collective: str = "all_reduce",
-                 device="cpu", deliver: bool = True, pair: Optional[tuple[int, int]] = None):
+                 device="cpu", deliver: bool = True, pair: Optional[tuple[int, int]] = None,
+                 counts: Optional[Sequence[int]] = None):
         """One collective of a message of ``numel`` elements of ``dtype`` (a send: from ``pair[0]`` to
-        ``pair[1]``), without its data: draw the packets' fates, repair, count and move the clock exactly
-        as a call with tensors would (every collective goes through here). Returns what the receivers
-        hold (None: the exact result).
+        ``pair[1]``; an all-to-all: ``counts[s * ranks + d]`` elements from rank s to rank d), without its
+        data: draw the packets' fates, repair, count and move the clock exactly as a call with tensors would
+        (every collective goes through here). Returns what the receivers hold (None: the exact result).
 
         ``deliver=False`` (an estimate: no tensors to apply it to): where the recovery policy's draw has
         no side effects, may return the lost packets of each send (``sparse.Losses``) instead."""
@@ -226,12 +235,15 @@ class LossyNetwork:
         device = torch.device(device)
         if pair is not None:
             pair = (int(pair[0]), int(pair[1]))
-        shape = (collective, int(numel), dtype, device, pair)
-        transfer = self._transfers.get(shape)
-        if transfer is None:
-            transfer = transfers.build(self.spec, self.links, *shape)   # (a bad pair is refused here)
-            self._transfers[shape] = transfer
-        self._choices[(site, direction, collective, int(numel) * dtype.itemsize)] = transfer.choice
+        if counts is not None:   # an all-to-all's sizes are its routing's: built per call (``exchange``)
+            transfer = exchange.build(self.spec, tuple(int(n) for n in counts), dtype, device)
+        else:
+            shape = (collective, int(numel), dtype, device, pair)
+            transfer = self._transfers.get(shape)
+            if transfer is None:
+                transfer = transfers.build(self.spec, self.links, *shape)   # (a bad pair is refused here)
+                self._transfers[shape] = transfer
+            self._choices[(site, direction, collective, int(numel) * dtype.itemsize)] = transfer.choice
         channel = self.channels.get(site, direction, device)
         channel.counters.calls += 1
         self.time.ideal += transfer.ideal

@@ -19,6 +19,9 @@ One policy per network (``recovery`` in ``NetworkSpec``; docs/semantics.md compa
   path is real traffic: the network charges it as a retransmitted all-gather (``side_bytes``).
 - ``stale``: a lost packet of a send is replaced by the last values that arrived on that send
   (the same step, link and packets of this call site and direction); nothing yet: zero.
+- ``drop_token``: on an all-to-all (an expert's dispatch or combine), a row (one token's vector for one
+  expert) with any lost packet is lost whole: the expert skips the token, as one over its capacity; on
+  every other collective it is ``zero``.
 - ``error_feedback``: a sender keeps what a send failed to deliver and adds it to what that send
   carries at the next call of the call site, so the sum over calls is conserved at every receiver.
   It feeds gradients back: on activations (direction ``fwd``) it is ``zero``.
@@ -56,7 +59,7 @@ from .sparse import Losses
 from ..util import one_of, stream_seed
 
 RECOVERY_POLICIES = ("zero", "rescale", "hadamard", "hadamard+rescale", "stale", "error_feedback", "outliers",
-                     "outliers+hadamard", "mask")
+                     "outliers+hadamard", "drop_token", "mask")
 ACTIVATIONS = "fwd"            # the direction whose values are never summed again later
 DEFAULT_HADAMARD_BLOCK = 1 << 14
 DEFAULT_OUTLIER_FRACTION = 1e-3
@@ -89,7 +92,8 @@ def policy(name: str, hadamard_block: int = DEFAULT_HADAMARD_BLOCK,
         return Outliers(inner, outlier_fraction)
     if name.startswith("hadamard"):
         return Hadamard(RESCALE if name.endswith("+rescale") else ZERO, hadamard_block)
-    return {"zero": ZERO, "rescale": RESCALE, "stale": STALE, "error_feedback": ERROR_FEEDBACK, "mask": MASK}[name]
+    return {"zero": ZERO, "rescale": RESCALE, "stale": STALE, "error_feedback": ERROR_FEEDBACK,
+            "drop_token": DROP_TOKEN, "mask": MASK}[name]
 
 
 # -- what a policy keeps at a call site ------------------------------------------------------------
@@ -151,8 +155,11 @@ class Policy:
     acts_on_shards = True   # acts on a reduce-scatter (FSDP's gradients): needs no whole sum at every rank
     acts_on_sends = True    # acts on a point-to-point send (pipeline stages' activations and gradients)
     on_activations = True   # acts on activations (else ``on(ACTIVATIONS)`` is zero)
+    drops_rows = False      # an all-to-all's row (its last dimension) with a lost packet is lost whole
+    acts_on_exchanges = True  # acts on an all-to-all (an MoE's dispatch and combine): a hole, or the row it hit
     acts_on_keys = True     # acts on context parallelism's keys and values: holes a receiver sees (``net/gaps.py``)
     masks_keys = False      # a context-parallel receiver leaves keys it lost out of attention (``mask``)
+    only_on: Optional[str] = None   # the one collective it acts on (elsewhere it is ``zero``): a run needs it
     settings: tuple[str, ...] = ()   # the NetworkSpec settings it reads beside ``recovery``
 
     def on(self, direction: str) -> "Policy":
@@ -204,7 +211,19 @@ class Rescale(Policy):
     """What arrives, divided by the probability that it arrives."""
     name = "rescale"
     rescale = True
+    acts_on_exchanges = False   # (an all-to-all's rows are no sum to keep unbiased; not modelled)
     acts_on_keys = False    # all-gathered keys are no sums (zeros where lost): the ring's would differ from them
+
+
+class DropToken(Policy):
+    """An all-to-all's row (one token's vector for one expert: a message's last dimension) with any lost
+    packet is lost whole. Dispatch: the expert skips the token, as it skips one over its capacity;
+    combine: the token gets nothing from that expert; backward: the row's gradient is zero. On every
+    other collective it is ``zero``."""
+    name = "drop_token"
+    drops_rows = True
+    only_on = "all_to_all"
+    acts_on_keys = False    # (experts beside context parallelism are refused: config._validate_pairs)
 
 
 class Mask(Policy):
@@ -214,9 +233,10 @@ class Mask(Policy):
     is ``zero``."""
     name = "mask"
     masks_keys = True
+    acts_on_exchanges = False   # (it needs cp_size > 1, and experts beside context parallelism are refused)
 
 
-ZERO, RESCALE, MASK = Policy(), Rescale(), Mask()
+ZERO, RESCALE, DROP_TOKEN, MASK = Policy(), Rescale(), DropToken(), Mask()
 
 
 # -- Hadamard ----------------------------------------------------------------------------------------
@@ -318,6 +338,7 @@ class Hadamard(Policy):
     keeps_memory = True
     computes = True
     acts_on_shards = False   # the inverse transform needs the whole sum
+    acts_on_exchanges = False
     acts_on_keys = False     # its noise spreads over the block: no receiver can tell which keys it spoilt
     settings = ("hadamard_block",)
 
@@ -367,6 +388,7 @@ class Outliers(Policy):
     computes = True
     side_path = True
     acts_on_shards = False   # every receiver adds every rank's outliers to the whole sum
+    acts_on_exchanges = False
     acts_on_sends = False    # the side path is an all-gather beside an all-reduce
     acts_on_keys = False     # its side path rides an all-reduce: a key/value exchange has none
 
@@ -429,6 +451,7 @@ class SendBySend(Policy):
     computes = True
     send_by_send = True
     acts_on_shards = False   # its all-reduce replays every hop of the ring
+    acts_on_exchanges = False
     acts_on_keys = False     # what it keeps between calls is not a receiver's gaps
     buffers: tuple[str, ...] = ()   # per-send buffers, one payload each, zeros until written
     remembers = False               # a replay returns what the call delivered (it cannot recompute it)
@@ -535,17 +558,24 @@ def _whole(n_packets: int, device: torch.device) -> deliver.Round:
 SHARD_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_on_shards)
 # The policies that act on a point-to-point send: what pipeline stages' messages can use.
 SEND_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_on_sends)
+# The policies that act on an all-to-all: what an MoE's dispatch and combine can use.
+EXCHANGE_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_on_exchanges)
 # The policies that act on context parallelism's key/value exchange (``lossysim.cp``).
 KV_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_on_keys)
 
 
-def require(name: str, collective: str) -> None:
+def require(name: str, collective: str, used: bool = True) -> None:
     """The one rule of what a policy acts on, for the network (a Python caller) and the config (a run's
     layout) alike: ``collective`` ``send`` (pipeline stages' point-to-point sends), ``reduce_scatter``
-    (FSDP's sharded gradients) or ``kv_exchange`` (context parallelism's keys and values, by sends or an
-    all-gather); a one-line ValueError naming the policies that do."""
+    (FSDP's sharded gradients), ``all_to_all`` (an MoE's dispatch and combine) or ``kv_exchange`` (context
+    parallelism's keys and values, by sends or an all-gather). ``used``: whether the run has that
+    collective; a policy that acts on it alone (``only_on``) needs it. A one-line ValueError naming the
+    policies that do."""
     acts, what = {"send": (SEND_POLICIES, "point-to-point sends"),
                   "reduce_scatter": (SHARD_POLICIES, "reduce-scatters"),
+                  "all_to_all": (EXCHANGE_POLICIES, "all-to-alls"),
                   "kv_exchange": (KV_POLICIES, "key/value exchanges")}[collective]
-    if name not in acts:
+    if used and name not in acts:
         raise ValueError(f"recovery={name} does not act on {what}: use {one_of(acts)}")
+    if not used and policy(name).only_on == collective:
+        raise ValueError(f"recovery={name} acts on {what} only (elsewhere it is zero), and the run has none")

@@ -12,8 +12,9 @@ with its ports shared (``timing.send_times``). Repairs add to that step by step
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from .. import timing
@@ -88,6 +89,16 @@ def build(spec: NetworkSpec, links: list, collective: str, numel: int, dtype: to
                                                                per_packet * itemsize).algorithm
     sched = schedule(algorithm, collective, spec.ranks, n_packets, pair,
                      spec.topology.ranks_per_node if algorithm in IN_SWITCH else None)
+    chosen = loss_free(spec, sched, numel * itemsize, per_packet * itemsize)
+    return assemble(spec, links, sched, per_packet, itemsize, chosen, device, numel=numel)
+
+
+def assemble(spec: NetworkSpec, links: list, sched: Schedule, per_packet: int, itemsize: int,
+             chosen: nccl.Estimate, device, numel: Optional[int] = None,
+             sizes: Optional[Sequence[int]] = None) -> Transfer:
+    """The Transfer of a schedule whose loss-free time is ``chosen``: its links, counters' slots and the
+    transport's steps. Each send carries packets of the one message of ``numel`` elements, or (an
+    all-to-all's sends, each its own message) ``sizes[i]`` elements for send i."""
     topology = spec.topology
     index = {link: i for i, link in enumerate(links)}
     link_ids = torch.tensor([index[link] for link in sched.links], dtype=torch.long, device=device)
@@ -95,12 +106,15 @@ def build(spec: NetworkSpec, links: list, collective: str, numel: int, dtype: to
     rescale = 1.0 / (1.0 - spec.loss.loss_rate) if spec.loss.loss_rate < 1 else 0.0
     factor = torch.tensor([rescale if topology.lossy(s.src, s.dst) else 1.0 for s in sched.sends],
                           dtype=torch.float64, device=device)
-    sent = torch.zeros(len(PHASES), len(links), dtype=torch.long, device=device)
-    for s, row in zip(sched.sends, sched.send_row):
-        sent[PHASES.index(s.phase), link_ids[row]] += s.packets
-    chosen = loss_free(spec, sched, numel * itemsize, per_packet * itemsize)
+    # packets each (phase, link) sends: one bincount (a 128-rank ring has 32,512 sends)
+    slot = [PHASES.index(s.phase) * len(links) + index[sched.links[row]] for s, row in zip(sched.sends, sched.send_row)]
+    sent = torch.from_numpy(np.bincount(np.asarray(slot, dtype=np.int64), [s.packets for s in sched.sends],
+                                        minlength=len(PHASES) * len(links)).astype(np.int64))
+    sent = sent.view(len(PHASES), len(links)).to(device)
+    if sizes is None:
+        sizes = [max(0, min(numel, (s.first + s.packets) * per_packet) - s.first * per_packet) for s in sched.sends]
     ideal = chosen.seconds
-    steps = _steps(spec, sched, link_ids, len(links), numel, itemsize, per_packet, ideal, device)
+    steps = _steps(spec, sched, link_ids, len(links), sizes, itemsize, ideal, device)
     return Transfer(sched, per_packet, len(links), link_ids, lossy_rows, factor,
                     torch.tensor(sched.link_packets, dtype=torch.long, device=device),
                     max(sched.link_packets, default=0), sent, steps, ideal, chosen)
@@ -141,8 +155,8 @@ def loss_free(spec: NetworkSpec, sched: Schedule, message_bytes: int, packet_byt
                                     spec.link_intra, spec.link_inter, spec.bus_bandwidth(), spec.arch)
 
 
-def _steps(spec, sched, link_ids, n_links, numel, itemsize, per_packet, ideal, device) -> list:
-    """Per step with traffic: its sends as the transport needs them."""
+def _steps(spec, sched, link_ids, n_links, sizes, itemsize, ideal, device) -> list:
+    """Per step with traffic: its sends as the transport needs them (``sizes``: each send's elements)."""
     topology, nic = spec.topology, spec.nic_model
     # One pass over the sends (a 128-rank ring has 32,512): each step's sends with packets, in schedule order,
     # and the step in which each link sends for the last time (its connections end there).
@@ -157,7 +171,7 @@ def _steps(spec, sched, link_ids, n_links, numel, itemsize, per_packet, ideal, d
         sends = by_step[k]
         hops = [sched.sends[i] for i in sends]
         links = [spec.link(topology.link_class(s.src, s.dst)) for s in hops]
-        payload = [(min(numel, (s.first + s.packets) * per_packet) - s.first * per_packet) * itemsize for s in hops]
+        payload = [sizes[i] * itemsize for i in sends]
         final = [last_step[(s.src, s.dst)] == k for s in hops]
         width = max(s.packets for s in hops)
         tails = torch.zeros(len(hops), width, dtype=torch.bool)

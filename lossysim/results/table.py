@@ -31,6 +31,8 @@ PIPELINE_KEYS = ("pp_schedule", "microbatches")
 # What summary.json's ``pipeline`` section adds to a row (runs with pp_size > 1 only).
 PIPELINE_COLUMNS = {"pp_bubble": "bubble", "pipeline_s_per_step": "pipeline_s_per_step",
                     "pp_s_per_step": "pp_s_per_step", "observed_loss_rate_pp": "observed_loss_rate_pp"}
+# What summary.json's ``expert_parallel`` section adds (runs with ep_size > 1 only).
+EXPERT_COLUMNS = ("observed_loss_rate_ep", "ep_s_per_step")
 
 
 def _number(value: Any) -> float:
@@ -117,6 +119,7 @@ def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
     for d in pp_dirs if pipeline else ():   # the stage boundaries' activations and their gradients
         sent += pipeline.get(f"packets_sent_pp_{d}") or 0
         lost += pipeline.get(f"packets_lost_pp_{d}") or 0
+    experts = summary.get("expert_parallel")   # (its traffic is in summary.json's ``traffic``, below)
     context = summary.get("context_parallel")
     for d in ("fwd", "bwd") if context else ():   # the context groups' keys and values and their gradients
         if {"fwd": "cp_forward", "bwd": "cp_backward"}[d] in kinds:
@@ -171,6 +174,8 @@ def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
         row["cp_s_per_step"] = _number(context.get("cp_s_per_step"))
     if pipeline:  # only runs with pp_size > 1 have these columns
         row.update({column: _number(pipeline.get(key)) for column, key in PIPELINE_COLUMNS.items()})
+    if experts:   # only runs with ep_size > 1
+        row.update({column: _number(experts.get(column)) for column in EXPERT_COLUMNS})
     return row
 
 

@@ -14,6 +14,7 @@ from ..config import ExperimentConfig
 from ..cp import ContextParallel, apply_cp
 from ..data import PreparedData, prepare_data
 from ..dp import DataParallel, Replica, apply_dp
+from ..ep import ExpertParallelism, apply_ep, check as check_experts, shard_experts
 from ..models import build_model, check_max_length, cost
 from ..net import LossyNetwork
 from ..pp.dist import apply_dist_pp, attach
@@ -43,6 +44,8 @@ class Parts:
     dp: DataParallel
     # pipeline stages (their networks and the boundaries between them); None with one stage
     pipeline: Optional[Pipeline] = None
+    # a mixture of experts' expert parallelism (its groups, their networks; sim: its lockstep); None without
+    ep: Optional[ExpertParallelism] = None
     # replica 0's context parallelism (its context groups' and context ranks' networks); None without
     context: Optional[ContextParallel] = None
 
@@ -65,6 +68,7 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
           barrier: Optional[Callable[[], None]]) -> Parts:
     """Everything this rank trains with. ``barrier``: dist's, so other ranks wait for rank 0's data."""
     check_max_length(config.model, config.max_length)
+    check_experts(config, device)
     data = prepare_data(config, cache_dir() / "data", is_main=is_main, barrier=barrier)
     model = build_model(config.model, vocab_size=data.vocab_size, pad_token_id=data.pad_token_id,
                         num_labels=data.num_labels, max_length=config.max_length,
@@ -78,7 +82,7 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
     context = mesh.coordinates(rank)["cp"] if distributed else 0
     train_net = LossyNetwork(mesh.tp_network_spec(settings, replica, context=context))
     eval_net = LossyNetwork(mesh.tp_network_spec(config.network_settings(evaluation=True), context=context))
-    parameters = sum(p.numel() for p in model.parameters())
+    parameters = cost.active_parameters(model, config.tp_size)   # a token's step multiplies its experts' alone
     layers, hidden = cost.dims(model.config)
     train_net.spec.selection.check_depth(layers)
     # Each rank launches the whole model's kernels on its shards, and its collectives'.
@@ -96,6 +100,7 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
         tp_model = apply_tp(model, config, mesh, network, rank, groups["tp"][rank] if groups else None)
         if pipeline is not None:
             tp_model = attach(pipeline, tp_model, groups["pp"][rank], config.seed)
+        shard_experts(tp_model, mesh, rank)
         apply_cp(tp_model, config, mesh, rank, replica, groups, compute)
         replicas = [_replica(config, tp_model, pipeline)]
     else:
@@ -113,12 +118,13 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
     networks = [[LossyNetwork(mesh.dp_network_spec(settings, t, config.dp_lossy(), s if dp_groups is None else stage))
                  for t in ranks] for s, ranks in enumerate(positions)]
     dp = apply_dp(replicas, mesh, networks, config.dp_bucket_mb * (1 << 20), config.dp_mode, rank, dp_groups)
+    ep = apply_ep(replicas, config, mesh, rank, groups)
     first = replicas[0]
     return Parts(data, tp_model, train_net, eval_net, first.optimizer, first.scheduler,
                  autocast=_autocast(config.amp, device),
                  scaler=torch.amp.GradScaler(device.type, enabled=config.amp == "fp16"),
                  compute=compute, parameters=parameters, layers=layers, hidden=hidden, kernels=kernels, dp=dp,
-                 pipeline=pipeline, context=getattr(tp_model, "context", None))
+                 pipeline=pipeline, ep=ep, context=getattr(tp_model, "context", None))
 
 
 def _sim_replica(config: ExperimentConfig, model, mesh, train_net: LossyNetwork,
@@ -127,6 +133,7 @@ def _sim_replica(config: ExperimentConfig, model, mesh, train_net: LossyNetwork,
     sequences split over its context ranks."""
     pipeline = apply_pp(model, config, mesh, train_net, eval_net, replica)
     tp_model = apply_tp(model, config, mesh, train_net, rank, pipeline=pipeline)
+    shard_experts(tp_model, mesh, mesh.rank(replica, 0))
     apply_cp(tp_model, config, mesh, rank, replica, compute=compute)
     return _replica(config, tp_model, pipeline)
 

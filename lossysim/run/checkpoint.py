@@ -148,6 +148,8 @@ def save_training(run_dir: Path, parts: "Parts", state: TrainState, window: Wind
     if parts.pipeline is not None:
         contents["pp"] = {**parts.pipeline.state_dict(),
                           "replicated_rng": [g.rng_state() for g in parts.model.groups[1:]]}
+    if parts.ep is not None:
+        contents["ep"] = parts.ep.state_dict()
     return save(run_dir, state.step, contents, rank=rank, world=_world(config), keep=config.keep_checkpoints,
                 barrier=barrier)
 
@@ -181,6 +183,8 @@ def resume(run_dir: Path, parts: "Parts", window: Window, config: ExperimentConf
         parts.pipeline.load_state_dict(saved["pp"])
         for group, rng in zip(parts.model.groups[1:], saved["pp"]["replicated_rng"], strict=True):
             group.load_rng_state(rng)
+    if parts.ep is not None:
+        parts.ep.load_state_dict(saved["ep"])
     state = TrainState.from_dict(saved["progress"])
     log.info("resumed from %s at step %d", found[0], state.step)
     return state

@@ -52,6 +52,8 @@ FLAGS = {
     "--dp-mode": ("dp_mode", f"{one_of(DP_MODES)} (ddp: replicas hold whole parameters; fsdp: ZeRO-3, "
                              "parameters sharded and gathered)"),
     "--pp-size": ("pp_size", "pipeline stages: the blocks cut into this many (world = tp x pp x dp)"),
+    "--ep-size": ("ep_size", "expert parallelism: an MoE's experts over this many data-parallel replicas "
+                             "(divides dp)"),
     "--cp-size": ("cp_size", "context-parallel ranks: every sequence cut into 2 x cp chunks (world = tp x cp x pp x dp)"),
     "--cp-mode": ("cp_mode", f"how context ranks get each other's keys and values: {one_of(CP_MODES)}"),
     "--pp-schedule": ("pp_schedule", f"how a step's micro-batches run through the stages: {one_of(PP_SCHEDULES)}"),
@@ -212,6 +214,8 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
                                        parts.scheduler.get_last_lr()[0], disagreement, config, parts.pipeline)
                 if parts.dp.dp_size > 1:
                     row.update(record.dp_row(parts.dp, state))
+                if config.ep_size > 1:
+                    row.update(record.ep_traffic(parts.ep))
                 if parts.context is not None:
                     row.update(record.cp_traffic(parts.context.train_networks.cp))
                 state.train_disagreement.append(row["disagreement"])
@@ -261,9 +265,11 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
         summary["data_parallel"] = record.dp_summary(parts.dp, config, state)
     if parts.pipeline is not None:
         summary["pipeline"] = record.pp_summary(parts.pipeline, config, state)
+    if config.ep_size > 1:
+        summary["expert_parallel"] = record.ep_summary(parts.ep, config, state)
     if parts.context is not None:
         summary["context_parallel"] = record.cp_summary(parts.context, config, state)
-    summary["traffic"] = record.traffic_summary(parts.train_net, parts.pipeline, parts.dp, parts.context)
+    summary["traffic"] = record.traffic_summary(parts.train_net, parts.pipeline, parts.dp, parts.ep, parts.context)
     summary["collectives"] = record.collectives(parts.train_net, parts.pipeline, parts.dp, parts.context)
     if rt.is_main:
         atomic_write_json(rt.run_dir / "summary.json", summary)

@@ -147,8 +147,8 @@ def clock(state: TrainState, network: LossyNetwork, config: ExperimentConfig,
         per_step = busy / max(state.step, 1)
         state.restart_s += (failures - state.failures) * (config.restart_s + config.restart_lost_steps * per_step)
         state.failures = failures
-    return {"sim_time_s": busy + state.dp_s + state.cp_s + state.restart_s,
-            "sim_time_s_ideal_nic": busy_ideal + state.dp_s + state.cp_s_ideal_nic,
+    return {"sim_time_s": busy + state.ep_s + state.dp_s + state.cp_s + state.restart_s,
+            "sim_time_s_ideal_nic": busy_ideal + state.ep_s_ideal_nic + state.dp_s + state.cp_s_ideal_nic,
             "restart_s": state.restart_s, "failures": failures, **comm}
 
 
@@ -168,6 +168,8 @@ def clock_row(state: TrainState, network: LossyNetwork, step: int, config: Exper
            "failures": now["failures"], **repairs_by_class(*_networks(network, pipeline))}
     if config.dp_size > 1:
         row["dp_s_per_step"] = (state.dp_s - last.get("dp_s", 0.0)) / steps
+    if config.ep_size > 1:
+        row["ep_s_per_step"] = (state.ep_s - last.get("ep_s", 0.0)) / steps
     if config.cp_size > 1:
         row["cp_s_per_step"] = (state.cp_s - last.get("cp_s", 0.0)) / steps
     if pipeline is not None:
@@ -177,6 +179,8 @@ def clock_row(state: TrainState, network: LossyNetwork, step: int, config: Exper
     state.last_row = clock_mark(step, state.compute_s, network, pipeline)
     if config.dp_size > 1:
         state.last_row["dp_s"] = state.dp_s
+    if config.ep_size > 1:
+        state.last_row["ep_s"] = state.ep_s
     if config.cp_size > 1:
         state.last_row["cp_s"] = state.cp_s
     if pipeline is not None:
@@ -253,6 +257,29 @@ def dp_summary(dp, config: ExperimentConfig, state: TrainState) -> dict:
             "dp_s_per_step": state.dp_s / max(state.step, 1)}
 
 
+# -- expert parallelism ---------------------------------------------------------------------------
+
+def ep_traffic(ep) -> dict:
+    """Replica 0's expert all-to-alls (``ep_dispatch``, ``ep_combine``, both directions; every TP rank's
+    group): packets sent and lost so far, and their loss rate over the lossy ones (``observed_loss_rate_ep``)."""
+    row, sent_lossy, lost_lossy = {}, 0, 0
+    for name, rows in ep.summaries().items():
+        row[f"packets_sent_{name}"] = sum(r["sent"] for r in rows)
+        row[f"packets_lost_{name}"] = sum(r["lost"] for r in rows)
+        sent_lossy += sum(r["sent"] for r in rows if r["configured_loss_rate"] > 0)
+        lost_lossy += sum(r["lost"] for r in rows if r["configured_loss_rate"] > 0)
+    row["observed_loss_rate_ep"] = lost_lossy / sent_lossy if sent_lossy else 0.0
+    return row
+
+
+def ep_summary(ep, config: ExperimentConfig, state: TrainState) -> dict:
+    """summary.json's ``expert_parallel``: the layout, replica 0's all-to-alls per class by direction and link
+    class, and their seconds per step."""
+    return {"ep_size": config.ep_size, "edp_size": config.dp_size // config.ep_size, **ep_traffic(ep),
+            "packets_by_class": ep.summaries(by=("direction", "link_class")),
+            "ep_s_per_step": state.ep_s / max(state.step, 1)}
+
+
 # -- pipeline parallelism -------------------------------------------------------------------------
 
 def pp_summary(pipeline: Pipeline, config: ExperimentConfig, state: TrainState) -> dict:
@@ -289,20 +316,27 @@ def cp_summary(context, config: ExperimentConfig, state: TrainState) -> dict:
 
 # -- every traffic class ---------------------------------------------------------------------------
 
-def traffic_summary(network: LossyNetwork, pipeline: Optional[Pipeline], dp, context=None) -> dict:
+def traffic_summary(network: LossyNetwork, pipeline: Optional[Pipeline], dp, ep=None, context=None) -> dict:
     """summary.json's ``traffic``: every class (``lossysim.traffic``) the run sent, per direction: packets
     sent and lost, the observed loss rate and whether the direction may lose packets (``lossy``). Replica
-    0's TP, pipeline and context traffic, every data-parallel group's."""
+    0's TP, pipeline, expert (every TP rank's ep group) and context traffic, every data-parallel group's."""
     carriers = {"tp": [network] if pipeline is None else pipeline.networks,
                 "pp": pipeline.boundary_networks() if pipeline is not None else [],
                 "fsdp" if dp.fsdp else "dp": dp.networks if dp.dp_size > 1 else [],
                 "cp": context.train_networks.cp if context is not None else []}
+    experts = ep.summaries() if ep is not None and ep.mesh.ep > 1 else {}
+    carriers.update({name: [ep.groups[0].train[name]] for name in experts})
     out = {}
     for cls in CLASSES:
         networks = carriers.get(cls.name, [])
         if not networks:
             continue
-        summaries = dp.summaries() if cls.axis == "dp" else [n.summary() for n in networks]
+        if cls.axis == "dp":
+            summaries = dp.summaries()
+        elif cls.axis == "ep":   # (dist: gathered over the TP group)
+            summaries = [experts[cls.name]]
+        else:
+            summaries = [n.summary() for n in networks]
         per = {}
         for kind in cls.directions:
             sent = sum(e["sent"] for s in summaries for e in s if e["direction"] == kind.direction)

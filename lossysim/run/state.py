@@ -32,15 +32,18 @@ class TrainState:
     pipeline_s_ideal_nic: float = 0.0            # ... the same steps' under the ideal nic
     pp_s: float = 0.0                            # ... what the boundary sends added to them
     pp_busy_s: float = 0.0                       # ... the stages' busy seconds (compute and TP traffic)
+    ep_s: float = 0.0                            # expert parallelism: replica 0's all-to-alls' seconds
+    ep_s_ideal_nic: float = 0.0                  # ... under the ideal nic
     cp_s: float = 0.0                            # context parallelism: what its exchanges add beside attention
     cp_s_ideal_nic: float = 0.0                  # ... the same under the ideal nic
 
     def state_dict(self) -> dict:
         saved = dataclasses.asdict(self)  # a deep copy: later steps must not change a saved checkpoint
-        # Data, pipeline and context parallelism's counters only when used: other runs' checkpoints keep the keys
-        # they always had.
+        # Data, pipeline, expert and context parallelism's counters only when used: other runs' checkpoints
+        # keep the keys they always had.
         for key, unused in (("dp_s", 0.0), ("drift", []), ("pipeline_s", 0.0), ("pipeline_s_ideal_nic", 0.0),
-                            ("pp_s", 0.0), ("pp_busy_s", 0.0), ("cp_s", 0.0), ("cp_s_ideal_nic", 0.0)):
+                            ("pp_s", 0.0), ("pp_busy_s", 0.0), ("ep_s", 0.0), ("ep_s_ideal_nic", 0.0),
+                            ("cp_s", 0.0), ("cp_s_ideal_nic", 0.0)):
             if saved[key] == unused:
                 del saved[key]
         return saved

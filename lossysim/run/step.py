@@ -1,6 +1,7 @@
 """One optimizer step of the tensor-parallel model, and the Megatron gradient clipping it uses."""
 from __future__ import annotations
 
+import functools
 import time
 from typing import Optional
 
@@ -38,11 +39,15 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
     t0 = time.perf_counter()
     gather_s = dp.gather_weights()                 # FSDP: every replica's working weights; DDP: none
     computes, times, losses, logits, stage_times, context_s = [], [], [], [], [], []
-    for index, replica in enumerate(dp.replicas):   # sim: every replica; dist: this rank's
+
+    def replica_step(index: int):                  # sim: every replica; dist: this rank's
         r = dp.first + index
         shard = {k: v[r * rows:(r + 1) * rows] for k, v in batch.items()}
-        compute, forward_s, backward_s, replica_losses, replica_logits, stages, exposed = _accumulate(
-            parts, config, replica, shard, t0, device)
+        return _accumulate(parts, config, dp.replicas[index], shard, t0, device, index)
+    tasks = [functools.partial(replica_step, index) for index in range(len(dp.replicas))]
+    # an expert-parallel group's replicas run side by side (their experts meet); the others one by one
+    for compute, forward_s, backward_s, replica_losses, replica_logits, stages, exposed in \
+            (parts.ep.run(tasks) if parts.ep is not None else [task() for task in tasks]):
         context_s.append(exposed)
         stage_times.append(stages)
         computes.append(compute)
@@ -51,14 +56,17 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
         logits.append(replica_logits)
     times = dp.gather_replicas(times)              # [dp, 2]: every replica's forward and backward
     bucket_s = dp.average_gradients()
+    # experts: averaged over their own groups after the dense buckets (not overlapped with backward)
+    experts_s = parts.ep.average_gradients(dp.replicas) if parts.ep is not None else 0.0
+    squares = parts.ep.squares(dp.replicas) if parts.ep is not None else [None] * len(dp.replicas)
     if parts.pipeline is not None:
         replicated = dp.dp_size > 1
         _pipeline_clock(config, state, dp.every_replica(stage_times), dp.every_stage(dp.ready()) if replicated else [],
                         dp.every_stage(bucket_s) if replicated else [])
     finite = True
-    for replica, replica_losses in zip(dp.replicas, losses):
+    for replica, replica_losses, experts_sq in zip(dp.replicas, losses, squares):
         parts.scaler.unscale_(replica.optimizer)
-        norm = _clip_grad_norm(replica.model, config.grad_clip, replica.pipeline)
+        norm = _clip_grad_norm(replica.model, config.grad_clip, replica.pipeline, experts_sq)
         ok = torch.isfinite(norm) & torch.isfinite(replica_losses).all()
         # Every rank must agree, or dist ranks would part ways at the next collective.
         finite &= bool(replica.model.group.all_gather_reliable(ok.reshape(1)).all())
@@ -79,6 +87,11 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
     state.cp_s_ideal_nic += context_s[0][1]
     if parts.pipeline is None:      # (with stages, ``_pipeline_clock`` charged the buckets)
         state.dp_s += dp.added_seconds(times, gather_s, bucket_s, config.dp_overlap)
+    state.dp_s += experts_s
+    if parts.ep is not None:        # replica 0's all-to-alls (its forward and backward wait for them)
+        ep_s, ep_s_ideal_nic = parts.ep.step_seconds()
+        state.ep_s += ep_s
+        state.ep_s_ideal_nic += ep_s_ideal_nic
     if config.dp_sync_every and (state.step + 1) % config.dp_sync_every == 0:
         state.dp_s += dp.synchronise()
     seconds = time.perf_counter() - t0
@@ -93,7 +106,7 @@ _CLOCKS = ("comm_s", "comm_s_ideal_nic")   # each stage time twice: the run's ni
 
 
 def _accumulate(parts: Parts, config: ExperimentConfig, replica: Replica, shard: dict, t0: float,
-                device: torch.device):
+                device: torch.device, index: int = 0):
     """One replica's forward/backwards over its shard, ``microbatches`` of them, the gradients summed
     in place (each micro-batch's loss divided by their number: the gradient of the shard's mean loss
     when micro-batches hold equal tokens). Returns the compute seconds, the forward's and backward's
@@ -103,6 +116,8 @@ def _accumulate(parts: Parts, config: ExperimentConfig, replica: Replica, shard:
     k, model, pipeline = config.n_microbatches, replica.model, replica.pipeline
     # dist: a process runs one stage; the others' networks are mirrors, still within a step
     networks = pipeline.networks if pipeline is not None else [group.network for group in model.groups]
+    if parts.ep is not None:   # this replica's (``index`` in this process) expert all-to-alls
+        networks = [*networks, *parts.ep.clocks(index)]
     rows = shard["input_ids"].shape[0] // k
     compute = forward_s = backward_s = 0.0
     exposed = [0.0, 0.0]
@@ -199,9 +214,11 @@ def _compute_seconds(parts: Parts, config: ExperimentConfig, batch: dict, t0: fl
                                    attention_flops=attention, kernels=parts.kernels)
 
 
-def _clip_grad_norm(model: TensorParallelModel, max_norm: float, pipeline: Optional[Pipeline] = None) -> torch.Tensor:
+def _clip_grad_norm(model: TensorParallelModel, max_norm: float, pipeline: Optional[Pipeline] = None,
+                    experts_sq: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Global gradient norm as Megatron computes it: replicated grads once, every rank's shards, every
-    pipeline stage's (dist: each stage's squares gathered, so every stage sums sim's numbers in sim's order)."""
+    pipeline stage's (dist: each stage's squares gathered, so every stage sums sim's numbers in sim's order);
+    ``experts_sq``: an MoE's expert gradients' squares over the whole ep group (``ExpertParallelism.squares``)."""
     device = next(model.parameters()).device
     across = pipeline.across_stages if pipeline is not None else lambda values, device: values
 
@@ -214,7 +231,9 @@ def _clip_grad_norm(model: TensorParallelModel, max_norm: float, pipeline: Optio
     local = torch.stack([sq((p.grad[r], getattr(p, "tp_copies", 1)) for p in sharded)
                          for r in range(model.group.local_size)])
     sharded = model.group.all_gather_reliable(local).sum()
-    norm = (sq((p.grad, 1) for p in model.replicated_parameters() if p.grad is not None) + sharded).sqrt()
+    replicated = sq((p.grad, 1) for p in model.replicated_parameters()
+                    if p.grad is not None and not getattr(p, "expert_parallel", False))
+    norm = (replicated + sharded if experts_sq is None else replicated + sharded + experts_sq).sqrt()
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for p in model.parameters():

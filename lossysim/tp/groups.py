@@ -66,6 +66,11 @@ class SimGroup:
         """Replicated parameters are shared here, so autograd already summed the ranks' grads."""
         return grad / self.tp_size
 
+    def sum_replicated(self, grad: torch.Tensor) -> torch.Tensor:
+        """A replicated parameter inside the TP region (each rank's gradient is its heads' part): the sum
+        of the ranks', which autograd already took here."""
+        return grad
+
     def all_gather_reliable(self, x: torch.Tensor) -> torch.Tensor:
         """[R, ...] -> [tp_size, ...] outside the lossy network (measurements, checkpoints)."""
         return x
@@ -178,6 +183,11 @@ class DistGroup(SimGroup):
         grad = grad.clone()
         dist.all_reduce(grad, group=self.process_group)
         return grad / self.tp_size
+
+    def sum_replicated(self, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()    # every rank holds its heads' part: summed over a reliable channel
+        dist.all_reduce(grad, group=self.process_group)
+        return grad
 
     def all_gather_reliable(self, x: torch.Tensor) -> torch.Tensor:
         return self._gather(x)

@@ -213,6 +213,8 @@ def run_per_rank(module: nn.Module, group: SimGroup) -> None:
             finally:
                 for name in names:
                     del state[name]
+        if isinstance(outs[0], tuple):   # (a router's logits, weights and experts)
+            return tuple(torch.cat(parts) for parts in zip(*outs))
         return torch.cat(outs)
 
     module.forward = per_rank

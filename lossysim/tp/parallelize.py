@@ -232,6 +232,8 @@ def parallelize(model: nn.Module, tp_size: int = 2, network: Optional[LossyNetwo
         stage = sum(i >= first for first in starts)
         own = groups[stage]
         for path, spec in plan.layers.items():
+            if path in plan.optional and not _has(block, path):
+                continue
             layer = block.get_submodule(path)
             if isinstance(spec, Column):
                 parts = kv_parts if spec.heads == "kv" else tp_size
@@ -242,6 +244,9 @@ def parallelize(model: nn.Module, tp_size: int = 2, network: Optional[LossyNetwo
         for path, attribute in plan.dropouts.items():
             _replace(block, path, ReplicatedDropout(getattr(config, attribute), own))
         for path, site in plan.inputs.items():
+            if path in plan.optional and not any(_has(block, layer) for layer in plan.layers
+                                                 if layer.rpartition(".")[0] == path):
+                continue   # (an optional input is one where the block has one of the plan's layers inside it)
             block.get_submodule(path).register_forward_pre_hook(_enter_tp(own, f"{prefix}.{site}"),
                                                                 with_kwargs=True)
         attention = block.get_submodule(plan.attention)
@@ -254,9 +259,19 @@ def parallelize(model: nn.Module, tp_size: int = 2, network: Optional[LossyNetwo
     for module in model.modules():  # a RowParallel adds its replicated bias rank by rank itself
         if not isinstance(module, RowParallel) and any(id(p) in replicated for p in module.parameters(recurse=False)):
             run_per_rank(module, group)
+    summed = {id(p) for block in base.get_submodule(plan.blocks) for path in plan.summed if _has(block, path)
+              for p in block.get_submodule(path).parameters()}
     for param in tp_model.replicated_parameters():
-        param.register_hook(group.average_replicated)
+        param.register_hook(group.sum_replicated if id(param) in summed else group.average_replicated)
     return tp_model
+
+
+def _has(block: nn.Module, path: str) -> bool:
+    try:
+        block.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def _replace(root: nn.Module, path: str, new: nn.Module) -> None:
@@ -276,6 +291,9 @@ def gather_full_model(tp_model: TensorParallelModel) -> nn.Module:
     for name, layer in tp_model.parallel_layers():
         for leaf, tensor in layer.full().items():
             state[f"{name}.{leaf}"] = tensor
+    for name, module in model.named_modules():
+        if hasattr(module, "gathered"):   # an MoE's experts, sharded over their ep group (lossysim.ep)
+            state.update({f"{name}.{leaf}": tensor for leaf, tensor in module.gathered().items()})
     dtype = next(model.parameters()).dtype
     full = type(model)(copy.deepcopy(model.config)).to(dtype)
     full.load_state_dict(state, strict=True)

@@ -48,6 +48,15 @@ class ShardingPlan:
     dropouts: dict = field(default_factory=dict)  # module -> config attribute of its p (in a block)
     base_dropouts: dict = field(default_factory=dict)  # the same, in the base model
     check: Optional[Callable] = None  # config -> an error message for what the plan cannot shard
+    # a mixture of experts' routed experts in a block (HF's experts module, called with the router's top-k
+    # experts and weights): replicated over the TP group, sharded over the expert-parallel group (lossysim.ep)
+    experts: Optional[str] = None
+    # layers and inputs only some blocks have (DeepSeek-V3's dense MLP in its first blocks, its shared expert
+    # in the others)
+    optional: tuple = ()
+    # replicated modules inside the TP region (MLA's down-projections and their norms, which every rank runs
+    # whole on its copy of the input): each rank's gradient is its heads' part, so the ranks' are summed
+    summed: tuple = ()
 
 
 def _gpt2_check(config) -> Optional[str]:
@@ -91,7 +100,37 @@ LLAMA = ShardingPlan(name="llama", classes=_classes("Llama"), **_LLAMA_LAYOUT)
 QWEN2 = ShardingPlan(name="qwen2", classes=_classes("Qwen2"), **_LLAMA_LAYOUT)
 MISTRAL = ShardingPlan(name="mistral", classes=_classes("Mistral"), **_LLAMA_LAYOUT)
 
-PLANS = (GPT2, LLAMA, QWEN2, MISTRAL)
+# Mixtures of experts: Llama's attention; the MLP is a router (replicated, as every parameter a plan does not
+# name) and routed experts, whole on every TP rank (expert-tensor parallelism 1) and sharded over the ep group.
+_MOE_LAYOUT = dict(_LLAMA_LAYOUT, inputs={"self_attn": "self_attn.copy"},
+                   layers={path: split for path, split in _LLAMA_LAYOUT["layers"].items() if path.startswith("self_attn")},
+                   experts="mlp.experts")
+MIXTRAL = ShardingPlan(name="mixtral", classes=_classes("Mixtral"), **_MOE_LAYOUT)
+# Qwen3's per-head norms of queries and keys run on each rank's heads inside the TP region: their gradients
+# are the ranks' summed (a kv head held by several ranks, tp > kv heads, would count more than once).
+QWEN3_MOE = ShardingPlan(name="qwen3_moe", classes=_classes("Qwen3Moe"), **_MOE_LAYOUT,
+                         summed=("self_attn.q_norm", "self_attn.k_norm"))
+
+# DeepSeek-V3: MLA attention sharded by heads (q_b_proj and kv_b_proj column-parallel, whole heads; o_proj
+# row-parallel); its low-rank down-projections (q_a_proj, kv_a_proj_with_mqa) and their norms are run whole
+# by every rank inside the TP region, as Megatron's MLA duplicates them; the first dense blocks' MLP and the
+# MoE blocks' shared expert are a Llama MLP; the routed experts, group-limited top-k, as Mixtral's.
+_MLP = {"gate_proj": Column(), "up_proj": Column(), "down_proj": Row("mlp.reduce")}
+DEEPSEEK_V3 = ShardingPlan(
+    name="deepseek_v3", classes=_classes("DeepseekV3"), blocks="layers", final_norm="norm", attention="self_attn",
+    inputs={"self_attn": "self_attn.copy", "mlp": "mlp.copy", "mlp.shared_experts": "mlp.copy"},
+    layers={"self_attn.q_b_proj": Column(heads="query"), "self_attn.kv_b_proj": Column(heads="query"),
+            "self_attn.o_proj": Row("self_attn.reduce"),
+            **{f"mlp.{name}": split for name, split in _MLP.items()},
+            **{f"mlp.shared_experts.{name}": split for name, split in _MLP.items()}},
+    local={}, experts="mlp.experts",
+    optional=("mlp", *(f"mlp.{name}" for name in _MLP), "mlp.shared_experts",
+              *(f"mlp.shared_experts.{name}" for name in _MLP)),
+    summed=("self_attn.q_a_proj", "self_attn.q_a_layernorm", "self_attn.kv_a_proj_with_mqa",
+            "self_attn.kv_a_layernorm"),
+    check=lambda config: None if config.q_lora_rank else "DeepSeek-V3 without q_lora_rank is not supported")
+
+PLANS = (GPT2, LLAMA, QWEN2, MISTRAL, MIXTRAL, QWEN3_MOE, DEEPSEEK_V3)
 
 
 def plan_for(model) -> tuple[ShardingPlan, str]:

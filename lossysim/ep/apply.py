@@ -1,0 +1,257 @@
+"""``apply_ep``: a run's MoE blocks made expert-parallel over the mesh's ep groups (torchtitan applies it
+after tensor parallelism, before data parallelism), and ``ExpertParallelism``, what the training step asks
+of it: running the replicas side by side (``sim``), the experts' gradients averaged over their own
+expert-data-parallel groups, their share of the gradient norm, the all-to-alls' seconds, statistics and
+saved state.
+
+Megatron's layout: ``ep`` is carved out of the data-parallel ranks (``Mesh.ep_group``); rank e of a group
+holds the e-th block of ``num_experts / ep`` experts; the ranks holding the same experts
+(``Mesh.edp_group``, dp / ep of them) average their gradients over a lossy network of their own, as DDP's
+buckets (site ``dp.bucket{i}``, lossy when ``lossy_traffic`` names dp), divided by ep as well: each
+expert's gradient sums the tokens of its whole ep group, so (1 / edp) x (1 / ep) x that sum is the
+gradient of the global batch's mean loss, as every dense parameter's is.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..config import EP_CLASSES, ExperimentConfig
+from ..dp import DataParallel, Replica
+from ..dp.replicas import DistDataParallel
+from ..mesh import Mesh
+from ..net import LossyNetwork
+from .experts import ExpertParallel
+from .groups import DistGroup, Networks, SimGroup, SimShared
+from .lockstep import Lockstep
+
+
+def check(config: ExperimentConfig, device: torch.device) -> None:
+    """What training does not model beside expert parallelism (the estimate does; every command's pairs
+    are the config's)."""
+    if config.ep_size == 1:
+        return
+    ep = f"ep_size={config.ep_size}"
+    for name, used, why in (("pp_size", config.pp_size > 1, "pipeline stages"),
+                            ("dp_mode", config.dp_mode == "fsdp", "FSDP"),
+                            ("activation_checkpointing", config.activation_checkpointing, "recomputed blocks"),
+                            ("dp_sync_every", config.dp_sync_every, "synchronised replicas")):
+        if used:
+            raise ValueError(f"training {ep} with {name}={getattr(config, name)} ({why}) is not supported; leave "
+                             "one of them at its default (the estimate models pipelines)")
+    if config.backend == "sim" and device.type != "cpu":
+        raise ValueError(f"{ep} on backend=sim runs on the CPU (its replicas meet inside CPU backward passes); "
+                         "use device=cpu, or backend=dist")
+
+
+def shard_experts(tp_model, mesh: Mesh, rank: int) -> list[ExpertParallel]:
+    """Every MoE block's experts (the plan's ``experts``) as global ``rank``'s share of them (all of them
+    with ep 1), in place, before the optimiser sees the parameters. None: not a mixture of experts."""
+    plan = tp_model.plan
+    if plan.experts is None:
+        if mesh.ep > 1:
+            raise ValueError(f"ep_size={mesh.ep} needs a mixture-of-experts model (tiny-moe, Mixtral, Qwen3-MoE), "
+                             f"not {type(tp_model.model).__name__}")
+        return []
+    member, _ = mesh.expert_coordinates(rank)
+    modules = []
+    for i, block in enumerate(tp_model.model.base_model.get_submodule(plan.blocks)):
+        parent, _, leaf = plan.experts.rpartition(".")
+        holder = block.get_submodule(parent) if parent else block
+        if not hasattr(holder, leaf):       # a dense block (DeepSeek-V3's first layers)
+            continue
+        module = ExpertParallel(getattr(holder, leaf), f"{plan.blocks}.{i}.{plan.experts}", member, mesh.ep,
+                                tp_model.group)
+        setattr(holder, leaf, module)
+        modules.append(module)
+    tp_model.experts = modules
+    return modules
+
+
+class ExpertParallelism:
+    """A run's expert parallelism as this process holds it: every group's networks (``sim``) or its own
+    (``dist``), the expert-data-parallel averaging, and the clock's views of the all-to-alls."""
+
+    def __init__(self, mesh: Mesh, groups: list[Networks], lockstep: Optional[Lockstep],
+                 edp: Sequence[DataParallel], replica_groups: list[list[Networks]], tp_group=None, ep_group=None):
+        self.mesh, self.groups, self.lockstep, self.edp = mesh, groups, lockstep, list(edp)
+        self.replica_groups = replica_groups    # per replica this process runs: its groups, TP rank by TP rank
+        self.tp_group = tp_group                # dist: the TP ranks whose groups run side by side
+        self.ep_group = ep_group                # dist: this rank's ep group (None: ep 1, or sim)
+        self._mark = self._seconds()
+
+    def run(self, tasks: Sequence) -> list:
+        """Every replica's task (forward and backward); side by side where their experts meet."""
+        if self.lockstep is not None and self.mesh.ep > 1 and len(tasks) > 1:
+            return self.lockstep.run(tasks)
+        return [task() for task in tasks]
+
+    def clocks(self, replica: int) -> list:
+        """What ``_accumulate`` reads a replica's all-to-all seconds from: per class, the slowest of its TP
+        ranks' groups (they run side by side)."""
+        return [_Slowest([g.train[c] for g in self.replica_groups[replica]], self.tp_group) for c in EP_CLASSES]
+
+    def step_seconds(self) -> tuple[float, float]:
+        """Replica 0's all-to-all seconds since the last call (its configured nic's, the ideal nic's)."""
+        now = self._seconds()
+        added = (now[0] - self._mark[0], now[1] - self._mark[1])
+        self._mark = now
+        return added
+
+    def _seconds(self) -> tuple[float, float]:
+        clocks = [view.clock() for view in self.clocks(0)] if self.replica_groups else []
+        return (sum(c["comm_s"] for c in clocks), sum(c["comm_s_ideal_nic"] for c in clocks))
+
+    def average_gradients(self, replicas: Sequence[Replica]) -> float:
+        """The experts' gradients averaged over their expert-data-parallel groups, then divided by ep;
+        the seconds it adds (the slowest group's)."""
+        seconds = 0.0
+        for edp in self.edp:
+            seconds = max(seconds, sum(sum(stage) for stage in edp.average_gradients()))
+        for replica in replicas:
+            for param in expert_parameters(replica.model):
+                if param.grad is not None:
+                    param.grad.div_(self.mesh.ep)
+        return seconds
+
+    def squares(self, replicas: Sequence[Replica]) -> list[torch.Tensor]:
+        """Per replica this process runs: the sum of squares of its ep group's expert gradients (every member
+        holds other experts; summed member by member, in both backends' order)."""
+        own = [_squares(replica.model) for replica in replicas]
+        ep = self.mesh.ep
+        if self.ep_group is not None:      # dist: the group's, gathered reliably
+            every = torch.empty(ep, dtype=own[0].dtype, device=own[0].device)
+            dist.all_gather_into_tensor(every, own[0].reshape(1), group=self.ep_group)
+            return [_sum(every.unbind())]
+        if self.lockstep is None:          # dist, ep 1: the group is this rank
+            return own
+        return [_sum(own[(r // ep) * ep:(r // ep + 1) * ep]) for r in range(len(replicas))]
+
+    def networks(self) -> list[LossyNetwork]:
+        return [n for g in self.groups for n in g.train.values()]
+
+    def summaries(self, by: Sequence[str] = ("direction",)) -> dict[str, list[dict]]:
+        """Per class, replica 0's groups' traffic (one per TP rank; dist: gathered over the TP group)."""
+        out = {}
+        for c in EP_CLASSES:
+            rows = [row for g in self.replica_groups[0] for row in g.train[c].summary(by=by)]
+            if self.tp_group is not None:
+                every: list = [None] * dist.get_world_size(self.tp_group)
+                dist.all_gather_object(every, rows, group=self.tp_group)
+                rows = [row for part in every for row in part]
+            out[c] = rows
+        return out
+
+    def state_dict(self) -> dict:
+        """The groups' networks (the replicas themselves are saved with data parallelism)."""
+        return {"groups": [g.state_dict() for g in self.groups],
+                "edp": [[n.state_dict() for n in e.networks] for e in self.edp]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for group, saved in zip(self.groups, state["groups"], strict=True):
+            group.load_state_dict(saved)
+        for edp, saved in zip(self.edp, state["edp"], strict=True):
+            for network, entry in zip(edp.networks, saved, strict=True):
+                network.load_state_dict(entry)
+        self._mark = self._seconds()
+
+
+class _Slowest:
+    """A clock over networks that run side by side: per key, the largest (dist: over the TP group too)."""
+
+    def __init__(self, networks: list[LossyNetwork], tp_group=None):
+        self.networks, self.tp_group = networks, tp_group
+
+    def clock(self) -> dict:
+        clocks = [n.clock() for n in self.networks]
+        out = {key: max(c[key] for c in clocks) for key in clocks[0]}
+        if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
+            values = torch.tensor(list(out.values()), dtype=torch.float64)
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.tp_group)
+            out = dict(zip(out, values.tolist()))
+        return out
+
+
+def expert_parameters(model) -> list[torch.Tensor]:
+    return [p for p in model.parameters() if getattr(p, "expert_parallel", False)]
+
+
+def _squares(model) -> torch.Tensor:
+    grads = [p.grad.float().pow(2).sum() for p in expert_parameters(model) if p.grad is not None]
+    device = next(model.parameters()).device
+    return torch.stack(grads).sum() if grads else torch.zeros((), device=device)
+
+
+def _sum(values) -> torch.Tensor:
+    total = values[0]
+    for value in values[1:]:
+        total = total + value
+    return total
+
+
+def _networks(config: ExperimentConfig, mesh: Mesh, rank: int) -> Networks:
+    """Global ``rank``'s ep group's networks, per class: training's, and evaluation's (their own streams)."""
+    def placed(settings: dict) -> dict:
+        return {c: LossyNetwork(mesh.ep_network_spec(settings, rank, c, config.lossy_directions(c)))
+                for c in EP_CLASSES}
+    return Networks(placed(config.network_settings()), placed(config.network_settings(evaluation=True)))
+
+
+def apply_ep(replicas: Sequence[Replica], config: ExperimentConfig, mesh: Mesh, rank: int = 0,
+             groups: Optional[dict] = None) -> Optional[ExpertParallelism]:
+    """Connect the replicas' sharded experts (``shard_experts``) to their groups: ``sim`` every replica of
+    this process, ``dist`` this rank's over its process groups (``Mesh.process_groups``; None: the world
+    is one TP group). None when the model has no experts."""
+    if not any(getattr(r.model, "experts", None) for r in replicas):
+        return None
+    bucket = config.dp_bucket_mb * (1 << 20)
+    if config.backend == "sim":
+        return _connect_sim(replicas, config, mesh, bucket)
+    groups = groups or {}
+    networks = _networks(config, mesh, rank)
+    process_group = groups["ep"][rank] if mesh.ep > 1 else None
+    for module in replicas[0].model.experts:
+        module.groups = [_dist_group(networks, process_group, module)]
+    edp = []
+    if mesh.ep > 1 and mesh.dp // mesh.ep > 1:
+        replica, stage, tp_rank = mesh.position(rank)
+        edp_net = LossyNetwork(mesh.edp_network_spec(config.network_settings(), rank, config.dp_lossy()))
+        edp = [DistDataParallel(replicas[0], edp_net, bucket, replica_index=mesh.expert_coordinates(rank)[1],
+                                tp_rank=tp_rank, dp_size=mesh.dp // mesh.ep, tp_size=mesh.tp,
+                                dp_group=groups["edp"][rank], tp_group=groups["tp"][rank], experts=True)]
+    tp_group = groups["tp"][rank] if mesh.tp > 1 and "tp" in groups else None
+    return ExpertParallelism(mesh, [networks], None, edp, [[networks]], tp_group, process_group)
+
+
+def _dist_group(networks: Networks, process_group, module: ExpertParallel):
+    if process_group is None:            # ep 1: a group of one, all experts here
+        return SimGroup(SimShared(networks, Lockstep(), 1), 0, training=lambda: module.training)
+    return DistGroup(networks, process_group, training=lambda: module.training)
+
+
+def _connect_sim(replicas: Sequence[Replica], config: ExperimentConfig, mesh: Mesh, bucket: float):
+    lockstep = Lockstep()
+    shared: dict[tuple[int, int], SimShared] = {}
+    replica_groups = []
+    for r, replica in enumerate(replicas):
+        member, g = mesh.expert_coordinates(mesh.rank(r, 0))
+        for t in range(mesh.tp):
+            if (g, t) not in shared:
+                shared[(g, t)] = SimShared(_networks(config, mesh, mesh.rank(r, t)), lockstep, mesh.ep)
+        replica_groups.append([shared[(g, t)].networks for t in range(mesh.tp)])
+        for module in replica.model.experts:
+            module.groups = [SimGroup(shared[(g, t)], member, training=lambda m=module: m.training)
+                             for t in range(mesh.tp)]
+            for t in range(mesh.tp):
+                shared[(g, t)].experts.setdefault(module.site, [None] * mesh.ep)[member] = module
+    edp = []
+    if mesh.ep > 1 and mesh.dp // mesh.ep > 1:   # per expert block e: the replicas holding it, over one network per TP rank
+        for e in range(mesh.ep):
+            held = [r for r in range(mesh.dp) if mesh.expert_coordinates(mesh.rank(r, 0))[0] == e]
+            networks = [[LossyNetwork(mesh.edp_network_spec(config.network_settings(), mesh.rank(held[0], t),
+                                                            config.dp_lossy())) for t in range(mesh.tp)]]
+            edp.append(DataParallel([replicas[r] for r in held], networks, bucket, experts=True))
+    return ExpertParallelism(mesh, [shared[key].networks for key in sorted(shared)], lockstep, edp,
+                             replica_groups)
