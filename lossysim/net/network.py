@@ -41,6 +41,7 @@ from .links import Chains
 from .spec import DIRECTIONS, NetworkSpec
 from .fates import choose as choose_fates
 from .stats import COUNTERS, Counters, NonFinite, summarise
+from .windows import Windows
 
 
 @dataclass
@@ -81,6 +82,8 @@ class LossyNetwork:
         self._recovery_cost: dict[tuple, float] = {}   # per policy and message shape: seconds per call
         self._fates: dict = {}                      # per device: where the packets' fates are kept (``fates``)
         self._choices: dict = {}                    # per (site, direction, collective, bytes): how NCCL runs it
+        # TCP's congestion windows, per link and connection, shared by every call site (one communicator)
+        self._windows = Windows(len(self.links), spec.connections) if spec.nic_model.window else None
         # The reliable side path of a policy that has one: built with this network, so that it is
         # swapped into every recording and replaying alongside.
         self._side: Optional[LossyNetwork] = None
@@ -303,7 +306,7 @@ class LossyNetwork:
             channel.counters.count_sent(transfer.sent)
         else:
             if self.transport.repairs:
-                lost, repairs = fates.repair(channel, transfer, device)
+                lost, repairs = fates.repair(channel, transfer, device, self._windows)
                 self._tick(repairs)
             else:
                 lost = fates.drop(channel, transfer)
@@ -476,6 +479,8 @@ class LossyNetwork:
                            "recovery_s": self._recovery_s},
                  # what each call ran, so a resumed run's summary names the collectives seen before it
                  "choices": [[*key, *choice] for key, choice in self._choices.items()]}
+        if self._windows is not None:
+            state["windows"] = self._windows.state_dict()
         if self._side is not None:
             state["side"] = self._side.state_dict()
         return state
@@ -516,6 +521,10 @@ class LossyNetwork:
         self._ideal = clock["ideal_comm_s"]
         self._recovery_s = clock.get("recovery_s", 0.0)
         self._choices = {tuple(entry[:4]): Estimate(*entry[4:]) for entry in state.get("choices", [])}
+        if self._windows is not None:   # saved before windows were carried: every connection fresh
+            self._windows = Windows(len(self.links), self.spec.connections)
+            if "windows" in state:
+                self._windows.load_state_dict(state["windows"])
         if self._side is not None and "side" in state:
             self._side.load_state_dict(state["side"])
 
