@@ -26,6 +26,7 @@ from ..net.transport import TRANSPORTS
 from ..config import DP_MODES
 from ..pp.schedule import SCHEDULES
 from ..timing import NIC_PRESETS
+from ..timing.congestion import CONGESTION
 from ..util import one_of
 from .shapes import NAMES, load
 from .simulate import estimate
@@ -34,11 +35,14 @@ from .workload import DTYPES, Workload, layout_name
 # Network keys that take several values: flag -> NetworkSpec field.
 GRID = {"--loss": "loss", "--transport": "transport", "--nic": "nic", "--algorithm": "algorithm",
         "--link-intra": "link_intra", "--link-inter": "link_inter", "--lossy-links": "lossy_links",
-        "--recovery": "recovery", "--lossy": "lossy"}
+        "--recovery": "recovery", "--lossy": "lossy", "--sockets": "sockets", "--congestion": "congestion"}
+# An estimate sizes a job as NCCL would run it: its tuner's pick (training keeps the spec's ring, which
+# its recorded runs name).
+DEFAULTS = {"algorithm": "auto"}
 WHOLE = ("loss", "link_intra", "link_inter")   # their specs contain commas: one value per flag
 # The keys that take one of a fixed set of values, listed in their help.
 CHOICES = {"transport": TRANSPORTS, "nic": tuple(NIC_PRESETS), "algorithm": ALGORITHMS, "lossy_links": LOSSY_LINKS,
-           "recovery": RECOVERY_POLICIES, "lossy": LOSSY}
+           "recovery": RECOVERY_POLICIES, "lossy": LOSSY, "congestion": CONGESTION}
 # Columns printed on the terminal (every column goes to the files).
 SHOWN = ("loss", "transport", "nic", "algorithm", "loss_free_step_s", "step_mean_s", "step_p50_s", "step_p99_s",
          "step_p99_hi_s", "slowdown", "comm_share", "packets_lost", "packets_resent", "elements_lost_fwd",
@@ -77,7 +81,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each block's forward in backward (its all-reduces are charged again)")
     for flag, key in GRID.items():
-        default = NetworkSpec.__dataclass_fields__[key].default
+        default = DEFAULTS.get(key, NetworkSpec.__dataclass_fields__[key].default)
         if isinstance(default, tuple):
             default = "both"
         values = f": {one_of(CHOICES[key])}" if key in CHOICES else ""
@@ -102,7 +106,8 @@ def run(args) -> int:
         raise ValueError(f"ranks_per_node={per_node} is more GPUs than the layout's "
                          f"{layout_name(args.tp_size, args.pp_size, args.dp_size, None).split(' on ')[0]}")
     # A TP group's own network holds at most its tp ranks to a node; the mesh places the rest.
-    settings = grid({key: getattr(args, key) for key in GRID.values()}, ranks=args.tp_size,
+    settings = grid({key: getattr(args, key) or ([DEFAULTS[key]] if key in DEFAULTS else None) for key in GRID.values()},
+                    ranks=args.tp_size,
                     ranks_per_node=None if per_node is None else min(per_node, args.tp_size),
                     nics_per_node=args.nics_per_node, seed=args.seed,
                     **({} if args.payload_bytes is None else {"payload_bytes": args.payload_bytes}))
@@ -160,7 +165,8 @@ def run_grid(model: str, settings: Iterable[NetworkSpec], workload: Workload, st
     with tqdm(total=len(settings) * steps, desc=f"estimate {shape.name}", disable=not progress,
               dynamic_ncols=True) as bar:
         for spec in settings:
-            rows.append(estimate(shape, spec, workload, steps, compute, tick=lambda: bar.update(1)))
+            row = estimate(shape, spec, workload, steps, compute, tick=lambda: bar.update(1))
+            rows.append({**row, **{key: getattr(spec, key) for key in ("sockets", "congestion") if key not in row}})
             if on_row is not None:
                 on_row(rows)
     return rows

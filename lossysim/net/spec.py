@@ -45,7 +45,7 @@ def _count(name: str, value, most: int) -> int:
     """``value`` (an int or its digits) as a whole number in [1, most], or a one-line ValueError."""
     text = str(value).strip()
     if not text.isdigit() or not 1 <= int(text) <= most:
-        raise ValueError(f"{name}={value!r} must be a whole number from 1 to {most}")
+        raise ValueError(f"{name}={value} must be a whole number from 1 to {most}")
     return int(text)
 
 

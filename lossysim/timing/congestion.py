@@ -55,7 +55,7 @@ class Flow:
         self.cubic = kind == "cubic"
         self.tau, self.rtt, self.pipe = tau, rtt, rtt / tau
         self.w_max, self.cut, self.epoch = (float(x) for x in state)
-        self._governs = None
+        self._governs, self._k_value = None, None
 
     @property
     def state(self) -> tuple[float, float, float]:
@@ -67,23 +67,36 @@ class Flow:
 
     def send(self, packets: float) -> float:
         """Send ``packets`` packets: the seconds they take (the epoch moves on by as much)."""
+        seconds, self.epoch = self.plan(packets)
+        return seconds
+
+    def plan(self, packets: float) -> tuple[float, float]:
+        """(the seconds sending ``packets`` would take, the epoch after), sending nothing."""
         if packets <= 0:
-            return 0.0
-        seconds = 0.0
-        if self.epoch < 0:   # recovery's round trip: the window holds at its cut
-            held = min(packets, -self.epoch * self._held() / self.rtt)
-            seconds, packets = held * self.rtt / self._held(), packets - held
-            self.epoch = min(self.epoch + seconds, 0.0) if packets <= 0 else 0.0
+            return 0.0, self.epoch
+        seconds, epoch = 0.0, self.epoch
+        if epoch < 0:   # recovery's round trip: the window holds at its cut
+            held_window = self._held()
+            held = min(packets, -epoch * held_window / self.rtt)
+            seconds, packets = held * self.rtt / held_window, packets - held
             if packets <= 0:
-                return seconds
-        if math.isnan(self.cut) or self._window(self.epoch) >= self.pipe:
+                return seconds, min(epoch + seconds, 0.0)
+            epoch = 0.0
+        if self.cut != self.cut:                     # NaN: never cut, at the pipe
             more = packets * self.tau
-        elif not self.cubic or self._reno_governs():
-            more = self._reno_send(packets)
+        elif self._line():                           # the Reno-friendly line (closed form)
+            w, pipe, alpha = self.cut + self.alpha * epoch / self.rtt, self.pipe, self.alpha
+            if w >= pipe:
+                more = packets * self.tau
+            else:
+                to_pipe = (pipe * pipe - w * w) / (2 * alpha)
+                more = ((pipe - w) * self.rtt / alpha + (packets - to_pipe) * self.tau if packets >= to_pipe
+                        else (math.sqrt(w * w + 2 * alpha * packets) - w) * self.rtt / alpha)
+        elif self._window(epoch) >= self.pipe:
+            more = packets * self.tau
         else:
-            more = self._curve_send(packets)
-        self.epoch += more
-        return seconds + more
+            more = self._curve_send(packets, epoch)
+        return seconds + more, epoch + more
 
     def advance(self, seconds: float) -> float:
         """Send for ``seconds``: the packets that go out (the epoch moves on by as much)."""
@@ -95,9 +108,9 @@ class Flow:
             packets, seconds, self.epoch = held * self._held() / self.rtt, seconds - held, self.epoch + held
             if seconds <= 0:
                 return packets
-        if math.isnan(self.cut) or self._window(self.epoch) >= self.pipe:
+        if self.cut != self.cut or self._window(self.epoch) >= self.pipe:
             more = seconds / self.tau
-        elif not self.cubic or self._reno_governs():
+        elif self._line():
             w, alpha = self._reno(self.epoch), self.alpha
             to_pipe = (self.pipe - w) * self.rtt / alpha
             if seconds >= to_pipe:
@@ -117,12 +130,13 @@ class Flow:
     def _held(self) -> float:
         return min(self.cut, self.pipe)
 
+    def _line(self) -> bool:
+        """Whether the window is the Reno-friendly line alone (Reno, or CUBIC where its curve stays under)."""
+        return not self.cubic or self._reno_governs()
+
     def seconds(self, packets: float) -> float:
         """The seconds ``send(packets)`` would take, sending nothing."""
-        epoch = self.epoch
-        seconds = self.send(packets)
-        self.epoch = epoch
-        return seconds
+        return self.plan(packets)[0]
 
     def lose(self) -> None:
         """A loss is known now: the window is cut (tcp_cubic.c's ssthresh, with fast convergence). For the
@@ -132,11 +146,13 @@ class Flow:
         converging = self.cubic and not math.isnan(self.w_max) and w < self.w_max
         self.w_max = w * (1 + self.beta) / 2 if converging else w
         self.cut, self.epoch = max(self.beta * w, 2.0), -self.rtt
-        self._governs = None
+        self._governs, self._k_value = None, None
 
     # -- the window as a function of the time sent since the cut --------------------------------
     def _k(self) -> float:
-        return np.cbrt(max(self.w_max - self.cut, 0.0) / CUBIC_C)
+        if self._k_value is None:
+            self._k_value = float(np.cbrt(max(self.w_max - self.cut, 0.0) / CUBIC_C))
+        return self._k_value
 
     def _reno(self, t: float) -> float:
         return self.cut + self.alpha * t / self.rtt
@@ -145,9 +161,9 @@ class Flow:
         return self.w_max + CUBIC_C * (t - self._k()) ** 3 if self.w_max > self.cut else self.cut + CUBIC_C * t ** 3
 
     def _window(self, t: float) -> float:
-        if math.isnan(self.cut):
+        if self.cut != self.cut:
             return self.pipe
-        w = max(self._reno(t), self._cubic(t)) if self.cubic else self._reno(t)
+        w = self._reno(t) if self._line() else max(self._reno(t), self._cubic(t))
         return min(w, self.pipe)
 
     def _reno_governs(self) -> bool:
@@ -164,20 +180,11 @@ class Flow:
             self._governs = all(self._cubic(t) - self._reno(t) <= slack for t in points)
         return self._governs
 
-    def _reno_send(self, packets: float) -> float:
-        """dw/dt = alpha / rtt below the pipe: ``packets = (w'^2 - w^2) / (2 alpha)``, taking
-        ``(w' - w) rtt / alpha``; at the pipe, ``tau`` a packet."""
-        w, pipe, alpha = self._reno(self.epoch), self.pipe, self.alpha
-        to_pipe = (pipe * pipe - w * w) / (2 * alpha)
-        if packets >= to_pipe:
-            return (pipe - w) * self.rtt / alpha + (packets - to_pipe) * self.tau
-        return (math.sqrt(w * w + 2 * alpha * packets) - w) * self.rtt / alpha
-
-    def _curve_send(self, packets: float) -> float:
+    def _curve_send(self, packets: float, epoch: float) -> float:
         """Where the cubic curve rises above the Reno-friendly line (long round trips): the window is the
         larger of the two, under the pipe, piece by piece between the times where one overtakes the
         other or reaches the pipe; each piece's packets are its integral of w / rtt."""
-        t0, k, rtt = self.epoch, self._k(), self.rtt
+        t0, k, rtt = epoch, self._k(), self.rtt
         origin = self.w_max if self.w_max > self.cut else self.cut
         # cubic - reno = C (t - K)^3 + origin - cut - alpha t / rtt, as a polynomial in t
         crossings = np.roots([CUBIC_C, -3 * CUBIC_C * k, 3 * CUBIC_C * k * k - self.alpha / rtt,
@@ -244,7 +251,8 @@ def carry(kind: str, state, packets: int, lost, tau: float, rtt: float,
     now, at, starter, cut_at = 0.0, 0.0, None, None
     for position, what, k in sends + [(packets, -1, -1)]:
         # the SACKs that come back before this packet goes out: where the stream is then
-        while returns and returns[0][0] <= now + flow.seconds(position - at):
+        seconds, epoch = flow.plan(position - at)
+        while returns and returns[0][0] <= now + seconds:
             back, j, i = returns.popleft()
             at += flow.advance(back - now)
             now = back
@@ -252,7 +260,8 @@ def carry(kind: str, state, packets: int, lost, tau: float, rtt: float,
             if j == 1 and i == starter and cut_at is None:   # the episode's first loss is found: cut
                 flow.lose()
                 cut_at, starter = at, None
-        now, at = now + flow.send(position - at), float(position)
+            seconds, epoch = flow.plan(position - at)
+        now, at, flow.epoch = now + seconds, float(position), epoch
         if what == -1:
             break
         if what == 0 and starter is None and (cut_at is None or position >= cut_at):
