@@ -25,9 +25,9 @@ from .topology import Topology
 from .transport import Transport
 
 DIRECTIONS = ("fwd", "bwd")
-# NCCL's socket transport: NCCL_SOCKET_NTHREADS (default 1, at most 16) x NCCL_NSOCKS_PERTHREAD (default 1)
-# sockets per connection, at most 64 in all (net_socket.cc's MAX_SOCKETS); clouds commonly set 2-4 threads
-# of 8 sockets.
+# NCCL's socket transport: NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD sockets per connection, 1 x 1 by
+# default, 2 x 8 on AWS's ENA (src/transport/net_socket.cc, ncclSocketGetNsockNthread), at most 64
+# (MAX_SOCKETS); each message is cut into one contiguous chunk per socket.
 MAX_SOCKETS = 64
 LOSSY = (*DIRECTIONS, "both")    # what ``lossy`` takes: one direction, or both
 
