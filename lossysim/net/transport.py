@@ -274,13 +274,13 @@ class _Rack:
     that connection (``Nic.rto_s_after``).
 
     Where each transmission goes out, in its connection's packets (the ACK clock: a packet's SACK comes
-    back as the packet a window after it goes out): an original at its place in the stream; a resend
-    when the SACKs that reveal its loss come back, a window after the packet that revealed it (the
-    window the lost packet went out with: ``congestion.carry``); after a timer, behind everything sent
-    before. So a resend of an early loss goes out amid the stream, one of a loss in the last window after
-    the stream's end, and a second resend of an early loss may go out before the first resend of a late
-    one. Recovery: an earlier loss found by three SACKs whose resend goes out after this one's SACK comes
-    back and whose own has not come back yet. A loss that nothing delivered so far was sent after (a
+    back a round trip after it went out, as the stream's packet then goes out; ``congestion.carry`` says
+    where the window has the stream by then, and without a window it is a window of packets on): an
+    original at its place in the stream; a resend when its loss is found, just ahead of the packet that
+    ACK releases; after a timer, behind everything sent before. So a resend of an early loss goes out amid
+    the stream, one of a loss in the last window after the stream's end, and a second resend of an early
+    loss may go out before the first resend of a late one. A recovery episode lasts from its first resend
+    until its last resend's ACK comes back. A loss that nothing delivered so far was sent after (a
     connection's last packets, the last resends) may be revealed by the next round's resends of other
     losses, so it is settled a round later: the next round's fates are drawn, and if nothing sent after
     it was delivered its round waited the timer (``late``). A step that is not the link's last in the
@@ -297,7 +297,7 @@ class _Rack:
         self.ends = np.array([self._start(c + 1) - 1 for c in range(k)]).T.reshape(n, k)
         self.tau = a.tau * k                                # a connection's packets, at its share of the link
         self.window = np.repeat((a.rtt / self.tau)[:, None], k, axis=1)   # packets a round trip, per connection
-        self.sent_with: dict = {}                           # (send, connection): where its losses' SACKs came back
+        self.found_at: dict = {}                            # (send, connection): where its losses' SACKs came back
         self.latest = self.ends.astype(np.float64)          # the latest position a delivered transmission had
         self.spent = np.zeros((n, k))                       # each connection's waits so far
         self.provisional = np.zeros((n, k))                 # what each connection's last round waited, as known then
@@ -375,8 +375,8 @@ class _Rack:
         unacknowledged). Whether some loss waited the reordering timer, and the last episode (start,
         end)."""
         dupacks, window = self.nic.dupacks, self.window[r, c]
-        if (r, c) in self.sent_with:
-            sacks, marks = self.sent_with[(r, c)]
+        if (r, c) in self.found_at:
+            sacks, marks = self.found_at[(r, c)]
         else:
             first, end = int(self._start(np.int64(c))[r]), int(self.ends[r, c])
             sacks, marks = (congestion.behind(mine - first, end - first + 1, n) + first + window for n in (1, dupacks))
@@ -491,7 +491,7 @@ class _Rack:
                                                                 float(self.tau[r]), float(a.rtt[r]), self.nic.dupacks)
                 self.windows[r, c], self.window[r, c] = state, window
                 if len(ours):
-                    self.sent_with[(r, c)] = [x + first for x in found]
+                    self.found_at[(r, c)] = [x + first for x in found]
                 delays[r] = max(delays[r], delay)
         return delays
 
