@@ -39,9 +39,10 @@ Profiles:
          tp 2 x pp 2 on the quick profile's task (1F1B, 2 micro-batches), a stage per node,
          loss only on PP traffic between the nodes at 1% and 5%: zero, rescale, hadamard
          (dropped) against retransmit (irn), each layout beside its loss-free run; and the
-         same 5% on DP gradients (tp 1 x dp 2) and on TP traffic (tp 2 across nodes). 3
-         seeds, 150 steps; accuracy, bubble, time per step and observed PP loss side by
-         side. 66 runs, about 13 minutes on 2 idle CPU cores. Spec: experiments/pipeline.yaml
+         same 5% on DP gradients (tp 1 x dp 2) and on TP traffic (tp 2 across nodes); and
+         3-D, tp 2 x pp 2 x dp 2 a rank per node, 5% on TP, PP or DP traffic alone or on all.
+         3 seeds, 150 steps; accuracy, bubble, time per step and observed PP loss side by
+         side. 81 runs, about 20 minutes on 2 idle CPU cores. Spec: experiments/pipeline.yaml
   real   a real pretrained model, offline (needs the real extra: see the README's "Real
          model, offline"): SmolLM2-135M (weights dequantised from Q4_1) on Python's
          documentation text. First a reduced damage map into <out>/damage_map/ (forward

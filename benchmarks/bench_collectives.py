@@ -143,22 +143,22 @@ def bench_time_model(device, repeats):
         opt.zero_grad(set_to_none=True)
 
     calls = []
-    original = net._deliver
+    original = net.simulate
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
-    net._deliver = counting
+    net.simulate = counting
     step()
     per_step_calls = len(calls)
-    net._deliver = original
-    shape = ("all_reduce", 32 * 32 * 128, torch.float32, device)
+    net.simulate = original
+    shape = ("all_reduce", 32 * 32 * 128, torch.float32, device, None)
     transfer = net._transfers[shape]
 
     def clock_bookkeeping():  # what the time model adds to each drop call: the shape's lookup and its sum
         for _ in range(per_step_calls):
             net._transfers.get(shape)
-            net._ideal += transfer.ideal
+            net.time.ideal += transfer.ideal
     t_clock, t_step, ratio = paired(clock_bookkeeping, step, device, repeats)
     print(f"step {t_step * 1e3:.2f} ms, clock bookkeeping for its {per_step_calls} collectives "
           f"{t_clock * 1e6:.1f} us: {100 * ratio:.3f}%  {'PASS' if ratio < 0.02 else 'FAIL'} < 2%")

@@ -22,11 +22,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lossysim.estimate import Workload, estimate, load  # noqa: E402
-from lossysim.net import NetworkSpec  # noqa: E402
+from lossysim.estimate import Workload, estimate, job_config, load  # noqa: E402
 
 CHUNK = 1 << 24   # fates drawn at a time by the baseline: 16M floats, 64 MB
-NETWORK = dict(ranks=8, transport="retransmit", nic="irn", ranks_per_node=8, nics_per_node=8,
+NETWORK = dict(tp_size=8, transport="retransmit", nic="irn", ranks_per_node=8, nics_per_node=8,
                link_inter="roce-400g", lossy_links="inter_node", payload_bytes=4096)
 
 
@@ -43,9 +42,9 @@ def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def timed(shape, loss: str, workload: Workload, steps: int) -> tuple[float, dict]:
+def timed(shape, loss: str, layout: dict, workload: Workload, steps: int) -> tuple[float, dict]:
     start = time.perf_counter()
-    row = estimate(shape, NetworkSpec(loss=loss, **NETWORK), workload, steps=steps)
+    row = estimate(shape, job_config(shape.name, loss=loss, **layout, **NETWORK), workload, steps=steps)
     return (time.perf_counter() - start) / steps, row
 
 
@@ -59,9 +58,8 @@ def main() -> int:
           f"{peak_mb():.0f} MB")
 
     shape = load("llama-3.1-70b")
-    workload = Workload(seq=4096, micro_batch=1, dtype="bf16", pp_size=4, dp_size=8, microbatches=16,
-                        gpus_per_node=8)
-    seconds, row = timed(shape, "bernoulli:0.01", workload, args.steps)
+    layout, workload = dict(pp_size=4, dp_size=8, microbatches=16), Workload(seq=4096)
+    seconds, row = timed(shape, "bernoulli:0.01", layout, workload, args.steps)
     # TP stays on NVLink: its packets are counted from one group, never drawn; pp's and dp's are drawn for
     # the sampled groups (packets_drawn), and the job's counts scaled from them.
     fates = row["packets_drawn"]
@@ -77,15 +75,14 @@ def main() -> int:
           f"{peak:.0f} MB (<= 2048 MB: {'met' if peak <= 2048 else 'NOT met'})")
 
     if not args.skip_bursty:
-        bursty, row = timed(shape, "ge:rate=0.01,burst=4", workload, args.steps)
+        bursty, row = timed(shape, "ge:rate=0.01,burst=4", layout, workload, args.steps)
         print(f"TARGET bursty (Gilbert-Elliott, 1%, bursts of 4): {bursty:.1f} s/step = {bursty / seconds:.2f}x "
               f"Bernoulli (<= 3x: {'met' if bursty <= 3 * seconds else 'NOT met'}); slowdown {row['slowdown']:.4f}")
 
     if args.big:
         big = load("llama-3.1-405b")
-        workload = Workload(seq=8192, micro_batch=1, dtype="bf16", pp_size=16, dp_size=128, global_batch=2048,
-                            pp_layout=",".join(["7"] + ["8"] * 14 + ["7"]), gpus_per_node=8)
-        seconds, row = timed(big, "bernoulli:0.01", workload, 1)
+        layout = dict(pp_size=16, dp_size=128, global_batch=2048, pp_layout=",".join(["7"] + ["8"] * 14 + ["7"]))
+        seconds, row = timed(big, "bernoulli:0.01", layout, Workload(seq=8192), 1)
         print(f"GOAL 405B {row['layout']}: {seconds:.0f} s for one step (< 300 s: "
               f"{'met' if seconds < 300 else 'NOT met'}); {row['packets_drawn']:.3g} fates drawn, slowdown "
               f"{row['slowdown']:.4f}")

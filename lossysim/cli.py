@@ -2,7 +2,8 @@
 
 A subcommand's module provides ``add_arguments(parser)`` and ``run(args) -> int``.
 Bad input (a command-line mistake, ValueError, FileNotFoundError, OSError) ends with a one-line error and exit 2; any
-other exception with a one-line error naming its type and exit 1 (``-v`` prints the traceback).
+other exception with a one-line error naming its type and exit 1 (``-v`` prints the traceback); Ctrl-C with one
+line and exit 130.
 Training failures never get here: the runner records them in the run's summary.json.
 """
 from __future__ import annotations
@@ -52,6 +53,9 @@ def main(argv=None) -> int:
         print(f"lossysim {args.command}: error: {_one_line(err)}", file=sys.stderr)
         _tell_launcher(_one_line(err))
         return 2
+    except KeyboardInterrupt:   # Ctrl-C: what each command keeps is its own (a run's checkpoints, an estimate's rows)
+        print(f"lossysim {args.command}: interrupted", file=sys.stderr)
+        return 130
     except Exception as err:  # a bug or an input nobody foresaw: still no traceback unless asked
         logging.getLogger("lossysim").debug("unexpected error", exc_info=True)
         print(f"lossysim {args.command}: error: {type(err).__name__}: {_one_line(err)}"

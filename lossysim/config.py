@@ -13,10 +13,11 @@ from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from .util import one_of, stream_seed
-from .mesh import Mesh
-from .net.recovery import SEND_POLICIES, SHARD_POLICIES
+from .mesh import DEFAULT_ORDER, Mesh, parse_order
+from .net.recovery import require
 from .net.spec import SETTINGS, NetworkSpec
 from .timing import DEFAULT_NIC, parse_compute
+from .traffic import BY_NAME, parse_kinds as traffic_kinds
 
 
 # Keys that say where or how a run is executed, not what it trains: they stay out of a run's
@@ -32,9 +33,7 @@ DP_MODES = ("ddp", "fsdp")
 # out of a run's identity (the sweep's hash), so sweeps written before them still find their runs.
 IDENTITY_AT_DEFAULT_OMITTED = ("dp_size", "dp_bucket_mb", "dp_overlap", "dp_sync_every", "lossy_traffic",
                               "dp_mode", "lossy_layers", "lossy_sites", "outlier_fraction", "microbatches",
-                              "pp_size", "pp_schedule", "pp_layout")
-# How a run's global ranks are ordered, innermost first (Megatron's and torchtitan's order; see mesh.py).
-RANK_ORDER = "tp, pp, dp (tp innermost)"
+                              "pp_size", "pp_schedule", "pp_layout", "parallel_order")
 
 
 def parse_report_to(value) -> tuple[str, ...]:
@@ -104,13 +103,14 @@ class ExperimentConfig:
     sync_replicated: bool = True       # dist: average replicated grads over a reliable channel
     dp_size: int = 1                   # data-parallel replicas of the TP group: world = tp_size x pp_size x dp_size
     pp_size: int = 1                   # pipeline stages: the blocks cut into this many consecutive stages
+    parallel_order: str = DEFAULT_ORDER  # how global ranks are laid out, innermost first (Megatron's order)
     pp_schedule: str = "1f1b"          # gpipe | 1f1b: how a step's micro-batches are timed through the stages
     pp_layout: Optional[str] = None    # blocks per stage, e.g. "1,3" (None: an even split)
     dp_bucket_mb: float = 25.0         # DDP gradient bucket cap, MiB (PyTorch DDP's bucket_cap_mb)
     dp_overlap: bool = True            # bucket all-reduces overlap the backward pass, as DDP's do
     dp_sync_every: int = 0             # reliable broadcast of replica 0's parameters every K steps (0: never)
     dp_mode: str = "ddp"               # ddp | fsdp (ZeRO-3: parameters sharded, gathered before the forward)
-    lossy_traffic: str = "all"         # which traffic can lose packets: all, or tp_forward,tp_backward,dp
+    lossy_traffic: str = "all"         # which traffic can lose packets: all, or some of lossysim.traffic.KINDS
     timeout_s: float = 600.0
     # training
     steps: int = 300
@@ -140,8 +140,8 @@ class ExperimentConfig:
             raise ValueError("dataset=pydoc is unlabelled documentation text: use task=lm")
         _choice("backend", self.backend, BACKENDS)
         _choice("amp", self.amp, ("none", "bf16", "fp16"))
-        for name in ("steps", "batch_size", "eval_batch_size", "max_length", "eval_every", "log_every", "tp_size",
-                     "dp_size", "pp_size"):
+        for name in ("tp_size", "dp_size", "pp_size", "steps", "batch_size", "eval_batch_size", "max_length",
+                     "eval_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.microbatches is not None and self.microbatches < 1:
@@ -163,6 +163,9 @@ class ExperimentConfig:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
         self._validate_pipeline()
         self._validate_data_parallel()
+        self._validate_pairs()
+        self.parallel_order = "-".join(parse_order(self.parallel_order))   # one spelling: one run identity
+        self.mesh()                       # the layout's one check, for train, sweep and estimate alike
         self._check_something_can_lose()
         try:
             parse_compute(self.compute)
@@ -183,25 +186,27 @@ class ExperimentConfig:
                              f"microbatches={self.n_microbatches}{' (pp_size)' if self.microbatches is None else ''}: "
                              "each replica trains on an equal shard of "
                              "the global batch, in equal micro-batches")
-        if self.dp_size == 1:
-            if self.dp_sync_every:
-                raise ValueError(f"dp_sync_every={self.dp_sync_every} needs dp_size > 1: one replica has no "
-                                 "others to synchronise; set dp_sync_every=0")
-            return
-        if self.dp_mode == "fsdp" and self.recovery not in SHARD_POLICIES:
-            raise ValueError(f"dp_mode=fsdp needs recovery={' or '.join(SHARD_POLICIES)}, not {self.recovery} "
-                             "(the other policies need the whole reduced message at every rank)")
-        if self.dp_mode == "fsdp" and self.dp_sync_every:
-            raise ValueError("dp_sync_every with dp_mode=fsdp: FSDP's replicas share one exact master copy and never drift")
-        self._validate_ranks_per_node()
+        if self.dp_size == 1 and self.dp_sync_every:
+            raise ValueError(f"dp_sync_every={self.dp_sync_every} needs dp_size > 1: one replica has no "
+                             "others to synchronise; set dp_sync_every=0")
 
-    def _validate_ranks_per_node(self) -> None:
-        if self.ranks_per_node is None or self.dp_size * self.pp_size == 1:
-            return
-        world, per = self.tp_size * self.pp_size * self.dp_size, self.ranks_per_node
-        if per < 1 or world % per or (self.tp_size % per and per % self.tp_size):
-            raise ValueError(f"ranks_per_node={per} must divide tp_size={self.tp_size} or be a multiple of it, "
-                             f"and divide the world tp_size x pp_size x dp_size = {world}")
+    def _validate_pairs(self) -> None:
+        """Settings each fine alone that do not go together: checked here only, for every command."""
+        fsdp, pp = self.dp_mode == "fsdp" and self.dp_size > 1, self.pp_size > 1
+        for on, setting, collective in ((fsdp, "dp_mode=fsdp", "reduce_scatter"),
+                                        (pp, f"pp_size={self.pp_size}", "send")):
+            try:
+                require(self.recovery, collective) if on else None
+            except ValueError as err:
+                raise ValueError(f"{setting}: {err}") from None
+        if fsdp and self.dp_sync_every:
+            raise ValueError("dp_sync_every with dp_mode=fsdp: FSDP's replicas share one exact master copy and never drift")
+        if fsdp and pp:
+            raise ValueError(f"dp_mode=fsdp with pp_size={self.pp_size}: FSDP's gathers around a pipeline schedule "
+                             "are not modelled; use dp_mode=ddp or pp_size=1")
+        if pp and self.dp_sync_every:
+            raise ValueError(f"dp_sync_every with pp_size={self.pp_size}: synchronising pipelined replicas is not "
+                             "modelled; set dp_sync_every=0")
 
     def _validate_pipeline(self) -> None:
         """pp keys alone; pp_layout against the model's depth is checked where the depth is known
@@ -213,22 +218,17 @@ class ExperimentConfig:
         _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         if self.pp_layout is not None:
             parse_layout(self.pp_layout, self.pp_size)
-        if self.pp_size == 1:
-            return
-        if self.dp_size > 1:
-            raise ValueError(f"pp_size={self.pp_size} with dp_size={self.dp_size}: pp_size with dp_size > 1 is "
-                             "not supported yet")
-        if self.recovery not in SEND_POLICIES:
-            raise ValueError(f"pp_size={self.pp_size} needs recovery={', '.join(SEND_POLICIES)}, not {self.recovery} "
-                             "(the boundaries' point-to-point sends)")
-        if self.activation_checkpointing:
-            raise ValueError(f"pp_size={self.pp_size} with activation_checkpointing: not supported yet "
-                             "(a recomputed stage would resend its boundary's activations)")
 
     @property
     def n_microbatches(self) -> int:
         """Micro-batches per step (``microbatches``, or ``pp_size`` when unset; torch's ``n_microbatches``)."""
         return self.pp_size if self.microbatches is None else self.microbatches
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Rows of one micro-batch on one replica (Megatron's ``--micro-batch-size``): batch_size / (dp_size x
+        microbatches)."""
+        return self.batch_size // (self.dp_size * self.n_microbatches)
 
     def _check_something_can_lose(self) -> None:
         """A loss model that no traffic can meet is a mistake (the run would lose 0 packets, and say
@@ -248,8 +248,9 @@ class ExperimentConfig:
                              "use loss=none for a loss-free run, or make some traffic cross a lossy link")
 
     def mesh(self) -> Mesh:
-        """Where this run's ranks sit (``lossysim.mesh``): tp_size x pp_size x dp_size, ranks_per_node to a node."""
-        return Mesh(self.tp_size, self.dp_size, self.ranks_per_node, pp=self.pp_size)
+        """Where this run's ranks sit (``lossysim.mesh``): tp_size x pp_size x dp_size in ``parallel_order``,
+        ranks_per_node to a node (a bad layout: a one-line ValueError)."""
+        return Mesh(self.tp_size, self.dp_size, self.ranks_per_node, pp=self.pp_size, order=self.parallel_order)
 
     def network_spec(self, evaluation: bool = False) -> NetworkSpec:
         """The training network of replica 0's TP group, placed by the mesh; ``evaluation``: the
@@ -259,28 +260,35 @@ class ExperimentConfig:
     def network_settings(self, evaluation: bool = False) -> dict:
         """This run's network keys (``NetworkSpec``'s), before the mesh places them on a group's ranks."""
         settings = {name: getattr(self, name) for name in SETTINGS if hasattr(self, name)}
-        kinds = traffic_kinds(self.lossy_traffic)
-        wanted = {"fwd": "tp_forward", "bwd": "tp_backward"}
-        if not set(wanted.values()) <= set(kinds):  # only then: every spec (and its saved config) stays as it was
+        tp = self.lossy_directions("tp")
+        if tp != ("fwd", "bwd"):  # only then: every spec (and its saved config) stays as it was
             directions = (self.lossy,) if self.lossy != "both" else ("fwd", "bwd")
-            settings["lossy"] = tuple(d for d in directions if wanted[d] in kinds)
+            settings["lossy"] = tuple(d for d in directions if d in tp)
         if evaluation:
             settings.update(seed=stream_seed(self.seed, "eval", "network"),
                             loss=self.loss if self.eval_lossy else "none")
         return settings
 
+    def lossy_directions(self, traffic: str) -> tuple[str, ...]:
+        """The directions of a traffic class (``lossysim.traffic``: tp, pp, dp, fsdp) that ``lossy_traffic``
+        lets lose packets (TP's are further limited by ``lossy``)."""
+        return BY_NAME[traffic].lossy(traffic_kinds(self.lossy_traffic))
+
+    @property
+    def dp_class(self) -> str:
+        """The class data-parallel traffic is: DDP's gradient buckets (``dp``) or FSDP's gathers and
+        reduce-scatters (``fsdp``)."""
+        return "fsdp" if self.dp_mode == "fsdp" else "dp"
+
     def dp_lossy(self) -> tuple[str, ...]:
         """The directions of the data-parallel traffic that may lose packets (none unless
         ``lossy_traffic`` names dp): DDP's gradient buckets (``bwd``); FSDP's weight gathers (``fwd``) too."""
-        if "dp" not in traffic_kinds(self.lossy_traffic):
-            return ()
-        return ("fwd", "bwd") if self.dp_mode == "fsdp" else ("bwd",)
+        return self.lossy_directions(self.dp_class)
 
     def pp_lossy(self) -> tuple[str, ...]:
         """The directions of the pipeline's boundary traffic that may lose packets: activations (``fwd``)
         when ``lossy_traffic`` names pp_forward, their gradients (``bwd``) when it names pp_backward."""
-        kinds = traffic_kinds(self.lossy_traffic)
-        return tuple(d for d, kind in (("fwd", "pp_forward"), ("bwd", "pp_backward")) if kind in kinds)
+        return self.lossy_directions("pp")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -300,7 +308,6 @@ def upgrade(values: dict) -> dict:
     return {**{k: v for k, v in ExperimentConfig().to_dict().items() if k not in values}, **values}
 
 
-TRAFFIC_KINDS = ("tp_forward", "tp_backward", "dp", "pp_forward", "pp_backward")
 # torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B; 1f1b is Megatron's
 # forward_backward_pipelining_without_interleaving (PipeDream-Flush). Timed by lossysim.pp.schedule.
 PP_SCHEDULES = ("gpipe", "1f1b")
@@ -316,19 +323,6 @@ def parse_layout(value: str, stages: int) -> tuple[int, ...]:
         raise ValueError(f"pp_layout={value!r} must be pp_size={stages} block counts >= 1 separated by commas "
                          "(e.g. 1,3)")
     return counts
-
-
-def traffic_kinds(value) -> tuple[str, ...]:
-    """``lossy_traffic``: ``all`` or kinds separated by commas -> the kinds, in TRAFFIC_KINDS order."""
-    items = value if isinstance(value, (list, tuple)) else str(value).replace(" ", ",").split(",")
-    names = {str(item).strip().lower() for item in items if str(item).strip()}
-    if names == {"all"}:
-        return TRAFFIC_KINDS
-    unknown = sorted(names - set(TRAFFIC_KINDS))
-    if unknown or not names:
-        raise ValueError(f"lossy_traffic={value!r} must be all, or some of {', '.join(TRAFFIC_KINDS)} "
-                         "separated by commas")
-    return tuple(k for k in TRAFFIC_KINDS if k in names)
 
 
 def _choice(name: str, value: str, allowed: tuple) -> None:

@@ -219,7 +219,7 @@ def test_gpu_dense_path_gives_the_cpu_bits(algorithm, recovery):
     net = LossyNetwork(tp, "bernoulli:0.2", seed=3, payload_bytes=16, algorithm=algorithm, recovery=recovery)
     x = torch.randn(tp, 4 * 50 + 3)
     x[2, 7] = float("inf")  # a lost inf must contribute nothing on both paths
-    delivery = net._deliver("s", "fwd", "all_reduce", x[0])
+    delivery = net.simulate("s", "fwd", x[0].numel(), x.dtype, "all_reduce", x.device)
     assert (delivery.coef == 0).any() and (delivery.gain == 0).any()
     sparse = deliver.all_reduce(x, delivery, range(tp), 4, recovery == "rescale", lambda seen: None, dense=False)
     dense = deliver.all_reduce(x, delivery, range(tp), 4, recovery == "rescale", lambda seen: None, dense=True)

@@ -7,10 +7,9 @@ import torch
 
 from lossysim.cli import main
 from lossysim.config import ExperimentConfig
-from lossysim.estimate import Workload, estimate, load
+from lossysim.estimate import Workload, estimate, job_config, load
 from lossysim.estimate.grid import grid, run_grid, write
 from lossysim.estimate.shapes import PUBLISHED
-from lossysim.net import NetworkSpec
 from lossysim.net.transfer import packets
 from lossysim.run.experiment import run_experiment
 from lossysim.timing import direct_all_reduce_time, nccl
@@ -27,9 +26,10 @@ pytestmark = pytest.mark.usefixtures("private_cache")
 @pytest.mark.parametrize("algorithm, tp, nodes, checkpointing", [
     ("ring", 4, 2, False), ("tree", 4, 2, True), ("ring", 2, 1, True), ("direct", 4, 1, False)])
 def test_zero_loss_step_is_the_closed_forms_summed_over_its_collectives(algorithm, tp, nodes, checkpointing):
-    spec = NetworkSpec(tp, "none", algorithm=algorithm, ranks_per_node=tp // nodes, link_inter="roce-400g")
-    workload = Workload(seq=24, micro_batch=3, dtype="bf16", activation_checkpointing=checkpointing)
-    row = estimate("tiny-llama", spec, workload, steps=2)
+    config = job_config("tiny-llama", micro_batch=3, tp_size=tp, algorithm=algorithm, ranks_per_node=tp // nodes,
+                        link_inter="roce-400g", activation_checkpointing=checkpointing)
+    spec = config.network_spec()
+    row = estimate("tiny-llama", config, Workload(seq=24), steps=2)
     per_packet, n = packets(spec.payload_bytes, 24 * 3 * 128, torch.bfloat16)
     M = 24 * 3 * 128 * 2
     if algorithm == "direct":
@@ -62,8 +62,7 @@ def test_an_estimate_counts_and_times_what_a_training_run_does(tmp_path, model, 
                               log_every=3, seed=5, out=str(tmp_path / "run"), **{"dropout": 0.0, **changes}).validate()
     summary = run_experiment(config, config.out, progress=False)
     assert summary["status"] == "completed", summary.get("error")
-    workload = Workload(seq=16, micro_batch=8, dtype="fp32", activation_checkpointing=config.activation_checkpointing)
-    row = estimate(model, config.network_spec(), workload, steps=3)
+    row = estimate(model, config, Workload(seq=16), steps=3)     # the run's own config: 8 rows of fp32
     trained = summary["packets"]["train"]
     for name in ("sent", "lost", "resent"):
         assert row[f"packets_{name}"] * 3 == sum(entry[name] for entry in trained), name
@@ -109,12 +108,12 @@ def test_bad_input_is_a_one_line_error(tmp_path, capsys):
 
 
 def test_the_grid_runs_every_setting_and_writes_its_files(tmp_path, capsys):
-    specs = grid({"loss": ["bernoulli:0.01", "bernoulli:0.05"], "transport": ["drop,retransmit,deadline"],
-                  "nic": ["irn", "roce-gbn"]}, ranks=2)
+    specs = grid(job_config("tiny", micro_batch=2), {"loss": ["bernoulli:0.01", "bernoulli:0.05"],
+                                                     "transport": ["drop,retransmit,deadline"], "nic": ["irn", "roce-gbn"]})
     # drop repairs nothing (one nic is enough); deadline with go-back-N is refused and skipped
     assert len(specs) == 2 * (1 + 2 + 1)
     assert "skipped" in capsys.readouterr().err
-    rows = run_grid("tiny", specs, Workload(seq=8, micro_batch=2), steps=2, progress=False)
+    rows = run_grid("tiny", specs, Workload(seq=8), steps=2, progress=False)
     paths = write(rows, tmp_path)
     assert [p.name for p in paths] == ["estimate.csv", "estimate.json", "slowdown.png", "time_by_class.png"]
     assert json.loads((tmp_path / "estimate.json").read_text()) == rows
@@ -132,7 +131,7 @@ def test_the_grid_runs_every_setting_and_writes_its_files(tmp_path, capsys):
 def test_every_recovery_policy_sees_the_same_losses_and_only_its_compute_costs_time(capsys):
     """A policy copes after the packets' fates are drawn: the same seed loses the same packets and elements
     under each, and a policy that computes (Hadamard) adds its compute to the step, nothing else does."""
-    rows = {r: estimate("tiny", dict(ranks=2, loss="bernoulli:0.05", recovery=r), Workload(seq=8, micro_batch=2),
+    rows = {r: estimate("tiny", job_config("tiny", micro_batch=2, loss="bernoulli:0.05", recovery=r), Workload(seq=8),
                         steps=2)
             for r in ("zero", "rescale", "hadamard", "stale", "error_feedback")}
     for row in rows.values():
@@ -157,3 +156,64 @@ def test_the_estimate_runs_what_nccls_tuner_picks_unless_told(tmp_path):
     assert (auto["algorithm"], ring["algorithm"]) == ("auto", "ring")
     assert auto["sockets"] == 1 and auto["congestion"] is None
     assert ExperimentConfig().algorithm == "ring"
+
+
+def test_the_gpu_reaches_the_network_settings_as_in_training(capsys):
+    """``--compute`` sets NCCL's tables and whether NVLS runs, as a training run's ``compute`` does: NVLS on
+    an A100 is refused with training's own message, auto never picks it there, and the A100's loss-free
+    collectives are NCCL's Ampere times, not the Hopper ones."""
+    with pytest.raises(ValueError) as refused:
+        ExperimentConfig(tp_size=2, compute="a100", algorithm="nvls").validate()
+    for algorithms in ("nvls", "ring,nvls"):
+        assert _error(capsys, "tiny", "--tp-size", "2", "--seq", "8", "--compute", "a100", "--algorithm",
+                      algorithms).endswith(str(refused.value))
+    shape = load("llama-3.2-1b")
+    picks = {gpu: estimate(shape, job_config(shape.name, tp_size=8, algorithm="auto", ranks_per_node=8, compute=gpu),
+                           Workload(seq=4096), steps=1)["collectives"] for gpu in ("h100", "a100")}
+    assert "nvls" in picks["h100"] and "nvls" not in picks["a100"], picks
+    # one node of 4: a 1 MiB all-reduce runs LL, whose ceiling NCCL sets per GPU generation
+    config = job_config("tiny-llama", micro_batch=2, tp_size=4, algorithm="ring", ranks_per_node=4, compute="a100")
+    spec = config.network_spec()
+    row = estimate("tiny-llama", config, Workload(seq=2048), steps=1)
+    per_packet, _ = packets(spec.payload_bytes, 2048 * 2 * 128, torch.bfloat16)
+    one = {arch: nccl.collective_time("all_reduce", "ring", 4, 1, 2048 * 2 * 128 * 2, per_packet * 2,
+                                      spec.link_intra, spec.link_inter, spec.bus_bandwidth(), arch)
+           for arch in ("ampere", "hopper")}
+    assert one["ampere"] > 1.2 * one["hopper"]
+    assert row["compute"].startswith("a100") and row["loss_free_comm_s"] == pytest.approx(2 * 4 * one["ampere"],
+                                                                                          rel=1e-12)
+
+
+def test_a_name_no_setting_accepts_is_a_one_line_error(capsys):
+    """An unknown name in a list is refused as training refuses it, not skipped; a combination that only
+    some values refuse (deadline with a go-back-N nic) is still skipped with a note."""
+    base = ("tiny", "--tp-size", "2", "--seq", "8")
+    assert "nic='foo' must be one of" in _error(capsys, *base, "--transport", "retransmit", "--nic", "tcp,foo")
+    assert "nic='foo'" in _error(capsys, *base, "--nic", "tcp,foo")   # drop: one nic runs, every one is checked
+    assert "algorithm='bar' must be one of" in _error(capsys, *base, "--algorithm", "ring,bar")
+    assert "recovery='baz'" in _error(capsys, *base, "--recovery", "baz,zero")
+    specs = grid(job_config("tiny"), {"transport": ["drop,deadline"], "nic": ["roce-gbn,irn"]})
+    assert {(s.transport, s.nic) for s in specs} == {("drop", "roce-gbn"), ("deadline", "irn")}
+    assert "skipped transport=deadline, nic=roce-gbn" in capsys.readouterr().err
+
+
+def test_a_config_size_that_is_not_a_whole_number_names_its_field(tmp_path, capsys):
+    sizes = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 128, "vocab_size": 100}
+    for field, value in (("num_attention_heads", 0), ("num_hidden_layers", -2), ("head_dim", 0),
+                         ("hidden_size", 64.5), ("num_key_value_heads", True)):
+        (tmp_path / "config.json").write_text(json.dumps({**sizes, field: value}))
+        err = _error(capsys, str(tmp_path), "--tp-size", "2", "--seq", "8")
+        assert f"{field}={value!r} must be a whole number >= 1" in err, err
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 0}))
+    assert "n_head=0 must be" in _error(capsys, str(tmp_path), "--tp-size", "2", "--seq", "8")
+
+
+def test_a_group_larger_than_an_estimate_holds_is_refused_before_any_work(tmp_path, capsys):
+    """A group is simulated send by send (2R(R-1) sends an all-reduce): 100,000 replicas would grow until
+    killed; the estimate says so at once, naming the limit, and writes nothing."""
+    err = _error(capsys, "tiny", "--tp-size", "2", "--seq", "8", "--dp-size", "100000", "--out", str(tmp_path / "o"))
+    assert "dp_size=100000" in err and "2e+10 sends" in err and "use dp_size <= 1024" in err, err
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(ValueError, match="dp_size=1025"):
+        estimate("tiny", job_config("tiny", dp_size=1025), Workload(seq=8), steps=1)

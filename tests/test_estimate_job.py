@@ -7,7 +7,7 @@ import torch
 
 from lossysim.cli import main
 from lossysim.data import train_batches
-from lossysim.estimate import Shape, Workload, estimate
+from lossysim.estimate import Shape, Workload, estimate, job_config
 from lossysim.models import cost
 from lossysim.net import LossyNetwork, NetworkSpec
 from lossysim.net.transfer import packets
@@ -52,8 +52,7 @@ def _totals(networks) -> dict:
 def test_a_tp_pp_estimate_counts_and_times_what_training_does(tmp_path, loss):
     config, parts, state, shape = _trained(tmp_path, pp_size=2, microbatches=4, loss=loss, transport="retransmit",
                                            nic="irn", ranks_per_node=2)
-    workload = Workload(seq=16, micro_batch=2, dtype="fp32", pp_size=2, microbatches=4)
-    row = estimate(shape, config.network_spec(), workload, steps=STEPS)
+    row = estimate(shape, config, Workload(seq=16), steps=STEPS)    # the run's own config
     pipeline = parts.pipeline
     for cls, networks in (("tp", pipeline.networks), ("pp", pipeline.boundary_networks())):
         trained = _totals(networks)
@@ -71,9 +70,7 @@ def test_a_tp_pp_estimate_counts_and_times_what_training_does(tmp_path, loss):
                                      dict(loss="none", dp_mode="fsdp")])
 def test_a_tp_dp_estimate_counts_and_times_what_training_does(tmp_path, changes):
     config, parts, state, shape = _trained(tmp_path, dp_size=2, ranks_per_node=2, **changes)
-    workload = Workload(seq=16, micro_batch=4, dtype="fp32", dp_size=2, dp_mode=config.dp_mode,
-                        dp_bucket_mb=config.dp_bucket_mb, dp_overlap=config.dp_overlap)
-    row = estimate(shape, config.network_spec(), workload, steps=STEPS)
+    row = estimate(shape, config, Workload(seq=16), steps=STEPS)
     tp_networks = [parts.train_net] + [r.model.group.network for r in parts.dp.replicas[1:]]
     for cls, networks in (("tp", tp_networks), (row["dp_mode"].replace("ddp", "dp"), parts.dp.networks)):
         trained = _totals(networks)
@@ -82,6 +79,30 @@ def test_a_tp_dp_estimate_counts_and_times_what_training_does(tmp_path, changes)
     total = state.compute_s + parts.train_net.clock()["comm_s"] + state.dp_s
     assert row["step_mean_s"] == pytest.approx(total / STEPS, rel=1e-12)
     assert row["gpus"] == 4 and row["layout"] == "tp2 x pp1 x dp2 = 4 GPUs on 2 nodes"
+
+
+@pytest.mark.parametrize("changes", [dict(loss="none"), dict(loss="bernoulli:0.05", transport="retransmit", nic="irn"),
+                                     dict(loss="bernoulli:0.05", recovery="zero", dp_overlap=False),
+                                     dict(loss="bernoulli:0.05", transport="retransmit", activation_checkpointing=True)])
+def test_a_tp_pp_dp_estimate_counts_and_times_what_training_does(tmp_path, changes):
+    """The 3-D job (tp 2 x pp 2 x dp 2, a TP group to a node): every replica's stages and boundaries, every
+    stage's DDP groups, counted and timed by the estimate as the training run of the same config did (with
+    activation checkpointing: each recomputed block's all-reduces charged again, a boundary's activations
+    not sent again)."""
+    config, parts, state, shape = _trained(tmp_path, pp_size=2, dp_size=2, microbatches=2, ranks_per_node=2,
+                                           dp_bucket_mb=0.05, **changes)
+    row = estimate(shape, config, Workload(seq=16), steps=STEPS)
+    replicas = parts.dp.replicas
+    for cls, networks in (("tp", [n for r in replicas for n in r.pipeline.networks]),
+                          ("pp", [n for r in replicas for n in r.pipeline.boundary_networks()]),
+                          ("dp", parts.dp.networks)):
+        trained = _totals(networks)
+        for name in ("sent", "lost", "resent"):
+            assert row[f"{cls}_packets_{name}"] * STEPS == trained[name], (cls, name)
+    assert row["step_mean_s"] == pytest.approx((state.pipeline_s + state.dp_s) / STEPS, rel=1e-12)
+    assert row["layout"] == "tp2 x pp2 x dp2 = 8 GPUs on 4 nodes"
+    if changes["loss"] != "none":
+        assert row["dp_packets_lost"] > 0 and row["pp_packets_lost"] > 0
 
 
 def _micro_seconds(shape, tokens: int, tp: int, seq: int) -> float:
@@ -105,9 +126,10 @@ def test_zero_loss_pipeline_is_its_schedule_over_closed_forms_and_its_packets_ar
     from lossysim.timing import nccl
     from transformers import AutoModelForCausalLM
     shape, tp, m, seq, rows = load("tiny-llama"), 2, 3, 8, 2
-    spec = NetworkSpec(tp, "none", ranks_per_node=tp, link_inter="roce-400g")
-    workload = Workload(seq=seq, micro_batch=rows, pp_size=2, microbatches=m, gpus_per_node=tp)
-    row = estimate(shape, spec, workload, steps=2)
+    config = job_config("tiny-llama", micro_batch=rows, tp_size=tp, pp_size=2, microbatches=m, ranks_per_node=tp,
+                        link_inter="roce-400g")
+    spec = config.network_spec()
+    row = estimate(shape, config, Workload(seq=seq), steps=2)
     numel, dtype = seq * rows * shape.hidden, torch.bfloat16
     per_packet, n = packets(spec.payload_bytes, numel, dtype)
     # every TP rank's copy, both ways, every micro-batch, one boundary
@@ -138,10 +160,10 @@ def test_zero_loss_ddp_is_compute_tp_and_its_bucket_in_closed_form(overlap):
     from lossysim.tp.parallelize import parallelize
     from transformers import AutoModelForCausalLM
     shape, tp, dp, seq, rows = load("tiny-llama"), 2, 2, 8, 2
-    spec = NetworkSpec(tp, "none", ranks_per_node=tp, link_inter="roce-400g")
-    workload = Workload(seq=seq, micro_batch=rows, dp_size=dp, gpus_per_node=tp, dp_bucket_mb=1000,
-                        dp_overlap=overlap)
-    row = estimate(shape, spec, workload, steps=1)
+    config = job_config("tiny-llama", micro_batch=rows, tp_size=tp, dp_size=dp, ranks_per_node=tp, dp_bucket_mb=1000,
+                        dp_overlap=overlap, link_inter="roce-400g")
+    spec = config.network_spec()
+    row = estimate(shape, config, Workload(seq=seq), steps=1)
     with torch.device("meta"):
         model = parallelize(AutoModelForCausalLM.from_config(shape.config), tp, LossyNetwork(tp))
     sharded = {id(p) for p in model.sharded_parameters()}
@@ -178,8 +200,8 @@ def test_bad_layouts_are_one_line_errors(capsys):
 
 
 def test_a_global_batch_sets_the_microbatches_and_the_summary_names_the_layout(capsys):
-    row = estimate("tiny-llama", NetworkSpec(2, "none", ranks_per_node=2),
-                   Workload(seq=8, micro_batch=2, pp_size=2, dp_size=2, global_batch=12, gpus_per_node=4), steps=1)
+    config = job_config("tiny-llama", micro_batch=2, global_batch=12, tp_size=2, pp_size=2, dp_size=2, ranks_per_node=4)
+    row = estimate("tiny-llama", config, Workload(seq=8), steps=1)
     assert row["microbatches"] == 3 and row["global_batch"] == 12
     assert row["layout"] == "tp2 x pp2 x dp2 = 8 GPUs on 2 nodes"
 
@@ -188,13 +210,12 @@ def test_each_stage_buckets_its_own_local_gradients():
     """A stage's DDP buckets hold exactly its parameters' local shards: its blocks, the embeddings on the
     first stage, the final norm and the head on the last."""
     from lossysim.estimate import load
-    from lossysim.estimate.simulate import _Job, _mesh
+    from lossysim.estimate.simulate import _Job
     from lossysim.tp.parallelize import parallelize
     from transformers import AutoModelForCausalLM
     shape, tp = load("tiny-llama"), 2
-    spec = NetworkSpec(tp, "none", ranks_per_node=tp)
-    job = _Job(shape, spec, Workload(seq=8, pp_size=2, dp_size=2, dp_bucket_mb=0.05, gpus_per_node=tp),
-               _mesh(tp, 2, 2, tp), (1, 1))
+    config = job_config("tiny-llama", tp_size=tp, pp_size=2, dp_size=2, dp_bucket_mb=0.05, ranks_per_node=tp)
+    job = _Job(shape, config, Workload(seq=8), (1, 1), 8)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(shape.config)
     tp_model = parallelize(model, tp, LossyNetwork(tp))
@@ -208,11 +229,11 @@ def test_each_stage_buckets_its_own_local_gradients():
 
 
 def _step_means(shape, sampled: int, seeds, tp: int, pp: int, overlap: bool) -> list[float]:
-    workload = Workload(seq=64, micro_batch=4, pp_size=pp, dp_size=4, microbatches=8, gpus_per_node=tp,
-                        dp_bucket_mb=0.01, dp_overlap=overlap, sampled_groups=sampled)
-    return [estimate(shape, NetworkSpec(tp, "bernoulli:0.02", transport="retransmit", nic="irn", ranks_per_node=tp,
-                                        link_inter="roce-400g", lossy_links="inter_node", seed=seed),
-                     workload, steps=2)["step_mean_s"] for seed in seeds]
+    return [estimate(shape, job_config(shape.name, micro_batch=4, tp_size=tp, pp_size=pp, dp_size=4, microbatches=8,
+                                       ranks_per_node=tp, dp_bucket_mb=0.01, dp_overlap=overlap, loss="bernoulli:0.02",
+                                       transport="retransmit", nic="irn", link_inter="roce-400g",
+                                       lossy_links="inter_node", seed=seed),
+                     Workload(seq=64, sampled_groups=sampled), steps=2)["step_mean_s"] for seed in seeds]
 
 
 @pytest.mark.parametrize("tp, pp, overlap", [(2, 2, True), (4, 1, False), (2, 4, False)])
@@ -241,9 +262,9 @@ def test_sampled_groups_count_what_they_stand_for_and_is_exact_when_zero():
     sampled_groups=0 simulates every group: its row is the default's on a small mesh."""
     from lossysim.estimate import load
     shape = load("tiny-llama")
-    spec = NetworkSpec(2, "none", ranks_per_node=2, link_inter="roce-400g", lossy_links="inter_node")
-    rows = [estimate(shape, spec, Workload(seq=8, micro_batch=2, pp_size=2, dp_size=4, gpus_per_node=2,
-                                           sampled_groups=k), steps=2) for k in (None, 0, 1)]
+    config = job_config("tiny-llama", micro_batch=2, tp_size=2, pp_size=2, dp_size=4, ranks_per_node=2,
+                        link_inter="roce-400g", lossy_links="inter_node")
+    rows = [estimate(shape, config, Workload(seq=8, sampled_groups=k), steps=2) for k in (None, 0, 1)]
     assert rows[0] == rows[1]
     for key in ("tp_packets_sent", "pp_packets_sent", "dp_packets_sent", "step_mean_s"):
         assert rows[2][key] == pytest.approx(rows[0][key], rel=1e-12), key
@@ -258,13 +279,14 @@ def test_equal_estimates_draw_alike_whatever_memory_is_reused():
     import gc
     from lossysim.estimate import load
     shape = load("tiny-llama")
-    spec = NetworkSpec(2, "bernoulli:0.05", transport="retransmit", nic="irn", ranks_per_node=2,
-                       link_inter="roce-400g", lossy_links="inter_node", seed=3)
-    workload = Workload(seq=16, micro_batch=2, pp_size=2, dp_size=2, gpus_per_node=2, dp_bucket_mb=0.01)
-    first = estimate(shape, spec, workload, steps=3)
+    config = job_config("tiny-llama", micro_batch=2, tp_size=2, pp_size=2, dp_size=2, ranks_per_node=2,
+                        dp_bucket_mb=0.01, loss="bernoulli:0.05", transport="retransmit", nic="irn",
+                        link_inter="roce-400g", lossy_links="inter_node", seed=3)
+    workload = Workload(seq=16)
+    first = estimate(shape, config, workload, steps=3)
     gc.collect()
     churn = [bytearray(1000) for _ in range(1000)]
-    again = estimate(shape, spec, workload, steps=3)
+    again = estimate(shape, config, workload, steps=3)
     assert first["packets_lost"] > 0 and first == again and len(churn) == 1000
 
 
@@ -272,13 +294,14 @@ def test_equal_estimates_draw_alike_whatever_memory_is_reused():
 def test_the_csv_names_what_each_class_ran(algorithm):
     """The ``collectives`` column: per class and collective, the (algorithm/protocol, channels) NCCL's
     model runs it as, as a network of that class records it (``LossyNetwork.choices``)."""
-    spec = {"ranks": 2, "algorithm": algorithm, "loss": "bernoulli:0.01", "transport": "retransmit"}
-    row = estimate("tiny", spec, Workload(seq=64, pp_size=2, dp_size=2, gpus_per_node=2), steps=1)
+    config = job_config("tiny", tp_size=2, pp_size=2, dp_size=2, ranks_per_node=2, algorithm=algorithm,
+                        loss="bernoulli:0.01", transport="retransmit")
+    row = estimate("tiny", config, Workload(seq=64), steps=1)
     entries = row["collectives"].split("; ")
     assert {e.split(":")[0] for e in entries} == {"tp all_reduce", "pp send", "dp all_reduce"}
     assert all(" x" in e and ("KiB" in e or "MiB" in e) for e in entries)
     assert any(e.startswith("pp send: p2p/") for e in entries)
-    tp = LossyNetwork(NetworkSpec(**spec))
+    tp = LossyNetwork(config.network_spec())
     tp.simulate("h.0.attn.reduce", "fwd", 64 * 2 * 64, torch.bfloat16, "all_reduce", deliver=False)
     (choice,) = tp.choices()
     assert any(e.startswith(f"tp all_reduce: {choice['algorithm']}/{choice['protocol']} x{choice['channels']}")
@@ -293,11 +316,10 @@ def test_fsdp_counts_the_elements_its_gathers_and_reduce_scatters_lose():
     p, R = 0.05, 4
     gather = sum(1 - (1 - p) ** d for d in range(1, R)) / R
     reduce = 1 - (1 - p) ** (R - 1)
-    row = estimate("tiny-llama", NetworkSpec(1, f"bernoulli:{p}", transport="drop", ranks_per_node=1, seed=1),
-                   Workload(seq=8, micro_batch=2, dp_size=R, dp_mode="fsdp", gpus_per_node=1), steps=20)
+    job = dict(micro_batch=2, tp_size=1, dp_size=R, dp_mode="fsdp", ranks_per_node=1, loss=f"bernoulli:{p}")
+    row = estimate("tiny-llama", job_config("tiny-llama", transport="drop", seed=1, **job), Workload(seq=8), steps=20)
     assert row["fsdp_elements_lost"] == pytest.approx((R * R * gather + R * reduce) / (R * R + R), rel=0.05)
-    exact = estimate("tiny-llama", NetworkSpec(1, f"bernoulli:{p}", transport="retransmit", ranks_per_node=1),
-                     Workload(seq=8, micro_batch=2, dp_size=R, dp_mode="fsdp", gpus_per_node=1), steps=2)
+    exact = estimate("tiny-llama", job_config("tiny-llama", transport="retransmit", **job), Workload(seq=8), steps=2)
     assert exact["fsdp_elements_lost"] == 0 and exact["fsdp_packets_lost"] > 0
 
 
@@ -306,11 +328,11 @@ def test_a_class_repair_is_what_its_losses_add_and_nothing_where_it_loses_nothin
     never negative (a schedule's end never grows as a part shrinks) and exactly 0 for a class that lost no
     packet (TP on loss-free links here), however the other classes' repairs move the schedule."""
     from lossysim.estimate import load
-    spec = NetworkSpec(2, "bernoulli:0.05", transport="retransmit", nic="tcp", ranks_per_node=2,
-                       link_inter="roce-400g", lossy_links="inter_node")
-    for workload in (Workload(seq=8, micro_batch=2, pp_size=2, microbatches=3, gpus_per_node=2),
-                     Workload(seq=8, micro_batch=2, dp_size=2, gpus_per_node=2)):
-        row = estimate(load("tiny-llama"), spec, workload, steps=3)
+    network = dict(loss="bernoulli:0.05", transport="retransmit", nic="tcp", ranks_per_node=2,
+                   link_inter="roce-400g", lossy_links="inter_node")
+    for layout in (dict(pp_size=2, microbatches=3), dict(dp_size=2)):
+        config = job_config("tiny-llama", micro_batch=2, tp_size=2, **layout, **network)
+        row = estimate(load("tiny-llama"), config, Workload(seq=8), steps=3)
         assert row["tp_packets_lost"] == 0 and row["tp_repair_s"] == 0.0
         lossy = [c for c in ("pp", "dp") if row[f"{c}_packets_lost"] > 0]
         assert lossy and all(row[f"{c}_repair_s"] > 0 for c in lossy)

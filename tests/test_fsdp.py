@@ -15,6 +15,7 @@ from lossysim.dp import fsdp as fsdp_module
 from lossysim.dp import gathered_forward_seconds
 from lossysim.dp.buckets import flatten
 from lossysim.net import LossyNetwork
+from lossysim.net.network import shard_bounds
 from lossysim.net.algorithms import chunk_bounds, combine, schedule
 from lossysim.run.build import build
 from lossysim.run.experiment import run_experiment
@@ -51,7 +52,7 @@ def test_reduce_scatter_is_the_ring_all_reduce_first_half():
     for recovery in ("zero", "rescale"):
         network = LossyNetwork(R, "none", recovery=recovery)
         got = network.reduce_scatter("s", "bwd", x, range(R))
-        for r, (first, count) in enumerate(network.shard_bounds(x.shape[1], x.dtype)):
+        for r, (first, count) in enumerate(shard_bounds(network.spec, x.shape[1], x.dtype)):
             torch.testing.assert_close(got[r, first:first + count], x.sum(0)[first:first + count])
             assert not got[r, :first].any() and not got[r, first + count:].any()
     lossy = LossyNetwork(R, "bernoulli:0.1", seed=1)
@@ -72,7 +73,7 @@ def test_rescaled_reduce_scatter_is_unbiased():
         got = network.reduce_scatter("s", "bwd", x, range(R))
         per_packet = network.packets(1, torch.float32)[0]
         owned = torch.cat([got[r, first:first + count:per_packet]
-                           for r, (first, count) in enumerate(network.shard_bounds(x.shape[1], x.dtype))])
+                           for r, (first, count) in enumerate(shard_bounds(network.spec, x.shape[1], x.dtype))])
         assert owned.numel() > 500 and (owned != truth).float().mean() > 0.2
         if recovery == "rescale":
             assert stats.ttest_1samp(owned.double().numpy(), truth).pvalue > 1e-3
@@ -244,7 +245,7 @@ def test_dp_mode_at_its_default_keeps_run_names(tmp_path):
 
 @pytest.mark.parametrize("changes,message", [
     (dict(dp_mode="zero3"), "dp_mode='zero3' must be one of ddp, fsdp"),
-    (dict(dp_mode="fsdp", dp_size=2, recovery="hadamard"), "dp_mode=fsdp needs recovery=zero or rescale"),
+    (dict(dp_mode="fsdp", dp_size=2, recovery="hadamard"), "dp_mode=fsdp: recovery=hadamard does not act on reduce-scatters: use one of zero, rescale"),
     (dict(dp_mode="fsdp", dp_size=2, dp_sync_every=2), "dp_sync_every with dp_mode=fsdp"),
 ])
 def test_bad_fsdp_settings_are_one_line_errors(changes, message, tmp_path):

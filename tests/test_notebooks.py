@@ -8,7 +8,7 @@ import pytest
 from nbclient import NotebookClient
 
 from lossysim import cli
-from lossysim.results import report
+from lossysim.results import report, sections
 from test_sweep import tiny_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,7 +79,7 @@ def test_analysis_notebook_runs_on_a_tiny_sweep(tiny_results):
 def test_report_on_a_tiny_real_sweep(tiny_results, tmp_path):
     written = report.write_report(tiny_results, tmp_path)
     pngs = [p for p in written["files"] if p.suffix == ".png"]
-    assert {p.name for p in pngs} == set(report.PLOTS) - {"fwd_vs_bwd.png"}
+    assert {p.name for p in pngs} == set(sections.PLOTS) - {"fwd_vs_bwd.png"}
     assert all(p.stat().st_size > 10_000 for p in pngs)
     md = (tmp_path / "report.md").read_text()
     assert "synthetic" in md and "| 10 " in md and "| 0 (no loss)" in md

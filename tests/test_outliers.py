@@ -140,7 +140,7 @@ def test_with_loss_the_side_path_retransmits_and_misses_nothing():
         net.all_reduce("s", "bwd", x, range(tp))
     side = side_rows(net)
     assert sum(row["lost"] for row in side) > 0 and sum(row["resent"] for row in side) > 0
-    assert sum(row["missing"] for row in side) == 0 and net.failures() == 0
+    assert sum(row["missing"] for row in side) == 0 and net.totals()["failures"] == 0
     assert net.clock()["retransmit_s"] > 0
     main = [row for row in net.stats() if row["site"] == "s"]
     assert sum(row["lost"] for row in main) > 0 and sum(row["resent"] for row in main) == 0
@@ -245,7 +245,7 @@ def test_a_bad_outlier_fraction_is_one_line_and_exit_2(tmp_path, capsys, value):
 def test_settings_that_cannot_repair_the_side_path_are_refused():
     with pytest.raises(ValueError, match="retransmits its outliers"):
         NetworkSpec(2, "bernoulli:1", recovery="outliers")
-    with pytest.raises(ValueError, match="dp_mode=fsdp needs recovery=zero or rescale"):
+    with pytest.raises(ValueError, match="dp_mode=fsdp: recovery=outliers does not act on reduce-scatters"):
         from lossysim.config import ExperimentConfig
         ExperimentConfig(dp_size=2, tp_size=1, batch_size=4, dp_mode="fsdp", recovery="outliers").validate()
     with pytest.raises(ValueError, match="does not act on reduce-scatters"):
@@ -266,8 +266,8 @@ def test_outlier_fraction_at_its_default_leaves_run_identity_alone(monkeypatch):
     monkeypatch.setattr(ExperimentConfig, "to_dict",
                         lambda self: {k: v for k, v in to_dict(self).items() if k != "outlier_fraction"})
     assert now == [config_key(c) for c in configs]
-    assert "outlier_fraction" not in LossyNetwork(2, "bernoulli:0.1", recovery="hadamard").config()
-    assert LossyNetwork(2, "bernoulli:0.1", recovery="outliers").config()["outlier_fraction"] == 1e-3
+    assert "outlier_fraction" not in LossyNetwork(2, "bernoulli:0.1", recovery="hadamard").spec.as_dict()
+    assert LossyNetwork(2, "bernoulli:0.1", recovery="outliers").spec.as_dict()["outlier_fraction"] == 1e-3
 
 
 def test_ddp_gradient_buckets_lose_zeros_packets_and_keep_their_outliers(tmp_path):

@@ -1,6 +1,7 @@
 """Output folders checked before any work, damaged results named, files written with the usual mode."""
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -62,6 +63,49 @@ def test_report_strict_exits_1_when_a_run_is_damaged(damaged, capsys):
     out, _ = damaged
     assert cli.main(["report", str(out), "--strict"]) == 1
     assert (out / "report.md").is_file()   # the rest is still reported
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda text: text[: len(text) // 2], "summary.json is not valid JSON"),
+    (lambda text: json.dumps({"status": "completed", "config": "oops"}), "completed run has a str as its config"),
+    (lambda text: json.dumps({"status": "completed"}), "summary.json of a completed run has no config"),
+    (lambda text: json.dumps({**json.loads(text), "final": {"validation_matched": [1]}}), "unexpected shape"),
+    (lambda text: json.dumps({**json.loads(text), "collectives": ["all_reduce", {"network": 3}]}),
+     "collectives hold 2 malformed record(s)"),
+], ids=["truncated", "config-of-another-type", "incomplete", "final-of-another-shape", "malformed-collectives"])
+def test_report_names_a_damaged_run_reports_the_rest_and_keeps_its_row(tmp_path, monkeypatch, capsys, damage, why):
+    """A summary.json cut short, of the wrong shape, incomplete, or with malformed collectives: the run is
+    named, the other five are reported, summary.csv keeps the row it had for a run it cannot read now
+    (marked stale: maybe the last readable copy of its results), and --strict exits 1."""
+    import pandas as pd
+    monkeypatch.setattr(sweep, "_default_train", lambda: Recorder())
+    spec = write_spec(tmp_path / "s.yaml", {"loss": ["none", "bernoulli:0.01", "bernoulli:0.05"], "seed": [0, 1]})
+    out = tmp_path / "results"
+    assert cli.main(["sweep", str(spec), "--out", str(out), "--no-progress"]) == 0
+    before = pd.read_csv(out / "summary.csv")
+    victim = sorted(d for d in out.iterdir() if d.is_dir())[2]
+    (victim / "summary.json").write_text(damage((victim / "summary.json").read_text()))
+    capsys.readouterr()
+    assert cli.main(["report", str(out), "--strict"]) == 1
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("lossysim report: warning: ")]
+    assert len(warnings) == 1 and victim.name in warnings[0] and why in warnings[0], err
+    md = (out / "report.md").read_text()
+    partly = "collectives" in why   # its numbers are sound: reported, its malformed records left out
+    assert f"{6 if partly else 5} runs: {6 if partly else 5} completed" in md
+    assert victim.name in md.split("## Runs that could not be read")[1].split("##")[0]
+    after = pd.read_csv(out / "summary.csv")
+    assert sorted(after["run_dir"]) == sorted(before["run_dir"])
+    if partly:
+        assert "stale" not in after.columns
+        return
+    assert after.set_index("run_dir")["stale"].to_dict() == {d: d == victim.name for d in before["run_dir"]}
+    kept = after[after["run_dir"] == victim.name].drop(columns="stale").dropna(axis=1)
+    earlier = before[before["run_dir"] == victim.name].dropna(axis=1)
+    pd.testing.assert_frame_equal(kept.reset_index(drop=True), earlier[kept.columns].reset_index(drop=True))
+    assert "summary.csv keeps the earlier rows of " + victim.name in err
+    assert cli.main(["report", str(out)]) == 0   # and again: still kept, still stale
+    assert pd.read_csv(out / "summary.csv").set_index("run_dir")["stale"][victim.name]
 
 
 def test_report_checks_its_out_before_creating_anything(tmp_path, capsys):
@@ -126,16 +170,18 @@ def test_estimate_names_out_when_a_write_fails(tmp_path, monkeypatch, capsys):
     assert line.endswith(f"--out {tmp_path / 'est'} is not writable: No space left on device")
 
 
-def test_an_estimate_grid_that_stops_part_way_keeps_its_finished_rows(tmp_path, monkeypatch):
-    """Each finished setting is saved at once, beside the results: the second of two settings fails (a crash,
-    Ctrl-C), estimate.partial.csv and .json hold the first's row, and the completed estimate already in
-    --out is left as it was. A grid that completes leaves no partial files."""
+def test_an_estimate_grid_that_stops_part_way_keeps_its_finished_rows(tmp_path, monkeypatch, capsys):
+    """Each finished setting is saved at once, beside the results: the second of two settings is interrupted
+    (Ctrl-C), which ends in one line (exit 130) naming where the first's row is; estimate.partial.csv and .json
+    hold it, and the completed estimate already in --out is left as it was. Another grid in that folder is
+    refused while the interrupted one's rows are there (it would replace them); one that completes leaves no
+    partial files."""
     import json
     import pandas as pd
     from lossysim.estimate import grid
     real, calls = grid.estimate, []
 
-    def second_fails(*args, **kwargs):
+    def second_interrupted(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt
@@ -143,16 +189,44 @@ def test_an_estimate_grid_that_stops_part_way_keeps_its_finished_rows(tmp_path, 
     out = tmp_path / "est"
     assert cli.main([*ESTIMATE, "--loss", "bernoulli:0.05", "--out", str(out)]) == 0   # a completed one
     completed = (out / "estimate.csv").read_text()
-    monkeypatch.setattr(grid, "estimate", second_fails)
-    with pytest.raises(KeyboardInterrupt):
-        cli.main([*ESTIMATE, "--loss", "bernoulli:0.01", "--loss", "bernoulli:0.02", "--out", str(out)])
-    rows = json.loads((out / "estimate.partial.json").read_text())
+    capsys.readouterr()
+    monkeypatch.setattr(grid, "estimate", second_interrupted)
+    assert cli.main([*ESTIMATE, "--loss", "bernoulli:0.01", "--loss", "bernoulli:0.02", "--out", str(out)]) == 130
+    assert capsys.readouterr().err.strip() == (f"lossysim estimate: interrupted after 1 of 2 settings; their rows are "
+                                               f"in {out / 'estimate.partial.csv'} and .json")
+    kept = (out / "estimate.partial.json").read_text()
+    rows = json.loads(kept)
     assert len(rows) == 1 and rows[0]["loss"] == "bernoulli:0.01"
     assert pd.read_csv(out / "estimate.partial.csv")["loss"].tolist() == ["bernoulli:0.01"]
     assert (out / "estimate.csv").read_text() == completed
-    monkeypatch.setattr(grid, "estimate", real)   # then one that completes
+    monkeypatch.setattr(grid, "estimate", real)
+    assert cli.main([*ESTIMATE, "--loss", "bernoulli:0.03", "--out", str(out)]) == 2
+    line = one_error_line(capsys.readouterr().err, "estimate")
+    assert "holds the rows of an interrupted estimate (estimate.partial.csv and estimate.partial.json)" in line
+    assert (out / "estimate.partial.json").read_text() == kept and (out / "estimate.csv").read_text() == completed
+    for partial in out.glob("estimate.partial.*"):   # the user moves them away: then one that completes
+        partial.unlink()
     assert cli.main([*ESTIMATE, "--loss", "bernoulli:0.01", "--out", str(out)]) == 0
     assert not list(out.glob("estimate.partial.*"))
+
+
+def test_an_estimate_leaves_no_file_of_an_earlier_one(tmp_path):
+    """A folder's files come from one estimate: rerun with one loss rate, the earlier grid's slowdown plot
+    (two rates) goes."""
+    out = tmp_path / "est"
+    assert cli.main([*ESTIMATE, "--loss", "bernoulli:0.01", "--loss", "bernoulli:0.02", "--out", str(out)]) == 0
+    assert (out / "slowdown.png").is_file()
+    assert cli.main([*ESTIMATE, "--loss", "bernoulli:0.01", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["estimate.csv", "estimate.json", "time_by_class.png"]
+
+
+def test_an_interrupted_command_is_one_line(monkeypatch, capsys):
+    from lossysim.loss import demo
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(demo, "run", interrupted)
+    assert cli.main(["demo"]) == 130
+    assert capsys.readouterr().err.strip() == "lossysim demo: interrupted"
 
 
 def test_sweep_refuses_an_unwritable_out_before_training(tmp_path, monkeypatch, capsys):

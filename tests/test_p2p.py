@@ -324,7 +324,7 @@ def test_a_non_finite_message_is_seen_at_its_site():
     net.send("fine", "fwd", torch.ones(4), 0, 1)
     net.send("bad", "bwd", torch.tensor([1.0, math.inf]), 1, 0)
     net.send("fine", "fwd", torch.tensor([math.nan]), 0, 1)
-    assert net.first_nonfinite() == {"site": "bad", "direction": "bwd"}
+    assert net.channels.first_nonfinite() == {"site": "bad", "direction": "bwd"}
 
 
 @pytest.mark.parametrize("policy", ["zero", "hadamard", "stale", "error_feedback"])

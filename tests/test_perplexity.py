@@ -13,7 +13,7 @@ from scipy import stats
 
 from lossysim import cli
 from lossysim.loss import parse_loss_model
-from lossysim.results import perplexity, report
+from lossysim.results import load, perplexity
 from lossysim.run import sweep
 from test_sweep import fake_run_experiment, write_spec
 
@@ -83,7 +83,7 @@ def test_paired_change_is_the_mean_percent_change_with_its_t_interval():
 
 
 def test_table_pairs_each_setting_with_the_loss_free_run_of_its_mesh_and_seed(lm_results):
-    runs = report.load_runs(lm_results)
+    runs = load.load_runs(lm_results)
     frame = perplexity.table(runs)
     assert len(frame) == 2 + len(DAMAGE)
     for (where, rate, recovery), damage in DAMAGE.items():

@@ -146,8 +146,10 @@ def test_same_seed_same_run(tmp_path, one_torch_thread):
     train = [row for row in rows_a if row["split"] == "train"]
     assert all(row["packets_sent_pp_fwd"] > 0 and 0.0 <= row["pp_bubble"] < 1.0 for row in train)
     pipeline = summary_a["pipeline"]
-    assert (pipeline["pp_size"], pipeline["pp_schedule"], pipeline["microbatches"], pipeline["stage_layers"],
-            pipeline["rank_order"]) == (2, "1f1b", 2, [1, 1], "tp, pp, dp (tp innermost)")
+    assert (pipeline["pp_size"], pipeline["pp_schedule"], pipeline["microbatches"], pipeline["stage_layers"]) == \
+        (2, "1f1b", 2, [1, 1])
+    assert summary_a["mesh"] == {"order": "tp-cp-ep-dp-pp", "axes": {"tp": 2, "cp": 1, "ep": 1, "dp": 1, "pp": 2},
+                                 "world": 4, "ranks_per_node": 2, "nodes": 2}
 
 
 def test_loss_free_step_is_the_schedule_of_its_stages(tmp_path, four_blocks, one_torch_thread):
@@ -213,7 +215,11 @@ def test_resume_is_exact(tmp_path, one_torch_thread):
     (["--microbatches", "0"], "microbatches=0 must be >= 1"),
     (["--pp-size", "2", "--microbatches", "3"], "batch_size=8 must be a multiple of dp_size=1 x microbatches=3"),
     (["--pp-size", "2", "--pp-schedule", "interleaved"], "pp_schedule='interleaved' must be one of gpipe, 1f1b"),
-    (["--pp-size", "2", "--dp-size", "2"], "pp_size with dp_size > 1 is not supported yet"),
+    (["--pp-size", "2", "--dp-size", "2", "--dp-mode", "fsdp"], "dp_mode=fsdp with pp_size=2: FSDP's gathers"),
+    (["--pp-size", "2", "--dp-size", "2", "--set", "dp_sync_every=2"], "dp_sync_every with pp_size=2"),
+    # the mesh's one layout rule, whatever the axes (it was skipped with one replica)
+    (["--pp-size", "2", "--set", "ranks_per_node=3"], "ranks_per_node=3 is more GPUs than the layout's tp1 x pp2"),
+    (["--pp-size", "2", "--dp-size", "2", "--set", "ranks_per_node=3"], "ranks_per_node=3 must divide tp_size=1"),
 ])
 def test_bad_pipeline_settings_are_one_line_and_exit_2(settings, message, tmp_path, capsys):
     out = tmp_path / "o"

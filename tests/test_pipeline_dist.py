@@ -41,9 +41,17 @@ CASES = {
     "tp1-retransmit": dict(tp_size=1, pp_size=2, **{**LOSSY, "transport": "retransmit", "loss": "bernoulli:0.2"}),
     "tp1-resumed": dict(tp_size=1, pp_size=2, steps=4, eval_every=2, checkpoint_every=2, keep_checkpoints=0,
                         **LOSSY),
+    # 3-D: tp 1 x pp 2 x dp 2, every stage's buckets over its own data-parallel groups, losing with the rest
+    "3d-lossy": dict(tp_size=1, pp_size=2, dp_size=2, dp_bucket_mb=0.05, **LOSSY),
+    "3d-resumed": dict(tp_size=1, pp_size=2, dp_size=2, dp_bucket_mb=0.05, steps=4, eval_every=2,
+                       checkpoint_every=2, keep_checkpoints=0, **LOSSY),
+    # a recomputed stage gets again what it received: no second receive, draw or time
+    "3d-checkpointed": dict(tp_size=1, pp_size=2, dp_size=2, dp_bucket_mb=0.05, activation_checkpointing=True,
+                            **LOSSY),
 }
 # Each phase's cases run one after another on their processes (first, world); phases start together.
-PHASES = [[("tp2-exact", 0, 4), ("tp2-lossy", 0, 4), ("pp4-lossy", 0, 4)],
+PHASES = [[("tp2-exact", 0, 4), ("tp2-lossy", 0, 4), ("pp4-lossy", 0, 4), ("3d-lossy", 0, 4), ("3d-resumed", 0, 4),
+           ("3d-checkpointed", 0, 4)],
           [("tp1-exact", 0, 2), ("tp1-lossy", 0, 2)],
           [("tp1-retransmit", 2, 2), ("tp1-resumed", 2, 2)]]
 
@@ -73,13 +81,13 @@ def _worker(index: int, out: str, cache: str, ports: dict) -> None:
             config = tiny_run(run_dir, backend="dist", **_settings(name))
             summary = run_experiment(config, run_dir, progress=False)
             assert summary["status"] == "completed", (name, summary.get("error"), summary.get("diverged_at"))
-            if name == "tp1-resumed":   # killed after its step-2 checkpoint: the rest is gone
+            if name.endswith("-resumed"):   # killed after its step-2 checkpoint: the rest is gone
                 if rank == 0:
                     shutil.copy(run_dir / "metrics.jsonl", run_dir.parent / "first-metrics.jsonl")
                     shutil.rmtree(run_dir / "checkpoints" / "step-0000004")
                     shutil.rmtree(run_dir / "checkpoint")
                     (run_dir / "summary.json").unlink()
-                os.environ["MASTER_PORT"] = str(ports["resume"])
+                os.environ["MASTER_PORT"] = str(ports[f"resume-{name}"])
                 summary = run_experiment(config, run_dir, progress=False, resume=True)
                 assert summary["status"] == "completed", (name, summary.get("error"), summary.get("diverged_at"))
 
@@ -95,7 +103,7 @@ def runs(tmp_path_factory):
     """Every case's run directory on dist (``dist``), and on sim (``sim``), by name."""
     out = tmp_path_factory.mktemp("pp-dist")
     cache = tmp_path_factory.getbasetemp() / "cache"
-    ports = {name: _free_port() for name in [*CASES, "resume"]}
+    ports = {name: _free_port() for name in [*CASES, *(f"resume-{n}" for n in CASES if n.endswith("-resumed"))]}
     workers = mp.start_processes(_worker, args=(str(out), str(cache), ports), nprocs=PROCESSES, join=False,
                                  start_method="spawn")
     deadline = time.monotonic() + DEADLINE_S
@@ -154,7 +162,8 @@ def test_loss_free_dist_stages_train_as_sim_and_as_one_stage(runs, sim, name):
         assert torch.equal(staged[key], one[key]), key
 
 
-@pytest.mark.parametrize("name", ["tp2-lossy", "pp4-lossy", "tp1-lossy", "tp1-retransmit"])
+@pytest.mark.parametrize("name", ["tp2-lossy", "pp4-lossy", "tp1-lossy", "tp1-retransmit", "3d-lossy",
+                                  "3d-checkpointed"])
 def test_lossy_dist_stages_are_sims_bit_for_bit(runs, sim, name):
     """Bernoulli loss on every link (TP and pipeline traffic, both directions), the gradient clipped:
     the same masks on the same numbers, so the same losses, packets, clock and weights."""
@@ -165,14 +174,18 @@ def test_lossy_dist_stages_are_sims_bit_for_bit(runs, sim, name):
         assert last["packets_lost_fwd"] > 0
     if CASES[name].get("transport") == "retransmit":
         assert last["retransmit_s_per_step"] > 0 and last["pp_s_per_step"] > 0
+    if CASES[name].get("dp_size", 1) > 1:
+        assert last["packets_lost_dp"] > 0 and last["drift"] > 0 and last["dp_s_per_step"] > 0
 
 
-def test_a_dist_pipeline_resumes_exactly(runs, sim):
-    """Stopped after its step-2 checkpoint and resumed, a dist pipeline ends as sim's uninterrupted run;
-    the rows up to the checkpoint are the first run's (their wall-clock times), the rest the resumed one's."""
-    _assert_same(sim("tp1-resumed"), runs / "tp1-resumed" / "dist")
-    first = read_jsonl(runs / "tp1-resumed" / "first-metrics.jsonl")
-    resumed = read_jsonl(runs / "tp1-resumed" / "dist" / "metrics.jsonl")
+@pytest.mark.parametrize("name", ["tp1-resumed", "3d-resumed"])
+def test_a_dist_pipeline_resumes_exactly(runs, sim, name):
+    """Stopped after its step-2 checkpoint and resumed, a dist pipeline (and a 3-D job) ends as sim's
+    uninterrupted run; the rows up to the checkpoint are the first run's (their wall-clock times), the
+    rest the resumed one's."""
+    _assert_same(sim(name), runs / name / "dist")
+    first = read_jsonl(runs / name / "first-metrics.jsonl")
+    resumed = read_jsonl(runs / name / "dist" / "metrics.jsonl")
     kept = [row for row in first if row["step"] <= 2]
     assert resumed[:len(kept)] == kept and len(resumed) == len(first)
     assert [r["time_s"] for r in resumed[len(kept):]] != [r["time_s"] for r in first[len(kept):]]

@@ -136,6 +136,34 @@ def test_runner_builds_the_packaged_model_and_its_random_shape(real_dir):
     assert "Q4_1" in PACKAGED[MODEL].description
 
 
+def test_the_pretrained_classifier_starts_from_the_language_models_weights(real_dir):
+    """The converted file holds the tied embedding once, as the LM head's copy: a classifier (no LM head)
+    loads it as its embedding all the same, and every weight of its base model is the language model's."""
+    lm = build_model(MODEL, vocab_size=49152, pad_token_id=2, num_labels=3, max_length=128, task="lm")
+    classifier = build_model(MODEL, vocab_size=49152, pad_token_id=2, num_labels=3, max_length=128)
+    assert torch.equal(classifier.get_input_embeddings().weight, lm.get_input_embeddings().weight)
+    base = dict(classifier.model.named_parameters())
+    assert base.keys() == dict(lm.model.named_parameters()).keys()
+    assert all(torch.equal(value, base[name]) for name, value in lm.model.named_parameters())
+
+
+def test_a_checkpoint_lacking_a_weight_of_the_model_is_refused(tmp_path):
+    """What transformers would initialise at random, silently, beside the pretrained rest: an error naming it
+    (a classifier's new head is expected)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=64, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    assert build_model(str(tmp_path), vocab_size=64, pad_token_id=0, num_labels=3, max_length=32) is not None
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    for task in ("lm", "classification"):
+        with pytest.raises(ValueError, match=r"lacks 1 of the model's weights \(model.layers.1.mlp.down_proj.weight\)"):
+            build_model(str(tmp_path), vocab_size=64, pad_token_id=0, num_labels=3, max_length=32, task=task)
+
+
 def test_a_missing_package_is_named_with_its_install_command(monkeypatch):
     from lossysim.models import pretrained
     monkeypatch.setitem(pretrained.PACKAGED, "absent", pretrained.PackagedModel(
@@ -204,13 +232,18 @@ def test_pydoc_is_a_causal_lm_dataset():
 
 # -- the damage map's edges (its measurements are docs/sensitivity.md's) ------------
 
-def test_damage_map_refuses_bad_sizes_before_any_work(tmp_path, capsys):
+def test_damage_map_refuses_bad_input_before_any_work(tmp_path, capsys, real_dir):
+    """One line, exit 2 and no --out folder for every bad argument (the model converted before: its first
+    conversion says so on stderr)."""
     from lossysim.real import damage_map
-    for argv in (["--rates", "0.01,1.5"], ["--layers", "3-1"], ["--sequences", "0"]):
+    for argv, why in ((["--rates", "0.01,1.5"], "1.5 must be in (0, 1)"), (["--layers", "3-1"], "lossy_layers='3-1'"),
+                      (["--sequences", "0"], "--sequences must be >= 1"), (["--threads", "0"], "--threads 0 must be"),
+                      (["--models", "smollm2-135m,foo"], "'foo' is not one of smollm2-135m, smollm2-135m-shape"),
+                      (["--layers", "2,99"], "--layers 2,99: smollm2-135m has layers 0-29")):
         out = tmp_path / "map"
         assert damage_map.main([*argv, "--out", str(out)]) == 2
         err = capsys.readouterr().err.strip()
-        assert err.startswith("damage_map: ") and "\n" not in err, err
+        assert err.startswith("damage_map: ") and "\n" not in err and why in err, err
         assert not out.exists()
 
 

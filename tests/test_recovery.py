@@ -310,7 +310,7 @@ def test_error_feedback_conserves_the_sum(algorithm, draws):
         delivered += net.all_reduce("s", "bwd", x, range(tp))
         zero_delivered += zero.all_reduce("s", "bwd", x, range(tp))
     sched = draws[-1].sched
-    owed = next(iter(net._channels[("s", "bwd")].memory.buffers.values()))["owed"]
+    owed = next(iter(net.channels.by_key[("s", "bwd")].memory.buffers.values()))["owed"]
     pending = torch.zeros_like(delivered)
     for i in range(tp):
         for p in range(sched.n_packets):
@@ -413,7 +413,7 @@ def test_a_saved_network_goes_on_exactly(policy):
     # the memory mattered: a network that forgot it (same chains and streams) delivers other values
     forgetful = LossyNetwork(tp, "ge:rate=0.2,burst=3", **spec)
     forgetful.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=False))
-    for channel in forgetful._channels.values():
+    for channel in forgetful.channels.by_key.values():
         channel.memory = recovery.Memory(5, "s", "bwd", "cpu")
     assert any(not torch.equal(forgetful.all_reduce("s", "bwd", x, range(tp)), expected)
                for x, expected in zip(xs[3:], later))
@@ -453,7 +453,7 @@ def test_a_saved_state_records_the_policy_settings_it_depends_on():
               "rto_s", "nic", "channels", "nics_per_node"}
     for policy, extra in (("zero", set()), ("rescale", set()), ("hadamard", {"hadamard_block", "compute"}),
                           ("stale", {"compute"}), ("error_feedback", {"compute"})):
-        assert set(LossyNetwork(2, "bernoulli:0.1", recovery=policy).config()) == before | extra, policy
+        assert set(LossyNetwork(2, "bernoulli:0.1", recovery=policy).spec.as_dict()) == before | extra, policy
     state = LossyNetwork(2, "bernoulli:0.1", recovery="hadamard", hadamard_block=64).state_dict()
     with pytest.raises(ValueError, match="hadamard_block"):
         LossyNetwork(2, "bernoulli:0.1", recovery="hadamard", hadamard_block=128).load_state_dict(state)
@@ -473,10 +473,10 @@ def test_a_policys_capabilities_are_what_it_does(policy, monkeypatch):
     net.all_reduce("s", "bwd", x, range(2))
     assert (net.clock()["recovery_s"] > 0) == pol.computes
     assert bool(hops) == pol.send_by_send
-    assert (net._channels[("s", "bwd")].memory is not None) == pol.keeps_memory
+    assert (net.channels.by_key[("s", "bwd")].memory is not None) == pol.keeps_memory
     assert (pol.side_bytes(256, torch.float32) > 0) == pol.side_path
     assert pol.on("fwd") is (pol if pol.on_activations else recovery.ZERO)
-    assert {"hadamard_block", "outlier_fraction"} & set(net.config()) == set(pol.settings)
+    assert {"hadamard_block", "outlier_fraction"} & set(net.spec.as_dict()) == set(pol.settings)
     if pol.acts_on_shards:
         net.reduce_scatter("s", "bwd", x, range(2))
     else:

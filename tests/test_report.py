@@ -12,7 +12,8 @@ from matplotlib.image import imread
 from scipy import stats
 
 from lossysim import cli
-from lossysim.results import labels, report, table
+from lossysim.results import collectives, compare, labels, load, plots, report, sections, table, tables
+from lossysim.results.stats import mean_ci
 from lossysim.run import sweep
 from lossysim.config import from_dict
 from test_sweep import Recorder, fake_accuracy, write_spec
@@ -55,7 +56,7 @@ def test_report_writes_plots_and_tables(results, capsys):
     (results / "summary.csv").unlink()   # the report must rebuild it from the run directories
     assert cli.main(["report", str(results)]) == 0
     printed = capsys.readouterr().out
-    for name in report.PLOTS:
+    for name in sections.PLOTS:
         path = results / name
         assert path.is_file() and path.stat().st_size > 10_000, name
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -63,7 +64,7 @@ def test_report_writes_plots_and_tables(results, capsys):
         assert pixels.shape[0] > 200 and pixels.shape[1] > 300 and pixels.std() > 0.01, f"{name} is blank"
     md = (results / "report.md").read_text()
     assert "synthetic" in md and "synthetic" in printed
-    for name in report.PLOTS:
+    for name in sections.PLOTS:
         assert f"({name})" in md
     # The pivot: rates down, loss models across, accuracy mean ± 95% CI over the seeds.
     mean, std = expected("none")
@@ -78,8 +79,8 @@ def test_report_writes_plots_and_tables(results, capsys):
 
 
 def test_summary_table_rows_and_counts(results):
-    runs = report.load_runs(results)
-    table = report.summary_table(runs)
+    runs = load.load_runs(results)
+    table = tables.summary_table(runs)
     # One row per (loss model, rate, burst, lossy): 6 settings with lossy=both, 2 with fwd/bwd.
     assert len(table) == 6 + 2
     row = table[(table["loss model"] == "Gilbert-Elliott") & (table["rate (%)"] == "5")].iloc[0]
@@ -94,8 +95,8 @@ def test_summary_table_rows_and_counts(results):
 
 
 def test_fwd_vs_bwd_plot_only_when_the_sweep_varies_it(results, tmp_path):
-    runs = report.load_runs(results)
-    assert report.plot_fwd_vs_bwd(runs) is not None
+    runs = load.load_runs(results)
+    assert plots.plot_fwd_vs_bwd(runs) is not None
     only_both = results.parent / "only_both"
     only_both.mkdir()
     for _, run in runs[runs["lossy"] == "both"].iterrows():
@@ -129,8 +130,8 @@ def test_synthetic_data_is_labelled_synthetic():
 
 def test_settings_compare_each_with_its_loss_free_baseline(results):
     """Welch's p against the no-loss runs, as scipy computes it; * where p < 0.05, in table and pivot."""
-    runs = report.load_runs(results)
-    table = report.settings(runs)
+    runs = load.load_runs(results)
+    table = compare.settings(runs)
     base = accuracies("none")
     for loss, lossy in (("bernoulli:0.01", "both"), ("bernoulli:0.05", "both"), ("ge:rate=0.05,burst=8", "both"),
                         ("bernoulli:0.05", "fwd")):
@@ -146,12 +147,12 @@ def test_settings_compare_each_with_its_loss_free_baseline(results):
                            table["significant"]))
     assert significant["0.05bernoulliboth"] and not significant["0.01bernoulliboth"]
     assert table[table["loss_model"] == "none"]["p"].isna().all()
-    md_table = report.summary_table(runs)
+    md_table = tables.summary_table(runs)
     starred = md_table[md_table["p (Welch)"].str.endswith("*")]
     assert set(zip(starred["loss model"], starred["rate (%)"])) >= {("Bernoulli", "5"), ("Gilbert-Elliott", "5")}
     assert not any(md_table[(md_table["loss model"] == "Bernoulli") & (md_table["rate (%)"] == "1")]["p (Welch)"]
                    .str.endswith("*"))
-    pivot = report.accuracy_pivot(runs)
+    pivot = tables.accuracy_pivot(runs)
     row5 = pivot[pivot["loss rate (%)"] == "5"].iloc[0]
     # lossy=both is the usual direction: the column names only the loss model.
     column = "Bernoulli"
@@ -164,7 +165,7 @@ def test_one_seed_gives_no_interval_and_no_test(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep, "_default_train", lambda: Recorder())
     spec = write_spec(tmp_path / "s.yaml", {"loss": ["none", "bernoulli:0.05"], "seed": [0]})
     assert cli.main(["sweep", str(spec), "--out", str(tmp_path / "r"), "--no-progress"]) == 0
-    table = report.settings(report.load_runs(tmp_path / "r"))
+    table = compare.settings(load.load_runs(tmp_path / "r"))
     assert (table["n"] == 1).all() and table["ci"].isna().all() and table["p"].isna().all()
     assert not table["significant"].any()
 
@@ -182,7 +183,7 @@ def test_steps_to_target_from_metrics_when_the_summary_lacks_it(results):
             assert row["steps_to_target"] == 4, row["run_dir"]
         else:
             assert math.isnan(row["steps_to_target"]), row["run_dir"]
-    table = report.summary_table(report.load_runs(results))
+    table = tables.summary_table(load.load_runs(results))
     assert table[table["loss model"] == "no loss"].iloc[0]["steps to target"] == "4 ± 0 (2/2 reached)"
     assert table[(table["loss model"] == "Bernoulli") & (table["rate (%)"] == "20")].iloc[0][
         "steps to target"] == "not reached (0/1 reached)"
@@ -209,7 +210,7 @@ def _timed_runs():
 
 def test_time_to_accuracy_table_against_hand_computed_times():
     runs, metrics = _timed_runs()
-    table, target = report.time_to_accuracy_table(runs, metrics, fraction=0.85)
+    table, target = tables.time_to_accuracy_table(runs, metrics, fraction=0.85)
     assert target == pytest.approx(0.85 * 0.9)                  # 76.5%: reached at the third evaluation
     base, lossy = table.iloc[0], table.iloc[1]
     assert base["loss"] == "no loss" and lossy["loss"] == "5% Bernoulli" and base["reached"] == "2/2"
@@ -217,10 +218,10 @@ def test_time_to_accuracy_table_against_hand_computed_times():
     assert "transport" not in table.columns
     assert not table.astype(str).apply(lambda c: c.str.contains("=")).any().any()
     # baseline: seeds reach 76.5% at step 20 (0.8, 0.81), times 20 and 40; lossy: step 30, times 90 and 180
-    est = report.mean_ci([90.0, 180.0])
-    assert lossy["time to target (ms)"] == report._pm(est.mean, est.half_width, 2, scale=1e3, digits=3)
+    est = mean_ci([90.0, 180.0])
+    assert lossy["time to target (ms)"] == tables._pm(est.mean, est.half_width, 2, scale=1e3, digits=3)
     assert lossy["x baseline"] == f"{135 / 30:.2f}" and lossy["steps"] == "30" and base["steps"] == "20"
-    fig = report.plot_accuracy_vs_time(metrics, runs)
+    fig = plots.plot_accuracy_vs_time(metrics, runs)
     (ax,) = fig.axes                                            # nothing varies but the loss: one panel
     lines = {line.get_label(): line for line in ax.get_lines()}
     assert set(lines) == {"no loss", "Bernoulli"} and ax.get_xscale() == "log"
@@ -231,18 +232,18 @@ def test_time_to_accuracy_table_against_hand_computed_times():
 
 def test_time_section_is_first_in_the_report(tmp_path):
     runs, metrics = _timed_runs()
-    inputs = report.ReportInputs(tmp_path, runs, metrics)
+    inputs = sections.ReportInputs(tmp_path, runs, metrics)
     # Right after the overview and the runs that could not be read (no text when there are none).
-    assert report.SECTIONS[1:3] == [report.section_problems, report.section_time_to_accuracy]
-    assert report.section_problems(inputs) == ""
-    text = report.section_time_to_accuracy(inputs)
+    assert sections.SECTIONS[1:3] == [sections.section_problems, sections.section_time_to_accuracy]
+    assert sections.section_problems(inputs) == ""
+    text = sections.section_time_to_accuracy(inputs)
     assert text.startswith("## Accuracy against simulated time") and "### Time to reach 81.0% accuracy" in text
     assert "| no loss" in text, text
-    with_plot = report.ReportInputs(tmp_path, runs, metrics, [tmp_path / "accuracy_vs_time.png"])
-    text = report.section_time_to_accuracy(with_plot)
+    with_plot = sections.ReportInputs(tmp_path, runs, metrics, [tmp_path / "accuracy_vs_time.png"])
+    text = sections.section_time_to_accuracy(with_plot)
     assert text.index("](accuracy_vs_time.png)") < text.index("### Time to reach"), "the plot opens the section"
-    assert report.section_time_to_accuracy(report.ReportInputs(tmp_path, runs, metrics.drop(columns="sim_time_s"))) == ""
-    assert list(report.PLOTS)[0] == "accuracy_vs_time.png"
+    assert sections.section_time_to_accuracy(sections.ReportInputs(tmp_path, runs, metrics.drop(columns="sim_time_s"))) == ""
+    assert list(sections.PLOTS)[0] == "accuracy_vs_time.png"
 
 
 # -- labels, panels and paired statistics on a sweep shaped like experiments/quick.yaml ------------------
@@ -264,8 +265,8 @@ def quick_like(tmp_path, monkeypatch):
     spec = write_spec(tmp_path / "q.yaml", QUICK_LIKE, tp_size=2, ranks_per_node=1, deadline=3.0)
     out = tmp_path / "quick"
     assert cli.main(["sweep", str(spec), "--out", str(out), "--no-progress"]) == 0
-    runs = report.load_runs(out)
-    return out, runs, report.load_metrics(out, runs)
+    runs = load.load_runs(out)
+    return out, runs, load.load_metrics(out, runs)
 
 
 def legend_labels(ax) -> list[str]:
@@ -274,7 +275,7 @@ def legend_labels(ax) -> list[str]:
 
 def test_time_plot_has_a_panel_per_question_with_its_own_baselines(quick_like):
     _, runs, metrics = quick_like
-    fig = report.plot_accuracy_vs_time(metrics, runs)
+    fig = plots.plot_accuracy_vs_time(metrics, runs)
     titles = [ax.get_title() for ax in fig.axes]
     assert len(fig.axes) == len(QUESTIONS), titles
     for ax, question in zip(fig.axes, QUESTIONS):
@@ -315,8 +316,8 @@ def test_time_plot_of_the_quick_profile_asks_its_four_questions(tmp_path, monkey
     out = tmp_path / "quick"
     assert cli.main(["sweep", str(spec), "--out", str(out), "--set", "steps=4", "--set", "eval_every=2",
                      "--grid", "seed=0 1", "--no-progress"]) == 0
-    runs = report.load_runs(out)
-    fig = report.plot_accuracy_vs_time(report.load_metrics(out, runs), runs)
+    runs = load.load_runs(out)
+    fig = plots.plot_accuracy_vs_time(load.load_metrics(out, runs), runs)
     titles = [ax.get_title() for ax in fig.axes]
     for question in QUESTIONS:
         assert sum(t.startswith(question) for t in titles) == 1, (question, titles)
@@ -324,41 +325,41 @@ def test_time_plot_of_the_quick_profile_asks_its_four_questions(tmp_path, monkey
 
 def test_tables_name_settings_readably(quick_like):
     _, runs, metrics = quick_like
-    table, _ = report.time_to_accuracy_table(runs, metrics)
+    table, _ = tables.time_to_accuracy_table(runs, metrics)
     assert list(table.columns[:4]) == ["loss", "algorithm", "transport", "topology"]
     # "–": a loss-free run has nothing to send again
     assert set(table["transport"]) == {"–", "drop", "retransmit", "deadline 3x"}
     assert set(table["topology"]) == {"2 nodes x 1 rank", "2 nodes x 2 ranks",
                                       "2 nodes x 2 ranks, loss between nodes"}
     assert "5% Gilbert-Elliott (burst 8)" in set(table["loss"])
-    summary = report.summary_table(runs)
+    summary = tables.summary_table(runs)
     # lossy and recovery are the same for every lossy setting: no column for them.
     assert "lossy direction" not in summary.columns and "recovery" not in summary.columns
-    for frame in (table, summary, report.accuracy_pivot(runs)):
+    for frame in (table, summary, tables.accuracy_pivot(runs)):
         cells = frame.astype(str).to_numpy().ravel().tolist() + list(frame.columns)
         assert not [c for c in cells if "=" in c], frame
-    pivot = report.accuracy_pivot(runs)
+    pivot = tables.accuracy_pivot(runs)
     assert "Bernoulli, 2 nodes x 2 ranks, loss between nodes" in pivot.columns and "Bernoulli" in pivot.columns
     # each column's first row is its own baseline: the 2x2 layout's is the tp=4 loss-free run
-    base = report.settings(runs)
+    base = compare.settings(runs)
     tp4 = base[(base["loss_model"] == "none") & (base["tp_size"] == 4)].iloc[0]
-    assert pivot.iloc[0]["Bernoulli, 2 nodes x 2 ranks, loss between nodes"] == report._pm(tp4["mean"], tp4["ci"], 2)
+    assert pivot.iloc[0]["Bernoulli, 2 nodes x 2 ranks, loss between nodes"] == tables._pm(tp4["mean"], tp4["ci"], 2)
 
 
 def test_paired_view_finds_what_the_seed_spread_hides(results):
     """The fake accuracy moves 1 point per seed and 1% Bernoulli loss costs every seed 1 point: Welch's
     test sees two groups that overlap, the paired one a constant shift."""
-    runs = report.load_runs(results)
-    table = report.settings(runs)
+    runs = load.load_runs(results)
+    table = compare.settings(runs)
     row = table[(table["loss_model"] == "bernoulli") & (table["loss_rate"] == 0.01)].iloc[0]
     assert row["p"] > 0.05 and row["paired_p"] < 0.05 and row["paired_significant"]
     assert row["paired_delta"] == pytest.approx(-0.01) and row["paired_ci"] == pytest.approx(0.0, abs=1e-9)
     assert row["paired_n"] == 2
-    summary = report.summary_table(runs)
+    summary = tables.summary_table(runs)
     cells = summary[(summary["loss model"] == "Bernoulli") & (summary["rate (%)"] == "1")].iloc[0]
     assert cells["vs no loss, paired (pp)"] == "-1.0 ± 0.0" and cells["p (paired)"].endswith("*")
     assert not cells["p (Welch)"].endswith("*")
-    pivot = report.accuracy_pivot(runs)
+    pivot = tables.accuracy_pivot(runs)
     assert pivot[pivot["loss rate (%)"] == "1"].iloc[0]["Bernoulli"].endswith("†")
     # 20% lost a seed: one pair left, no interval and no test
     failed = table[(table["loss_model"] == "bernoulli") & (table["loss_rate"] == 0.2)].iloc[0]
@@ -375,7 +376,7 @@ def test_paired_statistics_pair_runs_by_seed():
              "mean_burst": 0.0, "seed": s, "accuracy": a} for s, a in base.items()]
     rows += [{"run_dir": f"b-{s}", "status": "completed", "loss": "bernoulli:0.05", "loss_model": "bernoulli",
               "loss_rate": 0.05, "mean_burst": 1.05, "seed": s, "accuracy": a} for s, a in lossy.items()]
-    row = report.settings(pd.DataFrame(rows)).iloc[1]
+    row = compare.settings(pd.DataFrame(rows)).iloc[1]
     a, b = np.array([lossy[s] for s in (0, 1, 2)]), np.array([base[s] for s in (0, 1, 2)])
     assert row["paired_n"] == 3 and row["n"] == 4
     assert row["paired_delta"] == pytest.approx((a - b).mean())
@@ -383,7 +384,7 @@ def test_paired_statistics_pair_runs_by_seed():
     assert row["paired_p"] == pytest.approx(stats.ttest_rel(a, b).pvalue, rel=1e-9)
     assert row["p"] == pytest.approx(stats.ttest_ind(list(lossy.values()), list(base.values()),
                                                      equal_var=False).pvalue, rel=1e-9)
-    cells = report.summary_table(pd.DataFrame(rows)).iloc[1]
+    cells = tables.summary_table(pd.DataFrame(rows)).iloc[1]
     assert cells["vs no loss, paired (pp)"].endswith("(3 pairs)")
 
 
@@ -438,8 +439,8 @@ def test_a_runs_restart_total_does_not_overwrite_the_restart_setting(tmp_path):
     for name, total in (("a", 600.4), ("b", 900.5)):
         run = tmp_path / name
         run.mkdir()
-        summary = {"status": "completed", "config": {"loss": "bernoulli:0.2", "seed": 0 if name == "a" else 1,
-                                                     "restart_s": 300.0},
+        summary = {"status": "completed", "steps": 1, "final": {},
+                   "config": {"loss": "bernoulli:0.2", "seed": 0 if name == "a" else 1, "restart_s": 300.0},
                    "sim_time": {"total_s": 1.0 + total, "restart_s": total, "failures": total // 300}}
         (run / "summary.json").write_text(json.dumps(summary))
     frame = table.collect(tmp_path)
@@ -468,7 +469,7 @@ def pipelines(tmp_path, monkeypatch):
                       batch_size=8)
     out = tmp_path / "pp"
     assert cli.main(["sweep", str(spec), "--out", str(out), "--no-progress"]) == 0
-    return out, report.load_runs(out)
+    return out, load.load_runs(out)
 
 
 def layout(pp=1, m=None, schedule="1f1b", dp=1, tp=1, seed=0, loss="none"):
@@ -497,7 +498,7 @@ def test_pipeline_runs_are_named_and_compared_with_their_own_layouts_baseline(pi
     assert set(labels.values(lossy, traffic)) == {"PP traffic", "DP gradients", "TP traffic"}
     # Each lossy setting against the loss-free runs of its own layout: the fake's accuracies differ by layout
     # (stages, schedule, micro-batches, replicas), so any other baseline would move delta off the loss's -5 pp.
-    table = report.settings(runs)
+    table = compare.settings(runs)
     for name, kw in LAYOUTS.items():
         rows = table[(table["loss_model"] != "none") & table["series"].str.contains(name, regex=False)] \
             if name.startswith("pp") else None
@@ -512,7 +513,7 @@ def test_pipeline_runs_are_named_and_compared_with_their_own_layouts_baseline(pi
 
 def test_pipeline_section_shows_accuracy_bubble_time_and_pp_loss_side_by_side(pipelines):
     out, runs = pipelines
-    shown = report.pipeline_table(runs)
+    shown = tables.pipeline_table(runs)
     assert list(shown.columns[-6:]) == ["time per step (ms)", "x no loss", "bubble (%)", "PP per step (ms)",
                                         "observed PP loss (%)", "n"]
     pipeline = shown.columns.get_loc("pipeline")
@@ -533,7 +534,7 @@ def test_pipeline_section_shows_accuracy_bubble_time_and_pp_loss_side_by_side(pi
         assert [cells[c] for c in ("bubble (%)", "PP per step (ms)", "observed PP loss (%)")] == ["–"] * 3
         assert cells["x no loss"] == ("1.500" if cells["loss"] != "no loss" else "1.000")
     # The time table says "–", never nan or a pipeline's off-path traffic sum, where a figure does not apply.
-    time_table, _ = report.time_to_accuracy_table(runs, report.load_metrics(out, runs))
+    time_table, _ = tables.time_to_accuracy_table(runs, load.load_metrics(out, runs))
     assert not time_table.astype(str).apply(lambda c: c.str.contains("nan")).any().any()
     staged = time_table["pipeline"] != "pp 1"
     assert set(time_table.loc[staged, "comm per step (ms)"]) == {"–"}
@@ -545,10 +546,10 @@ def test_pipeline_section_shows_accuracy_bubble_time_and_pp_loss_side_by_side(pi
 
 
 def test_a_sweep_without_stages_has_no_pipeline_section_or_columns(results):
-    runs = report.load_runs(results)
+    runs = load.load_runs(results)
     assert set(runs["pp_size"]) == {1} and "pp_schedule" not in runs.columns
-    assert report.section_pipeline(report.ReportInputs(results, runs, pd.DataFrame())) == ""
-    assert "bubble (%)" not in report.time_to_accuracy_table(runs, report.load_metrics(results, runs))[0].columns
+    assert sections.section_pipeline(sections.ReportInputs(results, runs, pd.DataFrame())) == ""
+    assert "bubble (%)" not in tables.time_to_accuracy_table(runs, load.load_metrics(results, runs))[0].columns
 
 
 def test_pipeline_labels_and_topology_count_every_stage():
@@ -582,10 +583,10 @@ def _record_choices(run_dir: Path) -> None:
 
 def test_report_names_the_algorithm_each_collective_ran(quick_like):
     out, runs, metrics = quick_like
-    assert report.section_collectives(report.ReportInputs(out, runs, metrics)) == "", "no records, no section"
+    assert sections.section_collectives(sections.ReportInputs(out, runs, metrics)) == "", "no records, no section"
     for run_dir in runs["run_dir"]:
         _record_choices(out / run_dir)
-    table = report.collectives_table(out, runs)
+    table = collectives.collectives_table(out, runs)
     # Three groups timed alike: ring on 2 nodes, direct on 2 nodes, ring on 2 x 2 (loss never splits a group).
     assert list(table["runs"]) == ["ring, 2 nodes x 1 rank", "direct, 2 nodes x 1 rank", "ring, 2 nodes x 2 ranks"]
     assert set(table["traffic"]) == {"TP"} and set(table["collective"]) == {"all_reduce"}
@@ -595,7 +596,7 @@ def test_report_names_the_algorithm_each_collective_ran(quick_like):
     sites = "h.*.attn.copy, h.*.attn.reduce, h.*.mlp.copy, h.*.mlp.reduce (8)"
     assert list(table["call sites"]) == [sites] * 3
     assert list(table["message"]) == ["40.0–44.0 KiB"] * 3
-    section = report.section_collectives(report.ReportInputs(out, runs, metrics))
+    section = sections.section_collectives(sections.ReportInputs(out, runs, metrics))
     assert section.startswith("## Collectives: which algorithm each ran") and "| ring/LL" in section
     report.write_report(out)
     assert "## Collectives: which algorithm each ran" in (out / "report.md").read_text()

@@ -28,6 +28,8 @@ TIMINGS = ("time_s", "tokens_per_s", "wall_time_s")
 LAYOUTS = {"tp": {},
            "ddp": dict(dp_size=2, recovery="error_feedback", dp_sync_every=5, dp_bucket_mb=0.05),
            "fsdp": dict(dp_size=2, dp_mode="fsdp", recovery="rescale", dp_bucket_mb=0.05)}
+# 3-D: tp 2 x pp 2 x dp 2, every replica's stages and boundaries and every stage's DDP groups losing packets.
+THREE_D = dict(pp_size=2, dp_size=2, dp_bucket_mb=0.05)
 
 
 pytestmark = pytest.mark.usefixtures("private_cache")
@@ -94,12 +96,13 @@ def _wait_for(predicate, proc, timeout=240):
     raise AssertionError("timed out waiting for the run to progress")
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [*LAYOUTS, "3d"])
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, layout):
-    reference = config_for(tmp_path / "reference", **LAYOUTS[layout])
+    changes = THREE_D if layout == "3d" else LAYOUTS[layout]
+    reference = config_for(tmp_path / "reference", **changes)
     assert run_experiment(reference, reference.out, progress=False)["status"] == "completed"
 
-    killed = config_for(tmp_path / "killed", **LAYOUTS[layout])
+    killed = config_for(tmp_path / "killed", **changes)
     config_path = tmp_path / "killed.yaml"
     config_path.write_text(yaml.safe_dump(killed.to_dict()))
     proc = subprocess.Popen([sys.executable, "-m", "lossysim", "train", "--config", str(config_path),
@@ -133,6 +136,7 @@ def test_half_written_checkpoint_is_ignored_and_corrupt_one_is_an_error(tmp_path
     data = bytearray((sealed[-1] / "rank0.pt").read_bytes())
     data[len(data) // 2] ^= 0xFF
     (sealed[-1] / "rank0.pt").write_bytes(bytes(data))
+    (Path(config.out) / "summary.json").unlink()   # as if killed after it: a finished run is never resumed
     config_path = tmp_path / "run.yaml"
     config_path.write_text(yaml.safe_dump(config.to_dict()))
     code = main(["train", "--config", str(config_path), "--resume", "--no-progress"])
@@ -141,17 +145,56 @@ def test_half_written_checkpoint_is_ignored_and_corrupt_one_is_an_error(tmp_path
     assert "corrupt" in err and "step-0000008" in err
 
 
-def test_resume_with_a_different_experiment_is_refused(tmp_path):
+def _files(folder) -> dict:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_resume_with_a_different_experiment_is_refused(tmp_path, finished):
+    """Checked against the finished run's summary, or (killed) its checkpoint."""
     config = config_for(tmp_path / "run", steps=4, save_checkpoint=False)
     assert run_experiment(config, config.out, progress=False)["status"] == "completed"
-    files = sorted(p for p in Path(config.out).rglob("*") if p.is_file())
-    before = [p.read_bytes() for p in files]
+    if not finished:
+        (Path(config.out) / "summary.json").unlink()
+    before = _files(config.out)
     changed = config.replace(loss="bernoulli:0.2")
     with pytest.raises(ValueError, match=r"with loss='ge:rate=0.05,burst=4', this run has loss='bernoulli:0.2'"):
         run_experiment(changed, changed.out, progress=False, resume=True)
     # refused before the run took its folder over: summary, config, metrics, checkpoints as they were
-    assert sorted(p for p in Path(config.out).rglob("*") if p.is_file()) == files
-    assert [p.read_bytes() for p in files] == before
+    assert _files(config.out) == before
+
+
+def test_resuming_a_finished_run_does_nothing(tmp_path, capsys):
+    """A finished run with checkpoints is resumed by doing nothing: its summary, metrics and checkpoints stay
+    byte for byte (it was cut back to its last checkpoint and trained again, so a kill then left a finished
+    run with no summary). The same experiment named otherwise (a pp_layout spelling out the even split)
+    is the same run."""
+    config = config_for(tmp_path / "run", steps=4, save_checkpoint=False, tp_size=1, pp_size=2,
+                        loss="bernoulli:0.05", lossy_traffic="pp_forward,pp_backward")
+    first = run_experiment(config, config.out, progress=False)
+    assert first["status"] == "completed" and checkpoint.latest(config.out) is not None
+    before = _files(config.out)
+    config_path = tmp_path / "run.yaml"
+    config_path.write_text(yaml.safe_dump(config.to_dict()))
+    for layout in ([], ["--pp-layout", "1,1"]):
+        assert main(["train", "--config", str(config_path), "--resume", "--no-progress", *layout]) == 0
+        assert _files(config.out) == before
+    assert run_experiment(config, config.out, progress=False, resume=True) == first
+
+
+def test_an_even_split_written_out_resumes_a_run_of_the_default_layout(tmp_path):
+    """pp_layout 1,1 is the default's even split of two blocks into two stages: the same experiment, as
+    microbatches equal to pp_size is. Another split of a deeper model is another experiment."""
+    config = config_for(tmp_path / "run", steps=4, save_checkpoint=False, tp_size=1, pp_size=2,
+                        loss="bernoulli:0.05", lossy_traffic="pp_forward,pp_backward")
+    assert run_experiment(config, config.out, progress=False)["status"] == "completed"
+    (Path(config.out) / "summary.json").unlink()   # as if killed after step 4's checkpoint
+    spelled = config.replace(pp_layout="1, 1")
+    summary = run_experiment(spelled, spelled.out, progress=False, resume=True)
+    assert summary["status"] == "completed", summary.get("error")
+    checkpoint.check_same_experiment(config.to_dict(), spelled, "here", layers=2)
+    with pytest.raises(ValueError, match=r"with pp_layout=None, this run has pp_layout='1,3'"):
+        checkpoint.check_same_experiment(config.to_dict(), config.replace(pp_layout="1,3"), "here", layers=4)
 
 
 def _back_to_first_checkpoint(config, tmp_path):
@@ -279,6 +322,11 @@ def test_dist_resume_from_mid_run_checkpoint_is_exact(tmp_path, layout):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr and "step-0000004" in proc.stderr
     assert_same_run(Path(config.out), resumed)
+    if layout == "tp":   # finished now: every rank learns from rank 0 that there is nothing to resume
+        before = _files(resumed)
+        proc = torchrun(["train", "--no-progress", "--config", str(config_path), "--out", str(resumed), "--resume"])
+        assert proc.returncode == 0 and "nothing to resume" in proc.stderr, proc.stderr[-3000:]
+        assert _files(resumed) == before
 
 
 class _Payload:
@@ -305,6 +353,7 @@ def test_a_checkpoint_carrying_code_is_refused_without_running_it(tmp_path, caps
     manifest = json.loads((sealed / "manifest.json").read_text())
     manifest["files"]["rank0.pt"] = hashlib.sha256((sealed / "rank0.pt").read_bytes()).hexdigest()
     (sealed / "manifest.json").write_text(json.dumps(manifest))
+    (Path(config.out) / "summary.json").unlink()   # as if killed after it: a finished run is never resumed
     config_path = tmp_path / "run.yaml"
     config_path.write_text(yaml.safe_dump(config.to_dict()))
     capsys.readouterr()

@@ -202,10 +202,16 @@ def test_pp_profile_loses_pp_traffic_between_two_nodes_beside_dp_and_tp(tmp_path
     help_text = run_script(SCRIPT, ["--help"], clean_env(tmp_path)).stdout
     assert "quick | mitigations | dp | pp | real | mnli" in help_text and "Spec: experiments/pipeline.yaml" in help_text
     runs = [run.config for run in sweep.expand(sweep.load_spec(ROOT / "experiments" / "pipeline.yaml"), tmp_path / "p")]
-    assert len(runs) == 66 and {c.seed for c in runs} == {0, 1, 2}
+    assert len(runs) == 81 and {c.seed for c in runs} == {0, 1, 2}
     assert {(c.steps, c.model, c.backend) for c in runs} == {(runs[0].steps, "tiny", "sim")}, "one model, one length"
-    # every pipeline is 2 stages on 2 nodes, a stage's TP group filling a node: only the boundary crosses them
-    staged = [c for c in runs if c.pp_size > 1]
+    # 3-D: tp 2 x pp 2 x dp 2 on 8 nodes, 5% on each kind of traffic alone and on all, beside its loss-free run
+    three_d = [c for c in runs if c.pp_size > 1 and c.dp_size > 1]
+    assert {(c.tp_size, c.pp_size, c.dp_size, c.ranks_per_node) for c in three_d} == {(2, 2, 2, 1)}
+    assert sorted((c.loss, c.lossy_traffic) for c in three_d) == sorted(
+        [("none", "all")] * 3 + [("bernoulli:0.05", t) for t in ("tp_forward,tp_backward", "pp_forward,pp_backward",
+                                                                  "dp", "all") for _ in range(3)])
+    # every other pipeline is 2 stages on 2 nodes, a stage's TP group filling a node: only the boundary crosses
+    staged = [c for c in runs if c.pp_size > 1 and c.dp_size == 1]
     assert {(c.tp_size, c.pp_size, c.ranks_per_node, c.n_microbatches, c.pp_schedule) for c in staged} == \
         {(1, 2, 1, 2, "1f1b"), (2, 2, 2, 2, "1f1b")}
     lossy = [c for c in staged if c.loss != "none"]

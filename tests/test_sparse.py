@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from lossysim.estimate import Workload, estimate
+from lossysim.estimate import Workload, estimate, job_config
 from lossysim.loss.models import Bernoulli, GilbertElliott
 from lossysim.net import LossyNetwork, NetworkSpec, sparse
 from lossysim.net.recovery import packets_of
@@ -24,8 +24,8 @@ def run(spec: NetworkSpec, sizes=(100, 5000, 40000), calls=3, deliver=True) -> d
                     drawn = vars(packets_of(drawn)) if deliver else sparse.bad_packets_of(packets_of(drawn))
                 deliveries.append(drawn)
     return {"deliveries": deliveries, "stats": net.stats(), "bursts": net.burst_histogram(), "clock": net.clock(),
-            "failures": net.failures(), "totals": net.totals(),
-            "streams": [ch.chains.generator.get_state() for ch in net._channels.values()]}
+            "failures": net.totals()["failures"], "totals": net.totals(),
+            "streams": [ch.chains.generator.get_state() for ch in net.channels.by_key.values()]}
 
 
 def same(a, b) -> bool:
@@ -85,10 +85,11 @@ def test_sends_without_packets_take_no_losses(loss, monkeypatch):
 
 
 def test_an_estimate_is_the_same_on_either_path(monkeypatch):
-    workload = Workload(seq=64, micro_batch=2)
+    workload = Workload(seq=64)
     rows = {}
     for name in ("sparse", "general"):
-        rows[name] = [estimate("tiny-llama", dict(ranks=4, seed=1, **settings), workload, steps=2)
+        rows[name] = [estimate("tiny-llama", job_config("tiny-llama", micro_batch=2, tp_size=4, seed=1, **settings),
+                               workload, steps=2)
                       for settings in SETTINGS]
         monkeypatch.setattr(sparse, "applies", lambda spec, device: False)
     assert rows["sparse"] == rows["general"]

@@ -11,16 +11,17 @@ from .fsdp import DistFullyShardedDataParallel, FullyShardedDataParallel
 from .replicas import DataParallel, DistDataParallel, Replica
 
 
-def apply_dp(replicas: Sequence[Replica], mesh: Mesh, networks: Sequence[LossyNetwork], bucket_bytes: float,
-             mode: str = "ddp", rank: int = 0, groups: Optional[dict] = None) -> DataParallel:
-    """``replicas`` (the ones this process runs) averaging their gradients over ``networks`` (one per
-    TP position this process holds; none for a group of one). ``groups``: dist's process groups
+def apply_dp(replicas: Sequence[Replica], mesh: Mesh, networks: Sequence[Sequence[LossyNetwork]],
+             bucket_bytes: float, mode: str = "ddp", rank: int = 0, groups: Optional[dict] = None) -> DataParallel:
+    """``replicas`` (the ones this process runs) averaging their gradients over ``networks`` (per stage,
+    one per TP position this process holds; none for a group of one). ``groups``: dist's process groups
     (``Mesh.process_groups``), this process being global ``rank``; None: sim. ``mode``: ddp or fsdp
     (a group of one has nothing to shard)."""
     fsdp = mode == "fsdp" and mesh.dp > 1
     if groups is None:
         return (FullyShardedDataParallel if fsdp else DataParallel)(replicas, networks, bucket_bytes)
-    replica, tp_rank = mesh.coordinate(rank)
+    replica, stage, tp_rank = mesh.position(rank)
     kind = DistFullyShardedDataParallel if fsdp else DistDataParallel
-    return kind(replicas[0], networks[0], bucket_bytes, replica_index=replica, tp_rank=tp_rank, dp_size=mesh.dp,
-                tp_size=mesh.tp, dp_group=groups["dp"][tp_rank], tp_group=groups["tp"][replica])
+    return kind(replicas[0], networks[0][0], bucket_bytes, replica_index=replica, tp_rank=tp_rank, dp_size=mesh.dp,
+                tp_size=mesh.tp, dp_group=groups["dp"][rank], tp_group=groups["tp"][rank], stage=stage,
+                pp_group=groups["pp"][rank] if mesh.pp > 1 else None)

@@ -10,7 +10,7 @@ modelled.)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -31,10 +31,12 @@ class Bucket:
         return sum(self.numels)
 
 
-def plan_buckets(params: list[torch.Tensor], sharded_ids: set[int], cap_bytes: float) -> list[Bucket]:
-    """Buckets of a TP rank's local gradients, in the order backward fills them."""
+def plan_buckets(params: list[torch.Tensor], sharded_ids: set[int], cap_bytes: float,
+                 chosen: Optional[Sequence[bool]] = None) -> list[Bucket]:
+    """Buckets of a TP rank's local gradients, in the order backward fills them; ``chosen``: which of
+    ``params`` (a pipeline stage's) they hold, indices still into ``params`` (None: all of them)."""
     local = [(i, id(p) in sharded_ids, (p[0] if id(p) in sharded_ids else p).numel(), p.element_size())
-             for i, p in enumerate(params) if p.requires_grad]
+             for i, p in enumerate(params) if p.requires_grad and (chosen is None or chosen[i])]
     total = sum(n * size for _, _, n, size in local) or 1
     buckets, current, filled, done = [], [], 0, 0
     for entry in reversed(local):

@@ -105,9 +105,9 @@ class FullyShardedDataParallel(DataParallel):
             seconds.append(slowest)
         return seconds
 
-    def average_gradients(self) -> list[float]:
+    def average_gradients(self) -> list[list[float]]:
         """Reduce-scatter every unit in every group; every replica's parameters back to the master and
-        its gradient the owners' shards, divided by dp_size. Returns each unit's seconds."""
+        its gradient the owners' shards, divided by dp_size. Returns each unit's seconds (one stage's)."""
         grads = [[_grad(p) for p in r.model.parameters()] for r in self.replicas]
         assembled = [g.clone() for g in grads[0]]
         seconds = []
@@ -135,7 +135,7 @@ class FullyShardedDataParallel(DataParallel):
                         p.copy_(self._master[k])
                     p.grad = assembled[k].clone()
         self._master = None
-        return seconds
+        return [seconds]
 
 
 class DistFullyShardedDataParallel(DistDataParallel):
@@ -182,7 +182,7 @@ class DistFullyShardedDataParallel(DistDataParallel):
             seconds.append(self._slowest(network.clock()["comm_s"] - before))
         return seconds
 
-    def average_gradients(self) -> list[float]:
+    def average_gradients(self) -> list[list[float]]:
         network, r, R = self.networks[0], self.first, self.dp_size
         params = list(self.replicas[0].model.parameters())
         grads = [_grad(p) for p in params]
@@ -205,4 +205,4 @@ class DistFullyShardedDataParallel(DistDataParallel):
                     p.copy_(self._master[k])
                 p.grad = assembled[k]
         self._master = None
-        return seconds
+        return [seconds]

@@ -1,8 +1,9 @@
-"""Replicas of the tensor-parallel group and the data-parallel traffic between them.
+"""Replicas of the tensor-parallel group (of each pipeline stage) and the data-parallel traffic between them.
 
-Global ranks are laid out tp-major: replica r's TP ranks are ``r * tp_size .. r * tp_size + tp_size - 1``.
-TP position t of every replica forms data-parallel group t (ranks ``t, tp_size + t, ...``), with its own
-``LossyNetwork`` of dp_size ranks: its own links, chains and statistics, apart from the TP links'.
+TP position t of a stage s of every replica forms a data-parallel group (``Mesh.dp_ranks(t, s)``), with
+its own ``LossyNetwork`` of dp_size ranks: its own links, chains and statistics, apart from the TP
+links'. Each stage buckets its own parameters (the embeddings with the first, the final norm and the
+head with the last: ``pp.stages.parameter_stages``); without pipeline stages there is one.
 
 After every replica's backward, each bucket (``buckets``) of every group is all-reduced through the
 group's network (site ``dp.bucket{i}``, direction ``bwd``): receiver r's sum is divided by dp_size and
@@ -15,12 +16,13 @@ reliable channel that keeps replicated parameters equal inside a TP group would 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..net import LossyNetwork
+from ..pp.stages import Pipeline, parameter_stages
 from ..timing import nccl
 from . import buckets as bucketing, timeline
 from .buckets import Bucket
@@ -28,17 +30,24 @@ from .buckets import Bucket
 
 @dataclass
 class Replica:
-    """One replica of the TP group: its model (whose TP network is its own), optimiser and schedule."""
+    """One replica of the TP group: its model (whose TP network is its own), optimiser and schedule, and
+    with pipeline stages its ``Pipeline`` (every stage's and boundary's networks)."""
     model: Any            # a TensorParallelModel
     optimizer: Any
     scheduler: Any
+    pipeline: Optional[Pipeline] = None
 
     def state_dict(self) -> dict:
         """What this replica carries from step to step: weights, optimiser moments, schedule, its TP
-        network (chains, streams, counters, recovery memory) and its replicated dropout stream."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "network": self.model.network.state_dict(),
-                "replicated_rng": self.model.group.rng_state()}
+        network (chains, streams, counters, recovery memory) and its replicated dropout stream; its later
+        stages' and boundaries' networks and streams."""
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "network": self.model.network.state_dict(),
+                 "replicated_rng": self.model.group.rng_state()}
+        if self.pipeline is not None:
+            state["pp"] = {**self.pipeline.state_dict(),
+                           "replicated_rng": [g.rng_state() for g in self.model.groups[1:]]}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
@@ -46,10 +55,24 @@ class Replica:
         self.scheduler.load_state_dict(state["scheduler"])
         self.model.network.load_state_dict(state["network"])
         self.model.group.load_rng_state(state["replicated_rng"])
+        if self.pipeline is not None:
+            self.pipeline.load_state_dict(state["pp"])
+            for group, rng in zip(self.model.groups[1:], state["pp"]["replicated_rng"], strict=True):
+                group.load_rng_state(rng)
+
+    def stage_of_parameters(self) -> list[int]:
+        """The pipeline stage holding each of the model's parameters, in ``parameters()`` order (all 0
+        without stages)."""
+        params = list(self.model.parameters())
+        if self.pipeline is None:
+            return [0] * len(params)
+        owner = parameter_stages(self.model.model, self.pipeline.layout)
+        return [owner[id(p)] for p in params]
 
 
 class DataParallel:
-    """``sim``: every replica in this process, one data-parallel network per TP position, the bucket plan.
+    """``sim``: every replica in this process, one data-parallel network per stage and TP position, each
+    stage's bucket plan.
 
     ``replicas`` are the replicas this process runs (numbered from ``first``); the methods below that
     cross replicas (times, logits, finiteness, statistics) are the ones ``DistDataParallel`` moves over
@@ -61,18 +84,28 @@ class DataParallel:
     first = 0
     fsdp = False              # DDP: every replica holds whole parameters (``fsdp`` shards them)
 
-    def __init__(self, replicas: Sequence[Replica], networks: Sequence[LossyNetwork], bucket_bytes: float):
+    def __init__(self, replicas: Sequence[Replica], networks: Sequence[Sequence[LossyNetwork]], bucket_bytes: float):
+        """``networks[s][t]``: stage s's TP position t's group (one stage without a pipeline; none at all
+        for a group of one)."""
         self.replicas = list(replicas)
-        self.networks = list(networks)          # one per TP position
+        self.stage_networks = [list(stage) for stage in networks]
+        self.networks = [n for stage in self.stage_networks for n in stage]   # every group's, stage by stage
         self.dp_size = len(self.replicas)
-        self.tp_size = len(self.networks)
-        self._init_buckets(bucket_bytes)
+        self.tp_size = len(self.stage_networks[0]) if self.stage_networks else 0
+        self._init_buckets(bucket_bytes, range(max(len(self.stage_networks), 1)))
 
-    def _init_buckets(self, bucket_bytes: float) -> None:
+    def _init_buckets(self, bucket_bytes: float, stages: Sequence[int]) -> None:
+        """Each of ``stages``' buckets of its own parameters (``stage_buckets``, in that order) and all of
+        them (``buckets``)."""
         model = self.replicas[0].model
         sharded_ids = {id(q) for q in model.sharded_parameters()}
-        self._sharded = {i for i, p in enumerate(model.parameters()) if id(p) in sharded_ids}
-        self.buckets: list[Bucket] = bucketing.plan_buckets(list(model.parameters()), sharded_ids, bucket_bytes)
+        params = list(model.parameters())
+        self._sharded = {i for i, p in enumerate(params) if id(p) in sharded_ids}
+        self._stage_of = self.replicas[0].stage_of_parameters()
+        self.stage_buckets: list[list[Bucket]] = [
+            bucketing.plan_buckets(params, sharded_ids, bucket_bytes, [owner == s for owner in self._stage_of])
+            for s in stages]
+        self.buckets: list[Bucket] = [b for stage in self.stage_buckets for b in stage]
         self._buffers: dict = {}
 
     def state_dict(self) -> dict:
@@ -96,31 +129,41 @@ class DataParallel:
         """DDP gathers no weights before the forward (FSDP does: ``fsdp``); each unit's seconds: none."""
         return []
 
-    def added_seconds(self, times: torch.Tensor, gather_s: Sequence[float], bucket_s: Sequence[float],
+    def added_seconds(self, times: torch.Tensor, gather_s: Sequence[float], bucket_s: Sequence[Sequence[float]],
                       overlap: bool) -> float:
-        """What the data-parallel traffic adds to replica 0's step, given every replica's [forward,
-        backward] seconds (``times``, [dp, 2]) and the gathers' and buckets' seconds: the slowest
-        replica's path, then the buckets it waits for (``timeline``). A group of one waits for nothing."""
+        """What the data-parallel traffic adds to replica 0's step (one stage), given every replica's
+        [forward, backward] seconds (``times``, [dp, 2]) and the gathers' and buckets' seconds (``bucket_s``:
+        per stage): the slowest replica's path, then the buckets it waits for (``timeline``). A group of
+        one waits for nothing."""
         if self.dp_size == 1:
             return 0.0
-        first, slowest = times[0], times.max(0).values
-        ready = [b.ready for b in self.buckets]
-        forward_end = timeline.gathered_forward_seconds(float(slowest[0]), ready, gather_s, overlap)
-        end = timeline.step_seconds(forward_end, float(slowest[1]), ready, bucket_s, overlap)
-        return end - float(first[0]) - float(first[1])
+        return timeline.added_seconds(times.tolist(), self.ready()[0], gather_s, bucket_s[0], overlap)
 
-    def average_gradients(self) -> list[float]:
+    def ready(self) -> list[list[float]]:
+        """Each stage's buckets' readiness: the share of its backward done when each is full."""
+        return [[b.ready for b in stage] for stage in self.stage_buckets]
+
+    def average_gradients(self) -> list[list[float]]:
         """All-reduce every bucket in every group; write each replica's average back as its gradient.
-        Returns each bucket's seconds on the clock (the slowest group's: groups run side by side).
+        Returns each stage's buckets' seconds on the clock (the slowest group's: groups run side by side).
         A group of one averages nothing: its gradients stay as backward left them."""
         if self.dp_size == 1:
             return []
         grads = [[_grad(p) for p in r.model.parameters()] for r in self.replicas]
+        seconds = [self._average_stage(grads, buckets, networks)
+                   for buckets, networks in zip(self.stage_buckets, self.stage_networks)]
+        for replica, g in zip(self.replicas, grads):
+            for p, grad in zip(replica.model.parameters(), g):
+                p.grad = grad
+        return seconds
+
+    def _average_stage(self, grads: list, buckets: list[Bucket], networks: list[LossyNetwork]) -> list[float]:
+        """One stage's buckets averaged over its groups (``average_gradients``); each bucket's seconds."""
         seconds = []
-        for b, bucket in enumerate(self.buckets):
+        for b, bucket in enumerate(buckets):
             slowest = 0.0
             replicated: dict[int, torch.Tensor] = {}   # parameter -> [dp, numel]: the groups' deliveries summed
-            for t, network in enumerate(self.networks):
+            for t, network in enumerate(networks):
                 before = network.clock()["comm_s"]
                 contributions = self._scratch("contributions", bucket.numel, grads[0][bucket.params[0]])
                 for g, row in zip(grads, contributions):
@@ -143,9 +186,6 @@ class DataParallel:
                 for r, g in enumerate(grads):
                     g[i].copy_(summed[r].view_as(g[i]))
             seconds.append(slowest)
-        for replica, g in zip(self.replicas, grads):
-            for p, grad in zip(replica.model.parameters(), g):
-                p.grad = grad
         return seconds
 
     def _scratch(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -163,6 +203,14 @@ class DataParallel:
         """Every replica's tensor (this process's ``local`` ones), concatenated in replica order."""
         return torch.cat(list(local))
 
+    def every_replica(self, local: list) -> list:
+        """Every replica's value (plain data; this process's ``local`` ones), in replica order."""
+        return list(local)
+
+    def every_stage(self, local: list) -> list:
+        """Every stage's value (plain data; this process's stages' ``local`` ones), in stage order."""
+        return list(local)
+
     def all_true(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank."""
         return flag
@@ -175,23 +223,23 @@ class DataParallel:
     def drift(self) -> float:
         """How far the replicas' parameters have drifted from replica 0's: max over r of
         ||p_r - p_0|| / ||p_0||, over every parameter (every TP rank's shard) at once. Summed as
-        ``dist`` sums it (each TP rank's squares, then the TP ranks' totals in rank order), so the
-        two backends give the same bits on the same weights."""
+        ``dist`` sums it (each TP rank's squares of each stage's parameters, then those totals TP rank
+        by TP rank, stage by stage), so the two backends give the same bits on the same weights."""
         base = list(self.replicas[0].model.parameters())
         worst = torch.zeros((), dtype=torch.float64)
         for replica in self.replicas[1:]:
             params = list(replica.model.parameters())
-            sums = _square_sums(self._local(params, base, 0))
-            for t in range(1, self.tp_size):
-                sums = sums + _square_sums(self._local(params, base, t))
-            worst = torch.maximum(worst, _relative(sums).cpu())
+            worst = torch.maximum(worst, _relative(_summed(
+                [[_square_sums(self._local(params, base, t, s)) for s in range(len(self.stage_buckets))]
+                 for t in range(max(self.tp_size, 1))])).cpu())
         return float(worst)
 
-    def _local(self, params: list, base: list, t: int) -> list:
-        """(parameter, replica 0's) pairs as TP rank t holds them: its shard of each sharded one, and
-        the replicated ones on rank 0 only (counted once)."""
+    def _local(self, params: list, base: list, t: int, stage: int) -> list:
+        """(parameter, replica 0's) pairs of ``stage`` as TP rank t holds them: its shard of each sharded
+        one, and the replicated ones on rank 0 only (counted once)."""
         return [(p[t:t + 1], b[t:t + 1]) if i in self._sharded else (p, b)
-                for i, (p, b) in enumerate(zip(params, base)) if i in self._sharded or t == 0]
+                for i, (p, b) in enumerate(zip(params, base))
+                if self._stage_of[i] == stage and (i in self._sharded or t == 0)]
 
     @torch.no_grad()
     def synchronise(self) -> float:
@@ -206,22 +254,24 @@ class DataParallel:
 
 
 class DistDataParallel(DataParallel):
-    """``dist``: this process is TP rank ``tp_rank`` of replica ``replica`` (global rank
-    ``replica * tp_size + tp_rank``); ``dp_group`` holds its data-parallel peers, ``tp_group`` its
-    replica's TP ranks. Every rank gathers its group's bucket messages over a reliable channel and
-    draws every link's packets from the same streams as ``sim``, keeping its own receiver's row, so it
-    applies exactly the masks ``sim`` applies for it."""
+    """``dist``: this process is TP rank ``tp_rank`` of stage ``stage`` of replica ``replica``;
+    ``dp_group`` holds its data-parallel peers, ``tp_group`` its replica's stage's TP ranks, ``pp_group``
+    (with stages) its replica's pipeline at its TP position. It buckets its stage's parameters only.
+    Every rank gathers its group's bucket messages over a reliable channel and draws every link's packets
+    from the same streams as ``sim``, keeping its own receiver's row, so it applies exactly the masks
+    ``sim`` applies for it."""
 
     def __init__(self, replica: Replica, network: LossyNetwork, bucket_bytes: float, *, replica_index: int,
-                 tp_rank: int, dp_size: int, tp_size: int, dp_group, tp_group):
+                 tp_rank: int, dp_size: int, tp_size: int, dp_group, tp_group, stage: int = 0, pp_group=None):
         self.replicas = [replica]
+        self.stage_networks = [[network]]
         self.networks = [network]
-        self.first, self.tp_rank = replica_index, tp_rank
+        self.first, self.tp_rank, self.stage = replica_index, tp_rank, stage
         self.dp_size, self.tp_size = dp_size, tp_size
-        self.dp_group, self.tp_group = dp_group, tp_group
+        self.dp_group, self.tp_group, self.pp_group = dp_group, tp_group, pp_group
         # nccl moves only tensors on the rank's GPU; gloo takes these on the CPU too
         self.device = next(replica.model.parameters()).device
-        self._init_buckets(bucket_bytes)
+        self._init_buckets(bucket_bytes, [stage])
 
     def _write_back(self, grads: list, bucket, averaged: torch.Tensor) -> None:
         """A bucket's averaged message into ``grads``: a sharded parameter's piece as it is, a replicated
@@ -248,7 +298,7 @@ class DistDataParallel(DataParallel):
         dist.all_gather_into_tensor(out, x.contiguous().reshape(-1), group=group)
         return out.view(size, *x.shape)
 
-    def average_gradients(self) -> list[float]:
+    def average_gradients(self) -> list[list[float]]:
         network, r = self.networks[0], self.first
         grads = [_grad(p) for p in self.replicas[0].model.parameters()]
         seconds = []
@@ -258,14 +308,27 @@ class DistDataParallel(DataParallel):
             delivered = network.all_reduce(f"dp.bucket{b}", "bwd", contributions, [r])
             self._write_back(grads, bucket, delivered[0] / self.dp_size)
             seconds.append(self._slowest(network.clock()["comm_s"] - before))
-        for p, grad in zip(self.replicas[0].model.parameters(), grads):
-            p.grad = grad
-        return seconds
+        for p, grad, stage in zip(self.replicas[0].model.parameters(), grads, self._stage_of):
+            if stage == self.stage:     # another stage's parameters are not this process's to step
+                p.grad = grad
+        return [seconds]
 
     def gather_replicas(self, local: Sequence[torch.Tensor]) -> torch.Tensor:
         local = torch.cat(list(local))
         gathered = self._gather(local.to(self.device), self.dp_group, self.dp_size)
         return gathered.flatten(0, 1).to(local.device)
+
+    def every_replica(self, local: list) -> list:
+        every: list = [None] * self.dp_size
+        dist.all_gather_object(every, local[0], group=self.dp_group)
+        return every
+
+    def every_stage(self, local: list) -> list:
+        if self.pp_group is None:
+            return list(local)
+        every: list = [None] * dist.get_world_size(self.pp_group)
+        dist.all_gather_object(every, local[0], group=self.pp_group)
+        return every
 
     def all_true(self, flag: bool) -> bool:
         value = torch.tensor([1 if flag else 0], device=self.device)
@@ -275,22 +338,25 @@ class DistDataParallel(DataParallel):
     def summaries(self, by: Sequence[str] = ("direction",)) -> list[list[dict]]:
         every: list = [None] * self.tp_size
         dist.all_gather_object(every, self.networks[0].summary(by=by), group=self.tp_group)
-        return every
+        return [summary for stage in self.every_stage([every]) for summary in stage]   # every stage's groups
 
     @torch.no_grad()
     def drift(self) -> float:
-        """As ``sim``'s: each rank sums its local squares (a replicated parameter counted on TP rank 0
-        only), the replica's TP ranks add theirs, the worst replica wins."""
-        params = list(self.replicas[0].model.parameters())
-        base = []
-        for p in params:
+        """As ``sim``'s: each rank sums its local squares of its stage's parameters (a replicated
+        parameter counted on TP rank 0 only), the replica's ranks' sums are gathered and added TP rank by
+        TP rank, stage by stage; the worst replica wins."""
+        params = [(i, p) for i, p in enumerate(self.replicas[0].model.parameters()) if self._stage_of[i] == self.stage]
+        pairs = []
+        for i, p in params:
             b = p.detach().float().clone()
             dist.broadcast(b, src=dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
-            base.append(b)
-        sums = _square_sums([(p, b) for i, (p, b) in enumerate(zip(params, base))
-                             if i in self._sharded or self.tp_rank == 0]).to(self.device)
-        dist.all_reduce(sums, group=self.tp_group)
-        rel = _relative(sums).reshape(1)
+            if i in self._sharded or self.tp_rank == 0:
+                pairs.append((p, b))
+        mine: list = [None] * self.tp_size
+        dist.all_gather_object(mine, _square_sums(pairs).cpu(), group=self.tp_group)   # [t]
+        every = self.every_stage([mine])                                                # [s][t]
+        rel = _relative(_summed([[every[s][t] for s in range(len(every))] for t in range(self.tp_size)]))
+        rel = rel.reshape(1).to(self.device)
         dist.all_reduce(rel, op=dist.ReduceOp.MAX, group=self.dp_group)
         return float(rel)
 
@@ -328,6 +394,16 @@ def _square_sums(pairs) -> torch.Tensor:
     norms = torch.stack([torch.stack([torch.dist(p, base) for p, base in pairs]),
                          torch.stack([base.norm() for _, base in pairs])])
     return norms.double().pow(2).sum(1)
+
+
+def _summed(parts: list[list[torch.Tensor]]) -> torch.Tensor:
+    """``_square_sums`` of each TP rank's shards of each stage (``parts[t][s]``) added up in one order,
+    TP rank by TP rank, stage by stage: the order both backends sum in."""
+    flat = [part for per_rank in parts for part in per_rank]
+    total = flat[0]
+    for part in flat[1:]:
+        total = total + part
+    return total
 
 
 def _relative(sums: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """What packet loss costs a real model's training step: its collectives through the lossy network, no model.
 
-``estimate(model, network, workload, steps)`` simulates one setting; ``lossysim estimate`` runs a grid
+``estimate(model, config, workload, steps)`` simulates one setting (a training run's config); ``lossysim estimate`` runs a grid
 (docs/estimate.md).
 """
 from .shapes import NAMES, Shape, load
 from .simulate import estimate
-from .workload import Workload
+from .workload import Workload, job_config
 
-__all__ = ["NAMES", "Shape", "Workload", "estimate", "load"]
+__all__ = ["NAMES", "Shape", "Workload", "estimate", "job_config", "load"]

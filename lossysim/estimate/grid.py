@@ -12,27 +12,27 @@ import itertools
 import json
 import sys
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from tqdm.auto import tqdm
 
+from ..config import DP_MODES, PP_SCHEDULES, ExperimentConfig
 from ..io import atomic_write_text, check_writable, output_errors
-from ..net import NetworkSpec
+from ..mesh import DEFAULT_ORDER
 from ..net.algorithms import ALGORITHMS
 from ..net.recovery import RECOVERY_POLICIES
 from ..net.spec import LOSSY
 from ..net.topology import LOSSY_LINKS
 from ..net.transport import TRANSPORTS
-from ..config import DP_MODES
-from ..pp.schedule import SCHEDULES
 from ..timing import NIC_PRESETS
 from ..timing.congestion import CONGESTION
+from ..traffic import KINDS
 from ..util import one_of
 from .shapes import NAMES, load
-from .simulate import estimate
-from .workload import DTYPES, Workload, layout_name
+from .simulate import CLASSES, estimate
+from .workload import DTYPES, Workload, job_config
 
-# Network keys that take several values: flag -> NetworkSpec field.
+# Network keys that take several values: flag -> config key.
 GRID = {"--loss": "loss", "--transport": "transport", "--nic": "nic", "--algorithm": "algorithm",
         "--link-intra": "link_intra", "--link-inter": "link_inter", "--lossy-links": "lossy_links",
         "--recovery": "recovery", "--lossy": "lossy", "--sockets": "sockets", "--congestion": "congestion"}
@@ -50,21 +50,25 @@ SHOWN = ("loss", "transport", "nic", "algorithm", "loss_free_step_s", "step_mean
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("model", help=f"a named shape ({', '.join(NAMES)}), a config.json or a model directory")
+    parser.add_argument("model", nargs="?", help=f"a named shape ({', '.join(NAMES)}), a config.json or a model "
+                        "directory (with --trace: optional, its modelled compute replaces the trace's)")
+    parser.add_argument("--trace", help="estimate your own job: its torch.profiler traces (a folder, one per rank, "
+                                        "or one file whose peers mirror it); docs/estimate.md")
     parser.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
     parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES), help="activation dtype (default bf16)")
-    parser.add_argument("--tp-size", type=int, default=8, help="tensor-parallel degree (default 8)")
+    parser.add_argument("--tp-size", type=int, help="tensor-parallel degree (default 8; with --trace 1)")
     parser.add_argument("--ranks-per-node", "--gpus-per-node", dest="ranks_per_node", type=int,
                         help="GPUs (ranks) per node (default: a TP group to a node; tp alone: all on one node)")
     parser.add_argument("--nics-per-node", type=int, help="NICs a node's inter-node traffic spreads over "
                                                           "(default: one per GPU)")
     parser.add_argument("--payload-bytes", type=int, help="payload bytes of a packet (default "
-                        f"{NetworkSpec.__dataclass_fields__['payload_bytes'].default}; RoCE at MTU 4096: 4096)")
-    parser.add_argument("--pp-size", type=int, default=1, help="pipeline stages (default 1)")
-    parser.add_argument("--pp-schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
+                        f"{ExperimentConfig.__dataclass_fields__['payload_bytes'].default}; RoCE at MTU 4096: 4096)")
+    parser.add_argument("--pp-size", type=int, help="pipeline stages (default 1)")
+    parser.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES, help="pipeline schedule (default 1f1b)")
     parser.add_argument("--pp-layout", help="blocks per stage, e.g. 9,10,10,11 (default: an even split)")
-    parser.add_argument("--dp-size", type=int, default=1, help="data-parallel replicas (default 1)")
+    parser.add_argument("--dp-size", type=int, help="data-parallel replicas (default 1; with --trace and no "
+                                                     "layout: the world, or the pipeline's stages if it sends)")
     parser.add_argument("--dp-mode", default="ddp", choices=DP_MODES, help="ddp or fsdp (default ddp)")
     parser.add_argument("--microbatches", type=int,
                         help="micro-batches per replica per step (default: from --global-batch, else pp size)")
@@ -80,8 +84,12 @@ def add_arguments(parser) -> None:
                              "their times (0: every group; default: every group up to 64 GPUs, else 2)")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each block's forward in backward (its all-reduces are charged again)")
+    parser.add_argument("--parallel-order", default=DEFAULT_ORDER,
+                        help=f"how global ranks are laid out, innermost first (default {DEFAULT_ORDER}, Megatron's)")
+    parser.add_argument("--lossy-traffic", default="all",
+                        help=f"which traffic can lose packets: all, or some of {', '.join(KINDS)} (default all)")
     for flag, key in GRID.items():
-        default = DEFAULTS.get(key, NetworkSpec.__dataclass_fields__[key].default)
+        default = DEFAULTS.get(key, ExperimentConfig.__dataclass_fields__[key].default)
         if isinstance(default, tuple):
             default = "both"
         values = f": {one_of(CHOICES[key])}" if key in CHOICES else ""
@@ -89,84 +97,132 @@ def add_arguments(parser) -> None:
                             help=f"{key}{values} (repeatable{'' if key in WHOLE else ' or comma-separated'}; "
                                  f"default {default})")
     parser.add_argument("--seed", type=int, default=0, help="root of every call site's random stream")
-    parser.add_argument("--compute", default="h100", help="GPU model for compute time (default h100)")
+    parser.add_argument("--compute", default="h100", help="GPU model: compute time, and NCCL's tables and NVLS as in "
+                                                            "training (default h100)")
     parser.add_argument("--steps", type=int, default=10, help="simulated steps per setting (default 10)")
     parser.add_argument("--out", help="folder for estimate.csv, estimate.json and slowdown.png")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args) -> int:
-    workload = Workload(args.seq, args.micro_batch, args.dtype, args.activation_checkpointing, pp_size=args.pp_size,
-                        dp_size=args.dp_size, dp_mode=args.dp_mode, microbatches=args.microbatches,
-                        global_batch=args.global_batch, pp_schedule=args.pp_schedule, pp_layout=args.pp_layout,
-                        dp_bucket_mb=args.dp_bucket_mb, dp_overlap=args.dp_overlap, grad_dtype=args.grad_dtype,
-                        gpus_per_node=args.ranks_per_node, sampled_groups=args.sampled_groups)
-    per_node = args.ranks_per_node
-    if per_node is not None and per_node > args.tp_size * args.pp_size * args.dp_size:
-        raise ValueError(f"ranks_per_node={per_node} is more GPUs than the layout's "
-                         f"{layout_name(args.tp_size, args.pp_size, args.dp_size, None).split(' on ')[0]}")
-    # A TP group's own network holds at most its tp ranks to a node; the mesh places the rest.
-    settings = grid({key: getattr(args, key) or ([DEFAULTS[key]] if key in DEFAULTS else None) for key in GRID.values()},
-                    ranks=args.tp_size,
-                    ranks_per_node=None if per_node is None else min(per_node, args.tp_size),
-                    nics_per_node=args.nics_per_node, seed=args.seed,
-                    **({} if args.payload_bytes is None else {"payload_bytes": args.payload_bytes}))
+    if args.trace:
+        from .traced import run as run_trace
+        return run_trace(args)
+    if not args.model:
+        raise ValueError("name a model (a named shape, a config.json or a model directory), or give --trace")
+    workload = Workload(args.seq, args.grad_dtype, args.sampled_groups)
+    configs = grid(config_of(args), {key: getattr(args, key) for key in GRID.values()})
+    return run_rows(args, configs, lambda on_row: run_grid(args.model, configs, workload, args.steps,
+                                                           progress=not args.no_progress, on_row=on_row))
+
+
+def run_rows(args, configs: list, rows_of: Callable, extra: Optional[Callable[[], dict]] = None) -> int:
+    """Every estimate's run of a grid: ``rows_of(on_row)`` computes the rows of ``configs``, calling
+    ``on_row(rows so far)`` after each; the table, and with ``--out`` the files (``extra()``: more files,
+    name -> text, written beside them)."""
     if args.out:
         check_writable(args.out, "--out")   # before the grid: a long estimate must not be lost at the end
+        _check_no_partial(Path(args.out))
     # Each finished row is saved at once, beside the results (never over a completed estimate's): a grid that
     # stops part way (a crash, Ctrl-C) keeps what it computed in estimate.partial.csv and .json.
-    saved = (lambda done: _save(done, args.out, ".partial")) if args.out else None
-    rows = run_grid(args.model, settings, workload, args.steps, args.compute, progress=not args.no_progress,
-                    on_row=saved)
+    finished = []
+
+    def saved(done: list[dict]) -> None:
+        if args.out:
+            _save(done, args.out, PARTIAL)
+        finished[:] = done
+    try:
+        rows = rows_of(saved)
+    except KeyboardInterrupt:
+        kept = (f"; their rows are in {Path(args.out) / f'estimate{PARTIAL}.csv'} and .json" if args.out and finished
+                else "")
+        print(f"lossysim estimate: interrupted after {len(finished)} of {len(configs)} settings{kept}",
+              file=sys.stderr)
+        return 130
     print(rows[0]["layout"], file=sys.stderr)
     print(_table(rows))
     if args.out:
         with output_errors(args.out, "--out"):
             written = write(rows, args.out)
+            for name, text in (extra() if extra else {}).items():
+                atomic_write_text(Path(args.out) / name, text)
+                written.append(Path(args.out) / name)
         for path in written:
             print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
-def grid(values: dict, **fixed) -> list[NetworkSpec]:
-    """The product of every key's values (``values[key]``: None, or strings given once or comma-separated),
-    each a checked NetworkSpec; ``fixed`` settings apply to all."""
+def config_of(args) -> ExperimentConfig:
+    """The training config the flags describe (the first value of every grid key), validated as ``lossysim
+    train`` validates it: the same layout, micro-batch and network rules, the same one-line errors."""
+    keys = dict(tp_size=8 if args.tp_size is None else args.tp_size,
+                pp_size=1 if args.pp_size is None else args.pp_size,
+                dp_size=1 if args.dp_size is None else args.dp_size, dp_mode=args.dp_mode,
+                microbatches=args.microbatches, pp_schedule=args.pp_schedule, pp_layout=args.pp_layout,
+                dp_bucket_mb=args.dp_bucket_mb, dp_overlap=args.dp_overlap,
+                activation_checkpointing=args.activation_checkpointing, ranks_per_node=args.ranks_per_node,
+                nics_per_node=args.nics_per_node, compute=args.compute, seed=args.seed,
+                parallel_order=args.parallel_order, lossy_traffic=args.lossy_traffic, **DEFAULTS)
+    if args.payload_bytes is not None:
+        keys["payload_bytes"] = args.payload_bytes
+    return job_config(args.model or "tiny", args.micro_batch, args.dtype, args.global_batch, **keys)
+
+
+PARTIAL = ".partial"   # the rows of a grid not yet complete: estimate.partial.csv and .json
+
+
+def _check_no_partial(out: Path) -> None:
+    """An interrupted grid's rows are the only copy of what it computed: another grid must not replace them."""
+    found = [p.name for p in (out / f"estimate{PARTIAL}.csv", out / f"estimate{PARTIAL}.json") if p.is_file()]
+    if found:
+        raise ValueError(f"--out {out} holds the rows of an interrupted estimate ({' and '.join(found)}): move or "
+                         "delete them to run another estimate there, or choose another --out")
+
+
+def grid(base: ExperimentConfig, values: dict) -> list[ExperimentConfig]:
+    """The product of every network key's values (``values[key]``: None, or strings given once or
+    comma-separated) over ``base``, each a validated config. A combination the config refuses (deadline
+    with a go-back-N nic) is skipped with a note; a value that no combination accepts (an unknown name,
+    NVLS on a GPU without it) is an error, the config's own, as in training."""
     axes = {}
     for key, given in values.items():
         if not given:
             continue
         items = given if key in WHOLE else [v.strip() for value in given for v in value.split(",") if v.strip()]
         axes[key] = list(dict.fromkeys(items))
-    keys, specs, refused = list(axes), [], []
+    keys, configs, refused, accepted = list(axes), [], [], set()
     for combo in itertools.product(*axes.values()):
         chosen = dict(zip(keys, combo))
+        try:
+            config = base.replace(**chosen)
+        except ValueError as err:
+            refused.append((chosen, err))
+            continue
+        accepted.update(chosen.items())
         if chosen.get("transport") == "drop" and "nic" in axes and chosen["nic"] != axes["nic"][0]:
             continue  # a dropped packet is never repaired: every nic gives the same row
-        try:
-            specs.append(NetworkSpec(**fixed, **chosen))
-        except ValueError as err:  # e.g. deadline with a go-back-N nic: skip it, run the rest
-            refused.append((chosen, err))
-    if not specs and refused:
-        raise refused[0][1]
+        configs.append(config)
+    for chosen, err in refused:
+        if not configs or any(item not in accepted for item in chosen.items()):
+            raise err
     for chosen, err in refused:
         print(f"skipped {', '.join(f'{k}={v}' for k, v in chosen.items())}: {err}", file=sys.stderr)
-    return specs
+    return configs
 
 
-def run_grid(model: str, settings: Iterable[NetworkSpec], workload: Workload, steps: int, compute: str = "h100",
+def run_grid(model: str, configs: Iterable[ExperimentConfig], workload: Workload, steps: int,
              progress: bool = True, on_row=None) -> list[dict]:
-    """One ``estimate`` row per setting, the shape loaded once; ``on_row(rows so far)`` after each."""
+    """One ``estimate`` row per config, the shape loaded once; ``on_row(rows so far)`` after each."""
     shape = load(model)
-    settings = list(settings)
-    for spec in settings:
-        shape.check_tp(spec.ranks)
+    configs = list(configs)
+    for config in configs:
+        shape.check_tp(config.tp_size)
     shape.check_seq(workload.seq)
     rows = []
-    with tqdm(total=len(settings) * steps, desc=f"estimate {shape.name}", disable=not progress,
+    with tqdm(total=len(configs) * steps, desc=f"estimate {shape.name}", disable=not progress,
               dynamic_ncols=True) as bar:
-        for spec in settings:
-            row = estimate(shape, spec, workload, steps, compute, tick=lambda: bar.update(1))
-            rows.append({**row, **{key: getattr(spec, key) for key in ("sockets", "congestion") if key not in row}})
+        for config in configs:
+            rows.append(estimate(shape, config, workload, steps, tick=lambda: bar.update(1)))
             if on_row is not None:
                 on_row(rows)
     return rows
@@ -188,9 +244,11 @@ def write(rows: list[dict], out) -> list[Path]:
     """estimate.csv, estimate.json, time_by_class.png and, for several loss rates, slowdown.png in ``out``."""
     paths = _save(rows, out)
     out = Path(out)
-    for partial in (out / "estimate.partial.csv", out / "estimate.partial.json"):   # complete now
+    for partial in (out / f"estimate{PARTIAL}.csv", out / f"estimate{PARTIAL}.json"):   # complete now
         partial.unlink(missing_ok=True)
     plotted = plot(rows, out / "slowdown.png")
+    if plotted is None:   # an earlier estimate's plot must not pass for this one's
+        (out / "slowdown.png").unlink(missing_ok=True)
     return paths + ([plotted] if plotted else []) + [stacked(rows, out / "time_by_class.png")]
 
 
@@ -200,7 +258,7 @@ def stacked(rows: list[dict], path: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    parts = [key for key in ("compute", "tp", "pp", "dp", "fsdp", "repair")
+    parts = [key for key in ("compute", *CLASSES, "repair")
              if any(f"stack_{key}_s" in row for row in rows)]
     labels = [f"{row['loss']}\n{_transport(row)}" for row in rows]
     fig, ax = plt.subplots(figsize=(max(6.4, 0.9 * len(rows) + 2), 4.6))

@@ -56,6 +56,10 @@ PUBLISHED = {
                                    tie_word_embeddings=False, max_position_embeddings=32768, rms_norm_eps=1e-5,
                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
+# The config.json fields a shape is made of (Llama's names, GPT-2's): whole numbers >= 1 where present.
+SIZE_FIELDS = ("num_hidden_layers", "n_layer", "hidden_size", "n_embd", "num_attention_heads", "n_head",
+               "num_key_value_heads", "intermediate_size", "n_inner", "head_dim", "vocab_size",
+               "max_position_embeddings", "n_positions")
 # The runner's random-weight CPU shapes, so an estimate can be held against a training run.
 RUNNER = ("tiny", "tiny-llama")
 NAMES = tuple(PUBLISHED) + RUNNER
@@ -106,11 +110,25 @@ def config_of(name: str) -> PretrainedConfig:
                          "model directory")
     if path.is_dir() and not (path / "config.json").is_file():
         raise ValueError(f"{path} holds no config.json")
+    _check_sizes(path / "config.json" if path.is_dir() else path)
     try:
         return AutoConfig.from_pretrained(str(path))
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, ArithmeticError, json.JSONDecodeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"{path} is not a model config: {first}") from None
+
+
+def _check_sizes(file: Path) -> None:
+    """A one-line ValueError naming the field when a size in ``file`` is not a whole number >= 1
+    (transformers divides by some of them, and a negative depth would count negative kernels)."""
+    try:
+        values = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return   # AutoConfig says why
+    for key in SIZE_FIELDS if isinstance(values, dict) else ():
+        value = values.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{file}: {key}={value!r} must be a whole number >= 1")
 
 
 def load(name: str) -> Shape:

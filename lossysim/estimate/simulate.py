@@ -35,11 +35,11 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from .. import timing
+from .. import timing, traffic
 from ..dp import timeline
 from ..dp.buckets import plan_buckets
 from ..dp.fsdp import shard_numel
-from ..mesh import Mesh
+from ..config import ExperimentConfig
 from ..models import cost
 from ..net import LossyNetwork, NetworkSpec
 from ..net.recovery import packets_of
@@ -49,9 +49,13 @@ from ..pp.stages import stage_layout, stage_parameters
 from ..tp.parallelize import parallelize
 from ..util import stream_seed
 from .shapes import Shape, load
-from .workload import Workload, layout_name, step_calls
+from .workload import AMP_DTYPE, DTYPES, Workload, step_calls
 
-CLASSES = ("tp", "pp", "dp", "fsdp")
+CLASSES = tuple(c.name for c in traffic.CLASSES)   # every class's columns, in the declared order
+# The most ranks one group may have. Every collective is simulated send by send, and a ring all-reduce over
+# R ranks is 2R(R-1) sends whose schedule the network keeps (about 1.6 KB a send: a tiny model at dp 600,
+# 718,800 sends, peaked at 1.6 GB), so memory grows with the square of the largest group.
+MAX_GROUP_RANKS = 1024
 _THIRD = 1 / 3     # forward's share of a micro-batch's compute (2N FLOPs of 6N), as training charges it
 
 
@@ -60,37 +64,36 @@ class _Group(NamedTuple):
     copies: float      # the groups its counts stand for: loss-free ones alike (exact), or G / k sampled lossy ones
 
 
-def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], workload: Workload = Workload(),
-             steps: int = 10, compute: str = "h100", tick: Optional[Callable[[], None]] = None) -> dict:
-    """Simulate ``steps`` training steps of ``model`` (a name, a config path or a ``Shape``) on the job
-    ``workload`` describes, every TP group on ``network`` (a ``NetworkSpec`` or its settings; ``ranks`` is
-    the TP size, ``ranks_per_node`` the GPUs of a node) and the mesh placing the other groups. Returns one
-    flat row: per-step times with intervals, slowdown, packets, what was lost, and all of it per traffic
-    class (docs/estimate.md lists the columns). ``tick`` is called once per step, when all are done."""
+def estimate(model: Union[str, Shape], config: ExperimentConfig, workload: Workload = Workload(),
+             steps: int = 10, tick: Optional[Callable[[], None]] = None) -> dict:
+    """Simulate ``steps`` training steps of ``model`` (a name, a config path or a ``Shape``) on the job a
+    training run's ``config`` describes (its layout, batch, micro-batches, network and compute: the same
+    validated settings and mesh as ``lossysim train``), each micro-batch ``workload.seq`` tokens long.
+    Returns one flat row: per-step times with intervals, slowdown, packets, what was lost, and all of it
+    per traffic class (docs/estimate.md lists the columns). ``tick`` is called once per step, when all are
+    done."""
     shape = model if isinstance(model, Shape) else load(model)
-    spec = network if isinstance(network, NetworkSpec) else NetworkSpec(**network)
     if int(steps) < 1:
         raise ValueError(f"steps={steps} must be >= 1")
-    steps, w = int(steps), workload
-    tp, pp, dp, m = spec.ranks, int(w.pp_size), int(w.dp_size), w.n_microbatches
+    steps, w, mesh = int(steps), workload, config.mesh()
+    tp, pp, dp, m = mesh.tp, mesh.pp, mesh.dp, config.n_microbatches
     shape.check_tp(tp)
     shape.check_seq(w.seq)
-    layout = stage_layout(w.pp_layout, pp, shape.layers)
-    per_node = spec.ranks_per_node if w.gpus_per_node is None else int(w.gpus_per_node)
-    mesh = _mesh(tp, pp, dp, per_node)
-    gpu = timing.parse_compute(compute)
+    layout = stage_layout(config.pp_layout, pp, shape.layers)
+    _check_group_size(mesh)
+    gpu = timing.parse_compute(config.compute)
     if isinstance(gpu, timing.Measured):
         raise ValueError("compute=measured needs a real training run; name a GPU model (e.g. h100)")
-    tokens = w.tokens
+    tokens = w.seq * config.micro_batch_size
     kernels = shape.kernels + cost.collective_kernels(shape.layers, tp)   # as a training run counts them
     micro_s = gpu.step_time(shape.parameters, tokens, tp, kernels=kernels,
                             attention_flops=cost.step_flops(0, tokens, shape.layers, shape.hidden, w.seq))
-    job = _Job(shape, spec, w, mesh, layout)
+    job = _Job(shape, config, w, layout, tokens)
     shares = job.shares(tokens)
 
     per_step, ideal_steps, stacks, added = [], [], [], defaultdict(lambda: np.zeros(2))
     for times in job.run(steps, tick):
-        clock = _Clock(times, micro_s, shares, w, pp, dp, m, job.ready)
+        clock = _Clock(times, micro_s, shares, config, pp, dp, m, job.ready)
         per_step.append(clock.step(0))
         ideal_steps.append(clock.step(1))
         present = job.classes
@@ -107,21 +110,22 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
     stack = np.mean(stacks, axis=0)
     compute_s = float(stack[0])
     counts = job.counts(steps)
+    spec = job.tp[0][0].spec
     row = {
         "model": shape.name, "parameters": shape.parameters, "tp_size": tp, "pp_size": pp, "dp_size": dp,
-        "layout": layout_name(tp, pp, dp, per_node), "gpus": mesh.world,
-        "dp_mode": w.dp_mode if dp > 1 else "", "seq": w.seq, "micro_batch": w.micro_batch, "microbatches": m,
-        "global_batch": w.micro_batch * m * dp, "pp_schedule": w.pp_schedule if pp > 1 else "",
-        "stage_layers": ",".join(map(str, layout)), "dtype": w.dtype, "grad_dtype": w.grad_dtype,
-        "dp_bucket_mb": w.dp_bucket_mb, "dp_overlap": w.dp_overlap,
-        "activation_checkpointing": w.activation_checkpointing,
+        "layout": mesh.name, "parallel_order": mesh.order, "gpus": mesh.world,
+        "dp_mode": config.dp_mode if dp > 1 else "", "seq": w.seq, "micro_batch": config.micro_batch_size,
+        "microbatches": m, "global_batch": config.batch_size, "pp_schedule": config.pp_schedule if pp > 1 else "",
+        "stage_layers": ",".join(map(str, layout)), "dtype": job.dtype_name, "grad_dtype": w.grad_dtype,
+        "dp_bucket_mb": config.dp_bucket_mb, "dp_overlap": config.dp_overlap,
+        "activation_checkpointing": config.activation_checkpointing,
         "loss": spec.loss.spec, "loss_rate": spec.loss.loss_rate, "transport": spec.transport, "nic": spec.nic,
         "algorithm": spec.algorithm, "link_intra": spec.link_intra.spec, "link_inter": spec.link_inter.spec,
-        "ranks_per_node": per_node, "nics_per_node": spec.nics_per_node,
+        "ranks_per_node": mesh.per_node, "nics_per_node": spec.nics_per_node,
         "lossy_links": spec.lossy_links, "lossy": ",".join(spec.lossy), "recovery": spec.recovery,
-        "seed": spec.seed, "compute": gpu.spec, "steps": steps,
+        "sockets": spec.sockets, "congestion": spec.congestion, "seed": spec.seed, "compute": gpu.spec, "steps": steps,
         "collectives_per_step": m * sum(not call.replay for calls in job.calls for call in calls),
-        "message_bytes": tokens * shape.hidden * w.torch_dtype.itemsize,
+        "message_bytes": tokens * shape.hidden * job.dtype.itemsize,
         "compute_s": compute_s, "loss_free_comm_s": loss_free - compute_s, "loss_free_step_s": loss_free,
         **_intervals(step_s),
         "slowdown": float(step_s.mean()) / loss_free,
@@ -144,49 +148,52 @@ def estimate(model: Union[str, Shape], network: Union[NetworkSpec, dict], worklo
     return row
 
 
-def _mesh(tp: int, pp: int, dp: int, per: Optional[int]) -> Mesh:
-    """The job's mesh; a one-line ValueError naming ranks_per_node when a node's GPUs do not fit it."""
-    world = tp * pp * dp
-    if per is not None and per > world:
-        raise ValueError(f"ranks_per_node={per} is more GPUs than the layout's tp{tp} x pp{pp} x dp{dp} = {world}")
-    if per is not None and pp * dp > 1 and ((per % tp and tp % per) or world % per):
-        raise ValueError(f"ranks_per_node={per} must divide tp_size={tp} or be a multiple of it, and divide "
-                         f"the world tp_size x pp_size x dp_size = {world}")
-    return Mesh(tp, dp, per, pp)
+def _check_group_size(mesh) -> None:
+    """Refuse, before any work, a layout whose groups an estimate cannot hold (``MAX_GROUP_RANKS``):
+    a one-line ValueError with what it would take. Sampling (``sampled_groups``) bounds how many groups
+    are simulated, not how large one is."""
+    limit = MAX_GROUP_RANKS
+    for axis, ranks in mesh.sizes.items():
+        if ranks > limit:
+            raise ValueError(f"{axis}_size={ranks}: its groups of {ranks} ranks would be simulated send by send, "
+                             f"{2 * ranks * (ranks - 1):.2g} sends an all-reduce against {2 * limit * (limit - 1):.2g} "
+                             f"at the most an estimate takes ({limit} ranks; --sampled-groups bounds how many groups "
+                             f"are simulated, not their size): use {axis}_size <= {limit}")
 
 
 class _Job:
     """A job's groups, messages and bucket plans, and the per-step simulation of every class."""
 
-    def __init__(self, shape: Shape, spec: NetworkSpec, w: Workload, mesh: Mesh, layout: tuple[int, ...]):
-        self.shape, self.w, self.mesh, self.layout = shape, w, mesh, layout
+    def __init__(self, shape: Shape, config: ExperimentConfig, w: Workload, layout: tuple[int, ...], tokens: int):
+        self.shape, self.config, self.w, self.layout = shape, config, w, layout
+        self.mesh = mesh = config.mesh()
         tp, pp, dp = mesh.tp, mesh.pp, mesh.dp
-        settings = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init}
+        self.dtype_name = AMP_DTYPE[config.amp]
+        self.dtype = DTYPES[self.dtype_name]
+        settings = config.network_settings()
         # tp[s]: stage s's groups, one per replica (or one for all: loss-free)
         self.tp = [_groups([mesh.tp_network_spec(settings, r, s) for r in range(dp)]) for s in range(pp)]
-        self.pp = [_groups([mesh.pp_network_spec(settings, r, b, ("fwd", "bwd")) for r in range(dp)])
+        self.pp = [_groups([mesh.pp_network_spec(settings, r, b, config.pp_lossy()) for r in range(dp)])
                    for b in range(pp - 1)]
-        if pp > 1 and not LossyNetwork(self.tp[0][0].spec).recovery.acts_on_sends:
-            raise ValueError(f"pp_size={pp} needs a recovery policy that acts on point-to-point sends, "
-                             f"not recovery={spec.recovery}")
-        mode = w.dp_mode if dp > 1 else None
-        lossy = ("fwd", "bwd") if mode == "fsdp" else ("bwd",)
-        self.dp = [_groups([mesh.dp_network_spec(settings, t, lossy, stage=s) for t in range(tp)])
+        mode = config.dp_mode if dp > 1 else None
+        self.dp = [_groups([mesh.dp_network_spec(settings, t, config.dp_lossy(), stage=s) for t in range(tp)])
                    for s in range(pp)] if mode else []
         self.mode = mode
-        self.dp_class = "fsdp" if mode == "fsdp" else "dp"
-        self.classes = tuple(c for c, on in (("tp", tp > 1), ("pp", pp > 1), (self.dp_class, mode is not None)) if on)
+        self.dp_class = config.dp_class
+        # the job's classes: those whose axis has more than one rank (data-parallel traffic is DDP's or FSDP's)
+        self.classes = tuple(c.name for c in traffic.CLASSES if mesh.sizes[c.axis] > 1
+                             and (c.axis != "dp" or c.name == self.dp_class))
         self.buckets = self._buckets() if mode else []
         self.ready = [[b.ready for b in stage] for stage in self.buckets]
-        self.calls = [step_calls(shape, w.activation_checkpointing, self.blocks(s)) for s in range(pp)]
-        self.numel = w.tokens * shape.hidden
+        self.calls = [step_calls(shape, config.activation_checkpointing, self.blocks(s)) for s in range(pp)]
+        self.numel = tokens * shape.hidden
         self.inexact = defaultdict(int)
         self.received = defaultdict(int)
         self.sums = {}
         self.drawn = 0     # packet fates drawn (lossy groups simulated), all steps
         self.choices = defaultdict(set)   # (class, collective, algorithm, protocol, channels) -> bytes
         self.sampled = w.sampled(mesh.world)
-        self.rng = np.random.default_rng(stream_seed(spec.seed, "estimate.slowest", "groups"))
+        self.rng = np.random.default_rng(stream_seed(config.seed, "estimate.slowest", "groups"))
 
     def _sample(self, groups: list[_Group], stages: int = 1) -> tuple[list[_Group], int]:
         """The groups simulated, each standing for its share of the G (of each of ``stages`` alike
@@ -227,7 +234,7 @@ class _Job:
         owner = self._owners(model)    # after sharding: its layers' parameters are new ones
         sharded = {id(p) for p in tp_model.sharded_parameters()}
         params = list(tp_model.parameters())
-        cap = self.w.dp_bucket_mb * (1 << 20)
+        cap = self.config.dp_bucket_mb * (1 << 20)
         return [plan_buckets([p for p in params if owner.get(id(p), self.mesh.pp - 1) == s], sharded, cap)
                 for s in range(self.mesh.pp)]
 
@@ -257,7 +264,7 @@ class _Job:
 
         A network's calls depend only on its own streams, so each group runs all its steps in turn and
         its network is let go once counted (its transfers are most of an estimate's memory)."""
-        m, dtype, grad = self.w.n_microbatches, self.w.torch_dtype, self.w.grad_torch_dtype
+        m, dtype, grad = self.config.n_microbatches, self.dtype, self.w.grad_torch_dtype
         out = [{"tp": [[None] * len(g) for g in self.tp], "pp": [[None] * len(g) for g in self.pp],
                 "bucket": [], "gather": []} for _ in range(steps)]
         for s, groups in enumerate(self.tp):
@@ -321,7 +328,7 @@ class _Job:
         totals = net.totals()
         for name in ("sent", "lost", "resent"):
             sums[name] += totals[name] * copies
-        sums["failures"] += net.failures() * copies
+        sums["failures"] += net.totals()["failures"] * copies
         for c in net.choices():   # what NCCL runs each message as (``algorithm: auto`` picks per size)
             self.choices[(cls, c["collective"], c["algorithm"], c["protocol"], c["channels"])].add(c["bytes"])
 
@@ -336,7 +343,7 @@ class _Job:
 
     def _tp_group(self, net: LossyNetwork, copies: int, stage: int, m: int) -> list:
         """[micro-batch] of (forward, backward), each [with loss, loss-free] seconds of its all-reduces."""
-        calls, dtype = self.calls[stage], self.w.torch_dtype
+        calls, dtype = self.calls[stage], self.dtype
         per_packet, _ = net.packets(self.numel, dtype)
         forwards = next((k for k, c in enumerate(calls) if c.direction != "fwd" or c.replay), len(calls))
         out = []
@@ -350,7 +357,7 @@ class _Job:
                     with net.replaying(record):
                         net.simulate(call.site, call.direction, self.numel, dtype)
                     continue
-                recording = net.recording(record) if self.w.activation_checkpointing else contextlib.nullcontext()
+                recording = net.recording(record) if self.config.activation_checkpointing else contextlib.nullcontext()
                 with recording:
                     delivery = net.simulate(call.site, call.direction, self.numel, dtype, deliver=False)
                 self._lost("tp", call.direction, delivery, per_packet, self.numel, net.ranks * self.numel, copies)
@@ -361,7 +368,7 @@ class _Job:
     def _sends(self, net: LossyNetwork, copies: int, boundary: int, m: int) -> list:
         """[micro-batch] of (activation, gradient), each [with loss, loss-free] seconds of the slowest of
         the TP ranks' sends over ``boundary``, issued in training's order."""
-        dtype, tp = self.w.torch_dtype, self.mesh.tp
+        dtype, tp = self.dtype, self.mesh.tp
         per_packet, _ = net.packets(self.numel, dtype)
         out = []
         for _ in range(m):
@@ -438,17 +445,17 @@ class _Clock:
 
     KEYS = {"tp": ("tp",), "pp": ("pp",), "dp": ("bucket",), "fsdp": ("bucket", "gather")}   # a class's times
 
-    def __init__(self, times: dict, micro_s: float, shares: list[float], w: Workload, pp: int, dp: int, m: int,
-                 ready: list):
-        self.t, self.c, self.shares, self.w, self.pp, self.dp, self.m, self.ready = \
-            times, micro_s, shares, w, pp, dp, m, ready
+    def __init__(self, times: dict, micro_s: float, shares: list[float], config: ExperimentConfig, pp: int, dp: int,
+                 m: int, ready: list):
+        self.t, self.c, self.shares, self.config, self.pp, self.dp, self.m, self.ready = \
+            times, micro_s, shares, config, pp, dp, m, ready
 
     def loss_free(self, cls: str) -> "_Clock":
         """This clock with ``cls``'s messages at their loss-free seconds (their repairs taken away)."""
         times = dict(self.t)
         for key in self.KEYS[cls]:
             times[key] = _at_loss_free(times[key])
-        return _Clock(times, self.c, self.shares, self.w, self.pp, self.dp, self.m, self.ready)
+        return _Clock(times, self.c, self.shares, self.config, self.pp, self.dp, self.m, self.ready)
 
     def step(self, k: int, zero=()) -> float:
         tp = self.t["tp"]
@@ -457,7 +464,7 @@ class _Clock:
         bucket = [[[0.0, 0.0]] * len(b) for b in self.t["bucket"]] if {"dp", "fsdp"} & set(zero) else self.t["bucket"]
         gather = [] if "fsdp" in zero or not self.t["gather"] else [g[k] for g in self.t["gather"]]
         replicas = self.dp if any(len(g) > 1 for g in (*tp, *self.t["pp"])) else 1
-        c, m, overlap = self.c, self.m, self.w.dp_overlap
+        c, m, overlap = self.c, self.m, self.config.dp_overlap
         if self.pp == 1:
             paths = []
             for r in range(replicas):
@@ -469,11 +476,8 @@ class _Clock:
                 paths.append((forward, backward, comm))
             step = m * c + paths[0][2]
             if self.dp > 1:   # training's ``DataParallel.added_seconds``
-                slow_f, slow_b = max(p[0] for p in paths), max(p[1] for p in paths)
-                ready = self.ready[0]
-                forward_end = timeline.gathered_forward_seconds(slow_f, ready, gather, overlap)
-                end = timeline.step_seconds(forward_end, slow_b, ready, [s[k] for s in bucket[0]], overlap)
-                step += end - paths[0][0] - paths[0][1]
+                step += timeline.added_seconds([p[:2] for p in paths], self.ready[0], gather,
+                                               [s[k] for s in bucket[0]], overlap)
             return step
         pp = self.t["pp"]
         sends = (lambda b, r: [[[0.0, 0.0]] * 2] * m) if "pp" in zero else \
@@ -484,19 +488,11 @@ class _Clock:
             forward = [[c * _THIRD * share + f[k] for f, _ in stage] for stage, share in zip(stages, self.shares)]
             backward = [[c * (2 / 3) * share + b[k] for _, b in stage] for stage, share in zip(stages, self.shares)]
             links = [sends(b, r) for b in range(self.pp - 1)]
-            timings.append(pipeline_time(self.w.pp_schedule, self.pp, m, forward, backward,
+            timings.append(pipeline_time(self.config.pp_schedule, self.pp, m, forward, backward,
                                          [[a[k] for a, _ in link] for link in links],
                                          [[g[k] for _, g in link] for link in links]))
-        step = max(t.step_s for t in timings)
-        if self.dp > 1 and bucket:
-            # Gradients are final once a stage's last backward ends (accumulation over micro-batches):
-            # its buckets fill during that backward, on every replica, and overlap it as DDP's do.
-            for s in range(self.pp):
-                last = [[op for op in t.timeline if op.stage == s and op.kind == "B"][-1] for t in timings]
-                start, end = max(op.start for op in last), max(op.end for op in last)
-                step = max(step, timeline.step_seconds(start, end - start, self.ready[s],
-                                                       [b[k] for b in bucket[s]], overlap))
-        return step
+        buckets = [[b[k] for b in stage] for stage in bucket] if self.dp > 1 else []
+        return timeline.pipeline_step_seconds(timings, self.ready, buckets, overlap)
 
 
 def _at_loss_free(times):

@@ -1,5 +1,6 @@
-"""A job's workload (what a rank trains on and the tp x pp x dp layout around it), and a step's
-tensor-parallel collectives, read off the sharding plan as a training run makes them.
+"""What an estimate adds to a training run's config (the sequence length, the gradients' dtype, how many
+identical groups are simulated), and a step's tensor-parallel collectives, read off the sharding plan
+as a training run makes them.
 
 Per block, in forward, every row-parallel layer all-reduces its partial output at its ``reduce``
 site (``fwd``); in backward, every ``copy`` site all-reduces the gradient of its module's input
@@ -12,91 +13,43 @@ all-reduce feeds only the residual sum, so it runs again only when a dropout aft
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from ..config import DP_MODES
-from ..pp.schedule import SCHEDULES
+from ..config import ExperimentConfig, from_dict
 from ..tp.plans import Row
 from ..util import one_of
 from .shapes import Shape
 
 FULL_UP_TO = 64    # GPUs up to which every lossy group is simulated unless sampled_groups says otherwise
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+AMP_DTYPE = {"none": "fp32", "bf16": "bf16", "fp16": "fp16"}   # a run's ``amp`` -> the dtype its activations travel in
 
 
 @dataclass(frozen=True)
 class Workload:
-    """What one rank trains on per step, and the pipeline and data parallelism around its TP group.
-
-    ``micro_batch`` sequences of ``seq`` tokens make a micro-batch; each replica runs ``microbatches``
-    of them per step (None: ``pp_size``, as training; or derived from ``global_batch`` = micro_batch x
-    microbatches x dp_size, as Megatron derives it). ``grad_dtype`` is the dtype gradients are reduced
-    in (DDP's buckets, FSDP's reduce-scatters; fp32 as training's and AMP's); FSDP gathers weights in
-    ``dtype``. ``gpus_per_node``: consecutive ranks to a node (None: the network's ``ranks_per_node``).
-    ``sampled_groups``: of a stage's (or boundary's) identical lossy groups, how many are simulated, the
-    slowest of the rest drawn from their times (docs/estimate.md, "The slowest of identical groups");
-    0: every group, exactly; None: every group up to ``FULL_UP_TO`` GPUs, else 2."""
+    """What an estimate adds to a training run's config (``ExperimentConfig``, which holds the layout, the
+    batch, the micro-batches and the network): every micro-batch's sequences are ``seq`` tokens long (a
+    training run pads each batch to its longest row), gradients are reduced in ``grad_dtype`` (DDP's
+    buckets, FSDP's reduce-scatters; fp32 as training's and AMP's), and ``sampled_groups``: of a stage's
+    (or boundary's) identical lossy groups, how many are simulated, the slowest of the rest drawn from their
+    times (docs/estimate.md, "The slowest of identical groups"); 0: every group, exactly; None: every group up
+    to ``FULL_UP_TO`` GPUs, else 2."""
     seq: int = 4096
-    micro_batch: int = 1
-    dtype: str = "bf16"
-    activation_checkpointing: bool = False
-    pp_size: int = 1
-    dp_size: int = 1
-    dp_mode: str = "ddp"
-    microbatches: Optional[int] = None
-    global_batch: Optional[int] = None
-    pp_schedule: str = "1f1b"
-    pp_layout: Optional[str] = None
-    dp_bucket_mb: float = 25.0
-    dp_overlap: bool = True
     grad_dtype: str = "fp32"
-    gpus_per_node: Optional[int] = None   # None: the network's ranks_per_node
     sampled_groups: Optional[int] = None  # lossy groups simulated per stage or boundary (0: all; None: auto)
 
     def __post_init__(self):
-        if int(self.seq) < 1 or int(self.micro_batch) < 1:
-            raise ValueError(f"seq={self.seq} and micro_batch={self.micro_batch} must be >= 1")
-        for key in ("dtype", "grad_dtype"):
-            if getattr(self, key) not in DTYPES:
-                raise ValueError(f"{key}={getattr(self, key)!r} must be {one_of(DTYPES)}")
-        for key in ("pp_size", "dp_size", "microbatches", "global_batch", "gpus_per_node"):
-            value = getattr(self, key)
-            if value is not None and (isinstance(value, bool) or int(value) != value or value < 1):
-                raise ValueError(f"{key}={value!r} must be an integer >= 1")
+        if isinstance(self.seq, bool) or int(self.seq) != self.seq or self.seq < 1:
+            raise ValueError(f"seq={self.seq!r} must be an integer >= 1")
+        if self.grad_dtype not in DTYPES:
+            raise ValueError(f"grad_dtype={self.grad_dtype!r} must be {one_of(DTYPES)}")
         if self.sampled_groups is not None and (isinstance(self.sampled_groups, bool) or
                                                 int(self.sampled_groups) != self.sampled_groups or
                                                 self.sampled_groups < 0):
             raise ValueError(f"sampled_groups={self.sampled_groups!r} must be an integer >= 0 (0: every group)")
-        if self.dp_mode not in DP_MODES:
-            raise ValueError(f"dp_mode={self.dp_mode!r} must be {one_of(DP_MODES)}")
-        if self.pp_schedule not in SCHEDULES:
-            raise ValueError(f"pp_schedule={self.pp_schedule!r} must be {one_of(SCHEDULES)}")
-        if not (math.isfinite(self.dp_bucket_mb) and self.dp_bucket_mb > 0):
-            raise ValueError(f"dp_bucket_mb={self.dp_bucket_mb} must be a positive number of MiB")
-        if self.dp_mode == "fsdp" and self.pp_size > 1:
-            raise ValueError(f"dp_mode=fsdp with pp_size={self.pp_size}: FSDP's gathers around a pipeline "
-                             "schedule are not modelled; use dp_mode=ddp or pp_size=1")
-        if self.global_batch is not None:
-            per_step = int(self.micro_batch) * int(self.dp_size)
-            if self.global_batch % per_step:
-                raise ValueError(f"global_batch={self.global_batch} does not split into micro_batch="
-                                 f"{self.micro_batch} x dp_size={self.dp_size} x micro-batches")
-            if self.microbatches is not None and self.microbatches * per_step != self.global_batch:
-                raise ValueError(f"global_batch={self.global_batch} is not micro_batch={self.micro_batch} x "
-                                 f"microbatches={self.microbatches} x dp_size={self.dp_size}")
-
-    @property
-    def n_microbatches(self) -> int:
-        """Micro-batches per replica per step: ``microbatches``, else global_batch's, else pp_size."""
-        if self.microbatches is not None:
-            return int(self.microbatches)
-        if self.global_batch is not None:
-            return int(self.global_batch) // (int(self.micro_batch) * int(self.dp_size))
-        return int(self.pp_size)
 
     def sampled(self, world: int) -> int:
         """Lossy groups simulated per stage or boundary: 0 for every one."""
@@ -105,24 +58,35 @@ class Workload:
         return 0 if world <= FULL_UP_TO else 2
 
     @property
-    def tokens(self) -> int:
-        """Tokens of one micro-batch on one rank."""
-        return int(self.seq) * int(self.micro_batch)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
     def grad_torch_dtype(self) -> torch.dtype:
         return DTYPES[self.grad_dtype]
 
 
-def layout_name(tp: int, pp: int, dp: int, ranks_per_node: Optional[int]) -> str:
-    """``tp8 x pp4 x dp8 = 256 GPUs on 32 nodes`` (tp innermost, then pp, then dp; None: one node)."""
-    world = tp * pp * dp
-    nodes = 1 if ranks_per_node is None else -(-world // ranks_per_node)
-    return f"tp{tp} x pp{pp} x dp{dp} = {world} GPUs on {nodes} node{'s' if nodes > 1 else ''}"
+def job_config(model: str = "tiny", micro_batch: int = 1, dtype: str = "bf16", global_batch: Optional[int] = None,
+               **keys) -> ExperimentConfig:
+    """The training config of the job an estimate describes: ``micro_batch`` sequences per micro-batch per
+    replica, activations in ``dtype`` (a run's ``amp``), the micro-batches given (``microbatches``) or
+    derived from ``global_batch`` as Megatron derives them; every other key is a config key (``tp_size``,
+    ``pp_size``, ``dp_size``, ``loss``, ``transport``, ...). Validated as ``lossysim train`` validates it:
+    the same layout, micro-batch and network rules, the same one-line errors."""
+    dp, m = keys.get("dp_size", 1), keys.get("microbatches")
+    for name, value in (("micro_batch", micro_batch), ("global_batch", global_batch)):
+        if value is not None and (isinstance(value, bool) or int(value) != value or value < 1):
+            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} must be {one_of(DTYPES)}")
+    if global_batch is not None:
+        per_step = micro_batch * dp
+        if global_batch % per_step:
+            raise ValueError(f"global_batch={global_batch} does not split into micro_batch={micro_batch} x "
+                             f"dp_size={dp} x micro-batches")
+        if m is not None and m * per_step != global_batch:
+            raise ValueError(f"global_batch={global_batch} is not micro_batch={micro_batch} x microbatches={m} x "
+                             f"dp_size={dp}")
+        m = global_batch // per_step
+    batch = micro_batch * (keys.get("pp_size", 1) if m is None else m) * dp
+    amp = next(amp for amp, name in AMP_DTYPE.items() if name == dtype)
+    return from_dict({**keys, "model": model, "microbatches": m, "batch_size": batch, "amp": amp})
 
 
 class Call(NamedTuple):

@@ -16,7 +16,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 
 from ..hub import hub_reachable, why_unavailable
 from ..tp.plans import plan_for
-from .pretrained import PACKAGED, is_packaged, resolve
+from .pretrained import PACKAGED, is_packaged, quiet_transformers, resolve
 from .shapes import NAMED_MAX_POSITIONS, NAMED_SHAPES
 
 _CLASSES = {"classification": {GPT2Config: GPT2ForSequenceClassification, LlamaConfig: LlamaForSequenceClassification},
@@ -84,10 +84,12 @@ def build_model(name: str, *, vocab_size: int, pad_token_id: int, num_labels: in
         for key, value in _dropout_overrides(config.model_type, dropout).items():
             setattr(config, key, value)
         config.num_labels = num_labels
-        model = _AUTO[task].from_pretrained(
-            path, config=config, attn_implementation=attn_implementation)
+        model, missing = _from_pretrained(_AUTO[task], path, config, attn_implementation)
     except (OSError, ValueError) as err:
         raise _cannot_load(name, err) from None
+    if missing:
+        raise ValueError(f"model {name!r}: its checkpoint lacks {len(missing)} of the model's weights ({missing[0]}"
+                         f"{', ...' if len(missing) > 1 else ''}), which would start random")
     try:
         plan_for(model)
     except TypeError as err:
@@ -100,6 +102,24 @@ def build_model(name: str, *, vocab_size: int, pad_token_id: int, num_labels: in
         model.resize_token_embeddings(vocab_size)
     model.config.pad_token_id = pad_token_id
     return model
+
+
+def _from_pretrained(auto, path: str, config, attn_implementation: str) -> tuple[torch.nn.Module, list[str]]:
+    """The model and the weights of its base model (not the task's new head) its checkpoint lacks. Tied
+    weights load for every head: a tied model's checkpoint may hold the embedding only as the LM head's copy
+    (``lm_head.weight``: the converted smollm2-135m), which a classifier, having no LM head, would skip."""
+    def load(**extra):
+        with quiet_transformers():   # its load report: what is missing is checked here
+            return auto.from_pretrained(path, config=config, attn_implementation=attn_implementation,
+                                        output_loading_info=True, **extra)
+    model, info = load()
+    embedding = next(n for n, p in model.named_parameters() if p is model.get_input_embeddings().weight)
+    if embedding in info["missing_keys"] and "lm_head.weight" in info["unexpected_keys"] \
+            and getattr(config, "tie_word_embeddings", False):
+        model, info = load(key_mapping={r"^lm_head\.weight$": embedding})
+    parameters = {n for n, _ in model.named_parameters()}
+    base = model.base_model_prefix
+    return model, sorted(k for k in info["missing_keys"] if k in parameters and k.split(".")[0] == base)
 
 
 def _use_hub(name: str) -> None:

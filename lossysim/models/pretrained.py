@@ -11,6 +11,7 @@ reads that directory.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -118,7 +119,6 @@ def _convert(source: Path, out: Path) -> None:
     import torch
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
     for package in ("gguf", "accelerate"):
         try:
@@ -126,15 +126,9 @@ def _convert(source: Path, out: Path) -> None:
         except importlib.metadata.PackageNotFoundError:
             raise ValueError(f"converting {source.name} needs the {package} package: {INSTALL_HINT}") from None
     log.warning("converting %s to safetensors once (about 40 s on 2 cores)", source.name)
-    previous = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
+    with quiet_transformers():
         tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
         model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
-    finally:
-        hf_logging.set_verbosity(previous)
-        hf_logging.enable_progress_bar()
     # The weights are plain fp32 now; transformers refuses to save a GGUF-loaded model, and a saved
     # quantization_config would send every later load back to the GGUF path: save the parts.
     config = model.config
@@ -144,6 +138,21 @@ def _convert(source: Path, out: Path) -> None:
     save_model(model, str(out / "model.safetensors"))  # keeps one copy of the tied embedding
     tokenizer.save_pretrained(out)
     (out / "lossysim-source.json").write_text(json.dumps({"gguf": source.name, "dequantised_to": "float32"}))
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' warnings and progress bars off for a ``with`` block: its load reports, which lossysim
+    reads and acts on itself (``models.build``)."""
+    from transformers.utils import logging as hf_logging
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(previous)
+        hf_logging.enable_progress_bar()
 
 
 def _readable(folder: Path) -> None:

@@ -51,7 +51,7 @@ import torch
 from . import delivery as deliver
 from .algorithms import Delivery, Schedule, combine
 from .sparse import Losses
-from ..util import stream_seed
+from ..util import one_of, stream_seed
 
 RECOVERY_POLICIES = ("zero", "rescale", "hadamard", "hadamard+rescale", "stale", "error_feedback", "outliers",
                      "outliers+hadamard")
@@ -518,3 +518,13 @@ def _whole(n_packets: int, device: torch.device) -> deliver.Round:
 SHARD_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_on_shards)
 # The policies that act on a point-to-point send: what pipeline stages' messages can use.
 SEND_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_on_sends)
+
+
+def require(name: str, collective: str) -> None:
+    """The one rule of what a policy acts on, for the network (a Python caller) and the config (a run's
+    layout) alike: ``collective`` ``send`` (pipeline stages' point-to-point sends) or ``reduce_scatter``
+    (FSDP's sharded gradients); a one-line ValueError naming the policies that do."""
+    acts, what = {"send": (SEND_POLICIES, "point-to-point sends"),
+                  "reduce_scatter": (SHARD_POLICIES, "reduce-scatters")}[collective]
+    if name not in acts:
+        raise ValueError(f"recovery={name} does not act on {what}: use {one_of(acts)}")

@@ -64,12 +64,21 @@ class _AwaitGradient(torch.autograd.Function):
 @dataclass
 class _Link:
     """This process's sends: boundary ``stage - 1`` from ``previous`` (a global rank), boundary ``stage``
-    to ``next`` (None where there is no such stage)."""
+    to ``next`` (None where there is no such stage). A recomputed forward (activation checkpointing)
+    gets again what the stage received, nothing received, drawn or timed (``recording``, ``replaying``)."""
     before: Optional[Boundary]
     after: Optional[Boundary]
     tp_rank: int
     previous: Optional[int]
     next: Optional[int]
+    _record: Optional[dict] = None
+    _replay: Optional[dict] = None
+
+    def recording(self, record: dict):
+        return swapped(self, "_record", record)
+
+    def replaying(self, record: dict):
+        return swapped(self, "_replay", record)
 
     def _draw(self, boundary: Boundary, direction: str, message: torch.Tensor, mine: bool) -> torch.Tensor:
         """Every TP rank's send over ``boundary`` in ``sim``'s order; ``mine``: this process receives its
@@ -85,12 +94,16 @@ class _Link:
     def receive(self, stand_in: torch.Tensor) -> torch.Tensor:
         """The stage's input: what the previous stage sent in place of ``stand_in`` (the embeddings'
         output, of the same shape). A leaf of this stage's graph, whose gradient goes back."""
+        if self._replay is not None:
+            return self._replay["received"].popleft()
         buffer = torch.empty_like(stand_in, memory_format=torch.contiguous_format)
         dist.recv(buffer, self.previous)
         received = self._draw(self.before, "fwd", buffer, mine=True)
         if torch.is_grad_enabled():
             received = received.detach().requires_grad_()
             received.register_hook(self.return_gradient)
+        if self._record is not None:
+            self._record["received"].append(received)
         return received
 
     def return_gradient(self, grad: torch.Tensor) -> None:
@@ -116,6 +129,7 @@ class DistPipeline(Pipeline):
     mirror their owner's state after every step and evaluation (``gathered``, ``evaluating``)."""
     stage: int = 0
     tp_rank: int = 0
+    replica: int = 0
     mesh: Optional[Mesh] = None
     group: Any = None      # this pipeline's process group (one rank per stage)
     link: Optional[_Link] = None
@@ -125,7 +139,7 @@ class DistPipeline(Pipeline):
         return self.stage == self.stages - 1
 
     def _rank(self, stage: int) -> int:
-        return self.mesh.rank(0, self.tp_rank, stage)
+        return self.mesh.rank(self.replica, self.tp_rank, stage)
 
     def from_last(self, value):
         """``value`` as the last stage holds it, on every stage of this pipeline (reliable)."""
@@ -191,7 +205,7 @@ class DistPipeline(Pipeline):
         full = gather_full_model(tp_model)
         owner = parameter_stages(full, self.layout)
         mine = {name: p.detach().cpu() for name, p in full.named_parameters() if owner[id(p)] == self.stage} \
-            if self.tp_rank == 0 else {}
+            if self.tp_rank == 0 and self.replica == 0 else {}
         every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, every, dst=0)
         if every is not None:
@@ -245,19 +259,19 @@ def apply_dist_pp(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_
     """Cut ``model``'s blocks into stages (``cut_stages``; None for one stage) for global rank ``rank``'s
     process: the other stages' blocks hand their input on, its stage's first block receives from the
     previous stage and the next stage's first block sends to it. ``attach`` it to the TP model."""
-    pipeline = cut_stages(model, config, mesh, train_net, eval_net)
+    replica, stage, tp_rank = mesh.position(rank)
+    pipeline = cut_stages(model, config, mesh, train_net, eval_net, replica)
     if pipeline is None:
         return None
     head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
     if head is not None and head.weight is embeddings.weight:
         raise ValueError(f"pp_size={config.pp_size} with backend=dist: the model's head is tied to its "
                          "embeddings (first and last stage); use backend=sim")
-    _, stage, tp_rank = mesh.position(rank)
     p = pipeline.stages
     link = _Link(pipeline.boundaries[stage - 1] if stage else None,
                  pipeline.boundaries[stage] if stage < p - 1 else None, tp_rank,
-                 mesh.rank(0, tp_rank, stage - 1) if stage else None,
-                 mesh.rank(0, tp_rank, stage + 1) if stage < p - 1 else None)
+                 mesh.rank(replica, tp_rank, stage - 1) if stage else None,
+                 mesh.rank(replica, tp_rank, stage + 1) if stage < p - 1 else None)
     plan, _ = plan_for(model)
     base = model.base_model
     blocks = base.get_submodule(plan.blocks)
@@ -276,7 +290,7 @@ def apply_dist_pp(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_
         blocks[first + pipeline.layout[stage]].register_forward_pre_hook(on_hidden_states(link.send),
                                                                          with_kwargs=True)
     fields = {f.name: getattr(pipeline, f.name) for f in dataclasses.fields(Pipeline)}
-    return DistPipeline(**fields, stage=stage, tp_rank=tp_rank, mesh=mesh, link=link)
+    return DistPipeline(**fields, stage=stage, tp_rank=tp_rank, replica=replica, mesh=mesh, link=link)
 
 
 def attach(pipeline: DistPipeline, tp_model: TensorParallelModel, group, seed: int) -> PipelineStage:
@@ -288,6 +302,7 @@ def attach(pipeline: DistPipeline, tp_model: TensorParallelModel, group, seed: i
         tp_model.group.seed = stream_seed(seed, f"pp.stage{pipeline.stage}", "replicated-dropout")
     tp_model.__class__ = PipelineStage   # the same modules, hooks and shards; a stage's forward
     tp_model.pipeline = pipeline
+    tp_model.replayed = [*tp_model.replayed, pipeline.link]   # what it received, for a recomputed block
     return tp_model
 
 

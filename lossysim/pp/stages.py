@@ -92,11 +92,18 @@ class _SendToNextStage(torch.autograd.Function):
 class Boundary:
     """Boundary ``index`` between stage ``index`` and the next: its network and, per direction, the
     seconds of every send since ``take_seconds`` (a send's time is its slowest TP rank's: the ranks
-    send side by side over links of their own)."""
+    send side by side over links of their own).
+
+    With activation checkpointing the next stage's first block, whose input this boundary delivers,
+    runs its forward again in the backward: the stage kept what arrived (Megatron's stage input is the
+    checkpoint's), so the recomputed forward gets it again, nothing sent, drawn or timed (``recording``,
+    ``replaying``)."""
     index: int
     tp: int
     network: LossyNetwork
     seconds: dict = field(default_factory=lambda: {"fwd": [], "bwd": []})
+    _record: Optional[dict] = field(default=None, repr=False)
+    _replay: Optional[dict] = field(default=None, repr=False)
 
     @property
     def site(self) -> str:
@@ -104,9 +111,20 @@ class Boundary:
 
     def send(self, x: torch.Tensor, direction: str) -> torch.Tensor:
         """Every TP rank's copy in ``x`` ([tp * rows, ...]) over its own link; what the receivers hold."""
+        if self._replay is not None and direction == "fwd":
+            return self._replay["received"].popleft()
         copies = x.reshape(self.tp, -1, *x.shape[1:])
         out = self.timed(direction, lambda t, src, dst: self.network.send(self.site, direction, copies[t], src, dst))
-        return torch.stack(out).reshape(x.shape)
+        received = torch.stack(out).reshape(x.shape)
+        if self._record is not None and direction == "fwd":
+            self._record["received"].append(received.detach())
+        return received
+
+    def recording(self, record: dict):
+        return swapped(self, "_record", record)
+
+    def replaying(self, record: dict):
+        return swapped(self, "_replay", record)
 
     def timed(self, direction: str, send) -> list:
         """``send(t, src, dst)`` for TP rank t = 0.. of the sending stage over its link (network ranks),
@@ -199,9 +217,10 @@ class Pipeline:
 
 
 def cut_stages(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_net: LossyNetwork,
-               eval_net: LossyNetwork, replica: int = 0) -> Optional[Pipeline]:
-    """``model``'s blocks cut into ``config.pp_size`` stages (None for one stage): the layout, every
-    stage's networks (the first stage's are ``train_net`` and ``eval_net``) and every boundary's."""
+               eval_net: Optional[LossyNetwork], replica: int = 0) -> Optional[Pipeline]:
+    """``model``'s blocks cut into ``config.pp_size`` stages (None for one stage): the layout, replica
+    ``replica``'s every stage's networks (the first stage's are ``train_net`` and ``eval_net``) and every
+    boundary's. Evaluation runs on replica 0's networks (none for another replica's: ``eval_net`` None)."""
     if config.pp_size == 1:
         return None
     plan, _ = plan_for(model)
@@ -210,18 +229,19 @@ def cut_stages(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_net
     settings, evaluation = config.network_settings(), config.network_settings(evaluation=True)
     networks = [train_net] + [LossyNetwork(mesh.tp_network_spec(settings, replica, s))
                               for s in range(1, config.pp_size)]
-    eval_networks = [eval_net] + [LossyNetwork(mesh.tp_network_spec(evaluation, replica, s))
-                                  for s in range(1, config.pp_size)]
+    eval_networks = [] if eval_net is None else \
+        [eval_net] + [LossyNetwork(mesh.tp_network_spec(evaluation, 0, s)) for s in range(1, config.pp_size)]
     lossy = config.pp_lossy()
     boundaries = [Boundary(b, mesh.tp, LossyNetwork(mesh.pp_network_spec(settings, replica, b, lossy)))
                   for b in range(config.pp_size - 1)]
-    eval_boundaries = [Boundary(b, mesh.tp, LossyNetwork(mesh.pp_network_spec(evaluation, replica, b, lossy)))
-                       for b in range(config.pp_size - 1)]
+    eval_boundaries = [] if eval_net is None else \
+        [Boundary(b, mesh.tp, LossyNetwork(mesh.pp_network_spec(evaluation, 0, b, lossy)))
+         for b in range(config.pp_size - 1)]
     return Pipeline(layout, stage_parameters(model, layout), networks, eval_networks, boundaries, eval_boundaries)
 
 
 def apply_pp(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_net: LossyNetwork,
-             eval_net: LossyNetwork, replica: int = 0) -> Optional[Pipeline]:
+             eval_net: Optional[LossyNetwork], replica: int = 0) -> Optional[Pipeline]:
     """Cut ``model``'s blocks into ``config.pp_size`` stages (``cut_stages``; None for one stage), every
     stage in this process (``sim``): a boundary send on the input of every stage's first block but the
     first's. Called before ``apply_tp``, which puts each stage's blocks on its own TP group."""

@@ -27,7 +27,6 @@ site's sum stands above the median magnitude (loss-free).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..io import atomic_write_text, check_writable
 from ..net.selection import parse_layers
 
 MODELS = ("smollm2-135m", "smollm2-135m-shape")
@@ -170,8 +170,8 @@ def run(args) -> tuple:
                                      "site": site, **_scores(runner.logits(network, layer), clean, ids)})
                 print(f"{name}: rate {rate} {recovery}: {time.perf_counter() - t0:.0f} s", file=sys.stderr,
                       flush=True)
-                # what is done so far is kept should the map be stopped (the last write is whole)
-                pd.DataFrame(rows).to_csv(Path(args.out) / "damage_map.csv", index=False)
+                # what is done so far is kept should the map be stopped (each write whole or not at all)
+                atomic_write_text(Path(args.out) / "damage_map.csv", pd.DataFrame(rows).to_csv(index=False))
     return pd.DataFrame(rows), pd.DataFrame(outliers)
 
 
@@ -203,6 +203,43 @@ def plot(frame, path: Path) -> None:
     plt.close(fig)
 
 
+def _check(args) -> None:
+    """Every bad argument as a one-line ValueError, before any work and before ``--out`` is created."""
+    chosen = parse_layers(args.layers)
+    if args.sequences < 1 or args.tokens < 2:
+        raise ValueError("--sequences must be >= 1 and --tokens >= 2")
+    if args.threads < 1:
+        raise ValueError(f"--threads {args.threads} must be >= 1")
+    for rate in args.rates:
+        if not 0 < rate < 1:
+            raise ValueError(f"--rates: {rate} must be in (0, 1)")
+    from ..net.recovery import RECOVERY_POLICIES
+    for recovery in args.recoveries:
+        if recovery not in RECOVERY_POLICIES:
+            raise ValueError(f"--recoveries: {recovery!r} is not one of {', '.join(RECOVERY_POLICIES)}")
+    for name in args.models:
+        if name not in MODELS:
+            raise ValueError(f"--models: {name!r} is not one of {', '.join(MODELS)}")
+    from ..models.pretrained import model_dir
+    model_dir(MODELS[0])  # the real extra is there (and converted) before any work
+    for name in args.models:
+        depth = _depth(name)
+        if chosen is not None and max(chosen) >= depth:
+            raise ValueError(f"--layers {args.layers}: {name} has layers 0-{depth - 1}")
+    check_writable(args.out, "--out")
+
+
+def _depth(name: str) -> int:
+    """Model ``name``'s layers, from its config alone."""
+    from transformers import AutoConfig
+    from ..models import NAMED_SHAPES
+    from ..models.pretrained import resolve
+    if name in NAMED_SHAPES:
+        config_class, shape = NAMED_SHAPES[name]
+        return config_class(**shape).num_hidden_layers
+    return AutoConfig.from_pretrained(resolve(name)).num_hidden_layers
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lossysim.real.damage_map", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results/damage_map", help="folder for damage_map.csv and .png")
@@ -217,24 +254,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out)
     try:
-        parse_layers(args.layers)
-        if args.sequences < 1 or args.tokens < 2:
-            raise ValueError("--sequences must be >= 1 and --tokens >= 2")
-        for rate in args.rates:
-            if not 0 < rate < 1:
-                raise ValueError(f"--rates: {rate} must be in (0, 1)")
-        from ..net.recovery import RECOVERY_POLICIES
-        for recovery in args.recoveries:
-            if recovery not in RECOVERY_POLICIES:
-                raise ValueError(f"--recoveries: {recovery!r} is not one of {', '.join(RECOVERY_POLICIES)}")
-        from ..models.pretrained import model_dir
-        model_dir(MODELS[0])  # the real extra is there (and converted) before any work
-        out.mkdir(parents=True, exist_ok=True)
-        if not os.access(out, os.W_OK):
-            raise ValueError(f"--out {out} is not a writable folder")
+        _check(args)
     except (ValueError, OSError) as err:
         print(f"damage_map: {err}", file=sys.stderr)
         return 2
+    out.mkdir(parents=True, exist_ok=True)   # every check passed: only now does the map take the folder
     frame, outliers = run(args)
     frame.to_csv(out / "damage_map.csv", index=False)
     outliers.to_csv(out / "outliers.csv", index=False)

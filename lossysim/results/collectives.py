@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Optional
 
 import pandas as pd
 
 from ..io import read_summary
+from ..traffic import of_network
 from .labels import dimensions, varying
 
 # The labels' dimensions that decide NCCL's choice (a loss setting does not).
 CHOSEN_BY = ("algorithm", "topology", "pipeline", "inter-node link", "intra-node link", "compute", "model")
-TRAFFIC = {"tp": "TP", "pp": "PP", "dp": "DP"}
 COLUMNS = ["runs", "traffic", "collective", "algorithm", "channels", "call sites", "message", "loss-free per call"]
 
 
@@ -32,11 +33,27 @@ def _span(low: float, high: float, unit: str, digits: int) -> str:
     return f"{low_s} {unit}" if low_s == high_s else f"{low_s}–{high_s} {unit}"
 
 
-def collectives_table(results: Path, runs: pd.DataFrame) -> pd.DataFrame:
+# A record's fields, by type (run.record.collectives); protocol may be empty.
+FIELDS = {"network": str, "collective": str, "algorithm": str, "channels": int, "site": str, "bytes": (int, float),
+          "seconds": (int, float)}
+
+
+def _records(summary: dict) -> tuple[list[dict], int]:
+    """``summary``'s collectives records of the expected shape, and how many others it holds."""
+    given = summary.get("collectives") or []
+    if not isinstance(given, list):
+        return [], 1
+    good = [r for r in given if isinstance(r, dict) and isinstance(r.get("protocol") or "", str)
+            and all(isinstance(r.get(k), kind) and not isinstance(r.get(k), bool) for k, kind in FIELDS.items())]
+    return good, len(given) - len(good)
+
+
+def collectives_table(results: Path, runs: pd.DataFrame, problems: Optional[dict] = None) -> pd.DataFrame:
     """One row per group of runs timed alike, traffic (TP, PP, DP), collective and (algorithm, protocol):
     its channels, its call sites as patterns with their count, the message sizes and one call's loss-free
     time (ranges over the group's records). Runs whose summary has no ``collectives`` (written before
-    0.4) are left out; empty when none has any."""
+    0.4) are left out; empty when none has any. A record of another shape is left out, and its run named
+    in ``problems``."""
     done = runs[runs["status"].isin(("completed", "diverged"))] if "status" in runs.columns else runs
     done = done.assign(loss_model="none")   # labelled as loss-free: where loss may fall does not split a group
     dims = varying(done, [d for d in dimensions(done) if d.name in CHOSEN_BY])
@@ -44,9 +61,14 @@ def collectives_table(results: Path, runs: pd.DataFrame) -> pd.DataFrame:
     for _, run in done.iterrows():
         summary = read_summary(Path(results) / str(run["run_dir"])) or {}
         group = ", ".join(d.value(run) for d in dims) if dims else "every run"
-        for record in summary.get("collectives") or []:
+        good, bad = _records(summary)
+        if bad and problems is not None:
+            problems[str(run["run_dir"])] = (f"summary.json's collectives hold {bad} malformed record(s), left out "
+                                             "of the collectives table")
+        for record in good:
             protocol = record.get("protocol") or ""
-            records.append({"runs": group, "traffic": TRAFFIC.get(record["network"].split(".")[0], record["network"]),
+            traffic = of_network(record["network"])
+            records.append({"runs": group, "traffic": traffic.label if traffic else record["network"],
                             "collective": record["collective"],
                             "algorithm": record["algorithm"] + (f"/{protocol}" if protocol else ""),
                             "channels": record["channels"], "site": record["site"], "bytes": record["bytes"],

@@ -21,6 +21,8 @@ import pandas as pd
 
 from ..config import NON_SEMANTIC, ExperimentConfig
 from ..loss.spec import display_name
+from ..mesh import Mesh
+from ..traffic import KIND_LABELS, PAIRS
 
 CONFIG_DEFAULTS = {name: f.default for name, f in ExperimentConfig.__dataclass_fields__.items()}
 NO_LOSS = "no loss"
@@ -82,13 +84,14 @@ def _topology(row: Mapping) -> str:
     # data-parallel replicas (summary.csv has replicas for dp runs only, dp_size where it varies)
     dp = int(_get(row, "replicas") or _get(row, "dp_size") or 1)
     pp = int(_get(row, "pp_size") or 1)    # the stages' ranks count too (the pipeline dimension names them)
+    world = Mesh(tp, dp, pp=pp).world
     if per_node is _MISSING:      # constant over the sweep, value unknown: say only what is known
-        text = _plural(tp * pp * dp, "rank")
+        text = _plural(world, "rank")
     else:
         per_node = tp if per_node is None else int(per_node)   # None: a TP group's ranks on one node
-        text = f"{_plural(max(tp * pp * dp // per_node, 1), 'node')} x {_plural(per_node, 'rank')}"
-    if dp > 1:
-        text += f", tp {tp} x dp {dp}"
+        text = f"{_plural(max(world // per_node, 1), 'node')} x {_plural(per_node, 'rank')}"
+    if dp > 1:   # (with one replica, the pipeline dimension names the stages)
+        text += ", " + " x ".join([f"tp {tp}", *([f"pp {pp}"] if pp > 1 else []), f"dp {dp}"])
     # A loss-free run loses nothing anywhere: where loss could happen says nothing about it.
     if _get(row, "lossy_links") == "inter_node" and not _lossless(row):
         text += ", loss between nodes"
@@ -107,18 +110,14 @@ def _pipeline(row: Mapping) -> str:
     return f"pp {pp}" + (f" ({', '.join(parts)})" if parts else "")
 
 
-# ``lossy_traffic``'s kinds, readably; a run's value lists them separated by commas.
-TRAFFIC = {"tp_forward": "TP activations", "tp_backward": "TP gradients", "dp": "DP gradients",
-           "pp_forward": "PP activations", "pp_backward": "PP gradients"}
-_TRAFFIC_PAIRS = {("TP activations", "TP gradients"): "TP traffic", ("PP activations", "PP gradients"): "PP traffic"}
-
 
 def _traffic(row: Mapping) -> str:
     value = str(_get(row, "lossy_traffic") or "all")
     if value == "all":
         return "all traffic"
-    names = [TRAFFIC.get(kind.strip(), kind.strip()) for kind in value.split(",")]
-    for pair, both in _TRAFFIC_PAIRS.items():   # a kind's two directions are one name
+    # ``lossy_traffic``'s kinds, readably (``lossysim.traffic``); a run's value lists them separated by commas
+    names = [KIND_LABELS.get(kind.strip(), kind.strip()) for kind in value.split(",")]
+    for pair, both in PAIRS.items():   # a class's two directions are one name
         if set(pair) <= set(names):
             names = [both if n == pair[0] else n for n in names if n != pair[1]]
     return " and ".join(names)

@@ -20,7 +20,7 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from ..config import traffic_kinds
+from ..traffic import parse_kinds as traffic_kinds
 from ..io import atomic_write_text, read_summary
 from ..loss.spec import FAMILIES
 from .settings import add_series, loss_free_runs, p_cell, setting_columns, setting_groups, to_markdown

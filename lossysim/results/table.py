@@ -6,7 +6,6 @@ themselves, and reports, notebooks and the sweep read runs one way. Nothing here
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -14,12 +13,18 @@ from typing import Any, Optional, Union
 import pandas as pd
 import yaml
 
-from ..config import NON_SEMANTIC, TRAFFIC_KINDS, traffic_kinds
+from ..config import NON_SEMANTIC
+from ..traffic import KINDS as TRAFFIC_KINDS, parse_kinds as traffic_kinds
 from ..io import atomic_write_text, load_summary, read_jsonl, read_summary, run_status  # noqa: F401 (re-exported)
 from ..loss import parse_loss_model
 from ..loss.spec import family
 from .stats import DEFAULT_TARGET, time_to_target
 
+# How a run ends (``run.record``): finished (any but failed) or failed; and what its summary.json always holds
+# then, by type. A summary without them (hand-edited, or half of one) is no run to report.
+FINISHED = ("completed", "diverged", "gave_up")
+STATUSES = (*FINISHED, "failed")
+NEEDED = {"config": dict, "steps": int, "final": dict}
 # Always in summary.csv (the report groups by them); other config keys only when they vary.
 KEY_COLUMNS = ("loss", "lossy", "recovery", "tp_size", "pp_size", "seed", "model", "dataset", "backend")
 PIPELINE_KEYS = ("pp_schedule", "microbatches")
@@ -120,6 +125,11 @@ def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
         if d in lossy_dirs:
             sent += entry.get("sent") or 0
             lost += entry.get("lost") or 0
+    classes = summary.get("traffic")
+    if isinstance(classes, dict):   # every class's lossy directions, as the run declared them (lossysim.traffic)
+        lossy = [d for per in classes.values() if isinstance(per, dict) for d in per.values()
+                 if isinstance(d, dict) and d.get("lossy")]
+        sent, lost = sum(d.get("sent") or 0 for d in lossy), sum(d.get("lost") or 0 for d in lossy)
     row["observed_loss_rate"] = lost / sent if sent else math.nan
     by_class: dict[str, list] = {}
     boundaries = [(entry, pp_dirs) for entries in ((pipeline or {}).get("packets_by_boundary") or [])
@@ -176,14 +186,38 @@ def _time_to_target(run_dir: Path, summary: dict, config: dict, split: Optional[
     return time_to_target(rows, target if math.isfinite(target) else DEFAULT_TARGET, split)
 
 
-def collect(results: Union[str, Path]) -> pd.DataFrame:
-    """summary.csv's table, built from every finished run directory under ``results``."""
+def incomplete(summary: dict) -> Optional[str]:
+    """Why ``summary`` is no run to report (None when it is one): no known status, or something its
+    status always records missing or of another type."""
+    status = summary.get("status")
+    if status not in STATUSES:
+        return f"summary.json has no known status ({status!r}; {', '.join(STATUSES)})"
+    for key, kind in (NEEDED if status in FINISHED else {"config": dict}).items():
+        value = summary.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            what = "no" if value is None else f"a {type(value).__name__} as its"
+            return f"summary.json of a {status} run has {what} {key}"
+    return None
+
+
+def collect(results: Union[str, Path], problems: Optional[dict] = None) -> pd.DataFrame:
+    """summary.csv's table, built from every finished run directory under ``results``; ``problems`` gets
+    run directory -> why, for each run left out: its summary.json cannot be read, is incomplete
+    (``incomplete``) or holds something of an unexpected shape."""
     results = Path(results)
+    problems = {} if problems is None else problems
     rows = []
     for path in sorted(results.glob("*/summary.json")):
-        summary = read_summary(path.parent)
-        if summary is not None:
-            rows.append(summary_row(path.parent, summary, results))
+        summary, why = load_summary(path.parent)
+        why = why or incomplete(summary)
+        if why is None:
+            try:
+                rows.append(summary_row(path.parent, summary, results))
+            except (TypeError, AttributeError, KeyError, ValueError) as err:   # a field of another shape
+                first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                why = f"summary.json holds something of an unexpected shape ({type(err).__name__}: {first})"
+        if why is not None:
+            problems[path.parent.name] = why
     frame = pd.DataFrame(rows)
     if frame.empty:
         return pd.DataFrame(columns=["run_dir", "status", *KEY_COLUMNS])
@@ -204,6 +238,25 @@ def collect(results: Union[str, Path]) -> pd.DataFrame:
 
 
 def write_summary_csv(results: Union[str, Path]) -> pd.DataFrame:
+    """summary.csv rebuilt from the run directories. A run still there that gives no row now (its summary
+    damaged, incomplete, or being rewritten) keeps its row from the summary.csv replaced, marked ``stale``:
+    that row may be the last readable copy of its results."""
+    results = Path(results)
     frame = collect(results)
-    atomic_write_text(Path(results) / "summary.csv", frame.to_csv(index=False))
+    stale = _stale_rows(results, set(frame["run_dir"].astype(str)))
+    if len(stale):
+        frame = pd.concat([frame.assign(stale=False), stale.assign(stale=True)], ignore_index=True)
+    atomic_write_text(results / "summary.csv", frame.to_csv(index=False))
     return frame
+
+
+def _stale_rows(results: Path, fresh: set) -> pd.DataFrame:
+    """The rows of ``results``' summary.csv whose run directory is still there but not among ``fresh``."""
+    try:
+        old = pd.read_csv(results / "summary.csv")
+    except (OSError, ValueError):   # none yet, or unreadable: nothing to keep
+        return pd.DataFrame()
+    if "run_dir" not in old.columns:
+        return pd.DataFrame()
+    kept = [str(d) not in fresh and (results / str(d)).is_dir() for d in old["run_dir"]]
+    return old[kept]

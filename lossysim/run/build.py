@@ -75,33 +75,35 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
     parameters = sum(p.numel() for p in model.parameters())
     layers, hidden = cost.dims(model.config)
     train_net.spec.selection.check_depth(layers)
-    # The parallelisms apply in torchtitan's order: pipeline stages cut the model, then tensor
-    # parallelism shards each stage over its own TP group.
-    # dist: this process's stage alone runs, its sends to the neighbouring stages' processes real.
-    pipeline = apply_dist_pp(model, config, mesh, train_net, eval_net, rank) if distributed else \
-        apply_pp(model, config, mesh, train_net, eval_net, replica)
     # Each rank launches the whole model's kernels on its shards, and its collectives'.
     kernels = cost.kernels_per_step(model, config.task) + cost.collective_kernels(layers, config.tp_size)
     compute = _compute(config, device)
-    groups = mesh.process_groups() if distributed and mesh.dp * mesh.pp > 1 else None
-    if groups is not None:
+    # The parallelisms apply in torchtitan's order: pipeline stages cut the model, then tensor
+    # parallelism shards each stage over its own TP group, then data parallelism joins the replicas.
+    groups = None
+    if distributed:
+        # this process's stage alone runs, its sends to the neighbouring stages' processes real
+        pipeline = apply_dist_pp(model, config, mesh, train_net, eval_net, rank)
+        groups = mesh.process_groups() if mesh.world > mesh.tp else None
         network = train_net if pipeline is None else pipeline.networks[stage]
-        tp_model = apply_tp(model, config, mesh, network, rank, groups["tp"][rank // mesh.tp])
+        tp_model = apply_tp(model, config, mesh, network, rank, groups["tp"][rank] if groups else None)
         if pipeline is not None:
-            tp_model = attach(pipeline, tp_model, groups["pp"][replica * mesh.tp + tp_rank], config.seed)
-        replicas = [_replica(config, tp_model)]
+            tp_model = attach(pipeline, tp_model, groups["pp"][rank], config.seed)
+        replicas = [_replica(config, tp_model, pipeline)]
     else:
-        # Every replica starts from the same weights (DDP broadcasts rank 0's); replica 0 is built last
-        # so the global generator ends seeded exactly as without data parallelism.
+        # Every replica starts from the same weights (DDP broadcasts rank 0's), copied before any stage's
+        # hooks so each has its own; replica 0 is built last so the global generator ends seeded exactly
+        # as without data parallelism.
         copies = [copy.deepcopy(model) for _ in range(mesh.dp - 1)]
-        others = [_replica(config, apply_tp(copies[r - 1], config, mesh,
-                                            LossyNetwork(mesh.tp_network_spec(settings, r)), rank))
-                  for r in range(1, mesh.dp)]
-        tp_model = apply_tp(model, config, mesh, train_net, rank, pipeline=pipeline)
-        replicas = [_replica(config, tp_model), *others]
+        others = [_sim_replica(config, copies[r - 1], mesh, LossyNetwork(mesh.tp_network_spec(settings, r)), None,
+                               rank, r) for r in range(1, mesh.dp)]
+        replicas = [_sim_replica(config, model, mesh, train_net, eval_net, rank, 0), *others]
+        pipeline, tp_model = replicas[0].pipeline, replicas[0].model
     dp_groups = groups if mesh.dp > 1 else None   # (dist pipelines: a group of one replica)
-    positions = [tp_rank] if dp_groups is not None else range(mesh.tp) if mesh.dp > 1 else []
-    networks = [LossyNetwork(mesh.dp_network_spec(settings, t, config.dp_lossy())) for t in positions]
+    positions = [[tp_rank]] if dp_groups is not None else \
+        [list(range(mesh.tp)) for _ in range(mesh.pp)] if mesh.dp > 1 else []
+    networks = [[LossyNetwork(mesh.dp_network_spec(settings, t, config.dp_lossy(), s if dp_groups is None else stage))
+                 for t in ranks] for s, ranks in enumerate(positions)]
     dp = apply_dp(replicas, mesh, networks, config.dp_bucket_mb * (1 << 20), config.dp_mode, rank, dp_groups)
     first = replicas[0]
     return Parts(data, tp_model, train_net, eval_net, first.optimizer, first.scheduler,
@@ -111,12 +113,19 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
                  pipeline=pipeline)
 
 
-def _replica(config: ExperimentConfig, tp_model: TensorParallelModel) -> Replica:
+def _sim_replica(config: ExperimentConfig, model, mesh, train_net: LossyNetwork,
+                 eval_net: Optional[LossyNetwork], rank: int, replica: int) -> Replica:
+    """``sim``: replica ``replica`` of ``model`` cut into its stages (its own networks) and sharded."""
+    pipeline = apply_pp(model, config, mesh, train_net, eval_net, replica)
+    return _replica(config, apply_tp(model, config, mesh, train_net, rank, pipeline=pipeline), pipeline)
+
+
+def _replica(config: ExperimentConfig, tp_model: TensorParallelModel, pipeline: Optional[Pipeline] = None) -> Replica:
     """A replica's TP model (on its own network), optimiser and learning-rate schedule."""
     optimizer = _optimizer(config, tp_model)
     scheduler = transformers.get_linear_schedule_with_warmup(
         optimizer, min(config.warmup_steps, config.steps), config.steps)
-    return Replica(tp_model, optimizer, scheduler)
+    return Replica(tp_model, optimizer, scheduler, pipeline)
 
 
 def _compute(config: ExperimentConfig, device: torch.device):

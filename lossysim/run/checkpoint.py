@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from ..config import NON_SEMANTIC, ExperimentConfig, upgrade
 from ..io import atomic_write_json
+from ..pp.stages import stage_layout
 from ..tp import gather_full_model
 from .state import TrainState, Window
 
@@ -161,12 +162,8 @@ def resume(run_dir: Path, parts: "Parts", window: Window, config: ExperimentConf
         log.info("no complete checkpoint in %s: starting from step 0", run_dir)
         return None
     saved = load(Path(found[0]), rank, _world(config), map_location=device)
-    expected = _resumable(config)
-    written = {k: v for k, v in upgrade(saved["config"]).items() if k not in NON_SEMANTIC}
-    if written != expected:
-        key = next(k for k in written if written[k] != expected.get(k))
-        raise ValueError(f"{found[0]} was written with {key}={written[key]!r}, this run has "
-                         f"{key}={getattr(config, key)!r}: resume needs the same experiment")
+    check_same_experiment(saved["config"], config, found[0],
+                          None if parts.pipeline is None else sum(parts.pipeline.layout))
     parts.model.load_state_dict(saved["model"])
     parts.optimizer.load_state_dict(saved["optimizer"])
     parts.scheduler.load_state_dict(saved["scheduler"])
@@ -189,13 +186,36 @@ def resume(run_dir: Path, parts: "Parts", window: Window, config: ExperimentConf
     return state
 
 
+def check_same_experiment(written: dict, config: ExperimentConfig, where, layers: Optional[int] = None) -> None:
+    """Refuse (a ValueError naming the first setting that differs) to continue ``where``, written with the
+    settings ``written``, as the run ``config``. ``layers``: the model's depth, so that a ``pp_layout``
+    spelling out the even split is the default's (as ``microbatches`` equal to ``pp_size`` is)."""
+    expected = _canonical(_resumable(config), layers)
+    written = {k: v for k, v in upgrade(written).items() if k not in NON_SEMANTIC}
+    got = _canonical(written, layers)
+    if got != expected:
+        key = next(k for k in got if got[k] != expected.get(k))
+        raise ValueError(f"{where} was written with {key}={written[key]!r}, this run has "
+                         f"{key}={getattr(config, key)!r}: resume needs the same experiment")
+
+
+def _canonical(values: dict, layers: Optional[int]) -> dict:
+    """``values`` with ``pp_layout`` as the blocks per stage it gives a model of ``layers`` blocks."""
+    if layers is None:
+        return values
+    try:
+        return {**values, "pp_layout": stage_layout(values.get("pp_layout"), int(values.get("pp_size", 1)), layers)}
+    except (TypeError, ValueError):   # not a layout of this model: compared as written
+        return values
+
+
 def _resumable(config: ExperimentConfig) -> dict:
     """The settings a checkpoint must share with the run resuming from it."""
     return {k: v for k, v in config.to_dict().items() if k not in NON_SEMANTIC}
 
 
 def _world(config: ExperimentConfig) -> int:
-    return config.tp_size * config.pp_size * config.dp_size if config.backend == "dist" else 1
+    return config.mesh().world if config.backend == "dist" else 1
 
 
 # -- the trained model ------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from ..config import BACKENDS, DP_MODES, PP_SCHEDULES, ExperimentConfig, load_config, parse_overrides, save_yaml
 from ..data import EVAL_SPLITS, MNLI, SYNTHETIC, train_batches
 from ..data.pydoc_text import PYDOC
-from ..io import atomic_write_json, atomic_write_text, check_writable, nearest_existing, run_status
+from ..io import atomic_write_json, atomic_write_text, check_writable, nearest_existing, read_summary, run_status
 from ..models import NAMED_SHAPES
 from ..models.pretrained import PACKAGED
 from ..net.algorithms import ALGORITHMS
@@ -100,7 +100,8 @@ def run_experiment(config: ExperimentConfig, run_dir, *, progress: bool = True, 
     """Train one configuration; write ``run_dir``; return the summary.
 
     With ``resume``, continue from the newest complete checkpoint in ``run_dir``
-    (if any) and end exactly as an uninterrupted run would. Everything that can be
+    (if any) and end exactly as an uninterrupted run would; a run of this experiment
+    already finished there is left as it is, and its summary returned. Everything that can be
     checked before training is, and a problem raises (ValueError or OSError) with
     ``run_dir`` untouched: bad settings, a model or data that cannot be built, a
     wrong world size, an output folder that cannot hold the run or already holds a
@@ -115,7 +116,10 @@ def run_experiment(config: ExperimentConfig, run_dir, *, progress: bool = True, 
     if config.backend == "dist":  # torchrun stops the other ranks with SIGTERM when one fails
         previous_handler = signal.signal(signal.SIGTERM, _terminated)
     try:
-        runtime, parts, state, window = _setup(config, run_dir, resume)
+        try:
+            runtime, parts, state, window = _setup(config, run_dir, resume)
+        except _Finished as done:   # resumed by doing nothing: a finished run is never trained again
+            return done.args[0]
         _claim(runtime, state)
         try:
             summary = _train(runtime, parts, state, window, progress and runtime.is_main, position, started)
@@ -138,6 +142,8 @@ def _setup(config: ExperimentConfig, run_dir: Path, resume: bool):
         tracking.require(config.report_to)
     parts = build(config, runtime.device, runtime.rank, runtime.is_main,
                   runtime.barrier if config.backend == "dist" else None)
+    if resume:
+        _check_finished(runtime, parts)
     if runtime.is_main:
         _check_free_space(run_dir, parts.model, config)
     state = TrainState(last_row=record.clock_mark(0, 0.0, parts.train_net, parts.pipeline))
@@ -145,6 +151,27 @@ def _setup(config: ExperimentConfig, run_dir: Path, resume: bool):
     if resume:
         state = checkpoint.resume(run_dir, parts, window, config, runtime.rank, runtime.device) or state
     return runtime, parts, state, window
+
+
+def _check_finished(rt: _Runtime, parts: Parts) -> None:
+    """Raise _Finished with the run's summary when ``run_dir`` already holds this experiment finished
+    (any status but ``failed``): resuming it has nothing left to do, and training it again would delete its
+    results. Another experiment's finished run is refused (ValueError), as its checkpoints would be."""
+    found = [None]
+    if rt.is_main:
+        summary = read_summary(rt.run_dir)
+        if summary is not None and summary.get("status") not in (None, "failed"):
+            if not isinstance(summary.get("config"), dict):
+                raise ValueError(f"--out {rt.run_dir} holds a finished run (status {summary['status']}) whose "
+                                 "summary.json has no config: choose another --out")
+            checkpoint.check_same_experiment(summary["config"], rt.config, f"--out {rt.run_dir}",
+                                             None if parts.pipeline is None else sum(parts.pipeline.layout))
+            found[0] = summary
+    if rt.config.backend == "dist":
+        dist.broadcast_object_list(found, src=0)
+    if found[0] is not None:
+        log.info("%s holds this run finished (status %s): nothing to resume", rt.run_dir, found[0]["status"])
+        raise _Finished(found[0])
 
 
 def _record_failure(rt: _Runtime, err: Exception, started: float) -> dict:
@@ -209,7 +236,7 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
             bar.update(1)
     except _Divergence as div:
         status = "diverged"
-        diverged_at = {"step": div.args[0], **(parts.train_net.first_nonfinite() or {"site": None})}
+        diverged_at = {"step": div.args[0], **(parts.train_net.channels.first_nonfinite() or {"site": None})}
         log.warning("loss or gradients became non-finite at step %d (first non-finite traffic: %s); "
                     "run marked diverged", div.args[0], diverged_at["site"] or "none")
     except _GaveUp as stop:
@@ -228,10 +255,15 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
         summary["data_parallel"] = record.dp_summary(parts.dp, config, state)
     if parts.pipeline is not None:
         summary["pipeline"] = record.pp_summary(parts.pipeline, config, state)
+    summary["traffic"] = record.traffic_summary(parts.train_net, parts.pipeline, parts.dp)
     summary["collectives"] = record.collectives(parts.train_net, parts.pipeline, parts.dp)
     if rt.is_main:
         atomic_write_json(rt.run_dir / "summary.json", summary)
     return summary
+
+
+class _Finished(Exception):
+    """``--resume`` found the run finished (its argument: the run's summary)."""
 
 
 class _Divergence(Exception):
@@ -268,10 +300,9 @@ class _Runtime:
 def _start(config: ExperimentConfig, run_dir: Path, resume: bool) -> _Runtime:
     if config.backend == "dist":
         rank, world = init_distributed(timeout_s=config.timeout_s)
-        if world != config.tp_size * config.pp_size * config.dp_size:
-            raise ValueError(f"tp_size={config.tp_size} x pp_size={config.pp_size} x dp_size={config.dp_size} "
-                             f"but torchrun started "
-                             f"{world} processes")
+        if world != config.mesh().world:
+            raise ValueError(f"{config.mesh().name.split(' = ')[0]} is {config.mesh().world} ranks but torchrun "
+                             f"started {world} processes")
         shared = [config.to_dict(), str(run_dir)]  # rank 0's config is the experiment
         dist.broadcast_object_list(shared, src=0)
         config = ExperimentConfig(**shared[0]).validate()
@@ -288,11 +319,11 @@ def _check_run_dir(run_dir: Path, resume: bool) -> None:
     """Refuse, before anything is built, an output folder this run could not write or must not replace.
 
     A finished run's results (any status but ``failed``) and sealed training checkpoints are work a
-    new run would delete: only ``--resume`` may continue them, and only from a checkpoint.
+    new run would delete: only ``--resume`` may continue them (a finished run by doing nothing).
     """
     check_writable(run_dir, "--out")
     status = run_status(run_dir)
-    if status not in (None, "failed") and not (resume and checkpoint.latest(run_dir)):
+    if status not in (None, "failed") and not resume:
         raise ValueError(f"--out {run_dir} holds a finished run (status {status}): choose another --out, "
                          "or delete the folder to train it again")
     if not resume and checkpoint.latest(run_dir):

@@ -14,11 +14,12 @@ import torch
 import transformers
 
 from .. import __version__
-from ..config import RANK_ORDER, ExperimentConfig
+from ..config import ExperimentConfig
 from ..data import EVAL_SPLITS
 from ..io import append_jsonl, atomic_write_text, read_jsonl
 from ..net import LossyNetwork
 from ..pp.stages import Pipeline
+from ..traffic import CLASSES
 from .state import TrainState
 from .tracking import open_tracker
 
@@ -137,7 +138,7 @@ def clock(state: TrainState, network: LossyNetwork, config: ExperimentConfig,
     and ``comm_s`` the traffic time of every stage and boundary summed (not all of it on the path)."""
     networks = _networks(network, pipeline)
     comm = _comm(networks)
-    failures = sum(n.failures() for n in networks)
+    failures = sum(n.totals()["failures"] for n in networks)
     if pipeline is None:
         busy, busy_ideal = state.compute_s + comm["comm_s"], state.compute_s + comm["comm_s_ideal_nic"]
     else:
@@ -254,12 +255,37 @@ def pp_summary(pipeline: Pipeline, config: ExperimentConfig, state: TrainState) 
     order), the bubble and the boundary sends' time per step, and every boundary's and stage's traffic."""
     steps = max(state.step, 1)
     return {"pp_size": config.pp_size, "pp_schedule": config.pp_schedule, "microbatches": config.n_microbatches,
-            "stage_layers": list(pipeline.layout), "rank_order": RANK_ORDER,
+            "stage_layers": list(pipeline.layout),
             "bubble": bubble(state.pp_busy_s, state.pipeline_s, pipeline.stages),
             "pipeline_s_per_step": state.pipeline_s / steps, "pp_s_per_step": state.pp_s / steps,
             **pp_traffic(pipeline.boundary_networks()),
             "packets_by_boundary": [n.summary(by=("direction", "link_class")) for n in pipeline.boundary_networks()],
             "packets_by_stage": [n.summary() for n in pipeline.networks]}
+
+
+# -- every traffic class ---------------------------------------------------------------------------
+
+def traffic_summary(network: LossyNetwork, pipeline: Optional[Pipeline], dp) -> dict:
+    """summary.json's ``traffic``: every class (``lossysim.traffic``) the run sent, per direction: packets
+    sent and lost, the observed loss rate and whether the direction may lose packets (``lossy``). Replica
+    0's TP and pipeline traffic, every data-parallel group's."""
+    carriers = {"tp": [network] if pipeline is None else pipeline.networks,
+                "pp": pipeline.boundary_networks() if pipeline is not None else [],
+                "fsdp" if dp.fsdp else "dp": dp.networks if dp.dp_size > 1 else []}
+    out = {}
+    for cls in CLASSES:
+        networks = carriers.get(cls.name, [])
+        if not networks:
+            continue
+        summaries = dp.summaries() if cls.axis == "dp" else [n.summary() for n in networks]
+        per = {}
+        for kind in cls.directions:
+            sent = sum(e["sent"] for s in summaries for e in s if e["direction"] == kind.direction)
+            lost = sum(e["lost"] for s in summaries for e in s if e["direction"] == kind.direction)
+            per[kind.direction] = {"sent": sent, "lost": lost, "observed_loss_rate": lost / sent if sent else 0.0,
+                                   "lossy": kind.direction in networks[0].lossy}
+        out[cls.name] = per
+    return out
 
 
 # -- NCCL's choices -------------------------------------------------------------------------------
@@ -273,7 +299,9 @@ def collectives(network: LossyNetwork, pipeline: Optional[Pipeline] = None, dp=N
     if pipeline is not None:
         named += [(f"pp.boundary{b}", n) for b, n in enumerate(pipeline.boundary_networks())]
     if dp is not None and dp.dp_size > 1:
-        named += [(f"dp.tp{t}", n) for t, n in enumerate(dp.networks)]
+        kind = "fsdp" if dp.fsdp else "dp"
+        named += [(f"{kind}.tp{t}" if len(dp.stage_networks) == 1 else f"{kind}.stage{s}.tp{t}", n)
+                  for s, stage in enumerate(dp.stage_networks) for t, n in enumerate(stage)]
     return [{"network": name, **choice} for name, n in named for choice in n.choices()]
 
 
@@ -286,7 +314,7 @@ def summary(status: str, diverged_at: Optional[dict], config: ExperimentConfig, 
     final, seen, reached = state.final, state.train_disagreement, state.reached or {}
     return {
         "status": status, "error": None, "name": config.name, "dataset": dataset,
-        "config": config.to_dict(), "steps": state.step,
+        "config": config.to_dict(), "mesh": config.mesh().describe(), "steps": state.step,
         "wall_time_s": time.time() - started,
         "tokens_per_s": state.tokens / max(state.train_time, 1e-9),
         "final": final, "best": state.best,

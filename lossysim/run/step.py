@@ -9,6 +9,7 @@ import torch
 from .. import timing
 from ..config import ExperimentConfig
 from ..models import cost
+from ..dp import Replica, timeline
 from ..pp.schedule import pipeline_time
 from ..pp.stages import Pipeline
 from ..tp import TensorParallelModel
@@ -26,8 +27,9 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
     gradients accumulate; the gradient buckets are then averaged over the data-parallel networks (FSDP:
     the units' weights are gathered before, their gradients reduce-scattered after), and every replica
     clips and steps on what it received. The clock charges replica 0's compute and TP traffic plus the
-    time the data-parallel traffic adds (``lossysim.dp.timeline``); with pipeline stages, replica 0's
-    compute and traffic as its schedule runs them (``_pipeline_clock``)."""
+    time the data-parallel traffic adds (``lossysim.dp.timeline``); with pipeline stages, every replica's
+    compute and traffic as its schedule runs them, and each stage's buckets after its last backward
+    (``_pipeline_clock``)."""
     dp = parts.dp
     # tokens/s counts real tokens, not padding (counted on the host: no device sync)
     tokens = int(batch["attention_mask"].sum())
@@ -35,24 +37,27 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
     rows = batch["input_ids"].shape[0] // dp.dp_size
     t0 = time.perf_counter()
     gather_s = dp.gather_weights()                 # FSDP: every replica's working weights; DDP: none
-    computes, times, losses, logits = [], [], [], []
+    computes, times, losses, logits, stage_times = [], [], [], [], []
     for index, replica in enumerate(dp.replicas):   # sim: every replica; dist: this rank's
         r = dp.first + index
         shard = {k: v[r * rows:(r + 1) * rows] for k, v in batch.items()}
         compute, forward_s, backward_s, replica_losses, replica_logits, stages = _accumulate(
-            parts, config, replica.model, shard, t0, device)
-        if index == 0 and stages is not None:
-            _pipeline_clock(config, state, stages)
+            parts, config, replica, shard, t0, device)
+        stage_times.append(stages)
         computes.append(compute)
         times.append(torch.tensor([[forward_s, backward_s]], dtype=torch.float64))
         losses.append(replica_losses)
         logits.append(replica_logits)
     times = dp.gather_replicas(times)              # [dp, 2]: every replica's forward and backward
     bucket_s = dp.average_gradients()
+    if parts.pipeline is not None:
+        replicated = dp.dp_size > 1
+        _pipeline_clock(config, state, dp.every_replica(stage_times), dp.every_stage(dp.ready()) if replicated else [],
+                        dp.every_stage(bucket_s) if replicated else [])
     finite = True
     for replica, replica_losses in zip(dp.replicas, losses):
         parts.scaler.unscale_(replica.optimizer)
-        norm = _clip_grad_norm(replica.model, config.grad_clip, parts.pipeline)
+        norm = _clip_grad_norm(replica.model, config.grad_clip, replica.pipeline)
         ok = torch.isfinite(norm) & torch.isfinite(replica_losses).all()
         # Every rank must agree, or dist ranks would part ways at the next collective.
         finite &= bool(replica.model.group.all_gather_reliable(ok.reshape(1)).all())
@@ -69,7 +74,8 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
     # its TP traffic (on train_net's clock) are charged; replicas step side by side and dp_s is what the
     # slowest one's path and the buckets it waits for add.
     state.compute_s += computes[0]
-    state.dp_s += dp.added_seconds(times, gather_s, bucket_s, config.dp_overlap)
+    if parts.pipeline is None:      # (with stages, ``_pipeline_clock`` charged the buckets)
+        state.dp_s += dp.added_seconds(times, gather_s, bucket_s, config.dp_overlap)
     if config.dp_sync_every and (state.step + 1) % config.dp_sync_every == 0:
         state.dp_s += dp.synchronise()
     seconds = time.perf_counter() - t0
@@ -83,15 +89,14 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
 _CLOCKS = ("comm_s", "comm_s_ideal_nic")   # each stage time twice: the run's nic's, the ideal nic's
 
 
-def _accumulate(parts: Parts, config: ExperimentConfig, model: TensorParallelModel, shard: dict, t0: float,
+def _accumulate(parts: Parts, config: ExperimentConfig, replica: Replica, shard: dict, t0: float,
                 device: torch.device):
     """One replica's forward/backwards over its shard, ``microbatches`` of them, the gradients summed
     in place (each micro-batch's loss divided by their number: the gradient of the shard's mean loss
     when micro-batches hold equal tokens). Returns the compute seconds, the forward's and backward's
     seconds (compute and TP traffic), every TP rank's loss of every micro-batch, the logits, and with
-    pipeline stages (replica 0's) their times per micro-batch (``_stage_times``), else None."""
-    k = config.n_microbatches
-    pipeline = parts.pipeline if model is parts.model else None
+    pipeline stages their times per micro-batch (``_stage_times``), else None."""
+    k, model, pipeline = config.n_microbatches, replica.model, replica.pipeline
     # dist: a process runs one stage; the others' networks are mirrors, still within a step
     networks = pipeline.networks if pipeline is not None else [group.network for group in model.groups]
     rows = shard["input_ids"].shape[0] // k
@@ -137,29 +142,38 @@ def _stage_shares(parts: Parts, batch: dict) -> list[float]:
     return [f / sum(flops) for f in flops]
 
 
-def _pipeline_clock(config: ExperimentConfig, state: TrainState, stages: dict) -> None:
-    """Charge a step's schedule (``pipeline_time``) over its stages' forward and backward per
-    micro-batch (compute and TP traffic) and its boundaries' sends: ``pipeline_s`` (and under the ideal
-    nic), ``pp_s`` (what the sends add: the step less the same schedule with free sends) and the stages'
-    busy seconds (the bubble is the rest)."""
+def _pipeline_clock(config: ExperimentConfig, state: TrainState, replicas: list[dict], ready: list[list[float]],
+                    bucket_s: list[list[float]]) -> None:
+    """Charge a step's schedule (``pipeline_time``) over every replica's stages' forward and backward per
+    micro-batch (compute and TP traffic) and its boundaries' sends: ``pipeline_s`` (the slowest replica's
+    schedule, and under the ideal nic), ``pp_s`` (what the sends add: the step less the same schedules
+    with free sends), replica 0's stages' busy seconds (the bubble is the rest) and ``dp_s``, what each
+    stage's buckets (``ready``, ``bucket_s`` per stage; none without replicas) add after its last
+    backward (``timeline.pipeline_step_seconds``, as the estimate ends a step)."""
     p, m = config.pp_size, config.n_microbatches
 
-    def arrays(phase: str, clock: int) -> list[list[float]]:
+    def arrays(stages: dict, phase: str, clock: int) -> list[list[float]]:
         values = stages[phase]
         if phase in ("forward", "backward"):   # [micro-batch][stage] -> [stage][micro-batch]
             return [[values[i][s][clock] for i in range(m)] for s in range(p)]
         return [[send[clock] for send in boundary] for boundary in values]
 
-    def step(clock: int, sends: bool = True) -> float:
-        kwargs = dict(activation_s=arrays("activation", clock), gradient_s=arrays("gradient", clock)) if sends else {}
-        return pipeline_time(config.pp_schedule, p, m, arrays("forward", clock), arrays("backward", clock),
-                             **kwargs).step_s
+    def schedules(clock: int, sends: bool = True) -> list:
+        return [pipeline_time(config.pp_schedule, p, m, arrays(stages, "forward", clock),
+                              arrays(stages, "backward", clock),
+                              **(dict(activation_s=arrays(stages, "activation", clock),
+                                      gradient_s=arrays(stages, "gradient", clock)) if sends else {}))
+                for stages in replicas]
 
-    step_s = step(0)
+    timings = schedules(0)
+    step_s = max(t.step_s for t in timings)
     state.pipeline_s += step_s
-    state.pipeline_s_ideal_nic += step(1)
-    state.pp_s += step_s - step(0, sends=False)
-    state.pp_busy_s += sum(map(sum, arrays("forward", 0))) + sum(map(sum, arrays("backward", 0)))
+    state.pipeline_s_ideal_nic += max(t.step_s for t in schedules(1))
+    state.pp_s += step_s - max(t.step_s for t in schedules(0, sends=False))
+    state.pp_busy_s += sum(map(sum, arrays(replicas[0], "forward", 0))) + \
+        sum(map(sum, arrays(replicas[0], "backward", 0)))
+    if bucket_s:
+        state.dp_s += timeline.pipeline_step_seconds(timings, ready, bucket_s, config.dp_overlap) - step_s
 
 
 def _compute_seconds(parts: Parts, config: ExperimentConfig, batch: dict, t0: float, device: torch.device) -> float:

@@ -323,7 +323,7 @@ ERROR_FILE = "error.txt"   # where a dist run's ranks put the one line that refu
 
 def dist_command(config: ExperimentConfig, run_dir: Path, resume: bool = False) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={config.tp_size * config.pp_size * config.dp_size}", "-m", "lossysim", "train",
+            f"--nproc_per_node={config.mesh().world}", "-m", "lossysim", "train",
             "--config", str(run_dir / "config.yaml"), "--out", str(run_dir), "--backend", "dist",
             *(["--resume"] if resume else [])]
 

@@ -87,18 +87,32 @@ class SimGroup:
     def checkpoint_contexts(self):
         """``context_fn`` for torch.utils.checkpoint: the recomputed forward replays
         the original forward's packet masks and dropout masks, and counts nothing twice."""
-        record = defaultdict(deque)
-        return self._recording(record), self._replaying(record)
+        return checkpoint_contexts(self)
 
     @contextlib.contextmanager
-    def _recording(self, record):
+    def recording(self, record):
         with swapped(self, "_record", record), self.network.recording(record):
             yield
 
     @contextlib.contextmanager
-    def _replaying(self, record):
+    def replaying(self, record):
         with swapped(self, "_replay", record), self.network.replaying(record):
             yield
+
+
+def checkpoint_contexts(*parts):
+    """``context_fn`` for torch.utils.checkpoint over every part a checkpointed block may call (each
+    stage's TP group, the pipeline's boundaries): each records in the forward, in a record of its own,
+    and replays it in the recomputed forward (``recording``, ``replaying``)."""
+    records = [defaultdict(deque) for _ in parts]
+
+    @contextlib.contextmanager
+    def every(method: str):
+        with contextlib.ExitStack() as stack:
+            for part, record in zip(parts, records):
+                stack.enter_context(getattr(part, method)(record))
+            yield
+    return every("recording"), every("replaying")
 
 
 class DistGroup(SimGroup):

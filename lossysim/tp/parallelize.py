@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .groups import DistGroup, SimGroup
+from .groups import DistGroup, SimGroup, checkpoint_contexts
 from .layers import ColumnParallel, ReplicatedDropout, RowParallel, run_per_rank
 from ..net import LossyNetwork
 from .mappings import copy_to_tp
@@ -145,9 +145,16 @@ def relative_difference(stacked: torch.Tensor) -> torch.Tensor:
 
     ``stacked`` is [ranks, ...], every rank's copy of what a loss-free network would keep identical
     (final hidden states); the result is [ranks], 0 for rank 0. The norms run over everything but
-    the rank dimension, so one number says how much the ranks of a TP model disagree.
+    the rank dimension, so one number says how much the ranks of a TP model disagree. They sum
+    squares along the last dimension first, then those sums (in fp64): one order whatever the number
+    of threads (a whole-tensor norm is split among threads, and a sim process with two threads then
+    differs from dist's one-thread ranks in the last bits).
     """
-    return (stacked - stacked[:1]).flatten(1).norm(dim=1) / stacked[0].norm().clamp_min(1e-30)
+    rows = stacked.reshape(stacked.shape[0], -1, stacked.shape[-1] if stacked.dim() > 1 else 1).double()
+
+    def norms(x: torch.Tensor) -> torch.Tensor:
+        return x.pow(2).sum(-1).sum(-1).sqrt()
+    return (norms(rows - rows[:1]) / norms(rows[:1]).clamp_min(1e-30)).float()
 
 
 def _enter_tp(group: SimGroup, site: str):
@@ -291,7 +298,10 @@ def apply_tp(model: nn.Module, config, mesh, network: LossyNetwork, rank: int,
     # Dropout outside the replicated regions draws from the global generator: one stream per rank,
     # as Megatron seeds its model-parallel stream with the TP rank.
     torch.manual_seed(stream_seed(config.seed, "sharded-dropout", str(rank)))
+    # What a recomputed block replays: every stage's TP group and (a block's input may be a pipeline
+    # boundary's send, dist's receive) the pipeline's; a dist stage adds its link when attached.
+    tp_model.replayed = [*tp_model.groups, *(pipeline.boundaries if pipeline is not None else [])]
     if config.activation_checkpointing:
         tp_model.model.activation_checkpointing_enable(
-            {"use_reentrant": False, "context_fn": tp_model.group.checkpoint_contexts})
+            {"use_reentrant": False, "context_fn": lambda: checkpoint_contexts(*tp_model.replayed)})
     return tp_model

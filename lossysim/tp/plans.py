@@ -15,10 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
-from transformers import (GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model, LlamaForCausalLM,
-                          LlamaForSequenceClassification, LlamaModel, MistralForCausalLM,
-                          MistralForSequenceClassification, MistralModel, Qwen2ForCausalLM,
-                          Qwen2ForSequenceClassification, Qwen2Model)
 
 
 @dataclass(frozen=True)
@@ -40,7 +36,7 @@ class Row:
 class ShardingPlan:
     """How one architecture is sharded (paths are relative to the base model or to one block)."""
     name: str
-    classes: dict  # HF class -> "model" (no head), "lm" or "cls"
+    classes: dict  # HF class name -> "model" (no head), "lm" or "cls" (names: no model family is imported)
     blocks: str  # the ModuleList of blocks
     final_norm: str  # whose output is ``rank_hidden``
     attention: str  # the attention module in a block
@@ -64,7 +60,7 @@ def _gpt2_check(config) -> Optional[str]:
 
 GPT2 = ShardingPlan(
     name="gpt2",
-    classes={GPT2Model: "model", GPT2LMHeadModel: "lm", GPT2ForSequenceClassification: "cls"},
+    classes={"GPT2Model": "model", "GPT2LMHeadModel": "lm", "GPT2ForSequenceClassification": "cls"},
     blocks="h", final_norm="ln_f", attention="attn",
     inputs={"attn": "attn.copy", "mlp": "mlp.copy"},
     layers={"attn.c_attn": Column(heads="query", packed=3), "attn.c_proj": Row("attn.reduce"),
@@ -86,21 +82,24 @@ _LLAMA_LAYOUT = dict(
     local={"num_key_value_groups": "groups"},
     kv_heads="num_key_value_heads",
 )
-LLAMA = ShardingPlan(name="llama", classes={LlamaModel: "model", LlamaForCausalLM: "lm",
-                                    LlamaForSequenceClassification: "cls"}, **_LLAMA_LAYOUT)
-QWEN2 = ShardingPlan(name="qwen2", classes={Qwen2Model: "model", Qwen2ForCausalLM: "lm",
-                                    Qwen2ForSequenceClassification: "cls"}, **_LLAMA_LAYOUT)
-MISTRAL = ShardingPlan(name="mistral", classes={MistralModel: "model", MistralForCausalLM: "lm",
-                                        MistralForSequenceClassification: "cls"}, **_LLAMA_LAYOUT)
+def _classes(family: str) -> dict:
+    """HF's three classes of a family: no head, causal LM, sequence classification."""
+    return {f"{family}Model": "model", f"{family}ForCausalLM": "lm", f"{family}ForSequenceClassification": "cls"}
+
+
+LLAMA = ShardingPlan(name="llama", classes=_classes("Llama"), **_LLAMA_LAYOUT)
+QWEN2 = ShardingPlan(name="qwen2", classes=_classes("Qwen2"), **_LLAMA_LAYOUT)
+MISTRAL = ShardingPlan(name="mistral", classes=_classes("Mistral"), **_LLAMA_LAYOUT)
 
 PLANS = (GPT2, LLAMA, QWEN2, MISTRAL)
 
 
 def plan_for(model) -> tuple[ShardingPlan, str]:
-    """(plan, head kind) of an HF model instance, or a TypeError naming the supported classes."""
-    for plan in PLANS:
-        for cls, kind in plan.classes.items():
-            if isinstance(model, cls):
-                return plan, kind
-    names = ", ".join(cls.__name__ for plan in PLANS for cls in plan.classes)
+    """(plan, head kind) of an HF model instance (its class or a base class named in a plan), or a
+    TypeError naming the supported classes."""
+    for cls in type(model).__mro__:
+        for plan in PLANS:
+            if cls.__name__ in plan.classes:
+                return plan, plan.classes[cls.__name__]
+    names = ", ".join(name for plan in PLANS for name in plan.classes)
     raise TypeError(f"parallelize supports {names}, not {type(model).__name__}")

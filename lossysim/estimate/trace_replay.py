@@ -1,0 +1,485 @@
+"""Replaying a profiler trace (``estimate.trace``) through the lossy network: the user's own job, its own
+calls, its own compute, on the layout the flags describe (docs/estimate.md, "Estimate your own job").
+
+**Classes.** Each process group is matched to the mesh axis whose group it is (``Mesh.group``): a TP
+group's calls are ``tp``, a data-parallel group's all-reduces ``dp`` and its all-gathers and
+reduce-scatters ``fsdp``, a send between neighbouring pipeline stages ``pp`` (activations forward,
+gradients back); any other axis's, the traffic class ``traffic`` declares for it. A group that is no
+axis's group (the world group of a 3-D job) and a collective the network has no model of (broadcast,
+all-to-all, barrier, ...) are not sent: they are counted, named and take no time (their traced time on
+gloo or in an NCCL kernel is mostly waiting for peers, which the replay models itself).
+
+**Networks.** Each group's calls go through ``LossyNetwork.simulate`` on the network the mesh gives that
+group (``tp_network_spec``, ``dp_network_spec``, ``pp_network_spec``; any other group placed on its
+nodes with streams of its own), at sites ``<class>.<collective><k>`` (the k-th call of the step on that
+network), every packet a candidate: the same code, transports, clock and statistics as every estimate.
+With every rank's trace every group is simulated; one mirrored file simulates the traced rank's groups,
+each standing for its alike groups (their counts multiplied; the slowest of them is not modelled).
+
+**The clock.** Per rank, the traced step is its compute stream's work and its calls. A call is issued
+when its rank's stream reached it; it starts when every member has issued it and its group's previous
+call has ended (a send when both ends have), and takes its simulated seconds. A pause of the compute
+stream that ends when one of the rank's calls ends is a wait for it: on the replay's clock the stream
+resumes when that call's simulated end (plus the traced reaction) comes, or at once if it has ended; every
+other interval keeps its traced length (``compute: trace``), or that length scaled so a step's compute is
+the named model's (``--trace`` with a model: ``compute: modelled``). What overlaps in the trace overlaps on
+the clock; a step ends when the last rank's stream and calls do. Each simulated step replays one traced
+step, in turn.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections import defaultdict
+from typing import Callable, NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from .. import traffic
+from ..config import ExperimentConfig
+from ..net import LossyNetwork, NetworkSpec
+from ..net.algorithms import COLLECTIVES
+from ..util import stream_seed
+from .simulate import CLASSES, _held, _intervals, _Job, _mark
+from .trace import Call, Trace
+
+US = 1e-6
+_GATHER = ("all_gather", "reduce_scatter")
+
+
+class _Place(NamedTuple):
+    """Where a group's calls go: their class, the network's key and spec, and each global rank's index."""
+    cls: str
+    key: tuple
+    spec: NetworkSpec
+    local: dict
+
+
+@dataclasses.dataclass
+class _Transfer:
+    """One call as the group made it: its members' issues (seconds from their step's start), where it goes."""
+    id: int
+    call: Call
+    cls: Optional[str]
+    place: Optional[_Place]
+    direction: str
+    pair: Optional[tuple]
+    stream: tuple
+    issues: dict = dataclasses.field(default_factory=dict)
+    ends: dict = dataclasses.field(default_factory=dict)      # traced ends, per member
+
+
+class _Point(NamedTuple):
+    t: float            # seconds from the rank's step start (scaled)
+    kind: str           # "issue" | "wait"
+    transfer: int
+    a: float = 0.0      # a wait: the pause's start, and the reaction after the call's traced end
+    react: float = 0.0
+
+
+class Layout:
+    """The process groups of a trace on a config's mesh: each group's axis and traffic class, or why none."""
+
+    def __init__(self, trace: Trace, config: ExperimentConfig):
+        self.mesh = mesh = config.mesh()
+        if mesh.world != trace.world:
+            raise ValueError(f"the trace's world is {trace.world} ranks, the layout's {mesh.name}: give "
+                             "--tp-size, --pp-size and --dp-size (and --ranks-per-node) that make the traced job")
+        self.config, self.settings = config, config.network_settings()
+        self.axis = {name: self._axis(ranks) for name, ranks in trace.groups.items()}
+        self._placed: dict = {}
+
+    def _axis(self, ranks: tuple) -> Optional[str]:
+        for axis in self.mesh.axes:
+            if self.mesh.sizes[axis] == len(ranks) and set(self.mesh.group(axis, ranks[0])) == set(ranks):
+                return axis
+        return None
+
+    def describe(self, trace: Trace) -> dict:
+        return {name: self.axis[name] or f"no axis of {self.mesh.name}" for name in trace.groups}
+
+    def place(self, call: Call, ranks: tuple) -> tuple[Optional[_Place], Optional[tuple], str]:
+        """(where the call goes or None, a send's (source, destination) in that network, its direction)."""
+        p2p = call.kind in ("send", "recv")
+        key = (call.group, call.kind, call.rank, call.peer) if p2p else (call.group, call.kind in _GATHER)
+        if key not in self._placed:
+            self._placed[key] = self._place(call, ranks)
+        place, pair, direction = self._placed[key]
+        cls = place.cls if place else None
+        return place, pair, direction if p2p or cls is None else _direction(cls, call)
+
+    def _place(self, call: Call, ranks: tuple) -> tuple[Optional[_Place], Optional[tuple], str]:
+        axis = self.axis.get(call.group)
+        if axis is None or len(ranks) < 2:
+            return None, None, "fwd"
+        if call.kind in ("send", "recv"):
+            src, dst = (call.rank, call.peer) if call.kind == "send" else (call.peer, call.rank)
+            return self._p2p(axis, ranks, src, dst)
+        cls = _class_of(axis, call.kind)
+        if cls is None:
+            return None, None, "fwd"
+        direction = _direction(cls, call)
+        mesh, at = self.mesh, self.mesh.coordinates(ranks[0])
+        if axis == "tp":
+            spec, key = mesh.tp_network_spec(self.settings, at["dp"], at["pp"]), ("tp", at["dp"], at["pp"])
+        elif axis == "dp":
+            spec = mesh.dp_network_spec(self.settings, at["tp"], self.config.lossy_directions(cls), stage=at["pp"])
+            key = (cls, at["pp"], at["tp"])
+        else:
+            spec, key = self._group_spec(axis, ranks, cls), (cls, tuple(ranks))
+        spec = spec.replace(lossy_layers="all", lossy_sites="all", lossy=self._lossy(cls, spec))
+        return _Place(cls, key, spec, {r: i for i, r in enumerate(ranks)}), None, direction
+
+    def _p2p(self, axis: str, ranks: tuple, src: int, dst: int):
+        mesh = self.mesh
+        a, b = mesh.coordinates(src), mesh.coordinates(dst)
+        if axis == "pp" and abs(a["pp"] - b["pp"]) == 1:
+            boundary = min(a["pp"], b["pp"])
+            spec = mesh.pp_network_spec(self.settings, a["dp"], boundary, self.config.lossy_directions("pp"))
+            members = mesh.tp_ranks(a["dp"], boundary) + mesh.tp_ranks(a["dp"], boundary + 1)
+            place = _Place("pp", ("pp", a["dp"], boundary), spec, {r: i for i, r in enumerate(members)})
+            return place, (place.local[src], place.local[dst]), "fwd" if b["pp"] > a["pp"] else "bwd"
+        cls = _class_of(axis, "send")
+        if cls is None or axis == "pp":     # a send between stages that are not neighbours: not modelled
+            return None, None, "fwd"
+        spec = self._group_spec(axis, ranks, cls)
+        place = _Place(cls, (cls, tuple(ranks)), spec, {r: i for i, r in enumerate(ranks)})
+        return place, (place.local[src], place.local[dst]), "fwd"
+
+    def _group_spec(self, axis: str, ranks: tuple, cls: str) -> NetworkSpec:
+        """Any other axis's group on the nodes the mesh puts its ranks, with streams of its own."""
+        return NetworkSpec(**{**self.settings, "ranks": len(ranks), "ranks_per_node": self.mesh._per_node(list(ranks)),
+                              "seed": stream_seed(self.settings["seed"], f"trace.{axis}.group{ranks[0]}", "network"),
+                              "lossy_layers": "all", "lossy_sites": "all",
+                              "lossy": self.config.lossy_directions(cls)})
+
+    def _lossy(self, cls: str, spec: NetworkSpec) -> tuple:
+        """TP's lossy directions are the spec's (``lossy`` and ``lossy_traffic``); the others', their class's."""
+        return spec.lossy if cls == "tp" else self.config.lossy_directions(cls)
+
+
+def _class_of(axis: str, collective: str) -> Optional[str]:
+    if axis == "dp":
+        return "fsdp" if collective in _GATHER else "dp"
+    named = [c.name for c in traffic.CLASSES if c.axis == axis]
+    return named[0] if named else None
+
+
+def _direction(cls: str, call: Call) -> str:
+    if cls == "fsdp":
+        return "fwd" if call.kind == "all_gather" else "bwd"
+    directions = [d.direction for d in traffic.BY_NAME[cls].directions]
+    if len(directions) == 1:
+        return directions[0]
+    return "bwd" if call.backward else "fwd"
+
+
+class Replay:
+    """A trace's steps on one config's networks: ``run(steps)`` simulates them and returns the row."""
+
+    def __init__(self, trace: Trace, config: ExperimentConfig, scale: float = 1.0):
+        self.trace, self.config, self.scale = trace, config, scale
+        self.layout = Layout(trace, config)
+        self.steps = [self._step(j) for j in range(trace.steps)]
+        # the estimate's tallies (``_Job``'s counters): the same sums, choices and elements lost
+        self.sums, self.choices = {}, defaultdict(set)
+        self.received, self.inexact = defaultdict(int), defaultdict(int)
+        self.drawn = 0
+        self.networks: dict = {}
+
+    # -- the traced steps ---------------------------------------------------------------------------
+    def _step(self, j: int) -> dict:
+        """Step ``j``'s transfers (in issue order), each rank's points, and what is not sent."""
+        transfers, keys, counts = [], {}, defaultdict(int)
+        skipped = defaultdict(lambda: [0, 0])
+        for rank, rt in sorted(self.trace.ranks.items()):
+            t0 = rt.steps[j][0]
+            for call in rt.calls[j]:
+                ranks = self.trace.groups[call.group]
+                if call.kind in ("send", "recv"):
+                    src, dst = (call.rank, call.peer) if call.kind == "send" else (call.peer, call.rank)
+                    base = ("p2p", src, dst)
+                else:
+                    base = ("group", call.group)
+                key = (*base, counts[(rank, base)])
+                counts[(rank, base)] += 1
+                t = keys.get(key)
+                if t is None:
+                    t = keys[key] = self._transfer(len(transfers), call, ranks, base)
+                    transfers.append(t)
+                    if t.place is None:
+                        name = f"{t.call.kind} on process group {call.group} ({self._why(t.call)})"
+                        skipped[name][0] += 1
+                        skipped[name][1] += call.bytes
+                t.issues[rank] = (call.issue - t0) * US * self.scale
+                t.ends[rank] = (call.end - t0) * US * self.scale
+        points = {rank: self._points(rt, j, transfers, keys) for rank, rt in self.trace.ranks.items()}
+        ends = {rank: (rt.steps[j][1] - rt.steps[j][0]) * US * self.scale for rank, rt in self.trace.ranks.items()}
+        return {"transfers": transfers, "points": points, "ends": ends, "skipped": dict(skipped)}
+
+    def _why(self, call: Call) -> str:
+        """Why a call is not sent."""
+        if call.kind not in COLLECTIVES:
+            return "the network has no model of it"
+        if self.layout.axis.get(call.group) is None:
+            return f"the group is no axis's group of {self.layout.mesh.name}"
+        return "a send between stages that are not neighbours" if call.kind == "send" else "a group of one"
+
+    def _transfer(self, index: int, call: Call, ranks: tuple, base: tuple) -> _Transfer:
+        kind = "send" if call.kind == "recv" else call.kind
+        as_sent = dataclasses.replace(call, kind=kind, rank=base[1], peer=base[2]) if kind == "send" else call
+        place, pair, direction = (None, None, "fwd") if kind not in COLLECTIVES else self.layout.place(as_sent, ranks)
+        cls = place.cls if place else None
+        stream = base if kind == "send" else ("group", call.group)
+        return _Transfer(index, dataclasses.replace(call, kind=kind), cls, place, direction, pair, stream)
+
+    def _points(self, rt, j: int, transfers: list, keys: dict) -> list:
+        """A rank's issues and waits in step ``j``, in traced order (seconds from its step's start)."""
+        t0, scale = rt.steps[j][0], self.scale * US
+        mine = [t for t in transfers if rt.rank in t.issues]
+        points = [_Point(t.issues[rt.rank], "issue", t.id) for t in mine]
+        # the pauses: before the stream's first work, between its works and after its last
+        edges = [(t0, t0), *rt.busy[j], (rt.steps[j][1], rt.steps[j][1])]
+        gaps = [(edges[i][1], edges[i + 1][0]) for i in range(len(edges) - 1)]
+        by_end = sorted(mine, key=lambda t: t.ends[rt.rank])
+        ends = [t.ends[rt.rank] for t in by_end]
+        waits = set()
+        for a, b in gaps:
+            a, b = (a - t0) * scale, (b - t0) * scale
+            if b <= a:
+                continue
+            # the call that ended last in the pause, of those issued before it
+            first, last = bisect.bisect_left(ends, a), bisect.bisect_right(ends, b)
+            t = next((t for t in reversed(by_end[first:last]) if t.issues[rt.rank] <= a), None)
+            if t is not None:
+                points.append(_Point(b, "wait", t.id, a, b - t.ends[rt.rank]))
+                waits.add(t.id)
+        # What a rank receives, it uses: where the message was already there in the trace (its sender was
+        # early), the work after its traced end waits for it all the same on the replay's clock.
+        points += [_Point(t.ends[rt.rank], "wait", t.id, t.ends[rt.rank]) for t in mine if t.id not in waits
+                   and t.call.kind == "send" and t.call.peer == rt.rank]
+        points.sort(key=lambda p: (p.t, p.kind == "wait"))
+        return points
+
+    # -- the network --------------------------------------------------------------------------------
+    def _network(self, place: _Place) -> LossyNetwork:
+        net = self.networks.get(place.key)
+        if net is None:
+            net = self.networks[place.key] = LossyNetwork(place.spec)
+        return net
+
+    def _simulate(self, step: dict) -> dict:
+        """Each transfer's [with loss, loss-free] seconds on its network (skipped ones: none)."""
+        seconds, index = {}, defaultdict(int)
+        copies = self._copies()
+        for t in step["transfers"]:
+            if t.place is None:
+                continue
+            net = self._network(t.place)
+            k = index[(t.place.key, t.call.kind)]
+            index[(t.place.key, t.call.kind)] += 1
+            dtype = getattr(torch, t.call.dtype)
+            per_packet, _ = net.packets(t.call.numel, dtype)
+            before = _mark(net)
+            delivery = net.simulate(f"{t.cls}.{t.call.kind}{k}", t.direction, t.call.numel, dtype, t.call.kind,
+                                    deliver=False, pair=t.pair)
+            after = _mark(net)
+            seconds[t.id] = [after[0] - before[0], after[1] - before[1]]
+            held = t.call.numel if t.call.kind == "send" else _held(t.call.kind, net.ranks, t.call.numel)
+            _Job._lost(self, t.cls, t.direction, delivery, per_packet, t.call.numel, held,
+                       copies.get(t.place.key[0], 1), t.call.kind)
+        return seconds
+
+    def _copies(self) -> dict:
+        """Per class, the groups one simulated group stands for: 1 with every rank's trace; with one
+        mirrored file, its axis's groups (the world over the axis's size)."""
+        if not self.trace.mirrored:
+            return {}
+        sizes = self.layout.mesh.sizes
+        return {cls.name: self.layout.mesh.world // sizes[cls.axis] for cls in traffic.CLASSES}
+
+    # -- the clock ----------------------------------------------------------------------------------
+    def clock(self, step: dict, seconds: Callable[[_Transfer], float]) -> float:
+        """The step's end when each transfer takes ``seconds(transfer)``: every rank's points in order,
+        a wait resuming at its call's end, a call starting when its members have issued it and its stream
+        is free."""
+        transfers, points = step["transfers"], step["points"]
+        start, end = [None] * len(transfers), [None] * len(transfers)
+        issued = [dict() for _ in transfers]
+        queues = defaultdict(list)
+        for t in transfers:
+            queues[t.stream].append(t)
+        heads = dict.fromkeys(queues, 0)
+        free = defaultdict(float)
+        shift = dict.fromkeys(points, 0.0)
+        cursor = dict.fromkeys(points, 0)
+        forced = False
+
+        def run_streams():
+            for stream, queue in queues.items():
+                while heads[stream] < len(queue):
+                    t = queue[heads[stream]]
+                    if len(issued[t.id]) < len(t.issues) and not forced:
+                        break
+                    if not issued[t.id]:
+                        break
+                    start[t.id] = max(max(issued[t.id].values()), free[stream])
+                    end[t.id] = free[stream] = start[t.id] + seconds(t)
+                    heads[stream] += 1
+
+        while True:
+            moved = False
+            for rank, pts in points.items():
+                while cursor[rank] < len(pts):
+                    p = pts[cursor[rank]]
+                    if p.kind == "issue":
+                        issued[p.transfer][rank] = p.t + shift[rank]
+                    elif end[p.transfer] is not None:
+                        resumed = max(p.a + shift[rank], end[p.transfer] + p.react)
+                        shift[rank] = resumed - p.t
+                    elif forced:    # its call cannot end before this rank goes on: the pause stays as traced
+                        pass
+                    else:
+                        break
+                    cursor[rank] += 1
+                    moved = True
+            run_streams()
+            if all(cursor[r] == len(p) for r, p in points.items()) and \
+                    all(h == len(queues[s]) for s, h in heads.items()):
+                break
+            if not moved:
+                if forced:
+                    break
+                forced = True      # a trace whose calls wait on each other in a cycle: let them go
+        last = max((e for e in end if e is not None), default=0.0)
+        ranks_end = [step["ends"][rank] + shift[rank] for rank in points]
+        member_end = [e for t, e in zip(transfers, end) if e is not None]
+        return max([*ranks_end, *member_end, last])
+
+    # -- the row ----------------------------------------------------------------------------------
+    def run(self, steps: int, tick: Optional[Callable[[], None]] = None) -> dict:
+        """Simulate ``steps`` steps (step i replays traced step i mod the traced steps): per-step times,
+        per class what it adds, packets, what was lost; the columns of every estimate."""
+        per_step, ideal_steps, stacks = [], [], []
+        added = defaultdict(lambda: np.zeros(2))
+        comm, present = defaultdict(float), self.classes
+        for i in range(steps):
+            step = self.steps[i % len(self.steps)]
+            sec = self._simulate(step)
+            for t in step["transfers"]:
+                if t.id in sec:
+                    comm[t.cls] += sec[t.id][1]
+
+            def at(k: int, zero=(), free=()):
+                return self.clock(step, lambda t: 0.0 if t.id not in sec or t.cls in zero else
+                                  sec[t.id][1 if t.cls in free else k])
+            per_step.append(at(0))
+            ideal_steps.append(at(1))
+            stack = [at(1, zero=present)]
+            for j in range(len(present)):
+                stack.append(at(1, zero=present[j + 1:]) - sum(stack))
+            stacks.append(stack + [per_step[-1] - ideal_steps[-1]])
+            for cls in present:
+                added[cls] += [per_step[-1] - at(0, free=(cls,)), ideal_steps[-1] - at(1, zero=(cls,))]
+            if tick is not None:
+                tick()
+        for key, net in self.networks.items():
+            _Job._count(self, key[0], net, self._copies().get(key[0], 1))
+        return self._row(steps, np.asarray(per_step), float(np.mean(ideal_steps)), np.mean(stacks, axis=0),
+                         added, comm)
+
+    @property
+    def classes(self) -> tuple:
+        """The classes the trace's calls go to, in the declared order."""
+        found = {t.cls for step in self.steps for t in step["transfers"] if t.cls}
+        return tuple(c for c in CLASSES if c in found)
+
+    def _row(self, steps: int, step_s, loss_free: float, stack, added: dict, comm: dict) -> dict:
+        config, mesh = self.config, self.layout.mesh
+        spec = config.network_spec()
+        counts = _Job.counts(self, steps)
+        compute_s = float(stack[0])
+        per_class = self.per_class()
+        calls = {cls: n for cls, (n, _) in per_class.items()}
+        nbytes = {cls: b for cls, (_, b) in per_class.items()}
+        skipped = {name: (row["calls"], row["bytes"]) for name, row in self.not_simulated().items()}
+        row = {
+            "model": "", "parameters": None, "tp_size": mesh.tp, "pp_size": mesh.pp, "dp_size": mesh.dp,
+            "layout": mesh.name, "parallel_order": mesh.order, "gpus": mesh.world, "dp_mode": "", "seq": "",
+            "micro_batch": "", "microbatches": "", "global_batch": "", "pp_schedule": "", "stage_layers": "",
+            "dtype": self._dtype(), "grad_dtype": "", "dp_bucket_mb": "", "dp_overlap": "",
+            "activation_checkpointing": "",
+            "loss": spec.loss.spec, "loss_rate": spec.loss.loss_rate, "transport": spec.transport, "nic": spec.nic,
+            "algorithm": spec.algorithm, "link_intra": spec.link_intra.spec, "link_inter": spec.link_inter.spec,
+            "ranks_per_node": mesh.per_node, "nics_per_node": spec.nics_per_node, "lossy_links": spec.lossy_links,
+            "lossy": ",".join(spec.lossy), "recovery": spec.recovery, "seed": spec.seed, "compute": "trace",
+            "steps": steps, "collectives_per_step": sum(calls.values()), "message_bytes": "",
+            "compute_s": compute_s, "loss_free_comm_s": loss_free - compute_s, "loss_free_step_s": loss_free,
+            **_intervals(step_s),
+            "slowdown": float(step_s.mean()) / loss_free if loss_free else 1.0,
+            "comm_share": 1.0 - compute_s / float(step_s.mean()) if step_s.mean() else 0.0,
+            **{f"packets_{name}": sum(c[name] for c in counts.values()) for name in ("sent", "lost", "resent")},
+            "elements_lost_fwd": _Job.elements_lost(self, "tp", "fwd"),
+            "elements_lost_bwd": _Job.elements_lost(self, "tp", "bwd"),
+            "failures_per_1000_steps": 1000.0 * sum(c["failures"] for c in counts.values()),
+            "sampled_groups": 0, "packets_drawn": self.drawn / steps,
+            "collectives": _Job.choice_summary(self),
+            "trace_steps": len(self.steps), "trace_ranks": len(self.trace.ranks),
+            "not_simulated_calls": sum(n for n, _ in skipped.values()),
+            "not_simulated": "; ".join(f"{name}: {n:g} per step, {b:g} B" for name, (n, b) in sorted(skipped.items())),
+        }
+        for cls in CLASSES:
+            seconds = added[cls] / steps if cls in added else np.zeros(2)
+            row.update({f"{cls}_loss_free_s": float(seconds[1]), f"{cls}_repair_s": float(seconds[0]),
+                        **{f"{cls}_packets_{name}": counts.get(cls, {}).get(name, 0.0)
+                           for name in ("sent", "lost", "resent")},
+                        f"{cls}_elements_lost": _Job.elements_lost(self, cls),
+                        f"{cls}_calls": calls.get(cls, 0.0), f"{cls}_bytes": nbytes.get(cls, 0.0),
+                        f"{cls}_comm_s": comm.get(cls, 0.0) / steps})
+        row.update({f"stack_{name}_s": 0.0 for name in ("compute", *CLASSES, "repair")})
+        for name, value in zip(("compute", *self.classes, "repair"), stack):
+            row[f"stack_{name}_s"] = float(value)
+        return row
+
+    def per_class(self) -> dict:
+        """Per class, the calls and bytes of a traced step (mean over the traced steps, every group)."""
+        out = defaultdict(lambda: [0.0, 0.0])
+        for step in self.steps:
+            for t in step["transfers"]:
+                if t.cls:
+                    out[t.cls][0] += 1 / len(self.steps)
+                    out[t.cls][1] += t.call.bytes / len(self.steps)
+        return {cls: tuple(out[cls]) for cls in CLASSES if cls in out}
+
+    def not_simulated(self) -> dict:
+        """What a traced step does not send, by what and why: its calls and bytes (mean over the steps)."""
+        out = defaultdict(lambda: {"calls": 0.0, "bytes": 0.0})
+        for step in self.steps:
+            for name, (n, b) in step["skipped"].items():
+                out[name]["calls"] += n / len(self.steps)
+                out[name]["bytes"] += b / len(self.steps)
+        return dict(sorted(out.items()))
+
+    def _dtype(self) -> str:
+        sizes = defaultdict(int)
+        for step in self.steps:
+            for t in step["transfers"]:
+                sizes[t.call.dtype] += t.call.bytes
+        return max(sizes, key=sizes.get) if sizes else ""
+
+
+def traced_compute(trace: Trace, config: ExperimentConfig) -> float:
+    """Seconds of a traced step with every call free (its compute and the waits no call explains), mean
+    over the traced steps."""
+    replay = Replay(trace, config)
+    return float(np.mean([replay.clock(step, lambda t: 0.0) for step in replay.steps]))
+
+
+def simulate_trace(trace: Trace, config: ExperimentConfig, steps: int = 10, scale: float = 1.0,
+                   tick: Optional[Callable[[], None]] = None) -> dict:
+    """One row: ``steps`` replayed steps of ``trace`` on ``config``'s layout and network, the traced
+    compute scaled by ``scale``."""
+    if int(steps) < 1:
+        raise ValueError(f"steps={steps} must be >= 1")
+    return Replay(trace, config, scale).run(int(steps), tick)

@@ -1,0 +1,280 @@
+"""A report's tables: every setting (``summary_table``), accuracy against loss rate (``accuracy_pivot``),
+the simulated time to a target accuracy (``time_to_accuracy_table``) and the pipeline's (``pipeline_table``),
+as data frames with readable cells; settings are named by ``lossysim.results.labels``."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from ..loss.spec import FAMILIES
+from .compare import settings
+from .labels import LOSS_MODEL, LOSS_RATE, NO_LOSS, NOT_APPLICABLE
+from .settings import add_series, p_cell, same, setting_columns, setting_groups
+from .stats import mean_ci, time_to_target
+
+# What sets a loss-free run's simulated time (its accuracy does not depend on them).
+TIME_KEYS = ("algorithm", "ranks_per_node", "link_intra", "link_inter", "compute", "tp_size", "dp_size", "pp_size",
+             "pp_schedule", "microbatches")
+
+
+# The time-to-accuracy target, as a fraction of the loss-free baseline's final accuracy.
+TIME_TARGET_FRACTION = 0.9
+
+
+def _pm(mean: float, ci: float, n: int, scale: float = 100.0, digits: int = 1) -> str:
+    """``mean ± CI half-width``; the mean alone for one seed (no interval to give)."""
+    if n == 0 or not math.isfinite(mean):
+        return "–"
+    if n > 1 and math.isfinite(ci):
+        return f"{scale * mean:.{digits}f} ± {scale * ci:.{digits}f}"
+    return f"{scale * mean:.{digits}f}"
+
+
+def _target_cell(group: pd.DataFrame) -> str:
+    """Steps to the target accuracy: mean ± CI over the seeds that reached it, and how many did."""
+    done = group[group["status"] == "completed"]
+    if "steps_to_target" not in done or done.empty:
+        return "–"
+    steps = done["steps_to_target"].dropna()
+    reached = f"{len(steps)}/{len(done)} reached"
+    if steps.empty:
+        return f"not reached ({reached})"
+    est = mean_ci(steps)
+    return f"{_pm(est.mean, est.half_width, est.n, scale=1.0, digits=0)} ({reached})"
+
+
+def _delta_cell(delta: float, ci: float, n: int) -> str:
+    """A difference in percentage points, signed, ``± CI`` when there is an interval."""
+    if not math.isfinite(delta):
+        return "–"
+    return f"{100 * delta:+.1f}" + (f" ± {100 * ci:.1f}" if n > 1 and math.isfinite(ci) else "")
+
+
+def _comparison_cells(st: pd.Series) -> dict:
+    """A setting against its loss-free baseline, unpaired (difference of the means, Welch's p) and
+    paired by seed (mean paired difference ± 95% CI, paired t-test's p)."""
+    if st["loss_model"] == "none":
+        return {"vs no loss (pp)": "baseline", "p (Welch)": "–", "vs no loss, paired (pp)": "baseline",
+                "p (paired)": "–"}
+    paired = _delta_cell(st["paired_delta"], st["paired_ci"], int(st["paired_n"]))
+    if 0 < st["paired_n"] < st["n"]:
+        paired += f" ({int(st['paired_n'])} pairs)"   # seeds without a loss-free run of their own
+    return {"vs no loss (pp)": _delta_cell(st["delta"], math.nan, 1),
+            "p (Welch)": p_cell(st["p"], st["significant"]),
+            "vs no loss, paired (pp)": paired,
+            "p (paired)": p_cell(st["paired_p"], st["paired_significant"])}
+
+
+def summary_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per setting: accuracy mean ± 95% CI over seeds, its difference from the loss-free
+    baseline with Welch's p and paired by seed with the paired t-test's p (``*``: p < 0.05),
+    steps to the target accuracy, counts."""
+    stats = settings(runs, "accuracy")
+    columns = setting_columns(runs)
+    rows = []
+    for (setting, group), (_, st) in zip(setting_groups(runs), stats.iterrows()):
+        done = group[group["status"] == "completed"]
+        best = mean_ci(done["best_accuracy"]) if "best_accuracy" in done else mean_ci([])
+        dis = done["disagreement"].dropna() if "disagreement" in done else pd.Series(dtype=float)
+        obs = group["observed_loss_rate"].dropna() if "observed_loss_rate" in group else pd.Series(dtype=float)
+        lossless = setting["loss_model"] == "none"
+        row = {"loss model": FAMILIES.get(setting["loss_model"], setting["loss_model"]),
+               "rate (%)": f"{100 * setting['loss_rate']:g}",
+               "mean burst": "–" if lossless else f"{setting['mean_burst']:.3g}"}
+        row.update({d.name: d.value(group.iloc[0]) for d in columns})
+        row.update({"accuracy (%)": _pm(st["mean"], st["ci"], int(st["n"])), "n": int(st["n"]),
+                    **_comparison_cells(st)})
+        row.update({
+            "best accuracy (%)": _pm(best.mean, best.half_width, best.n),
+            "steps to target": _target_cell(group),
+            "observed loss (%)": f"{100 * obs.mean():.3g}" if len(obs) else "–",
+            "disagreement (%)": f"{100 * dis.mean():.2f}" if len(dis) else "–",
+            **_drift_cell(runs, done),
+            "runs": len(group),
+            "failed": int(st["failed"]),
+            "diverged": int(st["diverged"]),
+        })
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _pivot_cell(st: pd.Series) -> str:
+    """Mean ± CI; ``*``: differs from the loss-free baseline by Welch's test, ``†``: by the paired one."""
+    marks = (" *" if st["significant"] else "") + (" †" if st.get("paired_significant", False) else "")
+    return _pm(st["mean"], st["ci"], int(st["n"])) + marks
+
+
+def accuracy_pivot(runs: pd.DataFrame) -> pd.DataFrame:
+    """Accuracy (mean ± 95% CI over seeds; ``*``: differs from the loss-free baseline, Welch's
+    test; ``†``: paired t-test) with loss rates down and series (loss model, burstiness and
+    whatever else differs) across; the first row is each column's own loss-free baseline."""
+    stats = settings(runs, "accuracy")
+    stats = stats[stats["n"] > 0]
+    if stats.empty:
+        return pd.DataFrame()
+    lossy = stats[stats["loss_model"] != "none"]
+    columns = sorted(lossy["series"].unique()) or [NO_LOSS]
+    base = stats[stats["loss_model"] == "none"]
+    rows = []
+    if not base.empty:
+        rows.append({"loss rate (%)": "0 (no loss)", **{c: _pivot_baseline(c, lossy, base) for c in columns}})
+    for rate in sorted(lossy["loss_rate"].unique()):
+        row = {"loss rate (%)": f"{100 * rate:g}"}
+        for column in columns:
+            hit = lossy[(lossy["series"] == column) & (lossy["loss_rate"] == rate)]
+            row[column] = _pivot_cell(hit.iloc[0]) if len(hit) == 1 else ("–" if hit.empty else "see table")
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _pivot_baseline(column: str, lossy: pd.DataFrame, base: pd.DataFrame) -> str:
+    """The loss-free baseline a column's settings are compared with, when they share one."""
+    names = lossy.loc[lossy["series"] == column, "baseline_series"].unique() if len(lossy) else [""]
+    hit = base[base["series"] == names[0]] if len(names) == 1 and names[0] else base[:0]
+    if len(hit) != 1 and len(base) == 1:
+        hit = base
+    if len(hit) != 1:
+        return "see table"
+    b = hit.iloc[0]
+    return _pm(b["mean"], b["ci"], int(b["n"]))
+
+
+def time_target(runs: pd.DataFrame, fraction: float = TIME_TARGET_FRACTION) -> float:
+    """The accuracy the time table asks for: ``fraction`` of the loss-free baseline's mean final accuracy."""
+    base = runs[(runs["loss_model"] == "none") & (runs["status"] == "completed")]["accuracy"].dropna()
+    return fraction * float(base.mean()) if len(base) else math.nan
+
+
+def baseline_runs(runs: pd.DataFrame, setting: dict) -> pd.DataFrame:
+    """The loss-free runs timed like this setting (same links, compute and topology; the same
+    algorithm when one was run, else any)."""
+    base = runs[(runs["loss_model"] == "none") & (runs["status"] == "completed")]
+    for key in TIME_KEYS:
+        if key in base.columns and key in setting and key != "algorithm":
+            base = base[same(base[key], setting[key])]
+    if "algorithm" in base.columns and "algorithm" in setting:
+        like = base[same(base["algorithm"], setting["algorithm"])]
+        base = like if len(like) else base
+    return base
+
+
+def time_to_accuracy_table(runs: pd.DataFrame, metrics: pd.DataFrame,
+                           fraction: float = TIME_TARGET_FRACTION) -> tuple[pd.DataFrame, float]:
+    """Per setting: simulated seconds and steps to ``fraction`` x the baseline's final accuracy
+    (mean ± 95% CI over the seeds that reached it, and how many did), next to the baseline's."""
+    runs = add_series(runs)
+    target = time_target(runs, fraction)
+    reached = {}
+    measured = set(metrics["run_dir"]) if "run_dir" in metrics.columns else set()
+    if math.isfinite(target) and "run_dir" in metrics.columns:
+        for run_dir, rows in metrics.groupby("run_dir"):
+            split = rows["eval_split"].iloc[0] if "eval_split" in rows.columns else None
+            reached[run_dir] = time_to_target(rows.to_dict("records"), target,
+                                              split if isinstance(split, str) else None)
+    columns = setting_columns(runs)
+    accuracy = settings(runs, "accuracy")
+    rows = []
+    for (setting, group), (_, st) in zip(setting_groups(runs), accuracy.iterrows()):
+        done = group[group["status"] == "completed"]
+        # A run without metrics rows may have reached the target or not: unknown, never "never".
+        known = [d for d in done["run_dir"] if d in measured]
+        hits = [reached.get(d, {}) for d in known]
+        times = [h["sim_time_s"] for h in hits if h.get("sim_time_s") is not None]
+        ideal = [h["sim_time_s_ideal_nic"] for h in hits if h.get("sim_time_s_ideal_nic") is not None]
+        steps = [h["step"] for h in hits if h.get("step") is not None]
+        base_hits = [reached.get(d, {}) for d in baseline_runs(runs, setting)["run_dir"]]
+        base_times = [h["sim_time_s"] for h in base_hits if h.get("sim_time_s") is not None]
+        est, base = mean_ci(times), mean_ci(base_times)
+        first = group.iloc[0]
+        rows.append({
+            "loss": _loss_cell(setting, first),
+            **{d.name: d.value(first) for d in columns},
+            "time to target (ms)": (_pm(est.mean, est.half_width, est.n, scale=1e3, digits=3) if times
+                                    else "never" if known else "unknown" if len(done) else "-"),
+            "ideal nic (ms)": _pm(*_mean_ci_tuple(ideal), scale=1e3, digits=3) if ideal else "-",
+            "reached": f"{len(times)}/{len(known)}" + (f", {len(done) - len(known)} unknown"
+                                                        if len(known) < len(done) else ""),
+            "steps": f"{np.mean(steps):.0f}" if steps else "-",
+            "x baseline": f"{est.mean / base.mean:.2f}" if times and base_times else "-",
+            # A pipeline's traffic is summed over stages and boundaries, not all on its step's path: its own
+            # columns say what the sends cost the step.
+            "comm per step (ms)": NOT_APPLICABLE if _staged(first) else _ms_cell(done, "comm_s_per_step"),
+            **({"DP per step (ms)": _ms_cell(done, "dp_s_per_step")} if "dp_s_per_step" in done.columns else {}),
+            **_pipeline_cells(runs, done),
+            "final accuracy (%)": _pm(*_mean_ci_tuple(done["accuracy"])),
+            **_drift_cell(runs, done),
+            "vs no loss, paired (pp)": _comparison_cells(st)["vs no loss, paired (pp)"],
+            "p (paired)": _comparison_cells(st)["p (paired)"],
+        })
+    return pd.DataFrame(rows), target
+
+
+def _loss_cell(setting: dict, first: pd.Series) -> str:
+    """"no loss", or the rate and the loss model: "5% Bernoulli"."""
+    return NO_LOSS if setting["loss_model"] == "none" else f"{LOSS_RATE.value(first)} {LOSS_MODEL.value(first)}"
+
+
+def pipeline_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per setting, side by side: final accuracy (mean ± 95% CI over seeds) and its paired difference from
+    the loss-free run of the same seed, the simulated time per step and its ratio to the loss-free runs
+    timed like it, the stages' idle share (bubble), what the boundary sends add to a step, and the
+    observed loss on the boundaries' lossy traffic; "–" where a run has no stages."""
+    runs = add_series(runs)
+    runs = runs.assign(step_s=runs["sim_time_s"] / pd.to_numeric(runs["steps_done"], errors="coerce"))
+    columns = setting_columns(runs)
+    rows = []
+    for (setting, group), (_, st) in zip(setting_groups(runs), settings(runs, "accuracy").iterrows()):
+        done = group[group["status"] == "completed"]
+        base = runs.loc[baseline_runs(runs, setting).index, "step_s"].dropna()
+        step = done["step_s"].dropna()
+        staged = _staged(group.iloc[0])
+        rows.append({
+            "loss": _loss_cell(setting, group.iloc[0]),
+            **{d.name: d.value(group.iloc[0]) for d in columns},
+            "accuracy (%)": _pm(st["mean"], st["ci"], int(st["n"])),
+            "vs no loss, paired (pp)": _comparison_cells(st)["vs no loss, paired (pp)"],
+            "p (paired)": _comparison_cells(st)["p (paired)"],
+            "time per step (ms)": _ms_cell(done, "step_s"),
+            "x no loss": f"{step.mean() / base.mean():.3f}" if len(step) and len(base) else NOT_APPLICABLE,
+            "bubble (%)": _ms_cell(done, "pp_bubble", 100) if staged else NOT_APPLICABLE,
+            "PP per step (ms)": _ms_cell(done, "pp_s_per_step") if staged else NOT_APPLICABLE,
+            "observed PP loss (%)": _ms_cell(done, "observed_loss_rate_pp", 100) if staged else NOT_APPLICABLE,
+            "n": int(st["n"]),
+        })
+    return pd.DataFrame(rows)
+
+
+def _staged(row) -> bool:
+    """Whether a run (or a setting's first run) has pipeline stages."""
+    return bool(pd.to_numeric(row.get("pp_size", 1), errors="coerce") > 1)
+
+
+def _ms_cell(done: pd.DataFrame, column: str, scale: float = 1e3) -> str:
+    """A per-step figure's mean over seeds (ms by default); "–" where the runs have none (a column only
+    another kind of run fills)."""
+    values = done[column].dropna() if column in done.columns else pd.Series(dtype=float)
+    return f"{scale * values.mean():.3g}" if len(values) else NOT_APPLICABLE
+
+
+def _pipeline_cells(runs: pd.DataFrame, done: pd.DataFrame) -> dict:
+    """Sweeps with pipeline stages: what the boundary sends add to a step and the stages' idle share,
+    mean over seeds; "–" for a run without stages; nothing for sweeps without any."""
+    if not (runs.get("pp_size", pd.Series(dtype=float)).fillna(1) > 1).any():
+        return {}
+    return {"PP per step (ms)": _ms_cell(done, "pp_s_per_step"), "bubble (%)": _ms_cell(done, "pp_bubble", 100)}
+
+
+def _drift_cell(runs: pd.DataFrame, done: pd.DataFrame) -> dict:
+    """Data-parallel sweeps: the replicas' final drift (||p_r - p_0|| / ||p_0||, worst replica), mean
+    over seeds; nothing for sweeps without data parallelism."""
+    if "drift" not in runs.columns:
+        return {}
+    drift = done["drift"].dropna()
+    return {"drift (%)": f"{100 * drift.mean():.3g}" if len(drift) else "–"}
+
+
+def _mean_ci_tuple(values) -> tuple[float, float, int]:
+    est = mean_ci(values)
+    return est.mean, est.half_width, est.n
