@@ -91,6 +91,8 @@ class ExperimentConfig:
     deadline: float = 1.5              # deadline: a collective's budget, times its loss-free time
     rto_s: Optional[float] = None      # every retransmission timer, seconds (None: the nic's timers)
     channels: int = 2                  # connections per link (NCCL channels): each has its own tail
+    sockets: int = 1                   # TCP nics: sockets per channel (NCCL_SOCKET_NTHREADS x NSOCKS_PERTHREAD), 1-64
+    congestion: Optional[str] = None   # TCP nics: cubic | reno | bbr, over the nic's (None: the nic's)
     nics_per_node: Optional[int] = None  # NICs a node's inter-node traffic spreads over; None: one per rank
     restart_s: float = 300.0           # a failed collective restarts the job: this long (an assumption) ...
     restart_lost_steps: int = 50       # ... plus this many steps redone since the last checkpoint

@@ -203,3 +203,20 @@ def test_command_line_mistakes_are_one_line(tmp_path, capsys):
         assert code == 2 and f"--iterations {iterations}" in err and "at least 1" in err
     code, err = _cli(["estimate", "tiny", "--dtype", "int8"], capsys)
     assert code == 2 and "'int8'" in err and "bf16" in err and "lossysim estimate --help" in err
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(nic="tcp", sockets=0), "sockets=0 must be a whole number from 1 to 64"),
+    (dict(nic="tcp", sockets=65), "sockets=65 must be a whole number from 1 to 64"),   # NCCL's MAX_SOCKETS
+    (dict(nic="tcp", sockets="many"), "sockets"),
+    (dict(nic="tcp", congestion="vegas"), "congestion='vegas' must be one of cubic, reno, bbr"),
+    (dict(nic="irn", congestion="cubic"), "congestion=cubic: only a TCP nic has a congestion window"),
+])
+def test_socket_counts_and_window_settings_out_of_range_are_one_line(settings, message, tmp_path, capsys):
+    with pytest.raises(ValueError, match=message):
+        from_dict(settings)
+    argv = [f"--{key.replace('_', '-')}={value}" for key, value in settings.items()]
+    code, err = _cli(["estimate", "tiny", "--tp-size", "2", "--steps", "1", "--no-progress", *argv,
+                      "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and message.split(" must")[0].split(":")[0] in err
+    assert not (tmp_path / "o").exists()

@@ -154,6 +154,19 @@ def test_every_recovery_policy_sees_the_same_losses_and_only_its_compute_costs_t
     assert "recovery" in header.split() and len(lines) == 2
 
 
+def test_the_estimate_runs_what_nccls_tuner_picks_unless_told(tmp_path):
+    """``lossysim estimate`` defaults to ``--algorithm auto`` (NCCL's pick per message: an engineer sizing a
+    job expects what NCCL would run); ``--algorithm ring`` still runs the ring; training keeps ``ring``."""
+    from lossysim.config import ExperimentConfig
+    base = ["estimate", "tiny", "--tp-size", "2", "--seq", "8", "--steps", "1", "--no-progress"]
+    assert main([*base, "--out", str(tmp_path / "auto")]) == 0
+    assert main([*base, "--algorithm", "ring", "--out", str(tmp_path / "ring")]) == 0
+    auto, ring = (json.loads((tmp_path / name / "estimate.json").read_text())[0] for name in ("auto", "ring"))
+    assert (auto["algorithm"], ring["algorithm"]) == ("auto", "ring")
+    assert auto["sockets"] == 1 and auto["congestion"] is None
+    assert ExperimentConfig().algorithm == "ring"
+
+
 def test_the_gpu_reaches_the_network_settings_as_in_training(capsys):
     """``--compute`` sets NCCL's tables and whether NVLS runs, as a training run's ``compute`` does: NVLS on
     an A100 is refused with training's own message, auto never picks it there, and the A100's loss-free

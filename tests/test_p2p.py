@@ -19,7 +19,7 @@ from scipy import stats
 
 from lossysim.net import LossyNetwork, recovery
 from lossysim.timing import nccl
-from lossysim.timing.links import LINK_PRESETS
+from lossysim.timing.links import LINK_PRESETS, parse_link
 
 ALPHA = 1e-5  # p-value threshold of the statistical checks
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -68,16 +68,29 @@ def counting(n: int, offset: float = 1.0) -> torch.Tensor:
 # -- time ---------------------------------------------------------------------------------------------
 def test_p2p_time_is_one_ring_step_of_nccl_on_the_link_written_out():
     """LL up to 16 KiB (NCCL_P2P_LL_THRESHOLD), Simple above; base + one hop's latency of the link's
-    hardware, then the wire bytes (payload and a header per packet) at the protocol's share of the
-    link's bandwidth."""
+    hardware and the link's own one-way latency, then the wire bytes (payload and a header per packet) at
+    the protocol's share of the link's bandwidth."""
     roce, nvlink = LINK_PRESETS["roce-200g"], LINK_PRESETS["nvlink4"]
-    # 1 MiB across nodes, Simple: 8.4 us base + 14 us network hop; 724 packets of 82 header bytes
-    assert nccl.p2p_time(1 << 20, 1450, roce) == pytest.approx(22.4e-6 + ((1 << 20) + 724 * 82) / 25e9, rel=1e-12)
-    # 16 KiB inside a node, LL: 6.6 + 0.6 us, half the bandwidth; NVLink adds no headers
-    assert nccl.p2p_time(16384, 1450, nvlink) == pytest.approx(7.2e-6 + 16384 / (370e9 / 2), rel=1e-12)
+    # 1 MiB across nodes, Simple: 8.4 us base + 14 us network hop + 5 us alpha; 724 packets of 82 header bytes
+    assert nccl.p2p_time(1 << 20, 1450, roce) == pytest.approx(27.4e-6 + ((1 << 20) + 724 * 82) / 25e9, rel=1e-12)
+    # 16 KiB inside a node, LL: 6.6 + 0.6 us + 1 us alpha, half the bandwidth; NVLink adds no headers
+    assert nccl.p2p_time(16384, 1450, nvlink) == pytest.approx(8.2e-6 + 16384 / (370e9 / 2), rel=1e-12)
     assert nccl.p2p_estimate(16384, 16384, nvlink).protocol == "LL"
     assert nccl.p2p_estimate(16385, 16385, nvlink).protocol == "Simple"
     assert nccl.p2p_time(0, 1450, roce) == 0.0
+
+
+def test_a_sends_loss_free_time_counts_the_links_latency():
+    """An explicit link, alpha = 50 ms, 10 Gb/s, no headers: a 64 MiB send crosses the wire once, 50 ms, and
+    its 67,108,864 bytes take 53.687 ms: 103.7 ms with NCCL's 22.4 us (it was charged 53.7 ms, alpha left
+    out, while its repairs' round trips were 2 alpha). The network charges exactly that."""
+    link = "alpha=50ms,bw=10Gbps"
+    want = 50e-3 + 22.4e-6 + (64 << 20) * 8 / 10e9
+    assert want == pytest.approx(0.1037, abs=1e-4)
+    assert nccl.p2p_time(64 << 20, 1450, parse_link(link)) == pytest.approx(want, rel=1e-12)
+    net = LossyNetwork(2, "none", ranks_per_node=1, link_inter=link)
+    net.simulate("s", "fwd", 16 << 20, torch.float32, "send", pair=(0, 1))
+    assert net.clock()["comm_s"] == pytest.approx(want, rel=1e-12)
 
 
 @pytest.mark.parametrize("numel,dtype", [(1, torch.float32), (4096, torch.float32), (300_001, torch.bfloat16)])

@@ -51,14 +51,13 @@ def repairs(nic, p, packets, trials, final=True, seed=0):
 # p where each preset's timers matter, and few enough packets that runs are quick; roce-gbn's fifth
 # timeout in a row waits seconds (the IB ACK timeout), so its p keeps that out of reach.
 CASES = {"ideal": (0.1, 60), "irn": (0.1, 60), "srd": (0.1, 60), "roce-gbn": (0.02, 150),
-         "roce-gbn-timeout": (0.02, 150), "tcp": (0.2, 20), "tcp-bbr": (0.2, 20)}
+         "roce-gbn-timeout": (0.02, 150)}
 
 
-@pytest.mark.parametrize("name", list(NIC_PRESETS))
+@pytest.mark.parametrize("name", [name for name, nic in NIC_PRESETS.items() if not nic.rack])
 def test_repair_time_is_its_closed_form(name):
-    # the congestion window has no closed form under random loss (tests/test_tcp.py holds it to the
-    # response function): here its timers alone, which tcp shares with tcp-bbr
-    nic = replace(NIC_PRESETS[name], window="")
+    # TCP's repairs (RACK-TLP) have none: tests/test_tcp.py holds them against an event-level RACK-TLP
+    nic = NIC_PRESETS[name]
     p, n = CASES[name]
     extra, _, failed = repairs(nic, p, n, 1500)
     assert not failed.any()
@@ -229,17 +228,20 @@ def test_large_all_reduces_reach_the_published_bus_bandwidth(tp, per_node, intra
 
 # What each preset charges, by hand. One connection of 20 packets in its last step (TAU 0.12 us, RTT
 # 6 us, go-back-N window 8); the tails are the last `dupacks` packets (TCP: 3). Timers at RTT 6 us:
-# ideal 6 us; irn 100 us; srd 3 RTT = 18 us; roce-gbn max(4 us x 2^s, RTT): 6, 8, 16, 32 us, then 4.29 s;
+# ideal 6 us; irn 100 us; srd 3 RTT = 18 us; roce-gbn 2 ms x 2^s: 2, 4, 8, 16 ms, then 4.29 s;
 # roce-gbn-timeout 4.096 us x 2^20 = 4.294967296 s; tcp: the probe at the last ACK (RTT) + 201 ms with one
 # packet out (2 RTT + 200 ms, capped by the RTO SRTT + 200 ms = 200.006 ms, both 201 jiffies), then the
 # RTO 0.201 s doubling. 20 packets end before any loss is known (a 50-packet window later): no cut.
 GBN_TIMEOUT = 4.096e-6 * 2 ** 20
-TAIL = {"ideal": RTT, "irn": 100e-6, "srd": 3 * RTT, "roce-gbn": RTT, "roce-gbn-timeout": GBN_TIMEOUT,
+TAIL = {"ideal": RTT, "irn": 100e-6, "srd": 3 * RTT, "roce-gbn": 2e-3, "roce-gbn-timeout": GBN_TIMEOUT,
         "tcp": RTT + 0.201, "tcp-bbr": RTT + 0.201}
-SECOND = {"ideal": RTT, "irn": 100e-6, "srd": 3 * RTT, "roce-gbn": 8e-6, "roce-gbn-timeout": GBN_TIMEOUT,
+SECOND = {"ideal": RTT, "irn": 100e-6, "srd": 3 * RTT, "roce-gbn": 4e-3, "roce-gbn-timeout": GBN_TIMEOUT,
           "tcp": 0.201, "tcp-bbr": 0.201}
-THIRD = {"ideal": RTT, "irn": 100e-6, "srd": 3 * RTT, "roce-gbn": 16e-6, "roce-gbn-timeout": GBN_TIMEOUT,
+THIRD = {"ideal": RTT, "irn": 100e-6, "srd": 3 * RTT, "roce-gbn": 8e-3, "roce-gbn-timeout": GBN_TIMEOUT,
          "tcp": 0.402, "tcp-bbr": 0.402}
+# A lost resend with nothing sent after it: the tail timer; TCP's, in recovery (no probe), the RTO from the
+# resend (tests/test_tcp.py: one with the stream still going on behind it is found a round trip later).
+AGAIN = {**TAIL, "tcp": 0.201, "tcp-bbr": 0.201}
 NAK = RTT - WINDOW * TAU   # go-back-N: the NAK returns while the 8 packets behind the loss go out
 
 
@@ -293,13 +295,14 @@ def test_two_losses_in_one_round(name):
 @pytest.mark.parametrize("name", list(NIC_PRESETS))
 def test_a_resend_lost_again(name):
     """Packet 5 lost, its resend lost too. Selective: RTT, then the lone resend is its round's tail: the
-    tail timer (TAIL), 2 resends. Go-back-N: round 0 sends 14, round 1 the resend and 8 behind it (9),
-    round 2 the 15 from packet 5: 38 sent, 18 TAU + 2 (RTT - 8 TAU)."""
+    tail timer (AGAIN; TCP's resend goes out after the 20 packets, a window of 50 on, and waits the RTO),
+    2 resends. Go-back-N: round 0 sends 14, round 1 the resend and 8 behind it (9), round 2 the 15 from
+    packet 5: 38 sent, 18 TAU + 2 (RTT - 8 TAU)."""
     got, sent = hand(name, [[5], [0]])
     if NIC_PRESETS[name].mode == "go_back_n":
         assert got == pytest.approx(18 * TAU + 2 * NAK, abs=1e-12) and sent == 38
     else:
-        assert got == pytest.approx(2 * TAU + RTT + TAIL[name], abs=1e-12) and sent == 22
+        assert got == pytest.approx(2 * TAU + RTT + AGAIN[name], abs=1e-12) and sent == 22
 
 
 @pytest.mark.parametrize("name", ["roce-gbn", "roce-gbn-timeout"])

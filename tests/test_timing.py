@@ -488,7 +488,7 @@ def test_worked_example_in_the_docs_matches_the_model():
     link = LINK_PRESETS["roce-400g"]
     tau, window = link.wire_bytes(PP, 1) / link.bandwidth_Bps, window_packets(link, PP)
     row = "| 1.0% | " + " | ".join(f"{expected_repair_s(nic, 1085, 0.01, tau, 2 * link.latency_s, window) * 1e6:.1f}"
-                                   for nic in NIC_PRESETS.values()) + " |"
+                                   for nic in NIC_PRESETS.values() if not nic.rack) + " |"
     assert row in doc, row
 
 

@@ -26,6 +26,7 @@ from ..net.spec import LOSSY
 from ..net.topology import LOSSY_LINKS
 from ..net.transport import TRANSPORTS
 from ..timing import NIC_PRESETS
+from ..timing.congestion import CONGESTION
 from ..traffic import KINDS
 from ..util import one_of
 from .shapes import NAMES, load
@@ -35,11 +36,14 @@ from .workload import DTYPES, Workload, job_config
 # Network keys that take several values: flag -> config key.
 GRID = {"--loss": "loss", "--transport": "transport", "--nic": "nic", "--algorithm": "algorithm",
         "--link-intra": "link_intra", "--link-inter": "link_inter", "--lossy-links": "lossy_links",
-        "--recovery": "recovery", "--lossy": "lossy"}
+        "--recovery": "recovery", "--lossy": "lossy", "--sockets": "sockets", "--congestion": "congestion"}
+# An estimate sizes a job as NCCL would run it: its tuner's pick (training keeps the spec's ring, which
+# its recorded runs name).
+DEFAULTS = {"algorithm": "auto"}
 WHOLE = ("loss", "link_intra", "link_inter")   # their specs contain commas: one value per flag
 # The keys that take one of a fixed set of values, listed in their help.
 CHOICES = {"transport": TRANSPORTS, "nic": tuple(NIC_PRESETS), "algorithm": ALGORITHMS, "lossy_links": LOSSY_LINKS,
-           "recovery": RECOVERY_POLICIES, "lossy": LOSSY}
+           "recovery": RECOVERY_POLICIES, "lossy": LOSSY, "congestion": CONGESTION}
 # Columns printed on the terminal (every column goes to the files).
 SHOWN = ("loss", "transport", "nic", "algorithm", "loss_free_step_s", "step_mean_s", "step_p50_s", "step_p99_s",
          "step_p99_hi_s", "slowdown", "comm_share", "packets_lost", "packets_resent", "elements_lost_fwd",
@@ -95,7 +99,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--lossy-traffic", default="all",
                         help=f"which traffic can lose packets: all, or some of {', '.join(KINDS)} (default all)")
     for flag, key in GRID.items():
-        default = ExperimentConfig.__dataclass_fields__[key].default
+        default = DEFAULTS.get(key, ExperimentConfig.__dataclass_fields__[key].default)
         if isinstance(default, tuple):
             default = "both"
         values = f": {one_of(CHOICES[key])}" if key in CHOICES else ""
@@ -171,7 +175,7 @@ def config_of(args) -> ExperimentConfig:
                 dp_bucket_mb=args.dp_bucket_mb, dp_overlap=args.dp_overlap,
                 activation_checkpointing=args.activation_checkpointing, ranks_per_node=args.ranks_per_node,
                 nics_per_node=args.nics_per_node, compute=args.compute, seed=args.seed,
-                parallel_order=args.parallel_order, lossy_traffic=args.lossy_traffic)
+                parallel_order=args.parallel_order, lossy_traffic=args.lossy_traffic, **DEFAULTS)
     if args.payload_bytes is not None:
         keys["payload_bytes"] = args.payload_bytes
     return job_config(args.model or "tiny", args.micro_batch, args.dtype, args.global_batch, **keys)

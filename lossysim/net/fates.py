@@ -31,6 +31,7 @@ def choose(spec, device: torch.device) -> Union["Positions", "Masks"]:
 class HostStep:
     """What a keeper needs of one step (``transfer.Step``) on the host, built once per transfer."""
     link_ids: torch.Tensor      # [sends] network link of each send (the counters' key), on the device
+    links: np.ndarray           # the same on the host (the congestion windows' key)
     lossy: Optional[np.ndarray]  # indices of the sends whose links lose packets (None: every send's)
     slots: np.ndarray           # counter slot of each send
     sends: np.ndarray           # the sends' indices in the schedule
@@ -44,8 +45,8 @@ class HostStep:
             link_ids = transfer.link_ids[step.rows]
             link_ids = shared.setdefault(tuple(link_ids.tolist()), link_ids)
             lossy = np.array([i for i, r in enumerate(step.rows) if r in lossy_rows], dtype=np.int64)
-            out.append(cls(link_ids, None if len(lossy) == len(step.rows) else lossy, step.slots.cpu().numpy(),
-                           np.asarray(step.sends, dtype=np.int64)))
+            out.append(cls(link_ids, link_ids.cpu().numpy(), None if len(lossy) == len(step.rows) else lossy,
+                           step.slots.cpu().numpy(), np.asarray(step.sends, dtype=np.int64)))
         return out
 
 
@@ -55,16 +56,19 @@ class _Keeper:
     def __init__(self, spec):
         self.spec = spec
 
-    def repair(self, channel, transfer, device) -> tuple[Optional[Lost], torch.Tensor]:
+    def repair(self, channel, transfer, device, windows=None) -> tuple[Optional[Lost], torch.Tensor]:
         """Every step of the call through the transport (``_step``: each keeper feeds the one rule its
-        fates), then what the repairs add to the counters and the clock."""
+        fates), then what the repairs add to the counters and the clock; ``windows``: the network's TCP
+        congestion windows (``net.windows``), which each step reads and moves on."""
         if transfer.host_steps is None:
             transfer.host_steps = HostStep.steps(transfer)
         extra = shadow = 0.0
         per_step = []   # (slots, resent, missing, timeouts, failures) of each step's sends
         missing = []    # (sends, packets) never delivered, step by step
         for step, host in zip(transfer.steps, transfer.host_steps):
-            result = self._step(channel, step, host)
+            result = self._step(channel, step, host, None if windows is None else windows.rows(host.links))
+            if windows is not None:
+                windows.put(host.links, result.windows)
             missing.append((host.sends[result.missing_row], result.missing_packet))
             per_step.append((host.slots, result.transmissions - step.transport.host().packets,
                              np.bincount(result.missing_row, minlength=len(host.sends)), result.timeouts,
@@ -78,7 +82,7 @@ class _Keeper:
         send, packet = (np.concatenate(column) for column in zip(*missing))
         return self._lost(transfer.sched, send, packet, device), repairs
 
-    def _step(self, channel, step, host: HostStep) -> Result:
+    def _step(self, channel, step, host: HostStep, start: Optional[np.ndarray]) -> Result:
         raise NotImplementedError
 
     def _lost(self, sched, send: np.ndarray, packet: np.ndarray, device) -> Lost:
@@ -103,7 +107,7 @@ class Masks(_Keeper):
             return sparse.Losses.of(transfer.sched, per_send)
         return per_send
 
-    def _step(self, channel, step, host: HostStep) -> Result:
+    def _step(self, channel, step, host: HostStep, start: Optional[np.ndarray]) -> Result:
         """The step through ``transport.run_step``, each round's fates drawn as a mask."""
         link_ids = host.link_ids
         lossy = range(len(link_ids)) if host.lossy is None else host.lossy.tolist()
@@ -118,7 +122,7 @@ class Masks(_Keeper):
                 channel.counters.record(link_ids, lost, self._bad(in_bad), used.to(lost.device), step.phase)
             return lost, commit
 
-        return run_step(self.spec.transport_model, self.spec.nic_model, step.transport, draw, step.budget)
+        return run_step(self.spec.transport_model, self.spec.nic_model, step.transport, draw, step.budget, start)
 
     def _lost(self, sched, send: np.ndarray, packet: np.ndarray, device) -> Lost:
         missing = torch.zeros(len(sched.sends), sched.max_packets, dtype=torch.bool, device=device)
@@ -133,7 +137,7 @@ class Positions(_Keeper):
     def drop(self, channel, transfer) -> Lost:
         return sparse.Losses(transfer.sched, *sparse.drop(self.spec.loss, channel.chains, channel.counters, transfer))
 
-    def _step(self, channel, step, host: HostStep) -> Result:
+    def _step(self, channel, step, host: HostStep, start: Optional[np.ndarray]) -> Result:
         """Selective repeat (``transport.selective``), each round's losses drawn as positions."""
         spec, chains, counters = self.spec, channel.chains, channel.counters
         bad = spec.loss.hidden_state
@@ -145,7 +149,7 @@ class Positions(_Keeper):
             counters.record_lost(host.link_ids, row, column, to_send, step.phase, bad=bad)
 
         return selective(spec.nic_model, step.transport.host(), draw, count, step.budget,
-                         give_up=spec.transport_model.kind == "deadline")
+                         give_up=spec.transport_model.kind == "deadline", windows=start)
 
     def _lost(self, sched, send: np.ndarray, packet: np.ndarray, device) -> Lost:
         return sparse.Losses(sched, send, packet)

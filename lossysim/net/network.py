@@ -44,6 +44,7 @@ from .fates import choose as choose_fates
 from .replay import Outcome, Replay
 from .spec import DIRECTIONS, NetworkSpec
 from .stats import summarise
+from .windows import Windows
 
 
 class LossyNetwork:
@@ -64,6 +65,8 @@ class LossyNetwork:
         self._transfers: dict[tuple, transfers.Transfer] = {}
         self._fates: dict = {}                      # per device: where the packets' fates are kept (``fates``)
         self._choices: dict = {}                    # per (site, direction, collective, bytes): how NCCL runs it
+        # TCP's congestion windows, per link and connection, shared by every call site (one communicator)
+        self._windows = Windows(len(self.links), spec.connections) if spec.nic_model.window else None
         # The reliable side path of a policy that has one: its own network, recorded and replayed alongside.
         self._side: Optional[LossyNetwork] = None
         if self.recovery.side_path:
@@ -255,7 +258,7 @@ class LossyNetwork:
             channel.counters.count_sent(transfer.sent)
         else:
             if self.transport.repairs:
-                lost, repairs = fates.repair(channel, transfer, device)
+                lost, repairs = fates.repair(channel, transfer, device, self._windows)
                 self.time.tick(repairs)
             else:
                 lost = fates.drop(channel, transfer)
@@ -348,6 +351,8 @@ class LossyNetwork:
         state = {"config": self.spec.as_dict(), "channels": self.channels.state_dict(),
                  "watch_index": self.channels.watched, "clock": self.time.state_dict(),
                  "choices": [[*key, *choice] for key, choice in self._choices.items()]}
+        if self._windows is not None:
+            state["windows"] = self._windows.state_dict()
         if self._side is not None:
             state["side"] = self._side.state_dict()
         return state
@@ -360,6 +365,10 @@ class LossyNetwork:
         self.channels.watched = state.get("watch_index", 0)
         self.time.load_state_dict(state["clock"], self.channels.device)
         self._choices = {tuple(entry[:4]): Estimate(*entry[4:]) for entry in state.get("choices", [])}
+        if self._windows is not None:   # saved before windows were carried: every connection fresh
+            self._windows = Windows(len(self.links), self.spec.connections)
+            if "windows" in state:
+                self._windows.load_state_dict(state["windows"])
         if self._side is not None and "side" in state:
             self._side.load_state_dict(state["side"])
 

@@ -14,6 +14,7 @@ from typing import Optional, Sequence, Union
 
 from ..loss import LossModel, parse_loss_model
 from ..timing import Compute, Link, Measured, nccl, parse_compute, parse_link
+from ..timing.congestion import CONGESTION
 from ..timing.retransmission import DEFAULT_NIC, Nic, parse_nic
 from ..util import one_of
 from .algorithms import ALGORITHMS, IN_SWITCH
@@ -24,6 +25,10 @@ from .topology import Topology
 from .transport import Transport
 
 DIRECTIONS = ("fwd", "bwd")
+# NCCL's socket transport: NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD sockets per connection, 1 x 1 by
+# default, 2 x 8 on AWS's ENA (src/transport/net_socket.cc, ncclSocketGetNsockNthread), at most 64
+# (MAX_SOCKETS); each message is cut into one contiguous chunk per socket.
+MAX_SOCKETS = 64
 LOSSY = (*DIRECTIONS, "both")    # what ``lossy`` takes: one direction, or both
 
 
@@ -34,6 +39,14 @@ def _directions(lossy: Union[str, Sequence[str]]) -> tuple[str, ...]:
         if direction not in DIRECTIONS:
             raise ValueError(f"lossy={direction!r} must be {one_of(LOSSY)}")
     return tuple(d for d in DIRECTIONS if d in given)
+
+
+def _count(name: str, value, most: int) -> int:
+    """``value`` (an int or its digits) as a whole number in [1, most], or a one-line ValueError."""
+    text = str(value).strip()
+    if not text.isdigit() or not 1 <= int(text) <= most:
+        raise ValueError(f"{name}={value} must be a whole number from 1 to {most}")
+    return int(text)
 
 
 def _choice(name: str, value, allowed: tuple) -> None:
@@ -69,6 +82,10 @@ class NetworkSpec:
             ideal, irn, srd, roce-gbn, roce-gbn-timeout, tcp, tcp-bbr); ``retransmit`` (selective or
             go_back_n) and ``rto_s`` (every timer, seconds) override it.
         channels: connections per link (NCCL's channels): each one's last packets are its tail losses.
+        sockets: a TCP nic's sockets per channel (NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD, 1 to 64),
+            each a TCP connection with its own window; RDMA nics have none.
+        congestion: a TCP nic's congestion control, overriding the preset's (``cubic``, ``reno``, ``bbr``;
+            None: the nic's).
         nics_per_node: NICs a node's inter-node traffic spreads over (None: one per rank).
         link_intra, link_inter: the links of each class (``lossysim.timing.links``).
         hadamard_block: elements per Hadamard transform block (a power of two).
@@ -95,6 +112,8 @@ class NetworkSpec:
     deadline: float = 1.5
     rto_s: Optional[float] = None
     channels: int = 2
+    sockets: int = 1
+    congestion: Optional[str] = None
     nics_per_node: Optional[int] = None
     link_intra: Union[str, Link] = "nvlink4"
     link_inter: Union[str, Link] = "roce-200g"
@@ -139,7 +158,14 @@ class NetworkSpec:
             raise ValueError(f"rto_s={self.rto_s} must be a positive number of seconds (or null)")
         if int(self.channels) < 1:
             raise ValueError(f"channels={self.channels} must be >= 1")
-        nic = parse_nic(self.nic).override(self.retransmit, self.rto_s)
+        sockets = _count("sockets", self.sockets, MAX_SOCKETS)
+        nic = parse_nic(self.nic)
+        if self.congestion is not None:
+            _choice("congestion", self.congestion, CONGESTION)
+            if not nic.rack:
+                raise ValueError(f"congestion={self.congestion}: only a TCP nic has a congestion window (nic="
+                                 f"{self.nic}); use tcp or tcp-bbr")
+        nic = nic.override(self.retransmit, self.rto_s, self.congestion)
         topology = Topology(int(self.ranks), self.ranks_per_node, self.lossy_links)
         if self.nics_per_node is not None and int(self.nics_per_node) < 1:
             raise ValueError(f"nics_per_node={self.nics_per_node} must be >= 1 (or null: one per rank)")
@@ -187,6 +213,7 @@ class NetworkSpec:
         put("deadline", float(self.deadline))
         put("rto_s", None if self.rto_s is None else float(self.rto_s))
         put("channels", int(self.channels))
+        put("sockets", sockets)
         put("nics_per_node", topology.ranks_per_node if self.nics_per_node is None else int(self.nics_per_node))
         put("link_intra", links["link_intra"])
         put("link_inter", links["link_inter"])
@@ -202,6 +229,11 @@ class NetworkSpec:
     def replace(self, **changes) -> "NetworkSpec":
         """A copy with some settings changed (checked again)."""
         return replace(self, **changes)
+
+    @property
+    def connections(self) -> int:
+        """Connections a send on one link is spread over: NCCL's channels, times its sockets for TCP."""
+        return self.channels * (self.sockets if self.nic_model.rack else 1)
 
     def link(self, link_class: str) -> Link:
         """The Link of class ``intra`` or ``inter``."""
@@ -237,6 +269,10 @@ class NetworkSpec:
             out["compute"] = self.compute.spec      # what the policy's compute is charged at
         if not self.selection.everything:          # likewise: states saved before selections load
             out.update(lossy_layers=str(self.lossy_layers), lossy_sites=str(self.lossy_sites))
+        if self.sockets != 1:                      # and before sockets and congestion control
+            out["sockets"] = self.sockets
+        if self.congestion is not None:
+            out["congestion"] = self.congestion
         return out
 
 

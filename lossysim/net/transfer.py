@@ -176,7 +176,8 @@ def _steps(spec, sched, link_ids, n_links, sizes, itemsize, ideal, device) -> li
         width = max(s.packets for s in hops)
         tails = torch.zeros(len(hops), width, dtype=torch.bool)
         for i, (s, is_final) in enumerate(zip(hops, final)):
-            if is_final:  # the last packets of each channel's share of the send: nothing follows them
+            if is_final and not nic.rack:  # the last packets of each channel's share: nothing follows them
+                # (TCP finds its tails from the fates, per connection: ``transport._Rack``)
                 for end in _channel_ends(s.packets, spec.channels):
                     tails[i, max(end - nic.dupacks + 1, 0):end + 1] = True
         seconds = lambda values: torch.tensor(values, dtype=torch.float64, device=device)  # noqa: E731
@@ -187,7 +188,8 @@ def _steps(spec, sched, link_ids, n_links, sizes, itemsize, ideal, device) -> li
             rtt=seconds([2 * link.latency_s for link in links]),
             window=torch.tensor([timing.window_packets(link, spec.payload_bytes) for link in links], device=device),
             final=torch.tensor(final, device=device), tails=tails.to(device),
-            tail_resends=torch.tensor([nic.dupacks * spec.channels if f else 0 for f in final], device=device))
+            tail_resends=torch.tensor([nic.dupacks * spec.channels if f else 0 for f in final], device=device),
+            connections=spec.connections)
         rows = [sched.send_row[i] for i in sends]
         phase = PHASES.index(hops[0].phase)
         steps.append(Step(sends, rows, phase, transport, phase * n_links + link_ids[rows],

@@ -37,7 +37,7 @@ A send (ncclSend/ncclRecv) is not in the tuner: NCCL picks its protocol by size 
 ``NCCL_P2P_LL_THRESHOLD`` bytes per channel, 16 KiB by default, else Simple; never LL128,
 ``src/enqueue.cc``), and the message crosses one link. It is timed as one step of a ring on that
 link: the protocol's base latency and one hop's hardware latency, then its bytes over the link's
-bandwidth at the protocol's share.
+bandwidth at the protocol's share, plus the link's one-way latency (its ``alpha``).
 """
 from __future__ import annotations
 
@@ -377,12 +377,13 @@ def collective_time(collective: str, algorithm: str, ranks: int, nodes: int, mes
 def p2p_estimate(message_bytes: int, wire_bytes: int, link: Link) -> Estimate:
     """NCCL's p2p send of ``message_bytes`` (``wire_bytes`` on the wire) over one ``link``: LL up to
     ``P2P_LL_THRESHOLD`` bytes, else Simple; a ring step's base and hop latency for the link's hardware
-    class, and the wire bytes at the protocol's share of the link's bandwidth."""
+    class, the link's own one-way latency (``alpha``: the message crosses the wire once, as its repairs'
+    round trips count it), and the wire bytes at the protocol's share of the link's bandwidth."""
     if message_bytes == 0:
         return Estimate(0.0, 0.0, 0.0, "Simple")
     protocol = "LL" if message_bytes <= P2P_LL_THRESHOLD else "Simple"
     p = PROTOCOLS.index(protocol)
-    latency = (BASE_LATENCY_US["ring"][p] + HW_LATENCY_US[link.hw]["ring"][p]) * 1e-6
+    latency = (BASE_LATENCY_US["ring"][p] + HW_LATENCY_US[link.hw]["ring"][p]) * 1e-6 + link.latency_s
     bandwidth = wire_bytes / (link.bandwidth_Bps * P2P_EFFICIENCY[protocol])
     return Estimate(latency + bandwidth, latency, bandwidth, protocol)
 

@@ -1,12 +1,13 @@
 """Retransmission: how real transports detect and repair a lost packet, and what it costs.
 
 A loss is revealed by a later packet on the same connection (a NAK, a SACK, the receiver's bitmap:
-one round trip), or by three SACKed packets for TCP (one or two: RACK's reordering timer); only
-a loss with nothing behind it on its connection (a *tail* loss) waits for a timer. ``Nic`` presets say which repair a transport does
-(selective repeat or go-back-N), what a tail loss waits for, after how many retries it gives up,
-and for TCP how the congestion window shrinks at a loss; each preset's source is in
+one round trip), or for TCP by RACK (a packet sent after it delivered, with three SACKed behind it or
+in recovery at once, else after RACK's reordering timer); only a loss with nothing delivered behind it
+on its connection (a *tail* loss) waits for a timer. ``Nic`` presets say which repair a transport does
+(selective repeat or go-back-N), what a tail loss waits for, after how many retries it gives up, and
+for TCP what a loss does to the congestion window (``timing.congestion``); each preset's source is in
 docs/time_model.md. Also: expected transmissions under independent loss, the window a go-back-N
-sender wastes, the InfiniBand ACK timeout, Linux TCP's timers and a TCP flow's response function.
+sender wastes, the InfiniBand ACK timeout and Linux TCP's timers.
 """
 from __future__ import annotations
 
@@ -26,13 +27,9 @@ TCP_RTO_MIN_S = 0.2       # TCP_RTO_MIN (HZ / 5), also the probe's delayed-ACK a
 TCP_TIMEOUT_MIN_S = 0.002  # TCP_TIMEOUT_MIN_US: the least a probe or reordering timer adds
 TCP_RTO_MAX_S = 120.0     # TCP_RTO_MAX: where the RTO's doubling stops
 TCP_RETRIES2 = 15         # net.ipv4.tcp_retries2
-# The congestion window's cut and growth per round trip at a loss (net/ipv4/tcp_cubic.c: beta =
-# 717/1024; its Reno-friendly estimate grows by 3 (1 - beta) / (1 + beta) per round trip, RFC 9438
-# section 4.3; Reno, RFC 5681: halve, then one packet per round trip).
-CUBIC_BETA = 717 / 1024
-WINDOWS = {"cubic": (CUBIC_BETA, 3 * (1 - CUBIC_BETA) / (1 + CUBIC_BETA)), "reno": (0.5, 1.0)}
 IB_TIMEOUT_DEFAULT = 20   # NCCL_IB_TIMEOUT default in current NCCL releases (18 and 14 earlier)
 IB_RETRY_COUNT = 7        # NCCL_IB_RETRY_CNT default: retries before the queue pair errors
+ROCE_FIRST_TIMEOUT_S = 2e-3  # ConnectX adaptive retransmission's first timeout, as measured (presets below)
 
 
 def ib_timeout_s(t: int = IB_TIMEOUT_DEFAULT) -> float:
@@ -50,10 +47,11 @@ class Nic:
     reveal a gap at once (1: a NAK or SACK on the next packet; TCP: ``tp->reordering`` = 3 SACKed
     packets). ``timer``: what a loss nothing reveals waits for, a function of the round trip and of
     how many timeouts in a row the same packet has waited (``timer_s``); ``linux`` is Linux TCP's
-    RACK-TLP and RTO (``linux_tcp_timer_s``). ``retries``: retransmissions of one packet before the
-    transport gives up and the collective fails (None: never). ``rto_s`` fixes every timer (an
-    explicit override). ``window``: how a loss shrinks the sender's congestion window (``cubic``,
-    ``reno``; empty: it does not, as BBR or an RDMA NIC), charged by ``congestion_delay_s``."""
+    RACK-TLP and RTO (``rack``: the probe, the RTO and RACK's reordering timer below). ``retries``:
+    retransmissions of one packet before the transport gives up and the collective fails (None: never).
+    ``rto_s`` fixes every timer (an explicit override). ``window``: what a loss does to the sender's
+    congestion window (``cubic``, ``reno``; empty: nothing, as BBR or an RDMA NIC), charged by
+    ``timing.congestion``."""
     name: str
     mode: str = "selective"
     dupacks: int = 1
@@ -72,15 +70,34 @@ class Nic:
 
     @property
     def rack(self) -> bool:
-        """Whether a loss with fewer than ``dupacks`` packets behind it, some arrived, waits for RACK's
-        reordering timer (``reorder_s``) rather than for the tail timer."""
+        """Whether losses are found as Linux TCP finds them (RACK-TLP: ``reorder_s``, ``probe_s``,
+        ``rto_s_after``; ``net.transport``'s RACK rule) rather than by a tail timer."""
         return self.timer == "linux"
 
-    def reorder_s(self, rtt: torch.Tensor) -> torch.Tensor:
-        """The wait of a loss that one or two later SACKed packets reveal (RACK, ``rack``)."""
+    def reorder_s(self, rtt):
+        """The wait of a loss that one or two later SACKed packets reveal outside recovery (RACK's
+        reordering window min_rtt / 4, armed as jiffies + TCP_TIMEOUT_MIN, after the SACK's round trip);
+        numpy or torch."""
         if self.rto_s is not None:
-            return torch.maximum(torch.full_like(rtt, self.rto_s), rtt)
+            return _largest(rtt, self.rto_s)
         return rtt + _jiffies(rtt / 4 + TCP_TIMEOUT_MIN_S)
+
+    def probe_s(self, rtt: np.ndarray, one_out: np.ndarray) -> np.ndarray:
+        """The wait of a lost tail outside recovery, from its send: the tail-loss probe armed by the last
+        ACK (``linux_tcp_timer_s`` at no timeout yet); ``one_out``: one packet unacknowledged."""
+        if self.rto_s is not None:
+            return _largest(rtt, self.rto_s)
+        return np.maximum(rtt + np.minimum(np.where(one_out, _jiffies(2 * rtt + TCP_RTO_MIN_S),
+                                                    _jiffies(2 * rtt + TCP_TIMEOUT_MIN_S)), _rto(rtt)), rtt)
+
+    def rto_s_after(self, rtt: np.ndarray, backoffs: np.ndarray, ack: bool = False) -> np.ndarray:
+        """The RTO's wait, from the last transmission: ``backoffs`` RTOs already fired in a row double it
+        (tcp_retransmit_timer), up to TCP_RTO_MAX; ``ack``: armed by the last ACK, a round trip after the
+        send (tcp_rearm_rto), as a lost tail's is in recovery, where no probe is armed."""
+        if self.rto_s is not None:
+            return _largest(rtt, self.rto_s)
+        wait = np.minimum(_rto(rtt) * 2.0 ** np.minimum(backoffs, 30), TCP_RTO_MAX_S)
+        return np.maximum(wait + (rtt if ack else 0.0), rtt)
 
     def _timer(self, rtt: torch.Tensor, timeouts: torch.Tensor, outstanding) -> torch.Tensor:
         if self.rto_s is not None:
@@ -97,13 +114,17 @@ class Nic:
         one = torch.zeros_like(timeouts, dtype=torch.bool) if outstanding is None else outstanding == 1
         return linux_tcp_timer_s(rtt, timeouts, one)
 
-    def override(self, retransmit: Optional[str] = None, rto_s: Optional[float] = None) -> "Nic":
-        """This preset with the repair mode or every timer set explicitly."""
+    def override(self, retransmit: Optional[str] = None, rto_s: Optional[float] = None,
+                 congestion: Optional[str] = None) -> "Nic":
+        """This preset with the repair mode, every timer or a TCP window's congestion control (``cubic``,
+        ``reno``, ``bbr``: never cut) set explicitly."""
         changes = {}
         if retransmit is not None:
             changes["mode"] = retransmit
         if rto_s is not None:
             changes["rto_s"] = float(rto_s)
+        if congestion is not None:
+            changes["window"] = "" if congestion == "bbr" else congestion
         return replace(self, **changes) if changes else self
 
 
@@ -116,16 +137,21 @@ NIC_PRESETS = {
     # AWS SRD (Shalev et al., IEEE Micro 2020): selective repeat, timers from measured round trips;
     # modelled as RFC 6298's first timeout from one sample, SRTT + 4 RTTVAR = 3 RTT.
     "srd": Nic("srd", "selective", 1, "rtt_multiple", 3.0),
-    # ConnectX RC (RoCE): go-back-N on a NAK; adaptive retransmission starting near 4 us and doubling
-    # over four ranges, then the ACK timeout (4.096 us x 2^NCCL_IB_TIMEOUT); NCCL_IB_RETRY_CNT = 7.
-    "roce-gbn": Nic("roce-gbn", "go_back_n", 1, "backoff", 4e-6, IB_RETRY_COUNT),
+    # ConnectX RC (RoCE): go-back-N on a NAK; adaptive retransmission doubling over four ranges, then the
+    # ACK timeout (4.096 us x 2^NCCL_IB_TIMEOUT); NCCL_IB_RETRY_CNT = 7. The first timeout is what was
+    # measured: a ConnectX-5 retransmitted after 2, 4, 8, 16 ms whatever the verbs timeout
+    # (linux-rdma/perftest#251); RoCEv2 on a 30 ms path every 10 ms, NCCL_IB_TIMEOUT changing nothing
+    # (NVIDIA/nccl#1555). NVIDIA's adaptive-retransmission profiles name 4 us only as their smallest time
+    # base; the default profile's values are not published (docs/time_model.md: the sensitivity).
+    "roce-gbn": Nic("roce-gbn", "go_back_n", 1, "backoff", ROCE_FIRST_TIMEOUT_S, IB_RETRY_COUNT),
     # ConnectX RC with adaptive retransmission off: a tail loss waits the ACK timeout itself,
     # 4.096 us x 2^NCCL_IB_TIMEOUT (4.29 s at NCCL's default 20), as NCCL's docs give it.
     "roce-gbn-timeout": Nic("roce-gbn-timeout", "go_back_n", 1, "fixed", ib_timeout_s(), IB_RETRY_COUNT),
     # Linux TCP (gloo, NCCL's socket transport) with SACK and RACK-TLP, the kernel's defaults: a loss
-    # with 3 SACKed packets behind it is resent after a round trip, with 1 or 2 after RACK's
-    # reordering timer, with none after the tail-loss probe, then the RTO doubling from SRTT + 200 ms
-    # (linux_tcp_timer_s); tcp_retries2 = 15. CUBIC (Linux's default) cuts the window at each loss.
+    # with 3 SACKed packets behind it, or any delivered behind it in recovery, is resent after a round
+    # trip, with 1 or 2 outside recovery after RACK's reordering timer, with none after the tail-loss
+    # probe (outside recovery) or the RTO from SRTT + 200 ms, doubling; tcp_retries2 = 15. CUBIC
+    # (Linux's default) cuts the window at each loss episode; the window outlives the message.
     "tcp": Nic("tcp", "selective", 3, "linux", 0.0, TCP_RETRIES2, window="cubic"),
     # The same with BBR (tcp_bbr.c), whose rate follows the bottleneck it measures, not random loss.
     "tcp-bbr": Nic("tcp-bbr", "selective", 3, "linux", 0.0, TCP_RETRIES2),
@@ -166,73 +192,30 @@ def linux_tcp_timer_s(srtt: torch.Tensor, timeouts: torch.Tensor, one_outstandin
     one packet is out (the receiver may delay that one ACK), and no later than the RTO. A probe lost
     too waits the RTO (tcp_rearm_rto), and each later one twice the last (tcp_retransmit_timer),
     up to TCP_RTO_MAX."""
-    rto = _jiffies(srtt + TCP_RTO_MIN_S)
+    rto = _rto(srtt)
     probe = torch.where(one_outstanding, _jiffies(2 * srtt + TCP_RTO_MIN_S), _jiffies(2 * srtt + TCP_TIMEOUT_MIN_S))
     backoff = (rto * 2.0 ** (timeouts - 1).clamp(min=0, max=30).to(srtt.dtype)).clamp(max=TCP_RTO_MAX_S)
     return torch.where(timeouts == 0, srtt + torch.minimum(probe, rto), backoff)
 
 
-def _jiffies(seconds: torch.Tensor) -> torch.Tensor:
-    """usecs_to_jiffies: whole microseconds (as the kernel keeps its RTTs), rounded up to jiffies."""
-    us = torch.ceil(seconds * 1e6 - 1e-6)
-    return torch.ceil(us / (1e6 / HZ)) / HZ
+def _jiffies(seconds):
+    """usecs_to_jiffies: whole microseconds (as the kernel keeps its RTTs), rounded up to jiffies (numpy or
+    torch)."""
+    ceil = torch.ceil if isinstance(seconds, torch.Tensor) else np.ceil
+    us = ceil(seconds * 1e6 - 1e-6)
+    return ceil(us / (1e6 / HZ)) / HZ
 
 
-def congestion_delay_s(nic: Nic, packets: int, lost, tau: float, rtt: float) -> float:
-    """Seconds a send of ``packets`` packets takes beyond ``packets * tau`` because its congestion window
-    shrank at its losses (``lost``: sorted positions, in sending order; 0 without ``nic.window``).
-
-    One flow, fluid: the window starts at the pipe, ``rtt / tau`` packets (a warm connection; more
-    would only queue, and the links here have no queues), and sends ``w / rtt`` packets a second. A
-    loss is known a window later (a round trip); there the window is cut to ``beta w`` (at least 2,
-    tcp_cubic.c's ssthresh; one cut per recovery episode, so losses within that window are one event)
-    and grows by ``alpha`` packets per round trip back to the pipe. A periodic loss every 1/p packets
-    then gives sqrt(3 / (2 p)) packets per round trip (``response_packets_per_rtt``)."""
-    if not nic.window or not len(lost):
-        return 0.0
-    beta, alpha = WINDOWS[nic.window]
-    pipe = rtt / tau
-    w, at, seconds, i = pipe, 0.0, 0.0, 0
-    while i < len(lost):
-        dt, w = _grow(w, float(lost[i]) - at, pipe, alpha, tau, rtt)
-        seconds, at = seconds + dt, float(lost[i])
-        known = min(at + w, float(packets))
-        dt, w = _grow(w, known - at, pipe, alpha, tau, rtt)
-        seconds, at, w = seconds + dt, known, max(beta * w, 2.0)
-        while i < len(lost) and lost[i] < known:
-            i += 1
-    dt, _ = _grow(w, packets - at, pipe, alpha, tau, rtt)
-    return seconds + dt - packets * tau
+def _rto(srtt):
+    """The RTO: SRTT + RTTVAR with RTTVAR floored at tcp_rto_min, in jiffies (``linux_tcp_timer_s``)."""
+    return _jiffies(srtt + TCP_RTO_MIN_S)
 
 
-def _grow(w: float, sent: float, pipe: float, alpha: float, tau: float, rtt: float) -> tuple[float, float]:
-    """(seconds, window after) of sending ``sent`` packets from window ``w``: dw/dt = alpha / rtt below
-    the pipe, so ``sent = (w'^2 - w^2) / (2 alpha)`` and the time is ``(w' - w) rtt / alpha``; at the
-    pipe, ``tau`` a packet."""
-    if sent <= 0:
-        return 0.0, w
-    if w >= pipe:
-        return sent * tau, pipe
-    to_pipe = (pipe * pipe - w * w) / (2 * alpha)
-    if sent >= to_pipe:
-        return (pipe - w) * rtt / alpha + (sent - to_pipe) * tau, pipe
-    after = math.sqrt(w * w + 2 * alpha * sent)
-    return (after - w) * rtt / alpha, after
-
-
-def response_packets_per_rtt(p: float) -> float:
-    """A TCP flow's mean window under a loss every 1/p packets, below the pipe: sqrt(3 / (2 p)).
-
-    Cut to beta W at each loss, growing alpha per round trip: a cycle sends (1 + beta) W / 2 packets a
-    round trip for (1 - beta) W / alpha round trips, 1/p packets in all. With CUBIC's Reno-friendly
-    alpha = 3 (1 - beta) / (1 + beta) or Reno's (beta 1/2, alpha 1) the mean is sqrt(3 / (2 p)): the
-    Mathis et al. bound MSS / (RTT sqrt(p)) x sqrt(3/2), and RFC 9438 section 5's AIMD response
-    function (CUBIC's own cubic region, (C (3 + beta) / (4 (1 - beta)))^(1/4) (RTT/p)^(3/4) with RTT in
-    seconds, is far below it at a cluster's microsecond round trips)."""
-    _check_loss(p)
-    if p == 0:
-        raise ValueError("p=0 must be a loss probability in (0, 1): without loss the window is the pipe")
-    return math.sqrt(1.5 / p)
+def _largest(rtt, seconds: float):
+    """An explicit timer, never under a round trip (numpy or torch)."""
+    if isinstance(rtt, torch.Tensor):
+        return torch.maximum(torch.full_like(rtt, seconds), rtt)
+    return np.maximum(seconds, rtt)
 
 
 def _check_loss(p: float) -> None:
@@ -259,9 +242,12 @@ def expected_repair_s(nic: Nic, packets: int, p: float, tau: float, rtt: float, 
     round trip, or the preset's timer for a tail loss when the step is the connection's ``final``
     one; one channel). Exact, by first-step analysis of the Markov chain the transport runs
     (``lossysim.net.transport``), ignoring the retry limit (a packet fails with probability
-    p^(retries + 1)) and the congestion window (``congestion_delay_s``, which has no closed form
-    under random loss)."""
+    p^(retries + 1)). TCP's selective repeat (``rack``) has none: what a loss waits for depends on where
+    it falls among its connection's other losses and on the window; tests/test_tcp.py holds it against
+    an event-level RACK-TLP instead."""
     _check_loss(p)
+    if nic.rack and nic.mode == "selective":
+        raise ValueError(f"nic={nic.name}: TCP's repairs (RACK-TLP) have no closed form here")
     streaks = torch.arange(_STREAK_CAP + 1)
     rtts = torch.full((_STREAK_CAP + 1,), rtt, dtype=torch.float64)
     # timers[o, s]: the tail timer after s timeouts in a row, o = whether one packet is outstanding
@@ -270,17 +256,14 @@ def expected_repair_s(nic: Nic, packets: int, p: float, tau: float, rtt: float, 
         timers = np.full_like(timers, rtt)
     dupacks = nic.dupacks if final else 0
     if nic.mode == "selective":
-        reorder = float(nic.reorder_s(rtts[:1])) if nic.rack and dupacks else None
-        return _selective_expectation(packets, p, tau, rtt, dupacks, timers, reorder)
+        return _selective_expectation(packets, p, tau, rtt, dupacks, timers)
     return _go_back_n_expectation(packets, p, tau, rtt, window, dupacks, timers[0]) - packets * tau
 
 
-def _selective_expectation(n, p, tau, rtt, dupacks, timers, reorder) -> float:
+def _selective_expectation(n, p, tau, rtt, dupacks, timers) -> float:
     """F(m, s): expected extra seconds once a round sends m packets with s timeouts in a row behind it.
     Of the m, the last min(dupacks, m) are tails; the lost ones (t tails, u others) go again after a
-    round trip, or after timers[m' == 1, s] when a tail was lost (m' packets go again). With
-    ``reorder`` (RACK), the first round differs: a lost tail with an arrived one behind it waits
-    ``reorder``; only the last packet's loss waits the tail timer."""
+    round trip, or after timers[m' == 1, s] when a tail was lost (m' packets go again)."""
     from scipy.stats import binom
     cap = _STREAK_CAP
     F = np.zeros((n + 1, cap + 1))
@@ -301,23 +284,7 @@ def _selective_expectation(n, p, tau, rtt, dupacks, timers, reorder) -> float:
                 self_loop += q[here].sum()
                 rest += (q * (wait + m2 * tau)).sum() + (q * np.where(here, 0.0, F[m2, s2])).sum()
             F[m, s] = rest / (1.0 - self_loop)
-    k = min(dupacks, n)
-    if reorder is None or k == 0:
-        return float(F[n, 0])
-    u = np.arange(n - k + 1)
-    u_pmf = binom.pmf(u, n - k, p)
-    total = 0.0
-    for last in (0, 1):           # the last packet lost: the tail-loss probe
-        for t in range(k):        # the other k - 1 tails lost: revealed by an arrived one behind
-            q = binom.pmf(t, k - 1, p) * (p if last else 1 - p) * u_pmf
-            m2 = last + t + u
-            if last:
-                wait, s2 = timers[(m2 == 1).astype(int), 0], 1
-            else:
-                wait, s2 = (reorder, 1) if t else (rtt, 0)
-            q = np.where(m2 > 0, q, 0.0)
-            total += (q * (wait + m2 * tau + F[m2, s2])).sum()
-    return float(total)
+    return float(F[n, 0])
 
 
 def _go_back_n_expectation(n, p, tau, rtt, window, dupacks, timers) -> float:
