@@ -545,6 +545,31 @@ def test_pipeline_section_shows_accuracy_bubble_time_and_pp_loss_side_by_side(pi
     assert "| pp 2 (gpipe, m=4)" in text
 
 
+def test_the_expert_section_shows_its_traffic_and_names_the_most_fragile_setting(pipelines):
+    """A parallelism's own section (experts here; context parallelism's is the same table): its time and
+    observed loss beside accuracy, "–" where the axis is 1, and under it the setting whose accuracy fell
+    furthest below the loss-free runs of the same seeds. The pipeline runs stand in for expert runs."""
+    out, runs = pipelines
+    staged = runs["pp_size"] > 1
+    runs = runs.assign(ep_size=runs["pp_size"], ep_s_per_step=np.where(staged, 2e-3, np.nan),
+                       observed_loss_rate_ep=runs["observed_loss_rate_pp"])
+    worst = (runs["loss_model"] != "none") & (runs["pp_schedule"] == "gpipe") & (runs["microbatches"] == 4)
+    runs.loc[worst, "accuracy"] -= 0.07          # 5 pp from the loss, 7 more for this setting alone
+    shown = tables.axis_table(runs, "ep")
+    assert list(shown.columns[-5:]) == ["EP per step (ms)", "observed EP loss (%)", "n"] + tables.HIDDEN
+    for row in shown.itertuples(index=False):
+        cells = dict(zip(shown.columns, row))
+        expert = cells["pipeline"] != "pp 1"
+        assert cells["EP per step (ms)"] == ("2" if expert else "–")
+        assert cells["observed EP loss (%)"] == (("5" if cells["loss"] != "no loss" else "0") if expert else "–")
+    fragile = tables.most_fragile(shown)
+    assert fragile["pipeline"] == "pp 2 (gpipe, m=4)" and fragile["vs no loss, paired (pp)"] == "-12.0 ± 0.0"
+    text = sections.section_experts(sections.ReportInputs(out, runs, pd.DataFrame()))
+    assert text.startswith("## Expert parallelism") and "_paired" not in text
+    assert "Most fragile: 5% Bernoulli, " in text and "pipeline pp 2 (gpipe, m=4)" in text and "-12.0" in text
+    assert sections.section_context(sections.ReportInputs(out, runs, pd.DataFrame())) == ""   # cp 1 throughout
+
+
 def test_a_sweep_without_stages_has_no_pipeline_section_or_columns(results):
     runs = load.load_runs(results)
     assert set(runs["pp_size"]) == {1} and "pp_schedule" not in runs.columns

@@ -14,8 +14,12 @@ from .load import dataset_title, reference_note, split_name
 from .settings import to_markdown
 from .stats import ALPHA, CONFIDENCE
 from .tables import (
+    AXIS_TABLES,
+    HIDDEN,
     TIME_TARGET_FRACTION,
     accuracy_pivot,
+    axis_table,
+    most_fragile,
     pipeline_table,
     summary_table,
     time_to_accuracy_table,
@@ -128,19 +132,55 @@ def section_problems(inputs: ReportInputs) -> str:
             + "".join(f"- `{run_dir}`: {why}\n" for run_dir, why in sorted(inputs.problems.items())))
 
 
+_COMMON = ("Accuracy: mean ± 95% CI over seeds, and the paired difference from the loss-free run of the same "
+           "seed. `time per step`: the simulated clock over the steps; `x no loss` divides it by the loss-free "
+           "runs timed like the setting (same layout, links and compute). ")
+
+
 def section_pipeline(inputs: ReportInputs) -> str:
     """Sweeps with pipeline stages only: accuracy, time per step, bubble and the boundaries' loss side by side."""
-    if not (inputs.runs.get("pp_size", pd.Series(dtype=float)).fillna(1) > 1).any():
+    if not _uses(inputs.runs, "pp_size"):
         return ""
     return ("## Pipeline parallelism\n\n"
-            "Every setting, the runs with pipeline stages (`pp`) beside the others. Accuracy: mean ± 95% CI over "
-            "seeds, and the paired difference from the loss-free run of the same seed. `time per step`: the "
-            "simulated clock over the steps (for a pipeline, its schedule's critical path: compute, TP traffic "
-            "and boundary sends, repairs included); `x no loss` divides it by the loss-free runs timed like the "
-            "setting (same layout, links and compute). `bubble`: the stages' idle share of the step. `PP per "
-            "step`: what the boundary sends add to a step (the schedule less the same schedule with free sends). "
-            "`observed PP loss`: lost / sent packets on the boundaries' lossy traffic in training. \"–\": the "
-            "setting has no stages.\n\n" + to_markdown(pipeline_table(inputs.runs)))
+            "Every setting, the runs with pipeline stages (`pp`) beside the others. " + _COMMON +
+            "For a pipeline the clock is its schedule's critical path: compute, TP traffic and boundary sends, "
+            "repairs included. `bubble`: the stages' idle share of the step. `PP per step`: what the boundary "
+            "sends add to a step (the schedule less the same schedule with free sends). `observed PP loss`: lost "
+            "/ sent packets on the boundaries' lossy traffic in training. \"–\": the setting has no stages.\n\n"
+            + to_markdown(pipeline_table(inputs.runs)))
+
+
+def section_experts(inputs: ReportInputs) -> str:
+    """Sweeps with expert parallelism only: accuracy, time per step and the all-to-alls' loss side by side,
+    and which setting lost the most."""
+    return _axis_section(inputs, "ep", "Expert parallelism", (
+        "Every setting, the runs with experts over ranks (`ep`) beside the others. " + _COMMON +
+        "`EP per step`: what the all-to-alls (dispatch and combine, both ways) add to a step. `observed EP "
+        "loss`: lost / sent packets on their lossy traffic in training. \"–\": the setting has ep 1."))
+
+
+def section_context(inputs: ReportInputs) -> str:
+    """Sweeps with context parallelism only: accuracy, time per step and the key/value exchanges' loss."""
+    return _axis_section(inputs, "cp", "Context parallelism", (
+        "Every setting, the runs with sequences split over context ranks (`cp`) beside the others. " + _COMMON +
+        "`CP per step`: what the key/value exchanges add to a step. `observed CP loss`: lost / sent packets on "
+        "their lossy traffic in training. \"–\": the setting has cp 1."))
+
+
+def _axis_section(inputs: ReportInputs, axis: str, title: str, text: str) -> str:
+    """A parallelism's section: ``text``, its ``axis_table`` and the setting that lost the most accuracy."""
+    if not _uses(inputs.runs, AXIS_TABLES[axis].size):
+        return ""
+    table = axis_table(inputs.runs, axis)
+    worst = most_fragile(table)
+    named = "" if worst is None else (
+        f"\n\nMost fragile: {worst['_setting']}: {worst['vs no loss, paired (pp)']} points against the loss-free "
+        f"runs of the same seeds, {worst['x no loss']}x their time per step.")
+    return f"## {title}\n\n{text}\n\n" + to_markdown(table.drop(columns=HIDDEN)) + named
+
+
+def _uses(runs, size: str) -> bool:
+    return bool((pd.to_numeric(runs.get(size, pd.Series(dtype=float)), errors="coerce").fillna(1) > 1).any())
 
 
 def section_collectives(inputs: ReportInputs) -> str:
@@ -170,5 +210,6 @@ def section_plots(inputs: ReportInputs) -> str:
 
 
 # The report's sections, in order, each a function of ReportInputs returning markdown.
-SECTIONS = [section_overview, section_problems, section_time_to_accuracy, section_pipeline, section_collectives,
+SECTIONS = [section_overview, section_problems, section_time_to_accuracy, section_pipeline, section_experts,
+            section_context, section_collectives,
             section_perplexity, section_damage_map, section_accuracy, section_settings, section_plots]

@@ -1,9 +1,11 @@
 """A report's tables: every setting (``summary_table``), accuracy against loss rate (``accuracy_pivot``),
-the simulated time to a target accuracy (``time_to_accuracy_table``) and the pipeline's (``pipeline_table``),
+the simulated time to a target accuracy (``time_to_accuracy_table``) and each parallelism's (``axis_table``),
 as data frames with readable cells; settings are named by ``lossysim.results.labels``."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import pandas as pd
@@ -216,11 +218,32 @@ def _loss_cell(setting: dict, first: pd.Series) -> str:
     return NO_LOSS if setting["loss_model"] == "none" else f"{LOSS_RATE.value(first)} {LOSS_MODEL.value(first)}"
 
 
-def pipeline_table(runs: pd.DataFrame) -> pd.DataFrame:
+@dataclass(frozen=True)
+class AxisTable:
+    """What a parallelism's table shows beside accuracy and time: its size column, its label in the column
+    names, and its own figures (column name -> (summary column, scale))."""
+    size: str
+    label: str
+    extra: dict = field(default_factory=dict)
+
+
+# An ``axis_table``'s columns for ``most_fragile``, not shown.
+HIDDEN = ["_paired", "_setting"]
+# The parallelisms whose traffic a sweep may single out, each its own report table (``axis_table``).
+AXIS_TABLES = {
+    "pp": AxisTable("pp_size", "PP", {"bubble (%)": ("pp_bubble", 100)}),
+    "ep": AxisTable("ep_size", "EP"),
+    "cp": AxisTable("cp_size", "CP"),
+}
+
+
+def axis_table(runs: pd.DataFrame, axis: str = "pp") -> pd.DataFrame:
     """Per setting, side by side: final accuracy (mean ± 95% CI over seeds) and its paired difference from
     the loss-free run of the same seed, the simulated time per step and its ratio to the loss-free runs
-    timed like it, the stages' idle share (bubble), what the boundary sends add to a step, and the
-    observed loss on the boundaries' lossy traffic; "–" where a run has no stages."""
+    timed like it, the axis's own figures (the pipeline's idle share), what its traffic adds to a step
+    (``{axis}_s_per_step``) and the observed loss on its lossy traffic; "–" where a run does not use the
+    axis (size 1)."""
+    spec = AXIS_TABLES[axis]
     runs = add_series(runs)
     runs = runs.assign(step_s=runs["sim_time_s"] / pd.to_numeric(runs["steps_done"], errors="coerce"))
     columns = setting_columns(runs)
@@ -229,7 +252,7 @@ def pipeline_table(runs: pd.DataFrame) -> pd.DataFrame:
         done = group[group["status"] == "completed"]
         base = runs.loc[baseline_runs(runs, setting).index, "step_s"].dropna()
         step = done["step_s"].dropna()
-        staged = _staged(group.iloc[0])
+        used = _uses(group.iloc[0], spec.size)
         rows.append({
             "loss": _loss_cell(setting, group.iloc[0]),
             **{d.name: d.value(group.iloc[0]) for d in columns},
@@ -238,17 +261,39 @@ def pipeline_table(runs: pd.DataFrame) -> pd.DataFrame:
             "p (paired)": _comparison_cells(st)["p (paired)"],
             "time per step (ms)": _ms_cell(done, "step_s"),
             "x no loss": f"{step.mean() / base.mean():.3f}" if len(step) and len(base) else NOT_APPLICABLE,
-            "bubble (%)": _ms_cell(done, "pp_bubble", 100) if staged else NOT_APPLICABLE,
-            "PP per step (ms)": _ms_cell(done, "pp_s_per_step") if staged else NOT_APPLICABLE,
-            "observed PP loss (%)": _ms_cell(done, "observed_loss_rate_pp", 100) if staged else NOT_APPLICABLE,
+            **{name: _ms_cell(done, column, scale) if used else NOT_APPLICABLE
+               for name, (column, scale) in spec.extra.items()},
+            f"{spec.label} per step (ms)": _ms_cell(done, f"{axis}_s_per_step") if used else NOT_APPLICABLE,
+            f"observed {spec.label} loss (%)": _ms_cell(done, f"observed_loss_rate_{axis}", 100) if used
+            else NOT_APPLICABLE,
             "n": int(st["n"]),
+            "_paired": st["paired_delta"] if st["loss_model"] != "none" else math.nan,
+            "_setting": ", ".join([_loss_cell(setting, group.iloc[0]),
+                                   *(f"{d.name} {d.value(group.iloc[0])}" for d in columns)]),
         })
     return pd.DataFrame(rows)
 
 
+def pipeline_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """``axis_table`` of the pipeline's stages."""
+    return axis_table(runs, "pp").drop(columns=HIDDEN)
+
+
+def most_fragile(table: pd.DataFrame) -> Optional[pd.Series]:
+    """The row of an ``axis_table`` whose accuracy fell furthest below its loss-free runs' (paired by
+    seed); None when no lossy setting has a paired difference."""
+    paired = pd.to_numeric(table["_paired"], errors="coerce").dropna()
+    return table.loc[paired.idxmin()] if len(paired) else None
+
+
+def _uses(row, size: str) -> bool:
+    """Whether a run (or a setting's first run) uses a parallelism: its size above 1."""
+    return bool(pd.to_numeric(row.get(size, 1), errors="coerce") > 1)
+
+
 def _staged(row) -> bool:
     """Whether a run (or a setting's first run) has pipeline stages."""
-    return bool(pd.to_numeric(row.get("pp_size", 1), errors="coerce") > 1)
+    return _uses(row, "pp_size")
 
 
 def _ms_cell(done: pd.DataFrame, column: str, scale: float = 1e3) -> str:
