@@ -568,6 +568,11 @@ def test_the_expert_section_shows_its_traffic_and_names_the_most_fragile_setting
     assert text.startswith("## Expert parallelism") and "_paired" not in text
     assert "Most fragile: 5% Bernoulli, " in text and "pipeline pp 2 (gpipe, m=4)" in text and "-12.0" in text
     assert sections.section_context(sections.ReportInputs(out, runs, pd.DataFrame())) == ""   # cp 1 throughout
+    # summary.csv leaves out a size every run shares: the runs' EP time still says which have experts
+    alike = runs[staged].drop(columns="ep_size")
+    assert sections.section_experts(sections.ReportInputs(out, alike, pd.DataFrame())).startswith(
+        "## Expert parallelism")
+    assert set(tables.axis_table(alike, "ep")["EP per step (ms)"]) == {"2"}
 
 
 def test_a_sweep_without_stages_has_no_pipeline_section_or_columns(results):

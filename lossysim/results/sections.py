@@ -14,7 +14,6 @@ from .load import dataset_title, reference_note, split_name
 from .settings import to_markdown
 from .stats import ALPHA, CONFIDENCE
 from .tables import (
-    AXIS_TABLES,
     HIDDEN,
     TIME_TARGET_FRACTION,
     accuracy_pivot,
@@ -23,6 +22,7 @@ from .tables import (
     pipeline_table,
     summary_table,
     time_to_accuracy_table,
+    uses_axis,
 )
 
 PLOTS = {
@@ -139,7 +139,7 @@ _COMMON = ("Accuracy: mean ± 95% CI over seeds, and the paired difference from 
 
 def section_pipeline(inputs: ReportInputs) -> str:
     """Sweeps with pipeline stages only: accuracy, time per step, bubble and the boundaries' loss side by side."""
-    if not _uses(inputs.runs, "pp_size"):
+    if not _any_uses(inputs.runs, "pp"):
         return ""
     return ("## Pipeline parallelism\n\n"
             "Every setting, the runs with pipeline stages (`pp`) beside the others. " + _COMMON +
@@ -169,7 +169,7 @@ def section_context(inputs: ReportInputs) -> str:
 
 def _axis_section(inputs: ReportInputs, axis: str, title: str, text: str) -> str:
     """A parallelism's section: ``text``, its ``axis_table`` and the setting that lost the most accuracy."""
-    if not _uses(inputs.runs, AXIS_TABLES[axis].size):
+    if not _any_uses(inputs.runs, axis):
         return ""
     table = axis_table(inputs.runs, axis)
     worst = most_fragile(table)
@@ -179,8 +179,8 @@ def _axis_section(inputs: ReportInputs, axis: str, title: str, text: str) -> str
     return f"## {title}\n\n{text}\n\n" + to_markdown(table.drop(columns=HIDDEN)) + named
 
 
-def _uses(runs, size: str) -> bool:
-    return bool((pd.to_numeric(runs.get(size, pd.Series(dtype=float)), errors="coerce").fillna(1) > 1).any())
+def _any_uses(runs: pd.DataFrame, axis: str) -> bool:
+    return any(uses_axis(row, axis) for _, row in runs.iterrows())
 
 
 def section_collectives(inputs: ReportInputs) -> str:

@@ -252,7 +252,7 @@ def axis_table(runs: pd.DataFrame, axis: str = "pp") -> pd.DataFrame:
         done = group[group["status"] == "completed"]
         base = runs.loc[baseline_runs(runs, setting).index, "step_s"].dropna()
         step = done["step_s"].dropna()
-        used = _uses(group.iloc[0], spec.size)
+        used = uses_axis(group.iloc[0], axis)
         rows.append({
             "loss": _loss_cell(setting, group.iloc[0]),
             **{d.name: d.value(group.iloc[0]) for d in columns},
@@ -286,14 +286,19 @@ def most_fragile(table: pd.DataFrame) -> Optional[pd.Series]:
     return table.loc[paired.idxmin()] if len(paired) else None
 
 
-def _uses(row, size: str) -> bool:
-    """Whether a run (or a setting's first run) uses a parallelism: its size above 1."""
-    return bool(pd.to_numeric(row.get(size, 1), errors="coerce") > 1)
+def uses_axis(row, axis: str) -> bool:
+    """Whether a run (or a setting's first run) uses a parallelism: its size above 1, or, where summary.csv
+    left the size out (every run of the sweep shares it), its time per step recorded (runs with the axis
+    only)."""
+    size = pd.to_numeric(row.get(AXIS_TABLES[axis].size), errors="coerce")
+    if pd.notna(size):
+        return bool(size > 1)
+    return bool(pd.notna(pd.to_numeric(row.get(f"{axis}_s_per_step"), errors="coerce")))
 
 
 def _staged(row) -> bool:
     """Whether a run (or a setting's first run) has pipeline stages."""
-    return _uses(row, "pp_size")
+    return uses_axis(row, "pp")
 
 
 def _ms_cell(done: pd.DataFrame, column: str, scale: float = 1e3) -> str:
