@@ -45,7 +45,8 @@ def test_loss_free_is_a_plain_all_to_all_timed_per_port():
             packets = -(-n // (spec.payload_bytes // 4 * 4))
             protocol = "LL" if n <= nccl.P2P_LL_THRESHOLD else "Simple"
             latency = (nccl.BASE_LATENCY_US["ring"][nccl.PROTOCOLS.index(protocol)]
-                       + nccl.HW_LATENCY_US[link.hw]["ring"][nccl.PROTOCOLS.index(protocol)]) * 1e-6
+                       + nccl.HW_LATENCY_US[link.hw]["ring"][nccl.PROTOCOLS.index(protocol)]) * 1e-6 \
+                + link.latency_s   # the link's own one-way latency: the message crosses the wire once
             seconds = link.wire_bytes(n, packets) / (link.bandwidth_Bps * nccl.P2P_EFFICIENCY[protocol])
             for port in ((s, "out", cls), (d, "in", cls)):
                 lat, sec = busy.get(port, (0.0, 0.0))
