@@ -92,7 +92,7 @@ def bucket_path(dp: int, params: int, numel: int):
     bucket, over a ring lossy at 1%; and the [dp, n] contributions a plain sum would add."""
     replicas = [Replica(_Gradients(params, numel), None, None) for _ in range(dp)]
     network = LossyNetwork(dp, "bernoulli:0.01", seed=0)
-    data_parallel = DataParallel(replicas, [network], bucket_bytes=params * numel * 4)
+    data_parallel = DataParallel(replicas, [[network]], bucket_bytes=params * numel * 4)   # one stage, tp 1
     assert len(data_parallel.buckets) == 1
     return data_parallel, torch.randn(dp, params * numel)
 
