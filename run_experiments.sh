@@ -55,8 +55,8 @@ Profiles:
          values and their gradients losing 1% and 5% between the nodes: zero-filled,
          masked out of the softmax (mask) or retransmitted (irn); beside the same loss on
          TP traffic (tp 2 across the nodes), each beside its loss-free runs, 3 seeds, 60
-         steps; perplexity, time per step and observed loss side by side. 30 runs, within
-         15 minutes on 2 idle CPU cores. Spec: experiments/context.yaml
+         steps; perplexity, time per step and observed loss side by side. 30 runs, about
+         4 minutes on 2 CPU cores. Spec: experiments/context.yaml
   real   a real pretrained model, offline (needs the real extra: see the README's "Real
          model, offline"): SmolLM2-135M (weights dequantised from Q4_1) on Python's
          documentation text. First a reduced damage map into <out>/damage_map/ (forward

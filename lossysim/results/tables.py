@@ -269,7 +269,7 @@ def axis_table(runs: pd.DataFrame, axis: str = "pp") -> pd.DataFrame:
             "n": int(st["n"]),
             "_paired": st["paired_delta"] if st["loss_model"] != "none" else math.nan,
             "_setting": ", ".join([_loss_cell(setting, group.iloc[0]),
-                                   *(f"{d.name} {d.value(group.iloc[0])}" for d in columns)]),
+                                   *(_named(d.name, d.value(group.iloc[0])) for d in columns)]),
         })
     return pd.DataFrame(rows)
 
@@ -284,6 +284,12 @@ def most_fragile(table: pd.DataFrame) -> Optional[pd.Series]:
     seed); None when no lossy setting has a paired difference."""
     paired = pd.to_numeric(table["_paired"], errors="coerce").dropna()
     return table.loc[paired.idxmin()] if len(paired) else None
+
+
+def _named(name: str, value) -> str:
+    """A setting's column and value for a sentence ("transport drop"), the value alone where it names
+    itself ("cp_size=2")."""
+    return str(value) if str(value).startswith(name) else f"{name} {value}"
 
 
 def uses_axis(row, axis: str) -> bool:
