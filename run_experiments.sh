@@ -48,7 +48,7 @@ Profiles:
          nodes at 1% and 5% on the dispatch, on the combine and on both: zero, drop_token (the
          expert skips the token) and retransmit (irn), beside its loss-free run; the same loss
          on its dense gradient buckets, and on TP traffic (tp 2 across the nodes). 3 seeds,
-         100 steps. 72 runs, within 15 minutes on 2 idle CPU cores. Spec: experiments/moe.yaml
+         100 steps. 72 runs, about 8 minutes on 2 CPU cores. Spec: experiments/moe.yaml
   cp     what lost keys and values do between context-parallel ranks: the tiny GPT-2 as a
          byte-level causal LM on Python's documentation text (pydoc, offline), pieces of up
          to 128 bytes cut into 4 chunks, tp 1 x cp 2 with a context rank per node, the keys,
