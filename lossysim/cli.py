@@ -21,7 +21,7 @@ SUBCOMMANDS = {
     "sweep": ("lossysim.run.sweep", "run a grid of experiments (resumable, shardable)"),
     "report": ("lossysim.results.report", "plots and a markdown table from a results folder"),
     "fit": ("lossysim.loss.fit", "fit loss models to a measured loss trace and recommend one"),
-    "estimate": ("lossysim.estimate.grid", "what packet loss costs a real model's training step, in seconds"),
+    "estimate": ("lossysim.estimate.command", "what packet loss costs a real model's training step, in seconds"),
 }
 
 

@@ -115,9 +115,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    if args.trace:
-        from .traced import run as run_trace
-        return run_trace(args)
+    """A named shape's (or a config.json's) grid; ``command.run`` sends ``--trace`` to ``traced.run``."""
     if not args.model:
         raise ValueError("name a model (a named shape, a config.json or a model directory), or give --trace")
     workload = Workload(args.seq, args.grad_dtype, args.sampled_groups, args.routing_skew)
