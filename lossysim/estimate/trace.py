@@ -55,6 +55,10 @@ DTYPES = {"float": ("float32", 4), "float32": ("float32", 4), "double": ("float6
           "bool": ("bool", 1), "float8_e4m3fn": ("float8_e4m3fn", 1), "c10::float8_e4m3fn": ("float8_e4m3fn", 1),
           "float8_e5m2": ("float8_e5m2", 1), "c10::float8_e5m2": ("float8_e5m2", 1)}
 _COMM_WORDS = ("c10d::", "gloo:", "nccl", "record_param_comms")
+# One call's message lives in one device's memory: at most the largest GPU's, 288 GB (AMD MI355X's and NVIDIA
+# B300's HBM3e). A size beyond it is a corrupt event, and it would be simulated packet by packet (exhausting
+# the host's memory) before any figure came out.
+MAX_CALL_BYTES = 288 * 10**9
 
 
 @dataclass(frozen=True)
@@ -141,18 +145,64 @@ def read(path) -> Trace:
     if empty:
         raise ValueError(f"{empty[0]}: the trace holds no events: profile at least one step")
     for r in ranks.values():
-        if (r.world, r.groups) != (first.world, first.groups):
-            raise ValueError(f"{r.path}: world {r.world} and process groups differ from {first.path}'s: "
-                             "traces of one job only")
+        _same_job(first, r)
     mirrored = len(ranks) == 1 and first.world > 1
     if not mirrored and len(ranks) != first.world:
         missing = sorted(set(range(first.world)) - set(ranks))
         raise ValueError(f"--trace {path}: ranks {_span(missing)} of {first.world} have no trace: give every "
                          "rank's, or one file whose peers mirror it")
+    if not any(step for r in ranks.values() for step in r.calls):
+        unknown = sum((r.unknown for r in ranks.values()), Counter())
+        raise ValueError(f"--trace {path}: not one communication call understood, nothing to estimate (not "
+                         f"understood: {_counted(unknown) or 'none, the trace holds no communication events'})")
+    _same_calls(ranks, first.groups)
     if mirrored and any(c.kind in ("send", "recv") for step in first.calls for c in step):
         raise ValueError(f"{first.path}: one rank's trace with sends and receives: a pipeline's ranks differ, "
                          "give every rank's trace (a folder)")
     return Trace(ranks, first.world, first.backend, first.groups, mirrored)
+
+
+def _same_job(first: RankTrace, r: RankTrace) -> None:
+    """Refuse two ranks' traces whose distributedInfo is not one job's: its world, backend, process groups."""
+    names = sorted(set(first.groups) | set(r.groups))
+    group = next((n for n in names if first.groups.get(n) != r.groups.get(n)), None)
+    for what, mine, theirs in (("world_size", r.world, first.world), ("backend", r.backend, first.backend),
+                               (f"process group {group}'s ranks", r.groups.get(group), first.groups.get(group))):
+        if mine != theirs:
+            raise ValueError(f"{r.path} and {first.path} are not one job's traces: {what} {mine} against "
+                             f"{theirs}: give the traces of one job")
+
+
+def _same_calls(ranks: dict, groups: dict) -> None:
+    """Refuse ranks whose calls are not one job's: the members of a group make the same collectives on it,
+    and a send's peer receives from its sender (and a receive's peer sends). The kinds of call, not their
+    counts: a call the profiler's window cut off at one rank is no disagreement. Traces of two jobs on the
+    same world and groups (one's all-reduces, the other's sends) differ here."""
+    kinds, p2p = Counter(), Counter()
+    for r in ranks.values():
+        for call in (c for step in r.calls for c in step):
+            if call.kind in ("send", "recv"):
+                p2p[r.rank, call.kind, call.peer] += 1
+            else:
+                kinds[r.rank, call.group, call.kind] += 1
+    for name, members in groups.items():
+        traced = [m for m in members if m in ranks]
+        mine = {m: sorted(k for (r, g, k) in kinds if (r, g) == (m, name)) for m in traced}
+        for m in traced[1:]:
+            if mine[m] != mine[traced[0]]:
+                raise ValueError(f"{ranks[m].path} and {ranks[traced[0]].path} are not one job's traces: on "
+                                 f"process group {name} rank {m} makes {', '.join(mine[m]) or 'no collective'}, rank "
+                                 f"{traced[0]} {', '.join(mine[traced[0]]) or 'none'}: give the traces of one job")
+    for rank, kind, peer in sorted(p2p):
+        mirror = "recv" if kind == "send" else "send"
+        if peer in ranks and (peer, mirror, rank) not in p2p:
+            does, never = ("sends to", "receives from") if kind == "send" else ("receives from", "sends to")
+            raise ValueError(f"{ranks[rank].path} and {ranks[peer].path} are not one job's traces: rank {rank} "
+                             f"{does} rank {peer}, which never {never} it: give the traces of one job")
+
+
+def _counted(unknown: Counter) -> str:
+    return "; ".join(f"{name} x{n}" for name, n in unknown.most_common(3)) + ("; ..." if len(unknown) > 3 else "")
 
 
 def _span(ranks: list) -> str:
@@ -220,7 +270,7 @@ def _rank_trace(file: Path, data: dict) -> RankTrace:
         [(min(e["ts"] for e in events), max(e["ts"] + e["dur"] for e in events))] if events else []
     unknown: Counter = Counter()
     if any(e["name"] == "record_param_comms" for e in events):
-        calls = _nccl_calls(rank, groups, events, unknown)
+        calls = _nccl_calls(file, rank, groups, events, unknown)
     else:
         calls = _gloo_calls(file, rank, groups, events, main, unknown)
     calls.sort(key=lambda c: c.issue)
@@ -313,7 +363,7 @@ def _ranks_of(value) -> Optional[tuple]:
         return None
 
 
-def _nccl_calls(rank: int, groups: dict, events: list, unknown: Counter) -> list:
+def _nccl_calls(file: Path, rank: int, groups: dict, events: list, unknown: Counter) -> list:
     """Calls from ``record_param_comms`` events, each timed by its NCCL kernel where the trace has it."""
     backward = _Backward(events)
     kernels = {}
@@ -346,7 +396,7 @@ def _nccl_calls(rank: int, groups: dict, events: list, unknown: Counter) -> list
                 continue
             group = match[0]
         n_in, n_out = int(args.get("In msg nelems", 0) or 0), int(args.get("Out msg nelems", 0) or 0)
-        numel = n_out if kind == "recv" and n_out else n_in
+        numel = _sized(file, e, n_out if kind == "recv" and n_out else n_in, dtype)
         peer = None
         if kind in ("send", "recv"):
             peer = args.get("Dst Rank" if kind == "send" else "Src Rank")
@@ -363,6 +413,17 @@ def _nccl_calls(rank: int, groups: dict, events: list, unknown: Counter) -> list
         calls.append(Call(rank, kind, collective, numel, *dtype, group, peer, start if kernel else e["ts"],
                           start, end, backward(e.get("tid"), e["ts"])))
     return calls
+
+
+def _sized(file: Path, event: dict, numel: int, dtype: tuple) -> int:
+    """``numel``, or (a negative size, or more bytes than ``MAX_CALL_BYTES``) a one-line ValueError naming
+    the event: a corrupt trace is refused before any work."""
+    if 0 <= numel * dtype[1] <= MAX_CALL_BYTES:
+        return numel
+    what = "a negative size" if numel < 0 else f"{numel * dtype[1]:.3g} bytes, more than one call can move " \
+        f"({MAX_CALL_BYTES / 1e9:g} GB, the largest GPU's memory)"
+    raise ValueError(f"{file}: event {event['name']} at ts {event['ts']} us moves {numel} {dtype[0]} elements, "
+                     f"{what}: a corrupt trace")
 
 
 def _input_numels(args: dict) -> list:
@@ -421,6 +482,7 @@ def _gloo_calls(file: Path, rank: int, groups: dict, events: list, main, unknown
         if dtype is None:
             unknown[f"{e['name']} (dtype {(run['args'].get('Input type') or [None])[0]!r})"] += 1
             continue
+        numel = _sized(file, e, numel, dtype)
         peer = None
         if kind in ("send", "recv"):
             concrete = e["args"].get("Concrete Inputs") or []

@@ -23,6 +23,10 @@ from .workload import Workload
 
 
 def run(args) -> int:
+    if args.sampled_groups is not None:
+        # the replay simulates every traced rank's groups (Replay's row: sampled_groups 0); nothing to sample
+        raise ValueError(f"--sampled-groups {args.sampled_groups}: a trace's groups are the job's own, each "
+                         "simulated, none sampled: drop --sampled-groups with --trace")
     trace = traces.read(args.trace)
     _default_layout(args, trace)
     base = config_of(args)
@@ -56,7 +60,7 @@ def _compute(args, trace: traces.Trace, base, read: dict) -> tuple[float, str]:
     if not args.model:
         read["compute"] = "trace"
         return 1.0, "trace"
-    workload = Workload(args.seq, args.grad_dtype, args.sampled_groups, args.routing_skew)
+    workload = Workload(args.seq, args.grad_dtype, routing_skew=args.routing_skew)
     modelled = estimate(args.model, base.replace(loss="none"), workload, 1)["compute_s"]
     traced = traced_compute(trace, base)
     compute = f"modelled ({args.compute}, {args.model})"
