@@ -22,7 +22,7 @@ from ..io import atomic_write_text, check_writable, output_errors
 from ..mesh import DEFAULT_ORDER
 from ..net.algorithms import ALGORITHMS
 from ..net.recovery import RECOVERY_POLICIES
-from ..net.spec import LOSSY
+from ..net.spec import LOSSY, MAX_PAYLOAD_BYTES
 from ..net.topology import LOSSY_LINKS
 from ..net.transport import TRANSPORTS
 from ..timing import NIC_PRESETS
@@ -64,7 +64,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--nics-per-node", type=int, help="NICs a node's inter-node traffic spreads over "
                                                           "(default: one per GPU)")
     parser.add_argument("--payload-bytes", type=int, help="payload bytes of a packet (default "
-                        f"{ExperimentConfig.__dataclass_fields__['payload_bytes'].default}; RoCE at MTU 4096: 4096)")
+                        f"{ExperimentConfig.__dataclass_fields__['payload_bytes'].default}; RoCE at MTU 4096: 4096; "
+                        f"at most {MAX_PAYLOAD_BYTES}, a jumbo frame)")
     parser.add_argument("--pp-size", type=int, help="pipeline stages (default 1)")
     parser.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES, help="pipeline schedule (default 1f1b)")
     parser.add_argument("--pp-layout", help="blocks per stage, e.g. 9,10,10,11 (default: an even split)")

@@ -29,6 +29,10 @@ DIRECTIONS = ("fwd", "bwd")
 # default, 2 x 8 on AWS's ENA (src/transport/net_socket.cc, ncclSocketGetNsockNthread), at most 64
 # (MAX_SOCKETS); each message is cut into one contiguous chunk per socket.
 MAX_SOCKETS = 64
+# The largest frame of any link modelled: a 9000-byte Ethernet jumbo frame's MTU. RoCE and InfiniBand carry
+# less, 4096 bytes at their largest IB MTU (IB_MTU_4096; an Ethernet port's jumbo MTU "surely supports the
+# max IB mtu of 4K", Linux commit bcacb897, IB/mlx4). A payload past it is no packet any link sends.
+MAX_PAYLOAD_BYTES = 9000
 LOSSY = (*DIRECTIONS, "both")    # what ``lossy`` takes: one direction, or both
 
 
@@ -134,6 +138,10 @@ class NetworkSpec:
             object.__setattr__(self, name, value)
         if int(self.payload_bytes) < 8:
             raise ValueError(f"payload_bytes={self.payload_bytes} must be >= 8")
+        if int(self.payload_bytes) > MAX_PAYLOAD_BYTES:
+            raise ValueError(f"payload_bytes={self.payload_bytes} is larger than any link's frame: at most "
+                             f"{MAX_PAYLOAD_BYTES} (an Ethernet jumbo frame's MTU; RoCE and InfiniBand: 4096, "
+                             "their largest IB MTU)")
         if int(self.max_burst) < 1:
             raise ValueError(f"max_burst={self.max_burst} must be >= 1")
         _choice("recovery", self.recovery, RECOVERY_POLICIES)
