@@ -166,6 +166,12 @@ def config_of(args) -> ExperimentConfig:
     train`` validates it: the same layout, micro-batch and network rules, the same one-line errors."""
     if args.cp_size > 1:   # named by its flag before the config, whose sequence length is max_length
         check_length(args.seq, args.cp_size, "--seq")
+    if args.microbatches is not None and args.microbatches < 1:   # before the batch it multiplies is refused
+        raise ValueError(f"--microbatches {args.microbatches} must be >= 1 (or left out: from --global-batch, else "
+                         "the pp size)")
+    if getattr(args, "routing_skew", 0.0) > 0 and args.ep_size == 1:   # the row would record 0.0: it did nothing
+        raise ValueError(f"--routing-skew {args.routing_skew:g} needs experts spread over ranks: give a "
+                         "mixture-of-experts model --ep-size > 1, or leave --routing-skew at 0")
     keys = dict(tp_size=8 if args.tp_size is None else args.tp_size,
                 pp_size=1 if args.pp_size is None else args.pp_size,
                 dp_size=1 if args.dp_size is None else args.dp_size, dp_mode=args.dp_mode, ep_size=args.ep_size,
