@@ -4,6 +4,7 @@ Validated once here, at the edge, so the rest of the code can trust it.
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 from dataclasses import dataclass, fields
@@ -38,6 +39,7 @@ IDENTITY_AT_DEFAULT_OMITTED = ("dp_size", "dp_bucket_mb", "dp_overlap", "dp_sync
                               "pp_size", "pp_schedule", "pp_layout", "parallel_order", "ep_size", "cp_size",
                               "cp_mode")
 CP_MODES = ("ring", "allgather")   # Megatron's p2p ring of K/V blocks; Llama 3's all-gathered K/V
+_TRYING = contextvars.ContextVar("trying", default=False)   # ExperimentConfig.accepts is validating a variant
 
 
 def parse_report_to(value) -> tuple[str, ...]:
@@ -209,7 +211,7 @@ class ExperimentConfig:
                                           (ep, f"ep_size={self.ep_size}", "all_to_all"),
                                           (self.cp_size > 1, f"cp_size={self.cp_size}", "kv_exchange")):
             try:
-                require(self.recovery, collective, used)
+                require(self.recovery, collective, used, works=lambda name: self.accepts(recovery=name))
             except ValueError as err:
                 raise ValueError(f"{setting}: {err}") from None
         if fsdp and self.dp_sync_every:
@@ -329,6 +331,21 @@ class ExperimentConfig:
         when ``lossy_traffic`` names pp_forward, their gradients (``bwd``) when it names pp_backward."""
         return self.lossy_directions("pp")
 
+    def accepts(self, **changes) -> bool:
+        """Whether this config with ``changes`` (values as --set spells them) validates, or is refused for
+        another setting alone (the message names none of ``changes``): a refusal suggests only what this accepts.
+        Inside such a trial, refusals suggest without trying (suggestions' suggestions would never end)."""
+        if _TRYING.get():
+            return True
+        token = _TRYING.set(True)
+        try:
+            dataclasses.replace(self, **coerce(changes)).validate()
+        except ValueError as err:
+            return not any(f"{key}=" in str(err) for key in changes)
+        finally:
+            _TRYING.reset(token)
+        return True
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -406,12 +423,18 @@ def _coerce(name: str, value: Any) -> Any:
         raise ValueError(f"{name}={value!r} is not a valid {kind.__name__}") from None
 
 
-def from_dict(values: dict) -> ExperimentConfig:
+def coerce(values: dict) -> dict:
+    """Config keys (as YAML or --set spell them) as the fields' types: a one-line ValueError for an unknown
+    key or a bad value, also where a later layer (a flag, --set over a file) replaces it."""
     known = {f.name for f in fields(ExperimentConfig)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"unknown config key {unknown[0]!r} (known: {', '.join(sorted(known))})")
-    return ExperimentConfig(**{k: _coerce(k, v) for k, v in values.items()}).validate()
+    return {k: _coerce(k, v) for k, v in values.items()}
+
+
+def from_dict(values: dict) -> ExperimentConfig:
+    return ExperimentConfig(**coerce(values)).validate()
 
 
 def load_yaml(path: Union[str, Path]) -> dict:
@@ -441,8 +464,9 @@ def parse_overrides(pairs: list[str]) -> dict:
 
 
 def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[dict] = None) -> ExperimentConfig:
-    """Defaults, then the YAML file, then overrides; validated."""
-    values = load_yaml(path) if path else {}
+    """Defaults, then the YAML file, then overrides; validated (a file's bad value too where an override
+    replaces it)."""
+    values = coerce(load_yaml(path)) if path else {}
     values.update(overrides or {})
     return from_dict(values)
 

@@ -220,3 +220,126 @@ def test_socket_counts_and_window_settings_out_of_range_are_one_line(settings, m
                       "--out", str(tmp_path / "o")], capsys)
     assert code == 2 and message.split(" must")[0].split(":")[0] in err
     assert not (tmp_path / "o").exists()
+
+
+# -- settings that do nothing, suggestions that are refused, packet sizes ----------------------------------------
+def _estimate_args(*argv):
+    import argparse
+    from lossysim.estimate import grid as estimate_grid
+    parser = argparse.ArgumentParser()
+    estimate_grid.add_arguments(parser)
+    return estimate_grid.config_of(parser.parse_args(["tiny-moe", *argv]))
+
+
+def _suggested(message: str, after: str) -> list[str]:
+    """The choices a refusal lists after ``after`` ("use one of a, b", "use a or b=c or d")."""
+    tail = message.split(after, 1)[1].split(" (")[0]
+    return [item.strip() for part in tail.replace("one of ", "").split(" or ") for item in part.split(",")]
+
+
+def test_sockets_with_an_rdma_nic_are_refused_and_its_suggestions_work(tmp_path, capsys):
+    # an RDMA queue pair is one connection: --sockets 1,16 gave two identical rows
+    code, err = _cli(["estimate", "tiny", "--tp-size", "2", "--seq", "128", "--steps", "1", "--no-progress",
+                      "--nic", "irn", "--sockets", "1,16", "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "sockets=16: only a TCP nic has sockets (nic=irn)" in err
+    assert not (tmp_path / "o").exists()
+    suggested = _suggested(err, "; use ")
+    assert suggested == ["sockets=1", "nic=tcp", "tcp-bbr"], err
+    from_dict(dict(nic="irn", sockets=1))
+    for nic in ("tcp", "tcp-bbr"):
+        assert from_dict(dict(nic=nic, sockets=16)).network_spec().connections == 2 * 16
+    with pytest.raises(ValueError, match=r"^congestion=cubic: only a TCP nic .*; use nic=tcp or tcp-bbr$"):
+        from_dict(dict(nic="irn", congestion="cubic"))
+
+
+@pytest.mark.parametrize("model, argv", [("tiny", []), ("tiny-moe", []), ("tiny-moe", ["--dp-size", "2"])])
+def test_a_routing_skew_nothing_routes_over_is_refused(model, argv, tmp_path, capsys):
+    # a dense model (ep 1 only) or experts all on one rank: the row recorded routing_skew 0.0
+    code, err = _cli(["estimate", model, "--tp-size", "2", "--seq", "128", "--steps", "1", "--no-progress",
+                      "--routing-skew", "1.2", *argv, "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "--routing-skew 1.2" in err and "--ep-size > 1" in err, err
+    assert not (tmp_path / "o").exists()
+    assert _estimate_args("--dp-size", "2", "--ep-size", "2", "--routing-skew", "1.2").ep_size == 2   # what works
+
+
+def test_a_bad_set_value_is_refused_where_a_flag_replaces_it(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("steps: abc\n")
+    for argv, named in ((["--set", "steps=abc", "--steps", "3"], "steps='abc'"),
+                        (["--config", str(config), "--steps", "3"], "steps='abc'"),
+                        (["--set", "payload_bytes=big", "--set", "payload_bytes=1450"], "payload_bytes='big'")):
+        calls = []
+        with mock.patch.object(train_module, "run_experiment", fake_experiment(calls)):
+            code, err = _cli(["train", "--no-progress", *argv], capsys)
+        assert code == 2 and calls == [] and named in err and "not a valid int" in err, (argv, err)
+    calls = []
+    with mock.patch.object(train_module, "run_experiment", fake_experiment(calls)):
+        assert cli.main(["train", "--no-progress", "--set", "steps=5", "--steps", "3"]) == 0
+    assert [c.steps for c in calls] == [3]     # a good one is still replaced by the flag
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_a_bad_microbatch_count_in_the_estimate_names_its_flag(value, capsys):
+    code, err = _cli(["estimate", "tiny", "--tp-size", "2", "--seq", "128", "--steps", "1", "--no-progress",
+                      "--microbatches", value], capsys)
+    assert code == 2 and f"--microbatches {value} must be >= 1" in err and "batch_size" not in err, err
+
+
+CONTEXTS = [dict(dp_size=2, dp_mode="fsdp"), dict(dp_size=2, dp_mode="fsdp", transport="deadline"),
+            dict(pp_size=2), dict(model="tiny-moe", dp_size=2, ep_size=2), dict(cp_size=2)]
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+def test_every_recovery_a_refusal_suggests_is_accepted_there(context):
+    from lossysim.net.recovery import RECOVERY_POLICIES
+    refused = 0
+    for name in RECOVERY_POLICIES:
+        try:
+            from_dict({**context, "recovery": name})
+        except ValueError as err:
+            if "does not act on" not in str(err):
+                continue
+            refused += 1
+            suggested = _suggested(str(err), ": use ")
+            assert suggested and name not in suggested, err
+            for other in suggested:
+                from_dict({**context, "recovery": other})   # raises if the suggestion is refused
+    assert refused
+
+
+def test_fsdps_refusal_of_error_feedback_suggests_only_what_fsdp_takes():
+    with pytest.raises(ValueError, match=r"^dp_mode=fsdp: recovery=error_feedback does not act on reduce-scatters: "
+                                         r"use one of zero, rescale$"):
+        from_dict(dict(dp_size=2, dp_mode="fsdp", recovery="error_feedback"))
+
+
+@pytest.mark.parametrize("setting, timed", [(dict(dp_mode="fsdp"), True), (dict(pp_size=2, tp_size=1), True),
+                                            (dict(activation_checkpointing=True), True),
+                                            (dict(dp_sync_every=3), False)])
+def test_trainings_refusals_beside_experts_suggest_settings_it_trains(setting, timed):
+    import torch
+    from lossysim.ep.apply import check
+    config = from_dict(dict(model="tiny-moe", dp_size=2, ep_size=2, **setting))
+    with pytest.raises(ValueError) as refused:
+        check(config, torch.device("cpu"))
+    message = one_line(str(refused.value))
+    assert "pipelines" not in message and message.endswith("(lossysim estimate times the pair)") == timed, message
+    suggested = _suggested(message, "; set ")
+    assert len(suggested) == 2 and "ep_size=1" in suggested, message
+    for choice in suggested:
+        key, _, value = choice.partition("=")
+        check(config.replace(**{key: value}), torch.device("cpu"))   # raises if training refuses it too
+
+
+def test_a_payload_larger_than_any_links_frame_is_refused(tmp_path, capsys):
+    from lossysim.net import LossyNetwork
+    for payload in (1450, 4096, 9000):     # the default, RoCE's 4096 IB MTU, an Ethernet jumbo frame
+        assert from_dict(dict(payload_bytes=payload)).network_spec().payload_bytes == payload
+    for payload in (9001, 100_000_000):
+        with pytest.raises(ValueError, match=rf"^payload_bytes={payload} is larger than any link's frame: at most 9000"):
+            from_dict(dict(payload_bytes=payload))
+        with pytest.raises(ValueError, match=rf"^payload_bytes={payload} "):
+            LossyNetwork(2, payload_bytes=payload)
+    code, err = _cli(["estimate", "tiny", "--tp-size", "2", "--seq", "128", "--steps", "1", "--no-progress",
+                      "--payload-bytes", "100000000", "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "payload_bytes=100000000" in err and "9000" in err and not (tmp_path / "o").exists()

@@ -34,13 +34,18 @@ def check(config: ExperimentConfig, device: torch.device) -> None:
     if config.ep_size == 1:
         return
     ep = f"ep_size={config.ep_size}"
-    for name, used, why in (("pp_size", config.pp_size > 1, "pipeline stages"),
-                            ("dp_mode", config.dp_mode == "fsdp", "FSDP"),
-                            ("activation_checkpointing", config.activation_checkpointing, "recomputed blocks"),
-                            ("dp_sync_every", config.dp_sync_every, "synchronised replicas")):
+    # each pair, the setting that leaves it (spelt as --set takes it), and whether lossysim estimate times it
+    for name, used, why, default, timed in (
+            ("pp_size", config.pp_size > 1, "pipeline stages", 1, True),
+            ("dp_mode", config.dp_mode == "fsdp", "FSDP", "ddp", True),
+            ("activation_checkpointing", config.activation_checkpointing, "recomputed blocks", "false", True),
+            ("dp_sync_every", config.dp_sync_every, "synchronised replicas", 0, False)):
         if used:
-            raise ValueError(f"training {ep} with {name}={getattr(config, name)} ({why}) is not supported; leave "
-                             "one of them at its default (the estimate models pipelines)")
+            choices = [f"{key}={value}" for key, value in ((name, default), ("ep_size", 1))
+                       if config.accepts(**{key: value})]
+            leave = f"; set {' or '.join(choices)}" if choices else ""
+            raise ValueError(f"training {ep} with {name}={getattr(config, name)} ({why}) is not supported{leave}"
+                             f"{' (lossysim estimate times the pair)' if timed else ''}")
     if config.backend == "sim" and device.type != "cpu":
         raise ValueError(f"{ep} on backend=sim runs on the CPU (its replicas meet inside CPU backward passes); "
                          "use device=cpu, or backend=dist")

@@ -22,7 +22,7 @@ from ..io import atomic_write_text, check_writable, output_errors
 from ..mesh import DEFAULT_ORDER
 from ..net.algorithms import ALGORITHMS
 from ..net.recovery import RECOVERY_POLICIES
-from ..net.spec import LOSSY
+from ..net.spec import LOSSY, MAX_PAYLOAD_BYTES
 from ..net.topology import LOSSY_LINKS
 from ..net.transport import TRANSPORTS
 from ..timing import NIC_PRESETS
@@ -64,7 +64,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--nics-per-node", type=int, help="NICs a node's inter-node traffic spreads over "
                                                           "(default: one per GPU)")
     parser.add_argument("--payload-bytes", type=int, help="payload bytes of a packet (default "
-                        f"{ExperimentConfig.__dataclass_fields__['payload_bytes'].default}; RoCE at MTU 4096: 4096)")
+                        f"{ExperimentConfig.__dataclass_fields__['payload_bytes'].default}; RoCE at MTU 4096: 4096; "
+                        f"at most {MAX_PAYLOAD_BYTES}, a jumbo frame)")
     parser.add_argument("--pp-size", type=int, help="pipeline stages (default 1)")
     parser.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES, help="pipeline schedule (default 1f1b)")
     parser.add_argument("--pp-layout", help="blocks per stage, e.g. 9,10,10,11 (default: an even split)")
@@ -165,6 +166,12 @@ def config_of(args) -> ExperimentConfig:
     train`` validates it: the same layout, micro-batch and network rules, the same one-line errors."""
     if args.cp_size > 1:   # named by its flag before the config, whose sequence length is max_length
         check_length(args.seq, args.cp_size, "--seq")
+    if args.microbatches is not None and args.microbatches < 1:   # before the batch it multiplies is refused
+        raise ValueError(f"--microbatches {args.microbatches} must be >= 1 (or left out: from --global-batch, else "
+                         "the pp size)")
+    if getattr(args, "routing_skew", 0.0) > 0 and args.ep_size == 1:   # the row would record 0.0: it did nothing
+        raise ValueError(f"--routing-skew {args.routing_skew:g} needs experts spread over ranks: give a "
+                         "mixture-of-experts model --ep-size > 1, or leave --routing-skew at 0")
     keys = dict(tp_size=8 if args.tp_size is None else args.tp_size,
                 pp_size=1 if args.pp_size is None else args.pp_size,
                 dp_size=1 if args.dp_size is None else args.dp_size, dp_mode=args.dp_mode, ep_size=args.ep_size,

@@ -564,18 +564,21 @@ EXCHANGE_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).act
 KV_POLICIES = tuple(name for name in RECOVERY_POLICIES if policy(name).acts_on_keys)
 
 
-def require(name: str, collective: str, used: bool = True) -> None:
+def require(name: str, collective: str, used: bool = True, works: Callable[[str], bool] = lambda name: True) -> None:
     """The one rule of what a policy acts on, for the network (a Python caller) and the config (a run's
     layout) alike: ``collective`` ``send`` (pipeline stages' point-to-point sends), ``reduce_scatter``
     (FSDP's sharded gradients), ``all_to_all`` (an MoE's dispatch and combine) or ``kv_exchange`` (context
     parallelism's keys and values, by sends or an all-gather). ``used``: whether the run has that
     collective; a policy that acts on it alone (``only_on``) needs it. A one-line ValueError naming the
-    policies that do."""
+    policies that do and that ``works`` accepts (the config's: the run's other settings accept them; all
+    that act when none does, as another setting is wrong too)."""
     acts, what = {"send": (SEND_POLICIES, "point-to-point sends"),
                   "reduce_scatter": (SHARD_POLICIES, "reduce-scatters"),
                   "all_to_all": (EXCHANGE_POLICIES, "all-to-alls"),
                   "kv_exchange": (KV_POLICIES, "key/value exchanges")}[collective]
     if used and name not in acts:
-        raise ValueError(f"recovery={name} does not act on {what}: use {one_of(acts)}")
+        working = tuple(policy for policy in acts if works(policy)) or acts
+        raise ValueError(f"recovery={name} does not act on {what}: use "
+                         f"{one_of(working) if len(working) > 1 else working[0]}")
     if not used and policy(name).only_on == collective:
         raise ValueError(f"recovery={name} acts on {what} only (elsewhere it is zero), and the run has none")

@@ -15,7 +15,7 @@ from typing import Optional, Sequence, Union
 from ..loss import LossModel, parse_loss_model
 from ..timing import Compute, Link, Measured, nccl, parse_compute, parse_link
 from ..timing.congestion import CONGESTION
-from ..timing.retransmission import DEFAULT_NIC, Nic, parse_nic
+from ..timing.retransmission import DEFAULT_NIC, NIC_PRESETS, Nic, parse_nic
 from ..util import one_of
 from .algorithms import ALGORITHMS, IN_SWITCH
 from .recovery import (ACTIVATIONS, DEFAULT_HADAMARD_BLOCK, DEFAULT_OUTLIER_FRACTION, RECOVERY_POLICIES, Policy,
@@ -29,6 +29,10 @@ DIRECTIONS = ("fwd", "bwd")
 # default, 2 x 8 on AWS's ENA (src/transport/net_socket.cc, ncclSocketGetNsockNthread), at most 64
 # (MAX_SOCKETS); each message is cut into one contiguous chunk per socket.
 MAX_SOCKETS = 64
+# The largest frame of any link modelled: a 9000-byte Ethernet jumbo frame's MTU. RoCE and InfiniBand carry
+# less, 4096 bytes at their largest IB MTU (IB_MTU_4096; an Ethernet port's jumbo MTU "surely supports the
+# max IB mtu of 4K", Linux commit bcacb897, IB/mlx4). A payload past it is no packet any link sends.
+MAX_PAYLOAD_BYTES = 9000
 LOSSY = (*DIRECTIONS, "both")    # what ``lossy`` takes: one direction, or both
 
 
@@ -134,6 +138,10 @@ class NetworkSpec:
             object.__setattr__(self, name, value)
         if int(self.payload_bytes) < 8:
             raise ValueError(f"payload_bytes={self.payload_bytes} must be >= 8")
+        if int(self.payload_bytes) > MAX_PAYLOAD_BYTES:
+            raise ValueError(f"payload_bytes={self.payload_bytes} is larger than any link's frame: at most "
+                             f"{MAX_PAYLOAD_BYTES} (an Ethernet jumbo frame's MTU; RoCE and InfiniBand: 4096, "
+                             "their largest IB MTU)")
         if int(self.max_burst) < 1:
             raise ValueError(f"max_burst={self.max_burst} must be >= 1")
         _choice("recovery", self.recovery, RECOVERY_POLICIES)
@@ -163,8 +171,13 @@ class NetworkSpec:
         if self.congestion is not None:
             _choice("congestion", self.congestion, CONGESTION)
             if not nic.rack:
+                tcp = self._tcp_nics()
                 raise ValueError(f"congestion={self.congestion}: only a TCP nic has a congestion window (nic="
-                                 f"{self.nic}); use tcp or tcp-bbr")
+                                 f"{self.nic}); use {tcp or 'congestion=null'}")
+        if sockets != 1 and not nic.rack:   # an RDMA nic's queue pair is one connection: sockets would do nothing
+            tcp = self._tcp_nics()
+            raise ValueError(f"sockets={sockets}: only a TCP nic has sockets (nic={self.nic}); use sockets=1"
+                             f"{' or ' + tcp if tcp else ''}")
         nic = nic.override(self.retransmit, self.rto_s, self.congestion)
         topology = Topology(int(self.ranks), self.ranks_per_node, self.lossy_links)
         if self.nics_per_node is not None and int(self.nics_per_node) < 1:
@@ -225,6 +238,19 @@ class NetworkSpec:
         put("nic_model", nic)
         put("recovery_model", recovery)
         put("selection", SiteSelection.parse(self.lossy_layers, self.lossy_sites))
+
+    def _tcp_nics(self) -> str:
+        """The TCP nics this spec takes in place of its own, as a refusal of a TCP-only setting suggests them
+        (``nic=tcp or tcp-bbr``; a nic refused for another setting alone, its message naming no nic, counts)."""
+        working = []
+        for name in (n for n, preset in NIC_PRESETS.items() if preset.rack):
+            try:
+                replace(self, nic=name)
+            except ValueError as err:
+                if "nic=" in str(err):
+                    continue
+            working.append(name)
+        return f"nic={' or '.join(working)}" if working else ""
 
     def replace(self, **changes) -> "NetworkSpec":
         """A copy with some settings changed (checked again)."""

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ..config import BACKENDS, CP_MODES, DP_MODES, PP_SCHEDULES, ExperimentConfig, load_config, parse_overrides, save_yaml
+from ..config import (BACKENDS, CP_MODES, DP_MODES, PP_SCHEDULES, ExperimentConfig, coerce, load_config,
+                      parse_overrides, save_yaml)
 from ..data import EVAL_SPLITS, MNLI, SYNTHETIC, train_batches
 from ..data.pydoc_text import PYDOC
 from ..io import atomic_write_json, atomic_write_text, check_writable, nearest_existing, read_summary, run_status
@@ -88,7 +89,9 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    overrides = parse_overrides(args.set)
+    overrides = {}
+    for pair in args.set:   # each checked: a bad value is refused even where a later --set or a flag replaces it
+        overrides.update(coerce(parse_overrides([pair])))
     overrides.update({key: getattr(args, key) for _, (key, _) in FLAGS.items()
                       if getattr(args, key) is not None})
     config = load_config(args.config, overrides)
