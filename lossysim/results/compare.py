@@ -9,7 +9,7 @@ import math
 import pandas as pd
 
 from .settings import add_series, loss_free_runs, setting_groups
-from .stats import ALPHA, mean_ci, paired_difference, paired_p, welch_p
+from .stats import ALPHA, mean_ci, paired_difference, paired_p, time_to_target, welch_p
 
 
 def aggregate(runs: pd.DataFrame, value: str, by=("series", "loss_rate")) -> pd.DataFrame:
@@ -76,3 +76,29 @@ def settings(runs: pd.DataFrame, value: str = "accuracy") -> pd.DataFrame:
         row.update(_paired_columns(mine if not is_baseline else mine[:0], match, value))
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def reached_target(runs: pd.DataFrame, metrics: pd.DataFrame, target: float) -> dict[str, dict]:
+    """Run directory -> ``stats.time_to_target``'s record for each run with metrics rows, with
+    ``restarts``: how many restarts its time to the target includes (``restarts_by``)."""
+    final = runs.set_index("run_dir")["failures"] if {"run_dir", "failures"} <= set(runs.columns) else {}
+    reached = {}
+    for run_dir, rows in metrics.groupby("run_dir") if "run_dir" in metrics.columns else ():
+        split = rows["eval_split"].iloc[0] if "eval_split" in rows.columns else None
+        hit = time_to_target(rows.to_dict("records"), target, split if isinstance(split, str) else None)
+        restarts = restarts_by(rows, hit["step"], final.get(run_dir, math.nan)) if hit["step"] is not None else 0
+        reached[run_dir] = {**hit, "restarts": restarts}
+    return reached
+
+
+def restarts_by(rows: pd.DataFrame, step: int, final: float = math.nan) -> int:
+    """Collectives the transport had given up on (each charged as a restart) by evaluation ``step``: the
+    count of the run's first train row at or after it (never fewer than the evaluation's clock holds,
+    so a restart is never missed), else the run's final count ``final`` (none when unknown: a run from
+    before restarts were charged)."""
+    if "failures" in rows.columns:
+        logged = rows[(rows["split"] == "train") & (rows["step"] >= step)].dropna(subset=["failures"])
+        if len(logged):
+            return int(logged.sort_values("step")["failures"].iloc[0])
+    final = pd.to_numeric(final, errors="coerce")
+    return int(final) if pd.notna(final) else 0

@@ -14,6 +14,7 @@ the most common one among the lossy settings, the config default on a tie.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional
 
@@ -28,6 +29,8 @@ CONFIG_DEFAULTS = {name: f.default for name, f in ExperimentConfig.__dataclass_f
 NO_LOSS = "no loss"
 NOT_APPLICABLE = "–"      # a loss-free run's transport, direction, recovery: there is nothing to recover
 _MISSING = object()
+# Units for simulated seconds: each used while the typical time shown is below its limit (hours above).
+TIME_UNITS = ((1.0, 1e3, "ms"), (120.0, 1.0, "s"), (7200.0, 1 / 60, "min"))
 
 
 def _get(row: Mapping, key: str, missing=None):
@@ -310,3 +313,14 @@ def comparisons(lossy: pd.DataFrame) -> list[Comparison]:
                 shown.append(f"{rates[rows].iloc[0]} loss")
             found.append(Comparison(dim, lossy[rows], shown, ref[dim.name]))
     return found or [Comparison(None, lossy, [])]
+
+
+def time_unit(seconds: Iterable[float]) -> tuple[float, str]:
+    """The unit to show simulated ``seconds`` in (its factor from seconds, its name): the one that
+    keeps their median readable, so one run that paid a 300 s restart does not write the others'
+    milliseconds as "0.0005 min"; seconds when there is nothing to show."""
+    shown = [abs(float(s)) for s in seconds if s is not None and math.isfinite(float(s))]
+    if not shown:
+        return 1.0, "s"
+    typical = statistics.median(shown)
+    return next(((scale, name) for limit, scale, name in TIME_UNITS if typical < limit), (1 / 3600, "h"))

@@ -21,6 +21,7 @@ from .labels import (
     Comparison,
     comparisons,
     describe,
+    time_unit,
     values,
     varying,
 )
@@ -232,15 +233,6 @@ def _eval_rows(metrics: pd.DataFrame) -> pd.DataFrame:
     return evals[evals["split"] != "train"].dropna(subset=["sim_time_s", "accuracy"])
 
 
-def _time_unit(seconds: float) -> tuple[float, str]:
-    """A unit that keeps the time axis's numbers readable: ms for a tiny model's runs, hours for a
-    real one's."""
-    for limit, scale, name in ((1.0, 1e3, "ms"), (120.0, 1.0, "s"), (7200.0, 1 / 60, "min")):
-        if seconds < limit:
-            return scale, name
-    return 1 / 3600, "h"
-
-
 def _plain_log_ticks(ax: Axes) -> None:
     """Plain numbers on a log axis (2, 5, 10, 20 rather than 2x10^-3); minor ticks labelled at 2 and 5."""
     from matplotlib.ticker import FuncFormatter
@@ -299,7 +291,8 @@ def _usual_seeds(runs: pd.DataFrame) -> int:
 def _draw_time_panel(ax: Axes, panel: Comparison, groups: list, runs: pd.DataFrame, evals: pd.DataFrame,
                      styles: dict[str, str], seeds: int) -> None:
     """One question: its settings coloured by their answer, dashed or dotted by loss rate, and the
-    loss-free baselines they are timed against in black and greys."""
+    loss-free baselines they are timed against in black and greys; time in the unit its curves pick
+    (a panel's times may be milliseconds while another's retransmissions stretch to minutes)."""
     shown = panel.settings
     dims = varying(shown)
     asked = [panel.question.name] if panel.question else []
@@ -310,17 +303,22 @@ def _draw_time_panel(ax: Axes, panel: Comparison, groups: list, runs: pd.DataFra
     baselines = _panel_baselines(panel, groups, runs)
     base_rows = pd.DataFrame([groups[i][1].iloc[0] for i in baselines]) if baselines else pd.DataFrame()
     base_dims = varying(base_rows) if len(base_rows) > 1 else []
+    lines = []   # (curve, label, style): drawn once the panel's times have picked its unit
     for (i, group), grey in zip(baselines.items(), BASELINE_GREYS * len(baselines)):
         label = describe(groups[i][1].iloc[0], base_dims) + _seeds_note(len(group), seeds)
-        _draw_time_curve(ax, _time_curve(evals, group["run_dir"]), label, color=grey, linewidth=2)
+        lines.append((_time_curve(evals, group["run_dir"]), label, {"color": grey, "linewidth": 2}))
     ordered = sorted(shown.index, key=lambda i: (order.index(answers[i]), shown.loc[i, "loss_rate"]))
     for i in ordered:
         group = groups[i][1]
         done = group[group["status"] == "completed"]
         label = describe(group.iloc[0], dims, always=asked) + _seeds_note(len(done), seeds)
         rate = LOSS_RATE.value(shown.loc[i])
-        _draw_time_curve(ax, _time_curve(evals, done["run_dir"]), label, color=colors[answers[i]],
-                         linestyle=styles.get(rate, "-"))
+        lines.append((_time_curve(evals, done["run_dir"]), label,
+                      {"color": colors[answers[i]], "linestyle": styles.get(rate, "-")}))
+    scale, unit = time_unit([t for curve, _, _ in lines for t in curve["t"]])
+    for curve, label, style in lines:
+        _draw_time_curve(ax, curve.assign(t=scale * curve["t"]), label, **style)
+    ax.set_xlabel(f"simulated time ({unit}, log scale)")
     ax.set_title(panel.title + (f"\n{', '.join(panel.held)}" if panel.held else ""), fontsize=9)
     ax.set_xscale("log")
     _plain_log_ticks(ax)
@@ -336,8 +334,6 @@ def plot_accuracy_vs_time(metrics: pd.DataFrame, runs: pd.DataFrame, fig: Option
     evals = _eval_rows(metrics)
     if evals.empty:
         return None
-    scale, unit = _time_unit(float(evals["sim_time_s"].max()))
-    evals = evals.assign(sim_time_s=scale * evals["sim_time_s"])
     runs = add_series(runs)
     groups = setting_groups(runs)
     frame = pd.DataFrame([group.iloc[0] for _, group in groups]).reset_index(drop=True)   # row i: groups[i]
@@ -352,7 +348,6 @@ def plot_accuracy_vs_time(metrics: pd.DataFrame, runs: pd.DataFrame, fig: Option
     for ax, panel in zip(axes, panels):
         _draw_time_panel(ax, panel, groups, runs, evals, styles, seeds)
     for ax in axes:
-        ax.set_xlabel(f"simulated time ({unit}, log scale)")
         ax.set_ylabel(f"{split_name(runs)} accuracy (%)")
     fig.suptitle("Accuracy against simulated time (modelled compute + simulated communication): mean over "
                  f"{seeds} seeds, band: 95% CI\n{dataset_title(runs)}", fontsize=10)

@@ -11,10 +11,10 @@ import numpy as np
 import pandas as pd
 
 from ..loss.spec import FAMILIES
-from .compare import settings
-from .labels import LOSS_MODEL, LOSS_RATE, NO_LOSS, NOT_APPLICABLE
+from .compare import reached_target, settings
+from .labels import CONFIG_DEFAULTS, LOSS_MODEL, LOSS_RATE, NO_LOSS, NOT_APPLICABLE, time_unit
 from .settings import add_series, p_cell, same, setting_columns, setting_groups
-from .stats import mean_ci, time_to_target
+from .stats import mean_ci
 
 # What sets a loss-free run's simulated time (its accuracy does not depend on them).
 TIME_KEYS = ("algorithm", "ranks_per_node", "link_intra", "link_inter", "compute", "tp_size", "dp_size", "pp_size",
@@ -162,44 +162,68 @@ def baseline_runs(runs: pd.DataFrame, setting: dict) -> pd.DataFrame:
     return base
 
 
+@dataclass
+class TargetTimes:
+    """A setting's seeds against the time target: the simulated seconds of those that reached it without a
+    restart (and their ideal nic's), the steps of all that reached it, (seconds, restarts) of those whose
+    time includes a restart, and the seconds of its loss-free runs that paid none."""
+    known: int
+    times: list
+    ideal: list
+    steps: list
+    paid: list
+    base: list
+
+
+def _target_times(runs: pd.DataFrame, setting: dict, done: pd.DataFrame, reached: dict,
+                  measured: set) -> TargetTimes:
+    # A run without metrics rows may have reached the target or not: unknown, never "never".
+    hits = [reached.get(d, {}) for d in done["run_dir"] if d in measured]
+    timed = [h for h in hits if h.get("sim_time_s") is not None]
+    clean = [h for h in timed if not h["restarts"]]
+    base = [reached.get(d, {}) for d in baseline_runs(runs, setting)["run_dir"]]
+    return TargetTimes(
+        len(hits), [h["sim_time_s"] for h in clean],
+        [h["sim_time_s_ideal_nic"] for h in clean if h.get("sim_time_s_ideal_nic") is not None],
+        [h["step"] for h in hits if h.get("step") is not None],
+        [(h["sim_time_s"], h["restarts"]) for h in timed if h["restarts"]],
+        [h["sim_time_s"] for h in base if h.get("sim_time_s") is not None and not h["restarts"]])
+
+
 def time_to_accuracy_table(runs: pd.DataFrame, metrics: pd.DataFrame,
                            fraction: float = TIME_TARGET_FRACTION) -> tuple[pd.DataFrame, float]:
-    """Per setting: simulated seconds and steps to ``fraction`` x the baseline's final accuracy
-    (mean ± 95% CI over the seeds that reached it, and how many did), next to the baseline's."""
+    """Per setting: simulated time and steps to ``fraction`` x the baseline's final accuracy
+    (mean ± 95% CI over the seeds that reached it without a restart, and how many reached it), next to
+    the baseline's; in a unit the times pick (``labels.time_unit``). A seed whose time includes a restart
+    is never folded into that mean: the ``restarted before target`` column, there when some seed's is,
+    gives those seeds' own times."""
     runs = add_series(runs)
     target = time_target(runs, fraction)
-    reached = {}
+    reached = reached_target(runs, metrics, target) if math.isfinite(target) else {}
     measured = set(metrics["run_dir"]) if "run_dir" in metrics.columns else set()
-    if math.isfinite(target) and "run_dir" in metrics.columns:
-        for run_dir, rows in metrics.groupby("run_dir"):
-            split = rows["eval_split"].iloc[0] if "eval_split" in rows.columns else None
-            reached[run_dir] = time_to_target(rows.to_dict("records"), target,
-                                              split if isinstance(split, str) else None)
     columns = setting_columns(runs)
-    accuracy = settings(runs, "accuracy")
+    groups = setting_groups(runs)
+    timed = [_target_times(runs, setting, group[group["status"] == "completed"], reached, measured)
+             for setting, group in groups]
+    scale, unit = time_unit([t for g in timed for t in g.times + g.ideal])
+    restarted = any(g.paid for g in timed)
     rows = []
-    for (setting, group), (_, st) in zip(setting_groups(runs), accuracy.iterrows()):
+    for (setting, group), (_, st), g in zip(groups, settings(runs, "accuracy").iterrows(), timed):
         done = group[group["status"] == "completed"]
-        # A run without metrics rows may have reached the target or not: unknown, never "never".
-        known = [d for d in done["run_dir"] if d in measured]
-        hits = [reached.get(d, {}) for d in known]
-        times = [h["sim_time_s"] for h in hits if h.get("sim_time_s") is not None]
-        ideal = [h["sim_time_s_ideal_nic"] for h in hits if h.get("sim_time_s_ideal_nic") is not None]
-        steps = [h["step"] for h in hits if h.get("step") is not None]
-        base_hits = [reached.get(d, {}) for d in baseline_runs(runs, setting)["run_dir"]]
-        base_times = [h["sim_time_s"] for h in base_hits if h.get("sim_time_s") is not None]
-        est, base = mean_ci(times), mean_ci(base_times)
+        est, base = mean_ci(g.times), mean_ci(g.base)
         first = group.iloc[0]
         rows.append({
             "loss": _loss_cell(setting, first),
             **{d.name: d.value(first) for d in columns},
-            "time to target (ms)": (_pm(est.mean, est.half_width, est.n, scale=1e3, digits=3) if times
-                                    else "never" if known else "unknown" if len(done) else "-"),
-            "ideal nic (ms)": _pm(*_mean_ci_tuple(ideal), scale=1e3, digits=3) if ideal else "-",
-            "reached": f"{len(times)}/{len(known)}" + (f", {len(done) - len(known)} unknown"
-                                                        if len(known) < len(done) else ""),
-            "steps": f"{np.mean(steps):.0f}" if steps else "-",
-            "x baseline": f"{est.mean / base.mean:.2f}" if times and base_times else "-",
+            f"time to target ({unit})": (_pm(est.mean, est.half_width, est.n, scale=scale, digits=3) if g.times
+                                         else "restarted" if g.paid else "never" if g.known
+                                         else "unknown" if len(done) else "-"),
+            f"ideal nic ({unit})": _pm(*_mean_ci_tuple(g.ideal), scale=scale, digits=3) if g.ideal else "-",
+            "reached": f"{len(g.times) + len(g.paid)}/{g.known}" + (f", {len(done) - g.known} unknown"
+                                                                   if g.known < len(done) else ""),
+            **({"restarted before target": _restart_cell(g, first)} if restarted else {}),
+            "steps": f"{np.mean(g.steps):.0f}" if g.steps else "-",
+            "x baseline": f"{est.mean / base.mean:.2f}" if g.times and g.base else "-",
             # A pipeline's traffic is summed over stages and boundaries, not all on its step's path: its own
             # columns say what the sends cost the step.
             "comm per step (ms)": NOT_APPLICABLE if _staged(first) else _ms_cell(done, "comm_s_per_step"),
@@ -211,6 +235,18 @@ def time_to_accuracy_table(runs: pd.DataFrame, metrics: pd.DataFrame,
             "p (paired)": _comparison_cells(st)["p (paired)"],
         })
     return pd.DataFrame(rows), target
+
+
+def _restart_cell(g: TargetTimes, first: pd.Series) -> str:
+    """The seeds whose time to target includes a restart, each with its own time (in a unit those times
+    pick) and its restarts beyond one, and what a restart costs: "1 of 3 seeds: 5.01 min; each restart +5 min"."""
+    if not g.paid:
+        return NOT_APPLICABLE
+    scale, unit = time_unit([t for t, _ in g.paid])
+    each = ", ".join(f"{scale * t:.4g} {unit}" + (f" ({n} restarts)" if n > 1 else "") for t, n in g.paid)
+    cost = pd.to_numeric(first.get("restart_s", CONFIG_DEFAULTS["restart_s"]), errors="coerce")
+    cost = cost if pd.notna(cost) else CONFIG_DEFAULTS["restart_s"]
+    return f"{len(g.paid)} of {len(g.times) + len(g.paid)} seeds: {each}; each restart +{scale * cost:.4g} {unit}"
 
 
 def _loss_cell(setting: dict, first: pd.Series) -> str:
