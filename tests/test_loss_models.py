@@ -17,7 +17,7 @@ import torch
 from scipy import stats
 
 from lossysim.loss import Bernoulli, FourState, GilbertElliott, NoLoss, Trace, load_trace, parse_loss_model
-from lossysim.loss.models import _alternating, _bernoulli_positions
+from lossysim.loss.sampling import _alternating, _bernoulli_positions
 
 GE = GilbertElliott
 ALPHA = 1e-5        # p-value threshold of every statistical check

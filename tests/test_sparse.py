@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lossysim.estimate import Workload, estimate, job_config
-from lossysim.loss.models import Bernoulli, GilbertElliott
+from lossysim.loss import Bernoulli, GilbertElliott
 from lossysim.net import LossyNetwork, NetworkSpec, sparse
 from lossysim.net.recovery import packets_of
 from lossysim.net.stats import count_runs

@@ -23,7 +23,8 @@ from typing import Optional
 import numpy as np
 from scipy import stats
 
-from .models import Bernoulli, FourState, GilbertElliott, LossModel
+from .markov import FourState, GilbertElliott
+from .models import Bernoulli, LossModel
 from .traces import load_trace, trace_runs
 
 GOF_ALPHA = 0.01     # run lengths "fit" when both chi-square p-values reach this

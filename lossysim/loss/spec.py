@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Union
 
-from .models import Bernoulli, FourState, GilbertElliott, LossModel, NoLoss, _check_probability
+from .markov import FourState, GilbertElliott
+from .models import Bernoulli, LossModel, NoLoss, _check_probability
 from .traces import Trace
 
 

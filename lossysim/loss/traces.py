@@ -8,7 +8,8 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from .models import LossModel, _flat_chains, _shape, _zeros
+from .models import LossModel
+from .sampling import _flat_chains, _shape, _zeros
 
 
 def load_trace(path: Union[str, Path]) -> np.ndarray:

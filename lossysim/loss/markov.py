@@ -1,0 +1,329 @@
+"""The Markov-chain loss models: netem's Gilbert-Elliott (``loss gemodel``) and 4-state (``loss state``)
+chains, stepped once per packet; their masks drawn per sojourn (``sampling.py``)."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .models import LossModel, _check_probability
+from .sampling import (_DENSE_BELOW, _DENSE_SEGMENTS, _SPARE_FIXED, _alternating, _block_size, _exponentials,
+                       _flat_chains, _float64, _geometric, _hazard, _put, _range_indices, _repeat, _scan_chain,
+                       _segments_to_masks, _shape, _thin, _thin_ranges, _zeros)
+
+
+class GilbertElliott(LossModel):
+    """Two-state Markov chain (Good/Bad) stepped once per packet, as netem ``loss gemodel``.
+
+    A packet is lost with the loss probability of the state it arrives in
+    (``loss_good`` or ``loss_bad``); then the chain moves Good->Bad with
+    probability ``p_gb`` or Bad->Good with probability ``p_bg``.
+    """
+
+    def __init__(self, p_gb: float, p_bg: float, loss_good: float = 0.0, loss_bad: float = 1.0):
+        self.p_gb = _check_probability("p_gb", p_gb)
+        self.p_bg = _check_probability("p_bg", p_bg)
+        self.loss_good = _check_probability("loss_good", loss_good)
+        self.loss_bad = _check_probability("loss_bad", loss_bad)
+        if self.p_gb + self.p_bg == 0.0:
+            raise ValueError("p_gb=0 and p_bg=0: the chain never moves, so it has no stationary loss rate")
+        self.spec = (f"ge:p_gb={self.p_gb!r},p_bg={self.p_bg!r},"
+                     f"loss_bad={self.loss_bad!r},loss_good={self.loss_good!r}")
+
+    @classmethod
+    def from_rate(cls, loss_rate: float, mean_burst: float) -> "GilbertElliott":
+        """Simple Gilbert (lose all in Bad, none in Good) with this average loss and mean burst."""
+        loss_rate = float(loss_rate)
+        mean_burst = float(mean_burst)
+        if not 0.0 <= loss_rate < 1.0:
+            raise ValueError(f"rate={loss_rate:g} must be in [0, 1)")
+        if not mean_burst >= 1.0:
+            raise ValueError(f"burst={mean_burst:g} must be >= 1 (it counts packets)")
+        p_bg = 1.0 / mean_burst
+        p_gb = loss_rate * p_bg / (1.0 - loss_rate)
+        if p_gb > 1.0:
+            limit = mean_burst / (mean_burst + 1.0)
+            raise ValueError(f"rate={loss_rate:g} is not reachable with burst={mean_burst:g} "
+                             f"(a simple Gilbert chain needs rate <= burst/(burst+1) = {limit:.3g})")
+        return cls(p_gb, p_bg, loss_good=0.0, loss_bad=1.0)
+
+    @classmethod
+    def from_netem(cls, p: float, r: Optional[float] = None, one_minus_h: float = 1.0,
+                   one_minus_k: float = 0.0) -> "GilbertElliott":
+        """netem's ``loss gemodel p r 1-h 1-k``; ``r`` defaults to ``1 - p`` (Bernoulli), as netem."""
+        r = 1.0 - float(p) if r is None else r
+        return cls(p, r, loss_good=one_minus_k, loss_bad=one_minus_h)
+
+    @property
+    def pi_bad(self) -> float:
+        return self.p_gb / (self.p_gb + self.p_bg)
+
+    @property
+    def loss_rate(self) -> float:
+        return ((self.loss_good * self.p_bg + self.loss_bad * self.p_gb)
+                / (self.p_gb + self.p_bg))
+
+    @property
+    def mean_burst(self) -> float:
+        # NTIA TM-23-565 (Pieper & Voran 2023), with h, k the no-loss probabilities.
+        p, r = self.p_gb, self.p_bg
+        h, k = 1.0 - self.loss_bad, 1.0 - self.loss_good
+        num = (1 - k) * r + (1 - h) * p
+        if num == 0.0:
+            return 0.0
+        den = (1 - k) * r * ((1 - p) * k + p * h) + (1 - h) * p * ((1 - r) * h + r * k)
+        return math.inf if den == 0.0 else num / den
+
+    @property
+    def variance_per_packet(self) -> float:
+        # Loss indicators are conditionally independent given the states, and
+        # the state indicator's autocovariance at lag j is pi_B pi_G lam^j.
+        rate = self.loss_rate
+        lam = 1.0 - self.p_gb - self.p_bg
+        pi_b = self.pi_bad
+        spread = (self.loss_bad - self.loss_good) ** 2 * pi_b * (1.0 - pi_b)
+        return rate * (1.0 - rate) + 2.0 * spread * lam / (1.0 - lam)
+
+    rewindable = True
+    hidden_state = True
+
+    def state_after(self, in_bad, next_state, used):
+        # in_bad holds the state each packet arrived in: packet `used`'s is the chain's state after `used`.
+        n = in_bad.shape[-1]
+        if n == 0:
+            return next_state
+        used = used.to(in_bad.device)
+        inside = in_bad.gather(-1, used.clamp(max=n - 1).unsqueeze(-1)).squeeze(-1)
+        return torch.where(used < n, inside, next_state)
+
+    @property
+    def simple(self) -> bool:
+        """A simple Gilbert chain: every packet lost in Bad, none in Good (the lost packets are the Bad ones)."""
+        return self.loss_bad == 1.0 and self.loss_good == 0.0
+
+    @property
+    def sparse(self) -> bool:
+        """Whether ``lost_positions`` can stand in for ``sample_with_states``: a simple chain that moves
+        both ways (losses are runs of Bad packets, as few as the chain's sojourns)."""
+        return self.simple and self.p_gb > 0.0 and self.p_bg > 0.0
+
+    def lost_positions(self, rows: int, width: int, generator: torch.Generator, state=None,
+                       used=None) -> tuple[np.ndarray, torch.Tensor]:
+        """``(positions, next_state)``: the lost packets of ``sample_with_states((rows, width), generator,
+        state, used)`` as sorted flat indices (a numpy int64 array), and its next state, from the very same
+        draws of a CPU generator: no mask is written. Needs ``sparse``."""
+        in_bad, sojourns, next_state = self._bad((rows, width), generator, state, used)
+        if in_bad is not None:
+            return np.flatnonzero(in_bad.numpy()), next_state
+        return _range_indices(*_segments_to_masks(*sojourns, width)).numpy(), next_state
+
+    def _bad(self, shape, generator, state, used):
+        """The chains' states of a draw of ``shape``, the part of ``sample_with_states`` that
+        ``lost_positions`` shares: ``(in_bad, sojourns, next_state)``, ``in_bad`` the ``[chains, packets]``
+        mask of a short call (one uniform per packet) and ``sojourns`` None, or for a long one ``in_bad``
+        None and ``sojourns`` ``(starts, ends, bad)`` ``[chains, J]``, the sojourns drawn."""
+        device = generator.device
+        chains, packets, state, used = _flat_chains(shape, state, used, device)
+        if state is None:
+            state = torch.rand(chains, generator=generator, device=device) < self.pi_bad
+        state = state.to(torch.bool)
+        if chains * packets <= _DENSE_BELOW:
+            states = _scan_chain(self.p_gb, self.p_bg, (chains, packets), generator, state)
+            return states[:, :-1], None, states.gather(1, used.unsqueeze(-1)).squeeze(-1)
+        # Packet t arrives in the state of the sojourn covering step t; step
+        # ``packets`` is where the next call's first packet arrives.
+        ends = _alternating(state, packets + 1, self.p_gb, self.p_bg, generator)
+        bad = state.unsqueeze(-1) ^ (torch.arange(ends.shape[1], device=device) % 2 == 1)
+        starts = torch.cat([torch.zeros_like(ends[:, :1]), ends[:, :-1]], 1)
+        which = torch.searchsorted(ends, used.unsqueeze(-1), right=True).squeeze(-1)
+        return None, (starts, ends, bad), state ^ (which % 2 == 1)
+
+    def sample_with_states(self, n, generator, state=None, used=None):
+        shape = _shape(n)
+        device = generator.device
+        chains, packets = math.prod(shape[:-1]), shape[-1]
+        in_bad, sojourns, next_state = self._bad(shape, generator, state, used)
+        if in_bad is not None:
+            in_bad = in_bad.contiguous()
+            if self.simple:
+                lost = in_bad.clone()
+            else:
+                v = torch.rand((chains, packets), generator=generator, device=device, dtype=torch.float64)
+                lost = v < torch.where(in_bad, _float64(self.loss_bad, device), _float64(self.loss_good, device))
+            return lost.view(shape), in_bad.view(shape), next_state.view(shape[:-1])
+        starts, ends, bad = sojourns
+        bad_base, bad_len = _segments_to_masks(starts, ends, bad, packets)
+        in_bad = _zeros(chains * packets, device)
+        bad_idx = _range_indices(bad_base, bad_len)
+        _put(in_bad, bad_idx, True)
+        lost = _zeros(chains * packets, device)   # written sparsely: cheaper than copying in_bad
+        if self.simple:
+            _put(lost, bad_idx, True)
+        else:
+            if self.loss_bad == 1.0:
+                _put(lost, bad_idx, True)
+            elif self.loss_bad > 0.0:
+                pos, value = _thin(bad_idx.numel(), self.loss_bad, generator)
+                if not value:
+                    _put(lost, bad_idx, True)
+                _put(lost, bad_idx[pos], value)
+            _thin_ranges(lost, *_segments_to_masks(starts, ends, ~bad, packets), self.loss_good, generator)
+        return lost.view(shape), in_bad.view(shape), next_state.view(shape[:-1])
+
+
+class FourState(LossModel):
+    """netem's 4-state model (``loss state p13 p31 p32 p23 p14``), stepped as its loss_4state.
+
+    States, numbered as netem numbers them: 1 good reception in a gap period,
+    2 good reception in a burst period, 3 loss in a burst, 4 isolated loss.
+    Each packet draws one uniform u and moves from the state the previous packet
+    left: 1 -> 4 if u < p14, 1 -> 3 if u < p14 + p13, else stays 1; 2 -> 3 if
+    u < p23, else stays 2; 3 -> 2 if u < p32, 3 -> 1 if u < p32 + p31, else stays
+    3; 4 -> 1 always. The packet is lost when the state it moves to is 3 or 4
+    (ranges without gaps, as after the 2026 kernel fix). ``in_bad`` marks the
+    burst period, packets whose state is 2 or 3; the chain state passed between
+    calls is the state the last packet left (int64, 1..4).
+    """
+
+    def __init__(self, p13: float, p31: Optional[float] = None, p32: float = 0.0, p23: float = 1.0,
+                 p14: float = 0.0):
+        self.p13 = _check_probability("p13", p13)
+        self.p31 = _check_probability("p31", 1.0 - self.p13 if p31 is None else p31)
+        self.p32 = _check_probability("p32", p32)
+        self.p23 = _check_probability("p23", p23)
+        self.p14 = _check_probability("p14", p14)
+        if self.p13 + self.p14 > 1.0:
+            raise ValueError(f"p13={self.p13:g} + p14={self.p14:g} exceeds 1")
+        if self.p31 + self.p32 > 1.0:
+            raise ValueError(f"p31={self.p31:g} + p32={self.p32:g} exceeds 1")
+        if sum(self._weights()) == 0.0:
+            raise ValueError(f"p13={self.p13:g}, p31={self.p31:g}, p32={self.p32:g}, p23={self.p23:g}: "
+                             "the chain has no unique stationary distribution")
+        self.spec = (f"netem:loss state {self.p13!r} {self.p31!r} {self.p32!r} {self.p23!r} {self.p14!r}")
+
+    hidden_state = True
+
+    def _weights(self):
+        # Balance: pi3 p31 = pi1 p13, pi2 p23 = pi3 p32, pi4 = pi1 p14, scaled free of divisions.
+        return (self.p31 * self.p23, self.p13 * self.p32, self.p13 * self.p23, self.p14 * self.p31 * self.p23)
+
+    @property
+    def transition_matrix(self) -> np.ndarray:
+        """P[i, j] = P(state j+1 after a packet | state i+1 before it)."""
+        p13, p31, p32, p23, p14 = self.p13, self.p31, self.p32, self.p23, self.p14
+        return np.array([[1 - p13 - p14, 0.0, p13, p14],
+                         [0.0, 1 - p23, p23, 0.0],
+                         [p31, p32, 1 - p31 - p32, 0.0],
+                         [1.0, 0.0, 0.0, 0.0]])
+
+    @property
+    def stationary(self) -> np.ndarray:
+        w = np.array(self._weights())
+        return w / w.sum()
+
+    @property
+    def loss_rate(self) -> float:
+        pi = self.stationary
+        return float(pi[2] + pi[3])
+
+    @property
+    def mean_burst(self) -> float:
+        # Lost packets over runs started: a run starts on a move 1 -> 3, 1 -> 4 or 2 -> 3.
+        pi = self.stationary
+        starts = pi[0] * (self.p13 + self.p14) + pi[1] * self.p23
+        if self.loss_rate == 0.0:
+            return 0.0
+        return math.inf if starts == 0.0 else float(self.loss_rate / starts)
+
+    @property
+    def variance_per_packet(self) -> float:
+        # sigma^2 = Var(x) + 2 sum_k>=1 Cov(x_0, x_k) = rho(1-rho) + 2 (pi*f)(Z - I)f,
+        # with Z = (I - P + 1 pi)^-1 the fundamental matrix of the chain.
+        pi, move = self.stationary, self.transition_matrix
+        f = np.array([0.0, 0.0, 1.0, 1.0])
+        z = np.linalg.inv(np.eye(4) - move + np.outer(np.ones(4), pi))
+        rho = self.loss_rate
+        return float(max(rho * (1 - rho) + 2.0 * (pi * f) @ (z - np.eye(4)) @ f, 0.0))
+
+    def sample_with_states(self, n, generator, state=None, used=None):
+        shape = _shape(n)
+        device = generator.device
+        chains, packets, state, used = _flat_chains(shape, state, used, device)
+        if state is None:
+            cdf = torch.tensor(np.cumsum(self.stationary)[:3], device=device, dtype=torch.float64)
+            u = torch.rand(chains, generator=generator, device=device, dtype=torch.float64)
+            state = torch.searchsorted(cdf, u, right=True) + 1
+        state = state.to(torch.int64)
+        # Event view: the chain alternates gap and burst periods. A gap period is
+        # 1-sojourns (Geometric(p13 + p14) packets) separated by single 4s; each
+        # 1-sojourn ends the period w.p. p13 / (p13 + p14). A burst period is
+        # 3-sojourns (Geometric(p31 + p32)) separated by 2-sojourns (Geometric(p23));
+        # each 3-sojourn ends it w.p. p31 / (p31 + p32). A "slot" is one primary
+        # sojourn (1 or 3) plus, unless the period ends there, one secondary (4 or 2).
+        # Step -1 is the packet before this call, whose state is ``state``: it
+        # sits in the first slot's primary (memoryless), or in a leading 4 or 2.
+        q_gap, q_burst = self.p13 + self.p14, self.p31 + self.p32
+        leave_gap = self.p13 / q_gap if q_gap > 0 else 0.0
+        leave_burst = self.p31 / q_burst if q_burst > 0 else 0.0
+        cover = packets + 1                      # steps -1 .. packets - 1
+        lead = torch.where(state == 4, 1, 0)
+        e = _exponentials(chains, generator)
+        lead = torch.where(state == 2, _geometric(e, _hazard(self.p23), cover) + 1, lead)
+        burst = (state == 2) | (state == 3)
+        slot = self._slot_size(cover)
+        seg_len, seg_state = [lead.unsqueeze(-1)], [state.unsqueeze(-1)]
+        covered = lead.clone()
+        while True:
+            phase_ends = _alternating(burst, slot + 1, leave_gap, leave_burst, generator)
+            flips = torch.zeros(chains, slot + 2, dtype=torch.int32, device=device)
+            flips.scatter_add_(1, phase_ends.clamp(max=slot + 1), torch.ones_like(phase_ends, dtype=torch.int32))
+            in_burst = burst.unsqueeze(-1) ^ (flips[:, :-1].cumsum(1) % 2 == 1)   # phase of slots 0..slot
+            ends_period = in_burst[:, 1:] != in_burst[:, :-1]
+            in_burst = in_burst[:, :-1]
+            e = _exponentials((chains, slot, 2), generator)
+            primary = _geometric(e[..., 0], torch.where(in_burst, _float64(_hazard(q_burst), device),
+                                                        _float64(_hazard(q_gap), device)), cover) + 1
+            secondary = torch.where(in_burst, _geometric(e[..., 1], _hazard(self.p23), cover) + 1, 1)
+            secondary = torch.where(ends_period, 0, secondary)
+            seg_len.append(torch.stack([primary, secondary], -1).flatten(1))
+            seg_state.append(torch.stack([torch.where(in_burst, 3, 1), torch.where(in_burst, 2, 4)],
+                                         -1).flatten(1))
+            covered = covered + (primary + secondary).sum(1)
+            burst = in_burst[:, -1] ^ ends_period[:, -1]
+            if chains == 0 or int(covered.min()) >= cover:
+                break
+        seg_len, seg_state = torch.cat(seg_len, 1), torch.cat(seg_state, 1)
+        seg_end = seg_len.cumsum(1) - 1                     # exclusive, packet index (step -1 first)
+        seg_start = seg_end - seg_len
+        which = torch.searchsorted(seg_end, (used - 1).unsqueeze(-1), right=True)
+        next_state = seg_state.gather(1, which).squeeze(-1)
+        if seg_len.shape[1] * _DENSE_SEGMENTS >= packets:
+            # Dense chains (a state change every few packets): write every packet's
+            # state once, 1 byte each, rather than index lists 8 bytes per packet.
+            _, length = _segments_to_masks(seg_start, seg_end, torch.ones_like(seg_state, dtype=torch.bool),
+                                           packets)
+            states = _repeat(seg_state.to(torch.int8).flatten(), length, chains * packets)
+            lost = states >= 3
+            return lost.view(shape), (states == 2).logical_or_(states == 3).view(shape), next_state.view(shape[:-1])
+        lost, in_bad = _zeros(chains * packets, device), _zeros(chains * packets, device)
+        _put(lost, _range_indices(*_segments_to_masks(seg_start, seg_end, seg_state >= 3, packets)), True)
+        bad = (seg_state == 2) | (seg_state == 3)
+        _put(in_bad, _range_indices(*_segments_to_masks(seg_start, seg_end, bad, packets)), True)
+        return lost.view(shape), in_bad.view(shape), next_state.view(shape[:-1])
+
+    def _slot_size(self, cover: int) -> int:
+        """Slots per block: the expected number in ``cover`` steps, plus spare."""
+        q_gap, q_burst = self.p13 + self.p14, self.p31 + self.p32
+        leave_gap = self.p13 / q_gap if q_gap > 0 else 0.0
+        leave_burst = self.p31 / q_burst if q_burst > 0 else 0.0
+        gap_slot = (1 / q_gap if q_gap > 0 else math.inf) + (1 - leave_gap)
+        burst_slot = ((1 / q_burst if q_burst > 0 else math.inf)
+                      + (1 - leave_burst) * (1 / self.p23 if self.p23 > 0 else math.inf))
+        if leave_gap > 0 and leave_burst > 0:   # slots in each period: Geometric(leave)
+            share = (1 / leave_gap) / (1 / leave_gap + 1 / leave_burst)
+            mean_slot = share * gap_slot + (1 - share) * burst_slot
+        else:
+            mean_slot = min(gap_slot, burst_slot)
+        return _block_size(cover / mean_slot) if math.isfinite(mean_slot) else _SPARE_FIXED
