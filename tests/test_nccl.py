@@ -96,7 +96,7 @@ def test_the_generation_is_the_compute_presets():
     """An A100 run's LL ring is capped at 87.7 GB/s, an H100 run's at 141: a 1 MiB all-reduce on one node
     of 8 (LL wins on both) takes 6.6 + 14 x 0.6 us and 1 MiB over the ceiling x 8/14."""
     for compute, ceiling in (("a100", 87.7e9), ("h100", 141e9), ("h200", 141e9)):
-        net = LossyNetwork(8, "none", compute=compute, payload_bytes=1 << 20)
+        net = LossyNetwork(8, "none", compute=compute, payload_bytes=4096)
         net.simulate("s", "fwd", 1 << 18, torch.float32)
         row, = net.choices()
         assert (row["algorithm"], row["protocol"]) == ("ring", "LL")
