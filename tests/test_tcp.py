@@ -314,7 +314,7 @@ def test_at_a_clusters_round_trip_the_reno_friendly_line_governs():
 # once the first transmissions are drawn): none of them lost, with probability (1 - p)^m, or at least one,
 # drawn from that conditional law, and the two charges weighted by their probabilities. That is an
 # unbiased estimate of the mean given the rest of the draw, which sees a lost final transmission in every
-# draw rather than in one in forty (conditional Monte Carlo). Until issue 48 the strata were the first
+# draw rather than in one in forty (conditional Monte Carlo). Until 0.5 the strata were the first
 # transmissions of the last three packets, the resends near the end drawn at q = 20 p and weighted by
 # their likelihood ratios, 50 to 200 draws a stratum, and no standard error of the means: unbiased, but
 # carried by a few draws, its figures were off both ways (1.537 ms at 1% under tcp-bbr, a third of the
