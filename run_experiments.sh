@@ -3,6 +3,19 @@
 # With no arguments: the quick offline profile (experiments/quick.yaml). --help lists the options.
 # Options are parsed before any set-up, so --help and mistakes cost nothing.
 set -euo pipefail
+
+# The command as typed (settings from the environment first), to say how to resume an interrupted sweep.
+RERUN=""
+for name in LOSSYSIM_PROFILE LOSSYSIM_RATES LOSSYSIM_BURST LOSSYSIM_TP LOSSYSIM_SEEDS LOSSYSIM_BACKEND \
+  LOSSYSIM_NPROC LOSSYSIM_STEPS LOSSYSIM_OUT LOSSYSIM_SHARD; do
+  if [ -n "${!name:-}" ]; then
+    RERUN+="$name=$(printf '%q' "${!name}") "
+  fi
+done
+case "$0" in */*) RERUN+="$(printf '%q' "$0")" ;; *) RERUN+="./$(printf '%q' "$0")" ;; esac
+if [ $# -gt 0 ]; then
+  RERUN+="$(printf ' %q' "$@")"
+fi
 cd "$(dirname "$0")"
 
 usage() {
@@ -273,8 +286,7 @@ if [ "$DRY_RUN" = 1 ]; then
   exec "$PY" -m lossysim "${ARGS[@]}" --dry-run
 fi
 
-# Validate every run first: a bad rate or key fails here, before any training, and the
-# sweep's exit status below can only mean failed runs.
+# Validate every run first: a bad rate or key, or settings train refuses, fail here, before any training.
 "$PY" -m lossysim "${ARGS[@]}" --dry-run >/dev/null
 if [ "$PROFILE" = real ]; then
   # Without the real extra nothing can run: say how to install it, in one line, before any work.
@@ -292,6 +304,13 @@ elif [ "$PROFILE" = real ] && [ ! -f "$OUT/damage_map/damage_map.png" ]; then
 fi
 status=0
 "$PY" -m lossysim "${ARGS[@]}" || status=$?
+if [ "$status" -eq 130 ]; then
+  # Ctrl-C: the finished runs are kept, no report of a part of the sweep; the same command resumes.
+  echo "run_experiments.sh: interrupted; the finished runs in $OUT are kept (no report written)." >&2
+  echo "To resume where it stopped, run the same command again:" >&2
+  echo "  $RERUN" >&2
+  exit 130
+fi
 
 echo
 echo "Accuracy against average packet loss rate and burstiness ($PROFILE profile):"
@@ -305,7 +324,10 @@ echo "  summary.csv  one row per run (simulated clock, retransmitted and missing
 echo "  *.png        plots: accuracy against simulated time; accuracy and disagreement against"
 echo "               loss rate, observed against configured loss, accuracy during training"
 echo "  */           one directory per run: config.yaml, metrics.jsonl, summary.json"
-if [ "$status" -ne 0 ]; then
-  echo "run_experiments.sh: $status run(s) failed; run the same command again to retry them" >&2
+if [ "$status" -eq 3 ]; then   # the sweep's status when some runs failed (it says how many above)
+  echo "run_experiments.sh: some runs failed (see the sweep's lines above and report.md); run the same" \
+    "command again to retry them: $RERUN" >&2
+elif [ "$status" -ne 0 ]; then
+  echo "run_experiments.sh: the sweep stopped with exit status $status (its error is above)" >&2
 fi
 exit "$status"

@@ -138,3 +138,29 @@ def load_summary(run_dir: Union[str, Path]) -> tuple[Optional[dict], Optional[st
 def run_status(run_dir: Union[str, Path]) -> Optional[str]:
     summary = read_summary(run_dir)
     return None if summary is None else summary.get("status")
+
+
+# A sweep folder's record (``run/spec_record.py`` writes it): its spec and the run folders it expects.
+SWEEP_FILE = "sweep.yaml"
+EXPECTED_RUNS_KEY = "runs"
+
+
+def parse_yaml_mapping(text: Optional[str]) -> Optional[dict]:
+    """``text`` as a YAML mapping, or None when there is none (no text, not YAML, another type)."""
+    import yaml
+    try:
+        value = yaml.safe_load(text) if text is not None else None
+    except yaml.YAMLError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def expected_runs(results: Union[str, Path]) -> list[str]:
+    """The run folders ``results/sweep.yaml`` lists (none for a record written before they were listed)."""
+    path = Path(results) / SWEEP_FILE
+    try:
+        record = parse_yaml_mapping(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        record = None
+    runs = (record or {}).get(EXPECTED_RUNS_KEY)
+    return [str(name) for name in runs] if isinstance(runs, list) else []

@@ -35,7 +35,7 @@ def results(tmp_path, monkeypatch):
         {"loss": ["bernoulli:0.05"], "lossy": ["fwd", "bwd"], "seed": [0, 1]},
     ])
     out = tmp_path / "results"
-    assert cli.main(["sweep", str(spec_path), "--out", str(out), "--no-progress"]) == 1
+    assert cli.main(["sweep", str(spec_path), "--out", str(out), "--no-progress"]) == sweep.FAILED_EXIT
     return out
 
 
@@ -641,3 +641,34 @@ def test_a_retransmitted_run_names_no_recovery_policy():
     assert recovery.value(row) == NOT_APPLICABLE
     assert recovery.value({**row, "transport": "drop"}) == "zero-fill"
     assert recovery.value({**row, "transport": "deadline", "recovery": "hadamard"}) == "hadamard"
+
+
+def test_report_names_interrupted_and_never_started_runs_and_strict_fails(tmp_path, monkeypatch, capsys):
+    import shutil as _shutil
+    import yaml
+    monkeypatch.setattr(sweep, "_default_train", lambda: Recorder())
+    spec = write_spec(tmp_path / "s.yaml", {"loss": ["none", "bernoulli:0.01", "bernoulli:0.05"]})
+    out = tmp_path / "results"
+    assert cli.main(["sweep", str(spec), "--out", str(out), "--no-progress"]) == 0
+    done, interrupted, unstarted = [r.dir_name for r in sweep.expand(sweep.load_spec(spec), out)]
+    (out / interrupted / "summary.json").unlink()   # killed: config, metrics and checkpoints, no summary
+    (out / interrupted / "checkpoints" / "step-0000002").mkdir(parents=True)
+    _shutil.rmtree(out / unstarted)                 # the sweep never got to it
+    capsys.readouterr()
+    assert cli.main(["report", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"{interrupted}: no summary.json" in err and "from its last checkpoint" in err
+    assert f"{unstarted}: never started" in err and done not in err
+    text = (out / "report.md").read_text()
+    assert f"`{interrupted}`" in text and f"`{unstarted}`" in text and "2 more could not be read" in text
+    assert cli.main(["report", str(out), "--strict"]) == 1
+    capsys.readouterr()
+    # A folder a sweep wrote before sweep.yaml listed its runs: its folders alone are named.
+    record = yaml.safe_load((out / "sweep.yaml").read_text())
+    del record["runs"]
+    (out / "sweep.yaml").write_text(yaml.safe_dump(record))
+    assert cli.main(["report", str(out), "--strict"]) == 1
+    err = capsys.readouterr().err
+    assert interrupted in err and unstarted not in err
+    _shutil.rmtree(out / interrupted)
+    assert cli.main(["report", str(out), "--strict"]) == 0

@@ -173,9 +173,24 @@ def test_mnli_profile_picks_torchrun_only_with_two_gpus(tmp_path, sandbox):
 def test_failed_runs_still_get_a_report_and_set_the_exit_status(tmp_path, sandbox):
     script, log, bin_dir = sandbox
     result = run_script(script, [], env_without_gpu_tools(tmp_path, bin_dir, FAKE_SWEEP_STATUS="3"))
-    assert result.returncode == 3
+    assert result.returncode == 3   # the sweep's status when some runs failed (sweep.FAILED_EXIT)
     assert calls(log)[-1][:3] == ["-m", "lossysim", "report"]
-    assert "3 run(s) failed" in result.stderr
+    assert "some runs failed" in result.stderr and "run the same command again" in result.stderr
+
+
+def test_an_interrupted_sweep_stops_and_says_how_to_resume(tmp_path, sandbox):
+    import shlex
+    script, log, bin_dir = sandbox
+    args = ["--rates", "0 1%", "--steps", "7"]
+    env = env_without_gpu_tools(tmp_path, bin_dir, FAKE_SWEEP_STATUS="130", LOSSYSIM_SEEDS="0 1")
+    result = run_script(script, args, env)
+    assert result.returncode == 130
+    assert not any(c[:3] == ["-m", "lossysim", "report"] for c in calls(log)), "no report of part of a sweep"
+    assert "Finished" not in result.stdout and "failed" not in result.stderr
+    assert "interrupted" in result.stderr and "resume" in result.stderr
+    # The last line is the command to run again, exactly: the same options and environment settings.
+    rerun = shlex.split(result.stderr.strip().splitlines()[-1])
+    assert rerun == ["LOSSYSIM_SEEDS=0 1", str(script), *args]
 
 
 def test_mitigations_profile_compares_every_recovery_policy(tmp_path, sandbox):

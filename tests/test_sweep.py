@@ -336,7 +336,8 @@ def test_failed_runs_are_recorded_counted_and_retried(tmp_path, monkeypatch, cap
     losses = ["none", "bernoulli:0.05", "bernoulli:0.1", "bernoulli:0.2"]
     spec = write_spec(tmp_path / "s.yaml", {"loss": losses, "seed": [0]})
     out = tmp_path / "out"
-    assert cli.main(["sweep", str(spec), "--out", str(out), "--no-progress"]) == 2
+    # Failed runs exit 3 (sweep.FAILED_EXIT), whatever their number: never 2, which is bad input, nothing trained.
+    assert cli.main(["sweep", str(spec), "--out", str(out), "--no-progress"]) == 3
     captured = capsys.readouterr()
     assert "2 failed" in captured.out and "1 diverged" in captured.out and "failed" in captured.err
     assert len(rec.calls) == 4   # the sweep went on after each failure
@@ -352,7 +353,7 @@ def test_failed_runs_are_recorded_counted_and_retried(tmp_path, monkeypatch, cap
     frame = pd.read_csv(out / "summary.csv")
     assert len(frame) == 4 and sorted(frame["status"]) == ["completed"] * 3 + ["diverged"]
     result = sweep.SweepResult(runs=[], statuses={str(i): "failed" for i in range(150)})
-    assert result.exit_code == 100
+    assert result.exit_code == 3 and sweep.SweepResult(runs=[], statuses={"a": "completed"}).exit_code == 0
 
 
 def test_stale_run_directory_is_cleared(tmp_path, recorder):
@@ -406,7 +407,7 @@ def test_dist_runs_go_through_torchrun(tmp_path, monkeypatch):
     spec = write_spec(tmp_path / "s.yaml", {"loss": ["bernoulli:0.01"], "seed": [0, 1]}, backend="dist",
                       tp_size=4)
     out = tmp_path / "out"
-    assert cli.main(["sweep", str(spec), "--out", str(out), "--no-progress"]) == 1
+    assert cli.main(["sweep", str(spec), "--out", str(out), "--no-progress"]) == sweep.FAILED_EXIT   # a failed run
     assert len(launched) == 2
     cmd = launched[0]
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
@@ -494,7 +495,7 @@ def test_a_refused_dist_run_keeps_its_reason_and_every_rank_is_launched(tmp_path
     monkeypatch.setattr(sweep.subprocess, "call", refusing_call)
     spec = write_spec(tmp_path / "s.yaml", {"seed": [0]}, backend="dist", tp_size=2, dp_size=2)
     out = tmp_path / "out"
-    assert cli.main(["sweep", str(spec), "--out", str(out), "--no-progress"]) == 1
+    assert cli.main(["sweep", str(spec), "--out", str(out), "--no-progress"]) == sweep.FAILED_EXIT
     assert "--nproc_per_node=4" in launched[0]
     error = pd.read_csv(out / "summary.csv")["error"][0]
     assert error.startswith("torchrun exited with status 2: ") and "n_head" in error

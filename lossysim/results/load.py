@@ -8,22 +8,43 @@ from typing import Optional, Union
 
 import pandas as pd
 
-from ..io import read_jsonl
+from ..io import expected_runs, read_jsonl
 from .labels import LOSS_MODEL
 from .settings import CONFIG_KEYS, series_reference
 from .table import collect
 
 
+# What a run directory holds before its summary.json (the sweep writes config.yaml first).
+RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints")
+
+
 def load_runs(results: Union[str, Path], problems: Optional[dict[str, str]] = None) -> pd.DataFrame:
     """One row per finished run under ``results`` (summary.csv's table, rebuilt from disk); ``problems``
-    gets run directory -> why, for each run left out (``table.collect``)."""
+    gets run directory -> why, for each run left out (``table.collect``) or not complete (``unfinished``)."""
     results = Path(results)
     runs = collect(results, problems)
+    if problems is not None:
+        problems.update(unfinished(results))
     if runs.empty and (results / "summary.csv").is_file():
         runs = pd.read_csv(results / "summary.csv")
     if runs.empty:
         raise ValueError(f"no finished runs (*/summary.json) under {results}")
     return runs
+
+
+def unfinished(results: Path) -> dict[str, str]:
+    """Run directory -> why, for each run that is not complete: a run directory without summary.json
+    (interrupted, or still running), and each run sweep.yaml expects that has no directory."""
+    found = {}
+    for path in sorted(p for p in results.iterdir() if p.is_dir()):
+        if not (path / "summary.json").exists() and any((path / name).exists() for name in RUN_FILES):
+            resumes = " from its last checkpoint" if (path / "checkpoints").is_dir() else ""
+            found[path.name] = (f"no summary.json: the run did not finish (interrupted, or still running); "
+                                f"the same sweep command finishes it{resumes}")
+    for name in expected_runs(results):
+        if not (results / name).exists():
+            found[name] = "never started: sweep.yaml expects it; the same sweep command runs it"
+    return found
 
 
 def load_metrics(results: Union[str, Path], runs: pd.DataFrame,

@@ -13,7 +13,9 @@ A sweep spec (YAML, under ``experiments/``) is a base config plus a grid::
 ``grid`` may also be a list of such mappings: the runs are the union of their products.
 Quote loss specs with commas inside a YAML flow list (``[a, b]`` splits on commas).
 
-Every grid point is resolved and validated before anything trains, so a typo fails at once.
+Every grid point is resolved and validated before anything trains, so a typo fails at once, and its
+settings are checked against its model's shape as ``train`` checks them (``precheck``). Exit status:
+0, or ``FAILED_EXIT`` when some runs failed; bad input is 2 and Ctrl-C 130 (``cli``).
 Each run lives in ``<out>/<readable prefix>-<hash8>``, the hash being that of the resolved
 config without its non-semantic keys: the same settings always land in the same directory,
 whatever sweep or shard asks for them (a folder an earlier version named differently is found
@@ -44,15 +46,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-import yaml
-
 from ..config import (IDENTITY_AT_DEFAULT_OMITTED, NON_SEMANTIC, ExperimentConfig, from_dict, load_yaml,
                       parse_overrides, save_yaml)
 from ..io import atomic_write_json, atomic_write_text, check_writable, output_errors
 from ..loss import parse_loss_model
 from ..loss.spec import label
 from ..results.table import read_summary, run_status, write_summary_csv
+from .precheck import check_inputs, environmental, needs, refuse, refused
 from .runtime import die_with_parent
+from .spec_record import record_spec
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +63,8 @@ SPEC_KEYS = ("base", "grid", "description")
 # hash so a shard on another machine (another device, another output folder) finds the run.
 # Checkpointing settings too: a resumed run ends exactly as an uninterrupted one.
 FINISHED = ("completed", "diverged", "gave_up")
-# Always in summary.csv (the report groups by them); other config keys only when they vary.
-MAX_EXIT = 100
+# A sweep's exit status when some runs failed: not 1 (a bug), 2 (bad input, nothing trained) or 130 (Ctrl-C).
+FAILED_EXIT = 3
 
 TrainFn = Callable[..., dict]
 
@@ -366,64 +368,6 @@ def execute(run: Run, train: Optional[TrainFn] = None, progress: bool = True) ->
     return summary
 
 
-# -- what the runs need -----------------------------------------------------------------------------
-# Words of the one-line reasons that say a failure comes from this machine, not from the run's
-# settings: the same for every run that needs the same model, tokenizer and data.
-ENVIRONMENTAL = ("could not be reached", "offline mode is on", "not in the local cache", "file not found",
-                 "No such file", "not enough free space", "is not writable")
-
-
-def needs(config: ExperimentConfig) -> tuple[tuple[str, str], ...]:
-    """(kind, name) of the model, tokenizer and data set a run loads."""
-    tokenizer = config.tokenizer
-    if tokenizer == "auto":   # as data.tokenizers.tokenizer_spec
-        tokenizer = "bpe" if config.model in _named_shapes() else config.model
-    return (("model", config.model), ("tokenizer", tokenizer), ("dataset", config.dataset))
-
-
-def _named_shapes() -> tuple[str, ...]:
-    from ..models.shapes import NAMED_SHAPES
-    return tuple(NAMED_SHAPES)
-
-
-def _check(kind: str, name: str) -> None:
-    """Raise the run's own one-line reason when ``name`` cannot be loaded on this machine."""
-    if kind == "model":
-        if name not in _named_shapes():
-            from ..models.build import check_model
-            check_model(name)
-    elif kind == "tokenizer":
-        if name not in ("bpe", "bytes"):
-            from ..data.tokenizers import load_pretrained_tokenizer
-            load_pretrained_tokenizer(name)
-    elif name != "synthetic":
-        from ..data.sources import MNLI, _hub_sources, dataset_identity
-        dataset_identity(name)   # a local path: its files exist
-        if name == MNLI:
-            _hub_sources()
-
-
-def check_inputs(runs: list[Run]) -> None:
-    """Load each distinct model, tokenizer and data set the unfinished runs need, once; raise one
-    line naming the first that cannot be loaded and how many runs need it."""
-    todo = [r for r in runs if run_status(r.run_dir) not in FINISHED]
-    counts: dict[tuple[str, str], int] = {}
-    for r in todo:
-        for need in needs(r.config):
-            counts[need] = counts.get(need, 0) + 1
-    for (kind, name), count in counts.items():
-        try:
-            _check(kind, name)
-        except (ValueError, OSError) as err:
-            text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ValueError(f"{kind} {name!r} cannot be loaded here, so {count} of the {len(todo)} runs "
-                             f"to do would fail; no run was started: {text}") from None
-
-
-def _environmental(error: Optional[str]) -> bool:
-    return bool(error) and any(word in error for word in ENVIRONMENTAL)
-
-
 # -- the sweep ----------------------------------------------------------------------------------------
 @dataclass
 class SweepResult:
@@ -437,7 +381,7 @@ class SweepResult:
 
     @property
     def exit_code(self) -> int:
-        return min(self.count("failed"), MAX_EXIT)
+        return FAILED_EXIT if self.count("failed") else 0
 
 
 def _clean_temporaries(out: Path) -> None:
@@ -453,21 +397,25 @@ def run_sweep(spec: SweepSpec, out: Union[str, Path], shard_k: int = 1, shard_n:
     """Run every unfinished run of the spec; ``check``: first make sure each model, tokenizer and
     data set they need can be loaded here (see check_inputs)."""
     out = Path(out)
-    runs = shard(expand(spec, out), shard_k, shard_n)   # validated before anything is touched
+    every = expand(spec, out)   # validated before anything is touched
+    runs = shard(every, shard_k, shard_n)
     if check:
         check_inputs(runs)   # what the runs load can be loaded here, before anything is written
+    refuse(runs)   # and the runs' settings fit their models
     check_writable(out)
     with output_errors(out):
-        return _run_all(spec, runs, out, shard_k, shard_n, train, progress)
+        return _run_all(spec, runs, out, shard_k, shard_n, train, progress, [r.dir_name for r in every])
 
 
 def _run_all(spec: SweepSpec, runs: list[Run], out: Path, shard_k: int, shard_n: int,
-             train: Optional[TrainFn], progress: bool) -> SweepResult:
+             train: Optional[TrainFn], progress: bool, names: list[str]) -> SweepResult:
     from tqdm import tqdm
 
     out.mkdir(parents=True, exist_ok=True)
     _clean_temporaries(out)
-    atomic_write_text(out / "sweep.yaml", yaml.safe_dump(spec.to_dict(), sort_keys=False))
+    kept = record_spec(out, spec.to_dict(), names)   # every shard's names: the report finds the missing ones
+    if kept:
+        print(f"sweep: {kept}", file=sys.stderr)
     result = SweepResult(runs=runs, statuses={})
     label = spec.name if shard_n == 1 else f"{spec.name} {shard_k}/{shard_n}"
     bar = tqdm(total=len(runs), desc=label, unit="run", position=0, disable=not progress,
@@ -485,7 +433,7 @@ def _run_all(spec: SweepSpec, runs: list[Run], out: Path, shard_k: int, shard_n:
                 if status != "completed":
                     bar.write(f"{run.dir_name}: {status}: {error}", file=sys.stderr)
                 write_summary_csv(out)
-                if status == "failed" and _environmental(error):
+                if status == "failed" and environmental(error):
                     rest = [r for r in runs[i + 1:] if run_status(r.run_dir) not in FINISHED]
                     if rest and all(needs(r.config) == needs(run.config) for r in rest):
                         raise ValueError(f"sweep stopped: {run.dir_name} failed for a reason of this machine "
@@ -521,11 +469,15 @@ def run(args: argparse.Namespace, train: Optional[TrainFn] = None) -> int:
     k, n = parse_shard(args.shard)
     if args.dry_run:
         runs = shard(expand(spec, out), k, n)
+        why = refused(runs)
         for i, r in enumerate(runs, 1):
-            state = run_status(r.run_dir) or ("incomplete" if r.run_dir.exists() else "todo")
+            state = "refused" if r.dir_name in why else \
+                run_status(r.run_dir) or ("incomplete" if r.run_dir.exists() else "todo")
             point = " ".join(f"{key}={value}" for key, value in r.point.items())
-            print(f"{i:4d}  {state:<10}  {r.dir_name}  {point}")
-        print(f"{len(runs)} runs (shard {k}/{n}) in {out}")
+            reason = f"  ({why[r.dir_name]})" if r.dir_name in why else ""
+            print(f"{i:4d}  {state:<10}  {r.dir_name}  {point}{reason}")
+        print(f"{len(runs)} runs (shard {k}/{n}) in {out}" + (f"; train refuses {len(why)} of them" if why else ""))
+        refuse(runs)   # bad input: exit 2, as the sweep itself would
         return 0
     result = run_sweep(spec, out, k, n, train=train, progress=not args.no_progress)
     failed, diverged = result.count("failed"), result.count("diverged")
@@ -535,5 +487,5 @@ def run(args: argparse.Namespace, train: Optional[TrainFn] = None) -> int:
     print(f"summary: {out / 'summary.csv'}")
     if failed:
         print(f"{failed} run(s) failed (their errors are in summary.csv); run the sweep again to "
-              f"retry them; exit status {result.exit_code} = number of failed runs", file=sys.stderr)
+              f"retry them; exit status {result.exit_code} (some runs failed)", file=sys.stderr)
     return result.exit_code
