@@ -48,7 +48,7 @@ def test_report_names_every_run_it_could_not_read_and_reports_the_rest(damaged, 
     assert any(no_metrics in w and "no metrics.jsonl" in w for w in warnings)
     md = (out / "report.md").read_text()
     assert "5 runs: 5 completed, 0 diverged, 0 failed; 1 more could not be read" in md
-    section = md.split("## Runs that could not be read")[1].split("##")[0]
+    section = md.split("## Runs that are incomplete or could not be read")[1].split("##")[0]
     assert all(run[k].name in section for k in run if k != ("none", "seed0") and k != ("none", "seed1")
                and k != ("bernoulli-0.01", "seed0"))
     # Time to target: a run without metrics is unknown, never "never".
@@ -93,7 +93,7 @@ def test_report_names_a_damaged_run_reports_the_rest_and_keeps_its_row(tmp_path,
     md = (out / "report.md").read_text()
     partly = "collectives" in why   # its numbers are sound: reported, its malformed records left out
     assert f"{6 if partly else 5} runs: {6 if partly else 5} completed" in md
-    assert victim.name in md.split("## Runs that could not be read")[1].split("##")[0]
+    assert victim.name in md.split("## Runs that are incomplete or could not be read")[1].split("##")[0]
     after = pd.read_csv(out / "summary.csv")
     assert sorted(after["run_dir"]) == sorted(before["run_dir"])
     if partly:
@@ -239,7 +239,8 @@ def test_sweep_refuses_an_unwritable_out_before_training(tmp_path, monkeypatch, 
 
     def full_disk(path, text):
         raise OSError(28, "No space left on device", str(path))
-    monkeypatch.setattr(sweep, "atomic_write_text", full_disk)
+    from lossysim.run import spec_record
+    monkeypatch.setattr(spec_record, "atomic_write_text", full_disk)   # a sweep's first write: its spec's record
     assert cli.main(["sweep", str(spec), "--out", str(tmp_path / "r"), "--no-progress"]) == 2
     line = one_error_line(capsys.readouterr().err, "sweep")
     assert line.endswith(f"--out {tmp_path / 'r'} is not writable: No space left on device")

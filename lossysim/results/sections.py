@@ -134,10 +134,10 @@ def section_settings(inputs: ReportInputs) -> str:
 def section_problems(inputs: ReportInputs) -> str:
     if not inputs.problems:
         return ""
-    return ("## Runs that could not be read\n\n"
-            "Left out of every table and plot when their summary cannot be read or lacks what its status always "
-            "records (summary.csv keeps the row it had for them, marked stale); otherwise reported without what "
-            "is named.\n\n"
+    return ("## Runs that are incomplete or could not be read\n\n"
+            "Left out of every table and plot when they never finished or never started, or their summary cannot "
+            "be read or lacks what its status always records (summary.csv keeps the row it had for them, marked "
+            "stale); otherwise reported without what is named.\n\n"
             + "".join(f"- `{run_dir}`: {why}\n" for run_dir, why in sorted(inputs.problems.items())))
 
 
