@@ -1,60 +1,24 @@
-"""Experiment configuration: one flat dataclass, loaded from YAML and CLI overrides.
-
-Validated once here, at the edge, so the rest of the code can trust it.
-"""
+"""Experiment configuration: one flat dataclass, validated once here, at the edge, so the rest of the
+code can trust it; ``coerce`` and ``from_dict``: values as YAML or --set spell them, as its fields' types."""
 from __future__ import annotations
 
 import contextvars
 import dataclasses
 import math
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from .util import one_of, stream_seed
-from .mesh import DEFAULT_ORDER, Mesh, parse_order
-from .net.recovery import require
-from .net.spec import SETTINGS, NetworkSpec
-from .timing import DEFAULT_NIC, parse_compute
-from .traffic import BY_NAME, parse_kinds as traffic_kinds
+from ..mesh import DEFAULT_ORDER, Mesh, parse_order
+from ..net.spec import SETTINGS, NetworkSpec
+from ..timing import DEFAULT_NIC, parse_compute
+from ..traffic import BY_NAME, parse_kinds as traffic_kinds
+from ..util import stream_seed
+from .choices import BACKENDS, DP_MODES, PP_SCHEDULES, check_choice, parse_layout, parse_report_to
+from .pairs import check_something_can_lose, validate_pairs
 
-EP_CLASSES = tuple(c.name for c in BY_NAME.values() if c.axis == "ep")   # an MoE block's all-to-alls
-
-
-# Keys that say where or how a run is executed, not what it trains: they stay out of a run's
-# identity (the sweep's hash, what a resumed checkpoint must match), so a shard on another
-# machine (another device, another output folder) finds the run. Checkpointing settings too:
-# a resumed run ends exactly as an uninterrupted one.
-NON_SEMANTIC = ("out", "name", "device", "timeout_s", "save_checkpoint", "checkpoint_every", "keep_checkpoints",
-                "report_to")
-TRACKERS = ("tensorboard", "wandb")
-BACKENDS = ("sim", "dist")     # every rank in one process, or one per process (torchrun)
-DP_MODES = ("ddp", "fsdp")
-# Keys added after the first sweeps (data parallelism, micro-batches, ...): at their defaults they stay
-# out of a run's identity (the sweep's hash), so sweeps written before them still find their runs.
-IDENTITY_AT_DEFAULT_OMITTED = ("dp_size", "dp_bucket_mb", "dp_overlap", "dp_sync_every", "lossy_traffic",
-                              "dp_mode", "lossy_layers", "lossy_sites", "outlier_fraction", "microbatches",
-                              "pp_size", "pp_schedule", "pp_layout", "parallel_order", "ep_size", "cp_size",
-                              "cp_mode")
-CP_MODES = ("ring", "allgather")   # Megatron's p2p ring of K/V blocks; Llama 3's all-gathered K/V
 _TRYING = contextvars.ContextVar("trying", default=False)   # ExperimentConfig.accepts is validating a variant
-
-
-def parse_report_to(value) -> tuple[str, ...]:
-    """``"none"``, ``"tensorboard"``, ``"tensorboard,wandb"`` or a list -> tracker names (ValueError
-    naming report_to otherwise)."""
-    items = value if isinstance(value, (list, tuple)) else str(value).replace(" ", ",").split(",")
-    names = [str(item).strip().lower() for item in items if str(item).strip()]
-    unknown = [n for n in names if n not in ("none", *TRACKERS)]
-    if unknown:
-        raise ValueError(f"report_to={value!r}: unknown tracker {unknown[0]!r} "
-                         f"(expected none, {', '.join(TRACKERS)}, or several separated by commas)")
-    if "none" in names and len(names) > 1:
-        raise ValueError(f"report_to={value!r}: 'none' cannot be combined with a tracker")
-    return tuple(dict.fromkeys(n for n in names if n != "none"))
-
 
 
 @dataclass
@@ -143,12 +107,12 @@ class ExperimentConfig:
 
     def validate(self) -> "ExperimentConfig":
         """Raise ValueError with the offending field on the first problem."""
-        _choice("attn_implementation", self.attn_implementation, ("sdpa", "eager"))
-        _choice("task", self.task, ("classification", "lm"))
+        check_choice("attn_implementation", self.attn_implementation, ("sdpa", "eager"))
+        check_choice("task", self.task, ("classification", "lm"))
         if self.dataset == "pydoc" and self.task != "lm":
             raise ValueError("dataset=pydoc is unlabelled documentation text: use task=lm")
-        _choice("backend", self.backend, BACKENDS)
-        _choice("amp", self.amp, ("none", "bf16", "fp16"))
+        check_choice("backend", self.backend, BACKENDS)
+        check_choice("amp", self.amp, ("none", "bf16", "fp16"))
         for name in ("tp_size", "dp_size", "pp_size", "ep_size", "cp_size", "steps", "batch_size", "eval_batch_size",
                      "max_length", "eval_every", "log_every"):
             if getattr(self, name) < 1:
@@ -172,10 +136,10 @@ class ExperimentConfig:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
         self._validate_pipeline()
         self._validate_data_parallel()
-        self._validate_pairs()
+        validate_pairs(self)
         self.parallel_order = "-".join(parse_order(self.parallel_order))   # one spelling: one run identity
         self.mesh()                       # the layout's one check, for train, sweep and estimate alike
-        self._check_something_can_lose()
+        check_something_can_lose(self)
         try:
             parse_compute(self.compute)
         except ValueError as err:
@@ -186,7 +150,7 @@ class ExperimentConfig:
         return self
 
     def _validate_data_parallel(self) -> None:
-        _choice("dp_mode", self.dp_mode, DP_MODES)
+        check_choice("dp_mode", self.dp_mode, DP_MODES)
         traffic_kinds(self.lossy_traffic)
         if not (math.isfinite(self.dp_bucket_mb) and self.dp_bucket_mb > 0):
             raise ValueError(f"dp_bucket_mb={self.dp_bucket_mb} must be a positive number of MiB")
@@ -199,51 +163,6 @@ class ExperimentConfig:
             raise ValueError(f"dp_sync_every={self.dp_sync_every} needs dp_size > 1: one replica has no "
                              "others to synchronise; set dp_sync_every=0")
 
-    def _validate_pairs(self) -> None:
-        """Settings each fine alone that do not go together: checked here only, for every command."""
-        fsdp, pp, ep = self.dp_mode == "fsdp" and self.dp_size > 1, self.pp_size > 1, self.ep_size > 1
-        if ep and self.cp_size > 1:
-            raise ValueError(f"ep_size={self.ep_size} with cp_size={self.cp_size}: experts beside context "
-                             "parallelism are not modelled (training or estimate); leave one of them at 1")
-        self._validate_context(fsdp)
-        for used, setting, collective in ((fsdp, "dp_mode=fsdp", "reduce_scatter"),
-                                          (pp, f"pp_size={self.pp_size}", "send"),
-                                          (ep, f"ep_size={self.ep_size}", "all_to_all"),
-                                          (self.cp_size > 1, f"cp_size={self.cp_size}", "kv_exchange")):
-            try:
-                require(self.recovery, collective, used, works=lambda name: self.accepts(recovery=name))
-            except ValueError as err:
-                raise ValueError(f"{setting}: {err}") from None
-        if fsdp and self.dp_sync_every:
-            raise ValueError("dp_sync_every with dp_mode=fsdp: FSDP's replicas share one exact master copy and never drift")
-        if fsdp and pp:
-            raise ValueError(f"dp_mode=fsdp with pp_size={self.pp_size}: FSDP's gathers around a pipeline schedule "
-                             "are not modelled; use dp_mode=ddp or pp_size=1")
-        if pp and self.dp_sync_every:
-            raise ValueError(f"dp_sync_every with pp_size={self.pp_size}: synchronising pipelined replicas is not "
-                             "modelled; set dp_sync_every=0")
-        # (what training does not model beside experts, ep with pipeline stages, the estimate does:
-        # lossysim.ep refuses it where training builds it)
-
-    def _validate_context(self, fsdp: bool) -> None:
-        """Context parallelism's settings and their pairs (``lossysim.cp``)."""
-        _choice("cp_mode", self.cp_mode, CP_MODES)
-        cp = self.cp_size
-        if self.recovery == "mask" and cp == 1:
-            raise ValueError("recovery=mask leaves lost keys out of attention: it needs cp_size > 1 (on other "
-                             "traffic it is zero); use recovery=zero")
-        if cp == 1:
-            return
-        if self.max_length % (2 * cp):
-            raise ValueError(f"max_length={self.max_length} is not a multiple of 2 x cp_size = {2 * cp}: context "
-                             "parallelism cuts every sequence into 2 x cp_size equal chunks")
-        if fsdp:
-            raise ValueError(f"cp_size={cp} with dp_mode=fsdp: FSDP's gathers beside context parallelism are not "
-                             "modelled; use dp_mode=ddp")
-        if self.activation_checkpointing:
-            raise ValueError(f"cp_size={cp} with activation_checkpointing: a recomputed block's key/value "
-                             "exchange is not modelled; set activation_checkpointing=false")
-
     def _validate_pipeline(self) -> None:
         """pp keys alone; pp_layout against the model's depth is checked where the depth is known
         (``lossysim.pp.stages.stage_layout``, at build)."""
@@ -251,7 +170,7 @@ class ExperimentConfig:
         # saved config's ``microbatches: 1``) does not depend on whether it was written out.
         if self.microbatches == self.pp_size:
             self.microbatches = None
-        _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         if self.pp_layout is not None:
             parse_layout(self.pp_layout, self.pp_size)
 
@@ -265,26 +184,6 @@ class ExperimentConfig:
         """Rows of one micro-batch on one replica (Megatron's ``--micro-batch-size``): batch_size / (dp_size x
         microbatches)."""
         return self.batch_size // (self.dp_size * self.n_microbatches)
-
-    def _check_something_can_lose(self) -> None:
-        """A loss model that no traffic can meet is a mistake (the run would lose 0 packets, and say
-        nothing): the traffic it may hit (lossy, lossy_traffic) never crosses a lossy link."""
-        spec = self.network_spec()
-        if spec.loss.lossless:
-            return
-        mesh, settings = self.mesh(), self.network_settings()
-        networks = [spec] + ([mesh.dp_network_spec(settings, 0, self.dp_lossy())] if self.dp_size > 1 else []) + \
-            [mesh.tp_network_spec(settings, 0, s) for s in range(1, self.pp_size)] + \
-            [mesh.pp_network_spec(settings, 0, b, self.pp_lossy()) for b in range(self.pp_size - 1)] + \
-            [mesh.ep_network_spec(settings, 0, c, self.lossy_directions(c)) for c in EP_CLASSES if self.ep_size > 1] + \
-            ([mesh.cp_network_spec(settings, 0, 0, self.lossy_directions("cp"))] if self.cp_size > 1 else [])
-        if not any(net.lossy and net.topology.has_lossy_link for net in networks):
-            raise ValueError(f"loss={self.loss} but no traffic can lose packets (tp_size={self.tp_size}, "
-                             f"pp_size={self.pp_size}, dp_size={self.dp_size}, ep_size={self.ep_size}, "
-                             f"cp_size={self.cp_size}, lossy={self.lossy}, "
-                             f"lossy_traffic={self.lossy_traffic}, "
-                             f"lossy_links={self.lossy_links}, ranks_per_node={self.ranks_per_node}): "
-                             "use loss=none for a loss-free run, or make some traffic cross a lossy link")
 
     def mesh(self) -> Mesh:
         """Where this run's ranks sit (``lossysim.mesh``): tp_size x cp_size x pp_size x dp_size in
@@ -353,39 +252,6 @@ class ExperimentConfig:
         return from_dict({**self.to_dict(), **changes})
 
 
-def upgrade(values: dict) -> dict:
-    """A config (dict) an earlier version wrote, as this version reads it: keys it lacks take their
-    defaults, and 0.2's ``retransmit: selective`` (before ``nic`` existed) is the nic's own repair."""
-    values = dict(values)
-    if "nic" not in values and values.get("retransmit") == "selective":
-        values["retransmit"] = None
-    if values.get("microbatches") == values.get("pp_size", 1):  # written before pp: 1, now its default
-        values["microbatches"] = None
-    return {**{k: v for k, v in ExperimentConfig().to_dict().items() if k not in values}, **values}
-
-
-# torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B; 1f1b is Megatron's
-# forward_backward_pipelining_without_interleaving (PipeDream-Flush). Timed by lossysim.pp.schedule.
-PP_SCHEDULES = ("gpipe", "1f1b")
-
-
-def parse_layout(value: str, stages: int) -> tuple[int, ...]:
-    """``pp_layout``: blocks per stage separated by commas (``"1,3"``), one entry >= 1 per stage."""
-    try:
-        counts = tuple(int(part) for part in str(value).replace(" ", "").split(","))
-    except ValueError:
-        counts = ()
-    if len(counts) != stages or min(counts, default=0) < 1:
-        raise ValueError(f"pp_layout={value!r} must be pp_size={stages} block counts >= 1 separated by commas "
-                         "(e.g. 1,3)")
-    return counts
-
-
-def _choice(name: str, value: str, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} must be {one_of(allowed)}")
-
-
 _TYPES = get_type_hints(ExperimentConfig)
 _LIST_FIELDS = ("report_to", "lossy_traffic")          # str fields that also take a list of names
 
@@ -435,42 +301,3 @@ def coerce(values: dict) -> dict:
 
 def from_dict(values: dict) -> ExperimentConfig:
     return ExperimentConfig(**coerce(values)).validate()
-
-
-def load_yaml(path: Union[str, Path]) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"config file {path} does not exist")
-    try:
-        values = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ValueError(f"{path}{where}: malformed YAML: {getattr(err, 'problem', err)}") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"{path}: expected a mapping of config keys, got {type(values).__name__}")
-    return values
-
-
-def parse_overrides(pairs: list[str]) -> dict:
-    """``["lr=1e-4", "loss=bernoulli:0.01"]`` -> dict (values converted later by field type)."""
-    out = {}
-    for pair in pairs:
-        key, eq, value = pair.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"--set {pair!r}: expected key=value")
-        out[key.strip()] = value
-    return out
-
-
-def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[dict] = None) -> ExperimentConfig:
-    """Defaults, then the YAML file, then overrides; validated (a file's bad value too where an override
-    replaces it)."""
-    values = coerce(load_yaml(path)) if path else {}
-    values.update(overrides or {})
-    return from_dict(values)
-
-
-def save_yaml(config: ExperimentConfig, path: Union[str, Path]) -> None:
-    from .io import atomic_write_text
-    atomic_write_text(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
