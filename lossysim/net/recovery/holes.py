@@ -24,7 +24,7 @@ class DropToken(Policy):
     name = "drop_token"
     drops_rows = True
     only_on = "all_to_all"
-    acts_on_keys = False    # (experts beside context parallelism are refused: config._validate_pairs)
+    acts_on_keys = False    # (experts beside context parallelism are refused: config/pairs.py validate_pairs)
 
 
 class Mask(Policy):
