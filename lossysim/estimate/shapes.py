@@ -104,7 +104,7 @@ SIZE_FIELDS = ("num_hidden_layers", "n_layer", "hidden_size", "n_embd", "num_att
                "num_key_value_heads", "intermediate_size", "n_inner", "head_dim", "vocab_size",
                "max_position_embeddings", "n_positions")
 # The runner's random-weight CPU shapes, so an estimate can be held against a training run.
-RUNNER = ("tiny", "tiny-llama", "tiny-moe", "tiny-deepseek-v3")
+RUNNER = tuple(RUNNER_SHAPES)
 NAMES = tuple(PUBLISHED) + RUNNER
 
 
