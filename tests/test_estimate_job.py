@@ -210,12 +210,12 @@ def test_each_stage_buckets_its_own_local_gradients():
     """A stage's DDP buckets hold exactly its parameters' local shards: its blocks, the embeddings on the
     first stage, the final norm and the head on the last."""
     from lossysim.estimate import load
-    from lossysim.estimate.simulate import _Job
+    from lossysim.estimate.job import Job
     from lossysim.tp.parallelize import parallelize
     from transformers import AutoModelForCausalLM
     shape, tp = load("tiny-llama"), 2
     config = job_config("tiny-llama", tp_size=tp, pp_size=2, dp_size=2, dp_bucket_mb=0.05, ranks_per_node=tp)
-    job = _Job(shape, config, Workload(seq=8), (1, 1), 8)
+    job = Job(shape, config, Workload(seq=8), (1, 1), 8)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(shape.config)
     tp_model = parallelize(model, tp, LossyNetwork(tp))

@@ -11,7 +11,8 @@ import pytest
 
 from lossysim.dp.fsdp import shard_numel
 from lossysim.estimate import load, trace as traces, trace_replay as replay
-from lossysim.estimate.simulate import _Job, estimate
+from lossysim.estimate.job import Job
+from lossysim.estimate.simulate import estimate
 from lossysim.estimate.workload import Workload, job_config
 from lossysim.net import LossyNetwork
 from lossysim.pp.schedule import stage_ops
@@ -37,9 +38,9 @@ def _job(name: str, network: dict = NETWORK):
     return meta, config, Workload(seq=meta["seq"])
 
 
-def _model(shape, config, workload) -> _Job:
+def _model(shape, config, workload) -> Job:
     layout = (shape.layers // config.pp_size,) * config.pp_size
-    return _Job(shape, config, workload, layout, workload.seq * config.micro_batch_size)
+    return Job(shape, config, workload, layout, workload.seq * config.micro_batch_size)
 
 
 def test_ddp_buckets_after_its_rebuild_are_ours(shape):
@@ -92,7 +93,7 @@ def test_pipeline_sends_per_micro_batch_are_ours(shape):
     assert [op for op in ops[0]] == [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
 
 
-def _named_comm(job: _Job, cls: str) -> float:
+def _named_comm(job: Job, cls: str) -> float:
     """The loss-free seconds of one step of the class's messages in lossysim's model (one group's)."""
     step = job.run(1)[0]
     if cls == "dp":
@@ -102,7 +103,7 @@ def _named_comm(job: _Job, cls: str) -> float:
     return sum(a[1] + g[1] for boundary in step["pp"] for (a, g) in boundary[0])
 
 
-def _named_bytes(job: _Job, cls: str) -> float:
+def _named_bytes(job: Job, cls: str) -> float:
     """Bytes of one step of the class's messages as a trace counts them (an all-gather's shard, a
     reduce-scatter's whole input), one group's."""
     grad = job.w.grad_torch_dtype.itemsize

@@ -29,8 +29,9 @@ from ..timing import NIC_PRESETS
 from ..timing.congestion import CONGESTION
 from ..traffic import KINDS
 from ..util import one_of
+from .accounting import CLASSES
 from .shapes import NAMES, load
-from .simulate import CLASSES, estimate
+from .simulate import estimate
 from .workload import DTYPES, Workload, job_config
 
 # Network keys that take several values: flag -> config key.

@@ -1,21 +1,18 @@
 """Replaying a profiler trace (``estimate.trace``) through the lossy network: the user's own job, its own
 calls, its own compute, on the layout the flags describe (docs/estimate.md, "Estimate your own job").
 
-**Classes.** Each process group is matched to the mesh axis whose group it is (``Mesh.group``): a TP
-group's calls are ``tp``, a data-parallel group's all-reduces ``dp`` and its all-gathers and
-reduce-scatters ``fsdp``, a send between neighbouring pipeline stages ``pp`` (activations forward,
-gradients back); any other axis's, the traffic class ``traffic`` declares for it. A group that is no
-axis's group (the world group of a 3-D job), a collective the network has no model of (broadcast,
-barrier, ...) and an all-to-all (an expert group is no axis of the mesh's: ``ep`` lives inside dp) are
-not sent: they are counted, named and take no time (their traced time on gloo or in an NCCL kernel is
-mostly waiting for peers, which the replay models itself).
+**Classes.** Each process group's axis and traffic class, and each call's network, are the layout's
+(``trace_layout.Layout``: the mesh axis whose group it is). A group that is no axis's group (the world group
+of a 3-D job), a collective the network has no model of (broadcast, barrier, ...) and an all-to-all (an
+expert group is no axis of the mesh's: ``ep`` lives inside dp) are not sent: they are counted, named and take
+no time (their traced time on gloo or in an NCCL kernel is mostly waiting for peers, which the replay models
+itself).
 
-**Networks.** Each group's calls go through ``LossyNetwork.simulate`` on the network the mesh gives that
-group (``tp_network_spec``, ``dp_network_spec``, ``pp_network_spec``; any other group placed on its
-nodes with streams of its own), at sites ``<class>.<collective><k>`` (the k-th call of the step on that
-network), every packet a candidate: the same code, transports, clock and statistics as every estimate.
-With every rank's trace every group is simulated; one mirrored file simulates the traced rank's groups,
-each standing for its alike groups (their counts multiplied; the slowest of them is not modelled).
+**Networks.** Each group's calls go through ``LossyNetwork.simulate`` on its network, at sites
+``<class>.<collective><k>`` (the k-th call of the step on that network), every packet a candidate: the same
+code, transports, clock and statistics as every estimate (``accounting.Tally`` counts them). With every
+rank's trace every group is simulated; one mirrored file simulates the traced rank's groups, each standing
+for its alike groups (their counts multiplied; the slowest of them is not modelled).
 
 **The clock.** Per rank, the traced step is its compute stream's work and its calls. A call is issued
 when its rank's stream reached it; it starts when every member has issued it and its group's previous
@@ -39,22 +36,13 @@ import torch
 
 from .. import traffic
 from ..config import ExperimentConfig
-from ..net import LossyNetwork, NetworkSpec
+from ..net import LossyNetwork
 from ..net.algorithms import COLLECTIVES
-from ..util import stream_seed
-from .simulate import CLASSES, _held, _intervals, _Job, _mark
+from .accounting import CLASSES, Tally, held_elements, intervals, mark
 from .trace import Call, Trace
+from .trace_layout import Layout, Place
 
 US = 1e-6
-_GATHER = ("all_gather", "reduce_scatter")
-
-
-class _Place(NamedTuple):
-    """Where a group's calls go: their class, the network's key and spec, and each global rank's index."""
-    cls: str
-    key: tuple
-    spec: NetworkSpec
-    local: dict
 
 
 @dataclasses.dataclass
@@ -63,7 +51,7 @@ class _Transfer:
     id: int
     call: Call
     cls: Optional[str]
-    place: Optional[_Place]
+    place: Optional[Place]
     direction: str
     pair: Optional[tuple]
     stream: tuple
@@ -79,115 +67,14 @@ class _Point(NamedTuple):
     react: float = 0.0
 
 
-class Layout:
-    """The process groups of a trace on a config's mesh: each group's axis and traffic class, or why none."""
-
-    def __init__(self, trace: Trace, config: ExperimentConfig):
-        self.mesh = mesh = config.mesh()
-        if mesh.world != trace.world:
-            raise ValueError(f"the trace's world is {trace.world} ranks, the layout's {mesh.name}: give "
-                             "--tp-size, --pp-size and --dp-size (and --ranks-per-node) that make the traced job")
-        self.config, self.settings = config, config.network_settings()
-        self.axis = {name: self._axis(ranks) for name, ranks in trace.groups.items()}
-        self._placed: dict = {}
-
-    def _axis(self, ranks: tuple) -> Optional[str]:
-        for axis in self.mesh.axes:
-            if self.mesh.sizes[axis] == len(ranks) and set(self.mesh.group(axis, ranks[0])) == set(ranks):
-                return axis
-        return None
-
-    def describe(self, trace: Trace) -> dict:
-        return {name: self.axis[name] or f"no axis of {self.mesh.name}" for name in trace.groups}
-
-    def place(self, call: Call, ranks: tuple) -> tuple[Optional[_Place], Optional[tuple], str]:
-        """(where the call goes or None, a send's (source, destination) in that network, its direction)."""
-        p2p = call.kind in ("send", "recv")
-        key = (call.group, call.kind, call.rank, call.peer) if p2p else (call.group, call.kind in _GATHER)
-        if key not in self._placed:
-            self._placed[key] = self._place(call, ranks)
-        place, pair, direction = self._placed[key]
-        cls = place.cls if place else None
-        return place, pair, direction if p2p or cls is None else _direction(cls, call)
-
-    def _place(self, call: Call, ranks: tuple) -> tuple[Optional[_Place], Optional[tuple], str]:
-        axis = self.axis.get(call.group)
-        if axis is None or len(ranks) < 2:
-            return None, None, "fwd"
-        if call.kind in ("send", "recv"):
-            src, dst = (call.rank, call.peer) if call.kind == "send" else (call.peer, call.rank)
-            return self._p2p(axis, ranks, src, dst)
-        cls = _class_of(axis, call.kind)
-        if cls is None:
-            return None, None, "fwd"
-        direction = _direction(cls, call)
-        mesh, at = self.mesh, self.mesh.coordinates(ranks[0])
-        if axis == "tp":   # each context rank's TP group is a group of its own, as in training
-            spec = mesh.tp_network_spec(self.settings, at["dp"], at["pp"], at["cp"])
-            key = ("tp", at["dp"], at["pp"], at["cp"])
-        elif axis == "dp":
-            spec = mesh.dp_network_spec(self.settings, at["tp"], self.config.lossy_directions(cls), stage=at["pp"])
-            key = (cls, at["pp"], at["tp"])
-        else:
-            spec, key = self._group_spec(axis, ranks, cls), (cls, tuple(ranks))
-        spec = spec.replace(lossy_layers="all", lossy_sites="all", lossy=self._lossy(cls, spec))
-        return _Place(cls, key, spec, {r: i for i, r in enumerate(ranks)}), None, direction
-
-    def _p2p(self, axis: str, ranks: tuple, src: int, dst: int):
-        mesh = self.mesh
-        a, b = mesh.coordinates(src), mesh.coordinates(dst)
-        if axis == "pp" and abs(a["pp"] - b["pp"]) == 1:
-            boundary = min(a["pp"], b["pp"])
-            spec = mesh.pp_network_spec(self.settings, a["dp"], boundary, self.config.lossy_directions("pp"), a["cp"])
-            members = mesh.tp_ranks(a["dp"], boundary, a["cp"]) + mesh.tp_ranks(a["dp"], boundary + 1, a["cp"])
-            place = _Place("pp", ("pp", a["dp"], boundary, a["cp"]), spec, {r: i for i, r in enumerate(members)})
-            return place, (place.local[src], place.local[dst]), "fwd" if b["pp"] > a["pp"] else "bwd"
-        cls = _class_of(axis, "send")
-        if cls is None or axis == "pp":     # a send between stages that are not neighbours: not modelled
-            return None, None, "fwd"
-        spec = self._group_spec(axis, ranks, cls)
-        place = _Place(cls, (cls, tuple(ranks)), spec, {r: i for i, r in enumerate(ranks)})
-        return place, (place.local[src], place.local[dst]), "fwd"
-
-    def _group_spec(self, axis: str, ranks: tuple, cls: str) -> NetworkSpec:
-        """Any other axis's group on the nodes the mesh puts its ranks, with streams of its own."""
-        return NetworkSpec(**{**self.settings, "ranks": len(ranks), "ranks_per_node": self.mesh._per_node(list(ranks)),
-                              "seed": stream_seed(self.settings["seed"], f"trace.{axis}.group{ranks[0]}", "network"),
-                              "lossy_layers": "all", "lossy_sites": "all",
-                              "lossy": self.config.lossy_directions(cls)})
-
-    def _lossy(self, cls: str, spec: NetworkSpec) -> tuple:
-        """TP's lossy directions are the spec's (``lossy`` and ``lossy_traffic``); the others', their class's."""
-        return spec.lossy if cls == "tp" else self.config.lossy_directions(cls)
-
-
-def _class_of(axis: str, collective: str) -> Optional[str]:
-    if axis == "dp":
-        return "fsdp" if collective in _GATHER else "dp"
-    named = [c.name for c in traffic.CLASSES if c.axis == axis]
-    return named[0] if named else None
-
-
-def _direction(cls: str, call: Call) -> str:
-    if cls == "fsdp":
-        return "fwd" if call.kind == "all_gather" else "bwd"
-    directions = [d.direction for d in traffic.BY_NAME[cls].directions]
-    if len(directions) == 1:
-        return directions[0]
-    return "bwd" if call.backward else "fwd"
-
-
-class Replay:
+class Replay(Tally):
     """A trace's steps on one config's networks: ``run(steps)`` simulates them and returns the row."""
 
     def __init__(self, trace: Trace, config: ExperimentConfig, scale: float = 1.0):
+        super().__init__()   # the estimate's tallies: the same sums, choices and elements lost
         self.trace, self.config, self.scale = trace, config, scale
         self.layout = Layout(trace, config)
         self.steps = [self._step(j) for j in range(trace.steps)]
-        # the estimate's tallies (``_Job``'s counters): the same sums, choices and elements lost
-        self.sums, self.choices = {}, defaultdict(set)
-        self.received, self.inexact = defaultdict(int), defaultdict(int)
-        self.drawn = 0
         self.networks: dict = {}
 
     # -- the traced steps ---------------------------------------------------------------------------
@@ -267,7 +154,7 @@ class Replay:
         return points
 
     # -- the network --------------------------------------------------------------------------------
-    def _network(self, place: _Place) -> LossyNetwork:
+    def _network(self, place: Place) -> LossyNetwork:
         net = self.networks.get(place.key)
         if net is None:
             net = self.networks[place.key] = LossyNetwork(place.spec)
@@ -285,14 +172,14 @@ class Replay:
             index[(t.place.key, t.call.kind)] += 1
             dtype = getattr(torch, t.call.dtype)
             per_packet, _ = net.packets(t.call.numel, dtype)
-            before = _mark(net)
+            before = mark(net)
             delivery = net.simulate(f"{t.cls}.{t.call.kind}{k}", t.direction, t.call.numel, dtype, t.call.kind,
                                     deliver=False, pair=t.pair)
-            after = _mark(net)
+            after = mark(net)
             seconds[t.id] = [after[0] - before[0], after[1] - before[1]]
-            held = t.call.numel if t.call.kind == "send" else _held(t.call.kind, net.ranks, t.call.numel)
-            _Job._lost(self, t.cls, t.direction, delivery, per_packet, t.call.numel, held,
-                       copies.get(t.place.key[0], 1), t.call.kind)
+            held = t.call.numel if t.call.kind == "send" else held_elements(t.call.kind, net.ranks, t.call.numel)
+            self.lost(t.cls, t.direction, delivery, per_packet, t.call.numel, held,
+                      copies.get(t.place.key[0], 1), t.call.kind)
         return seconds
 
     def _copies(self) -> dict:
@@ -389,7 +276,7 @@ class Replay:
             if tick is not None:
                 tick()
         for key, net in self.networks.items():
-            _Job._count(self, key[0], net, self._copies().get(key[0], 1))
+            self.count(key[0], net, self._copies().get(key[0], 1))
         return self._row(steps, np.asarray(per_step), float(np.mean(ideal_steps)), np.mean(stacks, axis=0),
                          added, comm)
 
@@ -402,7 +289,7 @@ class Replay:
     def _row(self, steps: int, step_s, loss_free: float, stack, added: dict, comm: dict) -> dict:
         config, mesh = self.config, self.layout.mesh
         spec = config.network_spec()
-        counts = _Job.counts(self, steps)
+        counts = self.counts(steps)
         compute_s = float(stack[0])
         per_class = self.per_class()
         calls = {cls: n for cls, (n, _) in per_class.items()}
@@ -421,15 +308,15 @@ class Replay:
             "sockets": spec.sockets, "congestion": spec.congestion, "seed": spec.seed, "compute": "trace",
             "steps": steps, "collectives_per_step": sum(calls.values()), "message_bytes": "",
             "compute_s": compute_s, "loss_free_comm_s": loss_free - compute_s, "loss_free_step_s": loss_free,
-            **_intervals(step_s),
+            **intervals(step_s),
             "slowdown": float(step_s.mean()) / loss_free if loss_free else 1.0,
             "comm_share": 1.0 - compute_s / float(step_s.mean()) if step_s.mean() else 0.0,
             **{f"packets_{name}": sum(c[name] for c in counts.values()) for name in ("sent", "lost", "resent")},
-            "elements_lost_fwd": _Job.elements_lost(self, "tp", "fwd"),
-            "elements_lost_bwd": _Job.elements_lost(self, "tp", "bwd"),
+            "elements_lost_fwd": self.elements_lost("tp", "fwd"),
+            "elements_lost_bwd": self.elements_lost("tp", "bwd"),
             "failures_per_1000_steps": 1000.0 * sum(c["failures"] for c in counts.values()),
             "sampled_groups": 0, "packets_drawn": self.drawn / steps,
-            "collectives": _Job.choice_summary(self),
+            "collectives": self.choice_summary(),
             "trace_steps": len(self.steps), "trace_ranks": len(self.trace.ranks),
             "not_simulated_calls": sum(n for n, _ in skipped.values()),
             "not_simulated": "; ".join(f"{name}: {n:g} per step, {b:g} B" for name, (n, b) in sorted(skipped.items())),
@@ -439,7 +326,7 @@ class Replay:
             row.update({f"{cls}_loss_free_s": float(seconds[1]), f"{cls}_repair_s": float(seconds[0]),
                         **{f"{cls}_packets_{name}": counts.get(cls, {}).get(name, 0.0)
                            for name in ("sent", "lost", "resent")},
-                        f"{cls}_elements_lost": _Job.elements_lost(self, cls),
+                        f"{cls}_elements_lost": self.elements_lost(cls),
                         f"{cls}_calls": calls.get(cls, 0.0), f"{cls}_bytes": nbytes.get(cls, 0.0),
                         f"{cls}_comm_s": comm.get(cls, 0.0) / steps})
         row.update({f"stack_{name}_s": 0.0 for name in ("compute", *CLASSES, "repair")})

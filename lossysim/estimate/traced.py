@@ -17,7 +17,8 @@ from tqdm.auto import tqdm
 
 from . import trace as traces
 from .grid import GRID, config_of, grid, run_rows
-from .trace_replay import Layout, Replay, traced_compute
+from .trace_layout import Layout
+from .trace_replay import Replay, traced_compute
 from .simulate import estimate
 from .workload import Workload
 

@@ -1,0 +1,107 @@
+"""A mixture of experts' messages in an estimate (``ExpertMessages``, a part of ``job.Job``): ``ep_dispatch``
+and ``ep_combine``, the all-to-alls per MoE block and micro-batch on every (stage, TP position, expert-data
+index)'s ep group, sized by the routing assumed (``ep.routing``: uniform or skewed), in backward their
+gradients the other way; and the experts' gradient buckets over their expert-data-parallel groups (class
+``dp``), after the backward, as training averages them. Beyond ``FULL_UP_TO`` GPUs, a few micro-batches of
+one stage's sampled groups are simulated and every other block's calls drawn from theirs (docs/estimate.md,
+"Experts").
+"""
+from __future__ import annotations
+
+from ..config import EP_CLASSES
+from ..net import LossyNetwork
+from .accounting import mark
+
+
+class ExpertMessages:
+    """``Job``'s all-to-alls and experts' buckets."""
+
+    def _run_experts(self, out: list[dict], steps: int) -> None:
+        """Every step's all-to-alls per stage, ep group and micro-batch (``out[step][cls][stage][group]``:
+        [micro-batch] of (forward, backward), each [with loss, loss-free]), and the experts' buckets per stage
+        (``out[step]["expert_bucket"][stage]``: each bucket's [with loss, loss-free], the slowest group's).
+
+        Every group and micro-batch is simulated up to ``FULL_UP_TO`` GPUs (a loss-free job: one micro-batch of
+        one group stands for all, exactly). Beyond, ``sampled`` groups of the first stage with experts run one
+        micro-batch each, and every block's calls elsewhere are drawn from theirs, block by block: every ep
+        group's messages are the same sizes, on networks alike but for their streams."""
+        m, zero = self.config.n_microbatches, ([0.0, 0.0], [0.0, 0.0])
+        stages = [s for s in range(self.mesh.pp) if self.ep_blocks[s]]
+        for step in out:
+            for cls in EP_CLASSES:   # a stage without experts sends none
+                step[cls] = [[None] * len(self.ep[s]) if s in stages else [[zero] * m] for s in range(self.mesh.pp)]
+            step["expert_bucket"] = [[] for _ in range(self.mesh.pp)]
+        if self.sampled and self.ep_lossy:
+            self._sampled_experts(out, steps, stages)
+        for s in stages if not (self.sampled and self.ep_lossy) else ():
+            blocks = self.ep_blocks[s]
+            for j, group in enumerate(self.ep[s]):
+                nets = [LossyNetwork(spec) for spec in group.specs]
+                if self.sampled:   # loss-free, deterministic: one micro-batch stands for every one
+                    copies = group.copies * m * steps
+                    micro = _block_sum(self._ep_micro(nets, blocks, copies))
+                    for step in out:
+                        for cls in EP_CLASSES:
+                            step[cls][s][j] = [micro[cls]] * m
+                else:
+                    copies = group.copies
+                    for step in out:
+                        micro = [_block_sum(self._ep_micro(nets, blocks, copies)) for _ in range(m)]
+                        for cls in EP_CLASSES:
+                            step[cls][s][j] = [mb[cls] for mb in micro]
+                for cls, net in zip(EP_CLASSES, nets):
+                    self.count(cls, net, copies)
+        for s in stages:
+            if self.edp[s] and self.expert_buckets[s]:
+                messages = [(f"dp.bucket{b}", "bwd", bucket.numel, self.w.grad_torch_dtype, "all_reduce")
+                            for b, bucket in enumerate(self.expert_buckets[s])]
+                for step, seconds in zip(out, self._slowest(self.edp[s], messages, "dp", steps)[0]):
+                    step["expert_bucket"][s] = seconds
+
+    def _sampled_experts(self, out: list[dict], steps: int, stages: list[int]) -> None:
+        m, first = self.config.n_microbatches, stages[0]
+        chosen = self.ep[first][:self.sampled]
+        units = steps * sum(len(self.ep[s]) * m * len(self.ep_blocks[s]) for s in stages)   # block calls in all
+        copies = units / (len(chosen) * len(self.ep_blocks[first]))
+        pool = []
+        for group in chosen:
+            nets = [LossyNetwork(spec) for spec in group.specs]
+            pool += self._ep_micro(nets, self.ep_blocks[first], copies)
+            for cls, net in zip(EP_CLASSES, nets):
+                self.count(cls, net, copies)
+        for step in out:
+            for s in stages:
+                drawn = self.rng.integers(len(pool), size=(len(self.ep[s]), m, len(self.ep_blocks[s])))
+                for cls in EP_CLASSES:
+                    step[cls][s] = [[_block_sum([pool[i] for i in blocks])[cls] for blocks in group.tolist()]
+                                    for group in drawn]
+
+    def _ep_micro(self, nets: list[LossyNetwork], blocks: list[int], copies: float) -> list[dict]:
+        """One micro-batch's all-to-alls on one ep group, as training makes them: forward, block by block,
+        dispatch then combine; backward, blocks in reverse, combine's gradient then dispatch's. Per block,
+        per class: (forward, backward), each [with loss, loss-free] seconds."""
+        sent, back = self.ep_counts
+        site = f"{self.shape.plan.blocks}.{{}}.{self.shape.plan.experts}.{{}}"
+        calls = [(b, cls, "fwd", sent if cls == EP_CLASSES[0] else back) for b in blocks for cls in EP_CLASSES]
+        calls += [(b, cls, "bwd", sent if cls == EP_CLASSES[1] else back) for b in reversed(blocks)
+                  for cls in reversed(EP_CLASSES)]
+        out = {b: {cls: ([0.0, 0.0], [0.0, 0.0]) for cls in EP_CLASSES} for b in blocks}
+        for b, cls, direction, counts in calls:
+            net = nets[EP_CLASSES.index(cls)]
+            before, lost = mark(net), net.totals()
+            net.simulate(site.format(b, cls.removeprefix("ep_")), direction, sum(counts), self.dtype, "all_to_all",
+                         deliver=False, counts=counts)
+            after, now = mark(net), net.totals()
+            pair = out[b][cls][0 if direction == "fwd" else 1]
+            pair[0], pair[1] = pair[0] + after[0] - before[0], pair[1] + after[1] - before[1]
+            missing = now["missing"] - lost["missing"] if net.transport.repairs else now["lost"] - lost["lost"]
+            per_packet, _ = net.packets(1, self.dtype)
+            self.received[cls, direction] += sum(counts) * copies
+            self.inexact[cls, direction] += missing * per_packet * copies
+        return [out[b] for b in blocks]
+
+
+
+def _block_sum(blocks: list[dict]) -> dict:
+    """Per class, the (forward, backward) [with loss, loss-free] seconds of ``blocks`` together."""
+    return {cls: tuple([sum(b[cls][d][q] for b in blocks) for q in (0, 1)] for d in (0, 1)) for cls in EP_CLASSES}

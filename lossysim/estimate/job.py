@@ -1,0 +1,212 @@
+"""The job an estimate simulates: its groups on the mesh's networks, its messages' sizes and bucket plans,
+and which of its identical lossy groups are simulated.
+
+Groups whose links cannot lose a packet are all alike: one is simulated and stands for the others
+(its counts multiplied), which is exact, as their fates are all "delivered". Every group whose links
+can lose packets is simulated, or, with ``Workload.sampled_groups`` k (the default beyond 64 GPUs), k of
+each stage's or boundary's alike groups, the slowest of the others drawn from their times
+(docs/estimate.md, "The slowest of identical groups"): ``Job._sample`` picks them, ``Job._draw_groups``
+draws the others.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+from .. import traffic
+from ..config import EP_CLASSES, ExperimentConfig
+from ..dp.buckets import plan_buckets
+from ..ep import routing
+from ..models import cost
+from ..net import LossyNetwork, NetworkSpec
+from ..pp.stages import stage_parameters
+from ..tp.parallelize import head_counts, parallelize
+from ..util import stream_seed
+from .accounting import Tally, is_lossy
+from .context_messages import ContextMessages
+from .expert_messages import ExpertMessages
+from .messages import Messages
+from .shapes import Shape
+from .workload import AMP_DTYPE, DTYPES, Workload, step_calls
+
+# The most ranks one group may have. Every collective is simulated send by send, and a ring all-reduce over
+# R ranks is 2R(R-1) sends whose schedule the network keeps (about 1.6 KB a send: a tiny model at dp 600,
+# 718,800 sends, peaked at 1.6 GB), so memory grows with the square of the largest group.
+MAX_GROUP_RANKS = 1024
+
+
+class Group(NamedTuple):
+    """A group's network and the groups its counts stand for."""
+    spec: NetworkSpec
+    copies: float      # the groups its counts stand for: loss-free ones alike (exact), or G / k sampled lossy ones
+
+
+class ExpertGroup(NamedTuple):
+    """An ep group's two networks (``ep_dispatch``, ``ep_combine``) and the groups its counts stand for."""
+    specs: tuple
+    copies: float
+
+
+def check_group_size(mesh) -> None:
+    """Refuse, before any work, a layout whose groups an estimate cannot hold (``MAX_GROUP_RANKS``):
+    a one-line ValueError with what it would take. Sampling (``sampled_groups``) bounds how many groups
+    are simulated, not how large one is."""
+    limit = MAX_GROUP_RANKS
+    for axis, ranks in mesh.sizes.items():
+        if ranks > limit:
+            raise ValueError(f"{axis}_size={ranks}: its groups of {ranks} ranks would be simulated send by send, "
+                             f"{2 * ranks * (ranks - 1):.2g} sends an all-reduce against {2 * limit * (limit - 1):.2g} "
+                             f"at the most an estimate takes ({limit} ranks; --sampled-groups bounds how many groups "
+                             f"are simulated, not their size): use {axis}_size <= {limit}")
+
+
+class Job(Tally, Messages, ExpertMessages, ContextMessages):
+    """A job's groups, messages and bucket plans, and the per-step simulation of every class (``run``; each
+    class's messages: ``messages``, ``expert_messages``, ``context_messages``), counted as ``Tally`` counts."""
+
+    def __init__(self, shape: Shape, config: ExperimentConfig, w: Workload, layout: tuple[int, ...], tokens: int):
+        super().__init__()
+        self.shape, self.config, self.w, self.layout = shape, config, w, layout
+        self.mesh = mesh = config.mesh()
+        tp, pp, dp, cp = mesh.tp, mesh.pp, mesh.dp, mesh.cp
+        self.dtype_name = AMP_DTYPE[config.amp]
+        self.dtype = DTYPES[self.dtype_name]
+        settings = config.network_settings()
+        # tp[s]: stage s's groups, one per replica and context rank (context rank 0's first; or one for
+        # all: loss-free); pp[b] alike
+        self.tp = [_groups([mesh.tp_network_spec(settings, r, s, c) for r in range(dp) for c in range(cp)])
+                   for s in range(pp)]
+        self.pp = [_groups([mesh.pp_network_spec(settings, r, b, config.pp_lossy(), c) for r in range(dp)
+                            for c in range(cp)]) for b in range(pp - 1)]
+        # cp[s]: stage s's context groups, one per replica and TP position (none without context parallelism)
+        self.cp = [_groups([mesh.cp_network_spec(settings, r, t, config.lossy_directions("cp"), s)
+                            for r in range(dp) for t in range(tp)]) for s in range(pp)] if cp > 1 else []
+        self.attention_s = [0.0, 0.0]   # one ring step's attention per rank and block, forward and backward
+        mode = config.dp_mode if dp > 1 else None
+        self.dp = [_groups([mesh.dp_network_spec(settings, t, config.dp_lossy(), stage=s) for t in range(tp)])
+                   for s in range(pp)] if mode else []
+        self.mode = mode
+        self.dp_class = config.dp_class
+        # the job's classes: those whose axis has more than one rank (data-parallel traffic is DDP's or FSDP's)
+        self.classes = tuple(c.name for c in traffic.CLASSES if mesh.sizes[c.axis] > 1
+                             and (c.axis != "dp" or c.name == self.dp_class))
+        self._init_experts(shape, config, w, tokens, settings)
+        self.buckets = self._buckets() if mode else []
+        self.ready = [[b.ready for b in stage] for stage in self.buckets]
+        self.calls = [step_calls(shape, config.activation_checkpointing, self.blocks(s)) for s in range(pp)]
+        self.numel = tokens * shape.hidden // cp     # a context rank's tokens of the micro-batch
+        heads, kv, _ = head_counts(shape.plan, shape.config, tp)
+        head_dim = getattr(shape.config, "head_dim", None) or shape.hidden // heads
+        # a context rank's block: its tokens' keys and values for its TP rank's kv heads
+        self.kv_numel = 2 * config.micro_batch_size * max(kv // tp, 1) * (w.seq // cp) * head_dim
+        self.sampled = w.sampled(mesh.world)
+        self.rng = np.random.default_rng(stream_seed(config.seed, "estimate.slowest", "groups"))
+
+    def _init_experts(self, shape: Shape, config: ExperimentConfig, w: Workload, tokens: int, settings: dict) -> None:
+        """A mixture of experts' ep groups per stage (tp x expert-data of them), the routing's message sizes,
+        and the experts' gradient buckets over their expert-data-parallel groups."""
+        mesh, experts = self.mesh, shape.experts
+        self.experts = experts if mesh.ep > 1 else None
+        self.ep_blocks = [[i for i in self.blocks(s) if self.experts and i in experts.blocks] for s in range(mesh.pp)]
+        self.ep, self.expert_buckets, self.edp = [], [], []
+        if self.experts is None:
+            return
+        ep, edp = mesh.ep, mesh.dp // mesh.ep
+        per = routing.rows(tokens, experts.top_k, experts.count, ep, w.routing_skew, config.seed)
+        sent = tuple(0 if s == d else per[s][d] * shape.hidden for s in range(ep) for d in range(ep))
+        self.ep_counts = (sent, tuple(sent[d * ep + s] for s in range(ep) for d in range(ep)))   # dispatch, combine
+        for s in range(mesh.pp):
+            pairs = [tuple(mesh.ep_network_spec(settings, mesh.rank_at(tp=t, dp=g * ep, pp=s), c,
+                                                config.lossy_directions(c)) for c in EP_CLASSES)
+                     for t in range(mesh.tp) for g in range(edp)]
+            lossy = self.ep_lossy = any(is_lossy(LossyNetwork(spec)) for spec in pairs[0])
+            self.ep.append([ExpertGroup(p, 1) for p in pairs] if lossy else [ExpertGroup(pairs[0], len(pairs))])
+            local = [torch.empty(experts.parameters // len(experts.blocks) // ep, device="meta", requires_grad=True,
+                                 dtype=w.grad_torch_dtype) for _ in self.ep_blocks[s]]
+            self.expert_buckets.append(plan_buckets(local, set(), config.dp_bucket_mb * (1 << 20)) if local else [])
+            self.edp.append(_groups([mesh.edp_network_spec(settings, mesh.rank_at(tp=t, dp=e, pp=s), config.dp_lossy())
+                                     for t in range(mesh.tp) for e in range(ep)]) if edp > 1 else [])
+
+    def _sample(self, groups: list[Group], stages: float = 1) -> tuple[list[Group], int]:
+        """The groups simulated, each standing for its share of the G (of each of ``stages`` alike
+        stages: a stage of fewer blocks counts its share), and how many of the first stage's are drawn
+        instead."""
+        k = self.sampled
+        if not k or groups[0].copies > 1 or (len(groups) <= k and stages == 1):
+            return groups, 0
+        k = min(k, len(groups))
+        return [g._replace(copies=len(groups) * stages / k) for g in groups[:k]], len(groups) - k
+
+    def _draw_groups(self, per_step: list[list], k: int) -> None:
+        """Fill each step's groups after the first ``k`` (simulated) with [micro-batch] of two items,
+        each drawn independently from the simulated groups' items of that kind over every micro-batch
+        and step (they are identically distributed: the same messages on groups alike but for streams)."""
+        pool = np.asarray([groups[j] for groups in per_step for j in range(k)], dtype=float).reshape(-1, 2, 2)
+        for groups in per_step:
+            for j in range(k, len(groups)):
+                drawn = self.rng.integers(len(pool), size=(len(groups[0]), 2))
+                groups[j] = [(pool[a, 0].tolist(), pool[b, 1].tolist()) for a, b in drawn]
+
+    def blocks(self, stage: int) -> range:
+        first = sum(self.layout[:stage])
+        return range(first, first + self.layout[stage])
+
+    def shares(self, tokens: int) -> list[float]:
+        """Each stage's share of a micro-batch's compute: its share of the FLOPs (training's
+        ``_stage_shares``)."""
+        flops = [cost.step_flops(n, tokens, layers, self.shape.hidden, self.w.seq)
+                 for n, layers in zip(self._stage_parameters, self.layout)]
+        return [f / sum(flops) for f in flops]
+
+    def _buckets(self) -> list:
+        """Each stage's buckets of a TP rank's local gradients, planned as training plans them on the
+        TP-sharded model (built on the meta device), in the reduce dtype."""
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.shape.config)
+        experts = self._expert_parameters(model)   # averaged over their own groups (``expert_buckets``)
+        tp_model = parallelize(model, self.mesh.tp, LossyNetwork(self.mesh.tp)).to(self.w.grad_torch_dtype)
+        owner = self._owners(model)    # after sharding: its layers' parameters are new ones
+        sharded = {id(p) for p in tp_model.sharded_parameters()}
+        params = [p for p in tp_model.parameters() if id(p) not in experts]
+        cap = self.config.dp_bucket_mb * (1 << 20)
+        return [plan_buckets([p for p in params if owner.get(id(p), self.mesh.pp - 1) == s], sharded, cap)
+                for s in range(self.mesh.pp)]
+
+    def _expert_parameters(self, model) -> set[int]:
+        """The ids of ``model``'s routed experts' parameters (none without expert parallelism)."""
+        plan = self.shape.plan
+        if self.experts is None:
+            return set()
+        parent, _, leaf = plan.experts.rpartition(".")
+        return {id(p) for block in model.base_model.get_submodule(plan.blocks)
+                if hasattr(block.get_submodule(parent), leaf) for p in getattr(block.get_submodule(parent), leaf).parameters()}
+
+    @property
+    def _stage_parameters(self) -> list[int]:
+        if not hasattr(self, "_stage_counts"):
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(self.shape.config)
+            self._stage_counts = stage_parameters(model, self.layout)
+        return self._stage_counts
+
+    def _owners(self, model) -> dict:
+        """Parameter id -> its stage (as ``stage_parameters`` places them); the head is the last's."""
+        plan, last = self.shape.plan, self.mesh.pp - 1
+        stage_of = [s for s, count in enumerate(self.layout) for _ in range(count)]
+        owner = {}
+        for name, param in model.base_model.named_parameters():
+            if name.startswith(f"{plan.blocks}."):
+                owner[id(param)] = stage_of[int(name.split(".")[1])]
+            else:
+                owner[id(param)] = last if name.startswith(f"{plan.final_norm}.") else 0
+        return owner
+
+
+def _groups(specs: list[NetworkSpec]) -> list[Group]:
+    """Identical groups: every one that can lose packets, or one for all when none can."""
+    if not is_lossy(LossyNetwork(specs[0])):
+        return [Group(specs[0], len(specs))]
+    return [Group(spec, 1) for spec in specs]

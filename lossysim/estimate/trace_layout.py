@@ -1,0 +1,128 @@
+"""A profiler trace's process groups on a config's mesh (``Layout``): each group's axis and traffic class,
+and the network each call goes to, or why it is not sent (docs/estimate.md, "Estimate your own job").
+
+Each process group is matched to the mesh axis whose group it is (``Mesh.group``): a TP group's calls are
+``tp``, a data-parallel group's all-reduces ``dp`` and its all-gathers and reduce-scatters ``fsdp``, a send
+between neighbouring pipeline stages ``pp`` (activations forward, gradients back); any other axis's, the
+traffic class ``traffic`` declares for it. A group that is no axis's group (the world group of a 3-D job) and
+a send between stages that are not neighbours go nowhere. Each group's network is the one the mesh gives that
+group (``tp_network_spec``, ``dp_network_spec``, ``pp_network_spec``; any other group placed on its nodes with
+streams of its own), every packet a candidate.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from .. import traffic
+from ..config import ExperimentConfig
+from ..net import NetworkSpec
+from ..util import stream_seed
+from .trace import Call, Trace
+
+_GATHER = ("all_gather", "reduce_scatter")
+
+
+class Place(NamedTuple):
+    """Where a group's calls go: their class, the network's key and spec, and each global rank's index."""
+    cls: str
+    key: tuple
+    spec: NetworkSpec
+    local: dict
+
+
+class Layout:
+    """The process groups of a trace on a config's mesh: each group's axis and traffic class, or why none."""
+
+    def __init__(self, trace: Trace, config: ExperimentConfig):
+        self.mesh = mesh = config.mesh()
+        if mesh.world != trace.world:
+            raise ValueError(f"the trace's world is {trace.world} ranks, the layout's {mesh.name}: give "
+                             "--tp-size, --pp-size and --dp-size (and --ranks-per-node) that make the traced job")
+        self.config, self.settings = config, config.network_settings()
+        self.axis = {name: self._axis(ranks) for name, ranks in trace.groups.items()}
+        self._placed: dict = {}
+
+    def _axis(self, ranks: tuple) -> Optional[str]:
+        for axis in self.mesh.axes:
+            if self.mesh.sizes[axis] == len(ranks) and set(self.mesh.group(axis, ranks[0])) == set(ranks):
+                return axis
+        return None
+
+    def describe(self, trace: Trace) -> dict:
+        return {name: self.axis[name] or f"no axis of {self.mesh.name}" for name in trace.groups}
+
+    def place(self, call: Call, ranks: tuple) -> tuple[Optional[Place], Optional[tuple], str]:
+        """(where the call goes or None, a send's (source, destination) in that network, its direction)."""
+        p2p = call.kind in ("send", "recv")
+        key = (call.group, call.kind, call.rank, call.peer) if p2p else (call.group, call.kind in _GATHER)
+        if key not in self._placed:
+            self._placed[key] = self._place(call, ranks)
+        place, pair, direction = self._placed[key]
+        cls = place.cls if place else None
+        return place, pair, direction if p2p or cls is None else _direction(cls, call)
+
+    def _place(self, call: Call, ranks: tuple) -> tuple[Optional[Place], Optional[tuple], str]:
+        axis = self.axis.get(call.group)
+        if axis is None or len(ranks) < 2:
+            return None, None, "fwd"
+        if call.kind in ("send", "recv"):
+            src, dst = (call.rank, call.peer) if call.kind == "send" else (call.peer, call.rank)
+            return self._p2p(axis, ranks, src, dst)
+        cls = _class_of(axis, call.kind)
+        if cls is None:
+            return None, None, "fwd"
+        direction = _direction(cls, call)
+        mesh, at = self.mesh, self.mesh.coordinates(ranks[0])
+        if axis == "tp":   # each context rank's TP group is a group of its own, as in training
+            spec = mesh.tp_network_spec(self.settings, at["dp"], at["pp"], at["cp"])
+            key = ("tp", at["dp"], at["pp"], at["cp"])
+        elif axis == "dp":
+            spec = mesh.dp_network_spec(self.settings, at["tp"], self.config.lossy_directions(cls), stage=at["pp"])
+            key = (cls, at["pp"], at["tp"])
+        else:
+            spec, key = self._group_spec(axis, ranks, cls), (cls, tuple(ranks))
+        spec = spec.replace(lossy_layers="all", lossy_sites="all", lossy=self._lossy(cls, spec))
+        return Place(cls, key, spec, {r: i for i, r in enumerate(ranks)}), None, direction
+
+    def _p2p(self, axis: str, ranks: tuple, src: int, dst: int):
+        mesh = self.mesh
+        a, b = mesh.coordinates(src), mesh.coordinates(dst)
+        if axis == "pp" and abs(a["pp"] - b["pp"]) == 1:
+            boundary = min(a["pp"], b["pp"])
+            spec = mesh.pp_network_spec(self.settings, a["dp"], boundary, self.config.lossy_directions("pp"), a["cp"])
+            members = mesh.tp_ranks(a["dp"], boundary, a["cp"]) + mesh.tp_ranks(a["dp"], boundary + 1, a["cp"])
+            place = Place("pp", ("pp", a["dp"], boundary, a["cp"]), spec, {r: i for i, r in enumerate(members)})
+            return place, (place.local[src], place.local[dst]), "fwd" if b["pp"] > a["pp"] else "bwd"
+        cls = _class_of(axis, "send")
+        if cls is None or axis == "pp":     # a send between stages that are not neighbours: not modelled
+            return None, None, "fwd"
+        spec = self._group_spec(axis, ranks, cls)
+        place = Place(cls, (cls, tuple(ranks)), spec, {r: i for i, r in enumerate(ranks)})
+        return place, (place.local[src], place.local[dst]), "fwd"
+
+    def _group_spec(self, axis: str, ranks: tuple, cls: str) -> NetworkSpec:
+        """Any other axis's group on the nodes the mesh puts its ranks, with streams of its own."""
+        return NetworkSpec(**{**self.settings, "ranks": len(ranks), "ranks_per_node": self.mesh._per_node(list(ranks)),
+                              "seed": stream_seed(self.settings["seed"], f"trace.{axis}.group{ranks[0]}", "network"),
+                              "lossy_layers": "all", "lossy_sites": "all",
+                              "lossy": self.config.lossy_directions(cls)})
+
+    def _lossy(self, cls: str, spec: NetworkSpec) -> tuple:
+        """TP's lossy directions are the spec's (``lossy`` and ``lossy_traffic``); the others', their class's."""
+        return spec.lossy if cls == "tp" else self.config.lossy_directions(cls)
+
+
+def _class_of(axis: str, collective: str) -> Optional[str]:
+    if axis == "dp":
+        return "fsdp" if collective in _GATHER else "dp"
+    named = [c.name for c in traffic.CLASSES if c.axis == axis]
+    return named[0] if named else None
+
+
+def _direction(cls: str, call: Call) -> str:
+    if cls == "fsdp":
+        return "fwd" if call.kind == "all_gather" else "bwd"
+    directions = [d.direction for d in traffic.BY_NAME[cls].directions]
+    if len(directions) == 1:
+        return directions[0]
+    return "bwd" if call.backward else "fwd"
