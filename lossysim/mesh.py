@@ -175,8 +175,9 @@ class Mesh:
                 raise ValueError(f"{axis}={index} is not a coordinate of an axis of size {self.size(axis)}")
             rank += index * stride
             stride *= self.size(axis)
-        at = self.coordinates(rank)
-        for axis in set(CARVED) & set(coordinates):
+        carved = set(CARVED) & set(coordinates)
+        at = self.coordinates(rank) if carved else {}
+        for axis in carved:
             if coordinates[axis] != at[axis]:
                 raise ValueError(f"{axis}={coordinates[axis]} is carved out of dp x cp: at dp={at['dp']}, "
                                  f"cp={at['cp']} it is {at[axis]}")

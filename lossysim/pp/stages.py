@@ -5,7 +5,7 @@ norm and the head on the last. Each stage is tensor-parallel over a TP group of 
 ``LossyNetwork`` (``Mesh.network_spec("tp", rank, settings)`` at its replica and stage; stage 0's is the run's
 ``train_net``, so a run with one stage keeps its streams). At boundary b, the input of stage b+1's
 first block, ``send_to_next_stage`` moves the hidden states over boundary b's network
-(``Mesh.pp_network_spec``: stage b's tp ranks, then stage b+1's): in ``sim`` they are
+(``Mesh.network_spec("pp", ...)`` at stage b: its tp ranks, then stage b+1's): in ``sim`` they are
 ``[tp * rows, ...]``, every TP rank's copy, and TP rank t of stage b sends its full copy to TP rank t
 of stage b+1 (network ranks t -> tp + t), the gradients coming back tp + t -> t. That is Megatron
 without its scatter/gather optimisation (each rank sending 1/tp, re-gathered over the receiving
