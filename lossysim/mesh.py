@@ -8,29 +8,59 @@ r has one coordinate per axis, its digits in mixed radix over the axes in that o
 expert parallelism is carved out of the data-parallel ranks: the dense world is tp x cp x dp x pp, and
 ``ep`` (which divides dp x cp) has no digit of its own there; an axis of size 1 costs nothing.
 
-Any axis's groups come from one rule (Megatron's ``RankGenerator``): fix every other coordinate and
-walk the axis. Nodes hold ``ranks_per_node`` consecutive ranks (default ``tp``: a TP group to a node).
+Sizes are read by axis name (``size(axis)``, ``sizes``), a rank is named by its coordinates
+(``rank(tp=1, dp=2)``), and any axis's groups come from one rule (Megatron's ``RankGenerator``): fix every
+other coordinate and walk the axis (``group(axis, rank)``, ``groups(axis)``); ``ep`` and ``edp`` (the ranks
+holding the same experts) walk the expert order cut out of dp x cp. Nodes hold ``ranks_per_node``
+consecutive ranks (default ``tp``: a TP group to a node).
 
-Every group gets its own ``LossyNetwork``, whose spec is the run's network settings (from config)
-placed on the group's ranks: each group's topology puts its ranks on the nodes the mesh puts them. A
-TP group's network is replica r's stage s's (at context rank c); a DP group's joins one rank per replica
-at one stage and TP position; a pipeline boundary's holds the two stages' TP groups; a context group's
-holds one rank per context rank at one replica, stage and TP position. Each group's links draw from
-streams of their own, named by the group (``tp.replica1.stage2``, ``tp.replica0.cp1``, ``dp.stage1.group0``,
-``pp.replica0.boundary1``, ``cp.replica0.tp1``), except replica 0's first stage's first context rank's TP
-group: a run with one replica, one stage and one context rank keeps its streams.
+Every group gets its own ``LossyNetwork`` (``network_spec(axis, rank, settings)``): the run's network
+settings (from config) placed on the group's ranks, on the nodes the mesh puts them, its links drawing
+from streams named by the group (``_NETWORKS``), except replica 0's first stage's first context rank's TP
+group: a run with one replica, one stage and one context rank keeps its streams. A pipeline boundary is
+the one network that is not an axis's group: the TP groups of two neighbouring stages.
 """
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from .net import NetworkSpec
 from .util import stream_seed
 
 AXES = ("tp", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"        # Megatron-core's default: tp innermost, pp outermost
+CARVED = ("ep", "edp")                  # cut out of dp x cp: coordinates and groups, no digit of their own
+
+
+class _Network(NamedTuple):
+    """How a group's network differs from the run's: its streams' name, filled from the group's
+    coordinates (a bracketed part only where its coordinate is not 0), and whether its ranks have NICs
+    of their own (one each) rather than the run's ``nics_per_node``."""
+    stream: str
+    own_nics: bool
+
+
+# Every group's network; each but TP's (the run's own) may lose on any layer and site, in its ``lossy``.
+_NETWORKS = {
+    "tp": _Network("tp.replica{dp}[.stage{pp}][.cp{cp}]", own_nics=False),
+    "cp": _Network("cp.replica{dp}.tp{tp}[.stage{pp}]", own_nics=False),
+    "dp": _Network("dp[.stage{pp}].group{tp}", own_nics=True),
+    "pp": _Network("pp.replica{dp}.boundary{pp}[.cp{cp}]", own_nics=False),   # a boundary: see _boundary
+    "ep": _Network("{traffic}.tp{tp}.group{edp}[.stage{pp}]", own_nics=True),
+    "edp": _Network("edp.tp{tp}.experts{ep}[.stage{pp}]", own_nics=True),
+}
+
+
+def _stream(template: str, at: dict) -> str:
+    """``template`` filled from ``at``, each ``[...]`` part kept only where the coordinate it names is not 0."""
+    def part(match: re.Match) -> str:
+        return match.group(1) if at[re.search(r"\{(\w+)\}", match.group(1)).group(1)] else ""
+    return re.sub(r"\[(.*?)\]", part, template).format(**at)
+
+
 
 
 def parse_order(value: str) -> tuple[str, ...]:
@@ -46,7 +76,8 @@ def parse_order(value: str) -> tuple[str, ...]:
 class Mesh:
     """``tp`` ranks to a TP group, ``cp`` to a context group, ``dp`` replicas, ``pp`` stages (``ep`` carved
     out of dp x cp), laid out in ``order``; ``ranks_per_node`` consecutive ranks to a node (None: tp).
-    Building one checks the layout: a bad one is a one-line ValueError naming the setting."""
+    The fields are the constructor (Megatron's ``RankGenerator``'s); code that walks axes reads
+    ``size(axis)``. Building one checks the layout: a bad one is a one-line ValueError naming the setting."""
     tp: int
     dp: int = 1
     ranks_per_node: Optional[int] = None
@@ -84,11 +115,20 @@ class Mesh:
 
     @property
     def sizes(self) -> dict[str, int]:
+        """Every axis's size (summary.json's ``axes``)."""
         return {axis: getattr(self, axis) for axis in AXES}
+
+    def size(self, axis: str) -> int:
+        """An axis's size, ``edp`` too (the ranks holding the same experts: dp x cp / ep)."""
+        if axis == "edp":
+            return self.dp * self.cp // self.ep
+        if axis not in AXES:
+            raise ValueError(f"axis={axis!r} is not one of {', '.join(AXES + ('edp',))}")
+        return getattr(self, axis)
 
     @property
     def world(self) -> int:
-        return math.prod(getattr(self, axis) for axis in self.axes)
+        return math.prod(self.size(axis) for axis in self.axes)
 
     @property
     def per_node(self) -> int:
@@ -111,29 +151,51 @@ class Mesh:
                 "ranks_per_node": self.per_node, "nodes": self.nodes}
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """Each axis's coordinate of a global rank (``ep``'s: 0, it has no digit of its own)."""
+        """Each axis's coordinate of a global rank, ``ep`` and ``edp`` too: its (cp, dp) index
+        ``cp + cp_size x dp`` cut as Megatron's expert layers cut it, ep innermost (the expert order:
+        expert-tensor = tp, ep, expert-data, pp)."""
         if not 0 <= rank < self.world:
             raise ValueError(f"rank={rank} is not in a world of {self.world}")
         out = dict.fromkeys(AXES, 0)
         for axis in self.axes:
-            rank, out[axis] = divmod(rank, getattr(self, axis))
+            rank, out[axis] = divmod(rank, self.size(axis))
+        out["edp"], out["ep"] = divmod(out["cp"] + self.cp * out["dp"], self.ep)
         return out
 
-    def rank_at(self, **coordinates: int) -> int:
-        """The global rank at these coordinates (an axis left out: 0)."""
+    def rank(self, **coordinates: int) -> int:
+        """The global rank at these coordinates (``rank(tp=1, dp=2)``; an axis left out: 0). ``ep`` and
+        ``edp`` follow from dp and cp: given, they must be those."""
+        unknown = set(coordinates) - set(AXES + CARVED)
+        if unknown:
+            raise ValueError(f"{', '.join(sorted(unknown))}: a coordinate is one of {', '.join(AXES + ('edp',))}")
         rank, stride = 0, 1
         for axis in self.axes:
             index = coordinates.get(axis, 0)
-            if not 0 <= index < getattr(self, axis):
-                raise ValueError(f"{axis}={index} is not a coordinate of an axis of size {getattr(self, axis)}")
+            if not 0 <= index < self.size(axis):
+                raise ValueError(f"{axis}={index} is not a coordinate of an axis of size {self.size(axis)}")
             rank += index * stride
-            stride *= getattr(self, axis)
+            stride *= self.size(axis)
+        carved = set(CARVED) & set(coordinates)
+        at = self.coordinates(rank) if carved else {}
+        for axis in carved:
+            if coordinates[axis] != at[axis]:
+                raise ValueError(f"{axis}={coordinates[axis]} is carved out of dp x cp: at dp={at['dp']}, "
+                                 f"cp={at['cp']} it is {at[axis]}")
         return rank
 
     def group(self, axis: str, rank: int) -> list[int]:
-        """The ranks that differ from ``rank`` in ``axis`` alone, in that axis's order."""
-        at = self.coordinates(rank)
-        return [self.rank_at(**{**at, axis: i}) for i in range(getattr(self, axis))]
+        """The ranks that differ from ``rank`` in ``axis`` alone, in that axis's order; ``ep``, ``edp``:
+        the ranks at the same tp and pp whose (cp, dp) index differs in that expert coordinate alone."""
+        at, size = self.coordinates(rank), self.size(axis)
+        if axis not in CARVED:
+            return [self._dense(at, axis, i) for i in range(size)]
+        index = [at["edp"] * self.ep + i for i in range(size)] if axis == "ep" else \
+            [i * self.ep + at["ep"] for i in range(size)]
+        return [self._dense({**at, "cp": c % self.cp, "dp": c // self.cp}) for c in index]
+
+    def _dense(self, at: dict, axis: Optional[str] = None, index: int = 0) -> int:
+        """The rank at ``at``'s dense coordinates (``axis`` moved to ``index``), its carved ones ignored."""
+        return self.rank(**{a: at[a] for a in AXES if a != "ep"} | ({axis: index} if axis else {}))
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group along ``axis`` (fix every other coordinate, walk the axis), by their first rank."""
@@ -142,142 +204,40 @@ class Mesh:
     def node(self, rank: int) -> int:
         return rank // self.per_node
 
-    # -- the coordinates the training code names -----------------------------------------------------
-    def rank(self, replica: int, tp_rank: int, stage: int = 0, context: int = 0) -> int:
-        """The global rank of TP rank ``tp_rank`` of stage ``stage`` of replica ``replica`` (at context-parallel
-        rank ``context``)."""
-        return self.rank_at(tp=tp_rank, dp=replica, pp=stage, cp=context)
-
-    def position(self, rank: int) -> tuple[int, int, int]:
-        """(replica, stage, tp_rank) of a global rank."""
-        at = self.coordinates(rank)
-        return at["dp"], at["pp"], at["tp"]
-
-    def coordinate(self, rank: int) -> tuple[int, int]:
-        """(replica, tp_rank) of a global rank (its stage: ``position``)."""
-        replica, _, tp_rank = self.position(rank)
-        return replica, tp_rank
-
-    def tp_ranks(self, replica: int, stage: int = 0, context: int = 0) -> list[int]:
-        return self.group("tp", self.rank(replica, 0, stage, context))
-
-    def cp_ranks(self, replica: int, tp_rank: int, stage: int = 0) -> list[int]:
-        """Replica ``replica``'s stage ``stage``'s context-parallel group at TP position ``tp_rank``."""
-        return self.group("cp", self.rank(replica, tp_rank, stage))
-
-    def dp_ranks(self, tp_rank: int, stage: int = 0) -> list[int]:
-        return self.group("dp", self.rank(0, tp_rank, stage))
-
-    def pp_ranks(self, replica: int, tp_rank: int) -> list[int]:
-        """Replica ``replica``'s TP position ``tp_rank`` stage by stage: one pipeline."""
-        return self.group("pp", self.rank(replica, tp_rank, 0))
-
-    def stage_ranks(self, stage: int) -> list[int]:
-        """Every rank that holds stage ``stage`` (of every replica, at every TP position)."""
-        return [r for r in range(self.world) if self.coordinates(r)["pp"] == stage]
-
-    # -- expert parallelism: ep carved out of dp x cp --------------------------------------------------
-    def expert_coordinates(self, rank: int) -> tuple[int, int]:
-        """(ep, edp) of a global rank: its (cp, dp) index ``cp + cp_size x dp`` cut as Megatron's expert layers
-        cut it, ep innermost (the expert order: expert-tensor = tp, ep, expert-data, pp)."""
-        at = self.coordinates(rank)
-        return divmod(at["cp"] + self.cp * at["dp"], self.ep)[::-1]
-
-    def ep_group(self, rank: int) -> list[int]:
-        """The ranks whose experts ``rank``'s tokens may go to (the same tp, pp and expert-data index), in
-        ep order."""
-        return self._expert_group(rank, "ep")
-
-    def edp_group(self, rank: int) -> list[int]:
-        """The ranks holding ``rank``'s experts (Megatron's expert-data-parallel group), in their order."""
-        return self._expert_group(rank, "edp")
-
-    def _expert_group(self, rank: int, axis: str) -> list[int]:
-        at, (ep, edp) = self.coordinates(rank), self.expert_coordinates(rank)
-        indices = [edp * self.ep + e for e in range(self.ep)] if axis == "ep" else \
-            [d * self.ep + ep for d in range(self.dp * self.cp // self.ep)]
-        return [self.rank_at(**{**at, "cp": c % self.cp, "dp": c // self.cp}) for c in indices]
-
-    def expert_groups(self, axis: str) -> list[list[int]]:
-        """Every ``ep`` or ``edp`` group, by their first rank."""
-        first = (lambda r: self.expert_coordinates(r)[0] == 0) if axis == "ep" else \
-            (lambda r: self.expert_coordinates(r)[1] == 0)
-        return [self._expert_group(r, axis) for r in range(self.world) if first(r)]
-
-    def ep_network_spec(self, settings: dict, rank: int, traffic: str, lossy: tuple[str, ...]) -> NetworkSpec:
-        """The expert-parallel group of ``rank`` carrying traffic class ``traffic`` (``ep_dispatch`` or
-        ``ep_combine``): ``ep`` ranks on the nodes the mesh puts them, one NIC each, chains of their own
-        per class and group; ``lossy``: the directions that may lose packets. Every message is a
-        candidate: site selection picks TP sites."""
-        ranks = self.ep_group(rank)
-        at, (_, edp) = self.coordinates(rank), self.expert_coordinates(rank)
-        name = f"{traffic}.tp{at['tp']}.group{edp}" + (f".stage{at['pp']}" if at["pp"] else "")
-        return NetworkSpec(**{**settings, "ranks": self.ep, "ranks_per_node": self._per_node(ranks),
-                              "nics_per_node": None, "seed": stream_seed(settings["seed"], name, "network"),
-                              "lossy_layers": "all", "lossy_sites": "all", "lossy": lossy})
-
-    def edp_network_spec(self, settings: dict, rank: int, lossy: tuple[str, ...]) -> NetworkSpec:
-        """The expert-data-parallel group of ``rank`` (the ranks holding its experts), as a data-parallel
-        group's network (``dp_network_spec``) of its own: its ranks' nodes, one NIC each, its own chains."""
-        ranks = self.edp_group(rank)
-        at, (ep, _) = self.coordinates(rank), self.expert_coordinates(rank)
-        name = f"edp.tp{at['tp']}.experts{ep}" + (f".stage{at['pp']}" if at["pp"] else "")
-        return NetworkSpec(**{**settings, "ranks": len(ranks), "ranks_per_node": self._per_node(ranks),
-                              "nics_per_node": None, "seed": stream_seed(settings["seed"], name, "network"),
-                              "lossy_layers": "all", "lossy_sites": "all", "lossy": lossy})
-
     # -- each group's network ----------------------------------------------------------------------
-    def tp_network_spec(self, settings: dict, replica: int = 0, stage: int = 0, context: int = 0) -> NetworkSpec:
-        """Replica ``replica``'s stage ``stage``'s TP group (at context-parallel rank ``context``) on the
-        run's network ``settings`` (``NetworkSpec``'s keys), on the nodes the mesh puts it and, beyond
-        replica 0's first stage's first context rank, chains of its own."""
-        placed = {**settings, "ranks": self.tp}
-        if self.ranks_per_node is not None and self.world > self.tp:
-            placed["ranks_per_node"] = self._per_node(self.tp_ranks(replica, stage, context))
-        if stage or replica or context:
-            name = f"tp.replica{replica}" + (f".stage{stage}" if stage else "") + (f".cp{context}" if context else "")
-            placed["seed"] = stream_seed(settings["seed"], name, "network")
-        return NetworkSpec(**placed)
-
-    def cp_network_spec(self, settings: dict, replica: int, tp_rank: int, lossy: tuple[str, ...],
-                        stage: int = 0) -> NetworkSpec:
-        """Replica ``replica``'s stage ``stage``'s context-parallel group at TP position ``tp_rank``: ``cp``
-        ranks, on the nodes the mesh puts them (a TP group to a node puts each on its own), chains of their
-        own; ``lossy``: the directions that may lose packets (``fwd``: keys and values, ``bwd``: their
-        gradients). Every message is a candidate: site selection picks TP sites."""
-        name = f"cp.replica{replica}.tp{tp_rank}" + (f".stage{stage}" if stage else "")
-        return NetworkSpec(**{**settings, "ranks": self.cp,
-                              "ranks_per_node": self._per_node(self.cp_ranks(replica, tp_rank, stage)),
-                              "seed": stream_seed(settings["seed"], name, "network"),
+    def network_spec(self, axis: str, rank: int, settings: dict, lossy: Optional[tuple[str, ...]] = None,
+                     traffic: Optional[str] = None) -> NetworkSpec:
+        """The network of ``rank``'s ``axis`` group (``tp``, ``cp``, ``dp``, ``ep``, ``edp``; ``pp``: the
+        pipeline boundary after ``rank``'s stage) on the run's network ``settings`` (``NetworkSpec``'s keys):
+        its ranks on the nodes the mesh puts them, streams of its own (``_NETWORKS``). ``lossy``: the
+        directions that may lose packets, every message a candidate (site selection picks TP sites); TP's
+        group is the run's own network and takes none. ``traffic``: ``ep``'s class (``ep_dispatch`` or
+        ``ep_combine``), each with chains of its own."""
+        if axis not in _NETWORKS:
+            raise ValueError(f"axis={axis!r}: a group's network is one of {', '.join(_NETWORKS)}")
+        if (lossy is None) != (axis == "tp") or (traffic is not None) != (axis == "ep"):
+            raise ValueError(f"{axis}'s network takes {'no ' if axis == 'tp' else ''}lossy directions and "
+                             f"{'a' if axis == 'ep' else 'no'} traffic class")
+        ranks = self._boundary(rank) if axis == "pp" else self.group(axis, rank)
+        at, declared = self.coordinates(rank), _NETWORKS[axis]
+        seed = stream_seed(settings["seed"], _stream(declared.stream, {**at, "traffic": traffic}), "network")
+        placed = {**settings, "ranks": len(ranks)} | ({"nics_per_node": None} if declared.own_nics else {})
+        if axis == "tp":   # the run's own network: moved only where the mesh spreads ranks over nodes
+            if self.ranks_per_node is not None and self.world > self.tp:
+                placed["ranks_per_node"] = self._per_node(ranks)
+            return NetworkSpec(**{**placed, **({"seed": seed} if at["dp"] or at["pp"] or at["cp"] else {})})
+        return NetworkSpec(**{**placed, "ranks_per_node": self._per_node(ranks), "seed": seed,
                               "lossy_layers": "all", "lossy_sites": "all", "lossy": lossy})
 
-    def dp_network_spec(self, settings: dict, tp_rank: int, lossy: tuple[str, ...], stage: int = 0) -> NetworkSpec:
-        """Stage ``stage``'s TP position ``tp_rank``'s data-parallel group: ``dp`` ranks, one per
-        replica, on the nodes the mesh puts them, their own NICs and chains; ``lossy``: the directions
-        of its traffic that may lose packets. Every packet is a candidate: site selection picks TP sites."""
-        group = f"dp.group{tp_rank}" if not stage else f"dp.stage{stage}.group{tp_rank}"
-        ranks = self.dp_ranks(tp_rank, stage)
-        return NetworkSpec(**{**settings, "ranks": self.dp, "ranks_per_node": self._per_node(ranks),
-                              "nics_per_node": None, "seed": stream_seed(settings["seed"], group, "network"),
-                              "lossy_layers": "all", "lossy_sites": "all", "lossy": lossy})
-
-    def pp_network_spec(self, settings: dict, replica: int, boundary: int, lossy: tuple[str, ...],
-                        context: int = 0) -> NetworkSpec:
-        """Replica ``replica``'s pipeline boundary ``boundary`` (between stages ``boundary`` and
-        ``boundary + 1``): ``2 tp`` ranks, stage ``boundary``'s TP ranks then the next stage's (local rank
-        t and ``tp + t`` are the global ranks ``rank(replica, t, boundary)`` and ``rank(replica, t,
-        boundary + 1)``), on the nodes the mesh puts them, chains of their own; ``lossy``: the directions
-        that may lose packets (``fwd``: activations, ``bwd``: their gradients); ``context``: the context
-        rank whose stages it joins. Every message is a candidate: site selection picks TP sites."""
-        if not 0 <= boundary < self.pp - 1:
+    def _boundary(self, rank: int) -> list[int]:
+        """The pipeline boundary after ``rank``'s stage b, the one network that is no axis's group: stage b's
+        TP group then stage b + 1's (local rank t and ``tp + t``) at ``rank``'s replica and context rank."""
+        at = self.coordinates(rank)
+        if at["pp"] >= self.pp - 1:
             has = f"a pipeline of {self.pp} stages has boundaries 0..{self.pp - 2}" if self.pp > 1 else \
                 "one stage has no pipeline boundary"
-            raise ValueError(f"boundary={boundary}: {has}")
-        ranks = self.tp_ranks(replica, boundary, context) + self.tp_ranks(replica, boundary + 1, context)
-        name = f"pp.replica{replica}.boundary{boundary}" + (f".cp{context}" if context else "")
-        return NetworkSpec(**{**settings, "ranks": len(ranks), "ranks_per_node": self._per_node(ranks),
-                              "seed": stream_seed(settings["seed"], name, "network"),
-                              "lossy_layers": "all", "lossy_sites": "all", "lossy": lossy})
+            raise ValueError(f"boundary={at['pp']}: {has}")
+        return self.group("tp", rank) + self.group("tp", self._dense(at, "pp", at["pp"] + 1))
 
     def _per_node(self, ranks: list[int]) -> int:
         """The ranks to a node that a group's own topology (consecutive blocks of one size) needs to put
@@ -292,16 +252,12 @@ class Mesh:
 
     def process_groups(self) -> dict[str, dict[int, object]]:
         """dist's process groups: per axis (``tp``, ``dp``, ``pp``, ...; ``ep`` and ``edp`` with experts), each
-        global rank's group. Every
-        process creates every group, in the same order, as torch.distributed requires."""
+        global rank's group. Every process creates every group, in the same order, as torch.distributed
+        requires."""
         import torch.distributed as dist
         out = {}
-        for axis in self.axes:
+        for axis in self.axes + (CARVED if self.ep > 1 else ()):
             out[axis] = {}
             for ranks in self.groups(axis):
-                out[axis].update(dict.fromkeys(ranks, dist.new_group(ranks)))
-        for axis in ("ep", "edp") if self.ep > 1 else ():
-            out[axis] = {}
-            for ranks in self.expert_groups(axis):
                 out[axis].update(dict.fromkeys(ranks, dist.new_group(ranks)))
         return out

@@ -43,7 +43,7 @@ def _context_parallel(ref, kind: str, tp: int, cp: int, mode: str, **settings):
     config = ExperimentConfig(tp_size=tp, cp_size=cp, cp_mode=mode, max_length=16, ranks_per_node=tp,
                               **settings).validate()
     mesh = config.mesh()
-    model = parallelize(copy.deepcopy(ref), tp, LossyNetwork(mesh.tp_network_spec(config.network_settings())))
+    model = parallelize(copy.deepcopy(ref), tp, LossyNetwork(mesh.network_spec("tp", 0, config.network_settings())))
     return model, apply_cp(model, config, mesh)
 
 
@@ -370,7 +370,7 @@ def test_a_traced_context_parallel_job_gives_each_context_rank_s_tp_group_its_ow
     for group, context in (("1", 0), ("2", 1)):
         call = next(c for c in trace.ranks[groups[group][0]].calls[0] if c.group == group)
         place, _, _ = layout.place(call, groups[group])
-        assert place.cls == "tp" and place.spec == config.mesh().tp_network_spec(settings, 0, 0, context)
+        assert place.cls == "tp" and place.spec == config.mesh().network_spec("tp", config.mesh().rank(cp=context), settings)
         placed.append(place.key)
     assert placed[0] != placed[1]
     row = replays.simulate_trace(trace, config, steps=1)
@@ -393,7 +393,7 @@ def test_a_ring_round_costs_the_longer_of_its_send_and_the_attention_it_overlaps
     seq, cp, shape = 32768, 4, load(str(path))
     config = job_config(str(path), tp_size=1, cp_size=cp, ranks_per_node=1, max_length=seq,
                         link_inter=f"roce-400g,bw={bandwidth}")
-    net = LossyNetwork(config.mesh().cp_network_spec(config.network_settings(), 0, 0, ("fwd", "bwd")))
+    net = LossyNetwork(config.mesh().network_spec("cp", 0, config.network_settings(), ("fwd", "bwd")))
     net.simulate("kv", "fwd", 2 * 8 * (seq // cp) * 128, torch.bfloat16, "send", pair=(0, 1))   # one block's
     send = net.clock()["comm_s"]
     gpu = timing.parse_compute(config.compute)

@@ -30,7 +30,7 @@ def test_zero_loss_experts_are_their_all_to_alls_in_closed_form():
     per = routing.rows(tokens, k, 8, 2)
     assert per == [[tokens * k // 2] * 2] * 2
     counts = (0, per[0][1] * hidden, per[1][0] * hidden, 0)
-    spec = config.mesh().ep_network_spec(config.network_settings(), 0, "ep_dispatch", ("fwd", "bwd"))
+    spec = config.mesh().network_spec("ep", 0, config.network_settings(), ("fwd", "bwd"), "ep_dispatch")
     seconds, sent = _call_seconds(spec, counts, 2)
     calls = 2 * len(shape.experts.blocks) * 2                 # micro-batches x blocks x (forward, backward)
     for cls in ("ep_dispatch", "ep_combine"):

@@ -11,18 +11,24 @@ from lossysim.mesh import Mesh
 from lossysim.util import stream_seed
 
 
+def position(mesh: Mesh, rank: int) -> tuple[int, int, int]:
+    """(replica, stage, tp rank) of a global rank, read from its coordinates."""
+    at = mesh.coordinates(rank)
+    return at["dp"], at["pp"], at["tp"]
+
+
 @pytest.mark.parametrize("tp,dp,per_node", [(2, 4, 4), (4, 2, 2), (1, 3, None), (3, 1, None)])
 def test_every_rank_has_one_coordinate_and_one_group_of_each_kind(tp, dp, per_node):
     mesh = Mesh(tp, dp, per_node)
-    assert [mesh.coordinate(r) for r in range(mesh.world)] == [(r, t) for r in range(dp) for t in range(tp)]
-    assert all(mesh.rank(*mesh.coordinate(r)) == r for r in range(mesh.world))
-    tp_groups = [mesh.tp_ranks(r) for r in range(dp)]
-    dp_groups = [mesh.dp_ranks(t) for t in range(tp)]
+    assert [position(mesh, r) for r in range(mesh.world)] == [(r, 0, t) for r in range(dp) for t in range(tp)]
+    assert all(mesh.rank(dp=position(mesh, r)[0], tp=position(mesh, r)[2]) == r for r in range(mesh.world))
+    tp_groups = [mesh.group("tp", mesh.rank(dp=r)) for r in range(dp)]
+    dp_groups = [mesh.group("dp", mesh.rank(tp=t)) for t in range(tp)]
     for groups in (tp_groups, dp_groups):
         assert sorted(r for g in groups for r in g) == list(range(mesh.world))
     # a rank's TP group and its DP group meet in that rank alone
     for r in range(mesh.world):
-        replica, t = mesh.coordinate(r)
+        replica, _, t = position(mesh, r)
         assert set(tp_groups[replica]) & set(dp_groups[t]) == {r}
     per = tp if per_node is None else per_node
     assert [mesh.node(r) for r in range(mesh.world)] == [r // per for r in range(mesh.world)]
@@ -31,18 +37,18 @@ def test_every_rank_has_one_coordinate_and_one_group_of_each_kind(tp, dp, per_no
 def test_group_networks_are_placed_on_the_mesh():
     base = dict(loss="bernoulli:0.01", seed=7, ranks_per_node=4)     # a run's network settings: no group size
     mesh = Mesh(2, 4, ranks_per_node=4)          # two replicas to a node
-    assert mesh.tp_network_spec(base).ranks == 2                   # the mesh says how many ranks a group has
-    assert mesh.tp_network_spec(base).ranks_per_node == 2          # a TP group spans one node
-    assert mesh.tp_network_spec(base).seed == 7                    # replica 0 keeps the run's streams
-    assert mesh.tp_network_spec(base, 3).seed == stream_seed(7, "tp.replica3", "network")
-    group = mesh.dp_network_spec(base, 1, ("bwd",))
+    assert mesh.network_spec("tp", 0, base).ranks == 2             # the mesh says how many ranks a group has
+    assert mesh.network_spec("tp", 0, base).ranks_per_node == 2    # a TP group spans one node
+    assert mesh.network_spec("tp", 1, base).seed == 7              # replica 0 keeps the run's streams
+    assert mesh.network_spec("tp", mesh.rank(dp=3), base).seed == stream_seed(7, "tp.replica3", "network")
+    group = mesh.network_spec("dp", mesh.rank(tp=1), base, ("bwd",))
     # 4 replicas, 2 to a node: the DP group's ranks 1, 3 | 5, 7 pair up on two nodes
     assert (group.ranks, group.ranks_per_node, group.topology.nodes) == (4, 2, 2)
-    assert [mesh.node(r) for r in mesh.dp_ranks(1)] == [0, 0, 1, 1]
+    assert [mesh.node(r) for r in mesh.group("dp", 1)] == [0, 0, 1, 1]
     assert group.lossy == ("bwd",) and group.seed == stream_seed(7, "dp.group1", "network")
-    assert mesh.dp_network_spec(base, 0, ()).seed != group.seed
+    assert mesh.network_spec("dp", 0, base, ()).seed != group.seed
     # one replica to a node (the default): every DP rank on its own node
-    assert Mesh(2, 4).dp_network_spec({**base, "ranks_per_node": None}, 0, ("bwd",)).topology.nodes == 4
+    assert Mesh(2, 4).network_spec("dp", 0, {**base, "ranks_per_node": None}, ("bwd",)).topology.nodes == 4
 
 
 # -- the pipeline axis ------------------------------------------------------------------------------
@@ -51,30 +57,34 @@ def test_tp2_pp2_dp2_ranks_are_laid_out_in_megatrons_order():
     TP group to a node by default."""
     mesh = Mesh(2, 2, pp=2)
     assert mesh.order == "tp-cp-ep-dp-pp" and mesh.world == 8
-    assert [mesh.position(r) for r in range(8)] == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1),
-                                                     (0, 1, 0), (0, 1, 1), (1, 1, 0), (1, 1, 1)]
-    assert all(mesh.rank(replica, t, stage) == r for r, (replica, stage, t) in enumerate(map(mesh.position, range(8))))
-    assert mesh.coordinate(6) == (1, 0)                      # (replica, tp_rank): the stage is position's
-    assert [mesh.tp_ranks(r, s) for s in range(2) for r in range(2)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert [mesh.dp_ranks(t, s) for s in range(2) for t in range(2)] == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert [mesh.pp_ranks(r, t) for r in range(2) for t in range(2)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert mesh.stage_ranks(0) == [0, 1, 2, 3] and mesh.stage_ranks(1) == [4, 5, 6, 7]
+    assert [position(mesh, r) for r in range(8)] == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1),
+                                                      (0, 1, 0), (0, 1, 1), (1, 1, 0), (1, 1, 1)]
+    assert all(mesh.rank(dp=replica, tp=t, pp=stage) == r
+               for r, (replica, stage, t) in enumerate(position(mesh, r) for r in range(8)))
+    assert mesh.rank(pp=1, dp=1) == 6 and mesh.rank(tp=1) == 1          # named coordinates, any order
+    assert [mesh.group("tp", mesh.rank(dp=r, pp=s)) for s in range(2) for r in range(2)] == \
+        [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [mesh.group("dp", mesh.rank(tp=t, pp=s)) for s in range(2) for t in range(2)] == \
+        [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert [mesh.group("pp", mesh.rank(dp=r, tp=t)) for r in range(2) for t in range(2)] == \
+        [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert [mesh.node(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     # a rank's three groups meet in that rank alone
     for r in range(8):
-        replica, stage, t = mesh.position(r)
-        assert set(mesh.tp_ranks(replica, stage)) & set(mesh.dp_ranks(t, stage)) == {r}
-        assert set(mesh.tp_ranks(replica, stage)) & set(mesh.pp_ranks(replica, t)) == {r}
-        assert set(mesh.dp_ranks(t, stage)) & set(mesh.pp_ranks(replica, t)) == {r}
+        assert set(mesh.group("tp", r)) & set(mesh.group("dp", r)) == {r}
+        assert set(mesh.group("tp", r)) & set(mesh.group("pp", r)) == {r}
+        assert set(mesh.group("dp", r)) & set(mesh.group("pp", r)) == {r}
 
 
 def test_the_old_order_is_one_setting_away():
     """0.4 laid ranks out tp, then pp, then dp: ``parallel_order=tp-cp-ep-pp-dp`` restores it."""
     mesh = Mesh(2, 2, pp=2, order="tp-cp-ep-pp-dp")
-    assert [mesh.position(r) for r in range(8)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1),
-                                                     (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
-    assert [mesh.dp_ranks(t, s) for s in range(2) for t in range(2)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert [mesh.pp_ranks(r, t) for r in range(2) for t in range(2)] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert [position(mesh, r) for r in range(8)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1),
+                                                      (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    assert [mesh.group("dp", mesh.rank(tp=t, pp=s)) for s in range(2) for t in range(2)] == \
+        [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [mesh.group("pp", mesh.rank(dp=r, tp=t)) for r in range(2) for t in range(2)] == \
+        [[0, 2], [1, 3], [4, 6], [5, 7]]
 
 
 def test_megatrons_own_example():
@@ -101,11 +111,11 @@ def test_one_rule_gives_every_axis_its_groups(sizes, order):
         assert sorted(r for g in groups for r in g) == list(range(mesh.world))
         for group in groups:
             coords = [mesh.coordinates(r) for r in group]
-            assert [c[axis] for c in coords] == list(range(getattr(mesh, axis)))
-            assert all({k: v for k, v in c.items() if k != axis} == {k: v for k, v in coords[0].items() if k != axis}
+            assert [c[axis] for c in coords] == list(range(mesh.size(axis)))
+            assert all({k: c[k] for k in mesh.axes if k != axis} == {k: coords[0][k] for k in mesh.axes if k != axis}
                        for c in coords)
     for r in range(mesh.world):
-        assert mesh.rank_at(**mesh.coordinates(r)) == r
+        assert mesh.rank(**mesh.coordinates(r)) == r
         assert set(mesh.group("tp", r)) & set(mesh.group("dp", r)) & set(mesh.group("pp", r)) == {r}
 
 
@@ -115,12 +125,12 @@ def test_tp4_on_8_gpu_nodes_puts_two_replicas_of_a_stage_on_a_node():
     crosses nodes; 0.4's order put two stages of a replica there, the other way round."""
     settings = dict(loss="bernoulli:0.01", seed=1, ranks_per_node=8)
     new, old = Mesh(4, 2, 8, pp=2), Mesh(4, 2, 8, pp=2, order="tp-cp-ep-pp-dp")
-    assert [new.position(r) for r in (0, 4)] == [(0, 0, 0), (1, 0, 0)]
-    assert [old.position(r) for r in (0, 4)] == [(0, 0, 0), (0, 1, 0)]
-    assert new.dp_network_spec(settings, 0, ("bwd",)).topology.nodes == 1
-    assert old.dp_network_spec(settings, 0, ("bwd",)).topology.nodes == 2
-    assert new.pp_network_spec(settings, 0, 0, ("fwd",)).topology.nodes == 2
-    assert old.pp_network_spec(settings, 0, 0, ("fwd",)).topology.nodes == 1
+    assert [position(new, r) for r in (0, 4)] == [(0, 0, 0), (1, 0, 0)]
+    assert [position(old, r) for r in (0, 4)] == [(0, 0, 0), (0, 1, 0)]
+    assert new.network_spec("dp", 0, settings, ("bwd",)).topology.nodes == 1
+    assert old.network_spec("dp", 0, settings, ("bwd",)).topology.nodes == 2
+    assert new.network_spec("pp", 0, settings, ("fwd",)).topology.nodes == 2
+    assert old.network_spec("pp", 0, settings, ("fwd",)).topology.nodes == 1
 
 
 @pytest.mark.parametrize("kwargs,needle", [
@@ -145,10 +155,11 @@ def test_one_stage_is_the_mesh_it_was(tp, dp, per_node):
     specs are those of a mesh without the axis."""
     mesh, flat = Mesh(tp, dp, per_node), Mesh(tp, dp, per_node, 1)
     assert mesh == flat and mesh.pp == 1
-    assert [mesh.position(r) for r in range(mesh.world)] == [(r, 0, t) for r in range(dp) for t in range(tp)]
+    assert [position(mesh, r) for r in range(mesh.world)] == [(r, 0, t) for r in range(dp) for t in range(tp)]
     base = dict(loss="bernoulli:0.01", seed=7, ranks_per_node=per_node)
-    assert mesh.tp_network_spec(base, 1, 0) == mesh.tp_network_spec(base, 1)
-    assert mesh.dp_network_spec(base, 0, ("bwd",), 0) == mesh.dp_network_spec(base, 0, ("bwd",))
+    if dp > 1:
+        assert mesh.network_spec("tp", mesh.rank(dp=1, pp=0), base) == mesh.network_spec("tp", mesh.rank(dp=1), base)
+    assert mesh.network_spec("dp", mesh.rank(pp=0), base, ("bwd",)) == mesh.network_spec("dp", 0, base, ("bwd",))
 
 
 def test_stages_draw_streams_of_their_own():
@@ -156,16 +167,18 @@ def test_stages_draw_streams_of_their_own():
     other stage's TP group, every stage's DP groups and every boundary get their own."""
     base = dict(loss="bernoulli:0.01", seed=7)
     mesh = Mesh(2, 2, pp=3)
-    assert mesh.tp_network_spec(base).seed == 7
-    assert mesh.tp_network_spec(base, 1).seed == stream_seed(7, "tp.replica1", "network")
-    assert mesh.tp_network_spec(base, 0, 2).seed == stream_seed(7, "tp.replica0.stage2", "network")
-    assert mesh.tp_network_spec(base, 1, 1).seed == stream_seed(7, "tp.replica1.stage1", "network")
-    assert mesh.dp_network_spec(base, 1, ("bwd",)).seed == stream_seed(7, "dp.group1", "network")
-    assert mesh.dp_network_spec(base, 1, ("bwd",), 2).seed == stream_seed(7, "dp.stage2.group1", "network")
-    assert mesh.pp_network_spec(base, 1, 0, ("fwd",)).seed == stream_seed(7, "pp.replica1.boundary0", "network")
-    seeds = {mesh.tp_network_spec(base, r, s).seed for r in range(2) for s in range(3)}
-    seeds |= {mesh.pp_network_spec(base, r, b, ("fwd",)).seed for r in range(2) for b in range(2)}
-    seeds |= {mesh.dp_network_spec(base, t, ("bwd",), s).seed for t in range(2) for s in range(3)}
+    def seed(axis, lossy=None, **at):
+        return mesh.network_spec(axis, mesh.rank(**at), base, lossy).seed
+    assert seed("tp") == 7
+    assert seed("tp", dp=1) == stream_seed(7, "tp.replica1", "network")
+    assert seed("tp", pp=2) == stream_seed(7, "tp.replica0.stage2", "network")
+    assert seed("tp", dp=1, pp=1) == stream_seed(7, "tp.replica1.stage1", "network")
+    assert seed("dp", ("bwd",), tp=1) == stream_seed(7, "dp.group1", "network")
+    assert seed("dp", ("bwd",), tp=1, pp=2) == stream_seed(7, "dp.stage2.group1", "network")
+    assert seed("pp", ("fwd",), dp=1) == stream_seed(7, "pp.replica1.boundary0", "network")
+    seeds = {seed("tp", dp=r, pp=s) for r in range(2) for s in range(3)}
+    seeds |= {seed("pp", ("fwd",), dp=r, pp=b) for r in range(2) for b in range(2)}
+    seeds |= {seed("dp", ("bwd",), tp=t, pp=s) for t in range(2) for s in range(3)}
     assert len(seeds) == 6 + 4 + 6
 
 
@@ -174,12 +187,12 @@ def test_a_boundarys_network_holds_both_stages_on_their_nodes():
     mesh places between their global ranks; every site lossy, ``lossy`` the directions that lose."""
     base = dict(loss="bernoulli:0.01", seed=7, lossy_layers="0-1", lossy_sites="attn", ranks_per_node=None)
     mesh = Mesh(2, 1, pp=4)                                   # a stage to a node (the default)
-    spec = mesh.pp_network_spec(base, 0, 1, ("fwd",))
+    spec = mesh.network_spec("pp", mesh.rank(pp=1), base, ("fwd",))
     assert (spec.ranks, spec.ranks_per_node, spec.topology.nodes) == (4, 2, 2)
     assert spec.lossy == ("fwd",) and spec.selection.everything
     for b in range(3):
-        spec = mesh.pp_network_spec(base, 0, b, ("fwd", "bwd"))
-        ranks = mesh.tp_ranks(0, b) + mesh.tp_ranks(0, b + 1)
+        spec = mesh.network_spec("pp", mesh.rank(pp=b), base, ("fwd", "bwd"))
+        ranks = mesh.group("tp", mesh.rank(pp=b)) + mesh.group("tp", mesh.rank(pp=b + 1))
         for i in range(4):
             for j in range(4):
                 if i != j:
@@ -187,9 +200,9 @@ def test_a_boundarys_network_holds_both_stages_on_their_nodes():
                     assert spec.topology.link_class(i, j) == ("intra" if same else "inter")
     # two stages to a node: boundaries 0 and 2 stay inside one, boundary 1 crosses
     paired = Mesh(2, 1, ranks_per_node=4, pp=4)
-    assert [paired.pp_network_spec(base, 0, b, ("fwd",)).topology.nodes for b in range(3)] == [1, 2, 1]
+    assert [paired.network_spec("pp", paired.rank(pp=b), base, ("fwd",)).topology.nodes for b in range(3)] == [1, 2, 1]
     # a TP group over two nodes: each stage's halves on nodes of their own
-    assert Mesh(4, 1, ranks_per_node=2, pp=2).pp_network_spec(base, 0, 0, ("bwd",)).topology.nodes == 4
+    assert Mesh(4, 1, ranks_per_node=2, pp=2).network_spec("pp", 0, base, ("bwd",)).topology.nodes == 4
 
 
 @pytest.mark.parametrize("mesh,boundary,needle", [
@@ -198,7 +211,55 @@ def test_a_boundarys_network_holds_both_stages_on_their_nodes():
 ])
 def test_a_boundary_the_mesh_cannot_place_is_refused(mesh, boundary, needle):
     with pytest.raises(ValueError, match=needle):
-        mesh.pp_network_spec(dict(seed=1), 0, boundary, ("fwd",))
+        mesh.network_spec("pp", mesh.rank(pp=boundary), dict(seed=1), ("fwd",))
+
+
+def test_expert_axes_are_carved_out_of_dp_by_cp():
+    """ep 2 on dp 2 x cp 2 (tp 2): a rank's (cp, dp) index cp + 2 dp cut ep innermost; ep and edp have
+    coordinates and groups like any axis, but no digit: naming them in a rank only checks them."""
+    mesh = Mesh(2, 2, cp=2, ep=2)
+    assert [(mesh.coordinates(r)["ep"], mesh.coordinates(r)["edp"]) for r in range(0, 8, 2)] == \
+        [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert mesh.size("ep") == 2 and mesh.size("edp") == 2 and "edp" not in mesh.sizes
+    assert mesh.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh.groups("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert mesh.group("ep", 6) == [4, 6] and mesh.group("edp", 6) == [2, 6]
+    assert mesh.rank(dp=1, cp=1, ep=1, edp=1) == 6
+    with pytest.raises(ValueError, match=re.escape("ep=0 is carved out of dp x cp: at dp=1, cp=1 it is 1")):
+        mesh.rank(dp=1, cp=1, ep=0)
+    with pytest.raises(ValueError, match=re.escape("replica: a coordinate is one of tp, cp, ep, dp, pp, edp")):
+        mesh.rank(replica=1)
+
+
+def test_one_rule_places_every_groups_network():
+    """Each group's network from one rule: its ranks, their nodes, its streams' name (as they always were
+    named), its own NICs for the groups that leave the node (dp, ep, edp) and every site lossy beyond TP."""
+    base = dict(loss="bernoulli:0.01", seed=7, ranks_per_node=4, nics_per_node=2, lossy_sites="attn")
+    mesh = Mesh(2, 2, ranks_per_node=4, pp=2, cp=2, ep=2)
+    cases = [("tp", dict(dp=1, pp=1, cp=1), None, None, "tp.replica1.stage1.cp1", [14, 15]),
+             ("cp", dict(dp=1, tp=1, pp=1), ("fwd",), None, "cp.replica1.tp1.stage1", [13, 15]),
+             ("dp", dict(tp=1, pp=1, cp=1), ("bwd",), None, "dp.stage1.group1", [11, 15]),
+             ("pp", dict(dp=1, cp=1), ("fwd",), None, "pp.replica1.boundary0.cp1", [6, 7, 14, 15]),
+             ("ep", dict(tp=1, pp=1, dp=1), ("fwd",), "ep_combine", "ep_combine.tp1.group1.stage1", [13, 15]),
+             ("edp", dict(tp=1, cp=1), ("bwd",), None, "edp.tp1.experts1", [3, 7])]
+    for axis, at, lossy, traffic, stream, ranks in cases:
+        spec = mesh.network_spec(axis, mesh.rank(**at), base, lossy, traffic)
+        assert spec.seed == stream_seed(7, stream, "network"), axis
+        assert spec.ranks == len(ranks) and spec.ranks_per_node == mesh._per_node(ranks), axis
+        assert spec.nics_per_node == (spec.ranks_per_node if axis in ("dp", "ep", "edp") else 2), axis   # one a rank
+        assert spec.lossy == (lossy or ("fwd", "bwd")) and spec.selection.everything == (axis != "tp"), axis
+    assert mesh.network_spec("tp", 1, base).seed == 7        # the first TP group keeps the run's streams
+
+
+@pytest.mark.parametrize("axis,lossy,traffic,needle", [
+    ("xp", None, None, "axis='xp': a group's network is one of tp, cp, dp, pp, ep, edp"),
+    ("tp", ("fwd",), None, "tp's network takes no lossy directions and no traffic class"),
+    ("dp", None, None, "dp's network takes lossy directions and no traffic class"),
+    ("ep", ("fwd",), None, "ep's network takes lossy directions and a traffic class"),
+])
+def test_a_network_asked_of_the_wrong_group_is_refused(axis, lossy, traffic, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        Mesh(2, 2, ep=2).network_spec(axis, 0, dict(seed=1), lossy, traffic)
 
 
 @pytest.mark.parametrize("tp,dp,pp", [(2, 2, 1), (2, 2, 2), (1, 2, 3)])
@@ -212,10 +273,10 @@ def test_every_process_creates_every_group_in_one_order(tp, dp, pp, monkeypatch)
     groups = mesh.process_groups()
     assert created == [g for axis in mesh.axes for g in mesh.groups(axis)]
     for r in range(mesh.world):
-        replica, stage, t = mesh.position(r)
-        assert groups["tp"][r] == tuple(mesh.tp_ranks(replica, stage))
-        assert groups["dp"][r] == tuple(mesh.dp_ranks(t, stage))
-        assert groups["pp"][r] == tuple(mesh.pp_ranks(replica, t))
+        replica, stage, t = position(mesh, r)
+        assert groups["tp"][r] == tuple(mesh.group("tp", mesh.rank(dp=replica, pp=stage)))
+        assert groups["dp"][r] == tuple(mesh.group("dp", mesh.rank(tp=t, pp=stage)))
+        assert groups["pp"][r] == tuple(mesh.group("pp", mesh.rank(dp=replica, tp=t)))
 
 
 @pytest.mark.parametrize("train, estimate, needle", [

@@ -62,8 +62,8 @@ def test_nccl_fields_give_each_call_its_size_group_and_class(tmp_path):
     # every packet is the network's own count: the same message on the same group's network, twice a step
     settings = config.network_settings()
     for cls, spec, numel, dtype, collective, calls_per_step in (
-            ("tp", config.mesh().tp_network_spec(settings), 8192, "bfloat16", "all_reduce", 2),
-            ("dp", config.mesh().dp_network_spec(settings, 0, ("bwd",)), 100000, "float32", "all_reduce", 1)):
+            ("tp", config.mesh().network_spec("tp", 0, settings), 8192, "bfloat16", "all_reduce", 2),
+            ("dp", config.mesh().network_spec("dp", 0, settings, ("bwd",)), 100000, "float32", "all_reduce", 1)):
         net = LossyNetwork(spec)
         for _ in range(calls_per_step):
             net.simulate("x", "bwd", numel, getattr(torch, dtype), collective)
@@ -85,7 +85,7 @@ def test_a_wait_resumes_when_the_simulated_call_ends(tmp_path, numel):
     step ends 1 ms of compute later (d: the network's loss-free seconds for the message)."""
     trace = _mirrored(tmp_path, numel, [(0, 5000), (9000, 10000)], 1000, 8500)
     config = job_config(tp_size=1, dp_size=2, link_inter=SLOW)
-    net = LossyNetwork(config.mesh().dp_network_spec(config.network_settings(), 0, ("bwd",)))
+    net = LossyNetwork(config.mesh().network_spec("dp", 0, config.network_settings(), ("bwd",)))
     net.simulate("x", "bwd", numel, torch.bfloat16)
     d = net.clock()["ideal_comm_s"]
     row = replays.simulate_trace(trace, config, steps=1)
@@ -108,7 +108,7 @@ def test_a_receiver_waits_for_its_sender_on_the_replays_clock(tmp_path):
     write_trace(folder / "rank1.json", 1, groups, [(0, 1100, [NcclCall("recv", 65536, 65536, "0", 0, 50,
                                                                        peer=0)])], [(100, 1100)])
     config = job_config(tp_size=1, pp_size=2, link_inter=SLOW)
-    net = LossyNetwork(config.mesh().pp_network_spec(config.network_settings(), 0, 0, ("fwd", "bwd")))
+    net = LossyNetwork(config.mesh().network_spec("pp", 0, config.network_settings(), ("fwd", "bwd")))
     net.simulate("x", "fwd", 65536, torch.bfloat16, "send", pair=(0, 1))
     d = net.clock()["ideal_comm_s"]
     row = replays.simulate_trace(traces.read(folder), config, steps=1)

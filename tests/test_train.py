@@ -327,7 +327,7 @@ def test_summary_records_every_training_networks_nccl_choices(tmp_path):
         assert sorted(r["site"] for r in records if r["network"] == f"dp.tp{t}") == \
             sorted(f"dp.bucket{b}" for b in range(buckets))
     settings, mesh = config.network_settings(), config.mesh()
-    specs = {"tp": mesh.tp_network_spec(settings), "dp.tp0": dp_group_spec(config, 0),
+    specs = {"tp": mesh.network_spec("tp", 0, settings), "dp.tp0": dp_group_spec(config, 0),
              "dp.tp1": dp_group_spec(config, 1)}
     for record in records:
         assert {k: v for k, v in record.items() if k != "network"} == _replayed(specs[record["network"]], record)

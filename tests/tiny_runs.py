@@ -25,7 +25,8 @@ def tiny_run(out: Union[str, Path], /, **settings) -> ExperimentConfig:
 
 def dp_group_spec(config: ExperimentConfig, tp_rank: int = 0) -> NetworkSpec:
     """The network spec of TP position ``tp_rank``'s data-parallel group, as a run places it."""
-    return config.mesh().dp_network_spec(config.network_settings(), tp_rank, config.dp_lossy())
+    mesh = config.mesh()
+    return mesh.network_spec("dp", mesh.rank(tp=tp_rank), config.network_settings(), config.dp_lossy())
 
 
 def train_steps(config: ExperimentConfig, steps: int):

@@ -195,7 +195,7 @@ class ExperimentConfig:
     def network_spec(self, evaluation: bool = False) -> NetworkSpec:
         """The training network of replica 0's TP group, placed by the mesh; ``evaluation``: the
         evaluation network's, which draws from its own streams (and loses nothing unless ``eval_lossy``)."""
-        return self.mesh().tp_network_spec(self.network_settings(evaluation))
+        return self.mesh().network_spec("tp", 0, self.network_settings(evaluation))
 
     def network_settings(self, evaluation: bool = False) -> dict:
         """This run's network keys (``NetworkSpec``'s), before the mesh places them on a group's ranks."""

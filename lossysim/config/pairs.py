@@ -60,11 +60,12 @@ def check_something_can_lose(config) -> None:
     if spec.loss.lossless:
         return
     mesh, settings = config.mesh(), config.network_settings()
-    networks = [spec] + ([mesh.dp_network_spec(settings, 0, config.dp_lossy())] if config.dp_size > 1 else []) + \
-        [mesh.tp_network_spec(settings, 0, s) for s in range(1, config.pp_size)] + \
-        [mesh.pp_network_spec(settings, 0, b, config.pp_lossy()) for b in range(config.pp_size - 1)] + \
-        [mesh.ep_network_spec(settings, 0, c, config.lossy_directions(c)) for c in EP_CLASSES if config.ep_size > 1] + \
-        ([mesh.cp_network_spec(settings, 0, 0, config.lossy_directions("cp"))] if config.cp_size > 1 else [])
+    networks = [spec] + ([mesh.network_spec("dp", 0, settings, config.dp_lossy())] if config.dp_size > 1 else []) + \
+        [mesh.network_spec("tp", mesh.rank(pp=s), settings) for s in range(1, config.pp_size)] + \
+        [mesh.network_spec("pp", mesh.rank(pp=b), settings, config.pp_lossy()) for b in range(config.pp_size - 1)] + \
+        [mesh.network_spec("ep", 0, settings, config.lossy_directions(c), c) for c in EP_CLASSES
+         if config.ep_size > 1] + \
+        ([mesh.network_spec("cp", 0, settings, config.lossy_directions("cp"))] if config.cp_size > 1 else [])
     if not any(net.lossy and net.topology.has_lossy_link for net in networks):
         raise ValueError(f"loss={config.loss} but no traffic can lose packets (tp_size={config.tp_size}, "
                          f"pp_size={config.pp_size}, dp_size={config.dp_size}, ep_size={config.ep_size}, "

@@ -314,14 +314,17 @@ def apply_cp(tp_model, config, mesh, rank: int = 0, replica: int = 0, groups: Op
     if distributed:
         at = mesh.coordinates(rank)
         contexts, positions = [at["cp"]], [at["tp"]]
-        train = Networks([LossyNetwork(mesh.cp_network_spec(settings, replica, at["tp"], lossy))])
-        evaluated = Networks([LossyNetwork(mesh.cp_network_spec(evaluation, 0, at["tp"], lossy))])
+        train = Networks([LossyNetwork(mesh.network_spec("cp", mesh.rank(dp=replica, tp=at["tp"]), settings,
+                                                         lossy))])
+        evaluated = Networks([LossyNetwork(mesh.network_spec("cp", mesh.rank(tp=at["tp"]), evaluation, lossy))])
     else:
         contexts, positions = list(range(mesh.cp)), list(range(mesh.tp))
 
         def built(values: dict, r: int) -> Networks:
-            return Networks([LossyNetwork(mesh.cp_network_spec(values, r, t, lossy)) for t in positions],
-                            [LossyNetwork(mesh.tp_network_spec(values, r, 0, c)) for c in contexts[1:]])
+            return Networks([LossyNetwork(mesh.network_spec("cp", mesh.rank(dp=r, tp=t), values, lossy))
+                             for t in positions],
+                            [LossyNetwork(mesh.network_spec("tp", mesh.rank(dp=r, cp=c), values))
+                             for c in contexts[1:]])
         train = built(settings, replica)
         evaluated = built(evaluation, 0) if replica == 0 else None
     _, hidden = cost.dims(model.config)

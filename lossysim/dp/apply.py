@@ -20,7 +20,8 @@ def apply_dp(replicas: Sequence[Replica], mesh: Mesh, networks: Sequence[Sequenc
     fsdp = mode == "fsdp" and mesh.dp > 1
     if groups is None:
         return (FullyShardedDataParallel if fsdp else DataParallel)(replicas, networks, bucket_bytes)
-    replica, stage, tp_rank = mesh.position(rank)
+    at = mesh.coordinates(rank)
+    replica, stage, tp_rank = at["dp"], at["pp"], at["tp"]
     kind = DistFullyShardedDataParallel if fsdp else DistDataParallel
     return kind(replicas[0], networks[0][0], bucket_bytes, replica_index=replica, tp_rank=tp_rank, dp_size=mesh.dp,
                 tp_size=mesh.tp, dp_group=groups["dp"][rank], tp_group=groups["tp"][rank], stage=stage,

@@ -1,6 +1,6 @@
 """Replicas of the tensor-parallel group (of each pipeline stage) and the data-parallel traffic between them.
 
-TP position t of a stage s of every replica forms a data-parallel group (``Mesh.dp_ranks(t, s)``), with
+TP position t of a stage s of every replica forms a data-parallel group (``Mesh.group("dp", rank)``), with
 its own ``LossyNetwork`` of dp_size ranks: its own links, chains and statistics, apart from the TP
 links'. Each stage buckets its own parameters (the embeddings with the first, the final norm and the
 head with the last: ``pp.stages.parameter_stages``); without pipeline stages there is one.

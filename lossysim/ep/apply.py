@@ -4,9 +4,9 @@ of it: running the replicas side by side (``sim``), the experts' gradients avera
 expert-data-parallel groups, their share of the gradient norm, the all-to-alls' seconds, statistics and
 saved state.
 
-Megatron's layout: ``ep`` is carved out of the data-parallel ranks (``Mesh.ep_group``); rank e of a group
+Megatron's layout: ``ep`` is carved out of the data-parallel ranks (``Mesh.group("ep", rank)``); rank e of a group
 holds the e-th block of ``num_experts / ep`` experts; the ranks holding the same experts
-(``Mesh.edp_group``, dp / ep of them) average their gradients over a lossy network of their own, as DDP's
+(``Mesh.group("edp", rank)``, dp / ep of them) average their gradients over a lossy network of their own, as DDP's
 buckets (site ``dp.bucket{i}``, lossy when ``lossy_traffic`` names dp), divided by ep as well: each
 expert's gradient sums the tokens of its whole ep group, so (1 / edp) x (1 / ep) x that sum is the
 gradient of the global batch's mean loss, as every dense parameter's is.
@@ -60,7 +60,7 @@ def shard_experts(tp_model, mesh: Mesh, rank: int) -> list[ExpertParallel]:
             raise ValueError(f"ep_size={mesh.ep} needs a mixture-of-experts model (tiny-moe, Mixtral, Qwen3-MoE), "
                              f"not {type(tp_model.model).__name__}")
         return []
-    member, _ = mesh.expert_coordinates(rank)
+    member = mesh.coordinates(rank)["ep"]
     modules = []
     for i, block in enumerate(tp_model.model.base_model.get_submodule(plan.blocks)):
         parent, _, leaf = plan.experts.rpartition(".")
@@ -199,7 +199,7 @@ def _sum(values) -> torch.Tensor:
 def _networks(config: ExperimentConfig, mesh: Mesh, rank: int) -> Networks:
     """Global ``rank``'s ep group's networks, per class: training's, and evaluation's (their own streams)."""
     def placed(settings: dict) -> dict:
-        return {c: LossyNetwork(mesh.ep_network_spec(settings, rank, c, config.lossy_directions(c)))
+        return {c: LossyNetwork(mesh.network_spec("ep", rank, settings, config.lossy_directions(c), traffic=c))
                 for c in EP_CLASSES}
     return Networks(placed(config.network_settings()), placed(config.network_settings(evaluation=True)))
 
@@ -221,10 +221,10 @@ def apply_ep(replicas: Sequence[Replica], config: ExperimentConfig, mesh: Mesh, 
         module.groups = [_dist_group(networks, process_group, module)]
     edp = []
     if mesh.ep > 1 and mesh.dp // mesh.ep > 1:
-        replica, stage, tp_rank = mesh.position(rank)
-        edp_net = LossyNetwork(mesh.edp_network_spec(config.network_settings(), rank, config.dp_lossy()))
-        edp = [DistDataParallel(replicas[0], edp_net, bucket, replica_index=mesh.expert_coordinates(rank)[1],
-                                tp_rank=tp_rank, dp_size=mesh.dp // mesh.ep, tp_size=mesh.tp,
+        at = mesh.coordinates(rank)
+        edp_net = LossyNetwork(mesh.network_spec("edp", rank, config.network_settings(), config.dp_lossy()))
+        edp = [DistDataParallel(replicas[0], edp_net, bucket, replica_index=at["edp"],
+                                tp_rank=at["tp"], dp_size=mesh.dp // mesh.ep, tp_size=mesh.tp,
                                 dp_group=groups["edp"][rank], tp_group=groups["tp"][rank], experts=True)]
     tp_group = groups["tp"][rank] if mesh.tp > 1 and "tp" in groups else None
     return ExpertParallelism(mesh, [networks], None, edp, [[networks]], tp_group, process_group)
@@ -241,10 +241,11 @@ def _connect_sim(replicas: Sequence[Replica], config: ExperimentConfig, mesh: Me
     shared: dict[tuple[int, int], SimShared] = {}
     replica_groups = []
     for r, replica in enumerate(replicas):
-        member, g = mesh.expert_coordinates(mesh.rank(r, 0))
+        at = mesh.coordinates(mesh.rank(dp=r))
+        member, g = at["ep"], at["edp"]
         for t in range(mesh.tp):
             if (g, t) not in shared:
-                shared[(g, t)] = SimShared(_networks(config, mesh, mesh.rank(r, t)), lockstep, mesh.ep)
+                shared[(g, t)] = SimShared(_networks(config, mesh, mesh.rank(dp=r, tp=t)), lockstep, mesh.ep)
         replica_groups.append([shared[(g, t)].networks for t in range(mesh.tp)])
         for module in replica.model.experts:
             module.groups = [SimGroup(shared[(g, t)], member, training=lambda m=module: m.training)
@@ -254,9 +255,9 @@ def _connect_sim(replicas: Sequence[Replica], config: ExperimentConfig, mesh: Me
     edp = []
     if mesh.ep > 1 and mesh.dp // mesh.ep > 1:   # per expert block e: the replicas holding it, over one network per TP rank
         for e in range(mesh.ep):
-            held = [r for r in range(mesh.dp) if mesh.expert_coordinates(mesh.rank(r, 0))[0] == e]
-            networks = [[LossyNetwork(mesh.edp_network_spec(config.network_settings(), mesh.rank(held[0], t),
-                                                            config.dp_lossy())) for t in range(mesh.tp)]]
+            held = [r for r in range(mesh.dp) if mesh.coordinates(mesh.rank(dp=r))["ep"] == e]
+            networks = [[LossyNetwork(mesh.network_spec("edp", mesh.rank(dp=held[0], tp=t), config.network_settings(),
+                                                        config.dp_lossy())) for t in range(mesh.tp)]]
             edp.append(DataParallel([replicas[r] for r in held], networks, bucket, experts=True))
     return ExpertParallelism(mesh, [shared[key].networks for key in sorted(shared)], lockstep, edp,
                              replica_groups)

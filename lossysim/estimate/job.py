@@ -77,16 +77,20 @@ class Job(Tally, Messages, ExpertMessages, ContextMessages):
         settings = config.network_settings()
         # tp[s]: stage s's groups, one per replica and context rank (context rank 0's first; or one for
         # all: loss-free); pp[b] alike
-        self.tp = [_groups([mesh.tp_network_spec(settings, r, s, c) for r in range(dp) for c in range(cp)])
+        self.tp = [_groups([mesh.network_spec("tp", mesh.rank(dp=r, pp=s, cp=c), settings) for r in range(dp)
+                            for c in range(cp)])
                    for s in range(pp)]
-        self.pp = [_groups([mesh.pp_network_spec(settings, r, b, config.pp_lossy(), c) for r in range(dp)
+        self.pp = [_groups([mesh.network_spec("pp", mesh.rank(dp=r, pp=b, cp=c), settings, config.pp_lossy())
+                            for r in range(dp)
                             for c in range(cp)]) for b in range(pp - 1)]
         # cp[s]: stage s's context groups, one per replica and TP position (none without context parallelism)
-        self.cp = [_groups([mesh.cp_network_spec(settings, r, t, config.lossy_directions("cp"), s)
+        self.cp = [_groups([mesh.network_spec("cp", mesh.rank(dp=r, tp=t, pp=s), settings,
+                                              config.lossy_directions("cp"))
                             for r in range(dp) for t in range(tp)]) for s in range(pp)] if cp > 1 else []
         self.attention_s = [0.0, 0.0]   # one ring step's attention per rank and block, forward and backward
         mode = config.dp_mode if dp > 1 else None
-        self.dp = [_groups([mesh.dp_network_spec(settings, t, config.dp_lossy(), stage=s) for t in range(tp)])
+        self.dp = [_groups([mesh.network_spec("dp", mesh.rank(tp=t, pp=s), settings, config.dp_lossy())
+                            for t in range(tp)])
                    for s in range(pp)] if mode else []
         self.mode = mode
         self.dp_class = config.dp_class
@@ -119,15 +123,16 @@ class Job(Tally, Messages, ExpertMessages, ContextMessages):
         sent = tuple(0 if s == d else per[s][d] * shape.hidden for s in range(ep) for d in range(ep))
         self.ep_counts = (sent, tuple(sent[d * ep + s] for s in range(ep) for d in range(ep)))   # dispatch, combine
         for s in range(mesh.pp):
-            pairs = [tuple(mesh.ep_network_spec(settings, mesh.rank_at(tp=t, dp=g * ep, pp=s), c,
-                                                config.lossy_directions(c)) for c in EP_CLASSES)
+            pairs = [tuple(mesh.network_spec("ep", mesh.rank(tp=t, dp=g * ep, pp=s), settings,
+                                             config.lossy_directions(c), c)
+                           for c in EP_CLASSES)
                      for t in range(mesh.tp) for g in range(edp)]
             lossy = self.ep_lossy = any(is_lossy(LossyNetwork(spec)) for spec in pairs[0])
             self.ep.append([ExpertGroup(p, 1) for p in pairs] if lossy else [ExpertGroup(pairs[0], len(pairs))])
             local = [torch.empty(experts.parameters // len(experts.blocks) // ep, device="meta", requires_grad=True,
                                  dtype=w.grad_torch_dtype) for _ in self.ep_blocks[s]]
             self.expert_buckets.append(plan_buckets(local, set(), config.dp_bucket_mb * (1 << 20)) if local else [])
-            self.edp.append(_groups([mesh.edp_network_spec(settings, mesh.rank_at(tp=t, dp=e, pp=s), config.dp_lossy())
+            self.edp.append(_groups([mesh.network_spec("edp", mesh.rank(tp=t, dp=e, pp=s), settings, config.dp_lossy())
                                      for t in range(mesh.tp) for e in range(ep)]) if edp > 1 else [])
 
     def _sample(self, groups: list[Group], stages: float = 1) -> tuple[list[Group], int]:

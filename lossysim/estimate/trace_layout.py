@@ -6,7 +6,7 @@ Each process group is matched to the mesh axis whose group it is (``Mesh.group``
 between neighbouring pipeline stages ``pp`` (activations forward, gradients back); any other axis's, the
 traffic class ``traffic`` declares for it. A group that is no axis's group (the world group of a 3-D job) and
 a send between stages that are not neighbours go nowhere. Each group's network is the one the mesh gives that
-group (``tp_network_spec``, ``dp_network_spec``, ``pp_network_spec``; any other group placed on its nodes with
+group (``Mesh.network_spec`` of its axis; any other group placed on its nodes with
 streams of its own), every packet a candidate.
 """
 from __future__ import annotations
@@ -74,10 +74,11 @@ class Layout:
         direction = _direction(cls, call)
         mesh, at = self.mesh, self.mesh.coordinates(ranks[0])
         if axis == "tp":   # each context rank's TP group is a group of its own, as in training
-            spec = mesh.tp_network_spec(self.settings, at["dp"], at["pp"], at["cp"])
+            spec = mesh.network_spec("tp", mesh.rank(dp=at["dp"], pp=at["pp"], cp=at["cp"]), self.settings)
             key = ("tp", at["dp"], at["pp"], at["cp"])
         elif axis == "dp":
-            spec = mesh.dp_network_spec(self.settings, at["tp"], self.config.lossy_directions(cls), stage=at["pp"])
+            spec = mesh.network_spec("dp", mesh.rank(tp=at["tp"], pp=at["pp"]), self.settings,
+                                     self.config.lossy_directions(cls))
             key = (cls, at["pp"], at["tp"])
         else:
             spec, key = self._group_spec(axis, ranks, cls), (cls, tuple(ranks))
@@ -89,8 +90,10 @@ class Layout:
         a, b = mesh.coordinates(src), mesh.coordinates(dst)
         if axis == "pp" and abs(a["pp"] - b["pp"]) == 1:
             boundary = min(a["pp"], b["pp"])
-            spec = mesh.pp_network_spec(self.settings, a["dp"], boundary, self.config.lossy_directions("pp"), a["cp"])
-            members = mesh.tp_ranks(a["dp"], boundary, a["cp"]) + mesh.tp_ranks(a["dp"], boundary + 1, a["cp"])
+            spec = mesh.network_spec("pp", mesh.rank(dp=a["dp"], pp=boundary, cp=a["cp"]), self.settings,
+                                     self.config.lossy_directions("pp"))
+            members = (mesh.group("tp", mesh.rank(dp=a["dp"], pp=boundary, cp=a["cp"]))
+                       + mesh.group("tp", mesh.rank(dp=a["dp"], pp=boundary + 1, cp=a["cp"])))
             place = Place("pp", ("pp", a["dp"], boundary, a["cp"]), spec, {r: i for i, r in enumerate(members)})
             return place, (place.local[src], place.local[dst]), "fwd" if b["pp"] > a["pp"] else "bwd"
         cls = _class_of(axis, "send")

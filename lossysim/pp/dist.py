@@ -139,7 +139,7 @@ class DistPipeline(Pipeline):
         return self.stage == self.stages - 1
 
     def _rank(self, stage: int) -> int:
-        return self.mesh.rank(self.replica, self.tp_rank, stage)
+        return self.mesh.rank(dp=self.replica, tp=self.tp_rank, pp=stage)
 
     def from_last(self, value):
         """``value`` as the last stage holds it, on every stage of this pipeline (reliable)."""
@@ -259,7 +259,8 @@ def apply_dist_pp(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_
     """Cut ``model``'s blocks into stages (``cut_stages``; None for one stage) for global rank ``rank``'s
     process: the other stages' blocks hand their input on, its stage's first block receives from the
     previous stage and the next stage's first block sends to it. ``attach`` it to the TP model."""
-    replica, stage, tp_rank = mesh.position(rank)
+    at = mesh.coordinates(rank)
+    replica, stage, tp_rank = at["dp"], at["pp"], at["tp"]
     pipeline = cut_stages(model, config, mesh, train_net, eval_net, replica)
     if pipeline is None:
         return None
@@ -270,8 +271,8 @@ def apply_dist_pp(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_
     p = pipeline.stages
     link = _Link(pipeline.boundaries[stage - 1] if stage else None,
                  pipeline.boundaries[stage] if stage < p - 1 else None, tp_rank,
-                 mesh.rank(replica, tp_rank, stage - 1) if stage else None,
-                 mesh.rank(replica, tp_rank, stage + 1) if stage < p - 1 else None)
+                 mesh.rank(dp=replica, tp=tp_rank, pp=stage - 1) if stage else None,
+                 mesh.rank(dp=replica, tp=tp_rank, pp=stage + 1) if stage < p - 1 else None)
     plan, _ = plan_for(model)
     base = model.base_model
     blocks = base.get_submodule(plan.blocks)

@@ -2,10 +2,10 @@
 
 ``apply_pp`` cuts the blocks (``stage_layout``): the embeddings sit on the first stage, the final
 norm and the head on the last. Each stage is tensor-parallel over a TP group of its own, with its own
-``LossyNetwork`` (``Mesh.tp_network_spec(settings, replica, stage)``; stage 0's is the run's
+``LossyNetwork`` (``Mesh.network_spec("tp", rank, settings)`` at its replica and stage; stage 0's is the run's
 ``train_net``, so a run with one stage keeps its streams). At boundary b, the input of stage b+1's
 first block, ``send_to_next_stage`` moves the hidden states over boundary b's network
-(``Mesh.pp_network_spec``: stage b's tp ranks, then stage b+1's): in ``sim`` they are
+(``Mesh.network_spec("pp", ...)`` at stage b: its tp ranks, then stage b+1's): in ``sim`` they are
 ``[tp * rows, ...]``, every TP rank's copy, and TP rank t of stage b sends its full copy to TP rank t
 of stage b+1 (network ranks t -> tp + t), the gradients coming back tp + t -> t. That is Megatron
 without its scatter/gather optimisation (each rank sending 1/tp, re-gathered over the receiving
@@ -227,15 +227,18 @@ def cut_stages(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_net
     blocks = model.base_model.get_submodule(plan.blocks)
     layout = stage_layout(config.pp_layout, config.pp_size, len(blocks))
     settings, evaluation = config.network_settings(), config.network_settings(evaluation=True)
-    networks = [train_net] + [LossyNetwork(mesh.tp_network_spec(settings, replica, s))
+    networks = [train_net] + [LossyNetwork(mesh.network_spec("tp", mesh.rank(dp=replica, pp=s), settings))
                               for s in range(1, config.pp_size)]
     eval_networks = [] if eval_net is None else \
-        [eval_net] + [LossyNetwork(mesh.tp_network_spec(evaluation, 0, s)) for s in range(1, config.pp_size)]
+        [eval_net] + [LossyNetwork(mesh.network_spec("tp", mesh.rank(pp=s), evaluation))
+                      for s in range(1, config.pp_size)]
     lossy = config.pp_lossy()
-    boundaries = [Boundary(b, mesh.tp, LossyNetwork(mesh.pp_network_spec(settings, replica, b, lossy)))
+    # boundary b's network: "pp" at a rank of stage b (its TP group and stage b + 1's)
+    boundaries = [Boundary(b, mesh.tp, LossyNetwork(mesh.network_spec("pp", mesh.rank(dp=replica, pp=b), settings,
+                                                                      lossy)))
                   for b in range(config.pp_size - 1)]
     eval_boundaries = [] if eval_net is None else \
-        [Boundary(b, mesh.tp, LossyNetwork(mesh.pp_network_spec(evaluation, 0, b, lossy)))
+        [Boundary(b, mesh.tp, LossyNetwork(mesh.network_spec("pp", mesh.rank(pp=b), evaluation, lossy)))
          for b in range(config.pp_size - 1)]
     return Pipeline(layout, stage_parameters(model, layout), networks, eval_networks, boundaries, eval_boundaries)
 

@@ -78,10 +78,10 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
     distributed = config.backend == "dist"
     # dist runs this rank's replica, stage, context rank and TP position; sim runs every rank, replica 0's
     # (its context rank 0's TP group) being the run's own.
-    replica, stage, tp_rank = mesh.position(rank) if distributed else (0, 0, 0)
-    context = mesh.coordinates(rank)["cp"] if distributed else 0
-    train_net = LossyNetwork(mesh.tp_network_spec(settings, replica, context=context))
-    eval_net = LossyNetwork(mesh.tp_network_spec(config.network_settings(evaluation=True), context=context))
+    at = mesh.coordinates(rank if distributed else 0)
+    replica, stage, tp_rank, context = at["dp"], at["pp"], at["tp"], at["cp"]
+    train_net = LossyNetwork(mesh.network_spec("tp", mesh.rank(dp=replica, cp=context), settings))
+    eval_net = LossyNetwork(mesh.network_spec("tp", mesh.rank(cp=context), config.network_settings(evaluation=True)))
     parameters = cost.active_parameters(model, config.tp_size)   # a token's step multiplies its experts' alone
     layers, hidden = cost.dims(model.config)
     train_net.spec.selection.check_depth(layers)
@@ -108,15 +108,17 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
         # hooks so each has its own; replica 0 is built last so the global generator ends seeded exactly
         # as without data parallelism.
         copies = [copy.deepcopy(model) for _ in range(mesh.dp - 1)]
-        others = [_sim_replica(config, copies[r - 1], mesh, LossyNetwork(mesh.tp_network_spec(settings, r)), None,
-                               rank, r, compute) for r in range(1, mesh.dp)]
+        others = [_sim_replica(config, copies[r - 1], mesh,
+                               LossyNetwork(mesh.network_spec("tp", mesh.rank(dp=r), settings)), None, rank, r, compute)
+                  for r in range(1, mesh.dp)]
         replicas = [_sim_replica(config, model, mesh, train_net, eval_net, rank, 0, compute), *others]
         pipeline, tp_model = replicas[0].pipeline, replicas[0].model
     dp_groups = groups if mesh.dp > 1 else None   # (dist pipelines: a group of one replica)
     positions = [[tp_rank]] if dp_groups is not None else \
         [list(range(mesh.tp)) for _ in range(mesh.pp)] if mesh.dp > 1 else []
-    networks = [[LossyNetwork(mesh.dp_network_spec(settings, t, config.dp_lossy(), s if dp_groups is None else stage))
-                 for t in ranks] for s, ranks in enumerate(positions)]
+    networks = [[LossyNetwork(mesh.network_spec("dp", mesh.rank(tp=t, pp=s if dp_groups is None else stage),
+                                                settings, config.dp_lossy())) for t in ranks]
+                for s, ranks in enumerate(positions)]
     dp = apply_dp(replicas, mesh, networks, config.dp_bucket_mb * (1 << 20), config.dp_mode, rank, dp_groups)
     ep = apply_ep(replicas, config, mesh, rank, groups)
     first = replicas[0]
@@ -133,7 +135,7 @@ def _sim_replica(config: ExperimentConfig, model, mesh, train_net: LossyNetwork,
     sequences split over its context ranks."""
     pipeline = apply_pp(model, config, mesh, train_net, eval_net, replica)
     tp_model = apply_tp(model, config, mesh, train_net, rank, pipeline=pipeline)
-    shard_experts(tp_model, mesh, mesh.rank(replica, 0))
+    shard_experts(tp_model, mesh, mesh.rank(dp=replica))
     apply_cp(tp_model, config, mesh, rank, replica, compute=compute)
     return _replica(config, tp_model, pipeline)
 
