@@ -37,10 +37,11 @@ from . import gaps
 from . import recovery as recoveries
 from . import sparse
 from . import transfer as transfers
-from .algorithms import Delivery, chunk_bounds
+from .algorithms import chunk_bounds
 from .channels import Channels
 from .clock import Clock
 from .fates import choose as choose_fates
+from .receivers import Delivery
 from .replay import Outcome, Replay
 from .spec import DIRECTIONS, NetworkSpec
 from .stats import summarise
