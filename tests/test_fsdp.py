@@ -16,7 +16,8 @@ from lossysim.dp import gathered_forward_seconds
 from lossysim.dp.buckets import flatten
 from lossysim.net import LossyNetwork
 from lossysim.net.network import shard_bounds
-from lossysim.net.algorithms import chunk_bounds, combine, schedule
+from lossysim.net.algorithms import chunk_bounds, schedule
+from lossysim.net.receivers import combine
 from lossysim.run.build import build
 from lossysim.run.experiment import run_experiment
 from lossysim.run.sweep import config_key

@@ -15,7 +15,8 @@ import pytest
 import torch
 from scipy import stats
 
-from lossysim.net.algorithms import combine, depth, schedule
+from lossysim.net.algorithms import depth, schedule
+from lossysim.net.receivers import combine
 from lossysim.net.network import LossyNetwork
 from lossysim.timing import LINK_PRESETS, nccl
 

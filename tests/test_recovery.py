@@ -19,7 +19,8 @@ from lossysim import LossyNetwork, parallelize
 from lossysim.config import ExperimentConfig
 from lossysim.net import delivery as deliver
 from lossysim.net import recovery
-from lossysim.net.algorithms import ALGORITHMS, IN_SWITCH, combine
+from lossysim.net.algorithms import ALGORITHMS, IN_SWITCH
+from lossysim.net.receivers import combine
 from lossysim.net.spec import NetworkSpec
 from lossysim.timing import parse_compute
 

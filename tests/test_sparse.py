@@ -141,7 +141,8 @@ def test_a_delivery_from_its_losses_is_combines(algorithm, collective, tp):
     tensors ``combine`` follows along every path, with and without ``rescale``'s weights, empty ring
     chunks and partial trees included."""
     import numpy as np
-    from lossysim.net.algorithms import combine, path_weights, schedule
+    from lossysim.net.algorithms import schedule
+    from lossysim.net.receivers import combine, path_weights
     rng = np.random.default_rng(tp)
     for n_packets in (1, tp - 1, tp, 7, 60):
         sched = schedule(algorithm, collective, tp, n_packets)

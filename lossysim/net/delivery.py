@@ -25,7 +25,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from .algorithms import Delivery, Schedule
+from .algorithms import Schedule
+from .receivers import Delivery
 
 
 def packets(t: torch.Tensor, per_packet: int) -> list[tuple[torch.Tensor, slice]]:

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import delivery as deliver
-from .algorithms import Delivery
+from .receivers import Delivery
 
 
 def held(network, site: str, direction: str, collective: str, message: torch.Tensor, delivery: Optional[Delivery],

@@ -21,8 +21,9 @@ statistics and saved state.
 
 Statistics and the clock stay on the tensors' device (no host sync per call with the ``drop``
 transport) until ``stats()`` / ``clock()``. The class is the front door (collectives, sends, statistics);
-its parts live apart: the call sites' chains and counters (``channels``), the clock (``clock``), activation
-checkpointing's recording and replay (``replay``), where the fates are kept (``fates``).
+its parts live apart: one call's draw, repairs, counts and time (``call``), the call sites' chains and
+counters (``channels``), the clock (``clock``), activation checkpointing's recording and replay
+(``replay``), where the fates are kept (``fates``).
 """
 from __future__ import annotations
 
@@ -31,17 +32,17 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..timing.nccl import Estimate
+from . import call
 from . import delivery as deliver
 from . import exchange
 from . import gaps
 from . import recovery as recoveries
-from . import sparse
 from . import transfer as transfers
-from .algorithms import Delivery, chunk_bounds
+from .algorithms import chunk_bounds
 from .channels import Channels
 from .clock import Clock
-from .fates import choose as choose_fates
-from .replay import Outcome, Replay
+from .receivers import Delivery
+from .replay import Replay
 from .spec import DIRECTIONS, NetworkSpec
 from .stats import summarise
 from .windows import Windows
@@ -223,64 +224,7 @@ class LossyNetwork:
 
         ``deliver=False`` (an estimate: no tensors to apply it to): where the recovery policy's draw has
         no side effects, may return the lost packets of each send (``sparse.Losses``) instead."""
-        key = (site, direction)
-        if self.ranks == 1:   # nothing to send (and nothing recorded to replay)
-            return None
-        if self.replay.replaying is not None:  # a recomputed forward sends again: its time counts again
-            outcome = self.replay.next(key)
-            self.time.ideal += outcome.ideal
-            self.time.recovery_s += outcome.recovered
-            if outcome.repairs is not None:
-                self.time.tick(outcome.repairs)
-            if outcome.delivery is not None:   # the policy acted: its side path sends again too (replayed)
-                self._side_traffic(site, direction, collective, numel, dtype, device)
-            return outcome.delivery
-        device = torch.device(device)
-        if pair is not None:
-            pair = (int(pair[0]), int(pair[1]))
-        if counts is not None:   # an all-to-all's sizes are its routing's: built per call (``exchange``)
-            transfer = exchange.build(self.spec, tuple(int(n) for n in counts), dtype, device)
-        else:
-            shape = (collective, int(numel), dtype, device, pair)
-            transfer = self._transfers.get(shape)
-            if transfer is None:
-                transfer = transfers.build(self.spec, self.links, *shape)   # (a bad pair is refused here)
-                self._transfers[shape] = transfer
-            self._choices[(site, direction, collective, int(numel) * dtype.itemsize)] = transfer.choice
-        channel = self.channels.get(site, direction, device)
-        channel.counters.calls += 1
-        self.time.ideal += transfer.ideal
-        delivery, repairs, recovery_before = None, None, self.time.recovery_s
-        fates = self._fates.get(device)
-        if fates is None:
-            fates = self._fates[device] = choose_fates(self.spec, device)
-        if not self.drops(direction, site) or not transfer.steps:   # (an empty message has nothing to lose)
-            channel.counters.count_sent(transfer.sent)
-        else:
-            if self.transport.repairs:
-                lost, repairs = fates.repair(channel, transfer, device, self._windows)
-                self.time.tick(repairs)
-            else:
-                lost = fates.drop(channel, transfer)
-            policy = self.recovery.on(direction)
-            if lost is not None and isinstance(lost, sparse.Losses) and \
-                    not (deliver or policy.keeps_memory or policy.computes):
-                delivery = lost   # the lost packets stand for the Delivery: no one needs more, no draw changes a thing
-            elif lost is not None:   # (None: every packet repaired, the exact result)
-                self.time.charge_policy(policy, transfer, collective, numel, dtype)
-                delivery = policy.draw(transfer, lost, collective, numel, dtype, channel.memory)
-        self.replay.keep(key, Outcome(delivery, transfer.ideal, repairs, self.time.recovery_s - recovery_before))
-        if delivery is not None:   # the policy acts on this call
-            self._side_traffic(site, direction, collective, numel, dtype, device)
-        return delivery
-
-    def _side_traffic(self, site: str, direction: str, collective: str, numel: int, dtype: torch.dtype,
-                      device) -> None:
-        """The policy's side path beside one collective (none for most policies): an all-gather of
-        ``side_bytes`` per rank, as bytes, retransmitted until it arrives."""
-        nbytes = self.recovery.on(direction).side_bytes(numel, dtype) if collective == "all_reduce" else 0
-        if nbytes:
-            self._side.simulate(f"{site}/outliers", direction, nbytes, torch.uint8, "all_gather", device)
+        return call.simulate(self, site, direction, numel, dtype, collective, device, deliver, pair, counts)
 
     # -- statistics ------------------------------------------------------------------
     def stats(self) -> list[dict]:

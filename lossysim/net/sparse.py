@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from ..loss.models import LossModel
-from .algorithms import Delivery, chunk_bounds, combine
+from .algorithms import chunk_bounds
+from .receivers import Delivery, combine
 
 
 def applies(spec, device: torch.device) -> bool:

@@ -19,7 +19,8 @@ import torch
 
 from .. import timing
 from ..timing import nccl
-from .algorithms import IN_SWITCH, PHASES, Delivery, Schedule, path_weights, schedule
+from .algorithms import IN_SWITCH, PHASES, Schedule, schedule
+from .receivers import Delivery, path_weights
 from .spec import NetworkSpec
 from .transport import Sends
 

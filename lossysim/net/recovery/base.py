@@ -9,7 +9,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .. import delivery as deliver
-from ..algorithms import Schedule, combine
+from ..algorithms import Schedule
+from ..receivers import combine
 from ..sparse import Losses
 from ...util import stream_seed
 

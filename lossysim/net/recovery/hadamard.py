@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import delivery as deliver
-from ..algorithms import Delivery
+from ..receivers import Delivery
 from .base import Policy
 
 DEFAULT_HADAMARD_BLOCK = 1 << 14

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..algorithms import Delivery, combine
+from ..receivers import Delivery, combine
 from ...util import one_of
 from .base import KINDS, ZERO, Policy
 from .hadamard import DEFAULT_HADAMARD_BLOCK, Hadamard, Transformed
