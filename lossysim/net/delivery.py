@@ -1,6 +1,6 @@
 """Delivery: from which packets arrived to the tensors each receiver holds.
 
-``lossysim.net.algorithms.combine`` says, per packet, with which weight each rank's contribution
+``lossysim.net.receivers.combine`` says, per packet, with which weight each rank's contribution
 reaches each receiver (a ``Delivery``); this module applies it to the ranks' tensors. A message
 of ``n`` elements is cut into packets of ``per_packet`` elements, the last one possibly shorter;
 tensors are never padded: the whole packets and the short one are two views (``packets``).

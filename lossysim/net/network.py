@@ -6,7 +6,7 @@ A collective moves a message (one rank's tensor) by the sends of its algorithm's
 1. its ``Transfer`` (packets, sends, links, loss-free step times; built once per shape),
 2. the links draw which packets are lost (``links``: one chain per directed link),
 3. the transport repairs what it repairs and charges the time it takes (``transport``),
-4. the recovery policy (``recovery``) says what each receiver holds (``algorithms.combine``) and
+4. the recovery policy (``recovery``) says what each receiver holds (``receivers.combine``) and
    applies it to the tensors (``delivery``),
 5. the counters (``stats``) and the simulated clock move on (the policy's compute included).
 

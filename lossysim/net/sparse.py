@@ -114,7 +114,7 @@ def works_out(sched) -> bool:
 class Losses:
     """What ``LossyNetwork.simulate(deliver=False)`` returns in place of a Delivery where the recovery
     policy's draw has no side effects: the lost packets of each send, ``(send[k], packet[k])``, packet
-    counted from the send's first. What every receiver holds follows from them (``algorithms.combine``)."""
+    counted from the send's first. What every receiver holds follows from them (``receivers.combine``)."""
     sched: object
     send: np.ndarray
     packet: np.ndarray

@@ -72,7 +72,7 @@ class Transfer:
         return self._slots
 
     def weights(self, dtype: torch.dtype) -> Delivery:
-        """What each path carries when delivered under ``rescale`` (``algorithms.path_weights``)."""
+        """What each path carries when delivered under ``rescale`` (``receivers.path_weights``)."""
         if dtype not in self._weights:
             self._weights[dtype] = path_weights(self.sched, self.factor, dtype)
         return self._weights[dtype]

@@ -2,7 +2,7 @@
 
 One policy per network (``recovery`` in ``NetworkSpec``; docs/semantics.md compares them):
 
-- ``zero``: a lost packet contributes nothing (``algorithms.combine``, applied by ``delivery``).
+- ``zero``: a lost packet contributes nothing (``receivers.combine``, applied by ``delivery``).
 - ``rescale``: what arrives is divided by the probability that it arrives, hop by hop: an unbiased
   sum.
 - ``hadamard``, ``hadamard+rescale``: every sender applies a randomized Hadamard transform (random
