@@ -6,21 +6,34 @@ and the traced one (``trace_replay.Replay``), so both fill the same columns the 
 got and those that did not arrive exact (``lost``, per message), and what NCCL ran each message as. Beside
 it: ``mark``, a network's clock read before and after a message (its [with loss, loss-free] seconds);
 ``is_lossy``, whether a network can lose a packet at all; ``held_elements``, what a collective leaves with
-its receivers; ``intervals``, the step times' mean and quantiles with their intervals.
+its receivers; ``intervals``, the step times' mean and quantiles with their intervals; ``Group`` and
+``ExpertGroup``, a simulated group's networks and the groups its counts stand for.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
 from .. import traffic
-from ..net import LossyNetwork
+from ..net import LossyNetwork, NetworkSpec
 from ..net.recovery import packets_of
 from ..net.sparse import Losses, bad_packets_of
 
 CLASSES = tuple(c.name for c in traffic.CLASSES)   # every class's columns, in the declared order
+
+
+class Group(NamedTuple):
+    """A group's network and the groups its counts stand for."""
+    spec: NetworkSpec
+    copies: float      # the groups its counts stand for: loss-free ones alike (exact), or G / k sampled lossy ones
+
+
+class ExpertGroup(NamedTuple):
+    """An ep group's two networks (``ep_dispatch``, ``ep_combine``) and the groups its counts stand for."""
+    specs: tuple
+    copies: float
 
 
 class Tally:

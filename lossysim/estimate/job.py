@@ -10,8 +10,6 @@ draws the others.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
@@ -25,7 +23,7 @@ from ..net import LossyNetwork, NetworkSpec
 from ..pp.stages import stage_parameters
 from ..tp.parallelize import head_counts, parallelize
 from ..util import stream_seed
-from .accounting import Tally, is_lossy
+from .accounting import ExpertGroup, Group, Tally, is_lossy
 from .context_messages import ContextMessages
 from .expert_messages import ExpertMessages
 from .messages import Messages
@@ -36,18 +34,6 @@ from .workload import AMP_DTYPE, DTYPES, Workload, step_calls
 # R ranks is 2R(R-1) sends whose schedule the network keeps (about 1.6 KB a send: a tiny model at dp 600,
 # 718,800 sends, peaked at 1.6 GB), so memory grows with the square of the largest group.
 MAX_GROUP_RANKS = 1024
-
-
-class Group(NamedTuple):
-    """A group's network and the groups its counts stand for."""
-    spec: NetworkSpec
-    copies: float      # the groups its counts stand for: loss-free ones alike (exact), or G / k sampled lossy ones
-
-
-class ExpertGroup(NamedTuple):
-    """An ep group's two networks (``ep_dispatch``, ``ep_combine``) and the groups its counts stand for."""
-    specs: tuple
-    copies: float
 
 
 def check_group_size(mesh) -> None:

@@ -14,16 +14,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections import defaultdict, deque
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 from ..dp.fsdp import shard_numel
 from ..net import LossyNetwork
-from .accounting import held_elements, is_lossy, mark
-
-if TYPE_CHECKING:
-    from .job import Group
+from .accounting import Group, held_elements, is_lossy, mark
 
 
 class Messages:

@@ -12,13 +12,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from ..config import ExperimentConfig
 from ..results.table import FINISHED, run_status
-
-if TYPE_CHECKING:
-    from .sweep import Run
 
 
 @lru_cache(maxsize=None)
@@ -53,14 +50,14 @@ def refusal(config: ExperimentConfig) -> Optional[str]:
     return _refusal(config.model, config.tp_size, config.ep_size, config.pp_size, config.pp_layout)
 
 
-def refused(runs: list[Run]) -> dict[str, str]:
+def refused(runs: list) -> dict[str, str]:
     """dir_name -> why train would refuse it, for each of ``runs`` whose settings do not
     fit its model."""
     found = {run.dir_name: refusal(run.config) for run in runs}
     return {name: why for name, why in found.items() if why is not None}
 
 
-def refuse(runs: list[Run]) -> None:
+def refuse(runs: list) -> None:
     """Raise one line when train would refuse some runs' settings (``refused``), before any run trains."""
     why = refused(runs)
     if why:
@@ -106,7 +103,7 @@ def _check(kind: str, name: str) -> None:
             _hub_sources()
 
 
-def check_inputs(runs: list[Run]) -> None:
+def check_inputs(runs: list) -> None:
     """Load each distinct model, tokenizer and data set the unfinished runs need, once; raise one
     line naming the first that cannot be loaded and how many runs need it."""
     todo = [r for r in runs if run_status(r.run_dir) not in FINISHED]
