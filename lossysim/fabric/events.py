@@ -244,7 +244,7 @@ class CallEnd:
     slowed_s: float
 
 
-def _resume(down_at: float, back: float, waits: Optional[Sequence[float]]) -> tuple[float, bool]:
+def resume_at(down_at: float, back: float, waits: Optional[Sequence[float]]) -> tuple[float, bool]:
     """When a connection cut at ``down_at`` whose path is back at ``back`` goes on (its first retry at
     or after ``back``), or the time it gives up and True."""
     if waits is None:
@@ -263,7 +263,7 @@ def call_end(schedule: LinkSchedule, loads: np.ndarray, start: float, seconds: f
     ``loads``: bytes per directed cable (``load.cable_loads``): only cables that carry some matter,
     and while some are slowed the call goes at the rate its most loaded cable allows then (its step
     time at full speed over its step time at the speeds of the moment). An outage of any of them stops
-    it (``_resume``); a flow rerouted off a cable is assumed to find room on the others."""
+    it (``resume_at``); a flow rerouted off a cable is assumed to find room on the others."""
     gbps = np.array([c.gbps for c in schedule.fabric.cables])
     crossed = [int(c) for c in np.flatnonzero(loads > 0)]
     if not crossed or seconds <= 0:
@@ -288,7 +288,7 @@ def call_end(schedule: LinkSchedule, loads: np.ndarray, start: float, seconds: f
             left -= (b - a) * rate / seconds
             slowed += (b - a) * (1 - rate)
         down_at, back = outage
-        resumed, failed = _resume(down_at, back, waits)
+        resumed, failed = resume_at(down_at, back, waits)
         if failed:
             return CallEnd(resumed, True, stalled + resumed - down_at, slowed)
         stalled += resumed - down_at
