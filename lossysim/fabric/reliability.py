@@ -86,14 +86,15 @@ def _outcome(reroute_s: float, waits: Optional[Sequence[float]], repair_s: float
     return failed, resumed
 
 
-def expected_cost(fabric: Fabric, hours: float, nodes: Optional[int] = None, gpus_per_node: Optional[int] = None,
+def expected_cost(fabric: Fabric, hours: float, nodes: Optional[int] = None, gpus: Optional[int] = None,
                   mttf_h: float = CABLE_MTTF_H, repair_h: float = REPAIR_H, reroute_s: float = REROUTE_S["ecmp"],
                   waits: Optional[Sequence[float]] = RC_WAITS, restart_s: float = 300.0,
                   checkpoint_s: float = 1800.0, other_per_day: float = 0.0) -> Cost:
-    """The expected figures of ``hours`` of a job on ``nodes`` (default all) of ``fabric``."""
+    """The expected figures of ``hours`` of a job of ``gpus`` (default a GPU per NIC) on ``nodes``
+    (default all) of ``fabric``."""
     _check(hours, mttf_h, repair_h, restart_s, checkpoint_s, other_per_day)
     nic, switch, share = cables_in_reach(fabric, nodes)
-    gpus = (fabric.rails if gpus_per_node is None else int(gpus_per_node)) * (len(nic) // fabric.rails)
+    gpus = len(nic) if gpus is None else int(gpus)
     rate = hours / mttf_h
     nic_failures, switch_failures = len(nic) * rate, len(switch) * share * rate
     interrupts, stall = _outcome(reroute_s, waits, repair_h * 3600)
@@ -130,14 +131,14 @@ def draw_failures(fabric: Fabric, hours: float, seed: int = 0, nodes: Optional[i
 
 
 def drawn_cost(fabric: Fabric, events: Sequence[LinkEvent], hours: float, nodes: Optional[int] = None,
-               gpus_per_node: Optional[int] = None, reroute_s: float = REROUTE_S["ecmp"],
+               gpus: Optional[int] = None, reroute_s: float = REROUTE_S["ecmp"],
                waits: Optional[Sequence[float]] = RC_WAITS, restart_s: float = 300.0, checkpoint_s: float = 1800.0,
                seed: int = 0) -> Cost:
     """The figures of one draw (``draw_failures``): each failure interrupts or is routed around by
     the same rules as ``expected_cost``, an interruption losing the work since a checkpoint at a
     uniform point of its interval (drawn at ``seed``)."""
     nic, switch, share = cables_in_reach(fabric, nodes)
-    gpus = (fabric.rails if gpus_per_node is None else int(gpus_per_node)) * (len(nic) // fabric.rails)
+    gpus = len(nic) if gpus is None else int(gpus)
     rng = np.random.default_rng(stream_seed(seed, fabric.name, "checkpoint-phase"))
     give_up = sum(waits) if waits is not None else 0.0
     interruptions, around, lost_s = 0, 0, 0.0
