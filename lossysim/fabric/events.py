@@ -264,23 +264,28 @@ def call_end(schedule: LinkSchedule, loads: np.ndarray, start: float, seconds: f
     and while some are slowed the call goes at the rate its most loaded cable allows then (its step
     time at full speed over its step time at the speeds of the moment). An outage of any of them stops
     it (``resume_at``); a flow rerouted off a cable is assumed to find room on the others."""
-    gbps = np.array([c.gbps for c in schedule.fabric.cables])
-    crossed = [int(c) for c in np.flatnonzero(loads > 0)]
-    if not crossed or seconds <= 0:
+    per_byte = loads * 8 / (np.array([c.gbps for c in schedule.fabric.cables]) * 1e9)
+    crossed = np.flatnonzero(loads > 0)
+    if not len(crossed) or seconds <= 0:
         return CallEnd(start + max(seconds, 0.0), False, 0.0, 0.0)
-    full = float((loads[crossed] / gbps[crossed]).max())
+    full = float(per_byte[crossed].max())
+    # only the crossed cables with events can hold the call; the others' time never changes
+    evented = [int(c) for c in crossed if int(c) in schedule.events]
+    others = loads > 0
+    others[evented] = False
+    steady = float(per_byte[others].max(initial=0.0))
     t, left, stalled, slowed = float(start), 1.0, 0.0, 0.0
     while True:
-        outage = _next_outage(schedule, crossed, t, reroute_s)
+        outage = _next_outage(schedule, evented, t, reroute_s)
         horizon = outage[0] if outage else math.inf
         # the work goes on piecewise at each stretch's rate until the outage (or the end)
-        points = [t, *schedule.changes(crossed, t, min(horizon, t + 10 * schedule.run_s)), horizon]
+        points = [t, *schedule.changes(evented, t, min(horizon, t + 10 * schedule.run_s)), horizon]
         for a, b in zip(points, points[1:]):
             mid = a + (min(b, a + 1.0) - a) / 2 if math.isinf(b) else (a + b) / 2
             # a cable down here has had its flows rerouted (else the outage would come first): its bytes
             # are assumed to find room elsewhere, so it holds nothing back
-            speeds = np.array([schedule.speed(c, mid) or 1.0 for c in crossed])
-            rate = full / float((loads[crossed] / (gbps[crossed] * np.maximum(speeds, 1e-300))).max())
+            now = max([steady, *(per_byte[c] / (schedule.speed(c, mid) or 1.0) for c in evented)])
+            rate = full / now
             if (b - a) * rate / seconds >= left:
                 done = a + left * seconds / rate
                 slowed += (done - a) - left * seconds
