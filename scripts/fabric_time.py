@@ -50,8 +50,8 @@ def collisions() -> None:
 
 
 def events() -> None:
-    """1,000 steps of 10 s (8 s compute, then a 2 s DP all-reduce step on one rail's rings) under a flap of
-    one leaf-spine cable the rings cross (every 300 s, down 5 s), and under a NIC cable down 60 s."""
+    """1,000 steps of 10 s (8 s compute, then 2 s of the DP rings, Llama 3 order) under a flap of
+    one leaf-spine cable the rings cross (every 307 s, down 5 s), and under a NIC cable down 60 s."""
     pod = superpod(8)
     mesh = Mesh(tp=8, pp=4, dp=64, ranks_per_node=8, order="tp-cp-pp-ep-dp")
     loads = cable_loads(Routes(pod, 8), ring_flows(mesh.groups("dp"), 64 * 2**20, CHANNELS))
@@ -59,8 +59,8 @@ def events() -> None:
                   if pod.tier(pod.cables[i].src) == "leaf" and pod.tier(pod.cables[i].dst) == "spine")
     nic = next(pod.cables[i].name for i in np.flatnonzero(loads) if pod.tier(pod.cables[i].src) == "nic")
     run_s = 40000.0
-    cases = {f"{uplink} flaps (300 s, 5 s down), ecmp reroute 1 s": ([f"{uplink}:flap:at=108.5,period=300,down=5"], "ecmp"),
-             f"{uplink} flaps, no reroute": ([f"{uplink}:flap:at=108.5,period=300,down=5"], "none"),
+    cases = {f"{uplink} flaps (307 s, 5 s down), ecmp reroute 1 s": ([f"{uplink}:flap:at=108.5,period=307,down=5"], "ecmp"),
+             f"{uplink} flaps, no reroute": ([f"{uplink}:flap:at=108.5,period=307,down=5"], "none"),
              f"{nic} down 60 s at 1000 s": ([f"{nic}:down:at=1000,for=60"], "ecmp")}
     print(f"{'case':64} {'nic':17} {'end_s':>9} {'failures':>8} {'stalled_s':>9} {'restarts_s':>10}")
     for case, (given, reroute) in cases.items():
