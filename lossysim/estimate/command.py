@@ -3,12 +3,23 @@
 caller."""
 from __future__ import annotations
 
-from .grid import add_arguments  # noqa: F401  (the command's flags: lossysim.cli calls it here)
+from . import hours
+from .grid import add_arguments as grid_arguments
+
+
+def add_arguments(parser) -> None:
+    """The command's flags (lossysim.cli calls it here): the grid's, then ``--hours``'s."""
+    grid_arguments(parser)
+    hours.add_arguments(parser)
 
 
 def run(args) -> int:
+    hours.check(args)
     if args.trace:
         from .traced import run as run_trace
         return run_trace(args)
     from .grid import run as run_named
-    return run_named(args)
+    code = run_named(args)
+    if code == 0 and getattr(args, "hours", None) is not None:
+        hours.report(args)
+    return code

@@ -159,6 +159,29 @@ NIC_PRESETS = {
 DEFAULT_NIC = "irn"
 
 
+def rc_give_up_s(timeout: int = IB_TIMEOUT_DEFAULT, retries: int = IB_RETRY_COUNT) -> float:
+    """How long an RC queue pair that nothing acknowledges lasts before it errors: its first send and
+    each of ``retries`` retries wait an ACK timeout, 4.096 us x 2^``timeout`` (NCCL_IB_TIMEOUT): 34.4 s at
+    20 and 7 retries, 8.6 s at 18."""
+    return (int(retries) + 1) * ib_timeout_s(timeout)
+
+
+def outage_waits(nic: Nic, timeout: int = IB_TIMEOUT_DEFAULT, rtt_s: float = 0.0) -> Optional[tuple[float, ...]]:
+    """The timers a connection waits in a row while nothing it sends arrives (a cable down), the last
+    one ending with the transport giving up: an RDMA preset's queue pair waits the ACK timeout
+    (``timeout``) before each of its ``retries`` retries and once more after the last (adaptive
+    retransmission's first millisecond ranges are left out: they are capped by the same timeout and
+    only matter for outages of a few ms); TCP waits its RTO from ``rtt_s``, doubling up to
+    TCP_RTO_MAX, ``tcp_retries2`` + 1 times (924.6 s at a short round trip). None: a preset that never
+    gives up (``ideal``, ``srd``), modelled as resending the moment a path is back."""
+    if nic.retries is None:
+        return None
+    if nic.rack:
+        first = nic.rto_s if nic.rto_s is not None else float(_rto(np.float64(rtt_s)))
+        return tuple(min(first * 2.0 ** i, TCP_RTO_MAX_S) for i in range(nic.retries + 1))
+    return (ib_timeout_s(timeout),) * (nic.retries + 1)
+
+
 def selective_repeat_transmissions(p: float) -> float:
     """E[transmissions per delivered packet] = 1 / (1 - p): geometric under i.i.d. loss p."""
     _check_loss(p)

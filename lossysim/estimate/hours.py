@@ -1,0 +1,98 @@
+"""``lossysim estimate --hours H``: what H hours of cable failures cost the job on its fabric
+(``fabric.reliability``): the expected cable failures, interruptions, GPU-hours lost and effective
+training time, printed after the step's table (and ``hours.json`` with ``--out``). The fabric is
+``--fabric`` where the command has one, else the smallest SuperPOD that holds the job's nodes (said
+so in the output). Without ``--hours`` nothing changes.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from ..fabric.events import REROUTE_S
+from ..fabric.presets import SU_NODES, SUPERPOD_SU, parse_fabric, superpod
+from ..fabric.reliability import CABLE_MTTF_H, REPAIR_H, expected_cost, llama3_rates
+from ..io import atomic_write_text, output_errors
+from ..timing.retransmission import NIC_PRESETS, outage_waits
+
+DGX_GPUS = 8
+
+
+def add_arguments(parser) -> None:
+    group = parser.add_argument_group("a run's cable failures (docs/fabric.md)")
+    group.add_argument("--hours", type=float, help="also estimate this many hours of cable failures on the job's "
+                       "fabric: interruptions, GPU-hours lost, effective training time")
+    group.add_argument("--checkpoint-every-s", type=float, default=1800.0,
+                       help="seconds between checkpoints (default 1800, an assumption): half is lost per interruption")
+    group.add_argument("--restart-s", type=float, default=300.0, help="seconds a restart takes (default 300)")
+    group.add_argument("--cable-mttf-h", type=float, default=CABLE_MTTF_H,
+                       help=f"mean hours between one cable's failures (default {CABLE_MTTF_H:.3g}: Llama 3's 35 "
+                            "switch or cable interruptions over a 16,384-GPU fabric's cables)")
+    group.add_argument("--repair-h", type=float, default=REPAIR_H, help=f"hours a cable stays down (default {REPAIR_H:g})")
+    group.add_argument("--reroute", default="ecmp", choices=tuple(REROUTE_S),
+                       help="how routes go around a dead switch cable (default ecmp: 1 s, RFC 7938)")
+    group.add_argument("--ib-timeout", type=int, default=20, help="NCCL_IB_TIMEOUT (default 20: 34.4 s to give up)")
+    group.add_argument("--other-interruptions-per-day", default="0",
+                       help="interruptions from anything but cables, a day (default 0; llama3: Llama 3's other "
+                            f"{llama3_rates()['other_per_day']:.2f})")
+
+
+def check(args) -> None:
+    """Refuse what ``--hours`` cannot do before the grid runs."""
+    if getattr(args, "hours", None) is None:
+        return
+    if args.trace:
+        raise ValueError("--hours takes a named shape's layout (--tp-size, --pp-size, --dp-size), not --trace")
+    if not args.hours > 0 or math.isinf(args.hours):
+        raise ValueError(f"--hours {args.hours:g} must be a number of hours > 0")
+    _other(args.other_interruptions_per_day)
+
+
+def _other(text) -> float:
+    if str(text).strip().lower() == "llama3":
+        return llama3_rates()["other_per_day"]
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or math.isinf(value):
+        raise ValueError(f"--other-interruptions-per-day {text!r} must be a number >= 0 or llama3")
+    return value
+
+
+def figures(args) -> dict:
+    """The expected figures of ``args.hours`` for the layout the flags give."""
+    per_node = args.ranks_per_node or DGX_GPUS
+    gpus = (args.tp_size or 8) * (args.pp_size or 1) * (args.dp_size or 1) * (args.cp_size or 1)
+    nodes = max(1, -(-gpus // per_node))
+    fabric = parse_fabric(getattr(args, "fabric", None))
+    chosen = "given"
+    if fabric is None:
+        fits = [su for su in SUPERPOD_SU if su * SU_NODES >= nodes]
+        if not fits:
+            raise ValueError(f"--hours: {nodes} nodes need more than the largest SuperPOD ({SUPERPOD_SU[-1]} SU); "
+                             "give a fabric")
+        fabric, chosen = superpod(fits[0]), "the smallest SuperPOD that holds the job"
+    cost = expected_cost(fabric, args.hours, nodes=nodes, gpus=gpus, mttf_h=args.cable_mttf_h,
+                         repair_h=args.repair_h, reroute_s=REROUTE_S[args.reroute],
+                         waits=outage_waits(NIC_PRESETS["roce-gbn-timeout"], args.ib_timeout),
+                         restart_s=args.restart_s, checkpoint_s=args.checkpoint_every_s,
+                         other_per_day=_other(args.other_interruptions_per_day))
+    return {"fabric": fabric.name, "fabric_chosen": chosen, "nodes": nodes, "reroute": args.reroute,
+            "ib_timeout": args.ib_timeout, "checkpoint_every_s": args.checkpoint_every_s, "restart_s": args.restart_s,
+            "cable_mttf_h": args.cable_mttf_h, "repair_h": args.repair_h, **cost.row(),
+            "llama3_interruptions_per_day": llama3_rates()["all_per_day"]}
+
+
+def report(args) -> None:
+    """Print the figures (and write hours.json with ``--out``)."""
+    row = figures(args)
+    print(f"{row['hours']:g} h on {row['fabric']} ({row['fabric_chosen']}), {row['gpus']} GPUs: "
+          f"{row['cable_failures']:.3g} cable failures, {row['interruptions']:.3g} interruptions, "
+          f"{row['routed_around']:.3g} routed around ({row['reroute']}), {row['gpu_hours_lost']:.4g} GPU-hours lost, "
+          f"effective training time {100 * row['effective']:.1f}% (Llama 3: {row['llama3_interruptions_per_day']:.2f} "
+          "interruptions a day of all causes, over 90% effective)")
+    if args.out:
+        with output_errors(args.out, "--out"):
+            atomic_write_text(Path(args.out) / "hours.json", json.dumps(row, indent=1) + "\n")
