@@ -242,7 +242,8 @@ class _Parts:
         if self.pp > 1:
             links = [[[(0.0, 0.0)] * 2] * m if "pp" in zero else pp[b][r * self.cp if len(pp[b]) > 1 else 0]
                      for b in range(self.pp - 1)]
-            sends = one_clock.Sends([[a[k] for a, _ in link] for link in links], [[g[k] for _, g in link] for link in links])
+            sends = one_clock.Sends([[a[k] for a, _ in link] for link in links],
+                                    [[g[k] for _, g in link] for link in links])
         compute = one_clock.Compute([self.c] * m, self.shares if self.pp > 1 else (1.0,))
         return one_clock.stream(compute, one_clock.OnStream("tp", tp_seconds), one_clock.OnStream("ep", ep_seconds),
                                 one_clock.OnStream("cp", cp_seconds), sends=sends)
