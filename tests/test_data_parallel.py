@@ -11,9 +11,10 @@ import pytest
 import torch
 from scipy import stats
 
+from lossysim.clock import step_seconds
 from lossysim.config import ExperimentConfig
 from lossysim.data import train_batches
-from lossysim.dp import plan_buckets, step_seconds
+from lossysim.dp import plan_buckets
 from lossysim.io import read_jsonl
 from lossysim.run.build import build
 from lossysim.run.experiment import run_experiment

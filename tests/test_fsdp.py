@@ -11,8 +11,8 @@ import pytest
 import torch
 from scipy import stats
 
+from lossysim.clock import gathered_forward_seconds
 from lossysim.dp import fsdp as fsdp_module
-from lossysim.dp import gathered_forward_seconds
 from lossysim.dp.buckets import flatten
 from lossysim.net import LossyNetwork
 from lossysim.net.network import shard_bounds

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..net import LossyNetwork
 from ..pp.stages import Pipeline, parameter_stages
-from . import buckets as bucketing, timeline
+from . import buckets as bucketing
 from .buckets import Bucket
 from .drift import _relative, _square_sums, _summed, broadcast_time
 
@@ -134,16 +134,6 @@ class DataParallel:
     def gather_weights(self) -> list[float]:
         """DDP gathers no weights before the forward (FSDP does: ``fsdp``); each unit's seconds: none."""
         return []
-
-    def added_seconds(self, times: torch.Tensor, gather_s: Sequence[float], bucket_s: Sequence[Sequence[float]],
-                      overlap: bool) -> float:
-        """What the data-parallel traffic adds to replica 0's step (one stage), given every replica's
-        [forward, backward] seconds (``times``, [dp, 2]) and the gathers' and buckets' seconds (``bucket_s``:
-        per stage): the slowest replica's path, then the buckets it waits for (``timeline``). A group of
-        one waits for nothing."""
-        if self.dp_size == 1:
-            return 0.0
-        return timeline.added_seconds(times.tolist(), self.ready()[0], gather_s, bucket_s[0], overlap)
 
     def ready(self) -> list[list[float]]:
         """Each stage's buckets' readiness: the share of its backward done when each is full."""

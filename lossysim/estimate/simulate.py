@@ -27,7 +27,8 @@ Its traffic classes, each on the networks the mesh gives its groups:
 
 Which groups are simulated, and which stand for their identical others, is the job's (``job``); each class's
 messages are ``messages``, ``expert_messages`` and ``context_messages``; what they sent and lost is counted as
-``accounting.Tally`` counts; the step ends on training's clock (``clock``).
+``accounting.Tally`` counts; the step ends on training's clock (``lossysim.clock.step_time``), each axis's
+seconds handed to it as training hands them (``_Parts``).
 """
 from __future__ import annotations
 
@@ -36,15 +37,14 @@ from typing import Callable, Optional, Union
 
 import numpy as np
 
-from .. import timing
-from ..config import ExperimentConfig
+from .. import clock as one_clock, timing
+from ..config import EP_CLASSES, ExperimentConfig
 from ..cp import clock as cp_clock
 from ..cp.layout import check_length
 from ..ep import routing
 from ..models import cost
 from ..pp.stages import stage_layout
 from .accounting import CLASSES, intervals
-from .clock import Clock
 from .job import Job, check_group_size
 from .shapes import Shape, load
 from .workload import Workload
@@ -85,7 +85,7 @@ def estimate(model: Union[str, Shape], config: ExperimentConfig, workload: Workl
 
     per_step, ideal_steps, stacks, added = [], [], [], defaultdict(lambda: np.zeros(2))
     for times in job.run(steps, tick):
-        clock = Clock(times, micro_s, shares, config, pp, dp, m, job.ready, cp)
+        clock = _Parts(times, micro_s, shares, config, pp, dp, m, job.ready, cp)
         per_step.append(clock.step(0))
         ideal_steps.append(clock.step(1))
         present = job.classes
@@ -156,3 +156,116 @@ def _busiest(shape: Shape, mesh, w: Workload, seed: int) -> float:
     e = shape.experts
     load = routing.imbalance(e.top_k, e.count, mesh.ep, w.routing_skew, seed) if mesh.ep > 1 else 1.0
     return active + e.parameters * e.top_k / e.count * (load * mesh.tp - 1.0)
+
+
+class _Parts:
+    """One step's parts from its messages' seconds (``k`` 0: with loss, 1: loss-free), any class zeroed,
+    handed to the one clock (``lossysim.clock.step_time``) as training hands it its own: compute per
+    micro-batch as a training run models it, a stage's share by its FLOPs, plus the TP traffic, the
+    all-to-alls and what context exchanges add on each replica's stream; the boundaries' sends; DDP's
+    buckets and FSDP's gathers; the experts' buckets after the backward."""
+
+    # a class's times (the experts' buckets are data-parallel traffic)
+    KEYS = {"tp": ("tp",), "pp": ("pp",), "dp": ("bucket", "expert_bucket"), "fsdp": ("bucket", "gather"),
+            **{cls: (cls,) for cls in EP_CLASSES}, "cp": ("cp",)}
+
+    def __init__(self, times: dict, micro_s: float, shares: list[float], config: ExperimentConfig, pp: int, dp: int,
+                 m: int, ready: list, cp: int = 1):
+        self.t, self.c, self.shares, self.config, self.pp, self.dp, self.m, self.ready, self.cp = \
+            times, micro_s, shares, config, pp, dp, m, ready, cp
+
+    def loss_free(self, cls: str) -> "_Parts":
+        """These parts with ``cls``'s messages at their loss-free seconds (their repairs taken away)."""
+        times = dict(self.t)
+        for key in self.KEYS[cls]:
+            if key in times:
+                times[key] = _at_loss_free(times[key])
+        return _Parts(times, self.c, self.shares, self.config, self.pp, self.dp, self.m, self.ready, self.cp)
+
+    def _context(self, s: int, r: int, k: int) -> np.ndarray:
+        """[micro-batch, direction]: what replica ``r``'s stage ``s``'s context exchanges add, each block's
+        slowest TP position's (zeros without context parallelism)."""
+        groups = self.t["cp"][s] if self.t["cp"] else []
+        if not groups:
+            return np.zeros((self.m, 2))
+        mine = groups if len(groups) == 1 else groups[r * len(groups) // self.dp:(r + 1) * len(groups) // self.dp]
+        return np.max(np.stack(mine), axis=0)[:, :, k].sum(-1)
+
+    def _experts(self, zero) -> Callable:
+        """``(stage, replica)`` -> [micro-batch] of (forward, backward) [with loss, loss-free] seconds of the
+        replica's all-to-alls: each class's summed (those not in ``zero``), the slowest of its TP ranks' groups."""
+        present = [cls for cls in EP_CLASSES if cls in self.t and cls not in zero]
+        mesh = self.config.mesh()
+
+        def of(s: int, r: int) -> list:
+            total = [([0.0, 0.0], [0.0, 0.0]) for _ in range(self.m)]
+            for cls in present:
+                groups = self.t[cls][s]
+                mine = [groups[0]] if len(groups) == 1 else \
+                    [groups[t * (mesh.dp // mesh.ep) + r // mesh.ep] for t in range(mesh.tp)]
+                for i, pair in enumerate(total):
+                    for d in (0, 1):
+                        for q in (0, 1):
+                            pair[d][q] += max(group[i][d][q] for group in mine)
+            return total
+        return of
+
+    def _replicas(self) -> list[int]:
+        """One replica of each kind whose paths differ (replica 0 first): a replica's TP groups, pipeline
+        boundaries and context groups are its own where every one was simulated, its ep groups its
+        expert-data index's."""
+        mesh = self.config.mesh()
+        tp, pp = self.t["tp"], self.t["pp"]
+        experts = any(len(groups) > 1 for cls in EP_CLASSES for groups in self.t.get(cls, []))
+        own = any(len(g) > 1 for g in (*tp, *pp, *self.t["cp"]))
+        kinds: dict = {}
+        for r in range(self.dp if own or experts else 1):
+            kinds.setdefault((r if own else 0, r // mesh.ep if experts else 0), r)
+        return list(kinds.values())
+
+    def _expert_buckets(self, k: int, zero) -> float:
+        """What the experts' buckets add after the backward: the slowest stage's, one after another."""
+        if "dp" in zero or not self.t.get("expert_bucket"):
+            return 0.0
+        return max((sum(seconds[k] for seconds in stage) for stage in self.t["expert_bucket"]), default=0.0)
+
+    def _path(self, r: int, k: int, zero, ep_of: Callable) -> one_clock.Path:
+        """Replica ``r``'s stream and sends, each axis's seconds apart."""
+        stages, m = range(self.pp), self.m
+        tp, pp = self.t["tp"], self.t["pp"]
+        # context rank 0's TP traffic and sends, as training charges them
+        tp_seconds = () if "tp" in zero else \
+            [[(f[k], b[k]) for f, b in tp[s][r * self.cp if len(tp[s]) > 1 else 0]] for s in stages]
+        ep_seconds = [[(f[k], b[k]) for f, b in ep_of(s, r)] for s in stages]
+        cp_seconds = () if "cp" in zero else [[(f, b) for f, b in self._context(s, r, k)] for s in stages]
+        sends = one_clock.Sends()
+        if self.pp > 1:
+            links = [[[(0.0, 0.0)] * 2] * m if "pp" in zero else pp[b][r * self.cp if len(pp[b]) > 1 else 0]
+                     for b in range(self.pp - 1)]
+            sends = one_clock.Sends([[a[k] for a, _ in link] for link in links],
+                                    [[g[k] for _, g in link] for link in links])
+        compute = one_clock.Compute([self.c] * m, self.shares if self.pp > 1 else (1.0,))
+        return one_clock.stream(compute, one_clock.OnStream("tp", tp_seconds), one_clock.OnStream("ep", ep_seconds),
+                                one_clock.OnStream("cp", cp_seconds), sends=sends)
+
+    def step(self, k: int, zero=()) -> float:
+        bucket = [[[0.0, 0.0]] * len(b) for b in self.t["bucket"]] if {"dp", "fsdp"} & set(zero) else self.t["bucket"]
+        gather = [] if "fsdp" in zero or not self.t["gather"] else [g[k] for g in self.t["gather"]]
+        ep_of = self._experts(zero)
+        paths = [self._path(r, k, zero, ep_of) for r in self._replicas()]
+        buckets = one_clock.Buckets(self.ready, [[b[k] for b in stage] for stage in bucket] if self.dp > 1 else (),
+                                    gather, self.config.dp_overlap, self._expert_buckets(k, zero))
+        schedule = one_clock.Schedule(self.config.pp_schedule, self.pp, self.m) if self.pp > 1 else None
+        return one_clock.step_time(paths, buckets, schedule).seconds
+
+
+def _at_loss_free(times):
+    """``times`` (nested lists ending in [with loss, loss-free] pairs of seconds, or a context group's
+    [micro-batch, direction, (with loss, loss-free), block] array) with every pair [free, free]."""
+    if isinstance(times, np.ndarray):
+        free = times.copy()
+        free[:, :, 0] = free[:, :, 1]
+        return free
+    if len(times) == 2 and all(isinstance(x, (int, float)) for x in times):
+        return [times[1], times[1]]
+    return [_at_loss_free(x) for x in times]

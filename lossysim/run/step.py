@@ -7,11 +7,10 @@ from typing import Optional
 
 import torch
 
-from .. import timing
+from .. import clock, timing
 from ..config import ExperimentConfig
 from ..models import cost
-from ..dp import Replica, timeline
-from ..pp.schedule import pipeline_time
+from ..dp import Replica
 from ..pp.stages import Pipeline
 from ..tp import TensorParallelModel
 from .build import Parts
@@ -28,9 +27,9 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
     gradients accumulate; the gradient buckets are then averaged over the data-parallel networks (FSDP:
     the units' weights are gathered before, their gradients reduce-scattered after), and every replica
     clips and steps on what it received. The clock charges replica 0's compute and TP traffic plus the
-    time the data-parallel traffic adds (``lossysim.dp.timeline``); with pipeline stages, every replica's
-    compute and traffic as its schedule runs them, and each stage's buckets after its last backward
-    (``_pipeline_clock``)."""
+    time the data-parallel traffic adds; with pipeline stages, every replica's compute and traffic as its
+    schedule runs them, and each stage's buckets after its last backward (``_pipeline_clock``). Both end
+    on the one clock (``lossysim.clock.step_time``), as the estimate's steps do."""
     dp = parts.dp
     # tokens/s counts real tokens, not padding (counted on the host: no device sync)
     tokens = int(batch["attention_mask"].sum())
@@ -86,7 +85,8 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
     state.cp_s += context_s[0][0]       # what replica 0's context exchanges add beside its attention
     state.cp_s_ideal_nic += context_s[0][1]
     if parts.pipeline is None:      # (with stages, ``_pipeline_clock`` charged the buckets)
-        state.dp_s += dp.added_seconds(times, gather_s, bucket_s, config.dp_overlap)
+        paths = [clock.Path([[forward]], [[backward]]) for forward, backward in times.tolist()]
+        state.dp_s += clock.step_time(paths, _buckets(dp, bucket_s, config, gather_s)).breakdown["dp_s"]
     state.dp_s += experts_s
     if parts.ep is not None:        # replica 0's all-to-alls (its forward and backward wait for them)
         ep_s, ep_s_ideal_nic = parts.ep.step_seconds()
@@ -174,31 +174,37 @@ def _pipeline_clock(config: ExperimentConfig, state: TrainState, replicas: list[
     schedule, and under the ideal nic), ``pp_s`` (what the sends add: the step less the same schedules
     with free sends), replica 0's stages' busy seconds (the bubble is the rest) and ``dp_s``, what each
     stage's buckets (``ready``, ``bucket_s`` per stage; none without replicas) add after its last
-    backward (``timeline.pipeline_step_seconds``, as the estimate ends a step)."""
+    backward (the one clock, ``lossysim.clock.step_time``, as the estimate ends a step)."""
     p, m = config.pp_size, config.n_microbatches
+    schedule = clock.Schedule(config.pp_schedule, p, m)
 
-    def arrays(stages: dict, phase: str, clock: int) -> list[list[float]]:
+    def arrays(stages: dict, phase: str, k: int) -> list[list[float]]:
         values = stages[phase]
         if phase in ("forward", "backward"):   # [micro-batch][stage] -> [stage][micro-batch]
-            return [[values[i][s][clock] for i in range(m)] for s in range(p)]
-        return [[send[clock] for send in boundary] for boundary in values]
+            return [[values[i][s][k] for i in range(m)] for s in range(p)]
+        return [[send[k] for send in boundary] for boundary in values]
 
-    def schedules(clock: int, sends: bool = True) -> list:
-        return [pipeline_time(config.pp_schedule, p, m, arrays(stages, "forward", clock),
-                              arrays(stages, "backward", clock),
-                              **(dict(activation_s=arrays(stages, "activation", clock),
-                                      gradient_s=arrays(stages, "gradient", clock)) if sends else {}))
+    def paths(k: int) -> list[clock.Path]:
+        return [clock.Path(arrays(stages, "forward", k), arrays(stages, "backward", k),
+                           clock.Sends(arrays(stages, "activation", k), arrays(stages, "gradient", k)))
                 for stages in replicas]
 
-    timings = schedules(0)
-    step_s = max(t.step_s for t in timings)
-    state.pipeline_s += step_s
-    state.pipeline_s_ideal_nic += max(t.step_s for t in schedules(1))
-    state.pp_s += step_s - max(t.step_s for t in schedules(0, sends=False))
+    step = clock.step_time(paths(0), clock.Buckets(ready, bucket_s, overlap=config.dp_overlap), schedule,
+                           pp_added=True).breakdown
+    state.pipeline_s += step["pipeline_s"]
+    state.pipeline_s_ideal_nic += clock.step_time(paths(1), schedule=schedule).breakdown["pipeline_s"]
+    state.pp_s += step["pp_s"]
     state.pp_busy_s += sum(map(sum, arrays(replicas[0], "forward", 0))) + \
         sum(map(sum, arrays(replicas[0], "backward", 0)))
     if bucket_s:
-        state.dp_s += timeline.pipeline_step_seconds(timings, ready, bucket_s, config.dp_overlap) - step_s
+        state.dp_s += step["dp_s"]
+
+
+def _buckets(dp, bucket_s: list, config: ExperimentConfig, gather_s=()) -> clock.Buckets:
+    """A step's data-parallel traffic as the clock takes it: a group of one waits for nothing."""
+    if dp.dp_size == 1:
+        return clock.Buckets()
+    return clock.Buckets(dp.ready(), bucket_s, gather_s, config.dp_overlap)
 
 
 def _compute_seconds(parts: Parts, config: ExperimentConfig, batch: dict, t0: float, device: torch.device) -> float:
