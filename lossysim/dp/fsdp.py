@@ -131,6 +131,8 @@ class FullyShardedDataParallel(DataParallel):
         with torch.no_grad():
             for replica in self.replicas:
                 for k, p in enumerate(replica.model.parameters()):
+                    if not self._mine[k]:   # an expert's, replica's own: its own groups average it (lossysim.ep)
+                        continue
                     if self._master is not None:
                         p.copy_(self._master[k])
                     p.grad = assembled[k].clone()
