@@ -136,7 +136,7 @@ def test_what_is_still_not_modelled_is_refused_in_one_line(settings, message, tm
 
 PROCESSES = 4
 DEADLINE_S = 420
-BASE = dict(model="tiny-moe", max_train_samples=96, max_eval_samples=32, steps=3, eval_every=3, log_every=1,
+BASE = dict(model="tiny-moe", tp_size=1, max_train_samples=96, max_eval_samples=32, steps=3, eval_every=3, log_every=1,
             warmup_steps=1, dropout=0.0, lr=1e-3, dp_bucket_mb=0.05, save_checkpoint=True, grad_clip=0.1,
             loss="ge:rate=0.05,burst=4", recovery="drop_token", ranks_per_node=1)
 CASES = {

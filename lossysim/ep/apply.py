@@ -290,8 +290,10 @@ def apply_ep(replicas: Sequence[Replica], config: ExperimentConfig, mesh: Mesh, 
 
 
 def _dist_group(networks: Networks, process_group, module: ExpertParallel):
-    if process_group is None:            # ep 1: a group of one, all experts here
-        return SimGroup(SimShared(networks, Lockstep(), 1), 0, training=lambda: module.training)
+    if process_group is None:            # ep 1: a group of one, all experts here (gathered: its own)
+        shared = SimShared(networks, Lockstep(), 1)
+        shared.experts[module.site] = [module]
+        return SimGroup(shared, 0, training=lambda: module.training)
     return DistGroup(networks, process_group, training=lambda: module.training)
 
 
