@@ -19,9 +19,9 @@ A step (``sim``; ``dist`` is the same, rank by rank: ``DistFullyShardedDataParal
 The master copy is exact: every replica's parameters go back to the master values and every replica
 gets the owners' shards, assembled, as its gradient. AdamW is elementwise and the clipping norm is one
 global norm over all shards, so each replica's step on the assembled gradient is exactly what the owners'
-steps on their shards do; every replica ends the step equal to the master (drift 0 by construction; with experts under loss each
-replica's clipping norm holds its own ep group's experts, so the replicas' masters may part: each
-replica keeps its own, as each ``dist`` rank does).
+steps on their shards do; every replica ends the step equal to the master (drift 0 by construction).
+With experts under loss each replica's clipping norm holds its own ep group's experts, so the replicas'
+masters may part: each replica keeps its own, as each ``dist`` rank does.
 The sim keeps dp copies of the optimiser state where FSDP keeps one shard of it per rank: memory is
 not modelled.
 
