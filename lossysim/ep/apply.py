@@ -10,6 +10,9 @@ holds the e-th block of ``num_experts / ep`` experts; the ranks holding the same
 buckets (site ``dp.bucket{i}``, lossy when ``lossy_traffic`` names dp), divided by ep as well: each
 expert's gradient sums the tokens of its whole ep group, so (1 / edp) x (1 / ep) x that sum is the
 gradient of the global batch's mean loss, as every dense parameter's is.
+
+Inside pipeline stages a block's experts use its stage's groups (the mesh's groups fix pp), and beside FSDP
+the experts stay out of its units: their own groups average them as above (docs/experts.md).
 """
 from __future__ import annotations
 
