@@ -29,7 +29,7 @@ def validate_pairs(config) -> None:
     if pp and config.dp_sync_every:
         raise ValueError(f"dp_sync_every with pp_size={config.pp_size}: synchronising pipelined replicas is not "
                          "modelled; set dp_sync_every=0")
-    # (what training does not model beside experts, ep with pipeline stages, the estimate does:
+    # (what training does not model beside experts, recomputed blocks, the estimate does:
     # lossysim.ep refuses it where training builds it)
 
 

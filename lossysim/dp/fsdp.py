@@ -20,6 +20,8 @@ The master copy is exact: every replica's parameters go back to the master value
 gets the owners' shards, assembled, as its gradient. AdamW is elementwise and the clipping norm is one
 global norm over all shards, so each replica's step on the assembled gradient is exactly what the owners'
 steps on their shards do; every replica ends the step equal to the master (drift 0 by construction).
+With experts under loss each replica's clipping norm holds its own ep group's experts, so the replicas'
+masters may part: each replica keeps its own, as each ``dist`` rank does.
 The sim keeps dp copies of the optimiser state where FSDP keeps one shard of it per rank: memory is
 not modelled.
 
@@ -62,6 +64,15 @@ def gather(network: LossyNetwork, site: str, flat: torch.Tensor) -> torch.Tensor
     return network.all_gather(site, "fwd", shards, range(R)).reshape(R, R * shard)[:, :n]
 
 
+def _gather_owned(network: LossyNetwork, site: str, flats: list[torch.Tensor]) -> torch.Tensor:
+    """``gather`` with shard r taken from owner r's copy of the unit (``flats[r]``, [n]): the same as
+    ``gather(network, site, flats[0])`` while the copies are equal (without experts they always are)."""
+    R, n = network.ranks, flats[0].numel()
+    shard = shard_numel(network, n, flats[0].dtype)
+    shards = torch.stack([_padded(flat, R, shard).view(R, shard)[r] for r, flat in enumerate(flats)])
+    return network.all_gather(site, "fwd", shards, range(R)).reshape(R, R * shard)[:, :n]
+
+
 def reduce_scatter(network: LossyNetwork, site: str, contributions: torch.Tensor) -> torch.Tensor:
     """The unit's summed gradient ([n]) as its owners hold it after a reduce-scatter of
     ``contributions`` ([ranks, n]): shard r is what arrived at owner r."""
@@ -84,16 +95,18 @@ class FullyShardedDataParallel(DataParallel):
 
     @torch.no_grad()
     def gather_weights(self) -> list[float]:
-        """Every replica's working weights, gathered unit by unit from the master; returns each unit's
-        seconds on the clock (the slowest group's: groups run side by side)."""
-        self._master = [p.detach().clone() for p in self.replicas[0].model.parameters()]
+        """Every replica's working weights, gathered unit by unit from the master (shard r from replica r's
+        copy, as ``dist`` gathers it from its owner); returns each unit's seconds on the clock (the slowest
+        group's: groups run side by side)."""
+        self._master = [[p.detach().clone() for p in r.model.parameters()] for r in self.replicas]
         params = [list(r.model.parameters()) for r in self.replicas]
         seconds = []
         for b, bucket in enumerate(self.buckets):
             slowest = 0.0
             for t, network in enumerate(self.networks):
                 before = network.clock()["comm_s"]
-                working = gather(network, f"fsdp.gather{b}", bucketing.flatten(self._master, bucket, t))
+                working = _gather_owned(network, f"fsdp.gather{b}",
+                                        [bucketing.flatten(master, bucket, t) for master in self._master])
                 slowest = max(slowest, network.clock()["comm_s"] - before)
                 for k, piece in enumerate(bucketing.pieces(working, bucket)):
                     i = bucket.params[k]
@@ -129,10 +142,12 @@ class FullyShardedDataParallel(DataParallel):
                 assembled[i].copy_((summed / self.tp_size).view_as(assembled[i]))
             seconds.append(slowest)
         with torch.no_grad():
-            for replica in self.replicas:
+            for r, replica in enumerate(self.replicas):
                 for k, p in enumerate(replica.model.parameters()):
+                    if not self._mine[k]:   # an expert's, replica's own: its own groups average it (lossysim.ep)
+                        continue
                     if self._master is not None:
-                        p.copy_(self._master[k])
+                        p.copy_(self._master[r][k])
                     p.grad = assembled[k].clone()
         self._master = None
         return [seconds]

@@ -10,6 +10,9 @@ holds the e-th block of ``num_experts / ep`` experts; the ranks holding the same
 buckets (site ``dp.bucket{i}``, lossy when ``lossy_traffic`` names dp), divided by ep as well: each
 expert's gradient sums the tokens of its whole ep group, so (1 / edp) x (1 / ep) x that sum is the
 gradient of the global batch's mean loss, as every dense parameter's is.
+
+Inside pipeline stages a block's experts use its stage's groups (the mesh's groups fix pp), and beside FSDP
+the experts stay out of its units: their own groups average them as above (docs/experts.md).
 """
 from __future__ import annotations
 
@@ -36,8 +39,6 @@ def check(config: ExperimentConfig, device: torch.device) -> None:
     ep = f"ep_size={config.ep_size}"
     # each pair, the setting that leaves it (spelt as --set takes it), and whether lossysim estimate times it
     for name, used, why, default, timed in (
-            ("pp_size", config.pp_size > 1, "pipeline stages", 1, True),
-            ("dp_mode", config.dp_mode == "fsdp", "FSDP", "ddp", True),
             ("activation_checkpointing", config.activation_checkpointing, "recomputed blocks", "false", True),
             ("dp_sync_every", config.dp_sync_every, "synchronised replicas", 0, False)):
         if used:
@@ -51,9 +52,11 @@ def check(config: ExperimentConfig, device: torch.device) -> None:
                          "use device=cpu, or backend=dist")
 
 
-def shard_experts(tp_model, mesh: Mesh, rank: int) -> list[ExpertParallel]:
+def shard_experts(tp_model, mesh: Mesh, rank: int, pipeline=None) -> list[ExpertParallel]:
     """Every MoE block's experts (the plan's ``experts``) as global ``rank``'s share of them (all of them
-    with ep 1), in place, before the optimiser sees the parameters. None: not a mixture of experts."""
+    with ep 1), in place, before the optimiser sees the parameters. None: not a mixture of experts.
+    ``pipeline``: the replica's stages; a block's experts sit on its stage's TP group and ep group (the
+    mesh's groups at that stage, as Megatron's expert layers inside a pipeline stage)."""
     plan = tp_model.plan
     if plan.experts is None:
         if mesh.ep > 1:
@@ -61,14 +64,19 @@ def shard_experts(tp_model, mesh: Mesh, rank: int) -> list[ExpertParallel]:
                              f"not {type(tp_model.model).__name__}")
         return []
     member = mesh.coordinates(rank)["ep"]
+    blocks = tp_model.model.base_model.get_submodule(plan.blocks)
+    layout = (len(blocks),) if pipeline is None else pipeline.layout
+    stage_of = [s for s, count in enumerate(layout) for _ in range(count)]
     modules = []
-    for i, block in enumerate(tp_model.model.base_model.get_submodule(plan.blocks)):
+    for i, block in enumerate(blocks):
         parent, _, leaf = plan.experts.rpartition(".")
         holder = block.get_submodule(parent) if parent else block
         if not hasattr(holder, leaf):       # a dense block (DeepSeek-V3's first layers)
             continue
-        module = ExpertParallel(getattr(holder, leaf), f"{plan.blocks}.{i}.{plan.experts}", member, mesh.ep,
-                                tp_model.group)
+        # sim holds every stage's TP group; a dist process its own stage's alone (the others' blocks never run)
+        group = tp_model.groups[stage_of[i]] if len(tp_model.groups) == len(layout) else tp_model.group
+        module = ExpertParallel(getattr(holder, leaf), f"{plan.blocks}.{i}.{plan.experts}", member, mesh.ep, group)
+        module.stage = stage_of[i]
         setattr(holder, leaf, module)
         modules.append(module)
     tp_model.experts = modules
@@ -77,14 +85,19 @@ def shard_experts(tp_model, mesh: Mesh, rank: int) -> list[ExpertParallel]:
 
 class ExpertParallelism:
     """A run's expert parallelism as this process holds it: every group's networks (``sim``) or its own
-    (``dist``), the expert-data-parallel averaging, and the clock's views of the all-to-alls."""
+    (``dist``), the expert-data-parallel averaging, and the clock's views of the all-to-alls. With
+    pipeline stages every stage's experts have groups of their own (at that stage's ranks): ``sim``
+    holds every stage's, a ``dist`` process its own ``stage``'s, the others' crossing ``pp_group``."""
 
     def __init__(self, mesh: Mesh, groups: list[Networks], lockstep: Optional[Lockstep],
-                 edp: Sequence[DataParallel], replica_groups: list[list[Networks]], tp_group=None, ep_group=None):
+                 edp: Sequence[DataParallel], replica_groups: list[dict[int, list[Networks]]], tp_group=None,
+                 ep_group=None, stage: int = 0, pp_group=None):
         self.mesh, self.groups, self.lockstep, self.edp = mesh, groups, lockstep, list(edp)
-        self.replica_groups = replica_groups    # per replica this process runs: its groups, TP rank by TP rank
+        # per replica this process runs: per stage it holds, its groups TP rank by TP rank
+        self.replica_groups = replica_groups
         self.tp_group = tp_group                # dist: the TP ranks whose groups run side by side
         self.ep_group = ep_group                # dist: this rank's ep group (None: ep 1, or sim)
+        self.stage, self.pp_group = stage, pp_group   # dist: this process's stage, its pipeline's ranks
         self._mark = self._seconds()
 
     def run(self, tasks: Sequence) -> list:
@@ -93,10 +106,25 @@ class ExpertParallelism:
             return self.lockstep.run(tasks)
         return [task() for task in tasks]
 
+    def stage_clocks(self, replica: int, stage: int) -> list:
+        """Per class, the slowest of a replica's stage's TP ranks' groups (they run side by side); none for
+        a stage this process does not run."""
+        groups = self.replica_groups[replica].get(stage)
+        if groups is None:
+            return []
+        return [_Slowest([g.train[c] for g in groups], self.tp_group) for c in EP_CLASSES]
+
     def clocks(self, replica: int) -> list:
-        """What ``_accumulate`` reads a replica's all-to-all seconds from: per class, the slowest of its TP
-        ranks' groups (they run side by side)."""
-        return [_Slowest([g.train[c] for g in self.replica_groups[replica]], self.tp_group) for c in EP_CLASSES]
+        """What ``_accumulate`` reads a replica's all-to-all seconds from: every stage's ``stage_clocks``."""
+        return [view for s in sorted(self.replica_groups[replica]) for view in self.stage_clocks(replica, s)]
+
+    def beside(self, networks: list, replica: int, staged: bool) -> list:
+        """The clocks ``_accumulate`` reads a replica's forward and backward from: ``networks`` (one per
+        stage when ``staged``) with the all-to-alls beside them; staged, each stage's inside its own (a
+        stage's forward and backward wait for its all-to-alls: the schedule sees them)."""
+        if not staged:
+            return [*networks, *self.clocks(replica)]
+        return [_Summed([network, *self.stage_clocks(replica, s)]) for s, network in enumerate(networks)]
 
     def step_seconds(self) -> tuple[float, float]:
         """Replica 0's all-to-all seconds since the last call (its configured nic's, the ideal nic's)."""
@@ -106,8 +134,16 @@ class ExpertParallelism:
         return added
 
     def _seconds(self) -> tuple[float, float]:
-        clocks = [view.clock() for view in self.clocks(0)] if self.replica_groups else []
-        return (sum(c["comm_s"] for c in clocks), sum(c["comm_s_ideal_nic"] for c in clocks))
+        """Replica 0's all-to-alls' seconds so far, stage by stage and class by class (dist: every stage's
+        gathered, summed in ``sim``'s order)."""
+        clocks = [[view.clock()[key] for key in ("comm_s", "comm_s_ideal_nic")] for view in self.clocks(0)] \
+            if self.replica_groups else []
+        if self.pp_group is not None:
+            mine = torch.tensor(clocks, dtype=torch.float64).reshape(-1)
+            every = mine.new_empty(dist.get_world_size(self.pp_group) * mine.numel())
+            dist.all_gather_into_tensor(every, mine, group=self.pp_group)
+            clocks = every.view(-1, 2).tolist()
+        return (sum(c[0] for c in clocks), sum(c[1] for c in clocks))
 
     def average_gradients(self, replicas: Sequence[Replica]) -> float:
         """The experts' gradients averaged over their expert-data-parallel groups, then divided by ep;
@@ -123,29 +159,39 @@ class ExpertParallelism:
 
     def squares(self, replicas: Sequence[Replica]) -> list[torch.Tensor]:
         """Per replica this process runs: the sum of squares of its ep group's expert gradients (every member
-        holds other experts; summed member by member, in both backends' order)."""
-        own = [_squares(replica.model) for replica in replicas]
-        ep = self.mesh.ep
+        holds other experts; summed member by member, then stage by stage, in both backends' order)."""
+        ep, stages = self.mesh.ep, self.mesh.pp
         if self.ep_group is not None:      # dist: the group's, gathered reliably
-            every = torch.empty(ep, dtype=own[0].dtype, device=own[0].device)
-            dist.all_gather_into_tensor(every, own[0].reshape(1), group=self.ep_group)
-            return [_sum(every.unbind())]
-        if self.lockstep is None:          # dist, ep 1: the group is this rank
-            return own
-        return [_sum(own[(r // ep) * ep:(r // ep + 1) * ep]) for r in range(len(replicas))]
+            own = _squares(replicas[0].model, self.stage)
+            every = torch.empty(ep, dtype=own.dtype, device=own.device)
+            dist.all_gather_into_tensor(every, own.reshape(1), group=self.ep_group)
+            mine = _sum(every.unbind())
+            if self.pp_group is None:
+                return [mine]
+            across = mine.new_empty(stages)
+            dist.all_gather_into_tensor(across, mine.reshape(1), group=self.pp_group)
+            return [_sum(across.unbind())]
+        own = [[_squares(replica.model, s) for s in range(stages)] for replica in replicas]
+        if self.lockstep is None:          # dist, ep 1: the group is this rank (and no expert is ep-sharded)
+            return [_sum(stage) for stage in own]
+        return [_sum([_sum([own[m][s] for m in range((r // ep) * ep, (r // ep + 1) * ep)]) for s in range(stages)])
+                for r in range(len(replicas))]
 
     def networks(self) -> list[LossyNetwork]:
         return [n for g in self.groups for n in g.train.values()]
 
     def summaries(self, by: Sequence[str] = ("direction",)) -> dict[str, list[dict]]:
-        """Per class, replica 0's groups' traffic (one per TP rank; dist: gathered over the TP group)."""
+        """Per class, replica 0's groups' traffic, stage by stage, one per TP rank (dist: gathered over the
+        TP group, then the pipeline's stages)."""
         out = {}
         for c in EP_CLASSES:
-            rows = [row for g in self.replica_groups[0] for row in g.train[c].summary(by=by)]
-            if self.tp_group is not None:
-                every: list = [None] * dist.get_world_size(self.tp_group)
-                dist.all_gather_object(every, rows, group=self.tp_group)
-                rows = [row for part in every for row in part]
+            held = self.replica_groups[0]
+            rows = [row for s in sorted(held) for g in held[s] for row in g.train[c].summary(by=by)]
+            for group in (self.tp_group, self.pp_group):
+                if group is not None:
+                    every: list = [None] * dist.get_world_size(group)
+                    dist.all_gather_object(every, rows, group=group)
+                    rows = [row for part in every for row in part]
             out[c] = rows
         return out
 
@@ -179,12 +225,25 @@ class _Slowest:
         return out
 
 
+class _Summed:
+    """A pipeline stage's clock: its TP network's and its all-to-alls' seconds together."""
+
+    def __init__(self, clocks: list):
+        self.clocks = clocks
+
+    def clock(self) -> dict:
+        clocks = [c.clock() for c in self.clocks]
+        return {key: sum(c[key] for c in clocks) for key in ("comm_s", "comm_s_ideal_nic")}
+
+
 def expert_parameters(model) -> list[torch.Tensor]:
     return [p for p in model.parameters() if getattr(p, "expert_parallel", False)]
 
 
-def _squares(model) -> torch.Tensor:
-    grads = [p.grad.float().pow(2).sum() for p in expert_parameters(model) if p.grad is not None]
+def _squares(model, stage: int = 0) -> torch.Tensor:
+    """The sum of squares of the gradients of ``model``'s ep-sharded experts on pipeline stage ``stage``."""
+    grads = [p.grad.float().pow(2).sum() for m in getattr(model, "experts", ()) if m.stage == stage
+             for p in (m.gate_up_proj, m.down_proj) if p.expert_parallel and p.grad is not None]
     device = next(model.parameters()).device
     return torch.stack(grads).sum() if grads else torch.zeros((), device=device)
 
@@ -220,44 +279,55 @@ def apply_ep(replicas: Sequence[Replica], config: ExperimentConfig, mesh: Mesh, 
     for module in replicas[0].model.experts:
         module.groups = [_dist_group(networks, process_group, module)]
     edp = []
+    at = mesh.coordinates(rank)
     if mesh.ep > 1 and mesh.dp // mesh.ep > 1:
-        at = mesh.coordinates(rank)
         edp_net = LossyNetwork(mesh.network_spec("edp", rank, config.network_settings(), config.dp_lossy()))
         edp = [DistDataParallel(replicas[0], edp_net, bucket, replica_index=at["edp"],
                                 tp_rank=at["tp"], dp_size=mesh.dp // mesh.ep, tp_size=mesh.tp,
-                                dp_group=groups["edp"][rank], tp_group=groups["tp"][rank], experts=True)]
+                                dp_group=groups["edp"][rank], tp_group=groups["tp"][rank], stage=at["pp"],
+                                experts=True)]
     tp_group = groups["tp"][rank] if mesh.tp > 1 and "tp" in groups else None
-    return ExpertParallelism(mesh, [networks], None, edp, [[networks]], tp_group, process_group)
+    pp_group = groups["pp"][rank] if mesh.pp > 1 else None
+    return ExpertParallelism(mesh, [networks], None, edp, [{at["pp"]: [networks]}], tp_group, process_group,
+                             stage=at["pp"], pp_group=pp_group)
 
 
 def _dist_group(networks: Networks, process_group, module: ExpertParallel):
-    if process_group is None:            # ep 1: a group of one, all experts here
-        return SimGroup(SimShared(networks, Lockstep(), 1), 0, training=lambda: module.training)
+    if process_group is None:            # ep 1: a group of one, all experts here (gathered: its own)
+        shared = SimShared(networks, Lockstep(), 1)
+        shared.experts[module.site] = [module]
+        return SimGroup(shared, 0, training=lambda: module.training)
     return DistGroup(networks, process_group, training=lambda: module.training)
 
 
 def _connect_sim(replicas: Sequence[Replica], config: ExperimentConfig, mesh: Mesh, bucket: float):
+    """Every replica's experts on their groups, one per (stage, expert-data-parallel index, TP rank)."""
     lockstep = Lockstep()
-    shared: dict[tuple[int, int], SimShared] = {}
+    shared: dict[tuple[int, int, int], SimShared] = {}
     replica_groups = []
     for r, replica in enumerate(replicas):
         at = mesh.coordinates(mesh.rank(dp=r))
         member, g = at["ep"], at["edp"]
-        for t in range(mesh.tp):
-            if (g, t) not in shared:
-                shared[(g, t)] = SimShared(_networks(config, mesh, mesh.rank(dp=r, tp=t)), lockstep, mesh.ep)
-        replica_groups.append([shared[(g, t)].networks for t in range(mesh.tp)])
+        for s in range(mesh.pp):
+            for t in range(mesh.tp):
+                if (s, g, t) not in shared:
+                    shared[(s, g, t)] = SimShared(_networks(config, mesh, mesh.rank(dp=r, tp=t, pp=s)), lockstep,
+                                                  mesh.ep)
+        replica_groups.append({s: [shared[(s, g, t)].networks for t in range(mesh.tp)] for s in range(mesh.pp)})
         for module in replica.model.experts:
-            module.groups = [SimGroup(shared[(g, t)], member, training=lambda m=module: m.training)
+            s = module.stage
+            module.groups = [SimGroup(shared[(s, g, t)], member, training=lambda m=module: m.training)
                              for t in range(mesh.tp)]
             for t in range(mesh.tp):
-                shared[(g, t)].experts.setdefault(module.site, [None] * mesh.ep)[member] = module
+                shared[(s, g, t)].experts.setdefault(module.site, [None] * mesh.ep)[member] = module
     edp = []
-    if mesh.ep > 1 and mesh.dp // mesh.ep > 1:   # per expert block e: the replicas holding it, over one network per TP rank
+    if mesh.ep > 1 and mesh.dp // mesh.ep > 1:
+        # per expert block e: the replicas holding it, over one network per stage and TP rank
         for e in range(mesh.ep):
             held = [r for r in range(mesh.dp) if mesh.coordinates(mesh.rank(dp=r))["ep"] == e]
-            networks = [[LossyNetwork(mesh.network_spec("edp", mesh.rank(dp=held[0], tp=t), config.network_settings(),
-                                                        config.dp_lossy())) for t in range(mesh.tp)]]
+            networks = [[LossyNetwork(mesh.network_spec("edp", mesh.rank(dp=held[0], tp=t, pp=s),
+                                                        config.network_settings(), config.dp_lossy()))
+                         for t in range(mesh.tp)] for s in range(mesh.pp)]
             edp.append(DataParallel([replicas[r] for r in held], networks, bucket, experts=True))
     return ExpertParallelism(mesh, [shared[key].networks for key in sorted(shared)], lockstep, edp,
                              replica_groups)

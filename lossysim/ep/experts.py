@@ -107,8 +107,8 @@ class ExpertParallel(nn.Module):
     def compute(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each local expert on its rows: ``rows`` come source by source, each source's sorted by expert
         (``counts`` [sources, local experts]); the outputs in the same order."""
-        if not len(rows):
-            return rows.new_zeros(rows.shape)
+        if not len(rows):   # still on the graph: the combine's backward is a meeting every member must come to
+            return rows.clone()
         expert = torch.repeat_interleave(torch.arange(self.per_rank, device=rows.device).repeat(len(counts)),
                                          counts.reshape(-1).to(rows.device))
         grouped = torch.argsort(expert, stable=True)

@@ -100,7 +100,7 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
         tp_model = apply_tp(model, config, mesh, network, rank, groups["tp"][rank] if groups else None)
         if pipeline is not None:
             tp_model = attach(pipeline, tp_model, groups["pp"][rank], config.seed)
-        shard_experts(tp_model, mesh, rank)
+        shard_experts(tp_model, mesh, rank, pipeline)
         apply_cp(tp_model, config, mesh, rank, replica, groups, compute)
         replicas = [_replica(config, tp_model, pipeline)]
     else:
@@ -135,7 +135,7 @@ def _sim_replica(config: ExperimentConfig, model, mesh, train_net: LossyNetwork,
     sequences split over its context ranks."""
     pipeline = apply_pp(model, config, mesh, train_net, eval_net, replica)
     tp_model = apply_tp(model, config, mesh, train_net, rank, pipeline=pipeline)
-    shard_experts(tp_model, mesh, mesh.rank(dp=replica))
+    shard_experts(tp_model, mesh, mesh.rank(dp=replica), pipeline)
     apply_cp(tp_model, config, mesh, rank, replica, compute=compute)
     return _replica(config, tp_model, pipeline)
 

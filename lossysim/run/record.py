@@ -147,8 +147,10 @@ def clock(state: TrainState, network: LossyNetwork, config: ExperimentConfig,
         per_step = busy / max(state.step, 1)
         state.restart_s += (failures - state.failures) * (config.restart_s + config.restart_lost_steps * per_step)
         state.failures = failures
-    return {"sim_time_s": busy + state.ep_s + state.dp_s + state.cp_s + state.restart_s,
-            "sim_time_s_ideal_nic": busy_ideal + state.ep_s_ideal_nic + state.dp_s + state.cp_s_ideal_nic,
+    # with stages a stage's all-to-alls are in its forward and backward: the schedule's step holds them
+    ep_s, ep_s_ideal_nic = (state.ep_s, state.ep_s_ideal_nic) if pipeline is None else (0.0, 0.0)
+    return {"sim_time_s": busy + ep_s + state.dp_s + state.cp_s + state.restart_s,
+            "sim_time_s_ideal_nic": busy_ideal + ep_s_ideal_nic + state.dp_s + state.cp_s_ideal_nic,
             "restart_s": state.restart_s, "failures": failures, **comm}
 
 

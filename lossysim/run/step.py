@@ -116,8 +116,8 @@ def _accumulate(parts: Parts, config: ExperimentConfig, replica: Replica, shard:
     k, model, pipeline = config.n_microbatches, replica.model, replica.pipeline
     # dist: a process runs one stage; the others' networks are mirrors, still within a step
     networks = pipeline.networks if pipeline is not None else [group.network for group in model.groups]
-    if parts.ep is not None:   # this replica's (``index`` in this process) expert all-to-alls
-        networks = [*networks, *parts.ep.clocks(index)]
+    if parts.ep is not None:   # this replica's (``index`` in this process) expert all-to-alls, by stage if any
+        networks = parts.ep.beside(networks, index, staged=pipeline is not None)
     rows = shard["input_ids"].shape[0] // k
     compute = forward_s = backward_s = 0.0
     exposed = [0.0, 0.0]
