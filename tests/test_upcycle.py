@@ -1,18 +1,17 @@
 """Sparse upcycling (``model: upcycled:<base>:<experts>``): a pretrained dense model's MLPs copied into
-experts beside a fresh router computes exactly what the dense model computes, and trains sharded by
+experts beside a fresh router computes what the dense model computes, and trains sharded by
 expert parallelism. The base here is a tiny SmolLM2-shaped Llama saved to a local directory, as a
 pretrained model is (weights and tokenizer): the real model is the budget profile's."""
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from lossysim.data import pydoc_text, train_batches
-from lossysim.data.tokenizers import train_bpe
+from lossysim.data import train_batches
 from lossysim.models import build_model
 from lossysim.models.upcycle import parse, upcycle
 from lossysim.run.build import build
+from tiny_pretrained import save_tiny_pretrained
 from tiny_runs import tiny_run
 
 pytestmark = pytest.mark.usefixtures("private_cache", "one_torch_thread")
@@ -22,17 +21,7 @@ LOGIT_TOL = dict(rtol=1e-5, atol=1e-6)   # ep's rows apart and the gate after th
 
 @pytest.fixture(scope="module")
 def dense_dir(tmp_path_factory):
-    """A tiny Llama with SmolLM2's proportions (3 query heads to 1 kv head, tied embeddings), saved as a
-    pretrained model is: its config, weights and a tokenizer."""
-    folder = tmp_path_factory.mktemp("dense")
-    tokenizer = train_bpe(pydoc_text.texts("train")[:40], vocab_size=300)
-    config = LlamaConfig(num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1, hidden_size=48,
-                         head_dim=16, intermediate_size=80, vocab_size=len(tokenizer), tie_word_embeddings=True,
-                         max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(3)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_tiny_pretrained(tmp_path_factory.mktemp("dense"))
 
 
 def _dense(folder, **kw):
