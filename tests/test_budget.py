@@ -78,13 +78,15 @@ def test_every_familys_runs_validate_and_name_their_traffic_alone(pretrained, tm
 def test_the_command_writes_its_table_and_resumes_without_training(pretrained, tmp_path, capsys):
     out = tmp_path / "budget"
     argv = ["budget", "--out", str(out), "--model", str(pretrained), "--families", "dp", "--policies",
-            "zero,rescale", "--steps", "2", "--seeds", "3", "--grid", "0.01,0.3", "--refine", "1", "--no-progress",
+            "zero,rescale", "--steps", "2", "--seeds", "3", "--grid", "0.3", "--refine", "0", "--no-progress", "--nics", "irn",
             "--set", "max_eval_samples=8", "--set", "max_train_samples=32", "--set", "max_length=32"]
     assert main(argv) == 0
     table = pd.read_csv(out / "budgets.csv")
     assert set(table["policy"]) == {"zero", "rescale"} and set(table["family"]) == {"dp"}
     points = pd.read_csv(out / "points.csv")
     assert (points["pairs"] == 3).all() and points["train_loss_gap"].notna().all()
+    priced = table[table["budget_rate"].notna()]
+    assert (priced["retransmit_irn_pct"] > 0).all() and table.loc[table["budget_rate"].isna(), "retransmit_irn_pct"].isna().all()
     assert (out / "budget.png").stat().st_size > 0 and "| DP gradient buckets |" in (out / "budgets.md").read_text()
     runs = sorted(p.name for p in (out / "runs").iterdir())
     mtimes = {p: (out / "runs" / p / "summary.json").stat().st_mtime_ns for p in runs}
@@ -97,7 +99,8 @@ def test_the_command_writes_its_table_and_resumes_without_training(pretrained, t
 
 @pytest.mark.parametrize("flags,message", [(["--families", "nope"], "families='nope' must be"),
                                            (["--seeds", "2"], "at least 3 paired seeds"),
-                                           (["--policies", "zero,magic"], "--policies magic")])
+                                           (["--policies", "zero,magic"], "--policies magic"),
+                                           (["--nics", "irn,carrier-pigeon"], "--nics carrier-pigeon")])
 def test_bad_input_is_one_line_and_exit_2(flags, message, tmp_path, capsys):
     assert main(["budget", "--out", str(tmp_path / "b"), *flags]) == 2
     err = capsys.readouterr().err

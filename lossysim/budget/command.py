@@ -28,6 +28,7 @@ from ..results.perplexity import paired_change
 from ..run.sweep import Run, config_key, execute, normalise, run_name
 from .families import POLICIES, Family, model_for, parse_families
 from .search import GRID, TOLERANCE_PCT, Budget, Point, find_budget
+from .trade import JOBS, NICS, SEQ, step_cost_pct
 
 BASE = dict(model="smollm2-135m", dataset="pydoc", task="lm", tokenizer="auto", max_length=64,
             max_train_samples=None, max_eval_samples=48, eval_batch_size=16, dropout=0.0, eval_lossy=False,
@@ -90,7 +91,7 @@ def policies_for(runner: Runner, family: Family, steps: int, wanted) -> list[str
 
 
 def budgets(out: Path, families, steps_list, policies, seeds: int, grid, refine: int, base: dict,
-            progress: bool = True) -> tuple[pd.DataFrame, pd.DataFrame]:
+            nics=NICS, progress: bool = True) -> tuple[pd.DataFrame, pd.DataFrame]:
     runner = Runner(out, base, seeds, progress)
     rows, points = [], []
     for family in families:
@@ -104,7 +105,9 @@ def budgets(out: Path, families, steps_list, policies, seeds: int, grid, refine:
                 found: Budget = find_budget(measure, grid, refine)
                 rows.append({"family": family.name, "traffic": family.label, "policy": policy, "steps": steps,
                              "budget_rate": found.rate, "failed_at": found.failed_at,
-                             "bracketed": found.bracketed, "budget": found.describe(), "seeds": seeds})
+                             "bracketed": found.bracketed, "budget": found.describe(), "seeds": seeds,
+                             **{f"retransmit_{nic}_pct": (step_cost_pct(family, found.rate, nic)
+                                                          if found.rate is not None else math.nan) for nic in nics}})
                 points += [{"family": family.name, "policy": policy, "steps": steps, "rate": p.rate,
                             "change_pct": p.change_pct, "change_pct_ci": p.half_width, "upper_pct": p.upper,
                             "pairs": p.pairs, "passes": p.passes, "train_loss_gap": gaps.get(p.rate, math.nan)}
@@ -137,13 +140,21 @@ def plot(points: pd.DataFrame, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def markdown(table: pd.DataFrame, base: dict, seeds: int) -> str:
+def markdown(table: pd.DataFrame, base: dict, seeds: int, nics) -> str:
+    cost = [f"retransmitting at it, {nic} (% of a step)" for nic in nics]
     lines = [f"# Loss budgets: {base['model']}", "",
              f"The largest loss rate (Bernoulli) at which fine-tuning keeps the eval perplexity within "
              f"{TOLERANCE_PCT:g}% of the paired loss-free run (the 95% interval's upper end over {seeds} seeds); "
-             "evaluated loss-free.", "",
-             "| traffic | policy | steps | budget |", "| --- | --- | --- | --- |"]
-    lines += [f"| {r.traffic} | {r.policy} | {r.steps} | {r.budget} |" for r in table.itertuples()]
+             "evaluated loss-free. Beside it, what retransmitting that traffic at that rate adds to a real job's "
+             f"step (`lossysim estimate`, the family's axis at 2 across nodes, {SEQ}-token sequences: "
+             + ", ".join(f"{name} {shape}" for name, (shape, _) in JOBS.items()) + ").", "",
+             "| " + " | ".join(["traffic", "policy", "steps", "budget", *cost]) + " |",
+             "| " + " | ".join(["---"] * (4 + len(cost))) + " |"]
+    for row in table.to_dict("records"):
+        cells = [row["traffic"], row["policy"], str(row["steps"]), row["budget"]]
+        cells += [f"{row[f'retransmit_{nic}_pct']:.3g}" if math.isfinite(row[f"retransmit_{nic}_pct"]) else "–"
+                  for nic in nics]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -159,6 +170,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grid", default=",".join(f"{r:g}" for r in GRID), help="loss rates, ascending")
     parser.add_argument("--refine", type=int, default=2, help="bisections between the last pass and first failure")
     parser.add_argument("--model", default=BASE["model"], help="the pretrained model")
+    parser.add_argument("--nics", default=",".join(NICS),
+                        help="NIC presets whose retransmission cost is set beside each budget (none: skip)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any run setting (device=cuda, batch_size=8, ...)")
     parser.add_argument("--no-progress", action="store_true")
@@ -177,15 +190,20 @@ def run(args) -> int:
         raise ValueError(f"--seeds {args.seeds}: a budget's interval needs at least 3 paired seeds")
     if not steps_list or min(steps_list) < 1:
         raise ValueError(f"--steps {args.steps}: optimizer steps, >= 1, separated by commas")
+    nics = [] if args.nics == "none" else [n.strip() for n in str(args.nics).split(",") if n.strip()]
+    from ..timing.retransmission import NIC_PRESETS
+    bad = sorted(set(nics) - set(NIC_PRESETS))
+    if bad:
+        raise ValueError(f"--nics {','.join(bad)}: must be none or some of {', '.join(NIC_PRESETS)}")
     base = {**BASE, "model": args.model, **parse_overrides(args.set)}
     out = Path(args.out)
     check_writable(out)
-    table, points = budgets(out, families, steps_list, policies, args.seeds, grid, args.refine, base,
+    table, points = budgets(out, families, steps_list, policies, args.seeds, grid, args.refine, base, nics,
                             progress=not args.no_progress)
     atomic_write_text(out / "budgets.csv", table.to_csv(index=False))
     atomic_write_text(out / "points.csv", points.to_csv(index=False))
-    atomic_write_text(out / "budgets.md", markdown(table, base, args.seeds))
+    atomic_write_text(out / "budgets.md", markdown(table, base, args.seeds, nics))
     if not points.empty:
         plot(points, out / "budget.png")
-    print(markdown(table, base, args.seeds))
+    print(markdown(table, base, args.seeds, nics))
     return 0
