@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "report": ("lossysim.results.report", "plots and a markdown table from a results folder"),
     "fit": ("lossysim.loss.fit", "fit loss models to a measured loss trace and recommend one"),
     "estimate": ("lossysim.estimate.command", "what packet loss costs a real model's training step, in seconds"),
+    "budget": ("lossysim.budget.command", "per traffic family, the loss rate a pretrained model's training tolerates"),
 }
 
 

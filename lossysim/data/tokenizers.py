@@ -11,6 +11,7 @@ import torch
 
 from ..hub import hub_reachable, why_unavailable
 from ..models.pretrained import resolve
+from ..models.upcycle import base
 from ..models.shapes import NAMED_SHAPES
 from .examples import Examples
 
@@ -27,7 +28,7 @@ TOKENIZE_BATCH = 8192
 def tokenizer_spec(config) -> str:
     """Resolve ``tokenizer: auto``: the model's own tokenizer for a HF model, else a trained BPE."""
     if config.tokenizer == "auto":
-        return "bpe" if config.model in NAMED_SHAPES else config.model
+        return "bpe" if base(config.model) in NAMED_SHAPES else base(config.model)
     return config.tokenizer
 
 

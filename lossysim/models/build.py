@@ -21,6 +21,7 @@ from ..hub import hub_reachable, why_unavailable
 from ..tp.plans import plan_for
 from .pretrained import PACKAGED, is_packaged, quiet_transformers, resolve
 from .shapes import NAMED_MAX_POSITIONS, NAMED_SHAPES
+from .upcycle import base, is_upcycled, parse, upcycle
 
 _CLASSES = {"classification": {GPT2Config: GPT2ForSequenceClassification, LlamaConfig: LlamaForSequenceClassification,
                                MixtralConfig: MixtralForSequenceClassification,
@@ -37,6 +38,7 @@ def is_pretrained(name: str) -> bool:
 def max_positions(name: str) -> Optional[int]:
     """How many positions model ``name`` can embed (n_positions / max_position_embeddings), read
     from its config alone; None when the config cannot be read here (build_model checks later)."""
+    name = base(name)
     if not is_pretrained(name):
         config_class, shape = NAMED_SHAPES[name]
         if config_class is GPT2Config:
@@ -83,6 +85,13 @@ def build_model(name: str, *, vocab_size: int, pad_token_id: int, num_labels: in
                               **_dropout_overrides(config_class.model_type, dropout))
         config._attn_implementation = attn_implementation
         return _CLASSES[task][config_class](config)
+    if is_upcycled(name):
+        if task != "lm":
+            raise ValueError(f"model {name!r}: an upcycled model is a causal LM; use task=lm")
+        dense = build_model(base(name), vocab_size=vocab_size, pad_token_id=pad_token_id, num_labels=num_labels,
+                            max_length=max_length, attn_implementation=attn_implementation, dropout=dropout,
+                            seed=seed, task=task)
+        return upcycle(dense, parse(name)[1], seed=seed)
     _use_hub(name)
     path = resolve(name)
     try:
@@ -131,6 +140,7 @@ def _from_pretrained(auto, path: str, config, attn_implementation: str) -> tuple
 def _use_hub(name: str) -> None:
     """Before a pretrained load by name: ask once per process whether the hub can be reached
     (offline mode if not, so the load answers from the cache at once)."""
+    name = base(name)
     if not Path(name).exists() and not is_packaged(name):
         hub_reachable()
 
@@ -138,6 +148,7 @@ def _use_hub(name: str) -> None:
 def check_model(name: str) -> None:
     """Raise build_model's one-line reason when model ``name`` cannot be loaded here (its config
     is read: from a directory, the cache, or the hub)."""
+    name = base(name)
     if not is_pretrained(name):
         return
     _use_hub(name)

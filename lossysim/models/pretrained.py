@@ -166,6 +166,9 @@ def _readable(folder: Path) -> None:
 
 
 def resolve(name: str) -> str:
-    """The path transformers loads for ``name``: a packaged model's converted directory, else ``name``."""
+    """The path transformers loads for ``name``: a packaged model's converted directory, else ``name``; an
+    upcycled model's is its dense base's (``upcycle``: its config, weights and tokenizer)."""
+    from .upcycle import base
+    name = base(name)
     return str(model_dir(name)) if is_packaged(name) else name
 

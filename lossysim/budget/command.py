@@ -1,0 +1,209 @@
+"""``lossysim budget``: per traffic family and recovery policy, the largest loss rate at which fine-tuning
+keeps the eval perplexity within 1% of the paired loss-free run (``budget/search.py``).
+
+    lossysim budget --out results/budget [--families all] [--steps 6,60] [--seeds 3] [--model smollm2-135m]
+
+Every run is an ordinary run directory under ``<out>/runs`` (named as a sweep names them), so the
+command resumes: a finished run is read, never trained again, and ``lossysim report <out>/runs``
+reads them all. The settings default to the real profile's (``experiments/real.yaml``): SmolLM2-135M on
+Python's documentation text, 4 pieces of 64 tokens a step, lr 1e-4, evaluated loss-free once at the
+end on 48 held-out pieces (what training under loss left in the model). Writes ``budgets.csv`` (a row
+per family, policy and length), ``points.csv`` (every rate measured: the paired change, its interval,
+the training-loss gap), ``budget.png`` (perplexity change against loss rate, a line per family) and
+``budgets.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+
+from ..config import ExperimentConfig, from_dict
+from ..io import atomic_write_text, check_writable, read_jsonl, read_summary
+from ..results.perplexity import paired_change
+from ..run.sweep import Run, config_key, execute, normalise, run_name
+from .families import POLICIES, Family, model_for, parse_families
+from .search import GRID, TOLERANCE_PCT, Budget, Point, find_budget
+from .trade import JOBS, NICS, SEQ, step_cost_pct
+
+BASE = dict(model="smollm2-135m", dataset="pydoc", task="lm", tokenizer="auto", max_length=64,
+            max_train_samples=None, max_eval_samples=48, eval_batch_size=16, dropout=0.0, eval_lossy=False,
+            link_inter="roce-200g", link_intra="nvlink4", compute="h100", backend="sim", ranks_per_node=1,
+            lossy_links="inter_node", batch_size=4, lr=1e-4, warmup_steps=1)
+
+
+class Runner:
+    """Runs (or reads back) one family's runs under ``out``: the paired loss-free and lossy runs."""
+
+    def __init__(self, out: Path, base: dict, seeds: int, progress: bool = True):
+        self.out, self.base, self.seeds, self.progress = out, base, seeds, progress
+        self.trained = 0
+
+    def config(self, family: Family, steps: int, seed: int, policy: str = "zero", rate: float = 0.0) -> ExperimentConfig:
+        loss = f"bernoulli:{rate:.6g}" if rate > 0 else "none"
+        return normalise(from_dict({**self.base, **family.layout, "model": model_for(family, self.base["model"]),
+                                    "lossy_traffic": family.lossy_traffic, "recovery": policy, "loss": loss,
+                                    "steps": steps, "eval_every": steps, "log_every": 1, "seed": seed}))
+
+    def summary(self, config: ExperimentConfig) -> tuple[dict, Path]:
+        key = config_key(config)
+        name = run_name(config, key)
+        run_dir = self.out / "runs" / name
+        summary = read_summary(run_dir)
+        if summary is None or summary.get("status") != "completed":
+            config = config.replace(name=name, out=str(run_dir))
+            summary = execute(Run(config=config, key=key, dir_name=name), progress=self.progress)
+            self.trained += 1
+        return summary, run_dir
+
+    def perplexity_and_losses(self, config: ExperimentConfig) -> tuple[float, dict]:
+        summary, run_dir = self.summary(config)
+        if summary.get("status") != "completed":
+            raise RuntimeError(f"run {run_dir.name} {summary.get('status')}: {summary.get('error', '')}")
+        final = summary.get("final") or {}
+        split = "eval" if "eval" in final else next(iter(final))
+        losses = {int(r["step"]): float(r["loss"]) for r in read_jsonl(run_dir / "metrics.jsonl")
+                  if r.get("split") == "train" and "loss" in r}
+        return math.exp(float(final[split]["loss"])), losses
+
+    def measure(self, family: Family, policy: str, steps: int, rate: float) -> tuple[Point, float]:
+        """The paired eval-perplexity change at ``rate`` and the mean training-loss gap (lossy minus
+        loss-free, over steps and seeds)."""
+        mine, theirs, gaps = [], [], []
+        for seed in range(self.seeds):
+            free, free_losses = self.perplexity_and_losses(self.config(family, steps, seed))
+            lossy, lossy_losses = self.perplexity_and_losses(self.config(family, steps, seed, policy, rate))
+            mine.append(lossy)
+            theirs.append(free)
+            gaps += [lossy_losses[s] - free_losses[s] for s in lossy_losses if s in free_losses]
+        change, half, pairs, _ = paired_change(mine, theirs)
+        return Point(rate, change, half, pairs), float(np.mean(gaps)) if gaps else math.nan
+
+
+def policies_for(runner: Runner, family: Family, steps: int, wanted) -> list[str]:
+    """The policies of ``wanted`` that act on this family's traffic (the run accepts them)."""
+    probe = runner.config(family, steps, 0, "zero", 0.01)
+    return [p for p in wanted if p == "zero" or probe.accepts(recovery=p)]
+
+
+def budgets(out: Path, families, steps_list, policies, seeds: int, grid, refine: int, base: dict,
+            nics=NICS, progress: bool = True) -> tuple[pd.DataFrame, pd.DataFrame]:
+    runner = Runner(out, base, seeds, progress)
+    rows, points = [], []
+    for family in families:
+        for steps in steps_list:
+            for policy in policies_for(runner, family, steps, policies):
+                gaps = {}
+
+                def measure(rate, family=family, policy=policy, steps=steps):
+                    point, gaps[rate] = runner.measure(family, policy, steps, rate)
+                    return point
+                found: Budget = find_budget(measure, grid, refine)
+                rows.append({"family": family.name, "traffic": family.label, "policy": policy, "steps": steps,
+                             "budget_rate": found.rate, "failed_at": found.failed_at,
+                             "bracketed": found.bracketed, "budget": found.describe(), "seeds": seeds,
+                             **{f"retransmit_{nic}_pct": (step_cost_pct(family, found.rate, nic)
+                                                          if found.rate is not None else math.nan) for nic in nics}})
+                points += [{"family": family.name, "policy": policy, "steps": steps, "rate": p.rate,
+                            "change_pct": p.change_pct, "change_pct_ci": p.half_width, "upper_pct": p.upper,
+                            "pairs": p.pairs, "passes": p.passes, "train_loss_gap": gaps.get(p.rate, math.nan)}
+                           for p in found.points]
+    return pd.DataFrame(rows), pd.DataFrame(points)
+
+
+def plot(points: pd.DataFrame, path: Path) -> None:
+    """Perplexity change against loss rate, a line per family and policy (log x, 95% intervals shaded), the
+    1% tolerance dashed; one panel per length."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    lengths = sorted(points["steps"].unique())
+    fig = Figure(figsize=(6.5 * len(lengths), 4.5))
+    FigureCanvasAgg(fig)
+    for i, steps in enumerate(lengths):
+        ax = fig.add_subplot(1, len(lengths), i + 1)
+        for (family, policy), group in points[points["steps"] == steps].groupby(["family", "policy"], sort=False):
+            group = group.sort_values("rate")
+            x, y, h = 100 * group["rate"], group["change_pct"], group["change_pct_ci"].fillna(0)
+            line, = ax.plot(x, y, marker="o", label=f"{family} ({policy})")
+            ax.fill_between(x, y - h, y + h, color=line.get_color(), alpha=0.15)
+        ax.axhline(TOLERANCE_PCT, color="k", linestyle="--", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_xlabel("loss rate (%)")
+        ax.set_ylabel("eval perplexity vs loss-free, paired (%)")
+        ax.set_title(f"{steps} optimizer steps")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def markdown(table: pd.DataFrame, base: dict, seeds: int, nics) -> str:
+    cost = [f"retransmitting at it, {nic} (% of a step)" for nic in nics]
+    lines = [f"# Loss budgets: {base['model']}", "",
+             f"The largest loss rate (Bernoulli) at which fine-tuning keeps the eval perplexity within "
+             f"{TOLERANCE_PCT:g}% of the paired loss-free run (the 95% interval's upper end over {seeds} seeds); "
+             "evaluated loss-free. Beside it, what retransmitting that traffic at that rate adds to a real job's "
+             f"step (`lossysim estimate`, the family's axis at 2 across nodes, {SEQ}-token sequences: "
+             + ", ".join(f"{name} {shape}" for name, (shape, _) in JOBS.items()) + ").", "",
+             "| " + " | ".join(["traffic", "policy", "steps", "budget", *cost]) + " |",
+             "| " + " | ".join(["---"] * (4 + len(cost))) + " |"]
+    for row in table.to_dict("records"):
+        cells = [row["traffic"], row["policy"], str(row["steps"]), row["budget"]]
+        cells += [f"{row[f'retransmit_{nic}_pct']:.3g}" if math.isfinite(row[f"retransmit_{nic}_pct"]) else "–"
+                  for nic in nics]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, help="folder for the runs and the budget table")
+    parser.add_argument("--families", default="all", help="all, or some of tp, pp, cp_ring, cp_allgather, ep, dp, "
+                                                          "fsdp separated by commas")
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help="recovery policies to try (those that act on a family's traffic are kept)")
+    parser.add_argument("--steps", default="6", help="optimizer steps per run, several separated by commas "
+                                                     "(a budget per length, side by side)")
+    parser.add_argument("--seeds", type=int, default=3, help="paired seeds per rate (>= 3)")
+    parser.add_argument("--grid", default=",".join(f"{r:g}" for r in GRID), help="loss rates, ascending")
+    parser.add_argument("--refine", type=int, default=2, help="bisections between the last pass and first failure")
+    parser.add_argument("--model", default=BASE["model"], help="the pretrained model")
+    parser.add_argument("--nics", default=",".join(NICS),
+                        help="NIC presets whose retransmission cost is set beside each budget (none: skip)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="any run setting (device=cuda, batch_size=8, ...)")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run(args) -> int:
+    from ..config.load import parse_overrides
+    families = parse_families(args.families)
+    steps_list = [int(s) for s in str(args.steps).split(",") if s.strip()]
+    grid = [float(r) for r in str(args.grid).split(",") if r.strip()]
+    policies = [p.strip() for p in str(args.policies).split(",") if p.strip()]
+    unknown = sorted(set(policies) - set(POLICIES))
+    if unknown:
+        raise ValueError(f"--policies {','.join(unknown)}: must be some of {', '.join(POLICIES)}")
+    if args.seeds < 3:
+        raise ValueError(f"--seeds {args.seeds}: a budget's interval needs at least 3 paired seeds")
+    if not steps_list or min(steps_list) < 1:
+        raise ValueError(f"--steps {args.steps}: optimizer steps, >= 1, separated by commas")
+    nics = [] if args.nics == "none" else [n.strip() for n in str(args.nics).split(",") if n.strip()]
+    from ..timing.retransmission import NIC_PRESETS
+    bad = sorted(set(nics) - set(NIC_PRESETS))
+    if bad:
+        raise ValueError(f"--nics {','.join(bad)}: must be none or some of {', '.join(NIC_PRESETS)}")
+    base = {**BASE, "model": args.model, **parse_overrides(args.set)}
+    out = Path(args.out)
+    check_writable(out)
+    table, points = budgets(out, families, steps_list, policies, args.seeds, grid, args.refine, base, nics,
+                            progress=not args.no_progress)
+    atomic_write_text(out / "budgets.csv", table.to_csv(index=False))
+    atomic_write_text(out / "points.csv", points.to_csv(index=False))
+    atomic_write_text(out / "budgets.md", markdown(table, base, args.seeds, nics))
+    if not points.empty:
+        plot(points, out / "budget.png")
+    print(markdown(table, base, args.seeds, nics))
+    return 0

@@ -1,0 +1,107 @@
+"""Loss budgets (``lossysim budget``): the search finds the crossing it is given, says when the grid does not
+bracket it, and the command runs paired runs of a pretrained model from local files, resumably."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from lossysim.budget import FAMILIES, Point, find_budget
+from lossysim.budget.command import BASE, Runner
+from lossysim.budget.search import MIN_PAIRS, TOLERANCE_PCT
+from lossysim.cli import main
+from tiny_pretrained import save_tiny_pretrained
+
+pytestmark = pytest.mark.usefixtures("private_cache", "one_torch_thread")
+
+
+def linear(slope: float, half: float = 0.2, pairs: int = 3):
+    """A family whose paired change grows as ``slope`` x rate (percent), with a fixed interval; records
+    the rates asked."""
+    asked = []
+
+    def measure(rate: float) -> Point:
+        asked.append(rate)
+        return Point(rate, slope * rate, half, pairs)
+    return measure, asked
+
+
+@pytest.mark.parametrize("slope", [10.0, 30.0, 300.0, 2000.0])
+def test_the_budget_brackets_the_crossing_and_bisection_narrows_it(slope):
+    """The crossing is where slope x rate + 0.2 = 1: the budget passes, its failure fails, both around it,
+    and two bisections of a 3x grid step leave them within 3^(1/4) of each other."""
+    measure, asked = linear(slope)
+    budget = find_budget(measure, refine=2)
+    crossing = (TOLERANCE_PCT - 0.2) / slope
+    assert budget.bracketed
+    assert budget.rate <= crossing < budget.failed_at
+    assert budget.failed_at / budget.rate == pytest.approx(3 ** 0.25, rel=0.05)
+    assert asked[:-2] == sorted(asked[:-2]) and len(asked) == len(set(asked))   # upward, then bisections
+
+
+def test_a_grid_that_does_not_bracket_says_which_side():
+    high, _ = linear(0.1)
+    budget = find_budget(high)
+    assert budget.rate == pytest.approx(0.3) and budget.failed_at is None and not budget.bracketed
+    assert budget.describe().startswith(">= 30%") and "highest" in budget.describe()
+    low, asked = linear(1e5)
+    budget = find_budget(low)
+    assert budget.rate is None and budget.failed_at == pytest.approx(1e-4) and asked == [1e-4]
+    assert budget.describe().startswith("< 0.01%")
+
+
+def test_too_few_pairs_never_pass():
+    assert not Point(0.01, 0.0, 0.1, MIN_PAIRS - 1).passes
+    assert Point(0.01, 0.0, 0.1, MIN_PAIRS).passes
+    assert not Point(0.01, 0.0, math.nan, MIN_PAIRS).passes
+
+
+def test_a_bad_grid_is_refused():
+    with pytest.raises(ValueError, match="rates in"):
+        find_budget(linear(1.0)[0], grid=[0.0, 0.1])
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    return save_tiny_pretrained(tmp_path_factory.mktemp("pretrained"))
+
+
+def test_every_familys_runs_validate_and_name_their_traffic_alone(pretrained, tmp_path):
+    runner = Runner(tmp_path, {**BASE, "model": str(pretrained)}, seeds=3)
+    for family in FAMILIES:
+        config = runner.config(family, 2, 0, "zero", 0.01)
+        assert config.lossy_traffic == family.lossy_traffic and config.loss == "bernoulli:0.01"
+        assert runner.config(family, 2, 0).loss == "none"
+
+
+def test_the_command_writes_its_table_and_resumes_without_training(pretrained, tmp_path, capsys):
+    out = tmp_path / "budget"
+    argv = ["budget", "--out", str(out), "--model", str(pretrained), "--families", "dp", "--policies",
+            "zero,rescale", "--steps", "2", "--seeds", "3", "--grid", "0.3", "--refine", "0", "--no-progress", "--nics", "irn",
+            "--set", "max_eval_samples=8", "--set", "max_train_samples=32", "--set", "max_length=32"]
+    assert main(argv) == 0
+    table = pd.read_csv(out / "budgets.csv")
+    assert set(table["policy"]) == {"zero", "rescale"} and set(table["family"]) == {"dp"}
+    points = pd.read_csv(out / "points.csv")
+    assert (points["pairs"] == 3).all() and points["train_loss_gap"].notna().all()
+    priced = table[table["budget_rate"].notna()]
+    assert (priced["retransmit_irn_pct"] > 0).all() and table.loc[table["budget_rate"].isna(), "retransmit_irn_pct"].isna().all()
+    assert (out / "budget.png").stat().st_size > 0 and "| DP gradient buckets |" in (out / "budgets.md").read_text()
+    runs = sorted(p.name for p in (out / "runs").iterdir())
+    mtimes = {p: (out / "runs" / p / "summary.json").stat().st_mtime_ns for p in runs}
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert sorted(p.name for p in (out / "runs").iterdir()) == runs
+    assert {p: (out / "runs" / p / "summary.json").stat().st_mtime_ns for p in runs} == mtimes
+    assert pd.read_csv(out / "budgets.csv").equals(table)
+
+
+@pytest.mark.parametrize("flags,message", [(["--families", "nope"], "families='nope' must be"),
+                                           (["--seeds", "2"], "at least 3 paired seeds"),
+                                           (["--policies", "zero,magic"], "--policies magic"),
+                                           (["--nics", "irn,carrier-pigeon"], "--nics carrier-pigeon")])
+def test_bad_input_is_one_line_and_exit_2(flags, message, tmp_path, capsys):
+    assert main(["budget", "--out", str(tmp_path / "b"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
