@@ -78,9 +78,10 @@ class Counter:
 
 @dataclass(frozen=True)
 class Column:
-    """A summary.csv column read off the axis's summary.json section."""
+    """A summary.csv column read off the axis's summary.json section (``number``: as a number, else as written)."""
     name: str
     key: str
+    number: bool = True
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,6 @@ AXIS = Axis(
     counters=(Counter("dp_s", 0.0, "seconds the buckets (and syncs) add", per_step="dp_s_per_step"),
               Counter("drift", (), "every train row's replica drift")),
     summary="data_parallel",
-    columns=(Column("replicas", "dp_size"), Column("drift", "drift_final"), Column("drift_max", "drift_max"),
+    columns=(Column("replicas", "dp_size", number=False), Column("drift", "drift_final"), Column("drift_max", "drift_max"),
              Column("observed_loss_rate_dp", "observed_loss_rate_dp"), Column("dp_s_per_step", "dp_s_per_step")),
     part="dp", record="lossysim.dp.record")
