@@ -109,3 +109,17 @@ def test_a_name_already_declared_is_refused():
         with axes.declared(Axis("cp", "CP")):
             pass
     assert [a.name for a in axes.AXES] == list(axes.BUILT_IN)
+
+
+def test_summary_collectives_name_the_expert_networks(tmp_path):
+    """summary.json's ``collectives`` lists every training network's NCCL choices, the experts' all-to-alls
+    too (each TP position's group of replica 0), tagged with their class as the collectives table reads it."""
+    from lossysim.run.experiment import run_experiment
+    config = tiny_run(tmp_path / "moe", model="tiny-moe", tp_size=2, dp_size=2, ep_size=2, steps=1, log_every=1,
+                      eval_every=1, max_train_samples=16, max_eval_samples=16)
+    summary = run_experiment(config, config.out, progress=False)
+    assert summary["status"] == "completed"
+    networks = {r["network"] for r in summary["collectives"]}
+    assert {"ep_dispatch.tp0", "ep_dispatch.tp1", "ep_combine.tp0", "ep_combine.tp1"} <= networks
+    assert {r["collective"] for r in summary["collectives"] if r["network"].startswith("ep_")} == {"all_to_all"}
+    assert {traffic.of_network(n).axis for n in networks} == {"tp", "dp", "ep"}
