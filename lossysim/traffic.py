@@ -131,5 +131,5 @@ def parse_kinds(value) -> tuple[str, ...]:
 
 def of_network(name: str) -> Optional[TrafficClass]:
     """The class a summary's ``collectives`` network tag names (``tp.stage1``, ``pp.boundary0``,
-    ``dp.tp0``, ``fsdp.tp1``, ``ep_dispatch.group0``, ``cp.tp0``), or None."""
+    ``dp.tp0``, ``fsdp.tp1``, ``ep_dispatch.tp0``, ``cp.tp0``), or None."""
     return BY_NAME.get(name.split(".")[0])

@@ -68,7 +68,7 @@ class ExperimentConfig:
     link_inter: str = "roce-200g"
     compute: str = "h100"              # a GPU preset [,mfu=..], flops=..,mfu=.., or measured
     target_accuracy: float = 0.8       # time_to_accuracy is reported for this eval accuracy
-    # parallelism: every axis's settings (tp_size, dp_size, cp_mode, ...) are declared by its package
+    # parallelism: every axis's settings (tp_size, dp_size, dp_mode, ...) are declared by its package
     # (``lossysim/<axis>/axis.py``, collected in ``lossysim.axes``) and placed here, before ``backend``
     backend: str = "sim"               # sim | dist
     sync_replicated: bool = True       # dist: average replicated grads over a reliable channel
@@ -170,8 +170,8 @@ class ExperimentConfig:
         return self.batch_size // (self.dp_size * self.n_microbatches)
 
     def mesh(self) -> Mesh:
-        """Where this run's ranks sit (``lossysim.mesh``): tp_size x cp_size x pp_size x dp_size in
-        ``parallel_order`` (ep_size carved out of the data-parallel ranks), ranks_per_node to a node (a bad
+        """Where this run's ranks sit (``lossysim.mesh``): every axis's size (``lossysim.axes``) in
+        ``parallel_order`` (experts carved out of the data-parallel ranks), ranks_per_node to a node (a bad
         layout: a one-line ValueError)."""
         return Mesh(**{axis.mesh: getattr(self, axis.size) for axis in axes.AXES if axis.mesh},
                     ranks_per_node=self.ranks_per_node, order=self.parallel_order)

@@ -367,8 +367,8 @@ def packets_row(*networks) -> dict:
 
 
 def class_row(name: str, networks) -> dict:
-    """``packets_row`` of one traffic class's networks, its keys named by the class (``packets_sent_cp_fwd``,
-    ``observed_loss_rate_cp``)."""
+    """``packets_row`` of one traffic class's networks, its keys named by the class (``packets_sent_pp_fwd``,
+    ``observed_loss_rate_pp``)."""
     found = packets_row(*networks)
     row = {f"packets_{kind}_{name}_{d}": found[f"packets_{kind}_{d}"] for kind in ("sent", "lost") for d in ("fwd", "bwd")}
     row[f"observed_loss_rate_{name}"] = found["observed_loss_rate"]

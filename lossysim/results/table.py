@@ -21,7 +21,7 @@ from ..loss import parse_loss_model
 from ..loss.spec import family
 from .stats import DEFAULT_TARGET, time_to_target
 
-# How a run ends (``run.record``): finished (any but failed) or failed; and what its summary.json always holds
+# How a run ends (``run.summary``): finished (any but failed) or failed; and what its summary.json always holds
 # then, by type. A summary without them (hand-edited, or half of one) is no run to report.
 FINISHED = ("completed", "diverged", "gave_up")
 STATUSES = (*FINISHED, "failed")

@@ -325,7 +325,7 @@ def most_fragile(table: pd.DataFrame) -> Optional[pd.Series]:
 
 def _named(name: str, value) -> str:
     """A setting's column and value for a sentence ("transport drop"), the value alone where it names
-    itself ("cp_size=2")."""
+    itself ("pp_size=2")."""
     return str(value) if str(value).startswith(name) else f"{name} {value}"
 
 

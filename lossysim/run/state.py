@@ -28,8 +28,8 @@ class TrainState:
     last_row: dict = field(default_factory=dict)  # the clock at the last train row (per-step rates)
     failures: int = 0                            # collectives the transport gave up on, charged so far
     restart_s: float = 0.0                       # simulated seconds their restarts cost
-    # every axis's counters (``lossysim.axes``: dp_s, pipeline_s, ep_s, cp_s, ...), read and written as
-    # attributes (``state.cp_s``)
+    # every axis's counters (``lossysim.axes``: dp_s, drift, pipeline_s, ...), read and written as
+    # attributes (``state.dp_s``)
     counters: dict = field(default_factory=lambda: {c.name: c.fresh() for c in axes.counters()})
 
     def __getattr__(self, name: str):

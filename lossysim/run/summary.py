@@ -99,7 +99,7 @@ def collectives(parts, config: ExperimentConfig) -> list[dict]:
     """summary.json's ``collectives``: every training network's ``LossyNetwork.choices()`` (one record per
     site, direction, collective and message size), each tagged with the ``network`` it ran on, in the
     traffic classes' order: ``tp`` (stage ``s``'s: ``tp.stage{s}``), then every used axis's (its ``record``
-    module's ``collectives``: ``pp.boundary{b}``, ``dp.tp{t}``, ``ep_dispatch.tp{t}``, ``cp.tp{t}``, ...)."""
+    module's ``collectives``: ``pp.boundary{b}``, ``dp.tp{t}``, ...)."""
     pipeline = parts.pipeline
     tagged = {"tp": [("tp", parts.train_net)] if pipeline is None else
               [(f"tp.stage{s}", n) for s, n in enumerate(pipeline.networks)]}
