@@ -13,9 +13,7 @@ from typing import Optional
 from .. import axes
 from ..config import ExperimentConfig
 from ..io import append_jsonl, atomic_write_text, read_jsonl
-from ..net import LossyNetwork
 from ..net.stats import packets_row as traffic
-from ..pp.stages import Pipeline
 from .clock import clock, clock_row
 from .state import TrainState
 from .tracking import open_tracker
