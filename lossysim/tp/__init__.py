@@ -4,6 +4,8 @@ Its names are imported on first use (PEP 562): ``config`` reads the package's de
 (``axis.py``) before the modules below can be imported.
 """
 import importlib
+import sys
+import types
 
 _EXPORTS = {"TensorParallelModel": ".parallelize", "apply_tp": ".parallelize",
             "gather_full_model": ".parallelize", "parallelize": ".parallelize"}
@@ -16,3 +18,17 @@ def __getattr__(name: str):
     value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
     globals()[name] = value
     return value
+
+
+class _Package(types.ModuleType):
+    """Importing the submodule ``parallelize`` binds it to the package's name ``parallelize``: the
+    function of that name keeps it, as when this file imported it up front."""
+
+    def __setattr__(self, name, value):
+        if name in _EXPORTS and isinstance(value, types.ModuleType) and \
+                value.__name__ == f"{__name__}.{name}" and hasattr(value, name):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
