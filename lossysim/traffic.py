@@ -4,12 +4,15 @@ A class is a name (the estimate's column prefix, summary.json's network tag), th
 groups carry it, its directions, and for each direction the ``lossy_traffic`` key that lets it lose
 packets and what it is called. The config's ``lossy_traffic`` keys, the directions each network may
 lose, summary.json's traffic, the report's labels and tables, the collectives table and the estimate's
-columns all derive from ``CLASSES``: adding a class is adding an entry (and the code that sends it).
+columns all derive from ``CLASSES``: adding a class is adding an entry (and the code that sends it). An axis
+declared outside the package (``lossysim.axes.declared``) adds its own classes with ``add``; ``CLASSES`` and
+``KINDS`` are live views, so every module that imported them sees those too.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from collections.abc import Sequence
+from typing import Callable, Optional
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,7 @@ class TrafficClass:
         return tuple(d.direction for d in self.directions if d.key in kinds)
 
 
-CLASSES = (
+_DECLARED = (
     TrafficClass("tp", "tp", "TP", (Direction("fwd", "tp_forward", "TP activations"),
                                     Direction("bwd", "tp_backward", "TP gradients"))),
     TrafficClass("pp", "pp", "PP", (Direction("fwd", "pp_forward", "PP activations"),
@@ -49,13 +52,68 @@ CLASSES = (
     TrafficClass("cp", "cp", "CP", (Direction("fwd", "cp_forward", "CP keys and values"),
                                     Direction("bwd", "cp_backward", "CP key/value gradients"))),
 )
-BY_NAME = {c.name: c for c in CLASSES}
+
+
+class Live(Sequence):
+    """A tuple that follows the declared classes: an axis declared later (``lossysim.axes.declared``)
+    adds its classes, and every module that imported these names sees them."""
+
+    def __init__(self, build: Callable[[], tuple]):
+        self._build = build
+
+    def __getitem__(self, index):
+        return self._build()[index]
+
+    def __len__(self) -> int:
+        return len(self._build())
+
+    def __repr__(self) -> str:
+        return repr(self._build())
+
+    def __eq__(self, other) -> bool:
+        return tuple(self) == (tuple(other) if isinstance(other, (tuple, list, Live)) else other)
+
+    __hash__ = None
+
+
+_classes: list[TrafficClass] = list(_DECLARED)
+CLASSES = Live(lambda: tuple(_classes))
+BY_NAME: dict[str, TrafficClass] = {}
 # lossy_traffic's keys, each named once, in the classes' order; a key's label is its first direction's
-KINDS = tuple(dict.fromkeys(d.key for c in CLASSES for d in c.directions))
-KIND_LABELS = {key: next(d.label for c in CLASSES for d in c.directions if d.key == key) for key in KINDS}
+KINDS = Live(lambda: tuple(dict.fromkeys(d.key for c in _classes for d in c.directions)))
+KIND_LABELS: dict[str, str] = {}
 # Both directions of a class named together read as the class's traffic ("TP traffic")
-PAIRS = {tuple(d.label for d in c.directions): f"{c.label} traffic" for c in CLASSES if len(c.directions) == 2
-         and len({d.key for d in c.directions}) == 2}
+PAIRS: dict[tuple, str] = {}
+
+
+def _refresh() -> None:
+    """Every name above from ``_classes``, in place."""
+    BY_NAME.clear()
+    BY_NAME.update({c.name: c for c in _classes})
+    KIND_LABELS.clear()
+    KIND_LABELS.update({key: next(d.label for c in _classes for d in c.directions if d.key == key) for key in KINDS})
+    PAIRS.clear()
+    PAIRS.update({tuple(d.label for d in c.directions): f"{c.label} traffic" for c in _classes
+                  if len(c.directions) == 2 and len({d.key for d in c.directions}) == 2})
+
+
+def add(cls: TrafficClass) -> None:
+    """Declare another class (an axis declared outside this file, ``lossysim.axes.declared``)."""
+    if cls.name in BY_NAME:
+        raise ValueError(f"traffic class {cls.name!r} is declared already")
+    _classes.append(cls)
+    _refresh()
+
+
+def remove(name: str) -> None:
+    """Take back a class ``add`` declared; the classes declared here stay."""
+    if name in {c.name for c in _DECLARED}:
+        raise ValueError(f"traffic class {name!r} is declared in lossysim.traffic and stays")
+    _classes[:] = [c for c in _classes if c.name != name]
+    _refresh()
+
+
+_refresh()
 
 
 def parse_kinds(value) -> tuple[str, ...]:
@@ -63,7 +121,7 @@ def parse_kinds(value) -> tuple[str, ...]:
     items = value if isinstance(value, (list, tuple)) else str(value).replace(" ", ",").split(",")
     names = {str(item).strip().lower() for item in items if str(item).strip()}
     if names == {"all"}:
-        return KINDS
+        return tuple(KINDS)
     unknown = sorted(names - set(KINDS))
     if unknown or not names:
         raise ValueError(f"lossy_traffic={value!r} must be all, or some of {', '.join(KINDS)} "
@@ -73,5 +131,5 @@ def parse_kinds(value) -> tuple[str, ...]:
 
 def of_network(name: str) -> Optional[TrafficClass]:
     """The class a summary's ``collectives`` network tag names (``tp.stage1``, ``pp.boundary0``,
-    ``dp.tp0``, ``fsdp.tp1``, ``ep_dispatch.group0``, ``cp.tp0``), or None."""
+    ``dp.tp0``, ``fsdp.tp1``, ``ep_dispatch.tp0``, ``cp.tp0``), or None."""
     return BY_NAME.get(name.split(".")[0])

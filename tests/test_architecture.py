@@ -27,8 +27,10 @@ def _order(text: str) -> dict[str, int]:
 
 
 def _stage(module: str) -> str:
-    """``net/links.py`` -> ``net``; ``config.py`` -> ``config``."""
-    return module.split("/")[0].removesuffix(".py")
+    """``net/links.py`` -> ``net``; ``config.py`` -> ``config``; an axis's declaration (``cp/axis.py``) is
+    the stage ``axes``, with ``axes.py`` that collects them: config reads it before its package."""
+    parts = module.split("/")
+    return "axes" if parts[1:] == ["axis.py"] else parts[0].removesuffix(".py")
 
 
 def _imported_stages(path: Path) -> set[str]:
@@ -48,7 +50,7 @@ def _imported_stages(path: Path) -> set[str]:
             # `from .. import __version__` names the package itself, no stage
             if parts[0] == "lossysim" and len(parts) > 1 and (
                     (PACKAGE / parts[1]).is_dir() or (PACKAGE / f"{parts[1]}.py").exists()):
-                stages.add(parts[1])
+                stages.add(_stage("/".join(parts[1:]) + ".py" if parts[2:] == ["axis"] else parts[1]))
     return stages
 
 

@@ -184,7 +184,7 @@ def test_equal_stages_leave_the_textbook_bubble():
     p, m, f, b = 4, 8, 1.0, 2.0
     timing = pipeline_time("1f1b", p, m, f, b)
     assert timing.step_s == pytest.approx((m + p - 1) * (f + b))
-    from lossysim.run.record import bubble
+    from lossysim.pp.record import bubble
     assert bubble(p * m * (f + b), timing.step_s, p) == pytest.approx((p - 1) / (m + p - 1))
 
 

@@ -565,13 +565,13 @@ def test_the_expert_section_shows_its_traffic_and_names_the_most_fragile_setting
         assert cells["observed EP loss (%)"] == (("5" if cells["loss"] != "no loss" else "0") if expert else "–")
     fragile = tables.most_fragile(shown)
     assert fragile["pipeline"] == "pp 2 (gpipe, m=4)" and fragile["vs no loss, paired (pp)"] == "-12.0 ± 0.0"
-    text = sections.section_experts(sections.ReportInputs(out, runs, pd.DataFrame()))
+    text = sections.axis_section("ep")(sections.ReportInputs(out, runs, pd.DataFrame()))
     assert text.startswith("## Expert parallelism") and "_paired" not in text
     assert "Most fragile: 5% Bernoulli, " in text and "pipeline pp 2 (gpipe, m=4)" in text and "-12.0" in text
-    assert sections.section_context(sections.ReportInputs(out, runs, pd.DataFrame())) == ""   # cp 1 throughout
+    assert sections.axis_section("cp")(sections.ReportInputs(out, runs, pd.DataFrame())) == ""   # cp 1 throughout
     # summary.csv leaves out a size every run shares: the runs' EP time still says which have experts
     alike = runs[staged].drop(columns="ep_size")
-    assert sections.section_experts(sections.ReportInputs(out, alike, pd.DataFrame())).startswith(
+    assert sections.axis_section("ep")(sections.ReportInputs(out, alike, pd.DataFrame())).startswith(
         "## Expert parallelism")
     assert set(tables.axis_table(alike, "ep")["EP per step (ms)"]) == {"2"}
 
@@ -579,7 +579,7 @@ def test_the_expert_section_shows_its_traffic_and_names_the_most_fragile_setting
 def test_a_sweep_without_stages_has_no_pipeline_section_or_columns(results):
     runs = load.load_runs(results)
     assert set(runs["pp_size"]) == {1} and "pp_schedule" not in runs.columns
-    assert sections.section_pipeline(sections.ReportInputs(results, runs, pd.DataFrame())) == ""
+    assert sections.axis_section("pp")(sections.ReportInputs(results, runs, pd.DataFrame())) == ""
     assert "bubble (%)" not in tables.time_to_accuracy_table(runs, load.load_metrics(results, runs))[0].columns
 
 

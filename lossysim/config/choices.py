@@ -2,8 +2,15 @@
 parsing of ``report_to`` and ``pp_layout``."""
 from __future__ import annotations
 
+from .. import axes
+from ..cp.axis import CP_MODES
+from ..dp.axis import DP_MODES
+from ..pp.axis import PP_SCHEDULES
 from ..traffic import BY_NAME
 from ..util import one_of
+
+__all__ = ["BACKENDS", "CP_MODES", "DP_MODES", "EP_CLASSES", "IDENTITY_AT_DEFAULT_OMITTED", "NON_SEMANTIC",
+           "PP_SCHEDULES", "TRACKERS", "check_choice", "parse_layout", "parse_report_to"]
 
 EP_CLASSES = tuple(c.name for c in BY_NAME.values() if c.axis == "ep")   # an MoE block's all-to-alls
 
@@ -16,14 +23,11 @@ NON_SEMANTIC = ("out", "name", "device", "timeout_s", "save_checkpoint", "checkp
                 "report_to")
 TRACKERS = ("tensorboard", "wandb")
 BACKENDS = ("sim", "dist")     # every rank in one process, or one per process (torchrun)
-DP_MODES = ("ddp", "fsdp")
 # Keys added after the first sweeps (data parallelism, micro-batches, ...): at their defaults they stay
-# out of a run's identity (the sweep's hash), so sweeps written before them still find their runs.
-IDENTITY_AT_DEFAULT_OMITTED = ("dp_size", "dp_bucket_mb", "dp_overlap", "dp_sync_every", "lossy_traffic",
-                              "dp_mode", "lossy_layers", "lossy_sites", "outlier_fraction", "microbatches",
-                              "pp_size", "pp_schedule", "pp_layout", "parallel_order", "ep_size", "cp_size",
-                              "cp_mode")
-CP_MODES = ("ring", "allgather")   # Megatron's p2p ring of K/V blocks; Llama 3's all-gathered K/V
+# out of a run's identity (the sweep's hash), so sweeps written before them still find their runs. An axis's
+# settings say so in their declaration (``Setting.identity_at_default``).
+IDENTITY_AT_DEFAULT_OMITTED = ("lossy_traffic", "lossy_layers", "lossy_sites", "outlier_fraction", "parallel_order",
+                               *(s.field for s in axes.settings() if not s.identity_at_default))
 
 
 def parse_report_to(value) -> tuple[str, ...]:
@@ -39,12 +43,6 @@ def parse_report_to(value) -> tuple[str, ...]:
         raise ValueError(f"report_to={value!r}: 'none' cannot be combined with a tracker")
     return tuple(dict.fromkeys(n for n in names if n != "none"))
 
-
-
-
-# torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B; 1f1b is Megatron's
-# forward_backward_pipelining_without_interleaving (PipeDream-Flush). Timed by lossysim.pp.schedule.
-PP_SCHEDULES = ("gpipe", "1f1b")
 
 
 def parse_layout(value: str, stages: int) -> tuple[int, ...]:

@@ -10,12 +10,13 @@ from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from .. import axes
 from ..mesh import DEFAULT_ORDER, Mesh, parse_order
 from ..net.spec import SETTINGS, NetworkSpec
 from ..timing import DEFAULT_NIC, parse_compute
 from ..traffic import BY_NAME, parse_kinds as traffic_kinds
 from ..util import stream_seed
-from .choices import BACKENDS, DP_MODES, PP_SCHEDULES, check_choice, parse_layout, parse_report_to
+from .choices import BACKENDS, check_choice, parse_layout, parse_report_to
 from .pairs import check_something_can_lose, validate_pairs
 
 _TRYING = contextvars.ContextVar("trying", default=False)   # ExperimentConfig.accepts is validating a variant
@@ -67,28 +68,16 @@ class ExperimentConfig:
     link_inter: str = "roce-200g"
     compute: str = "h100"              # a GPU preset [,mfu=..], flops=..,mfu=.., or measured
     target_accuracy: float = 0.8       # time_to_accuracy is reported for this eval accuracy
-    # parallelism
-    tp_size: int = 2
+    # parallelism: every axis's settings (tp_size, dp_size, dp_mode, ...) are declared by its package
+    # (``lossysim/<axis>/axis.py``, collected in ``lossysim.axes``) and placed here, before ``backend``
     backend: str = "sim"               # sim | dist
     sync_replicated: bool = True       # dist: average replicated grads over a reliable channel
-    dp_size: int = 1                   # data-parallel replicas of the TP group: world = tp_size x pp_size x dp_size
-    pp_size: int = 1                   # pipeline stages: the blocks cut into this many consecutive stages
-    ep_size: int = 1                   # expert parallelism: each MoE block's experts over this many replicas
-    cp_size: int = 1                   # context-parallel ranks: each sequence cut into 2 x cp_size chunks
-    cp_mode: str = "ring"              # ring (K/V blocks passed around, Megatron's) | allgather (Llama 3's)
     parallel_order: str = DEFAULT_ORDER  # how global ranks are laid out, innermost first (Megatron's order)
-    pp_schedule: str = "1f1b"          # gpipe | 1f1b: how a step's micro-batches are timed through the stages
-    pp_layout: Optional[str] = None    # blocks per stage, e.g. "1,3" (None: an even split)
-    dp_bucket_mb: float = 25.0         # DDP gradient bucket cap, MiB (PyTorch DDP's bucket_cap_mb)
-    dp_overlap: bool = True            # bucket all-reduces overlap the backward pass, as DDP's do
-    dp_sync_every: int = 0             # reliable broadcast of replica 0's parameters every K steps (0: never)
-    dp_mode: str = "ddp"               # ddp | fsdp (ZeRO-3: parameters sharded, gathered before the forward)
     lossy_traffic: str = "all"         # which traffic can lose packets: all, or some of lossysim.traffic.KINDS
     timeout_s: float = 600.0
     # training
     steps: int = 300
     batch_size: int = 16
-    microbatches: Optional[int] = None  # each replica's shard in this many forward/backwards (None: pp_size)
     eval_batch_size: int = 64
     lr: float = 5e-4
     weight_decay: float = 0.01
@@ -113,12 +102,11 @@ class ExperimentConfig:
             raise ValueError("dataset=pydoc is unlabelled documentation text: use task=lm")
         check_choice("backend", self.backend, BACKENDS)
         check_choice("amp", self.amp, ("none", "bf16", "fp16"))
-        for name in ("tp_size", "dp_size", "pp_size", "ep_size", "cp_size", "steps", "batch_size", "eval_batch_size",
-                     "max_length", "eval_every", "log_every"):
+        for setting in axes.settings():   # each axis's own checks (its declaration's)
+            setting.validate(getattr(self, setting.field))
+        for name in ("steps", "batch_size", "eval_batch_size", "max_length", "eval_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.microbatches is not None and self.microbatches < 1:
-            raise ValueError(f"microbatches={self.microbatches} must be >= 1 (or null for pp_size)")
         for name in ("max_train_samples", "max_eval_samples"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -127,7 +115,7 @@ class ExperimentConfig:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name}={value} must be a finite number >= 0")
-        for name in ("checkpoint_every", "keep_checkpoints", "restart_lost_steps", "max_failures", "dp_sync_every"):
+        for name in ("checkpoint_every", "keep_checkpoints", "restart_lost_steps", "max_failures"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.warmup_steps < 0:
@@ -150,10 +138,7 @@ class ExperimentConfig:
         return self
 
     def _validate_data_parallel(self) -> None:
-        check_choice("dp_mode", self.dp_mode, DP_MODES)
         traffic_kinds(self.lossy_traffic)
-        if not (math.isfinite(self.dp_bucket_mb) and self.dp_bucket_mb > 0):
-            raise ValueError(f"dp_bucket_mb={self.dp_bucket_mb} must be a positive number of MiB")
         if self.batch_size % (self.dp_size * self.n_microbatches):
             raise ValueError(f"batch_size={self.batch_size} must be a multiple of dp_size={self.dp_size} x "
                              f"microbatches={self.n_microbatches}{' (pp_size)' if self.microbatches is None else ''}: "
@@ -170,7 +155,6 @@ class ExperimentConfig:
         # saved config's ``microbatches: 1``) does not depend on whether it was written out.
         if self.microbatches == self.pp_size:
             self.microbatches = None
-        check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         if self.pp_layout is not None:
             parse_layout(self.pp_layout, self.pp_size)
 
@@ -186,11 +170,11 @@ class ExperimentConfig:
         return self.batch_size // (self.dp_size * self.n_microbatches)
 
     def mesh(self) -> Mesh:
-        """Where this run's ranks sit (``lossysim.mesh``): tp_size x cp_size x pp_size x dp_size in
-        ``parallel_order`` (ep_size carved out of the data-parallel ranks), ranks_per_node to a node (a bad
+        """Where this run's ranks sit (``lossysim.mesh``): every axis's size (``lossysim.axes``) in
+        ``parallel_order`` (experts carved out of the data-parallel ranks), ranks_per_node to a node (a bad
         layout: a one-line ValueError)."""
-        return Mesh(self.tp_size, self.dp_size, self.ranks_per_node, pp=self.pp_size, cp=self.cp_size, ep=self.ep_size,
-                    order=self.parallel_order)
+        return Mesh(**{axis.mesh: getattr(self, axis.size) for axis in axes.AXES if axis.mesh},
+                    ranks_per_node=self.ranks_per_node, order=self.parallel_order)
 
     def network_spec(self, evaluation: bool = False) -> NetworkSpec:
         """The training network of replica 0's TP group, placed by the mesh; ``evaluation``: the
@@ -252,7 +236,37 @@ class ExperimentConfig:
         return from_dict({**self.to_dict(), **changes})
 
 
-_TYPES = get_type_hints(ExperimentConfig)
+_CORE = dict(ExperimentConfig.__annotations__)   # the fields declared above, in order
+_GENERATED = ("__init__", "__repr__", "__eq__", "__match_args__")
+_TYPES: dict = {}
+
+
+def _declare() -> None:
+    """ExperimentConfig's fields: the ones above, with every axis's settings (``lossysim.axes``) before
+    ``backend``; rebuilt (the same class, so every reference to it stays good) when an axis is declared or
+    taken back."""
+    cls = ExperimentConfig
+    declared = {s.field: s for s in axes.settings()}
+    for name in _GENERATED:
+        if name in cls.__dict__:
+            delattr(cls, name)
+    for name in set(getattr(cls, "__dataclass_fields__", {})) - set(_CORE) - set(declared):
+        delattr(cls, name)   # a setting of an axis taken back
+    annotations = {}
+    for name, kind in _CORE.items():
+        if name == "backend":
+            annotations.update({s.field: s.type for s in declared.values()})
+        annotations[name] = kind
+    cls.__annotations__ = annotations
+    for setting in declared.values():
+        setattr(cls, setting.field, setting.default)
+    dataclass(cls)
+    _TYPES.clear()
+    _TYPES.update(get_type_hints(cls))
+
+
+_declare()
+axes.on_change(_declare)
 _LIST_FIELDS = ("report_to", "lossy_traffic")          # str fields that also take a list of names
 
 

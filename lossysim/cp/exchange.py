@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..config import CP_MODES as MODES   # the config names them; an Exchange built by hand checks them too
+from .axis import CP_MODES as MODES   # the declaration names them; an Exchange built by hand checks them too
 from ..net import LossyNetwork
 
 

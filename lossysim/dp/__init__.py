@@ -1,10 +1,21 @@
 """Data parallelism: replicas of the tensor-parallel group, their gradient buckets averaged over a lossy
 network of the data-parallel links (DDP) or their parameters sharded, gathered and their gradients
 reduce-scattered over it (FSDP), and the drift between replicas (what the traffic adds to a step:
-``lossysim.clock``)."""
-from .apply import apply_dp
-from .buckets import Bucket, plan_buckets
-from .fsdp import FullyShardedDataParallel
-from .replicas import DataParallel, Replica
+``lossysim.clock``).
 
+Its names are imported on first use (PEP 562): ``config`` reads the package's declaration
+(``axis.py``) before the modules below can be imported.
+"""
+import importlib
+
+_EXPORTS = {"apply_dp": ".apply", "Bucket": ".buckets", "plan_buckets": ".buckets",
+            "FullyShardedDataParallel": ".fsdp", "DataParallel": ".replicas", "Replica": ".replicas"}
 __all__ = ["apply_dp", "Bucket", "plan_buckets", "DataParallel", "FullyShardedDataParallel", "Replica"]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value

@@ -21,7 +21,7 @@ from ..net import LossyNetwork, NetworkSpec
 from ..net.recovery import packets_of
 from ..net.sparse import Losses, bad_packets_of
 
-CLASSES = tuple(c.name for c in traffic.CLASSES)   # every class's columns, in the declared order
+CLASSES = traffic.Live(lambda: tuple(c.name for c in traffic.CLASSES))   # every class's columns, declared order
 
 
 class Group(NamedTuple):

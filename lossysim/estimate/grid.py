@@ -17,7 +17,8 @@ from typing import Callable, Iterable, Optional
 from tqdm.auto import tqdm
 
 from ..cp.layout import check_length
-from ..config import CP_MODES, DP_MODES, PP_SCHEDULES, ExperimentConfig
+from .. import axes
+from ..config import ExperimentConfig
 from ..io import atomic_write_text, check_writable, output_errors
 from ..mesh import DEFAULT_ORDER
 from ..net.algorithms import ALGORITHMS
@@ -59,7 +60,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
     parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES), help="activation dtype (default bf16)")
-    parser.add_argument("--tp-size", type=int, help="tensor-parallel degree (default 8; with --trace 1)")
     parser.add_argument("--ranks-per-node", "--gpus-per-node", dest="ranks_per_node", type=int,
                         help="GPUs (ranks) per node (default: a TP group to a node; tp alone: all on one node)")
     parser.add_argument("--nics-per-node", type=int, help="NICs a node's inter-node traffic spreads over "
@@ -67,28 +67,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--payload-bytes", type=int, help="payload bytes of a packet (default "
                         f"{ExperimentConfig.__dataclass_fields__['payload_bytes'].default}; RoCE at MTU 4096: 4096; "
                         f"at most {MAX_PAYLOAD_BYTES}, a jumbo frame)")
-    parser.add_argument("--pp-size", type=int, help="pipeline stages (default 1)")
-    parser.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES, help="pipeline schedule (default 1f1b)")
-    parser.add_argument("--pp-layout", help="blocks per stage, e.g. 9,10,10,11 (default: an even split)")
-    parser.add_argument("--dp-size", type=int, help="data-parallel replicas (default 1; with --trace and no "
-                                                     "layout: the world, or the pipeline's stages if it sends)")
-    parser.add_argument("--dp-mode", default="ddp", choices=DP_MODES, help="ddp or fsdp (default ddp)")
-    parser.add_argument("--ep-size", type=int, default=1,
-                        help="expert parallelism: a mixture of experts' experts over this many of the data-parallel "
-                             "ranks (divides dp size; default 1)")
+    for setting in axes.settings():   # every axis's flags, from its declaration
+        _add_setting(parser, setting)
     parser.add_argument("--routing-skew", type=float, default=0.0,
                         help="experts' popularity by Zipf's law with this exponent (default 0: uniform routing)")
-    parser.add_argument("--cp-size", type=int, default=1,
-                        help="context-parallel ranks: every sequence cut into 2 x cp chunks (default 1)")
-    parser.add_argument("--cp-mode", default="ring", choices=CP_MODES,
-                        help="ring (K/V blocks passed around, Megatron's) or allgather (Llama 3's) (default ring)")
-    parser.add_argument("--microbatches", type=int,
-                        help="micro-batches per replica per step (default: from --global-batch, else pp size)")
     parser.add_argument("--global-batch", type=int,
                         help="sequences per step: micro-batch x microbatches x dp size, as Megatron derives it")
-    parser.add_argument("--dp-bucket-mb", type=float, default=25.0, help="DDP bucket (FSDP unit) MiB (default 25)")
-    parser.add_argument("--no-dp-overlap", dest="dp_overlap", action="store_false",
-                        help="buckets wait for the backward to end (default: they overlap it, as DDP's do)")
     parser.add_argument("--grad-dtype", default="fp32", choices=tuple(DTYPES),
                         help="dtype gradients are reduced in (default fp32)")
     parser.add_argument("--sampled-groups", type=int,
@@ -114,6 +98,32 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=10, help="simulated steps per setting (default 10)")
     parser.add_argument("--out", help="folder for estimate.csv, estimate.json and slowdown.png")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_setting(parser, setting) -> None:
+    """A setting's ``lossysim estimate`` flag (``Setting.estimate``; none without one)."""
+    flag = setting.estimate
+    if flag is None:
+        return
+    name = flag.name or setting.flag or f"--{setting.field.replace('_', '-')}"
+    if setting.type is bool:   # a switch: given, the other value than the default
+        parser.add_argument(name, dest=setting.field, action="store_false" if flag.default else "store_true",
+                            help=flag.help)
+        return
+    kind = next((t for t in getattr(setting.type, "__args__", (setting.type,)) if t is not type(None)), str)
+    parser.add_argument(name, dest=setting.field, type=kind, default=flag.default, help=flag.help,
+                        **({"choices": setting.choices} if setting.choices else {}))
+
+
+def axis_keys(args) -> dict:
+    """Every axis's settings as the flags give them (a flag left out: its ``unset``, else the default)."""
+    keys = {}
+    for setting in axes.settings():
+        if setting.estimate is not None:
+            value = getattr(args, setting.field, None)
+            unset = setting.default if setting.estimate.unset is None else setting.estimate.unset
+            keys[setting.field] = unset if value is None else value
+    return keys
 
 
 def run(args) -> int:
@@ -173,14 +183,8 @@ def config_of(args) -> ExperimentConfig:
     if getattr(args, "routing_skew", 0.0) > 0 and args.ep_size == 1:   # the row would record 0.0: it did nothing
         raise ValueError(f"--routing-skew {args.routing_skew:g} needs experts spread over ranks: give a "
                          "mixture-of-experts model --ep-size > 1, or leave --routing-skew at 0")
-    keys = dict(tp_size=8 if args.tp_size is None else args.tp_size,
-                pp_size=1 if args.pp_size is None else args.pp_size,
-                dp_size=1 if args.dp_size is None else args.dp_size, dp_mode=args.dp_mode, ep_size=args.ep_size,
-                cp_size=args.cp_size, cp_mode=args.cp_mode, max_length=args.seq,
-                microbatches=args.microbatches, pp_schedule=args.pp_schedule, pp_layout=args.pp_layout,
-                dp_bucket_mb=args.dp_bucket_mb, dp_overlap=args.dp_overlap,
-                activation_checkpointing=args.activation_checkpointing, ranks_per_node=args.ranks_per_node,
-                nics_per_node=args.nics_per_node, compute=args.compute, seed=args.seed,
+    keys = dict(**axis_keys(args), max_length=args.seq, activation_checkpointing=args.activation_checkpointing,
+                ranks_per_node=args.ranks_per_node, nics_per_node=args.nics_per_node, compute=args.compute, seed=args.seed,
                 parallel_order=args.parallel_order, lossy_traffic=args.lossy_traffic, **DEFAULTS)
     if args.payload_bytes is not None:
         keys["payload_bytes"] = args.payload_bytes

@@ -34,6 +34,10 @@ def simulate(network, site: str, direction: str, numel: int, dtype: torch.dtype,
         pair = (int(pair[0]), int(pair[1]))
     if counts is not None:   # an all-to-all's sizes are its routing's: built per call (``exchange``)
         transfer = exchange.build(network.spec, tuple(int(n) for n in counts), dtype, device)
+        # its choice by the bytes every rank sends together (the routing moves them, not their sum): the last
+        # call's of that size
+        network._choices[(site, direction, collective, sum(int(n) for n in counts) * dtype.itemsize)] = \
+            transfer.choice
     else:
         shape = (collective, int(numel), dtype, device, pair)
         transfer = network._transfers.get(shape)

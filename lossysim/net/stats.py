@@ -344,3 +344,32 @@ def summarise(rows: Sequence[dict], by: Sequence[str], lossy: Callable[[dict], b
         acc["observed_loss_rate"] = acc["lost"] / acc["sent"] if acc["sent"] else math.nan
         acc["observed_mean_burst"] = acc["lost"] / acc["bursts"] if acc["bursts"] else 0.0
     return list(totals.values())
+
+
+def packets_row(*networks) -> dict:
+    """A metrics row's packets sent and lost per direction so far over ``networks`` (``LossyNetwork``s: a
+    pipeline's stages, a context group's), and the loss rate over their lossy directions."""
+    row = {}
+    lost_total = sent_total = 0
+    for network in networks:
+        for entry in network.summary():
+            d = entry["direction"]
+            row[f"packets_sent_{d}"] = row.get(f"packets_sent_{d}", 0) + entry["sent"]
+            row[f"packets_lost_{d}"] = row.get(f"packets_lost_{d}", 0) + entry["lost"]
+            if d in network.lossy:
+                sent_total += entry["sent"]
+                lost_total += entry["lost"]
+    for d in ("fwd", "bwd"):
+        row.setdefault(f"packets_sent_{d}", 0)
+        row.setdefault(f"packets_lost_{d}", 0)
+    row["observed_loss_rate"] = lost_total / sent_total if sent_total else 0.0
+    return row
+
+
+def class_row(name: str, networks) -> dict:
+    """``packets_row`` of one traffic class's networks, its keys named by the class (``packets_sent_pp_fwd``,
+    ``observed_loss_rate_pp``)."""
+    found = packets_row(*networks)
+    row = {f"packets_{kind}_{name}_{d}": found[f"packets_{kind}_{d}"] for kind in ("sent", "lost") for d in ("fwd", "bwd")}
+    row[f"observed_loss_rate_{name}"] = found["observed_loss_rate"]
+    return row

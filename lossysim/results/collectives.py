@@ -33,7 +33,7 @@ def _span(low: float, high: float, unit: str, digits: int) -> str:
     return f"{low_s} {unit}" if low_s == high_s else f"{low_s}–{high_s} {unit}"
 
 
-# A record's fields, by type (run.record.collectives); protocol may be empty.
+# A record's fields, by type (run.summary.collectives); protocol may be empty.
 FIELDS = {"network": str, "collective": str, "algorithm": str, "channels": int, "site": str, "bytes": (int, float),
           "seconds": (int, float)}
 

@@ -20,9 +20,10 @@ from typing import Callable, Iterable, Mapping, Optional
 
 import pandas as pd
 
+from .. import axes
 from ..config import NON_SEMANTIC, ExperimentConfig
 from ..loss.spec import display_name
-from ..mesh import Mesh
+from ..mesh import CARVED, Mesh
 from ..traffic import KIND_LABELS, PAIRS
 
 CONFIG_DEFAULTS = {name: f.default for name, f in ExperimentConfig.__dataclass_fields__.items()}
@@ -86,9 +87,11 @@ def _topology(row: Mapping) -> str:
     tp = int(tp)
     # data-parallel replicas (summary.csv has replicas for dp runs only, dp_size where it varies)
     dp = int(_get(row, "replicas") or _get(row, "dp_size") or 1)
-    pp = int(_get(row, "pp_size") or 1)    # the stages' ranks count too (the pipeline dimension names them)
-    cp = int(_get(row, "cp_size") or 1)    # and the context ranks (the cp_size dimension names them)
-    world = Mesh(tp, dp, pp=pp, cp=cp).world
+    # every other axis's ranks count too (pp's: the pipeline dimension names them; cp's: its size's); experts
+    # are carved out of the data-parallel ranks
+    sizes = {a.mesh: int(_get(row, a.size) or 1) for a in axes.AXES if a.mesh and a.mesh not in ("tp", "dp", *CARVED)}
+    pp = sizes.get("pp", 1)
+    world = Mesh(tp, dp, **sizes).world
     if per_node is _MISSING:      # constant over the sweep, value unknown: say only what is known
         text = _plural(world, "rank")
     else:

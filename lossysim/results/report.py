@@ -24,7 +24,7 @@ from .plots import (
     plot_fwd_vs_bwd,
     plot_observed_vs_configured,
 )
-from .sections import SECTIONS, ReportInputs
+from .sections import ReportInputs, sections
 from .settings import to_markdown
 from .table import write_summary_csv
 from .tables import accuracy_pivot, summary_table
@@ -72,7 +72,7 @@ def _write(results: Path, out: Path, runs: pd.DataFrame, metrics: pd.DataFrame, 
         table = write_summary_csv(results)   # shards that shared this folder end up in one table
         stale = sorted(table.loc[table["stale"].astype(bool), "run_dir"].astype(str)) if "stale" in table else []
     inputs = ReportInputs(results, runs, metrics, written, problems, out, collectives)
-    text = "\n".join([f"# Sweep report: {results.name}\n", *(section(inputs) for section in SECTIONS)])
+    text = "\n".join([f"# Sweep report: {results.name}\n", *(section(inputs) for section in sections())])
     report_md = out / "report.md"
     atomic_write_text(report_md, text)
     return {"runs": runs, "pivot": accuracy_pivot(runs), "table": summary_table(runs),

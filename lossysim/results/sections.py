@@ -1,4 +1,4 @@
-"""report.md's sections, in order (``SECTIONS``): each a function of ``ReportInputs`` returning markdown."""
+"""report.md's sections, in order (``sections()``): each a function of ``ReportInputs`` returning markdown."""
 from __future__ import annotations
 
 import math
@@ -8,6 +8,7 @@ from typing import Optional
 
 import pandas as pd
 
+from .. import axes
 from . import perplexity
 from .collectives import collectives_table
 from .load import dataset_title, reference_note, split_name
@@ -19,7 +20,6 @@ from .tables import (
     accuracy_pivot,
     axis_table,
     most_fragile,
-    pipeline_table,
     summary_table,
     time_to_accuracy_table,
     uses_axis,
@@ -146,46 +146,23 @@ _COMMON = ("Accuracy: mean ± 95% CI over seeds, and the paired difference from 
            "runs timed like the setting (same layout, links and compute). ")
 
 
-def section_pipeline(inputs: ReportInputs) -> str:
-    """Sweeps with pipeline stages only: accuracy, time per step, bubble and the boundaries' loss side by side."""
-    if not _any_uses(inputs.runs, "pp"):
-        return ""
-    return ("## Pipeline parallelism\n\n"
-            "Every setting, the runs with pipeline stages (`pp`) beside the others. " + _COMMON +
-            "For a pipeline the clock is its schedule's critical path: compute, TP traffic and boundary sends, "
-            "repairs included. `bubble`: the stages' idle share of the step. `PP per step`: what the boundary "
-            "sends add to a step (the schedule less the same schedule with free sends). `observed PP loss`: lost "
-            "/ sent packets on the boundaries' lossy traffic in training. \"–\": the setting has no stages.\n\n"
-            + to_markdown(pipeline_table(inputs.runs)))
-
-
-def section_experts(inputs: ReportInputs) -> str:
-    """Sweeps with expert parallelism only: accuracy, time per step and the all-to-alls' loss side by side,
-    and which setting lost the most."""
-    return _axis_section(inputs, "ep", "Expert parallelism", (
-        "Every setting, the runs with experts over ranks (`ep`) beside the others. " + _COMMON +
-        "`EP per step`: what the all-to-alls (dispatch and combine, both ways) add to a step. `observed EP "
-        "loss`: lost / sent packets on their lossy traffic in training. \"–\": the setting has ep 1."))
-
-
-def section_context(inputs: ReportInputs) -> str:
-    """Sweeps with context parallelism only: accuracy, time per step and the key/value exchanges' loss."""
-    return _axis_section(inputs, "cp", "Context parallelism", (
-        "Every setting, the runs with sequences split over context ranks (`cp`) beside the others. " + _COMMON +
-        "`CP per step`: what the key/value exchanges add to a step. `observed CP loss`: lost / sent packets on "
-        "their lossy traffic in training. \"–\": the setting has cp 1."))
-
-
-def _axis_section(inputs: ReportInputs, axis: str, title: str, text: str) -> str:
-    """A parallelism's section: ``text``, its ``axis_table`` and the setting that lost the most accuracy."""
-    if not _any_uses(inputs.runs, axis):
-        return ""
-    table = axis_table(inputs.runs, axis)
-    worst = most_fragile(table)
-    named = "" if worst is None else (
-        f"\n\nMost fragile: {worst['_setting']}: {worst['vs no loss, paired (pp)']} points against the loss-free "
-        f"runs of the same seeds, {worst['x no loss']}x their time per step.")
-    return f"## {title}\n\n{text}\n\n" + to_markdown(table.drop(columns=HIDDEN)) + named
+def axis_section(name: str):
+    """The report section of the axis ``name`` (its declaration's ``Section``, ``lossysim.axes``): sweeps that
+    use the axis only: its text, its ``axis_table`` and, where it says so, the setting that lost the most."""
+    def section(inputs: ReportInputs) -> str:
+        axis = axes.get(name)
+        spec = axis.section
+        if not _any_uses(inputs.runs, name):
+            return ""
+        table = axis_table(inputs.runs, name)
+        worst = most_fragile(table) if spec.fragile else None
+        named = "" if worst is None else (
+            f"\n\nMost fragile: {worst['_setting']}: {worst['vs no loss, paired (pp)']} points against the "
+            f"loss-free runs of the same seeds, {worst['x no loss']}x their time per step.")
+        return f"## {spec.title}\n\n{spec.lead}{_COMMON}{spec.text}\n\n" + to_markdown(table.drop(columns=HIDDEN)) \
+            + named
+    section.__name__ = f"section_{name}"
+    return section
 
 
 def _any_uses(runs: pd.DataFrame, axis: str) -> bool:
@@ -218,7 +195,12 @@ def section_plots(inputs: ReportInputs) -> str:
     return "## Plots\n\n" + "".join(f"- {PLOTS[p.name]}: ![{p.stem}]({p.name})\n" for p in inputs.plots)
 
 
-# The report's sections, in order, each a function of ReportInputs returning markdown.
-SECTIONS = [section_overview, section_problems, section_time_to_accuracy, section_pipeline, section_experts,
-            section_context, section_collectives,
+def sections() -> list:
+    """The report's sections, in order, each a function of ReportInputs returning markdown: every axis's
+    with a report section (``lossysim.axes``) after the time to accuracy."""
+    return [section_overview, section_problems, section_time_to_accuracy,
+            *(axis_section(a.name) for a in axes.AXES if a.section is not None), section_collectives,
             section_perplexity, section_damage_map, section_accuracy, section_settings, section_plots]
+
+
+SECTIONS = sections()   # (the built-in axes'; ``report`` reads ``sections()``, any declared axis's too)

@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 import pandas as pd
 import yaml
 
+from .. import axes
 from ..config import NON_SEMANTIC
 from ..traffic import KINDS as TRAFFIC_KINDS, parse_kinds as traffic_kinds
 from ..io import atomic_write_text, load_summary, read_jsonl, read_summary, run_status  # noqa: F401 (re-exported)
@@ -20,7 +21,7 @@ from ..loss import parse_loss_model
 from ..loss.spec import family
 from .stats import DEFAULT_TARGET, time_to_target
 
-# How a run ends (``run.record``): finished (any but failed) or failed; and what its summary.json always holds
+# How a run ends (``run.summary``): finished (any but failed) or failed; and what its summary.json always holds
 # then, by type. A summary without them (hand-edited, or half of one) is no run to report.
 FINISHED = ("completed", "diverged", "gave_up")
 STATUSES = (*FINISHED, "failed")
@@ -28,11 +29,8 @@ NEEDED = {"config": dict, "steps": int, "final": dict}
 # Always in summary.csv (the report groups by them); other config keys only when they vary.
 KEY_COLUMNS = ("loss", "lossy", "recovery", "tp_size", "pp_size", "seed", "model", "dataset", "backend")
 PIPELINE_KEYS = ("pp_schedule", "microbatches")
-# What summary.json's ``pipeline`` section adds to a row (runs with pp_size > 1 only).
-PIPELINE_COLUMNS = {"pp_bubble": "bubble", "pipeline_s_per_step": "pipeline_s_per_step",
-                    "pp_s_per_step": "pp_s_per_step", "observed_loss_rate_pp": "observed_loss_rate_pp"}
-# What summary.json's ``expert_parallel`` section adds (runs with ep_size > 1 only).
-EXPERT_COLUMNS = ("observed_loss_rate_ep", "ep_s_per_step")
+# What each axis's summary.json section adds to a row (runs that use the axis only) is the axis's
+# declaration's ``columns`` (``lossysim.axes``).
 
 
 def _number(value: Any) -> float:
@@ -116,15 +114,13 @@ def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
         sent, lost = data_parallel.get("packets_sent_dp") or 0, data_parallel.get("packets_lost_dp") or 0
     pipeline = summary.get("pipeline")
     pp_dirs = tuple(d for d in ("fwd", "bwd") if {"fwd": "pp_forward", "bwd": "pp_backward"}[d] in kinds)
-    for d in pp_dirs if pipeline else ():   # the stage boundaries' activations and their gradients
-        sent += pipeline.get(f"packets_sent_pp_{d}") or 0
-        lost += pipeline.get(f"packets_lost_pp_{d}") or 0
-    experts = summary.get("expert_parallel")   # (its traffic is in summary.json's ``traffic``, below)
-    context = summary.get("context_parallel")
-    for d in ("fwd", "bwd") if context else ():   # the context groups' keys and values and their gradients
-        if {"fwd": "cp_forward", "bwd": "cp_backward"}[d] in kinds:
-            sent += context.get(f"packets_sent_cp_{d}") or 0
-            lost += context.get(f"packets_lost_cp_{d}") or 0
+    for axis in axes.AXES:   # (a run before summary.json's ``traffic``) each axis's classes' lossy directions
+        section = summary.get(axis.summary) if axis.summary and axis.name != "dp" else None
+        for cls in axis.classes if isinstance(section, dict) else ():
+            for d in cls.directions:
+                if d.key in kinds:
+                    sent += section.get(f"packets_sent_{cls.name}_{d.direction}") or 0
+                    lost += section.get(f"packets_lost_{cls.name}_{d.direction}") or 0
     for entry in (summary.get("packets") or {}).get("train") or []:
         d = entry.get("direction")
         for name in ("configured_loss_rate", "observed_loss_rate",
@@ -163,19 +159,11 @@ def summary_row(run_dir: Path, summary: dict, results: Path) -> dict:
     row["disagreement"] = _number(disagreement.get("final_eval"))
     row["disagreement_train"] = _number(disagreement.get("mean_train"))
     row["hidden_rel_diff"] = _number(disagreement.get("final_eval_hidden_rel_diff"))
-    if data_parallel:  # only runs with dp_size > 1 have these columns
-        row["replicas"] = data_parallel.get("dp_size")
-        row["drift"] = _number(data_parallel.get("drift_final"))
-        row["drift_max"] = _number(data_parallel.get("drift_max"))
-        row["observed_loss_rate_dp"] = _number(data_parallel.get("observed_loss_rate_dp"))
-        row["dp_s_per_step"] = _number(data_parallel.get("dp_s_per_step"))
-    if context:  # only runs with cp_size > 1 have these columns
-        row["observed_loss_rate_cp"] = _number(context.get("observed_loss_rate_cp"))
-        row["cp_s_per_step"] = _number(context.get("cp_s_per_step"))
-    if pipeline:  # only runs with pp_size > 1 have these columns
-        row.update({column: _number(pipeline.get(key)) for column, key in PIPELINE_COLUMNS.items()})
-    if experts:   # only runs with ep_size > 1
-        row.update({column: _number(experts.get(column)) for column in EXPERT_COLUMNS})
+    for axis in axes.AXES:   # only runs that use an axis have its columns
+        section = summary.get(axis.summary) if axis.summary else None
+        if section:
+            row.update({c.name: _number(section.get(c.key)) if c.number else section.get(c.key)
+                        for c in axis.columns})
     return row
 
 

@@ -10,6 +10,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
+from .. import axes
 from ..loss.spec import FAMILIES
 from .compare import reached_target, settings
 from .labels import CONFIG_DEFAULTS, LOSS_MODEL, LOSS_RATE, NO_LOSS, NOT_APPLICABLE, time_unit
@@ -265,12 +266,12 @@ class AxisTable:
 
 # An ``axis_table``'s columns for ``most_fragile``, not shown.
 HIDDEN = ["_paired", "_setting"]
-# The parallelisms whose traffic a sweep may single out, each its own report table (``axis_table``).
-AXIS_TABLES = {
-    "pp": AxisTable("pp_size", "PP", {"bubble (%)": ("pp_bubble", 100)}),
-    "ep": AxisTable("ep_size", "EP"),
-    "cp": AxisTable("cp_size", "CP"),
-}
+
+
+def axis_tables() -> dict[str, AxisTable]:
+    """The parallelisms whose traffic a sweep may single out, each its own report table (``axis_table``):
+    every axis with a report section (``lossysim.axes``)."""
+    return {a.name: AxisTable(a.size, a.label, a.section.extra) for a in axes.AXES if a.section is not None}
 
 
 def axis_table(runs: pd.DataFrame, axis: str = "pp") -> pd.DataFrame:
@@ -279,7 +280,7 @@ def axis_table(runs: pd.DataFrame, axis: str = "pp") -> pd.DataFrame:
     timed like it, the axis's own figures (the pipeline's idle share), what its traffic adds to a step
     (``{axis}_s_per_step``) and the observed loss on its lossy traffic; "–" where a run does not use the
     axis (size 1)."""
-    spec = AXIS_TABLES[axis]
+    spec = axis_tables()[axis]
     runs = add_series(runs)
     runs = runs.assign(step_s=runs["sim_time_s"] / pd.to_numeric(runs["steps_done"], errors="coerce"))
     columns = setting_columns(runs)
@@ -324,7 +325,7 @@ def most_fragile(table: pd.DataFrame) -> Optional[pd.Series]:
 
 def _named(name: str, value) -> str:
     """A setting's column and value for a sentence ("transport drop"), the value alone where it names
-    itself ("cp_size=2")."""
+    itself ("pp_size=2")."""
     return str(value) if str(value).startswith(name) else f"{name} {value}"
 
 
@@ -332,7 +333,7 @@ def uses_axis(row, axis: str) -> bool:
     """Whether a run (or a setting's first run) uses a parallelism: its size above 1, or, where summary.csv
     left the size out (every run of the sweep shares it), its time per step recorded (runs with the axis
     only)."""
-    size = pd.to_numeric(row.get(AXIS_TABLES[axis].size), errors="coerce")
+    size = pd.to_numeric(row.get(axes.get(axis).size), errors="coerce")
     if pd.notna(size):
         return bool(size > 1)
     return bool(pd.notna(pd.to_numeric(row.get(f"{axis}_s_per_step"), errors="coerce")))

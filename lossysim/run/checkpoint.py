@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .. import axes
 from ..config import NON_SEMANTIC, ExperimentConfig, upgrade
 from ..io import atomic_write_json
 from ..pp.stages import stage_layout
@@ -143,13 +144,10 @@ def save_training(run_dir: Path, parts: "Parts", state: TrainState, window: Wind
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         "train_net": parts.train_net.state_dict(), "eval_net": parts.eval_net.state_dict(),
     }
-    if parts.dp.dp_size > 1:
-        contents["dp"] = parts.dp.state_dict()
-    if parts.pipeline is not None:
-        contents["pp"] = {**parts.pipeline.state_dict(),
-                          "replicated_rng": [g.rng_state() for g in parts.model.groups[1:]]}
-    if parts.ep is not None:
-        contents["ep"] = parts.ep.state_dict()
+    for axis, hooks in _saving(parts):   # each axis's own state, under its name (cp's rides in the model's)
+        saved = hooks.save(parts)
+        if saved is not None:
+            contents[axis.name] = saved
     return save(run_dir, state.step, contents, rank=rank, world=_world(config), keep=config.keep_checkpoints,
                 barrier=barrier)
 
@@ -177,17 +175,22 @@ def resume(run_dir: Path, parts: "Parts", window: Window, config: ExperimentConf
     parts.model.group.load_rng_state(saved["rng"]["replicated"])
     parts.train_net.load_state_dict(saved["train_net"])
     parts.eval_net.load_state_dict(saved["eval_net"])
-    if parts.dp.dp_size > 1:
-        parts.dp.load_state_dict(saved["dp"])
-    if parts.pipeline is not None:
-        parts.pipeline.load_state_dict(saved["pp"])
-        for group, rng in zip(parts.model.groups[1:], saved["pp"]["replicated_rng"], strict=True):
-            group.load_rng_state(rng)
-    if parts.ep is not None:
-        parts.ep.load_state_dict(saved["ep"])
+    for axis, hooks in _saving(parts):
+        if axis.name in saved:   # (the same experiment: what it saved then, it would save now)
+            hooks.load(parts, saved[axis.name])
     state = TrainState.from_dict(saved["progress"])
     log.info("resumed from %s at step %d", found[0], state.step)
     return state
+
+
+def _saving(parts: "Parts") -> list:
+    """The axes whose part this run holds and whose ``record`` module saves state (``save``, ``load``)."""
+    out = []
+    for axis in axes.AXES:
+        hooks = axis.hooks() if axis.part and getattr(parts, axis.part, None) is not None else None
+        if hooks is not None and hasattr(hooks, "save"):
+            out.append((axis, hooks))
+    return out
 
 
 def check_same_experiment(written: dict, config: ExperimentConfig, where, layers: Optional[int] = None) -> None:

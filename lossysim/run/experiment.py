@@ -3,7 +3,7 @@
 ``run_experiment(config, run_dir)`` is the whole job; ``lossysim train`` is its command line.
 A run builds what it trains with (``build``), then loops: a training step (``step``), a metrics
 row, evaluations (``evaluate``), a checkpoint now and then (``checkpoint``). What it writes
-(``record``) is described in docs/run_directory.md.
+(``metrics``, ``summary``) is described in docs/run_directory.md.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ..config import (BACKENDS, CP_MODES, DP_MODES, PP_SCHEDULES, ExperimentConfig, coerce, load_config,
-                      parse_overrides, save_yaml)
+from .. import axes
+from ..config import BACKENDS, ExperimentConfig, coerce, load_config, parse_overrides, save_yaml
 from ..data import EVAL_SPLITS, MNLI, SYNTHETIC, train_batches
 from ..data.pydoc_text import PYDOC
 from ..io import atomic_write_json, atomic_write_text, check_writable, nearest_existing, read_summary, run_status
@@ -35,7 +35,10 @@ from ..net.spec import LOSSY
 from ..net.transport import TRANSPORTS
 from ..timing import NIC_PRESETS
 from ..util import one_of
-from . import checkpoint, record, tracking
+from . import checkpoint, tracking
+from .clock import clock_mark
+from .metrics import Metrics, cut_metrics, eval_row, train_row
+from .summary import collectives, failure, sections, summary as run_summary, traffic_summary
 from .build import Parts, build
 from .evaluate import evaluate
 from .runtime import device as _device, init_distributed
@@ -45,21 +48,9 @@ from .step import train_step
 log = logging.getLogger(__name__)
 
 # CLI flags for the common settings; everything else goes through --set key=value. Every list of
-# values is written from the tuple that defines it (tests/test_cli_help.py holds them to it).
-FLAGS = {
-    "--loss": ("loss", "loss model spec, e.g. bernoulli:0.01 or ge:rate=0.01,burst=8"),
-    "--tp-size": ("tp_size", "tensor-parallel degree"),
-    "--dp-size": ("dp_size", "data-parallel replicas of the tensor-parallel group (world = tp x dp)"),
-    "--dp-mode": ("dp_mode", f"{one_of(DP_MODES)} (ddp: replicas hold whole parameters; fsdp: ZeRO-3, "
-                             "parameters sharded and gathered)"),
-    "--pp-size": ("pp_size", "pipeline stages: the blocks cut into this many (world = tp x pp x dp)"),
-    "--ep-size": ("ep_size", "expert parallelism: an MoE's experts over this many data-parallel replicas "
-                             "(divides dp)"),
-    "--cp-size": ("cp_size", "context-parallel ranks: every sequence cut into 2 x cp chunks (world = tp x cp x pp x dp)"),
-    "--cp-mode": ("cp_mode", f"how context ranks get each other's keys and values: {one_of(CP_MODES)}"),
-    "--pp-schedule": ("pp_schedule", f"how a step's micro-batches run through the stages: {one_of(PP_SCHEDULES)}"),
-    "--pp-layout": ("pp_layout", "blocks per stage, e.g. 1,3 (default: an even split)"),
-    "--microbatches": ("microbatches", "micro-batches per step (default: pp_size): gradients accumulate over them"),
+# values is written from the tuple that defines it (tests/test_cli_help.py holds them to it). Each axis's
+# flags come from its declaration (``lossysim.axes``), after --loss.
+_FLAGS = {
     "--backend": ("backend", f"{one_of(BACKENDS)} (sim: all ranks in one process; dist: torchrun)"),
     "--lossy": ("lossy", f"which traffic is lossy: {one_of(LOSSY)}"),
     "--recovery": ("recovery", f"what a receiver makes of a lost packet: {one_of(RECOVERY_POLICIES)}"),
@@ -77,11 +68,17 @@ FLAGS = {
 }
 
 
+def flags() -> dict:
+    """Every ``lossysim train`` flag: flag -> (config key, help)."""
+    declared = {s.flag: (s.field, s.help) for s in axes.settings() if s.flag}
+    return {"--loss": ("loss", "loss model spec, e.g. bernoulli:0.01 or ge:rate=0.01,burst=8"), **declared, **_FLAGS}
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--config", help="experiment YAML (see experiments/)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override any config key (repeatable)")
-    for flag, (key, help_text) in FLAGS.items():
+    for flag, (key, help_text) in flags().items():
         parser.add_argument(flag, dest=key, help=help_text)
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint in --out (see checkpoint_every)")
@@ -92,8 +89,8 @@ def run(args) -> int:
     overrides = {}
     for pair in args.set:   # each checked: a bad value is refused even where a later --set or a flag replaces it
         overrides.update(coerce(parse_overrides([pair])))
-    overrides.update({key: getattr(args, key) for _, (key, _) in FLAGS.items()
-                      if getattr(args, key) is not None})
+    overrides.update({key: getattr(args, key) for _, (key, _) in flags().items()
+                      if getattr(args, key, None) is not None})
     config = load_config(args.config, overrides)
     summary = run_experiment(config, config.out, progress=not args.no_progress, resume=args.resume)
     if summary["status"] != "completed":
@@ -153,7 +150,7 @@ def _setup(config: ExperimentConfig, run_dir: Path, resume: bool):
         _check_finished(runtime, parts)
     if runtime.is_main:
         _check_free_space(run_dir, parts.model, config)
-    state = TrainState(last_row=record.clock_mark(0, 0.0, parts.train_net, parts.pipeline))
+    state = TrainState(last_row=clock_mark(0, 0.0, parts.train_net, parts.pipeline))
     window = Window(runtime.device)
     if resume:
         state = checkpoint.resume(run_dir, parts, window, config, runtime.rank, runtime.device) or state
@@ -186,7 +183,7 @@ def _record_failure(rt: _Runtime, err: Exception, started: float) -> dict:
     if config.backend == "dist" and isinstance(err, (RuntimeError, getattr(dist, "DistError", RuntimeError))):
         err = RuntimeError(f"a peer rank failed or stopped responding (timeout_s={config.timeout_s:g}): "
                            f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}")
-    summary = record.failure(config, err, started)
+    summary = failure(config, err, started)
     log.debug("run failed", exc_info=True)
     if rt.is_main:
         with contextlib.suppress(OSError):
@@ -199,7 +196,7 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
            started: float) -> dict:
     """Train to ``config.steps``, logging, evaluating and checkpointing on the way."""
     config = rt.config
-    metrics = record.Metrics(rt.run_dir, config, rt.is_main, resume_step=state.step)
+    metrics = Metrics(rt.run_dir, config, rt.is_main, resume_step=state.step)
     status, diverged_at = "completed", None
     batches = train_batches(parts.data, config.batch_size, config.seed, start_step=state.step)
     bar = tqdm(total=config.steps, initial=state.step, desc=config.name, position=position,
@@ -213,14 +210,8 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
             if step % config.log_every == 0 or step == config.steps:
                 averages = window.flush(parts.model.group)
                 disagreement = parts.model.disagreement()
-                row = record.train_row(step, started, averages, state, parts.train_net,
-                                       parts.scheduler.get_last_lr()[0], disagreement, config, parts.pipeline)
-                if parts.dp.dp_size > 1:
-                    row.update(record.dp_row(parts.dp, state))
-                if config.ep_size > 1:
-                    row.update(record.ep_traffic(parts.ep))
-                if parts.context is not None:
-                    row.update(record.cp_traffic(parts.context.train_networks.cp))
+                row = train_row(step, started, averages, state, parts, parts.scheduler.get_last_lr()[0],
+                                disagreement, config)
                 state.train_disagreement.append(row["disagreement"])
                 metrics.write(row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}",
@@ -234,12 +225,7 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
             if step % config.eval_every == 0 or step == config.steps:
                 for split in parts.data.eval_splits:
                     scores = evaluate(parts, split, config, rt.device)
-                    row = record.eval_row(step, split, started, scores, state, parts.train_net, parts.eval_net,
-                                          config, parts.pipeline)
-                    if parts.dp.dp_size > 1:  # replica 0 is evaluated; how far the others are from it
-                        row["drift"] = parts.dp.drift()
-                    if parts.context is not None:
-                        row.update(record.cp_traffic(parts.context.eval_networks.cp))
+                    row = eval_row(step, split, started, scores, state, parts, config)
                     metrics.write(row)
                     # time to accuracy is measured on the first (primary) split
                     state.record_evaluation(row, config.target_accuracy if split == EVAL_SPLITS[0] else None)
@@ -262,18 +248,11 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
 
     if status == "completed" and config.save_checkpoint:
         checkpoint.export_model(parts, rt.run_dir, rt.is_main)
-    summary = record.summary(status, diverged_at, config, parts.data.name, state, parts.train_net,
-                             parts.eval_net, started, parts.pipeline)
-    if parts.dp.dp_size > 1:
-        summary["data_parallel"] = record.dp_summary(parts.dp, config, state)
-    if parts.pipeline is not None:
-        summary["pipeline"] = record.pp_summary(parts.pipeline, config, state)
-    if config.ep_size > 1:
-        summary["expert_parallel"] = record.ep_summary(parts.ep, config, state)
-    if parts.context is not None:
-        summary["context_parallel"] = record.cp_summary(parts.context, config, state)
-    summary["traffic"] = record.traffic_summary(parts.train_net, parts.pipeline, parts.dp, parts.ep, parts.context)
-    summary["collectives"] = record.collectives(parts.train_net, parts.pipeline, parts.dp, parts.context)
+    summary = run_summary(status, diverged_at, config, parts.data.name, state, parts.train_net,
+                          parts.eval_net, started, parts.pipeline)
+    summary.update(sections(parts, config, state))   # every used axis's (lossysim.axes)
+    summary["traffic"] = traffic_summary(parts, config)
+    summary["collectives"] = collectives(parts, config)
     if rt.is_main:
         atomic_write_json(rt.run_dir / "summary.json", summary)
     return summary
@@ -364,7 +343,7 @@ def _claim(rt: _Runtime, state: TrainState) -> None:
                 shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
             save_yaml(rt.config, run_dir / "config.yaml")
             if rt.resume:
-                record.cut_metrics(run_dir, state.step or None)
+                cut_metrics(run_dir, state.step or None)
         except OSError as err:
             raise ValueError(f"--out {run_dir} is not writable: {err.strerror or err}") from None
     rt.barrier()   # dist: no rank writes (a checkpoint) into the folder before rank 0 has taken it over

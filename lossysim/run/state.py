@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from .. import axes
+
 
 @dataclass
 class TrainState:
@@ -26,31 +28,37 @@ class TrainState:
     last_row: dict = field(default_factory=dict)  # the clock at the last train row (per-step rates)
     failures: int = 0                            # collectives the transport gave up on, charged so far
     restart_s: float = 0.0                       # simulated seconds their restarts cost
-    dp_s: float = 0.0                            # data parallelism: seconds the buckets (and syncs) add
-    drift: list = field(default_factory=list)    # data parallelism: every train row's replica drift
-    pipeline_s: float = 0.0                      # pipeline stages: the steps' schedule times, summed
-    pipeline_s_ideal_nic: float = 0.0            # ... the same steps' under the ideal nic
-    pp_s: float = 0.0                            # ... what the boundary sends added to them
-    pp_busy_s: float = 0.0                       # ... the stages' busy seconds (compute and TP traffic)
-    ep_s: float = 0.0                            # expert parallelism: replica 0's all-to-alls' seconds
-    ep_s_ideal_nic: float = 0.0                  # ... under the ideal nic
-    cp_s: float = 0.0                            # context parallelism: what its exchanges add beside attention
-    cp_s_ideal_nic: float = 0.0                  # ... the same under the ideal nic
+    # every axis's counters (``lossysim.axes``: dp_s, drift, pipeline_s, ...), read and written as
+    # attributes (``state.dp_s``)
+    counters: dict = field(default_factory=lambda: {c.name: c.fresh() for c in axes.counters()})
+
+    def __getattr__(self, name: str):
+        counters = self.__dict__.get("counters")
+        if counters is not None and name in counters:
+            return counters[name]
+        raise AttributeError(f"{type(self).__name__!r} has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value) -> None:
+        counters = self.__dict__.get("counters")
+        if counters is not None and name in counters:
+            counters[name] = value
+        else:
+            super().__setattr__(name, value)
 
     def state_dict(self) -> dict:
         saved = dataclasses.asdict(self)  # a deep copy: later steps must not change a saved checkpoint
-        # Data, pipeline, expert and context parallelism's counters only when used: other runs' checkpoints
-        # keep the keys they always had.
-        for key, unused in (("dp_s", 0.0), ("drift", []), ("pipeline_s", 0.0), ("pipeline_s_ideal_nic", 0.0),
-                            ("pp_s", 0.0), ("pp_busy_s", 0.0), ("ep_s", 0.0), ("ep_s_ideal_nic", 0.0),
-                            ("cp_s", 0.0), ("cp_s_ideal_nic", 0.0)):
-            if saved[key] == unused:
-                del saved[key]
+        counters = saved.pop("counters")
+        # An axis's counters only when used: other runs' checkpoints keep the keys they always had.
+        fresh = {c.name: c.fresh() for c in axes.counters()}
+        saved.update({name: value for name, value in counters.items() if value != fresh.get(name)})
         return saved
 
     @classmethod
     def from_dict(cls, saved: dict) -> "TrainState":
-        return cls(**saved)
+        names = {c.name for c in axes.counters()}
+        state = cls(**{k: v for k, v in saved.items() if k not in names})
+        state.counters.update({k: v for k, v in saved.items() if k in names})
+        return state
 
     def record_evaluation(self, row: dict, target_accuracy: Optional[float] = None) -> None:
         """Keep an evaluation row as its split's final one, and as its best if it is; ``target_accuracy``

@@ -1,0 +1,34 @@
+"""What a run records of its context parallelism (``lossysim.cp.axis`` names this module): the key/value
+exchanges' packets in the metrics rows, summary.json's ``context_parallel``, their traffic and collectives.
+Its saved state is the model's own (``ContextParallel``'s networks ride in the checkpoint's model)."""
+from __future__ import annotations
+
+from ..net.stats import class_row
+
+
+def train_row(context, state) -> dict:
+    """The context groups' packets: keys and values (``cp_fwd``) and their gradients (``cp_bwd``) sent and
+    lost so far, and the loss rate over their lossy directions (``observed_loss_rate_cp``)."""
+    return class_row("cp", context.train_networks.cp)
+
+
+def eval_row(context) -> dict:
+    return class_row("cp", context.eval_networks.cp)
+
+
+def summary(context, config, state) -> dict:
+    """summary.json's ``context_parallel``: the layout, what the exchanges added per step, and every
+    context group's traffic per direction and link class."""
+    return {"cp_size": config.cp_size, "cp_mode": config.cp_mode, "cp_s_per_step": state.cp_s / max(state.step, 1),
+            **class_row("cp", context.train_networks.cp),
+            "packets_by_group": [n.summary(by=("direction", "link_class")) for n in context.train_networks.cp]}
+
+
+def traffic(context) -> dict:
+    networks = context.train_networks.cp
+    return {"cp": (networks, [n.summary() for n in networks])}
+
+
+def collectives(context) -> dict:
+    """``cp.tp{t}``: TP position t's context group."""
+    return {"cp": [(f"cp.tp{t}", n) for t, n in zip(context.tp_positions, context.train_networks.cp)]}

@@ -1,0 +1,21 @@
+"""Expert parallelism declared once (``lossysim.axes``): its size and flags, its all-to-alls' traffic, its
+counters, summary.json's ``expert_parallel``, the columns summary.csv reads off it and its report section."""
+from ..axes import Axis, Column, Counter, EstimateFlag, Section, Setting
+
+AXIS = Axis(
+    "ep", "EP", size="ep_size", mesh="ep",
+    settings=(Setting("ep_size", int, 1, "expert parallelism: an MoE's experts over this many data-parallel replicas "
+                                         "(divides dp)",
+                      flag="--ep-size", minimum=1, identity_at_default=False,
+                      estimate=EstimateFlag("expert parallelism: a mixture of experts' experts over this many of the "
+                                            "data-parallel ranks (divides dp size; default 1)", default=1)),),
+    traffic=("ep_dispatch", "ep_combine"),
+    counters=(Counter("ep_s", 0.0, "replica 0's all-to-alls' seconds", per_step="ep_s_per_step"),
+              Counter("ep_s_ideal_nic", 0.0, "... under the ideal nic")),
+    summary="expert_parallel",
+    columns=(Column("observed_loss_rate_ep", "observed_loss_rate_ep"), Column("ep_s_per_step", "ep_s_per_step")),
+    section=Section(
+        "Expert parallelism", "Every setting, the runs with experts over ranks (`ep`) beside the others. ",
+        "`EP per step`: what the all-to-alls (dispatch and combine, both ways) add to a step. `observed EP "
+        "loss`: lost / sent packets on their lossy traffic in training. \"–\": the setting has ep 1."),
+    part="ep", record="lossysim.ep.record")
