@@ -98,7 +98,7 @@ def test_a_stage_s_all_to_alls_are_inside_its_schedule(tmp_path):
     """With stages the all-to-alls sit in their stage's forward and backward: replica 0's stages are busy
     longer than with ep 1 (the same compute, no TP traffic) by exactly its all-to-alls' seconds, and the
     clock does not add them beside the schedule's step a second time."""
-    from lossysim.run import record
+    from lossysim.run import clock as record
     settings = dict(dp_size=2, pp_size=2, ranks_per_node=1)
     _, alone, _ = train_steps(moe(tmp_path / "ep1", **settings), 2)
     config = moe(tmp_path / "ep2", **settings, ep_size=2)

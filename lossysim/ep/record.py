@@ -33,11 +33,14 @@ def traffic(ep) -> dict:
 
 def collectives(ep) -> dict:
     """``ep_dispatch.tp{t}``, ``ep_combine.tp{t}``: replica 0's all-to-alls, TP position t's group (this
-    process's alone on ``dist``)."""
+    process's alone on ``dist``); with pipeline stages each stage's, ``ep_dispatch.stage{s}.tp{t}``."""
     out: dict = {}
-    for t, group in enumerate(ep.replica_groups[0] if ep.replica_groups else []):
-        for name, network in group.train.items():
-            out.setdefault(name, []).append((f"{name}.tp{t}", network))
+    stages = ep.replica_groups[0] if ep.replica_groups else {}
+    for stage, groups in sorted(stages.items()):
+        where = f".stage{stage}" if len(stages) > 1 else ""
+        for t, group in enumerate(groups):
+            for name, network in group.train.items():
+                out.setdefault(name, []).append((f"{name}{where}.tp{t}", network))
     return out
 
 
