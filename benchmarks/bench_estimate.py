@@ -7,13 +7,23 @@
 2. The same step under Gilbert-Elliott loss at the same mean rate (bursts of 4). Target: <= 3x the
    Bernoulli step.
 3. ``--405b``: one step of Llama 3 405B's published layout (tp 8 x pp 16 x dp 128 = 16,384 GPUs, seq
-   8192, global batch 2048, stages of 7, 8 x 14, 7 blocks). Goal: under 5 minutes.
+   8192, global batch 2048, stages of 7, 8 x 14, 7 blocks), ``irn``. Target (issue 52): <= 20 s on one
+   core with start-up (``import lossysim.estimate``, printed first).
+4. ``--deepseek``: one step of DeepSeek-V3's published layout (README), 1% loss on the expert all-to-alls,
+   ``irn``. Target: <= 20 s on one core with start-up.
+5. ``--tcp``: the TCP row's time over the IRN row's, each timed in this process side by side (irn, then
+   tcp): the 70B step of 1. (the README's DDP layout, ring), and with ``--405b`` / ``--deepseek`` theirs
+   too (the 405B tcp row took 26 minutes of CPU before issue 52: run it once, if at all). Target <= 3x.
 
-    python benchmarks/bench_estimate.py [--steps 1] [--skip-bursty] [--405b]
+Torch runs one intra-op thread (``--threads``, default 1): the targets are one core's, and a shared
+machine's spare threads only spin.
+
+    python benchmarks/bench_estimate.py [--steps 1] [--skip-bursty] [--405b] [--deepseek] [--tcp] [--threads 1]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import sys
 import time
@@ -22,7 +32,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_start = time.perf_counter()
 from lossysim.estimate import Workload, estimate, job_config, load  # noqa: E402
+STARTUP = time.perf_counter() - _start   # torch itself was imported above: lossysim's own start-up
 
 CHUNK = 1 << 24   # fates drawn at a time by the baseline: 16M floats, 64 MB
 NETWORK = dict(tp_size=8, transport="retransmit", nic="irn", ranks_per_node=8, nics_per_node=8,
@@ -42,10 +54,35 @@ def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def timed(shape, loss: str, layout: dict, workload: Workload, steps: int) -> tuple[float, dict]:
+def timed(shape, loss: str, layout: dict, workload: Workload, steps: int, nic: str = "irn") -> tuple[float, dict]:
     start = time.perf_counter()
-    row = estimate(shape, job_config(shape.name, loss=loss, **layout, **NETWORK), workload, steps=steps)
+    row = estimate(shape, job_config(shape.name, loss=loss, **layout, **{**NETWORK, "nic": nic}), workload,
+                   steps=steps)
     return (time.perf_counter() - start) / steps, row
+
+
+def deepseek(nic: str) -> tuple[float, dict]:
+    """One step of DeepSeek-V3's published layout (the README's command), ``nic`` repairing."""
+    shape = load("deepseek-v3")
+    config = job_config("deepseek-v3", micro_batch=1, global_batch=15360, tp_size=1, pp_size=16, dp_size=128,
+                        ep_size=64, ranks_per_node=8, pp_layout="3," + "4," * 13 + "3,3", link_inter="ib-ndr400",
+                        loss="bernoulli:0.01", transport="retransmit", nic=nic, algorithm="ring",
+                        lossy_traffic="ep_dispatch,ep_combine,ep_dispatch_backward,ep_combine_backward")
+    start = time.perf_counter()
+    row = estimate(shape, config, Workload(seq=4096), steps=1)
+    return time.perf_counter() - start, row
+
+
+def big(nic: str) -> tuple[float, dict]:
+    """One step of Llama 3 405B's published layout, ``nic`` repairing."""
+    layout = dict(pp_size=16, dp_size=128, global_batch=2048, pp_layout=",".join(["7"] + ["8"] * 14 + ["7"]),
+                  algorithm="ring")
+    return timed(load("llama-3.1-405b"), "bernoulli:0.01", layout, Workload(seq=8192), 1, nic)
+
+
+def ratio_line(name: str, irn: float, tcp: float) -> None:
+    print(f"TARGET {name} tcp row / irn row: {tcp:.1f} s / {irn:.1f} s = {tcp / irn:.2f}x "
+          f"(<= 3x: {'met' if tcp <= 3 * irn else 'NOT met'})")
 
 
 def main() -> int:
@@ -53,9 +90,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--skip-bursty", action="store_true")
     parser.add_argument("--405b", dest="big", action="store_true", help="also Llama 3 405B's layout")
+    parser.add_argument("--deepseek", action="store_true", help="also DeepSeek-V3's layout")
+    parser.add_argument("--tcp", action="store_true", help="the tcp rows over the irn rows")
+    parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads (default 1)")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; peak memory after imports "
-          f"{peak_mb():.0f} MB")
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; start-up (import lossysim.estimate) "
+          f"{STARTUP:.1f} s; peak memory after imports {peak_mb():.0f} MB; load {os.getloadavg()[0]:.1f}")
 
     shape = load("llama-3.1-70b")
     layout, workload = dict(pp_size=4, dp_size=8, microbatches=16), Workload(seq=4096)
@@ -79,13 +120,22 @@ def main() -> int:
         print(f"TARGET bursty (Gilbert-Elliott, 1%, bursts of 4): {bursty:.1f} s/step = {bursty / seconds:.2f}x "
               f"Bernoulli (<= 3x: {'met' if bursty <= 3 * seconds else 'NOT met'}); slowdown {row['slowdown']:.4f}")
 
-    if args.big:
-        big = load("llama-3.1-405b")
-        layout = dict(pp_size=16, dp_size=128, global_batch=2048, pp_layout=",".join(["7"] + ["8"] * 14 + ["7"]))
-        seconds, row = timed(big, "bernoulli:0.01", layout, Workload(seq=8192), 1)
-        print(f"GOAL 405B {row['layout']}: {seconds:.0f} s for one step (< 300 s: "
-              f"{'met' if seconds < 300 else 'NOT met'}); {row['packets_drawn']:.3g} fates drawn, slowdown "
-              f"{row['slowdown']:.4f}")
+    if args.tcp:
+        ddp = dict(layout, algorithm="ring")
+        irn, _ = timed(shape, "bernoulli:0.01", ddp, workload, args.steps, "irn")
+        tcp, row = timed(shape, "bernoulli:0.01", ddp, workload, args.steps, "tcp")
+        ratio_line(f"70B DDP ({row['layout']}, 1%)", irn, tcp)
+
+    for wanted, name, run in ((args.big, "405B", big), (args.deepseek, "DeepSeek-V3", deepseek)):
+        if not wanted:
+            continue
+        irn, row = run("irn")
+        print(f"TARGET {name} {row['layout']} irn, one step: {irn:.1f} s + start-up {STARTUP:.1f} s = "
+              f"{irn + STARTUP:.1f} s (<= 20 s: {'met' if irn + STARTUP <= 20 else 'NOT met'}); "
+              f"{row['packets_drawn']:.3g} fates drawn, slowdown {row['slowdown']:.4f}")
+        if args.tcp:
+            tcp, row = run("tcp")
+            ratio_line(f"{name} (1%)", irn, tcp)
     print(f"peak memory {peak_mb():.0f} MB")
     return 0
 

@@ -471,3 +471,88 @@ def test_a_4_mib_send_is_charged_what_an_event_level_rack_tlp_charges(name, p):
 # Split draws per case for the ratio (seed 41: the benchmark's first draws).
 DRAWS = {("tcp-bbr", 0.001): 10, ("tcp-bbr", 0.01): 20, ("tcp-bbr", 0.05): 60,
          ("tcp", 0.001): 10, ("tcp", 0.01): 20, ("tcp", 0.05): 150}
+
+
+# -- carry's inline arithmetic against the flow's own methods ------------------------------------------
+def _carry_by_flow(kind, state, packets, lost, tau, rtt, reveal=3):
+    """``carry``'s loop written on ``Flow``'s methods alone (plan, advance, lose, window): what its inline
+    arithmetic must reproduce to the last bit."""
+    flow = Flow(kind, state, tau, rtt)
+    positions = np.asarray(lost, dtype=np.int64)
+    after = (congestion.behind(positions, packets, 1), congestion.behind(positions, packets, reveal))
+    found = np.full((2, len(positions)), np.nan)
+    sends = sorted([(int(x), 0, k) for k, x in enumerate(positions.tolist())] +
+                   [(int(x), 1 + j, k) for j in (0, 1) for k, x in enumerate(after[j].tolist()) if x < packets])
+    returns, now, at, starter, cut_at = deque(), 0.0, 0.0, None, None
+    for position, what, k in sends + [(packets, -1, -1)]:
+        seconds, epoch = flow.plan(position - at)
+        while returns and returns[0][0] <= now + seconds:
+            back, j, i = returns.popleft()
+            at += flow.advance(back - now)
+            now, found[j, i] = back, at
+            if j == 1 and i == starter and cut_at is None:
+                flow.lose()
+                cut_at, starter = at, None
+            seconds, epoch = flow.plan(position - at)
+        now, at, flow.epoch = now + seconds, float(position), epoch
+        if what == -1:
+            break
+        if what == 0 and starter is None and (cut_at is None or position >= cut_at):
+            starter, cut_at = k, None
+        elif what:
+            returns.append((now + rtt, what - 1, k))
+    end, last = now, flow.window()
+    for back, j, i in returns:
+        found[j, i] = packets + (back - end) / rtt * last
+        if j == 1 and i == starter and cut_at is None:
+            flow.lose()
+            cut_at, starter = found[j, i], None
+    flow.epoch = max(flow.epoch, 0.0)
+    found[np.isnan(found)] = packets + last
+    return end - packets * tau, flow.state, last, found[0], found[1]
+
+
+@pytest.mark.parametrize("kind", ["cubic", "reno"])
+def test_carry_is_the_flows_own_arithmetic_to_the_bit(kind):
+    """Messages carried one after another on round trips from 1 us (the Reno-friendly line) to 100 ms (the
+    cubic curve, a pipe of 30,000 packets), losses from 0.1% to 20% and in runs: every figure ``carry``
+    returns is the flow's methods' to the last bit, so a speed-up of its loop never moves a printed digit."""
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        rtt = 10 ** rng.uniform(-6, -1)
+        tau = rtt / 10 ** rng.uniform(0.5, 4.5)
+        ours = theirs = FRESH
+        for _ in range(4):
+            packets = int(10 ** rng.uniform(1, 3.5))
+            lost = np.flatnonzero(rng.random(packets) < 10 ** rng.uniform(-3, -0.7))
+            if trial % 4 == 0:                                  # runs of losses
+                lost = np.unique(np.minimum(np.concatenate([lost, lost + 1, lost + 2]), packets - 1))
+            reveal = int(rng.integers(1, 4))
+            got, want = carry(kind, ours, packets, lost, tau, rtt, reveal), _carry_by_flow(kind, theirs, packets, lost,
+                                                                                         tau, rtt, reveal)
+            for a, b in zip(got, want):
+                assert np.asarray(a, dtype=float).tobytes() == np.asarray(b, dtype=float).tobytes()
+            ours, theirs = got[1], want[1]
+
+
+def test_the_lines_shortcut_answers_as_the_full_check():
+    """Where the cubic curve's slope stays under a quarter of the line's (every cluster round trip), the
+    check that the line governs answers without finding K; the full check (the difference at the span's ends
+    and stationary points) answers the same on cuts from every window up to the pipe."""
+    rng = np.random.default_rng(11)
+    shortcuts = 0
+    for _ in range(2000):
+        rtt = 10 ** rng.uniform(-6, -2)
+        pipe = 10 ** rng.uniform(0.5, 4)
+        flow = Flow("cubic", (math.nan, math.nan, 0.0), rtt / pipe, rtt)
+        w = rng.uniform(2.0, pipe)
+        flow.w_max, flow.cut = (w, max(CUBIC_BETA * w, 2.0)) if rng.random() < 0.8 else (w * 0.5, w)
+        end = (flow.pipe - flow.cut) * rtt / flow.alpha
+        spread = math.sqrt(flow.alpha / (3 * CUBIC_C * rtt))
+        k = flow._k() if flow.w_max > flow.cut else 0.0
+        points = [t for t in (0.0, end, k - spread, k + spread) if 0.0 <= t <= end]
+        full = all(flow._cubic(t) - flow._reno(t) <= 1e-9 * flow.pipe for t in points)
+        shortcuts += end < spread / 2 and max(flow.w_max - flow.cut, 0.0) / CUBIC_C < (spread / 2) ** 3
+        assert flow._reno_governs() == full
+    assert shortcuts > 500                                   # the shortcut was taken, and not always
+    assert shortcuts < 2000

@@ -39,6 +39,7 @@ CUBIC_C = 41 * 10 / 1024                    # bic_scale = 41: C = 0.4004 packets
 WINDOWS = {"cubic": (CUBIC_BETA, 3 * (1 - CUBIC_BETA) / (1 + CUBIC_BETA)), "reno": (0.5, 1.0)}
 CONGESTION = ("cubic", "reno", "bbr")       # what a TCP nic's window does at a loss (bbr: nothing)
 FRESH = (math.nan, math.nan, 0.0)           # (w_max, cut, epoch) of a connection never cut: at the pipe
+PIPE, LINE, CURVE = 0, 1, 2                 # the window's form until the next cut: never cut, the line, the curve
 
 
 def fresh(*shape) -> np.ndarray:
@@ -55,7 +56,7 @@ class Flow:
         self.cubic = kind == "cubic"
         self.tau, self.rtt, self.pipe = tau, rtt, rtt / tau
         self.w_max, self.cut, self.epoch = (float(x) for x in state)
-        self._governs, self._k_value = None, None
+        self._governs, self._k_value, self._mode = None, None, None
 
     @property
     def state(self) -> tuple[float, float, float]:
@@ -76,15 +77,16 @@ class Flow:
             return 0.0, self.epoch
         seconds, epoch = 0.0, self.epoch
         if epoch < 0:   # recovery's round trip: the window holds at its cut
-            held_window = self._held()
+            held_window = min(self.cut, self.pipe)
             held = min(packets, -epoch * held_window / self.rtt)
             seconds, packets = held * self.rtt / held_window, packets - held
             if packets <= 0:
                 return seconds, min(epoch + seconds, 0.0)
             epoch = 0.0
-        if self.cut != self.cut:                     # NaN: never cut, at the pipe
+        mode = self._mode if self._mode is not None else self._find_mode()
+        if mode == PIPE:                             # never cut, at the pipe
             more = packets * self.tau
-        elif self._line():                           # the Reno-friendly line (closed form)
+        elif mode == LINE:                           # the Reno-friendly line (closed form)
             w, pipe, alpha = self.cut + self.alpha * epoch / self.rtt, self.pipe, self.alpha
             if w >= pipe:
                 more = packets * self.tau
@@ -108,10 +110,12 @@ class Flow:
             packets, seconds, self.epoch = held * self._held() / self.rtt, seconds - held, self.epoch + held
             if seconds <= 0:
                 return packets
-        if self.cut != self.cut or self._window(self.epoch) >= self.pipe:
+        mode = self._mode if self._mode is not None else self._find_mode()
+        w = self.cut + self.alpha * self.epoch / self.rtt if mode == LINE else math.nan
+        if mode == PIPE or (w >= self.pipe if mode == LINE else self._window(self.epoch) >= self.pipe):
             more = seconds / self.tau
-        elif self._line():
-            w, alpha = self._reno(self.epoch), self.alpha
+        elif mode == LINE:
+            alpha = self.alpha
             to_pipe = (self.pipe - w) * self.rtt / alpha
             if seconds >= to_pipe:
                 more = (self.pipe ** 2 - w * w) / (2 * alpha) + (seconds - to_pipe) / self.tau
@@ -134,6 +138,12 @@ class Flow:
         """Whether the window is the Reno-friendly line alone (Reno, or CUBIC where its curve stays under)."""
         return not self.cubic or self._reno_governs()
 
+    def _find_mode(self) -> int:
+        """Which of the window's forms holds until the next cut (found once per cut: every send between
+        cuts reads it)."""
+        self._mode = PIPE if self.cut != self.cut else (LINE if self._line() else CURVE)
+        return self._mode
+
     def seconds(self, packets: float) -> float:
         """The seconds ``send(packets)`` would take, sending nothing."""
         return self.plan(packets)[0]
@@ -146,7 +156,7 @@ class Flow:
         converging = self.cubic and not math.isnan(self.w_max) and w < self.w_max
         self.w_max = w * (1 + self.beta) / 2 if converging else w
         self.cut, self.epoch = max(self.beta * w, 2.0), -self.rtt
-        self._governs, self._k_value = None, None
+        self._governs, self._k_value, self._mode = None, None, None
 
     # -- the window as a function of the time sent since the cut --------------------------------
     def _k(self) -> float:
@@ -174,6 +184,13 @@ class Flow:
         if self._governs is None:
             end = (self.pipe - self.cut) * self.rtt / self.alpha
             spread = math.sqrt(self.alpha / (3 * CUBIC_C * self.rtt))
+            if end < spread / 2 and max(self.w_max - self.cut, 0.0) / CUBIC_C < (spread / 2) ** 3:
+                # |t - K| < spread / 2 over the whole span (every cluster round trip): the curve's slope
+                # stays under a quarter of the line's, so their difference only falls from the cut, where
+                # they meet, and every point below evaluates to at most rounding (1e-15 of the pipe, the
+                # slack 1e-9): the answer below without finding K, whose cube root is most of a cut's cost
+                self._governs = True
+                return True
             k = self._k() if self.w_max > self.cut else 0.0
             points = [t for t in (0.0, end, k - spread, k + spread) if 0.0 <= t <= end]
             slack = 1e-9 * self.pipe   # the curves meet at the cut: rounding must not send every call the long way
@@ -242,46 +259,106 @@ def carry(kind: str, state, packets: int, lost, tau: float, rtt: float,
     repairs take a round trip at least)."""
     flow = Flow(kind, state, tau, rtt)
     positions = np.asarray(lost, dtype=np.int64)
-    after = (behind(positions, packets, 1), behind(positions, packets, reveal))
-    found = np.full((2, len(positions)), np.nan)
+    n = len(positions)
+    after = (behind(positions, packets, 1).tolist(), behind(positions, packets, reveal).tolist())
+    found = ([math.nan] * n, [math.nan] * n)
     # the sends that matter, in sending order: a loss (0) and the delivered packets behind it (1, 2)
-    sends = sorted([(int(x), 0, k) for k, x in enumerate(positions.tolist())] +
-                   [(int(x), 1 + j, k) for j in (0, 1) for k, x in enumerate(after[j].tolist()) if x < packets])
+    sends = sorted([(x, 0, k) for k, x in enumerate(positions.tolist())] +
+                   [(x, 1 + j, k) for j in (0, 1) for k, x in enumerate(after[j]) if x < packets])
+    sends.append((packets, -1, -1))
+    # The flow's arithmetic inline, on locals (a message's loop runs it a few times per loss): the same
+    # expressions as ``Flow.plan`` and ``Flow.advance``, in the same order, so the same floats; the cubic
+    # curve's pieces (long round trips) are the flow's own.
+    pipe, alpha, cut, mode = flow.pipe, flow.alpha, flow.cut, flow._find_mode()
+
+    def plan(packets, epoch):
+        if mode == CURVE:
+            flow.epoch = epoch
+            return flow.plan(packets)
+        if packets <= 0:
+            return 0.0, epoch
+        seconds = 0.0
+        if epoch < 0:
+            held_window = min(cut, pipe)
+            held = min(packets, -epoch * held_window / rtt)
+            seconds, packets = held * rtt / held_window, packets - held
+            if packets <= 0:
+                return seconds, min(epoch + seconds, 0.0)
+            epoch = 0.0
+        if mode == PIPE:
+            more = packets * tau
+        else:
+            w = cut + alpha * epoch / rtt
+            if w >= pipe:
+                more = packets * tau
+            else:
+                to_pipe = (pipe * pipe - w * w) / (2 * alpha)
+                more = ((pipe - w) * rtt / alpha + (packets - to_pipe) * tau if packets >= to_pipe
+                        else (math.sqrt(w * w + 2 * alpha * packets) - w) * rtt / alpha)
+        return seconds + more, epoch + more
+
+    def advance(seconds, epoch):
+        if mode == CURVE:
+            flow.epoch = epoch
+            return flow.advance(seconds), flow.epoch
+        if seconds <= 0:
+            return 0.0, epoch
+        packets = 0.0
+        if epoch < 0:
+            held = min(seconds, -epoch)
+            packets, seconds, epoch = held * min(cut, pipe) / rtt, seconds - held, epoch + held
+            if seconds <= 0:
+                return packets, epoch
+        w = cut + alpha * epoch / rtt if mode == LINE else pipe
+        if w >= pipe:
+            more = seconds / tau
+        else:
+            to_pipe = (pipe - w) * rtt / alpha
+            if seconds >= to_pipe:
+                more = (pipe ** 2 - w * w) / (2 * alpha) + (seconds - to_pipe) / tau
+            else:
+                grown = w + alpha * seconds / rtt
+                more = (grown * grown - w * w) / (2 * alpha)
+        return packets + more, epoch + seconds
+
     returns = deque()       # (time, which, loss): SACKs on their way back, in the order they went out
-    now, at, starter, cut_at = 0.0, 0.0, None, None
-    for position, what, k in sends + [(packets, -1, -1)]:
+    now, at, starter, cut_at, epoch = 0.0, 0.0, None, None, flow.epoch
+    for position, what, k in sends:
         # the SACKs that come back before this packet goes out: where the stream is then
-        seconds, epoch = flow.plan(position - at)
+        seconds, planned = plan(position - at, epoch)
         while returns and returns[0][0] <= now + seconds:
             back, j, i = returns.popleft()
-            at += flow.advance(back - now)
+            sent, epoch = advance(back - now, epoch)
+            at += sent
             now = back
-            found[j, i] = at
+            found[j][i] = at
             if j == 1 and i == starter and cut_at is None:   # the episode's first loss is found: cut
+                flow.epoch = epoch
                 flow.lose()
+                cut, mode, epoch = flow.cut, flow._find_mode(), flow.epoch
                 cut_at, starter = at, None
-            seconds, epoch = flow.plan(position - at)
-        now, at, flow.epoch = now + seconds, float(position), epoch
+            seconds, planned = plan(position - at, epoch)
+        now, at, epoch = now + seconds, float(position), planned
         if what == -1:
             break
         if what == 0 and starter is None and (cut_at is None or position >= cut_at):
             starter, cut_at = k, None
         elif what:
             returns.append((now + rtt, what - 1, k))
+    flow.epoch = epoch
     end = now
     last = flow.window()
     for back, j, i in returns:                        # found after the stream: at the last window's pace
-        found[j, i] = packets + (back - end) / rtt * last
+        found[j][i] = packets + (back - end) / rtt * last
         if j == 1 and i == starter and cut_at is None:
             flow.lose()
-            cut_at, starter = found[j, i], None
+            cut_at, starter = found[j][i], None
     # the message's repairs take a round trip after its end at least: what recovery has left is over by the
     # next message, which starts from the cut
     flow.epoch = max(flow.epoch, 0.0)
-    for j in (0, 1):                                  # no delivered packet behind it: after the stream
-        missing = np.isnan(found[j])
-        found[j, missing] = packets + last
-    return end - packets * tau, flow.state, last, found[0], found[1]
+    beyond = packets + last                           # no delivered packet behind it: after the stream
+    sacks, marks = (np.array([beyond if x != x else x for x in row]) if n else np.full(0, math.nan) for row in found)
+    return end - packets * tau, flow.state, last, sacks, marks
 
 
 def behind(lost: np.ndarray, packets: int, n: int) -> np.ndarray:

@@ -230,19 +230,24 @@ class _Rack:
         connection's window at the end and the windows its losses went out with (where resends go)."""
         a, k = self.a, self.a.connections
         delays = np.zeros(len(a.packets))
-        bounds = np.searchsorted(row, np.arange(len(a.packets) + 1))
+        bounds = np.searchsorted(row, np.arange(len(a.packets) + 1)).tolist()
         conn = self.connection(row, packet) if len(row) else row
+        firsts = self._start(np.arange(k)[:, None]).T.tolist()   # [send][connection]: its first packet
+        ends, taus, rtts = self.ends.tolist(), self.tau.tolist(), a.rtt.tolist()
+        kind, dupacks, windows = self.nic.window, self.nic.dupacks, self.windows
         for r in range(len(a.packets)):
-            lost, mine = packet[bounds[r]:bounds[r + 1]], conn[bounds[r]:bounds[r + 1]]
-            if not len(lost) and np.isnan(self.windows[r, :, 1]).all():
+            lo, hi = bounds[r], bounds[r + 1]
+            if lo == hi and np.isnan(windows[r, :, 1]).all():
                 continue   # never cut, nothing lost: at the pipe
+            lost = packet[lo:hi]
+            # a send's losses are sorted and its connections contiguous: each connection's a slice
+            split = np.searchsorted(conn[lo:hi], np.arange(k + 1)).tolist()
             for c in range(k):
-                first = int(self._start(np.int64(c))[r])
-                count = int(self.ends[r, c]) - first + 1
-                ours = lost[mine == c] - first
-                delay, state, window, *found = congestion.carry(self.nic.window, self.windows[r, c], count, ours,
-                                                                float(self.tau[r]), float(a.rtt[r]), self.nic.dupacks)
-                self.windows[r, c], self.window[r, c] = state, window
+                first = firsts[r][c]
+                ours = lost[split[c]:split[c + 1]] - first
+                delay, state, window, *found = congestion.carry(kind, windows[r, c], ends[r][c] - first + 1, ours,
+                                                                taus[r], rtts[r], dupacks)
+                windows[r, c], self.window[r, c] = state, window
                 if len(ours):
                     self.found_at[(r, c)] = [x + first for x in found]
                 delays[r] = max(delays[r], delay)
