@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ..config import (BACKENDS, CP_MODES, DP_MODES, PP_SCHEDULES, ExperimentConfig, coerce, load_config,
-                      parse_overrides, save_yaml)
+from ..config import (BACKENDS, CP_MODES, DEFAULT_THREADS, DP_MODES, PP_SCHEDULES, ExperimentConfig, coerce,
+                      load_config, parse_overrides, save_yaml, set_threads)
 from ..data import EVAL_SPLITS, MNLI, SYNTHETIC, train_batches
 from ..data.pydoc_text import PYDOC
 from ..io import atomic_write_json, atomic_write_text, check_writable, nearest_existing, read_summary, run_status
@@ -74,6 +74,7 @@ FLAGS = {
     "--steps": ("steps", "optimizer steps"),
     "--seed": ("seed", "seed of data order, init, masks and dropout"),
     "--out": ("out", "run directory"),
+    "--threads": ("threads", f"torch's intra-op threads (default {DEFAULT_THREADS}); speed, never results"),
 }
 
 
@@ -117,6 +118,7 @@ def run_experiment(config: ExperimentConfig, run_dir, *, progress: bool = True, 
     ``diverged``), not raised.
     """
     config.validate()
+    set_threads(config.threads)   # before any work; summary.json's config records it
     run_dir = Path(run_dir)
     started = time.time()
     previous_handler = None
