@@ -43,8 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-from ..config import DEFAULT_THREADS, ExperimentConfig, default_jobs, parse_overrides, save_yaml
+from ..config import DEFAULT_THREADS, ExperimentConfig, default_jobs, from_dict, parse_overrides, save_yaml  # noqa: F401
 from ..io import atomic_write_json, check_writable, output_errors
+from ..loss import parse_loss_model   # noqa: F401  (what tests reach through the sweep)
 from ..results.table import read_summary, run_status, write_summary_csv
 from .names import LOSS_ONLY, Run, config_key, expand, normalise, run_name   # noqa: F401  (the sweep's API)
 from .pool import Inline, Pool, check_jobs
@@ -87,7 +88,7 @@ def dist_command(config: ExperimentConfig, run_dir: Path, resume: bool = False) 
             *(["--resume"] if resume else [])]
 
 
-def execute(run: Run, train: Optional[TrainFn] = None, progress: bool = True) -> dict:
+def execute(run: Run, train: Optional[TrainFn] = None, progress: bool = True, position: int = 1) -> dict:
     """Run one experiment; always leaves a summary.json, returns it.
 
     An interrupted run starts again from a clean directory, unless it saves training
@@ -114,7 +115,7 @@ def execute(run: Run, train: Optional[TrainFn] = None, progress: bool = True) ->
             reason.unlink(missing_ok=True)
         else:
             extra = {"resume": True} if resume else {}
-            (train or _default_train())(run.config, run_dir, progress=progress, position=1, **extra)
+            (train or _default_train())(run.config, run_dir, progress=progress, position=position, **extra)
     except Exception as err:   # the trainer records training failures itself; this is the rest
         log.debug("run %s raised", run.dir_name, exc_info=True)
         error = f"{type(err).__name__}: {err}"
