@@ -38,7 +38,26 @@ def _what(run_dir: Path) -> tuple[dict, list]:
     return summary, rows
 
 
+def _close(a, b, path=""):
+    """Equal, floats to 1e-6 relative (and where they differ, say so)."""
+    if isinstance(a, dict):
+        assert set(a) == set(b), path
+        for key in a:
+            _close(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _close(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float):
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-12), path
+    else:
+        assert a == b, path
+
+
 def test_threads_change_no_figure(tmp_path):
+    """Training is the same to the last bit; an evaluation's float32 means over a batch (its loss, the
+    hidden states' relative difference) are split over threads above torch's grain size and summed in
+    another order: equal to float32's rounding, every count and accuracy exact."""
     before = torch.get_num_threads()
     try:
         runs = {}
@@ -50,7 +69,14 @@ def test_threads_change_no_figure(tmp_path):
             runs[threads] = _what(Path(config.out))
     finally:
         torch.set_num_threads(before)
-    assert runs[1][1] and runs[1] == runs[2]   # every figure, to the last bit
+    (one, rows_one), (two, rows_two) = runs[1], runs[2]
+    train = [[r for r in rows if r["split"] == "train"] for rows in (rows_one, rows_two)]
+    assert train[0] and train[0] == train[1]   # every training figure, to the last bit
+    _close(one, two)
+    _close(rows_one, rows_two)
+    for split, final in one["final"].items():
+        assert final["accuracy"] == two["final"][split]["accuracy"]
+    assert one["packets"] == two["packets"] and one["sim_time"] == two["sim_time"]
 
 
 def test_threads_stay_out_of_a_runs_identity():

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
+import signal
+import threading
 from typing import Callable, Optional
 
 from ..config.execution import check_count
@@ -49,26 +51,23 @@ class Inline:
 
 def _work(slot: int, tasks, done, progress: bool) -> None:
     from .runtime import die_with_parent
-    from . import sweep   # the sweep's own execute, and through it lossysim's trainer
     die_with_parent()
-    try:
-        while True:
-            item = tasks.get()
-            if item is None:
-                return
-            index, run = item
-            done.put(("started", slot, index))
-            status = sweep.execute(run, progress=progress, position=slot + 1).get("status")
-            done.put(("done", slot, index, status))
-    except KeyboardInterrupt:   # Ctrl-C reaches every process of the terminal: the sweep says it once
-        return
+    from . import sweep   # the sweep's own execute, and through it lossysim's trainer
+    while True:
+        item = tasks.get()
+        if item is None:
+            return
+        index, run = item
+        done.put(("started", slot, index))
+        status = sweep.execute(run, progress=progress, position=slot + 1).get("status")
+        done.put(("done", slot, index, status))
 
 
 class Pool:
     """``jobs`` worker processes; ``submit`` a run, ``next_done`` waits for any run to end: (index, status).
     A worker that dies in a run (killed, out of memory) leaves that run ``failed`` by ``on_lost`` and is
-    replaced. Leaving the block by an exception (Ctrl-C) stops every worker at once; their unfinished runs
-    start again on the next sweep, as a killed sweep's do."""
+    replaced. Leaving the block by an exception (Ctrl-C) stops every worker at once (SIGTERM); their
+    unfinished runs start again on the next sweep, as a killed sweep's do."""
 
     def __init__(self, jobs: int, progress: bool, on_lost: Callable[[Run, str], None]):
         self._context = multiprocessing.get_context("spawn")
@@ -81,7 +80,16 @@ class Pool:
     def _start(self, slot: int):
         worker = self._context.Process(target=_work, args=(slot, self._tasks, self._done, self._progress),
                                        name=f"lossysim-sweep-job{slot + 1}", daemon=True)
-        worker.start()
+        # A worker ignores Ctrl-C (its disposition is inherited): the sweep alone answers it, once, and stops
+        # every worker, with no traceback from wherever each one was.
+        if threading.current_thread() is not threading.main_thread():   # only the main thread sets handlers
+            worker.start()
+            return worker
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            worker.start()
+        finally:
+            signal.signal(signal.SIGINT, previous)
         return worker
 
     @property
