@@ -1,8 +1,8 @@
 """A few of the quick profile's runs, idle and beside a busy torch process, at torch's own thread count and at
 lossysim's (one thread), one run at a time and side by side (``--jobs``).
 
-Each case is a fresh ``lossysim sweep`` of the same runs into an empty folder, timed from its start (start-up
-included) to its end; "busy" starts a torch process doing matmuls on torch's default threads (a second
+Each case is a fresh ``lossysim sweep`` of the same runs into an empty folder (after a one-step warm-up that
+builds the data's caches), timed from its start (start-up included) to its end; "busy" starts a torch process doing matmuls on torch's default threads (a second
 experiment, a notebook) before the sweep and stops it after. Targets (issue 52): beside one busy job, the
 default within 1.15x of one thread; the sweep beside one busy job within 2x of its idle time. The machine's
 load average is printed before and after: other programs on the machine count as "busy" too.
@@ -72,6 +72,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         spec = _spec(args.runs, tmp)
+        _sweep(spec, tmp / "warm-up", 1, 1, 1)   # the data's caches (tokenizer, tokenised splits), built once
         for busy in (False, True):
             proc = _busy() if busy else None
             try:
