@@ -147,6 +147,8 @@ class Job(Tally, Messages, ExpertMessages, ContextMessages):
     def shares(self, tokens: int) -> list[float]:
         """Each stage's share of a micro-batch's compute: its share of the FLOPs (training's
         ``_stage_shares``)."""
+        if len(self.layout) == 1:   # f / f: the share is 1.0 exactly, and the model's parameters need no building
+            return [1.0]
         flops = [cost.step_flops(n, tokens, layers, self.shape.hidden, self.w.seq)
                  for n, layers in zip(self._stage_parameters, self.layout)]
         return [f / sum(flops) for f in flops]
