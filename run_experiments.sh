@@ -7,7 +7,7 @@ set -euo pipefail
 # The command as typed (settings from the environment first), to say how to resume an interrupted sweep.
 RERUN=""
 for name in LOSSYSIM_PROFILE LOSSYSIM_RATES LOSSYSIM_BURST LOSSYSIM_TP LOSSYSIM_SEEDS LOSSYSIM_BACKEND \
-  LOSSYSIM_NPROC LOSSYSIM_STEPS LOSSYSIM_OUT LOSSYSIM_SHARD; do
+  LOSSYSIM_NPROC LOSSYSIM_STEPS LOSSYSIM_OUT LOSSYSIM_SHARD LOSSYSIM_JOBS LOSSYSIM_THREADS; do
   if [ -n "${!name:-}" ]; then
     RERUN+="$name=$(printf '%q' "${!name}") "
   fi
@@ -104,6 +104,9 @@ Options (each also read from the environment variable shown; options win):
   --out DIR          output folder (default results/<profile>)       [LOSSYSIM_OUT]
   --shard K/N        run part K of N (N machines, one results folder) [LOSSYSIM_SHARD]
                      auto: K/N of this Slurm array task (see experiments/sweep_array.sbatch)
+  --jobs N           runs side by side, each its own process         [LOSSYSIM_JOBS]
+                     (default: the cores available; dist runs one at a time)
+  --threads N        torch's intra-op threads of each run (default 1) [LOSSYSIM_THREADS]
   --set KEY=VALUE    any other config key (repeatable; see lossysim/config.py)
   --dry-run          list the runs and what is already done; train nothing
   -h, --help         this help
@@ -148,6 +151,8 @@ NPROC="${LOSSYSIM_NPROC:-}"
 STEPS="${LOSSYSIM_STEPS:-}"
 OUT="${LOSSYSIM_OUT:-}"
 SHARD="${LOSSYSIM_SHARD:-}"
+JOBS="${LOSSYSIM_JOBS:-}"
+THREADS="${LOSSYSIM_THREADS:-}"
 DRY_RUN=0
 SETS=()
 
@@ -171,7 +176,8 @@ while [ $# -gt 0 ]; do
       shift
       continue
       ;;
-    --profile | --rates | --burst | --tp | --seeds | --backend | --nproc | --steps | --out | --shard | --set)
+    --profile | --rates | --burst | --tp | --seeds | --backend | --nproc | --steps | --out | --shard | --jobs | \
+      --threads | --set)
       [ $# -ge 2 ] || bad_usage "$1 needs a value"
       ;;
     *)
@@ -189,6 +195,8 @@ while [ $# -gt 0 ]; do
     --steps) STEPS="$2" ;;
     --out) OUT="$2" ;;
     --shard) SHARD="$2" ;;
+    --jobs) JOBS="$2" ;;
+    --threads) THREADS="$2" ;;
     --set) SETS+=(--set "$2") ;;
   esac
   shift 2
@@ -219,6 +227,12 @@ if [ -n "$STEPS" ] && ! is_count "$STEPS"; then
 fi
 if [ -n "$NPROC" ] && ! is_count "$NPROC"; then
   bad_usage "--nproc needs a positive whole number, got: $NPROC"
+fi
+if [ -n "$JOBS" ] && ! is_count "$JOBS"; then
+  bad_usage "--jobs needs a positive whole number, got: $JOBS"
+fi
+if [ -n "$THREADS" ] && ! is_count "$THREADS"; then
+  bad_usage "--threads needs a positive whole number, got: $THREADS"
 fi
 OUT="${OUT:-results/$PROFILE}"
 
@@ -251,6 +265,12 @@ if [ -n "$STEPS" ]; then
 fi
 if [ -n "$SHARD" ]; then
   ARGS+=(--shard "$SHARD")
+fi
+if [ -n "$JOBS" ]; then
+  ARGS+=(--jobs "$JOBS")
+fi
+if [ -n "$THREADS" ]; then
+  ARGS+=(--threads "$THREADS")
 fi
 
 gpu_count() {

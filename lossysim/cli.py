@@ -43,12 +43,21 @@ def main(argv=None) -> int:
         # Only the chosen subcommand's module is imported (torch, transformers are slow to load).
         if name == _chosen(argv):
             importlib.import_module(module_name).add_arguments(sub_parser)
+            if not any(action.dest == "threads" for action in sub_parser._actions):
+                from .config.execution import DEFAULT_THREADS
+                sub_parser.add_argument("--threads", type=int, metavar="N",
+                                        help=f"torch's intra-op threads (default {DEFAULT_THREADS})")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     from .hub import quiet_retries
     quiet_retries()   # hub retry warnings at most once (all of them with -v)
     try:
+        # Every command's, and the processes it starts'; train's flag is a config key, and train and sweep set
+        # each run's own from its config.
+        from .config.execution import DEFAULT_THREADS, use_threads
+        threads = getattr(args, "threads", None)
+        use_threads(threads if isinstance(threads, int) else DEFAULT_THREADS)
         return int(importlib.import_module(args._module).run(args) or 0)
     except (ValueError, OSError) as err:
         print(f"lossysim {args.command}: error: {_one_line(err)}", file=sys.stderr)

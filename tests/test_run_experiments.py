@@ -370,3 +370,13 @@ def test_real_profile_dry_run_lists_its_runs(tmp_path):
                  "none_tp1_seed0", "bernoulli-0.1_tp1_seed2_rescale"):
         assert name in result.stdout, name
     assert not out.exists()
+
+
+def test_jobs_and_threads_reach_the_sweep(tmp_path, sandbox):
+    script, log, bin_dir = sandbox
+    result = run_script(script, ["--jobs", "3"], env_without_gpu_tools(tmp_path, bin_dir, LOSSYSIM_THREADS="2"))
+    assert result.returncode == 0, result.stderr
+    argv = sweep_argv(log)
+    assert argv[argv.index("--jobs") + 1] == "3" and argv[argv.index("--threads") + 1] == "2"
+    bad = run_script(script, ["--jobs", "0"], env_without_gpu_tools(tmp_path, bin_dir))
+    assert bad.returncode == 2 and "--jobs needs a positive whole number, got: 0" in bad.stderr

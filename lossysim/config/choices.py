@@ -20,7 +20,7 @@ EP_CLASSES = tuple(c.name for c in BY_NAME.values() if c.axis == "ep")   # an Mo
 # machine (another device, another output folder) finds the run. Checkpointing settings too:
 # a resumed run ends exactly as an uninterrupted one.
 NON_SEMANTIC = ("out", "name", "device", "timeout_s", "save_checkpoint", "checkpoint_every", "keep_checkpoints",
-                "report_to")
+                "report_to", "threads")
 TRACKERS = ("tensorboard", "wandb")
 BACKENDS = ("sim", "dist")     # every rank in one process, or one per process (torchrun)
 # Keys added after the first sweeps (data parallelism, micro-batches, ...): at their defaults they stay

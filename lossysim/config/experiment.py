@@ -17,6 +17,7 @@ from ..timing import DEFAULT_NIC, parse_compute
 from ..traffic import BY_NAME, parse_kinds as traffic_kinds
 from ..util import stream_seed
 from .choices import BACKENDS, check_choice, parse_layout, parse_report_to
+from .execution import DEFAULT_THREADS, check_count
 from .pairs import check_something_can_lose, validate_pairs
 
 _TRYING = contextvars.ContextVar("trying", default=False)   # ExperimentConfig.accepts is validating a variant
@@ -88,6 +89,7 @@ class ExperimentConfig:
     amp: str = "none"                  # none | bf16 | fp16
     activation_checkpointing: bool = False
     device: str = "auto"               # auto | cpu | cuda | cuda:N
+    threads: int = DEFAULT_THREADS     # torch's intra-op threads (config/execution.py): speed, never results
     save_checkpoint: bool = False      # the gathered HF model at the end (checkpoint/)
     checkpoint_every: int = 0          # full training state every N steps for --resume (0: never)
     keep_checkpoints: int = 2
@@ -122,6 +124,7 @@ class ExperimentConfig:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+        check_count("threads", self.threads)
         self._validate_pipeline()
         self._validate_data_parallel()
         validate_pairs(self)

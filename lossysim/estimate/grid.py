@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from ..cp.layout import check_length
 from .. import axes
-from ..config import ExperimentConfig
+from ..config import DEFAULT_THREADS, ExperimentConfig, set_threads
 from ..io import atomic_write_text, check_writable, output_errors
 from ..mesh import DEFAULT_ORDER
 from ..net.algorithms import ALGORITHMS
@@ -97,6 +97,8 @@ def add_arguments(parser) -> None:
                                                             "training (default h100)")
     parser.add_argument("--steps", type=int, default=10, help="simulated steps per setting (default 10)")
     parser.add_argument("--out", help="folder for estimate.csv, estimate.json and slowdown.png")
+    parser.add_argument("--threads", type=int, help=f"torch's intra-op threads (default {DEFAULT_THREADS}); speed, "
+                                                     "never results; each row records it")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -140,6 +142,7 @@ def run_rows(args, configs: list, rows_of: Callable, extra: Optional[Callable[[]
     """Every estimate's run of a grid: ``rows_of(on_row)`` computes the rows of ``configs``, calling
     ``on_row(rows so far)`` after each; the table, and with ``--out`` the files (``extra()``: more files,
     name -> text, written beside them)."""
+    threads = set_threads(DEFAULT_THREADS if getattr(args, "threads", None) is None else args.threads)
     if args.out:
         check_writable(args.out, "--out")   # before the grid: a long estimate must not be lost at the end
         _check_no_partial(Path(args.out))
@@ -148,6 +151,8 @@ def run_rows(args, configs: list, rows_of: Callable, extra: Optional[Callable[[]
     finished = []
 
     def saved(done: list[dict]) -> None:
+        for row in done:
+            row["threads"] = threads
         if args.out:
             _save(done, args.out, PARTIAL)
         finished[:] = done
@@ -159,6 +164,8 @@ def run_rows(args, configs: list, rows_of: Callable, extra: Optional[Callable[[]
         print(f"lossysim estimate: interrupted after {len(finished)} of {len(configs)} settings{kept}",
               file=sys.stderr)
         return 130
+    for row in rows:
+        row["threads"] = threads   # how it ran, beside what it computed
     print(rows[0]["layout"], file=sys.stderr)
     print(_table(rows))
     if args.out:

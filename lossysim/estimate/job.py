@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
 
 from .. import traffic
 from ..config import EP_CLASSES, ExperimentConfig
@@ -148,6 +147,8 @@ class Job(Tally, Messages, ExpertMessages, ContextMessages):
     def shares(self, tokens: int) -> list[float]:
         """Each stage's share of a micro-batch's compute: its share of the FLOPs (training's
         ``_stage_shares``)."""
+        if len(self.layout) == 1:   # f / f: the share is 1.0 exactly, and the model's parameters need no building
+            return [1.0]
         flops = [cost.step_flops(n, tokens, layers, self.shape.hidden, self.w.seq)
                  for n, layers in zip(self._stage_parameters, self.layout)]
         return [f / sum(flops) for f in flops]
@@ -155,8 +156,7 @@ class Job(Tally, Messages, ExpertMessages, ContextMessages):
     def _buckets(self) -> list:
         """Each stage's buckets of a TP rank's local gradients, planned as training plans them on the
         TP-sharded model (built on the meta device), in the reduce dtype."""
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(self.shape.config)
+        model = self.shape.meta_model()
         experts = self._expert_parameters(model)   # averaged over their own groups (``expert_buckets``)
         tp_model = parallelize(model, self.mesh.tp, LossyNetwork(self.mesh.tp)).to(self.w.grad_torch_dtype)
         owner = self._owners(model)    # after sharding: its layers' parameters are new ones
@@ -178,9 +178,7 @@ class Job(Tally, Messages, ExpertMessages, ContextMessages):
     @property
     def _stage_parameters(self) -> list[int]:
         if not hasattr(self, "_stage_counts"):
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(self.shape.config)
-            self._stage_counts = stage_parameters(model, self.layout)
+            self._stage_counts = stage_parameters(self.shape.meta_model(), self.layout)
         return self._stage_counts
 
     def _owners(self, model) -> dict:

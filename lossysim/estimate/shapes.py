@@ -2,22 +2,27 @@
 
 An estimate needs a model's shape, never its weights: the sharding plan (which sites all-reduce),
 the hidden size (every TP message is tokens x hidden), the layers, and the parameter count for the
-compute time. The model is built on the meta device, so even 70B costs no memory.
+compute time. The model is built on the meta device, so even 70B costs no memory; a published shape's counts
+are kept as data (``shape_counts``), so its estimate imports no modeling code unless its layout needs the
+model's parameters one by one (DDP's buckets, a pipeline's stages).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Optional
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from ..models import NAMED_SHAPES as RUNNER_SHAPES
-from ..models import cost, max_positions
+from ..models import cost
 from ..tp.parallelize import head_counts
-from ..tp.plans import ShardingPlan, plan_for
+from ..tp.plans import PLANS, ShardingPlan, plan_for
+from .shape_counts import COUNTS, READ
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "high_freq_factor": 4.0,
                 "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}
@@ -103,8 +108,10 @@ PUBLISHED = {
 SIZE_FIELDS = ("num_hidden_layers", "n_layer", "hidden_size", "n_embd", "num_attention_heads", "n_head",
                "num_key_value_heads", "intermediate_size", "n_inner", "head_dim", "vocab_size",
                "max_position_embeddings", "n_positions")
-# The runner's random-weight CPU shapes, so an estimate can be held against a training run.
-RUNNER = tuple(RUNNER_SHAPES)
+# The runner's random-weight CPU shapes (models/shapes.py's NAMED_SHAPES, whose transformers config classes
+# cost a second to import: named here, tests/test_estimate_start.py holds the two equal), so an estimate can
+# be held against a training run.
+RUNNER = ("tiny", "small", "tiny-moe", "tiny-deepseek-v3", "tiny-llama", "llama-1b-shape", "smollm2-135m-shape")
 NAMES = tuple(PUBLISHED) + RUNNER
 
 
@@ -122,7 +129,7 @@ class Experts:
 class Shape:
     """What an estimate needs of a model."""
     name: str
-    config: PretrainedConfig
+    config: "PretrainedConfig"   # or, for a published shape, what of it an estimate reads (``Published``)
     plan: ShardingPlan
     parameters: int      # the whole model's (a causal LM), before sharding
     layers: int
@@ -130,6 +137,13 @@ class Shape:
     kernels: int         # kernel launches of one training step on one rank (``models.cost``)
     active: int = 0      # the parameters a token's step multiplies (a mixture of experts': its experts' alone)
     experts: Optional[Experts] = None
+
+    def meta_model(self):
+        """The causal LM on the meta device: transformers' modeling code loads here, and only here."""
+        from transformers import AutoModelForCausalLM
+        config = self.config.full() if isinstance(self.config, Published) else self.config
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
 
     def check_ep(self, ep_size: int) -> None:
         """A one-line ValueError when ``ep_size`` cannot shard this model's experts."""
@@ -152,6 +166,7 @@ class Shape:
         """A one-line ValueError when ``seq`` is longer than the model's positions (training refuses
         the same max_length)."""
         if self.name in RUNNER:   # the runner's shapes embed as many positions as training allows
+            from ..models import max_positions
             limit = max_positions(self.name)
         else:
             limit = getattr(self.config, "n_positions", None) or getattr(self.config, "max_position_embeddings", None)
@@ -160,13 +175,15 @@ class Shape:
                              f"(n_positions / max_position_embeddings); use --seq <= {limit}")
 
 
-def config_of(name: str) -> PretrainedConfig:
+def config_of(name: str) -> "PretrainedConfig":
     """The HF config of a named shape, a config.json file or a model directory holding one."""
+    from transformers import AutoConfig
     if name in PUBLISHED:
         model_type, values = PUBLISHED[name]
         return AutoConfig.for_model(model_type, **values)
     if name in RUNNER:
-        config_class, values = RUNNER_SHAPES[name]
+        from ..models.shapes import NAMED_SHAPES
+        config_class, values = NAMED_SHAPES[name]
         return config_class(**values)
     path = Path(name)
     if not path.exists():
@@ -195,10 +212,37 @@ def _check_sizes(file: Path) -> None:
             raise ValueError(f"{file}: {key}={value!r} must be a whole number >= 1")
 
 
+class Published(SimpleNamespace):
+    """What an estimate reads of a published shape's config (``shape_counts.READ``, as its transformers config
+    answers them), without loading transformers; ``full()`` is the config itself, for the model."""
+
+    def full(self) -> "PretrainedConfig":
+        config = config_of(self._name)
+        config._attn_implementation = "sdpa"
+        return config
+
+
 def load(name: str) -> Shape:
-    """The Shape of a named model or a local config (ValueError, one line, when it is not one)."""
-    config = config_of(name)
-    config._attn_implementation = "sdpa"
+    """The Shape of a named model or a local config (ValueError, one line, when it is not one): a published
+    shape from its counts kept as data, any other built."""
+    if name not in COUNTS:
+        config = config_of(name)
+        config._attn_implementation = "sdpa"
+        return count(name, config)
+    kept = COUNTS[name]
+    config = Published(_name=name, **kept["config"])
+    layers, hidden = cost.dims(config)
+    experts = Experts(*kept["experts"]) if kept["experts"] else None
+    return Shape(name, config, _plan_named(kept["plan"]), kept["parameters"], layers, hidden, kept["kernels"],
+                 kept["active"], experts)
+
+
+def count(name: str, config: Optional["PretrainedConfig"] = None) -> Shape:
+    """The Shape of ``name`` counted on its model, built on the meta device (what ``COUNTS`` keeps)."""
+    from transformers import AutoModelForCausalLM
+    if config is None:
+        config = config_of(name)
+        config._attn_implementation = "sdpa"
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
@@ -213,6 +257,21 @@ def load(name: str) -> Shape:
                  _kernels(config, layers), cost.active_parameters(model), _experts(model, plan))
 
 
+def counted(name: str) -> dict:
+    """``COUNTS[name]`` as ``count`` finds it on the model (how shape_counts.py was written, and is checked)."""
+    shape = count(name)
+    read = (*READ, shape.plan.heads, *([shape.plan.kv_heads] if shape.plan.kv_heads else []),
+            *shape.plan.dropouts.values())
+    experts = shape.experts
+    return {"plan": shape.plan.name, "parameters": shape.parameters, "kernels": shape.kernels, "active": shape.active,
+            "experts": None if experts is None else (experts.blocks, experts.count, experts.top_k, experts.parameters),
+            "config": {key: getattr(shape.config, key) for key in dict.fromkeys(read) if hasattr(shape.config, key)}}
+
+
+def _plan_named(name: str) -> ShardingPlan:
+    return next(plan for plan in PLANS if plan.name == name)
+
+
 def _experts(model, plan: ShardingPlan) -> Optional[Experts]:
     """The routed experts of ``model`` (a meta one), None without."""
     if plan.experts is None:
@@ -225,11 +284,12 @@ def _experts(model, plan: ShardingPlan) -> Optional[Experts]:
                    sum(p.numel() for module in found.values() for p in module.parameters()))
 
 
-def _kernels(config: PretrainedConfig, layers: int) -> int:
+def _kernels(config: "PretrainedConfig", layers: int) -> int:
     """Kernel launches of a training step, from copies of one and two blocks: every block launches the
     same kernels, and counting 80 of them takes half a minute (a mixture of experts' copies are its MoE
     blocks: DeepSeek-V3's first dense blocks count as those)."""
     key = "n_layer" if hasattr(config, "n_layer") else "num_hidden_layers"
+    from transformers import AutoModelForCausalLM
     counts = []
     for depth in (1, 2):
         values = {**config.to_dict(), key: depth}

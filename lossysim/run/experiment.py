@@ -23,7 +23,8 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from .. import axes
-from ..config import BACKENDS, ExperimentConfig, coerce, load_config, parse_overrides, save_yaml
+from ..config import (BACKENDS, DEFAULT_THREADS, ExperimentConfig, coerce, load_config, parse_overrides, save_yaml,
+                      set_threads)
 from ..data import EVAL_SPLITS, MNLI, SYNTHETIC, train_batches
 from ..data.pydoc_text import PYDOC
 from ..io import atomic_write_json, atomic_write_text, check_writable, nearest_existing, read_summary, run_status
@@ -65,6 +66,7 @@ _FLAGS = {
     "--steps": ("steps", "optimizer steps"),
     "--seed": ("seed", "seed of data order, init, masks and dropout"),
     "--out": ("out", "run directory"),
+    "--threads": ("threads", f"torch's intra-op threads (default {DEFAULT_THREADS}); speed, never results"),
 }
 
 
@@ -114,6 +116,7 @@ def run_experiment(config: ExperimentConfig, run_dir, *, progress: bool = True, 
     ``diverged``), not raised.
     """
     config.validate()
+    set_threads(config.threads)   # before any work; summary.json's config records it
     run_dir = Path(run_dir)
     started = time.time()
     previous_handler = None

@@ -34,276 +34,34 @@ so shards writing to one folder merge by themselves.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import itertools
-import json
 import logging
 import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Callable, Optional, Union
 
-from ..config import (IDENTITY_AT_DEFAULT_OMITTED, NON_SEMANTIC, ExperimentConfig, from_dict, load_yaml,
-                      parse_overrides, save_yaml)
-from ..io import atomic_write_json, atomic_write_text, check_writable, output_errors
-from ..loss import parse_loss_model
-from ..loss.spec import label
+from ..config import DEFAULT_THREADS, ExperimentConfig, default_jobs, from_dict, parse_overrides, save_yaml  # noqa: F401
+from ..io import atomic_write_json, check_writable, output_errors
+from ..loss import parse_loss_model   # noqa: F401  (what tests reach through the sweep)
 from ..results.table import read_summary, run_status, write_summary_csv
+from .names import LOSS_ONLY, Run, config_key, expand, normalise, run_name   # noqa: F401  (the sweep's API)
+from .pool import Inline, Pool, check_jobs
 from .precheck import check_inputs, environmental, needs, refuse, refused
 from .runtime import die_with_parent
+from .shards import parse_shard, shard, slurm_shard   # noqa: F401
+from .spec import SPEC_KEYS, SweepSpec, load_spec, parse_grid_overrides   # noqa: F401
 from .spec_record import record_spec
 
 log = logging.getLogger(__name__)
 
-SPEC_KEYS = ("base", "grid", "description")
-# Keys that say where or how a run is executed, not what is trained: they stay out of the
-# hash so a shard on another machine (another device, another output folder) finds the run.
-# Checkpointing settings too: a resumed run ends exactly as an uninterrupted one.
 FINISHED = ("completed", "diverged", "gave_up")
 # A sweep's exit status when some runs failed: not 1 (a bug), 2 (bad input, nothing trained) or 130 (Ctrl-C).
 FAILED_EXIT = 3
 
 TrainFn = Callable[..., dict]
-
-
-# -- the spec ------------------------------------------------------------------------------------
-@dataclass
-class SweepSpec:
-    name: str
-    base: dict                          # config keys every run starts from
-    grids: list[dict[str, list]]        # union of the products of these
-    description: str = ""
-    source: Optional[str] = None
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "description": self.description, "source": self.source,
-                "base": self.base, "grid": self.grids if len(self.grids) != 1 else self.grids[0]}
-
-
-def load_spec(path: Union[str, Path], overrides: Optional[dict] = None,
-              grid_overrides: Optional[dict] = None) -> SweepSpec:
-    """Read a spec; ``overrides`` (``--set``) change the base, ``grid_overrides`` an axis."""
-    path = Path(path)
-    raw = load_yaml(path)
-    base: dict = {}
-    given = raw.get("base")
-    if isinstance(given, dict):
-        base.update({str(k): v for k, v in given.items()})
-    elif isinstance(given, str) and given.strip():
-        base_path = Path(given)
-        if not base_path.is_absolute():
-            base_path = path.parent / base_path
-        try:
-            base.update(load_yaml(base_path))
-        except ValueError as err:
-            raise ValueError(f"{path}: base: {err}") from None
-    elif given is not None:
-        raise ValueError(f"{path}: base: expected a config file path or a mapping of config keys, "
-                         f"got {type(given).__name__} {given!r}")
-    base.update({str(k): v for k, v in raw.items() if k not in SPEC_KEYS})
-    grids = _parse_grids(raw.get("grid"), path)
-    for key, values in (grid_overrides or {}).items():
-        if not values:
-            raise ValueError(f"--grid {key}=: give at least one value")
-        for grid in grids:
-            grid[key] = list(values)
-    overrides = dict(overrides or {})
-    for key in overrides:
-        if any(key in grid for grid in grids):
-            raise ValueError(f"--set {key}=...: {key} is a grid axis; use --grid {key}=VALUES")
-    base.update(overrides)
-    name = str(raw.get("name") or path.stem)   # the spec's own name, not its base file's
-    return SweepSpec(name=name, base=base, grids=grids,
-                     description=str(raw.get("description") or ""), source=str(path))
-
-
-def _parse_grids(grid: Any, path: Path) -> list[dict[str, list]]:
-    if grid is None:
-        return [{}]
-    items = grid if isinstance(grid, list) else [grid]
-    grids = []
-    for item in items:
-        if not isinstance(item, dict):
-            raise ValueError(f"{path}: grid must be a mapping of key: [values] (or a list of them)")
-        parsed = {}
-        for key, values in item.items():
-            values = values if isinstance(values, list) else [values]
-            if not values:
-                raise ValueError(f"{path}: grid key {key!r} has an empty list")
-            parsed[str(key)] = values
-        grids.append(parsed)
-    return grids
-
-
-def parse_grid_overrides(pairs: list[str]) -> dict[str, list[str]]:
-    """``["seed=0 1 2", "loss=none bernoulli:0.01"]`` -> axes (values split on whitespace)."""
-    out = {}
-    for pair in pairs:
-        key, eq, values = pair.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"--grid {pair!r}: expected key=VALUE [VALUE ...]")
-        out[key.strip()] = values.split()
-    return out
-
-
-# -- runs ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Run:
-    config: ExperimentConfig          # resolved; ``out`` is the run directory
-    key: str                          # 8 hex digits of the config hash
-    dir_name: str
-    point: dict = field(default_factory=dict, compare=False)   # grid values that made it
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.config.out)
-
-
-# What a lossless run does not care about: which way is lossy, which links could lose packets, how
-# losses would be repaired (its algorithm and links still set its time).
-LOSS_ONLY = ("loss", "lossy", "recovery", "eval_lossy", "lossy_links", "transport", "nic", "retransmit",
-             "deadline", "rto_s", "channels", "lossy_traffic")
-
-
-def normalise(config: ExperimentConfig) -> ExperimentConfig:
-    """Make equal experiments equal configs: a lossless run's ``LOSS_ONLY`` keys at their defaults."""
-    if parse_loss_model(config.loss).lossless:
-        defaults = ExperimentConfig()
-        return config.replace(**{key: getattr(defaults, key) for key in LOSS_ONLY})
-    return config
-
-
-def config_key(config: ExperimentConfig) -> str:
-    """Stable 8-hex-digit hash of what a config trains (its semantic keys)."""
-    defaults = ExperimentConfig().to_dict()
-    values = {k: v for k, v in config.to_dict().items() if k not in NON_SEMANTIC
-              and not (k in IDENTITY_AT_DEFAULT_OMITTED and v == defaults[k])}
-    # Two spellings of one model ("bernoulli:1%", "bernoulli:0.01") are one experiment.
-    values["loss"] = parse_loss_model(config.loss).spec
-    blob = json.dumps(values, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()[:8]
-
-
-def run_name(config: ExperimentConfig, key: str) -> str:
-    """``bernoulli-0.01_tp2_seed0-1a2b3c4d`` (``..._tp1_pp2_seed0-...`` with stages): readable prefix, hash
-    for uniqueness."""
-    defaults = ExperimentConfig()
-    parts = [label(config.loss), f"tp{config.tp_size}", *_pipeline_parts(config), f"seed{config.seed}"]
-    parts += [getattr(config, key) for key in ("lossy", "recovery", "algorithm")
-              if getattr(config, key) != getattr(defaults, key)]
-    if config.transport != defaults.transport:
-        parts.append(config.transport + ("" if config.nic == defaults.nic else f"-{config.nic}")
-                     + ("-gbn" if config.retransmit == "go_back_n" else ""))
-    if config.dp_mode != defaults.dp_mode:
-        parts.append(config.dp_mode)
-    prefix = "".join(c if c.isalnum() or c in "._-" else "-" for c in "_".join(parts))
-    return f"{prefix}-{key}"
-
-
-def _pipeline_parts(config: ExperimentConfig) -> list[str]:
-    """``pp2``, then the schedule and micro-batches where they are not the defaults (``gpipe``, ``m4``); nothing
-    for one stage, so runs named before pipelines keep their names."""
-    if config.pp_size == 1:   # micro-batches without stages (accumulation) were never named: keep it so
-        return []
-    parts = [f"pp{config.pp_size}"]
-    if config.pp_schedule != ExperimentConfig().pp_schedule:
-        parts.append(config.pp_schedule)
-    if config.microbatches is not None:
-        parts.append(f"m{config.microbatches}")
-    return parts
-
-
-def expand(spec: SweepSpec, out: Union[str, Path]) -> list[Run]:
-    """Every distinct run of the spec, validated, in grid order."""
-    out = Path(out)
-    runs: dict[str, Run] = {}
-    earlier = _names_on_disk(out)
-    for grid in spec.grids:
-        keys = list(grid)
-        for values in itertools.product(*(grid[k] for k in keys)):
-            point = dict(zip(keys, values))
-            try:
-                config = normalise(from_dict({**spec.base, **point}))
-            except ValueError as err:
-                where = ", ".join(f"{k}={v}" for k, v in point.items()) or "the base config"
-                raise ValueError(f"{spec.source or spec.name}: {where}: {err}") from None
-            key = config_key(config)
-            if key in runs:
-                continue
-            name = earlier.get(key) or run_name(config, key)
-            config = config.replace(name=name, out=str(out / name))
-            runs[key] = Run(config=config, key=key, dir_name=name, point=point)
-    return list(runs.values())
-
-
-def _names_on_disk(out: Path) -> dict[str, str]:
-    """hash -> run directory already under ``out``: names gain parts as settings are added (dp_mode), the
-    hash does not, so a sweep started by an earlier version resumes into its own folders."""
-    found: dict[str, list[str]] = {}
-    if out.is_dir():
-        for path in out.iterdir():
-            key = path.name.rpartition("-")[2]
-            if path.is_dir() and len(key) == 8:
-                found.setdefault(key, []).append(path.name)
-    return {key: names[0] for key, names in found.items() if len(names) == 1}
-
-
-def parse_shard(text: Optional[str], environ: Optional[dict] = None) -> tuple[int, int]:
-    """``K/N`` -> (K, N); ``auto`` reads them from a Slurm job array (see slurm_shard)."""
-    if not text:
-        return 1, 1
-    if text.strip() == "auto":
-        return slurm_shard(os.environ if environ is None else environ)
-    k, slash, n = text.partition("/")
-    try:
-        k, n = int(k), int(n)
-    except ValueError:
-        raise ValueError(f"--shard {text!r}: expected K/N, e.g. 2/3") from None
-    if not slash or n < 1 or not 1 <= k <= n:
-        raise ValueError(f"--shard {text!r}: expected K/N with 1 <= K <= N")
-    return k, n
-
-
-def slurm_shard(environ) -> tuple[int, int]:
-    """(K, N) of this task of a Slurm job array: tasks MIN, MIN+STEP, ... are shards 1..COUNT."""
-    names = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_COUNT")
-    if not environ.get(names[0]):
-        raise ValueError("--shard auto: not a Slurm job array task (SLURM_ARRAY_TASK_ID is not set); "
-                         "submit with sbatch --array, or give --shard K/N")
-    values = {}
-    for name in (*names, "SLURM_ARRAY_TASK_STEP", "SLURM_ARRAY_TASK_MAX"):
-        text = environ.get(name)
-        if text in (None, ""):
-            continue
-        try:
-            values[name] = int(text)
-        except ValueError:
-            raise ValueError(f"--shard auto: {name}={text!r} is not a whole number") from None
-    task, low, step = values[names[0]], values.get(names[1], 0), values.get("SLURM_ARRAY_TASK_STEP", 1)
-    count = values.get(names[2])
-    if count is None and "SLURM_ARRAY_TASK_MAX" in values:
-        count = (values["SLURM_ARRAY_TASK_MAX"] - low) // max(step, 1) + 1
-    if count is None:
-        raise ValueError("--shard auto: SLURM_ARRAY_TASK_COUNT (or SLURM_ARRAY_TASK_MAX) is not set")
-    if step < 1 or (task - low) % step:
-        raise ValueError(f"--shard auto: task {task} is not in the array {low}:{step} "
-                         "(SLURM_ARRAY_TASK_MIN / SLURM_ARRAY_TASK_STEP)")
-    k = (task - low) // step + 1
-    if count < 1 or not 1 <= k <= count:
-        raise ValueError(f"--shard auto: SLURM_ARRAY_TASK_ID={task} is outside the array "
-                         f"(SLURM_ARRAY_TASK_MIN={low}, SLURM_ARRAY_TASK_COUNT={count}); an array "
-                         "with gaps (--array=1,5,9) cannot be sharded, use a range such as --array=0-7")
-    return k, count
-
-
-def shard(runs: list[Run], k: int, n: int) -> list[Run]:
-    """Shard k of n (1-based): disjoint, covering, the same on every machine (sorted by hash)."""
-    ordered = sorted(runs, key=lambda r: (r.key, r.dir_name))
-    mine = {r.key for i, r in enumerate(ordered) if i % n == k - 1}
-    return [r for r in runs if r.key in mine]   # keep grid order: baselines first, as written
 
 
 def failure_summary(config: ExperimentConfig, error: str) -> dict:
@@ -330,7 +88,7 @@ def dist_command(config: ExperimentConfig, run_dir: Path, resume: bool = False) 
             *(["--resume"] if resume else [])]
 
 
-def execute(run: Run, train: Optional[TrainFn] = None, progress: bool = True) -> dict:
+def execute(run: Run, train: Optional[TrainFn] = None, progress: bool = True, position: int = 1) -> dict:
     """Run one experiment; always leaves a summary.json, returns it.
 
     An interrupted run starts again from a clean directory, unless it saves training
@@ -357,7 +115,7 @@ def execute(run: Run, train: Optional[TrainFn] = None, progress: bool = True) ->
             reason.unlink(missing_ok=True)
         else:
             extra = {"resume": True} if resume else {}
-            (train or _default_train())(run.config, run_dir, progress=progress, position=1, **extra)
+            (train or _default_train())(run.config, run_dir, progress=progress, position=position, **extra)
     except Exception as err:   # the trainer records training failures itself; this is the rest
         log.debug("run %s raised", run.dir_name, exc_info=True)
         error = f"{type(err).__name__}: {err}"
@@ -393,9 +151,11 @@ def _clean_temporaries(out: Path) -> None:
 
 
 def run_sweep(spec: SweepSpec, out: Union[str, Path], shard_k: int = 1, shard_n: int = 1,
-              train: Optional[TrainFn] = None, progress: bool = True, check: bool = True) -> SweepResult:
-    """Run every unfinished run of the spec; ``check``: first make sure each model, tokenizer and
-    data set they need can be loaded here (see check_inputs)."""
+              train: Optional[TrainFn] = None, progress: bool = True, check: bool = True,
+              jobs: int = 1) -> SweepResult:
+    """Run every unfinished run of the spec, ``jobs`` at a time (``pool``); ``check``: first make sure each
+    model, tokenizer and data set they need can be loaded here (see check_inputs)."""
+    check_jobs(jobs)
     out = Path(out)
     every = expand(spec, out)   # validated before anything is touched
     runs = shard(every, shard_k, shard_n)
@@ -404,11 +164,21 @@ def run_sweep(spec: SweepSpec, out: Union[str, Path], shard_k: int = 1, shard_n:
     refuse(runs)   # and the runs' settings fit their models
     check_writable(out)
     with output_errors(out):
-        return _run_all(spec, runs, out, shard_k, shard_n, train, progress, [r.dir_name for r in every])
+        return _run_all(spec, runs, out, shard_k, shard_n, train, progress, [r.dir_name for r in every], jobs)
+
+
+def _side_by_side(todo: list[Run], jobs: int, train: Optional[TrainFn]) -> int:
+    """How many of ``todo`` run at once: one for a dist run (torchrun's ranks take the machine's devices), or
+    for a trainer other than lossysim's own (one handed in runs only in this process)."""
+    jobs = min(jobs, len(todo))
+    if jobs <= 1 or any(run.config.backend == "dist" for run in todo):
+        return 1
+    from .experiment import run_experiment
+    return jobs if (train or _default_train()) is run_experiment else 1
 
 
 def _run_all(spec: SweepSpec, runs: list[Run], out: Path, shard_k: int, shard_n: int,
-             train: Optional[TrainFn], progress: bool, names: list[str]) -> SweepResult:
+             train: Optional[TrainFn], progress: bool, names: list[str], jobs: int = 1) -> SweepResult:
     from tqdm import tqdm
 
     out.mkdir(parents=True, exist_ok=True)
@@ -417,31 +187,51 @@ def _run_all(spec: SweepSpec, runs: list[Run], out: Path, shard_k: int, shard_n:
     if kept:
         print(f"sweep: {kept}", file=sys.stderr)
     result = SweepResult(runs=runs, statuses={})
+    statuses = {i: run_status(run.run_dir) for i, run in enumerate(runs)}
+    todo = [i for i, run in enumerate(runs) if statuses[i] not in FINISHED]
+    result.skipped = len(runs) - len(todo)
+    jobs = _side_by_side([runs[i] for i in todo], jobs, train)
     label = spec.name if shard_n == 1 else f"{spec.name} {shard_k}/{shard_n}"
     bar = tqdm(total=len(runs), desc=label, unit="run", position=0, disable=not progress,
-               dynamic_ncols=True)
+               dynamic_ncols=True, initial=result.skipped)
+
+    def lost(run: Run, error: str) -> None:
+        atomic_write_json(run.run_dir / "summary.json", failure_summary(run.config, error))
+
+    runner = Inline(lambda run: execute(run, train=train, progress=progress).get("status")) if jobs == 1 \
+        else Pool(jobs, progress, lost)
+    waiting, stopped = list(todo), None
+
+    def feed() -> None:
+        bar.set_postfix_str(runs[waiting[0]].dir_name)
+        runner.submit(waiting[0], runs[waiting.pop(0)])
     try:
-        for i, run in enumerate(runs):
-            status = run_status(run.run_dir)
-            if status in FINISHED:
-                result.skipped += 1
-            else:
-                bar.set_postfix_str(run.dir_name)
-                status = execute(run, train=train, progress=progress).get("status")
+        with runner:
+            while waiting and runner.pending < jobs:
+                feed()
+            while runner.pending:
+                i, status = runner.next_done()
+                run = runs[i]
+                statuses[i] = status
                 result.ran += 1
                 error = read_summary(run.run_dir).get("error")
                 if status != "completed":
                     bar.write(f"{run.dir_name}: {status}: {error}", file=sys.stderr)
                 write_summary_csv(out)
-                if status == "failed" and environmental(error):
-                    rest = [r for r in runs[i + 1:] if run_status(r.run_dir) not in FINISHED]
+                bar.update()
+                if status == "failed" and environmental(error) and stopped is None:
+                    rest = [r for r in (runs[k] for k in waiting) if run_status(r.run_dir) not in FINISHED]
                     if rest and all(needs(r.config) == needs(run.config) for r in rest):
-                        raise ValueError(f"sweep stopped: {run.dir_name} failed for a reason of this machine "
-                                         f"that the {len(rest)} remaining runs share: {error}")
-            result.statuses[run.dir_name] = status
-            bar.update()
+                        stopped = (f"sweep stopped: {run.dir_name} failed for a reason of this machine "
+                                   f"that the {len(rest)} remaining runs share: {error}")
+                        waiting = []   # the runs under way end first: what they finish is kept
+                if waiting:
+                    feed()
     finally:
         bar.close()
+    result.statuses = {run.dir_name: statuses[i] for i, run in enumerate(runs)}
+    if stopped:
+        raise ValueError(stopped)
     write_summary_csv(out)
     return result
 
@@ -459,12 +249,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run only part K of N (1-based); N machines with K=1..N cover the grid; "
                              "auto: K and N of this Slurm job array task (SLURM_ARRAY_TASK_ID, "
                              "SLURM_ARRAY_TASK_MIN, SLURM_ARRAY_TASK_COUNT)")
+    parser.add_argument("--jobs", type=int, default=None, metavar="N",
+                        help=f"runs side by side, each its own process on its threads (default: the cores "
+                             f"available here, {default_jobs()}; dist runs go one at a time)")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="torch's intra-op threads of every run (default: the spec's, else "
+                             f"{DEFAULT_THREADS}); speed, never results")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and their state; train nothing")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def run(args: argparse.Namespace, train: Optional[TrainFn] = None) -> int:
-    spec = load_spec(args.spec, parse_overrides(args.overrides), parse_grid_overrides(args.grid))
+    overrides = parse_overrides(args.overrides)
+    if getattr(args, "threads", None) is not None:
+        overrides["threads"] = args.threads
+    jobs = check_jobs(default_jobs() if getattr(args, "jobs", None) is None else args.jobs)
+    spec = load_spec(args.spec, overrides, parse_grid_overrides(args.grid))
     out = Path(args.out or Path("results") / Path(args.spec).stem)
     k, n = parse_shard(args.shard)
     if args.dry_run:
@@ -479,7 +279,7 @@ def run(args: argparse.Namespace, train: Optional[TrainFn] = None) -> int:
         print(f"{len(runs)} runs (shard {k}/{n}) in {out}" + (f"; train refuses {len(why)} of them" if why else ""))
         refuse(runs)   # bad input: exit 2, as the sweep itself would
         return 0
-    result = run_sweep(spec, out, k, n, train=train, progress=not args.no_progress)
+    result = run_sweep(spec, out, k, n, train=train, progress=not args.no_progress, jobs=jobs)
     failed, diverged = result.count("failed"), result.count("diverged")
     print(f"sweep {spec.name}: {len(result.runs)} runs (shard {k}/{n}; {result.ran} run now, "
           f"{result.skipped} already done): {result.count('completed')} completed, "
