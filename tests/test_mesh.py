@@ -282,8 +282,6 @@ def test_every_process_creates_every_group_in_one_order(tp, dp, pp, monkeypatch)
 @pytest.mark.parametrize("train, estimate, needle", [
     (["--tp-size", "1", "--pp-size", "2", "--set", "ranks_per_node=3"],
      ["--tp-size", "1", "--pp-size", "2", "--ranks-per-node", "3"], "ranks_per_node=3 is more GPUs than the layout's"),
-    (["--tp-size", "2", "--pp-size", "2", "--dp-size", "2", "--dp-mode", "fsdp"],
-     ["--tp-size", "2", "--pp-size", "2", "--dp-size", "2", "--dp-mode", "fsdp"], "dp_mode=fsdp with pp_size=2"),
     (["--tp-size", "2", "--pp-size", "2", "--recovery", "outliers"],
      ["--tp-size", "2", "--pp-size", "2", "--recovery", "outliers"],
      "pp_size=2: recovery=outliers does not act on point-to-point sends"),

@@ -23,9 +23,6 @@ def validate_pairs(config) -> None:
             raise ValueError(f"{setting}: {err}") from None
     if fsdp and config.dp_sync_every:
         raise ValueError("dp_sync_every with dp_mode=fsdp: FSDP's replicas share one exact master copy and never drift")
-    if fsdp and pp:
-        raise ValueError(f"dp_mode=fsdp with pp_size={config.pp_size}: FSDP's gathers around a pipeline schedule "
-                         "are not modelled; use dp_mode=ddp or pp_size=1")
     if pp and config.dp_sync_every:
         raise ValueError(f"dp_sync_every with pp_size={config.pp_size}: synchronising pipelined replicas is not "
                          "modelled; set dp_sync_every=0")

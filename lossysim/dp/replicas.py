@@ -131,19 +131,20 @@ class DataParallel:
         for network, saved in zip(self.networks, state["networks"]):
             network.load_state_dict(saved)
 
-    def gather_weights(self) -> list[float]:
-        """DDP gathers no weights before the forward (FSDP does: ``fsdp``); each unit's seconds: none."""
+    def gather_weights(self) -> list[list[float]]:
+        """DDP gathers no weights before the forward (FSDP does: ``fsdp``); each stage's units' seconds: none."""
         return []
 
-    def added_seconds(self, times: torch.Tensor, gather_s: Sequence[float], bucket_s: Sequence[Sequence[float]],
-                      overlap: bool) -> float:
+    def added_seconds(self, times: torch.Tensor, gather_s: Sequence[Sequence[float]],
+                      bucket_s: Sequence[Sequence[float]], overlap: bool) -> float:
         """What the data-parallel traffic adds to replica 0's step (one stage), given every replica's
-        [forward, backward] seconds (``times``, [dp, 2]) and the gathers' and buckets' seconds (``bucket_s``:
-        per stage): the slowest replica's path, then the buckets it waits for (``timeline``). A group of
+        [forward, backward] seconds (``times``, [dp, 2]) and the gathers' and buckets' seconds (each per
+        stage): the slowest replica's path, then the buckets it waits for (``timeline``). A group of
         one waits for nothing."""
         if self.dp_size == 1:
             return 0.0
-        return timeline.added_seconds(times.tolist(), self.ready()[0], gather_s, bucket_s[0], overlap)
+        return timeline.added_seconds(times.tolist(), self.ready()[0], gather_s[0] if gather_s else [],
+                                      bucket_s[0], overlap)
 
     def ready(self) -> list[list[float]]:
         """Each stage's buckets' readiness: the share of its backward done when each is full."""

@@ -62,7 +62,8 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
     if parts.pipeline is not None:
         replicated = dp.dp_size > 1
         _pipeline_clock(config, state, dp.every_replica(stage_times), dp.every_stage(dp.ready()) if replicated else [],
-                        dp.every_stage(bucket_s) if replicated else [])
+                        dp.every_stage(bucket_s) if replicated else [],
+                        dp.every_stage(gather_s) if replicated and gather_s else [])
     finite = True
     for replica, replica_losses, experts_sq in zip(dp.replicas, losses, squares):
         parts.scaler.unscale_(replica.optimizer)
@@ -168,13 +169,15 @@ def _stage_shares(parts: Parts, batch: dict) -> list[float]:
 
 
 def _pipeline_clock(config: ExperimentConfig, state: TrainState, replicas: list[dict], ready: list[list[float]],
-                    bucket_s: list[list[float]]) -> None:
+                    bucket_s: list[list[float]], gather_s: list[list[float]] = ()) -> None:
     """Charge a step's schedule (``pipeline_time``) over every replica's stages' forward and backward per
     micro-batch (compute and TP traffic) and its boundaries' sends: ``pipeline_s`` (the slowest replica's
     schedule, and under the ideal nic), ``pp_s`` (what the sends add: the step less the same schedules
     with free sends), replica 0's stages' busy seconds (the bubble is the rest) and ``dp_s``, what each
     stage's buckets (``ready``, ``bucket_s`` per stage; none without replicas) add after its last
-    backward (``timeline.pipeline_step_seconds``, as the estimate ends a step)."""
+    backward (``timeline.pipeline_step_seconds``, as the estimate ends a step). FSDP's gathers (``gather_s``,
+    per stage) come before each stage's first forward, prefetched as without stages
+    (``timeline.gathered_forward_seconds``): what they add joins ``dp_s``."""
     p, m = config.pp_size, config.n_microbatches
 
     def arrays(stages: dict, phase: str, clock: int) -> list[list[float]]:
@@ -183,8 +186,14 @@ def _pipeline_clock(config: ExperimentConfig, state: TrainState, replicas: list[
             return [[values[i][s][clock] for i in range(m)] for s in range(p)]
         return [[send[clock] for send in boundary] for boundary in values]
 
-    def schedules(clock: int, sends: bool = True) -> list:
-        return [pipeline_time(config.pp_schedule, p, m, arrays(stages, "forward", clock),
+    def forwards(stages: dict, clock: int, gathers) -> list[list[float]]:
+        forward = arrays(stages, "forward", clock)
+        for s, seconds in enumerate(gathers):   # (reshard_after_forward off: one gather per step)
+            forward[s][0] = timeline.gathered_forward_seconds(forward[s][0], ready[s], seconds, config.dp_overlap)
+        return forward
+
+    def schedules(clock: int, sends: bool = True, gathers=()) -> list:
+        return [pipeline_time(config.pp_schedule, p, m, forwards(stages, clock, gathers),
                               arrays(stages, "backward", clock),
                               **(dict(activation_s=arrays(stages, "activation", clock),
                                       gradient_s=arrays(stages, "gradient", clock)) if sends else {}))
@@ -198,7 +207,8 @@ def _pipeline_clock(config: ExperimentConfig, state: TrainState, replicas: list[
     state.pp_busy_s += sum(map(sum, arrays(replicas[0], "forward", 0))) + \
         sum(map(sum, arrays(replicas[0], "backward", 0)))
     if bucket_s:
-        state.dp_s += timeline.pipeline_step_seconds(timings, ready, bucket_s, config.dp_overlap) - step_s
+        gathered = schedules(0, gathers=gather_s) if gather_s else timings
+        state.dp_s += timeline.pipeline_step_seconds(gathered, ready, bucket_s, config.dp_overlap) - step_s
 
 
 def _compute_seconds(parts: Parts, config: ExperimentConfig, batch: dict, t0: float, device: torch.device) -> float:
