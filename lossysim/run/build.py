@@ -58,9 +58,11 @@ class Parts:
                     (self.context.evaluating() if self.context is not None else contextlib.nullcontext()):
                 yield
             return
-        for network in [*self.pipeline.eval_networks, *(b.network for b in self.pipeline.eval_boundaries)]:
+        for network in [*self.pipeline.eval_networks, *(n for b in self.pipeline.eval_boundaries
+                                                         for n in (b.network, *b.contexts))]:
             network.reset_stats()
-        with self.pipeline.evaluating(self.model.groups):
+        with self.pipeline.evaluating(self.model.groups), \
+                (self.context.evaluating() if self.context is not None else contextlib.nullcontext()):
             yield
 
 

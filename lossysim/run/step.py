@@ -84,8 +84,9 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
     # its TP traffic (on train_net's clock) are charged; replicas step side by side and dp_s is what the
     # slowest one's path and the buckets it waits for add.
     state.compute_s += computes[0]
-    state.cp_s += context_s[0][0]       # what replica 0's context exchanges add beside its attention
-    state.cp_s_ideal_nic += context_s[0][1]
+    if parts.pipeline is None:      # (with stages, ``_pipeline_clock`` charged what the exchanges add)
+        state.cp_s += context_s[0][0]       # what replica 0's context exchanges add beside its attention
+        state.cp_s_ideal_nic += context_s[0][1]
     if parts.pipeline is None:      # (with stages, ``_pipeline_clock`` charged the buckets)
         state.dp_s += dp.added_seconds(times, gather_s, bucket_s, config.dp_overlap)
     state.dp_s += experts_s
@@ -140,16 +141,20 @@ def _accumulate(parts: Parts, config: ExperimentConfig, replica: Replica, shard:
         # 2N FLOPs per token forward, 4N backward: a third of the compute is forward.
         forward_s += seconds / 3 + sum(e["comm_s"] - s["comm_s"] for s, e in zip(start, forward_end))
         backward_s += seconds * 2 / 3 + sum(e["comm_s"] - s["comm_s"] for s, e in zip(forward_end, backward_end))
+        per_stage = context.take_stage_seconds() if context is not None else None
         if context is not None:
-            added = context.take_seconds()
+            added = {d: [sum(s[k] for s in per_stage[d]) for k in (0, 1)] if pipeline is not None else
+                     per_stage[d][0] for d in per_stage}
             forward_s, backward_s = forward_s + added["fwd"][0], backward_s + added["bwd"][0]
             exposed = [exposed[k] + added["fwd"][k] + added["bwd"][k] for k in (0, 1)]
         if pipeline is not None:
             shares = _stage_shares(parts, micro)
             for phase, third, ends in (("forward", 1 / 3, (start, forward_end)), ("backward", 2 / 3,
                                                                                     (forward_end, backward_end))):
-                stages[phase].append([[seconds * third * share + end[c] - begin[c] for c in _CLOCKS]
-                                      for share, begin, end in zip(shares, *ends)])
+                # with context parallelism each stage's exchanges' added seconds follow its two clocks
+                stages[phase].append([[seconds * third * share + end[c] - begin[c] for c in _CLOCKS] +
+                                      (per_stage["fwd" if phase == "forward" else "bwd"][s] if per_stage else [])
+                                      for s, (share, begin, end) in enumerate(zip(shares, *ends))])
         losses.append(model.group.all_gather_reliable(model.rank_losses.detach()))
         logits.append(out.logits.detach())
     if pipeline is not None:
@@ -180,21 +185,24 @@ def _pipeline_clock(config: ExperimentConfig, state: TrainState, replicas: list[
     (``timeline.gathered_forward_seconds``): what they add joins ``dp_s``."""
     p, m = config.pp_size, config.n_microbatches
 
-    def arrays(stages: dict, phase: str, clock: int) -> list[list[float]]:
+    context = len(replicas[0]["forward"][0][0]) > len(_CLOCKS)   # each stage's exchanges' seconds beside
+
+    def arrays(stages: dict, phase: str, clock: int, exchanges: bool = False) -> list[list[float]]:
         values = stages[phase]
         if phase in ("forward", "backward"):   # [micro-batch][stage] -> [stage][micro-batch]
-            return [[values[i][s][clock] for i in range(m)] for s in range(p)]
+            return [[values[i][s][clock] + (values[i][s][len(_CLOCKS) + clock] if exchanges else 0.0)
+                     for i in range(m)] for s in range(p)]
         return [[send[clock] for send in boundary] for boundary in values]
 
-    def forwards(stages: dict, clock: int, gathers) -> list[list[float]]:
-        forward = arrays(stages, "forward", clock)
+    def forwards(stages: dict, clock: int, gathers, exchanges: bool) -> list[list[float]]:
+        forward = arrays(stages, "forward", clock, exchanges)
         for s, seconds in enumerate(gathers):   # (reshard_after_forward off: one gather per step)
             forward[s][0] = timeline.gathered_forward_seconds(forward[s][0], ready[s], seconds, config.dp_overlap)
         return forward
 
-    def schedules(clock: int, sends: bool = True, gathers=()) -> list:
-        return [pipeline_time(config.pp_schedule, p, m, forwards(stages, clock, gathers),
-                              arrays(stages, "backward", clock),
+    def schedules(clock: int, sends: bool = True, gathers=(), exchanges: bool = False) -> list:
+        return [pipeline_time(config.pp_schedule, p, m, forwards(stages, clock, gathers, exchanges),
+                              arrays(stages, "backward", clock, exchanges),
                               **(dict(activation_s=arrays(stages, "activation", clock),
                                       gradient_s=arrays(stages, "gradient", clock)) if sends else {}))
                 for stages in replicas]
@@ -202,12 +210,19 @@ def _pipeline_clock(config: ExperimentConfig, state: TrainState, replicas: list[
     timings = schedules(0)
     step_s = max(t.step_s for t in timings)
     state.pipeline_s += step_s
-    state.pipeline_s_ideal_nic += max(t.step_s for t in schedules(1))
+    ideal_s = max(t.step_s for t in schedules(1))
+    state.pipeline_s_ideal_nic += ideal_s
     state.pp_s += step_s - max(t.step_s for t in schedules(0, sends=False))
     state.pp_busy_s += sum(map(sum, arrays(replicas[0], "forward", 0))) + \
         sum(map(sum, arrays(replicas[0], "backward", 0)))
+    if context:   # cp_s: what the exchanges add to the schedule (the stages' ops they lengthen)
+        timings = schedules(0, exchanges=True)
+        exchanged_s = max(t.step_s for t in timings)
+        state.cp_s += exchanged_s - step_s
+        state.cp_s_ideal_nic += max(t.step_s for t in schedules(1, exchanges=True)) - ideal_s
+        step_s = exchanged_s
     if bucket_s:
-        gathered = schedules(0, gathers=gather_s) if gather_s else timings
+        gathered = schedules(0, gathers=gather_s, exchanges=context) if gather_s else timings
         state.dp_s += timeline.pipeline_step_seconds(gathered, ready, bucket_s, config.dp_overlap) - step_s
 
 
