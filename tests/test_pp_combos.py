@@ -34,6 +34,8 @@ LOSSY = dict(loss="bernoulli:0.05", ranks_per_node=1, grad_clip=0.1)   # every l
 LAYOUTS = {
     "cp-pp": dict(tp_size=1, cp_size=2, pp_size=2, recovery="mask"),
     "fsdp-pp": dict(tp_size=1, dp_size=2, pp_size=2, dp_mode="fsdp", recovery="zero"),
+    # the context ranks' gradients over the lossy dp x cp group
+    "cp-dp": dict(tp_size=1, cp_size=2, dp_size=2, recovery="mask"),
 }
 CASES = {f"{name}-lossy": {**layout, **LOSSY} for name, layout in LAYOUTS.items()}
 CASES["cp-pp-resumed"] = {**CASES["cp-pp-lossy"], "steps": 4, "eval_every": 2, "checkpoint_every": 2,
@@ -80,6 +82,24 @@ def test_fsdp_gathers_before_each_stage_s_first_forward_lengthen_the_step(tmp_pa
         _, state, _ = train_steps(tiny(tmp_path, tp_size=1, dp_size=2, pp_size=2, dp_mode=mode, dp_overlap=False), 2)
         steps[mode] = state
     assert steps["fsdp"].pipeline_s == steps["ddp"].pipeline_s and steps["fsdp"].dp_s > steps["ddp"].dp_s > 0
+
+
+def test_context_ranks_gradients_cross_the_lossy_dp_x_cp_group(tmp_path, one_torch_thread):
+    """tp 1 x cp 2 x dp 2, a rank to a node, loss on the gradients alone: each TP position's gradient
+    group is Megatron's dp x cp (4 members, every context rank's own gradients), its packets lost at the
+    configured rate (binomial test, every packet a trial), the keys and values exact, and the replicas
+    drift apart (each keeps what its context ranks received, on average)."""
+    from scipy import stats
+    p = 0.05
+    parts, _, _ = train_steps(tiny(tmp_path, tp_size=1, cp_size=2, dp_size=2, ranks_per_node=1, lossy_traffic="dp",
+                                   loss=f"bernoulli:{p}"), 2)
+    mesh = parts.dp.replicas[0].model.context
+    assert [n.ranks for n in parts.dp.networks] == [4] and mesh.gradients is not None
+    totals = parts.dp.networks[0].totals()
+    assert totals["sent"] > 0 and stats.binomtest(totals["lost"], totals["sent"], p).pvalue > 1e-3
+    assert all(n.totals()["lost"] == 0 < n.totals()["sent"] for r in parts.dp.replicas
+               for n in r.model.context.train_networks.cp)
+    assert parts.dp.drift() > 0
 
 
 # -- resume -----------------------------------------------------------------------------------------
@@ -163,7 +183,7 @@ def _sim(runs: Path, name: str, tmp_path_factory, monkeypatch) -> Path:
     return run_dir
 
 
-@pytest.mark.parametrize("name", ["cp-pp-lossy", "fsdp-pp-lossy"])
+@pytest.mark.parametrize("name", ["cp-pp-lossy", "fsdp-pp-lossy", "cp-dp-lossy"])
 def test_lossy_dist_combinations_are_sims_bit_for_bit(name, runs, tmp_path_factory, monkeypatch, one_torch_thread):
     """5% Bernoulli loss on every link, the gradient clipped: every metrics row and saved weight."""
     (sim_rows, sim_weights), (dist_rows, dist_weights) = (_written(d) for d in
@@ -172,11 +192,12 @@ def test_lossy_dist_combinations_are_sims_bit_for_bit(name, runs, tmp_path_facto
     assert len(sim_rows) == len(dist_rows)
     assert_dist_is_sim({"sim": sim_rows, "dist": dist_rows}, [sim_weights, dist_weights])
     last = [r for r in sim_rows if r["split"] == "train"][-1]
-    assert last["packets_lost_pp_fwd"] > 0 and last["packets_lost_pp_bwd"] > 0
+    if "pp" in name:
+        assert last["packets_lost_pp_fwd"] > 0 and last["packets_lost_pp_bwd"] > 0
     if name.startswith("cp"):
         assert last["packets_lost_cp_fwd"] > 0 and last["packets_lost_cp_bwd"] > 0 and last["cp_s_per_step"] > 0
-    else:
-        assert last["packets_lost_dp"] > 0 and last["dp_s_per_step"] > 0
+    if "dp" in name:
+        assert last["packets_lost_dp"] > 0 and last["dp_s_per_step"] > 0 and last["drift"] > 0
 
 
 def test_a_dist_context_pipeline_resumes_exactly(runs, tmp_path_factory, monkeypatch, one_torch_thread):

@@ -37,9 +37,9 @@ from torch import nn
 from .. import timing
 from ..models import cost
 from ..net import LossyNetwork
-from ..tp.groups import SimGroup
 from . import attention, clock, layout
 from .exchange import Exchange, exchanged
+from .group import ContextGroup, Gradients
 
 
 @dataclass
@@ -96,6 +96,8 @@ class ContextParallel(nn.Module):
         self._keys = None            # this forward's (valid keys [batch, keys], key positions, query positions)
         self.on_hidden: Callable[[torch.Tensor], None] = lambda hidden: None
         self.views: dict = {}        # this forward's per-rank views of replicated parameters (``ContextGroup``)
+        # sim with data parallelism: each context rank's gradients, for the dp x cp all-reduce
+        self.gradients: Optional[Gradients] = None
 
     # -- which networks -------------------------------------------------------------------------------
     @property
@@ -240,55 +242,6 @@ class ContextParallel(nn.Module):
         return out
 
 
-class ContextGroup(SimGroup):
-    """``sim``'s TP group when every TP rank's rows hold its context ranks' local sequences (``[tp, cp,
-    batch]``): each context rank's TP traffic goes through that rank's own TP network (context rank 0's is
-    the group's ``network``), its matmuls multiply its own rows (``per_rank``) and its replicated modules run
-    on its rows with its own views of the parameters, shared by every module in one forward
-    (``replicated_views``): a parameter's gradient is each context rank's summed over the TP ranks, then the
-    context ranks' summed, as ``dist``'s hooks sum them."""
-    context: ContextParallel
-    stage: int = 0
-
-    @classmethod
-    def attach(cls, group: SimGroup, context: ContextParallel, stage: int = 0) -> None:
-        group.__class__ = cls
-        group.context, group.stage = context, stage
-
-    @property
-    def contexts(self) -> int:
-        return self.context.cp
-
-    @property
-    def stacked(self) -> int:
-        return self.local_size * self.contexts
-
-    def per_rank(self, shards: torch.Tensor) -> torch.Tensor:
-        R, C = shards.shape[0], self.contexts
-        return shards.unsqueeze(1).expand(R, C, *shards.shape[1:]).reshape(R * C, *shards.shape[1:])
-
-    def replicated_views(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        views = self.context.views.get(id(param))
-        if views is None:
-            per_context = [p.expand(self.local_size, *param.shape).unbind(0)
-                           for p in param.expand(self.contexts, *param.shape).unbind(0)]
-            views = self.context.views[id(param)] = tuple(per_context[c][t] for t in range(self.local_size)
-                                                         for c in range(self.contexts))
-        return views
-
-    def _networks(self) -> list[LossyNetwork]:
-        return [self.network, *self.context.active.of_stage("tp", self.stage)]
-
-    def all_reduce(self, x: torch.Tensor, site: str, direction: str) -> torch.Tensor:
-        """``x``: [tp, cp * rows, ...] or [tp * cp, rows, ...]; each context rank's rows on its own network."""
-        parts = x.reshape(self.local_size, self.contexts, -1, *x.shape[2:])
-        out = [network.all_reduce(site, direction, parts[:, c], self.ranks) for c, network in enumerate(self._networks())]
-        return torch.stack(out, 1).reshape(x.shape)
-
-    def all_gather(self, x: torch.Tensor, site: str, direction: str) -> torch.Tensor:
-        raise NotImplementedError("context parallelism with a plan that gathers TP outputs is not modelled")
-
-
 class _Gathered(torch.autograd.Function):
     """``dist``: every context rank's local rows (all-gathered, reliable) in sequence order; backward:
     this rank's share of the gradient."""
@@ -374,10 +327,14 @@ def apply_cp(tp_model, config, mesh, rank: int = 0, replica: int = 0, groups: Op
     def on_hidden(whole: torch.Tensor) -> None:
         tp_model.rank_hidden = whole.reshape(context._local, -1, *whole.shape[1:])
     context.on_hidden = on_hidden
-    if distributed:
+    # With replicas the context ranks' gradients are summed in the data-parallel all-reduce over dp x cp
+    # (Megatron's; lossysim.dp), through its lossy network; with one replica, over a reliable channel here.
+    if distributed and mesh.dp == 1:
         for param in tp_model.parameters():
             param.register_hook(_summed_over(context.group, mesh.cp))
-    else:
+    elif not distributed:
+        if mesh.dp > 1:
+            context.gradients = Gradients(mesh.cp)
         for stage, group in enumerate(tp_model.groups):
             ContextGroup.attach(group, context, stage)
     tp_model.context = context
