@@ -18,10 +18,12 @@ forward do it (torchtitan's ``apply_cp`` wraps the model the same way):
 (``[tp, cp, batch]``), the TP group is a ``ContextGroup`` (each context rank's TP traffic on that rank's
 own TP network, its matmuls and its replicated modules run on its own rows with its own views of the
 parameters), and a parameter's gradient is the context ranks' gradients summed, rank by rank. ``dist``
-runs one: the other ranks' logits and hidden states arrive by a reliable all-gather, and every parameter's
-gradient is all-gathered over the context group and summed in ``sim``'s order, so both backends end a
-step with the same bits. Megatron sums the context ranks' gradients in its data-parallel all-reduce (over
-dp x cp); here that sum is reliable and the data-parallel traffic stays the dp replicas' (docs/context.md).
+runs one: the other ranks' logits and hidden states arrive by a reliable all-gather, and (one replica)
+every parameter's gradient is all-gathered over the context group and summed in ``sim``'s order, so both
+backends end a step with the same bits. With replicas the context ranks' gradients are summed as
+Megatron sums them, in the data-parallel all-reduce over dp x cp, through its lossy network
+(``lossysim.dp``; ``sim`` keeps each context rank's apart: ``group.Gradients``). With pipeline stages each
+stage's blocks exchange over that stage's context groups (docs/context.md).
 """
 from __future__ import annotations
 
