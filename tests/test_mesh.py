@@ -252,7 +252,7 @@ def test_one_rule_places_every_groups_network():
 
 
 @pytest.mark.parametrize("axis,lossy,traffic,needle", [
-    ("xp", None, None, "axis='xp': a group's network is one of tp, cp, dp, pp, ep, edp"),
+    ("xp", None, None, "axis='xp': a group's network is one of tp, cp, dp, dp_cp, pp, ep, edp"),
     ("tp", ("fwd",), None, "tp's network takes no lossy directions and no traffic class"),
     ("dp", None, None, "dp's network takes lossy directions and no traffic class"),
     ("ep", ("fwd",), None, "ep's network takes lossy directions and a traffic class"),
