@@ -84,6 +84,24 @@ def test_fsdp_gathers_before_each_stage_s_first_forward_lengthen_the_step(tmp_pa
     assert steps["fsdp"].pipeline_s == steps["ddp"].pipeline_s and steps["fsdp"].dp_s > steps["ddp"].dp_s > 0
 
 
+def test_the_gradients_group_is_megatron_s_dp_x_cp():
+    """``dp_cp``: the ranks at one TP position and stage over every (context, replica), context inner, as
+    Megatron's data-parallel group with context parallelism; with cp 1 the dp group, its network too."""
+    from lossysim.mesh import Mesh
+    mesh = Mesh(tp=2, cp=2, dp=2, pp=2)
+    for rank in range(mesh.world):
+        at = mesh.coordinates(rank)
+        group = mesh.group("dp_cp", rank)
+        assert group == [mesh.rank(tp=at["tp"], pp=at["pp"], cp=i % 2, dp=i // 2) for i in range(4)]
+        assert set(group) == {r for r in range(mesh.world) if {k: v for k, v in mesh.coordinates(r).items()
+                                                               if k in ("tp", "pp")} == {"tp": at["tp"], "pp": at["pp"]}}
+    flat = Mesh(tp=2, dp=4, pp=2)
+    settings = tiny_run("unused", dp_size=4, tp_size=2).network_settings()
+    for rank in range(flat.world):
+        assert flat.group("dp_cp", rank) == flat.group("dp", rank)
+        assert flat.network_spec("dp_cp", rank, settings, ("bwd",)) == flat.network_spec("dp", rank, settings, ("bwd",))
+
+
 def test_context_ranks_gradients_cross_the_lossy_dp_x_cp_group(tmp_path, one_torch_thread):
     """tp 1 x cp 2 x dp 2, a rank to a node, loss on the gradients alone: each TP position's gradient
     group is Megatron's dp x cp (4 members, every context rank's own gradients), its packets lost at the
