@@ -70,9 +70,9 @@ class Sends:
 @dataclass(frozen=True)
 class Buckets:
     """Data-parallel traffic: ``ready[stage]`` (each bucket's readiness), ``seconds[stage]`` (each
-    bucket's all-reduce or reduce-scatter), ``gather`` (FSDP's gathers before the forward, one stage),
-    ``overlap`` (buckets and gathers overlap compute), ``after`` (seconds after the backward: the experts'
-    buckets). No ``seconds``: one replica, nothing to average."""
+    bucket's all-reduce or reduce-scatter), ``gather[stage]`` (FSDP's gathers of the stage's units before
+    its forward; none: DDP), ``overlap`` (buckets and gathers overlap compute), ``after`` (seconds after the
+    backward: the experts' buckets). No ``seconds``: one replica, nothing to average."""
     ready: Sequence[Sequence[float]] = ()
     seconds: Sequence[Sequence[float]] = ()
     gather: Sequence[float] = ()
@@ -142,7 +142,8 @@ def step_time(paths: Sequence[Path], buckets: Buckets = Buckets(), schedule: Opt
     """A step's end over every replica's path (replica 0 first; one of each kind whose paths differ will
     do): without ``schedule``, replica 0's compute and stream traffic plus what the slowest replica's path
     and the buckets add (``added_seconds``); with it, the slowest replica's schedule, or later where a
-    stage's buckets end later (``pipeline_step_seconds``). Then whatever runs after the backward.
+    stage's buckets end later (``pipeline_step_seconds``), each stage's first forward after its FSDP
+    gathers (``pipeline_s`` is the schedule without them). Then whatever runs after the backward.
     ``pp_added``: also what the boundaries' sends add (the same schedules with free sends)."""
     if schedule is None:
         first = paths[0]
@@ -150,18 +151,29 @@ def step_time(paths: Sequence[Path], buckets: Buckets = Buckets(), schedule: Opt
         dp_s = 0.0
         if buckets.seconds:
             dp_s = added_seconds([(sum(p.forward[0]), sum(p.backward[0])) for p in paths], buckets.ready[0],
-                                 buckets.gather, buckets.seconds[0], buckets.overlap)
+                                 buckets.gather[0] if buckets.gather else (), buckets.seconds[0], buckets.overlap)
             seconds += dp_s
         return Step(seconds + buckets.after, {"compute_s": first.compute_s, "comm_s": first.comm_s, "dp_s": dp_s,
                                               "dp_after_s": buckets.after})
     timings = [_schedule(schedule, p, p.sends) for p in paths]
     pipeline_s = max(t.step_s for t in timings)
+    if buckets.gather:    # FSDP's gathers delay each stage's first forward: what they add is dp_s's
+        timings = [_schedule(schedule, _gathered(p, buckets), p.sends) for p in paths]
     seconds = pipeline_step_seconds(timings, buckets.ready, buckets.seconds, buckets.overlap)
     parts = {"compute_s": paths[0].compute_s, "pipeline_s": pipeline_s, "dp_s": seconds - pipeline_s,
              "dp_after_s": buckets.after}
     if pp_added:
         parts["pp_s"] = pipeline_s - max(_schedule(schedule, p, Sends()).step_s for p in paths)
     return Step(seconds + buckets.after, parts)
+
+
+def _gathered(path: Path, buckets: Buckets) -> Path:
+    """``path`` with each stage's first forward waiting for its units' gathers (``reshard_after_forward``
+    off: one gather per step), prefetched as without stages (``gathered_forward_seconds``)."""
+    forward = [list(stage) for stage in path.forward]
+    for s, seconds in enumerate(buckets.gather):
+        forward[s][0] = gathered_forward_seconds(forward[s][0], buckets.ready[s], seconds, buckets.overlap)
+    return Path(forward, path.backward, path.sends, path.compute_s, path.comm_s)
 
 
 def _schedule(schedule: Schedule, path: Path, sends: Sends) -> PipelineTiming:

@@ -48,6 +48,8 @@ _NETWORKS = {
     "tp": _Network("tp.replica{dp}[.stage{pp}][.cp{cp}]", own_nics=False),
     "cp": _Network("cp.replica{dp}.tp{tp}[.stage{pp}]", own_nics=False),
     "dp": _Network("dp[.stage{pp}].group{tp}", own_nics=True),
+    # the gradients' group, Megatron's data-parallel group with context parallelism (dp x cp; dp's with cp 1)
+    "dp_cp": _Network("dp[.stage{pp}].group{tp}", own_nics=True),
     "pp": _Network("pp.replica{dp}.boundary{pp}[.cp{cp}]", own_nics=False),   # a boundary: see _boundary
     "ep": _Network("{traffic}.tp{tp}.group{edp}[.stage{pp}]", own_nics=True),
     "edp": _Network("edp.tp{tp}.experts{ep}[.stage{pp}]", own_nics=True),
@@ -119,9 +121,12 @@ class Mesh:
         return {axis: getattr(self, axis) for axis in AXES}
 
     def size(self, axis: str) -> int:
-        """An axis's size, ``edp`` too (the ranks holding the same experts: dp x cp / ep)."""
+        """An axis's size, ``edp`` too (the ranks holding the same experts: dp x cp / ep), and ``dp_cp``'s
+        (the gradients' group: dp x cp)."""
         if axis == "edp":
             return self.dp * self.cp // self.ep
+        if axis == "dp_cp":
+            return self.dp * self.cp
         if axis not in AXES:
             raise ValueError(f"axis={axis!r} is not one of {', '.join(AXES + ('edp',))}")
         return getattr(self, axis)
@@ -187,6 +192,8 @@ class Mesh:
         """The ranks that differ from ``rank`` in ``axis`` alone, in that axis's order; ``ep``, ``edp``:
         the ranks at the same tp and pp whose (cp, dp) index differs in that expert coordinate alone."""
         at, size = self.coordinates(rank), self.size(axis)
+        if axis == "dp_cp":   # Megatron's data-parallel group with context parallelism: (cp, dp) index cp + cp x dp
+            return [self._dense({**at, "cp": c % self.cp, "dp": c // self.cp}) for c in range(size)]
         if axis not in CARVED:
             return [self._dense(at, axis, i) for i in range(size)]
         index = [at["edp"] * self.ep + i for i in range(size)] if axis == "ep" else \
@@ -207,7 +214,7 @@ class Mesh:
     # -- each group's network ----------------------------------------------------------------------
     def network_spec(self, axis: str, rank: int, settings: dict, lossy: Optional[tuple[str, ...]] = None,
                      traffic: Optional[str] = None) -> NetworkSpec:
-        """The network of ``rank``'s ``axis`` group (``tp``, ``cp``, ``dp``, ``ep``, ``edp``; ``pp``: the
+        """The network of ``rank``'s ``axis`` group (``tp``, ``cp``, ``dp``, ``dp_cp``, ``ep``, ``edp``; ``pp``: the
         pipeline boundary after ``rank``'s stage) on the run's network ``settings`` (``NetworkSpec``'s keys):
         its ranks on the nodes the mesh puts them, streams of its own (``_NETWORKS``). ``lossy``: the
         directions that may lose packets, every message a candidate (site selection picks TP sites); TP's
@@ -260,4 +267,9 @@ class Mesh:
             out[axis] = {}
             for ranks in self.groups(axis):
                 out[axis].update(dict.fromkeys(ranks, dist.new_group(ranks)))
+        if self.cp > 1 and self.dp > 1:   # the gradients' group (``dp_cp``)
+            out["dp_cp"] = {}
+            for ranks in [self.group("dp_cp", r) for r in range(self.world) if self.coordinates(r)["dp"] ==
+                          self.coordinates(r)["cp"] == 0]:
+                out["dp_cp"].update(dict.fromkeys(ranks, dist.new_group(ranks)))
         return out

@@ -55,3 +55,20 @@ def test_a_replica_may_hand_its_passes_as_sums():
     other = Path([[5.0]], [[6.0]])
     step = step_time([path, other], Buckets([[1.0]], [[2.0]], overlap=False))
     assert step.breakdown["dp_s"] == 5.0 + 6.0 + 2.0 - 10.0 and step.seconds == 10.0 + 3.0
+
+
+def test_fsdp_gathers_with_stages_delay_each_stages_first_forward_and_join_dp_s():
+    """GPipe over 2 stages, 2 micro-batches of 1 s forward and 2 s backward a stage, free sends: stage 1's
+    one unit gathered in 3 s before its forward (not overlapped) makes its first forward 4 s. Without the
+    gathers: stage 1's forwards end at 3, its backwards at 7, stage 0's at 9; with them, 6, 10 and 12."""
+    path = stream(Compute([6.0, 6.0], (0.5, 0.5)), sends=Sends([[0.0, 0.0]], [[0.0, 0.0]]))
+    plan = Schedule("gpipe", 2, 2)
+    buckets = Buckets([[1.0], [1.0]], [[0.0], [0.0]], gather=[[], [3.0]], overlap=False)
+    step = step_time([path], buckets, plan, pp_added=True)
+    assert step.breakdown["pipeline_s"] == 9.0 and step.seconds == 12.0
+    assert step.breakdown["dp_s"] == 3.0 and step.breakdown["pp_s"] == 0.0
+    assert step.seconds == pipeline_time("gpipe", 2, 2, [[1.0, 1.0], [4.0, 1.0]], [[2.0, 2.0]] * 2).step_s
+    # one unit: its prefetch (one unit ahead) hides nothing, so overlap gives the same step
+    assert step_time([path], Buckets([[1.0], [1.0]], [[0.0], [0.0]], gather=[[], [3.0]]), plan).seconds == 12.0
+    # without seconds for the gathers the schedule is the step
+    assert step_time([path], Buckets([[1.0], [1.0]], [[0.0], [0.0]]), plan).seconds == 9.0

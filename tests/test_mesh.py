@@ -252,7 +252,7 @@ def test_one_rule_places_every_groups_network():
 
 
 @pytest.mark.parametrize("axis,lossy,traffic,needle", [
-    ("xp", None, None, "axis='xp': a group's network is one of tp, cp, dp, pp, ep, edp"),
+    ("xp", None, None, "axis='xp': a group's network is one of tp, cp, dp, dp_cp, pp, ep, edp"),
     ("tp", ("fwd",), None, "tp's network takes no lossy directions and no traffic class"),
     ("dp", None, None, "dp's network takes lossy directions and no traffic class"),
     ("ep", ("fwd",), None, "ep's network takes lossy directions and a traffic class"),
@@ -282,8 +282,6 @@ def test_every_process_creates_every_group_in_one_order(tp, dp, pp, monkeypatch)
 @pytest.mark.parametrize("train, estimate, needle", [
     (["--tp-size", "1", "--pp-size", "2", "--set", "ranks_per_node=3"],
      ["--tp-size", "1", "--pp-size", "2", "--ranks-per-node", "3"], "ranks_per_node=3 is more GPUs than the layout's"),
-    (["--tp-size", "2", "--pp-size", "2", "--dp-size", "2", "--dp-mode", "fsdp"],
-     ["--tp-size", "2", "--pp-size", "2", "--dp-size", "2", "--dp-mode", "fsdp"], "dp_mode=fsdp with pp_size=2"),
     (["--tp-size", "2", "--pp-size", "2", "--recovery", "outliers"],
      ["--tp-size", "2", "--pp-size", "2", "--recovery", "outliers"],
      "pp_size=2: recovery=outliers does not act on point-to-point sends"),

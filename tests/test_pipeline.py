@@ -214,7 +214,6 @@ def test_resume_is_exact(tmp_path, one_torch_thread):
     (["--microbatches", "0"], "microbatches=0 must be >= 1"),
     (["--pp-size", "2", "--microbatches", "3"], "batch_size=8 must be a multiple of dp_size=1 x microbatches=3"),
     (["--pp-size", "2", "--pp-schedule", "interleaved"], "pp_schedule='interleaved' must be one of gpipe, 1f1b"),
-    (["--pp-size", "2", "--dp-size", "2", "--dp-mode", "fsdp"], "dp_mode=fsdp with pp_size=2: FSDP's gathers"),
     (["--pp-size", "2", "--dp-size", "2", "--set", "dp_sync_every=2"], "dp_sync_every with pp_size=2"),
     # the mesh's one layout rule, whatever the axes (it was skipped with one replica)
     (["--pp-size", "2", "--set", "ranks_per_node=3"], "ranks_per_node=3 is more GPUs than the layout's tp1 x pp2"),

@@ -23,9 +23,6 @@ def validate_pairs(config) -> None:
             raise ValueError(f"{setting}: {err}") from None
     if fsdp and config.dp_sync_every:
         raise ValueError("dp_sync_every with dp_mode=fsdp: FSDP's replicas share one exact master copy and never drift")
-    if fsdp and pp:
-        raise ValueError(f"dp_mode=fsdp with pp_size={config.pp_size}: FSDP's gathers around a pipeline schedule "
-                         "are not modelled; use dp_mode=ddp or pp_size=1")
     if pp and config.dp_sync_every:
         raise ValueError(f"dp_sync_every with pp_size={config.pp_size}: synchronising pipelined replicas is not "
                          "modelled; set dp_sync_every=0")
@@ -60,7 +57,7 @@ def check_something_can_lose(config) -> None:
     if spec.loss.lossless:
         return
     mesh, settings = config.mesh(), config.network_settings()
-    networks = [spec] + ([mesh.network_spec("dp", 0, settings, config.dp_lossy())] if config.dp_size > 1 else []) + \
+    networks = [spec] + ([mesh.network_spec("dp_cp", 0, settings, config.dp_lossy())] if config.dp_size > 1 else []) + \
         [mesh.network_spec("tp", mesh.rank(pp=s), settings) for s in range(1, config.pp_size)] + \
         [mesh.network_spec("pp", mesh.rank(pp=b), settings, config.pp_lossy()) for b in range(config.pp_size - 1)] + \
         [mesh.network_spec("ep", 0, settings, config.lossy_directions(c), c) for c in EP_CLASSES

@@ -26,12 +26,14 @@ class Site:
     """An attention module's call site (``h.3.attn.kv``) and the context parallelism it runs under."""
     name: str
     context: object
+    stage: int = 0       # the pipeline stage running the block (its context groups)
 
 
 def _forward(module, query, key, value, attention_mask, scaling: Optional[float] = None, dropout: float = 0.0,
              **kwargs):
     site: Site = module.lossysim_context
-    return site.context.attend(site.name, query, key, value, scaling, dropout, kwargs.get("sliding_window"))
+    return site.context.attend(site.name, query, key, value, scaling, dropout, kwargs.get("sliding_window"),
+                               site.stage)
 
 
 def register() -> None:

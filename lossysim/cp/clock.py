@@ -5,7 +5,7 @@ with the block it already holds (Megatron overlaps each step's send and compute)
 of the two and adds ``max(0, send - compute)``: a repaired block delays only what waits for it. ``allgather``:
 the all-gather comes before the attention that reads it (and the reduce-scatter after the backward that
 wrote its gradients): every second of it is added. Training (``lossysim.cp.context``) and the estimate
-(``lossysim.estimate.clock``) end their steps with these same functions.
+(``lossysim.estimate.simulate``) end their steps with these same functions.
 """
 from __future__ import annotations
 

@@ -18,10 +18,12 @@ forward do it (torchtitan's ``apply_cp`` wraps the model the same way):
 (``[tp, cp, batch]``), the TP group is a ``ContextGroup`` (each context rank's TP traffic on that rank's
 own TP network, its matmuls and its replicated modules run on its own rows with its own views of the
 parameters), and a parameter's gradient is the context ranks' gradients summed, rank by rank. ``dist``
-runs one: the other ranks' logits and hidden states arrive by a reliable all-gather, and every parameter's
-gradient is all-gathered over the context group and summed in ``sim``'s order, so both backends end a
-step with the same bits. Megatron sums the context ranks' gradients in its data-parallel all-reduce (over
-dp x cp); here that sum is reliable and the data-parallel traffic stays the dp replicas' (docs/context.md).
+runs one: the other ranks' logits and hidden states arrive by a reliable all-gather, and (one replica)
+every parameter's gradient is all-gathered over the context group and summed in ``sim``'s order, so both
+backends end a step with the same bits. With replicas the context ranks' gradients are summed as
+Megatron sums them, in the data-parallel all-reduce over dp x cp, through its lossy network
+(``lossysim.dp``; ``sim`` keeps each context rank's apart: ``group.Gradients``). With pipeline stages each
+stage's blocks exchange over that stage's context groups (docs/context.md).
 """
 from __future__ import annotations
 
@@ -37,18 +39,26 @@ from torch import nn
 from .. import timing
 from ..models import cost
 from ..net import LossyNetwork
-from ..tp.groups import SimGroup
 from . import attention, clock, layout
 from .exchange import Exchange, exchanged
+from .group import ContextGroup, Gradients
 
 
 @dataclass
 class Networks:
-    """One set of a replica's context-parallel networks (training's or evaluation's): ``cp``: the context
-    group's of each TP position this process runs; ``tp``: (``sim``) the TP groups' of context ranks 1..
-    (context rank 0's is the TP model's own network)."""
+    """One set of a replica's context-parallel networks (training's or evaluation's), stage by stage (one
+    stage without a pipeline): ``cp``: the context group's of each TP position this process runs; ``tp``:
+    (``sim``) the TP groups' of context ranks 1.. (context rank 0's is the TP model's own network, or its
+    stage's). On ``dist`` with stages a process runs its own stage's; the others' mirror their owners'
+    (``lossysim.pp.dist``)."""
     cp: list[LossyNetwork]
     tp: list[LossyNetwork] = field(default_factory=list)
+    stages: int = 1
+
+    def of_stage(self, kind: str, stage: int) -> list[LossyNetwork]:
+        networks = getattr(self, kind)
+        per = len(networks) // self.stages
+        return networks[stage * per:(stage + 1) * per]
 
     def all(self) -> list[LossyNetwork]:
         return [*self.cp, *self.tp]
@@ -80,6 +90,7 @@ class ContextParallel(nn.Module):
         self.train_networks, self.eval_networks = train, evaluation
         self.pad_token_id, self.hidden, self.compute, self.group = pad_token_id, hidden, compute, group
         own = contexts[0] if group is not None else None
+        self.stages = train.stages
         self._exchanges = {True: [Exchange(mode, n, group, own) for n in train.cp],
                            False: [] if evaluation is None else [Exchange(mode, n, group, own, record=False)
                                                                  for n in evaluation.cp]}
@@ -87,6 +98,8 @@ class ContextParallel(nn.Module):
         self._keys = None            # this forward's (valid keys [batch, keys], key positions, query positions)
         self.on_hidden: Callable[[torch.Tensor], None] = lambda hidden: None
         self.views: dict = {}        # this forward's per-rank views of replicated parameters (``ContextGroup``)
+        # sim with data parallelism: each context rank's gradients, for the dp x cp all-reduce
+        self.gradients: Optional[Gradients] = None
 
     # -- which networks -------------------------------------------------------------------------------
     @property
@@ -164,17 +177,23 @@ class ContextParallel(nn.Module):
             self.on_hidden(self.gather(output.detach()))
 
     # -- attention ------------------------------------------------------------------------------------
+    def _stage_exchanges(self, training: bool, stage: int) -> list[Exchange]:
+        exchanges = self._exchanges[training]
+        per = len(exchanges) // self.stages
+        return exchanges[stage * per:(stage + 1) * per]
+
     def attend(self, site: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scaling: Optional[float], dropout: float, window: Optional[int]) -> torch.Tensor:
+               scaling: Optional[float], dropout: float, window: Optional[int], stage: int = 0) -> torch.Tensor:
         """HF's attention for this process's rows: keys and values exchanged over each TP position's
-        context group (``exchange``), then attention over every origin's keys (``attention``)."""
+        context group of the block's ``stage`` (``exchange``), then attention over every origin's keys
+        (``attention``)."""
         R, C, P = self._local, len(self.contexts), self.cp
         N, kv_heads, L, d = key.shape
         B = N // (R * C)
         blocks = torch.stack([key, value], 1).view(R, C, B, 2, kv_heads, L, d).transpose(2, 3)
         shape = (2, B, kv_heads, L, d)
         held, lost = [], []
-        for t, exchange in enumerate(self._exchanges[self.training]):
+        for t, exchange in enumerate(self._stage_exchanges(self.training, stage)):
             got, missed = exchanged(exchange, site, blocks[t].reshape(C, -1))        # [C, P, n]
             held.append(got.view(C, P, *shape))
             if missed is not None and exchange.network.recovery.masks_keys:
@@ -197,66 +216,32 @@ class ContextParallel(nn.Module):
     # -- the clock -------------------------------------------------------------------------------------
     def take_seconds(self) -> dict[str, list[float]]:
         """Per direction, [comm_s, comm_s_ideal_nic]: what the training exchanges since the last take
-        added beside their attention (``clock.exposed``), the slowest TP position's per call site."""
+        added beside their attention (``clock.exposed``), the slowest TP position's per call site, every
+        stage's summed (``take_stage_seconds``)."""
+        stages = self.take_stage_seconds()
+        out = {}
+        for direction, per_stage in stages.items():
+            total = per_stage[0]
+            for more in per_stage[1:]:
+                total = [total[k] + more[k] for k in (0, 1)]
+            out[direction] = total
+        return out
+
+    def take_stage_seconds(self) -> dict[str, list[list[float]]]:
+        """``take_seconds`` per pipeline stage: each stage's exchanges' (zeros where this process ran none)."""
         out = {}
         for direction in ("fwd", "bwd"):
             step = self.compute.seconds(clock.attention_step_flops(self._batch, self._padded, self.hidden,
                                                                    self.tp_size, self.cp, direction))
-            per_position = [exchange.take_rounds(direction) for exchange in self._exchanges[True]]
-            total = [0.0, 0.0]
-            for calls in zip(*per_position):      # one call site's exchange at every TP position
-                for k in (0, 1):
-                    total[k] += max(clock.exposed(self.mode, [r[k] for r in rounds], step) for rounds in calls)
-            out[direction] = total
+            out[direction] = []
+            for stage in range(self.stages):
+                per_position = [exchange.take_rounds(direction) for exchange in self._stage_exchanges(True, stage)]
+                total = [0.0, 0.0]
+                for calls in zip(*per_position):      # one call site's exchange at every TP position
+                    for k in (0, 1):
+                        total[k] += max(clock.exposed(self.mode, [r[k] for r in rounds], step) for rounds in calls)
+                out[direction].append(total)
         return out
-
-
-class ContextGroup(SimGroup):
-    """``sim``'s TP group when every TP rank's rows hold its context ranks' local sequences (``[tp, cp,
-    batch]``): each context rank's TP traffic goes through that rank's own TP network (context rank 0's is
-    the group's ``network``), its matmuls multiply its own rows (``per_rank``) and its replicated modules run
-    on its rows with its own views of the parameters, shared by every module in one forward
-    (``replicated_views``): a parameter's gradient is each context rank's summed over the TP ranks, then the
-    context ranks' summed, as ``dist``'s hooks sum them."""
-    context: ContextParallel
-
-    @classmethod
-    def attach(cls, group: SimGroup, context: ContextParallel) -> None:
-        group.__class__ = cls
-        group.context = context
-
-    @property
-    def contexts(self) -> int:
-        return self.context.cp
-
-    @property
-    def stacked(self) -> int:
-        return self.local_size * self.contexts
-
-    def per_rank(self, shards: torch.Tensor) -> torch.Tensor:
-        R, C = shards.shape[0], self.contexts
-        return shards.unsqueeze(1).expand(R, C, *shards.shape[1:]).reshape(R * C, *shards.shape[1:])
-
-    def replicated_views(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        views = self.context.views.get(id(param))
-        if views is None:
-            per_context = [p.expand(self.local_size, *param.shape).unbind(0)
-                           for p in param.expand(self.contexts, *param.shape).unbind(0)]
-            views = self.context.views[id(param)] = tuple(per_context[c][t] for t in range(self.local_size)
-                                                         for c in range(self.contexts))
-        return views
-
-    def _networks(self) -> list[LossyNetwork]:
-        return [self.network, *self.context.active.tp]
-
-    def all_reduce(self, x: torch.Tensor, site: str, direction: str) -> torch.Tensor:
-        """``x``: [tp, cp * rows, ...] or [tp * cp, rows, ...]; each context rank's rows on its own network."""
-        parts = x.reshape(self.local_size, self.contexts, -1, *x.shape[2:])
-        out = [network.all_reduce(site, direction, parts[:, c], self.ranks) for c, network in enumerate(self._networks())]
-        return torch.stack(out, 1).reshape(x.shape)
-
-    def all_gather(self, x: torch.Tensor, site: str, direction: str) -> torch.Tensor:
-        raise NotImplementedError("context parallelism with a plan that gathers TP outputs is not modelled")
 
 
 class _Gathered(torch.autograd.Function):
@@ -303,28 +288,28 @@ def apply_cp(tp_model, config, mesh, rank: int = 0, replica: int = 0, groups: Op
     ``compute``. None when cp_size is 1."""
     if config.cp_size == 1:
         return None
-    if config.pp_size > 1:
-        raise ValueError(f"cp_size={config.cp_size} with pp_size={config.pp_size}: training context parallelism "
-                         "inside pipeline stages is not modelled (lossysim estimate times it); use pp_size=1")
     attention.register()
     model, plan, kind = tp_model.model, tp_model.plan, tp_model.kind
     settings, evaluation = config.network_settings(), config.network_settings(evaluation=True)
     lossy = config.lossy_directions("cp")
     distributed = groups is not None
-    if distributed:
+    stages = range(mesh.pp)
+    if distributed:   # (every stage's context group at this TP position: the others' mirror their owners')
         at = mesh.coordinates(rank)
         contexts, positions = [at["cp"]], [at["tp"]]
-        train = Networks([LossyNetwork(mesh.network_spec("cp", mesh.rank(dp=replica, tp=at["tp"]), settings,
-                                                         lossy))])
-        evaluated = Networks([LossyNetwork(mesh.network_spec("cp", mesh.rank(tp=at["tp"]), evaluation, lossy))])
+
+        def built(values: dict, r: int) -> Networks:
+            return Networks([LossyNetwork(mesh.network_spec("cp", mesh.rank(dp=r, tp=at["tp"], pp=s), values,
+                                                            lossy)) for s in stages], stages=mesh.pp)
+        train, evaluated = built(settings, replica), built(evaluation, 0)
     else:
         contexts, positions = list(range(mesh.cp)), list(range(mesh.tp))
 
         def built(values: dict, r: int) -> Networks:
-            return Networks([LossyNetwork(mesh.network_spec("cp", mesh.rank(dp=r, tp=t), values, lossy))
-                             for t in positions],
-                            [LossyNetwork(mesh.network_spec("tp", mesh.rank(dp=r, cp=c), values))
-                             for c in contexts[1:]])
+            return Networks([LossyNetwork(mesh.network_spec("cp", mesh.rank(dp=r, tp=t, pp=s), values, lossy))
+                             for s in stages for t in positions],
+                            [LossyNetwork(mesh.network_spec("tp", mesh.rank(dp=r, pp=s, cp=c), values))
+                             for s in stages for c in contexts[1:]], stages=mesh.pp)
         train = built(settings, replica)
         evaluated = built(evaluation, 0) if replica == 0 else None
     _, hidden = cost.dims(model.config)
@@ -336,17 +321,37 @@ def apply_cp(tp_model, config, mesh, rank: int = 0, replica: int = 0, groups: Op
     base.get_submodule(plan.final_norm).register_forward_hook(context.keep_hidden)
     _head(model, kind).register_forward_hook(context.leave)
     for i, block in enumerate(base.get_submodule(plan.blocks)):
+        stage = at["pp"] if distributed else _stage_of(block, tp_model.groups)
         block.get_submodule(plan.attention).lossysim_context = attention.Site(f"{plan.blocks}.{i}.{plan.attention}.kv",
-                                                                               context)
+                                                                               context, stage)
     model.config._attn_implementation = attention.NAME
 
     def on_hidden(whole: torch.Tensor) -> None:
         tp_model.rank_hidden = whole.reshape(context._local, -1, *whole.shape[1:])
     context.on_hidden = on_hidden
-    if distributed:
+    # With replicas the context ranks' gradients are summed in the data-parallel all-reduce over dp x cp
+    # (Megatron's; lossysim.dp), through its lossy network; with one replica, over a reliable channel here.
+    if distributed and mesh.dp == 1:
         for param in tp_model.parameters():
             param.register_hook(_summed_over(context.group, mesh.cp))
-    else:
-        ContextGroup.attach(tp_model.group, context)
+    elif not distributed:
+        if mesh.dp > 1:
+            context.gradients = Gradients(mesh.cp)
+        for stage, group in enumerate(tp_model.groups):
+            ContextGroup.attach(group, context, stage)
     tp_model.context = context
+    pipeline = getattr(tp_model, "pipeline", None)
+    if pipeline is not None:   # dist: the other stages' context groups mirror their owners'
+        pipeline.extras = {"train": [train.of_stage("cp", s) for s in stages],
+                           "eval": [evaluated.of_stage("cp", s) for s in stages]}
     return context
+
+
+def _stage_of(block: nn.Module, groups: list) -> int:
+    """The pipeline stage whose TP group (``groups``, stage by stage) runs ``block`` (``sim``)."""
+    for module in block.modules():
+        group = getattr(module, "group", None)
+        for stage, candidate in enumerate(groups):
+            if group is candidate:
+                return stage
+    return 0

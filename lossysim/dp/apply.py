@@ -18,11 +18,17 @@ def apply_dp(replicas: Sequence[Replica], mesh: Mesh, networks: Sequence[Sequenc
     (``Mesh.process_groups``), this process being global ``rank``; None: sim. ``mode``: ddp or fsdp
     (a group of one has nothing to shard)."""
     fsdp = mode == "fsdp" and mesh.dp > 1
+    # with context parallelism every context rank is a member of its group (Megatron's dp x cp)
+    contexts = mesh.cp if mesh.dp > 1 else 1
     if groups is None:
-        return (FullyShardedDataParallel if fsdp else DataParallel)(replicas, networks, bucket_bytes)
+        if fsdp:
+            return FullyShardedDataParallel(replicas, networks, bucket_bytes)
+        return DataParallel(replicas, networks, bucket_bytes, contexts=contexts)
     at = mesh.coordinates(rank)
     replica, stage, tp_rank = at["dp"], at["pp"], at["tp"]
     kind = DistFullyShardedDataParallel if fsdp else DistDataParallel
+    extra = dict(contexts=contexts, context=at["cp"], grad_group=groups["dp_cp"][rank],
+                 cp_group=groups["cp"][rank]) if contexts > 1 else {}
     return kind(replicas[0], networks[0][0], bucket_bytes, replica_index=replica, tp_rank=tp_rank, dp_size=mesh.dp,
                 tp_size=mesh.tp, dp_group=groups["dp"][rank], tp_group=groups["tp"][rank], stage=stage,
-                pp_group=groups["pp"][rank] if mesh.pp > 1 else None)
+                pp_group=groups["pp"][rank] if mesh.pp > 1 else None, **extra)

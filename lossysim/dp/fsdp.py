@@ -94,53 +94,58 @@ class FullyShardedDataParallel(DataParallel):
         self._master: Optional[list[torch.Tensor]] = None
 
     @torch.no_grad()
-    def gather_weights(self) -> list[float]:
+    def gather_weights(self) -> list[list[float]]:
         """Every replica's working weights, gathered unit by unit from the master (shard r from replica r's
-        copy, as ``dist`` gathers it from its owner); returns each unit's seconds on the clock (the slowest
-        group's: groups run side by side)."""
+        copy, as ``dist`` gathers it from its owner), each stage's units over its own groups; returns each
+        stage's units' seconds on the clock (the slowest group's: groups run side by side)."""
         self._master = [[p.detach().clone() for p in r.model.parameters()] for r in self.replicas]
         params = [list(r.model.parameters()) for r in self.replicas]
         seconds = []
-        for b, bucket in enumerate(self.buckets):
-            slowest = 0.0
-            for t, network in enumerate(self.networks):
-                before = network.clock()["comm_s"]
-                working = _gather_owned(network, f"fsdp.gather{b}",
-                                        [bucketing.flatten(master, bucket, t) for master in self._master])
-                slowest = max(slowest, network.clock()["comm_s"] - before)
-                for k, piece in enumerate(bucketing.pieces(working, bucket)):
-                    i = bucket.params[k]
-                    for r, own in enumerate(params):
-                        if bucket.sharded[k]:
-                            own[i][t].copy_(piece[r].view_as(own[i][t]))
-                        elif t == 0:      # one copy per replica: TP rank 0's
-                            own[i].copy_(piece[r].view_as(own[i]))
-            seconds.append(slowest)
+        for buckets, networks in zip(self.stage_buckets, self.stage_networks):
+            seconds.append([])
+            for b, bucket in enumerate(buckets):
+                slowest = 0.0
+                for t, network in enumerate(networks):
+                    before = network.clock()["comm_s"]
+                    working = _gather_owned(network, f"fsdp.gather{b}",
+                                            [bucketing.flatten(master, bucket, t) for master in self._master])
+                    slowest = max(slowest, network.clock()["comm_s"] - before)
+                    for k, piece in enumerate(bucketing.pieces(working, bucket)):
+                        i = bucket.params[k]
+                        for r, own in enumerate(params):
+                            if bucket.sharded[k]:
+                                own[i][t].copy_(piece[r].view_as(own[i][t]))
+                            elif t == 0:      # one copy per replica: TP rank 0's
+                                own[i].copy_(piece[r].view_as(own[i]))
+                seconds[-1].append(slowest)
         return seconds
 
     def average_gradients(self) -> list[list[float]]:
-        """Reduce-scatter every unit in every group; every replica's parameters back to the master and
-        its gradient the owners' shards, divided by dp_size. Returns each unit's seconds (one stage's)."""
+        """Reduce-scatter every unit in every group (each stage's over its own); every replica's parameters
+        back to the master and its gradient the owners' shards, divided by dp_size. Returns each stage's
+        units' seconds."""
         grads = [[_grad(p) for p in r.model.parameters()] for r in self.replicas]
         assembled = [g.clone() for g in grads[0]]
         seconds = []
-        for b, bucket in enumerate(self.buckets):
-            slowest = 0.0
-            replicated: dict[int, torch.Tensor] = {}
-            for t, network in enumerate(self.networks):
-                before = network.clock()["comm_s"]
-                contributions = torch.stack([bucketing.flatten(g, bucket, t) for g in grads])
-                owned = reduce_scatter(network, f"fsdp.reduce{b}", contributions) / self.dp_size
-                slowest = max(slowest, network.clock()["comm_s"] - before)
-                for k, piece in enumerate(bucketing.pieces(owned, bucket)):
-                    i = bucket.params[k]
-                    if bucket.sharded[k]:
-                        assembled[i][t].copy_(piece.view_as(assembled[i][t]))
-                    else:
-                        replicated[i] = piece.clone() if t == 0 else replicated[i] + piece
-            for i, summed in replicated.items():
-                assembled[i].copy_((summed / self.tp_size).view_as(assembled[i]))
-            seconds.append(slowest)
+        for buckets, networks in zip(self.stage_buckets, self.stage_networks):
+            seconds.append([])
+            for b, bucket in enumerate(buckets):
+                slowest = 0.0
+                replicated: dict[int, torch.Tensor] = {}
+                for t, network in enumerate(networks):
+                    before = network.clock()["comm_s"]
+                    contributions = torch.stack([bucketing.flatten(g, bucket, t) for g in grads])
+                    owned = reduce_scatter(network, f"fsdp.reduce{b}", contributions) / self.dp_size
+                    slowest = max(slowest, network.clock()["comm_s"] - before)
+                    for k, piece in enumerate(bucketing.pieces(owned, bucket)):
+                        i = bucket.params[k]
+                        if bucket.sharded[k]:
+                            assembled[i][t].copy_(piece.view_as(assembled[i][t]))
+                        else:
+                            replicated[i] = piece.clone() if t == 0 else replicated[i] + piece
+                for i, summed in replicated.items():
+                    assembled[i].copy_((summed / self.tp_size).view_as(assembled[i]))
+                seconds[-1].append(slowest)
         with torch.no_grad():
             for r, replica in enumerate(self.replicas):
                 for k, p in enumerate(replica.model.parameters()):
@@ -150,7 +155,7 @@ class FullyShardedDataParallel(DataParallel):
                         p.copy_(self._master[r][k])
                     p.grad = assembled[k].clone()
         self._master = None
-        return [seconds]
+        return seconds
 
 
 class DistFullyShardedDataParallel(DistDataParallel):
@@ -172,7 +177,7 @@ class DistFullyShardedDataParallel(DistDataParallel):
         self._master: Optional[list[torch.Tensor]] = None
 
     @torch.no_grad()
-    def gather_weights(self) -> list[float]:
+    def gather_weights(self) -> list[list[float]]:
         network, r, R = self.networks[0], self.first, self.dp_size
         params = list(self.replicas[0].model.parameters())
         self._master = [p.detach().clone() for p in params]
@@ -195,7 +200,7 @@ class DistFullyShardedDataParallel(DistDataParallel):
                     dist.broadcast(piece, src=tp_root, group=self.tp_group)
                     params[i].copy_(piece.view_as(params[i]))
             seconds.append(self._slowest(network.clock()["comm_s"] - before))
-        return seconds
+        return [seconds]
 
     def average_gradients(self) -> list[list[float]]:
         network, r, R = self.networks[0], self.first, self.dp_size
@@ -218,6 +223,7 @@ class DistFullyShardedDataParallel(DistDataParallel):
             for k, p in enumerate(params):
                 if self._master is not None:
                     p.copy_(self._master[k])
-                p.grad = assembled[k]
+                if self._stage_of[k] == self.stage:    # another stage's parameters are not this process's
+                    p.grad = assembled[k]
         self._master = None
         return [seconds]

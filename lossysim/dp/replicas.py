@@ -15,59 +15,16 @@ reliable channel that keeps replicated parameters equal inside a TP group would 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..net import LossyNetwork
-from ..pp.stages import Pipeline, parameter_stages
 from . import buckets as bucketing
 from .buckets import Bucket
+from .replica import Replica
 from .drift import _relative, _square_sums, _summed, broadcast_time
-
-
-@dataclass
-class Replica:
-    """One replica of the TP group: its model (whose TP network is its own), optimiser and schedule, and
-    with pipeline stages its ``Pipeline`` (every stage's and boundary's networks)."""
-    model: Any            # a TensorParallelModel
-    optimizer: Any
-    scheduler: Any
-    pipeline: Optional[Pipeline] = None
-
-    def state_dict(self) -> dict:
-        """What this replica carries from step to step: weights, optimiser moments, schedule, its TP
-        network (chains, streams, counters, recovery memory) and its replicated dropout stream; its later
-        stages' and boundaries' networks and streams."""
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "scheduler": self.scheduler.state_dict(), "network": self.model.network.state_dict(),
-                 "replicated_rng": self.model.group.rng_state()}
-        if self.pipeline is not None:
-            state["pp"] = {**self.pipeline.state_dict(),
-                           "replicated_rng": [g.rng_state() for g in self.model.groups[1:]]}
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.model.network.load_state_dict(state["network"])
-        self.model.group.load_rng_state(state["replicated_rng"])
-        if self.pipeline is not None:
-            self.pipeline.load_state_dict(state["pp"])
-            for group, rng in zip(self.model.groups[1:], state["pp"]["replicated_rng"], strict=True):
-                group.load_rng_state(rng)
-
-    def stage_of_parameters(self) -> list[int]:
-        """The pipeline stage holding each of the model's parameters, in ``parameters()`` order (all 0
-        without stages)."""
-        params = list(self.model.parameters())
-        if self.pipeline is None:
-            return [0] * len(params)
-        owner = parameter_stages(self.model.model, self.pipeline.layout)
-        return [owner[id(p)] for p in params]
 
 
 class DataParallel:
@@ -85,11 +42,13 @@ class DataParallel:
     fsdp = False              # DDP: every replica holds whole parameters (``fsdp`` shards them)
 
     def __init__(self, replicas: Sequence[Replica], networks: Sequence[Sequence[LossyNetwork]], bucket_bytes: float,
-                 experts: bool = False):
+                 experts: bool = False, contexts: int = 1):
         """``networks[s][t]``: stage s's TP position t's group (one stage without a pipeline; none at all
         for a group of one). ``experts``: average the experts' parameters (``lossysim.ep``, over a group of
-        the replicas holding the same experts) instead of every other one."""
-        self.experts = experts
+        the replicas holding the same experts) instead of every other one. ``contexts``: each replica's
+        context ranks, every one of them a member of the group with its own gradients (Megatron's dp x cp
+        group: ``_context_mean``)."""
+        self.experts, self.contexts = experts, contexts
         self.replicas = list(replicas)
         self.stage_networks = [list(stage) for stage in networks]
         self.networks = [n for stage in self.stage_networks for n in stage]   # every group's, stage by stage
@@ -131,8 +90,8 @@ class DataParallel:
         for network, saved in zip(self.networks, state["networks"]):
             network.load_state_dict(saved)
 
-    def gather_weights(self) -> list[float]:
-        """DDP gathers no weights before the forward (FSDP does: ``fsdp``); each unit's seconds: none."""
+    def gather_weights(self) -> list[list[float]]:
+        """DDP gathers no weights before the forward (FSDP does: ``fsdp``); each stage's units' seconds: none."""
         return []
 
     def ready(self) -> list[list[float]]:
@@ -146,36 +105,46 @@ class DataParallel:
         if self.dp_size == 1:
             return []
         grads = [[_grad(p) for p in r.model.parameters()] for r in self.replicas]
-        seconds = [self._average_stage(grads, buckets, networks)
+        # each member's contribution: a replica's, or (dp x cp) each of its context ranks'
+        rows = grads if self.contexts == 1 else \
+            [g for r in self.replicas for g in r.model.context.gradients.take(list(r.model.parameters()))]
+        seconds = [self._average_stage(grads, buckets, networks, rows)
                    for buckets, networks in zip(self.stage_buckets, self.stage_networks)]
         for replica, g in zip(self.replicas, grads):
             for p, grad in zip(replica.model.parameters(), g):
                 p.grad = grad
         return seconds
 
-    def _average_stage(self, grads: list, buckets: list[Bucket], networks: list[LossyNetwork]) -> list[float]:
-        """One stage's buckets averaged over its groups (``average_gradients``); each bucket's seconds."""
-        seconds = []
+    def _average_stage(self, grads: list, buckets: list[Bucket], networks: list[LossyNetwork],
+                       rows: list) -> list[float]:
+        """One stage's buckets averaged over its groups (``average_gradients``): ``rows``, every member's
+        gradients, in, ``grads``, every replica's, out; each bucket's seconds."""
+        seconds, members = [], len(rows)
         for b, bucket in enumerate(buckets):
             slowest = 0.0
             replicated: dict[int, torch.Tensor] = {}   # parameter -> [dp, numel]: the groups' deliveries summed
             for t, network in enumerate(networks):
                 before = network.clock()["comm_s"]
                 contributions = self._scratch("contributions", bucket.numel, grads[0][bucket.params[0]])
-                for g, row in zip(grads, contributions):
+                for g, row in zip(rows, contributions):
                     bucketing.flatten(g, bucket, t, out=row)
-                delivered = network.all_reduce(f"dp.bucket{b}", "bwd", contributions, range(self.dp_size),
+                delivered = network.all_reduce(f"dp.bucket{b}", "bwd", contributions, range(members),
                                                out=contributions)   # in place, as NCCL runs DDP's buckets
                 slowest = max(slowest, network.clock()["comm_s"] - before)
                 for k, piece in enumerate(bucketing.pieces(delivered, bucket)):
-                    i = bucket.params[k]                 # piece: [dp, numel], receiver r's sum at r
+                    i = bucket.params[k]                 # piece: [members, numel], receiver r's sum at r
+                    if self.contexts > 1:                # a replica's context ranks' deliveries, their mean
+                        piece = _context_mean((piece / self.dp_size).view(self.dp_size, self.contexts, -1), 1)
                     if bucket.sharded[k] or self.tp_size == 1:
                         # the average straight into the gradient (one group holds all of it)
                         for r, g in enumerate(grads):
                             own = g[i][t] if bucket.sharded[k] else g[i]
-                            torch.div(piece[r].view_as(own), self.dp_size, out=own)
+                            if self.contexts > 1:
+                                own.copy_(piece[r].view_as(own))
+                            else:
+                                torch.div(piece[r].view_as(own), self.dp_size, out=own)
                     else:
-                        averaged = piece / self.dp_size
+                        averaged = piece if self.contexts > 1 else piece / self.dp_size
                         replicated[i] = averaged if t == 0 else replicated[i].add_(averaged)
             for i, summed in replicated.items():
                 summed = summed / self.tp_size
@@ -187,12 +156,12 @@ class DataParallel:
     def _scratch(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A [dp_size, numel] buffer kept from call to call (the largest bucket's size): a fresh one
         per bucket costs more in page faults than the copies it holds."""
-        key = (name, like.dtype, like.device)
+        key, members = (name, like.dtype, like.device), self.dp_size * self.contexts
         buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < self.dp_size * numel:
-            buffer = self._buffers[key] = torch.empty(self.dp_size * max(b.numel for b in self.buckets),
+        if buffer is None or buffer.numel() < members * numel:
+            buffer = self._buffers[key] = torch.empty(members * max(b.numel for b in self.buckets),
                                                       dtype=like.dtype, device=like.device)
-        return buffer[:self.dp_size * numel].view(self.dp_size, numel)
+        return buffer[:members * numel].view(members, numel)
 
     # -- what crosses replicas ---------------------------------------------------------
     def gather_replicas(self, local: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -259,8 +228,11 @@ class DistDataParallel(DataParallel):
 
     def __init__(self, replica: Replica, network: LossyNetwork, bucket_bytes: float, *, replica_index: int,
                  tp_rank: int, dp_size: int, tp_size: int, dp_group, tp_group, stage: int = 0, pp_group=None,
-                 experts: bool = False):
-        self.experts = experts
+                 experts: bool = False, contexts: int = 1, context: int = 0, grad_group=None, cp_group=None):
+        """(``contexts`` > 1: this process is context rank ``context``, a member of the dp x cp group
+        ``grad_group`` with its own gradients; ``cp_group``: its replica's context ranks.)"""
+        self.experts, self.contexts, self.member = experts, contexts, replica_index * contexts + context
+        self.grad_group, self.cp_group = (dp_group, None) if contexts == 1 else (grad_group, cp_group)
         self.replicas = [replica]
         self.stage_networks = [[network]]
         self.networks = [network]
@@ -297,14 +269,18 @@ class DistDataParallel(DataParallel):
         return out.view(size, *x.shape)
 
     def average_gradients(self) -> list[list[float]]:
-        network, r = self.networks[0], self.first
+        network = self.networks[0]
         grads = [_grad(p) for p in self.replicas[0].model.parameters()]
         seconds = []
         for b, bucket in enumerate(self.buckets):
             before = network.clock()["comm_s"]
-            contributions = self._gather(bucketing.flatten(grads, bucket, 0), self.dp_group, self.dp_size)
-            delivered = network.all_reduce(f"dp.bucket{b}", "bwd", contributions, [r])
-            self._write_back(grads, bucket, delivered[0] / self.dp_size)
+            contributions = self._gather(bucketing.flatten(grads, bucket, 0), self.grad_group,
+                                         self.dp_size * self.contexts)
+            delivered = network.all_reduce(f"dp.bucket{b}", "bwd", contributions, [self.member])
+            averaged = delivered[0] / self.dp_size
+            if self.contexts > 1:   # the replica's context ranks' deliveries, their mean (as sim's)
+                averaged = _context_mean(self._gather(averaged, self.cp_group, self.contexts), 0)
+            self._write_back(grads, bucket, averaged)
             seconds.append(self._slowest(network.clock()["comm_s"] - before))
         for p, grad, stage in zip(self.replicas[0].model.parameters(), grads, self._stage_of):
             if stage == self.stage:     # another stage's parameters are not this process's to step
@@ -366,6 +342,17 @@ class DistDataParallel(DataParallel):
             dist.broadcast(p.data, src=dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
         local = sum((p[0] if i in self._sharded else p).numel() * p.element_size() for i, p in enumerate(params))
         return broadcast_time(self.networks[0], local)
+
+
+def _context_mean(delivered: torch.Tensor, dim: int) -> torch.Tensor:
+    """The mean of a replica's context ranks' deliveries (along ``dim``), summed in context order: the
+    context ranks share one copy of the weights (``sim``'s), so each keeps what they received on average,
+    as a replicated parameter keeps its TP groups' mean."""
+    parts = delivered.unbind(dim)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total / len(parts)
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:

@@ -74,7 +74,10 @@ class Job(Tally, Messages, ExpertMessages, ContextMessages):
                             for r in range(dp) for t in range(tp)]) for s in range(pp)] if cp > 1 else []
         self.attention_s = [0.0, 0.0]   # one ring step's attention per rank and block, forward and backward
         mode = config.dp_mode if dp > 1 else None
-        self.dp = [_groups([mesh.network_spec("dp", mesh.rank(tp=t, pp=s), settings, config.dp_lossy())
+        if mode == "fsdp" and pp > 1:   # (training runs it: lossysim.dp.fsdp, each stage's units)
+            raise ValueError(f"dp_mode=fsdp with pp_size={pp}: the estimate does not time FSDP's gathers around a "
+                             "pipeline schedule (training does); use dp_mode=ddp or pp_size=1")
+        self.dp = [_groups([mesh.network_spec("dp_cp", mesh.rank(tp=t, pp=s), settings, config.dp_lossy())
                             for t in range(tp)])
                    for s in range(pp)] if mode else []
         self.mode = mode

@@ -250,7 +250,8 @@ class _Parts:
 
     def step(self, k: int, zero=()) -> float:
         bucket = [[[0.0, 0.0]] * len(b) for b in self.t["bucket"]] if {"dp", "fsdp"} & set(zero) else self.t["bucket"]
-        gather = [] if "fsdp" in zero or not self.t["gather"] else [g[k] for g in self.t["gather"]]
+        # (one stage's units: the estimate refuses FSDP with stages)
+        gather = [] if "fsdp" in zero or not self.t["gather"] else [[g[k] for g in self.t["gather"]]]
         ep_of = self._experts(zero)
         paths = [self._path(r, k, zero, ep_of) for r in self._replicas()]
         buckets = one_clock.Buckets(self.ready, [[b[k] for b in stage] for stage in bucket] if self.dp > 1 else (),

@@ -130,16 +130,19 @@ class DistPipeline(Pipeline):
     stage: int = 0
     tp_rank: int = 0
     replica: int = 0
+    context: int = 0       # this pipeline's context rank (each context rank's stages a pipeline of their own)
     mesh: Optional[Mesh] = None
     group: Any = None      # this pipeline's process group (one rank per stage)
     link: Optional[_Link] = None
+    # other networks per stage that a stage's process runs (``train``, ``eval``: context groups), mirrored too
+    extras: Optional[dict] = None
 
     @property
     def last(self) -> bool:
         return self.stage == self.stages - 1
 
     def _rank(self, stage: int) -> int:
-        return self.mesh.rank(dp=self.replica, tp=self.tp_rank, pp=stage)
+        return self.mesh.rank(dp=self.replica, tp=self.tp_rank, pp=stage, cp=self.context)
 
     def from_last(self, value):
         """``value`` as the last stage holds it, on every stage of this pipeline (reliable)."""
@@ -154,14 +157,21 @@ class DistPipeline(Pipeline):
         return every
 
     # -- what a process does not run, from those that do ---------------------------------------------
-    def _own(self, networks: list[LossyNetwork], boundaries: list[Boundary]) -> dict:
-        return {"stage": _light(networks[self.stage].state_dict()),
-                "boundary": None if self.last else _light(boundaries[self.stage].network.state_dict())}
+    def _extras(self, kind: str) -> list[list[LossyNetwork]]:
+        return self.extras[kind] if self.extras else [[] for _ in range(self.stages)]
 
-    def _mirror(self, every: list[dict], networks: list[LossyNetwork], boundaries: list[Boundary]) -> None:
+    def _own(self, networks: list[LossyNetwork], boundaries: list[Boundary], kind: str = "train") -> dict:
+        return {"stage": _light(networks[self.stage].state_dict()),
+                "boundary": None if self.last else _light(boundaries[self.stage].network.state_dict()),
+                "extras": [_light(n.state_dict()) for n in self._extras(kind)[self.stage]]}
+
+    def _mirror(self, every: list[dict], networks: list[LossyNetwork], boundaries: list[Boundary],
+                kind: str = "train") -> None:
         for s, owned in enumerate(every):
             if s != self.stage:
                 networks[s].load_state_dict(owned["stage"])
+                for network, state in zip(self._extras(kind)[s], owned["extras"], strict=True):
+                    network.load_state_dict(state)
             if owned["boundary"] is not None and s not in (self.stage - 1, self.stage):
                 boundaries[s].network.load_state_dict(owned["boundary"])
 
@@ -192,8 +202,8 @@ class DistPipeline(Pipeline):
                 stack.enter_context(swapped(boundary, "network", evaluation.network))
                 stack.enter_context(swapped(boundary, "seconds", evaluation.seconds))
             yield
-        every = self._all(self._own(self.eval_networks, self.eval_boundaries))
-        self._mirror(every, self.eval_networks, self.eval_boundaries)
+        every = self._all(self._own(self.eval_networks, self.eval_boundaries, "eval"))
+        self._mirror(every, self.eval_networks, self.eval_boundaries, "eval")
 
     def across_stages(self, values: list, device) -> list:
         every = self._all([v.detach().cpu() for v in values])
@@ -205,7 +215,7 @@ class DistPipeline(Pipeline):
         full = gather_full_model(tp_model)
         owner = parameter_stages(full, self.layout)
         mine = {name: p.detach().cpu() for name, p in full.named_parameters() if owner[id(p)] == self.stage} \
-            if self.tp_rank == 0 and self.replica == 0 else {}
+            if self.tp_rank == 0 and self.replica == 0 and self.context == 0 else {}
         every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, every, dst=0)
         if every is not None:
@@ -260,8 +270,8 @@ def apply_dist_pp(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_
     process: the other stages' blocks hand their input on, its stage's first block receives from the
     previous stage and the next stage's first block sends to it. ``attach`` it to the TP model."""
     at = mesh.coordinates(rank)
-    replica, stage, tp_rank = at["dp"], at["pp"], at["tp"]
-    pipeline = cut_stages(model, config, mesh, train_net, eval_net, replica)
+    replica, stage, tp_rank, context = at["dp"], at["pp"], at["tp"], at["cp"]
+    pipeline = cut_stages(model, config, mesh, train_net, eval_net, replica, (context,))
     if pipeline is None:
         return None
     head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
@@ -271,8 +281,8 @@ def apply_dist_pp(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_
     p = pipeline.stages
     link = _Link(pipeline.boundaries[stage - 1] if stage else None,
                  pipeline.boundaries[stage] if stage < p - 1 else None, tp_rank,
-                 mesh.rank(dp=replica, tp=tp_rank, pp=stage - 1) if stage else None,
-                 mesh.rank(dp=replica, tp=tp_rank, pp=stage + 1) if stage < p - 1 else None)
+                 mesh.rank(dp=replica, tp=tp_rank, pp=stage - 1, cp=context) if stage else None,
+                 mesh.rank(dp=replica, tp=tp_rank, pp=stage + 1, cp=context) if stage < p - 1 else None)
     plan, _ = plan_for(model)
     base = model.base_model
     blocks = base.get_submodule(plan.blocks)
@@ -291,7 +301,8 @@ def apply_dist_pp(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_
         blocks[first + pipeline.layout[stage]].register_forward_pre_hook(on_hidden_states(link.send),
                                                                          with_kwargs=True)
     fields = {f.name: getattr(pipeline, f.name) for f in dataclasses.fields(Pipeline)}
-    return DistPipeline(**fields, stage=stage, tp_rank=tp_rank, replica=replica, mesh=mesh, link=link)
+    return DistPipeline(**fields, stage=stage, tp_rank=tp_rank, replica=replica, context=context, mesh=mesh,
+                        link=link)
 
 
 def attach(pipeline: DistPipeline, tp_model: TensorParallelModel, group, seed: int) -> PipelineStage:

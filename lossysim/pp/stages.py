@@ -97,11 +97,16 @@ class Boundary:
     With activation checkpointing the next stage's first block, whose input this boundary delivers,
     runs its forward again in the backward: the stage kept what arrived (Megatron's stage input is the
     checkpoint's), so the recomputed forward gets it again, nothing sent, drawn or timed (``recording``,
-    ``replaying``)."""
+    ``replaying``).
+
+    With context parallelism (``sim``) every context rank's TP group sends its own rows (``[tp, cp,
+    batch]``) over its own boundary network: ``network`` is context rank 0's, ``contexts`` the others'
+    (counted, their time not charged: as TP's, the pipeline's clock is context rank 0's)."""
     index: int
     tp: int
     network: LossyNetwork
     seconds: dict = field(default_factory=lambda: {"fwd": [], "bwd": []})
+    contexts: list = field(default_factory=list)
     _record: Optional[dict] = field(default=None, repr=False)
     _replay: Optional[dict] = field(default=None, repr=False)
 
@@ -113,9 +118,17 @@ class Boundary:
         """Every TP rank's copy in ``x`` ([tp * rows, ...]) over its own link; what the receivers hold."""
         if self._replay is not None and direction == "fwd":
             return self._replay["received"].popleft()
-        copies = x.reshape(self.tp, -1, *x.shape[1:])
-        out = self.timed(direction, lambda t, src, dst: self.network.send(self.site, direction, copies[t], src, dst))
-        received = torch.stack(out).reshape(x.shape)
+        if self.contexts:
+            copies = x.reshape(self.tp, 1 + len(self.contexts), -1, *x.shape[1:])
+            first = self.timed(direction, lambda t, src, dst: self.network.send(self.site, direction, copies[t, 0],
+                                                                                 src, dst))
+            others = [[network.send(self.site, direction, copies[t, c + 1], *self._pair(t, direction))
+                       for t in range(self.tp)] for c, network in enumerate(self.contexts)]
+            received = torch.stack([torch.stack(per) for per in zip(first, *others)]).reshape(x.shape)
+        else:
+            copies = x.reshape(self.tp, -1, *x.shape[1:])
+            out = self.timed(direction, lambda t, src, dst: self.network.send(self.site, direction, copies[t], src, dst))
+            received = torch.stack(out).reshape(x.shape)
         if self._record is not None and direction == "fwd":
             self._record["received"].append(received.detach())
         return received
@@ -132,7 +145,7 @@ class Boundary:
         seconds are this message's."""
         slowest, out = [0.0, 0.0], []
         for t in range(self.tp):
-            src, dst = (t, self.tp + t) if direction == "fwd" else (self.tp + t, t)
+            src, dst = self._pair(t, direction)
             before = self.network.clock()
             out.append(send(t, src, dst))
             after = self.network.clock()
@@ -140,6 +153,10 @@ class Boundary:
                        max(slowest[1], after["comm_s_ideal_nic"] - before["comm_s_ideal_nic"])]
         self.seconds[direction].append(slowest)
         return out
+
+    def _pair(self, t: int, direction: str) -> tuple[int, int]:
+        """TP rank t's link (network ranks): t -> tp + t forward, back backward."""
+        return (t, self.tp + t) if direction == "fwd" else (self.tp + t, t)
 
     def take_seconds(self, direction: str) -> list[list[float]]:
         """[comm_s, comm_s_ideal_nic] of each send in ``direction`` since the last take, in order."""
@@ -184,6 +201,7 @@ class Pipeline:
                 stack.enter_context(swapped(group, "network", network))
             for boundary, evaluation in zip(self.boundaries, self.eval_boundaries):
                 stack.enter_context(swapped(boundary, "network", evaluation.network))
+                stack.enter_context(swapped(boundary, "contexts", evaluation.contexts))
                 stack.enter_context(swapped(boundary, "seconds", evaluation.seconds))  # no step times them
             yield
 
@@ -202,44 +220,55 @@ class Pipeline:
         return gather_full_model(tp_model)
 
     def state_dict(self) -> dict:
-        """Stage 1.. and every boundary's networks (stage 0's are saved as the run's own)."""
-        return {"stages": [n.state_dict() for n in self.networks[1:]],
-                "eval_stages": [n.state_dict() for n in self.eval_networks[1:]],
-                "boundaries": [b.network.state_dict() for b in self.boundaries],
-                "eval_boundaries": [b.network.state_dict() for b in self.eval_boundaries]}
+        """Stage 1.. and every boundary's networks (stage 0's are saved as the run's own); with context
+        ranks, their boundaries' too."""
+        state = {"stages": [n.state_dict() for n in self.networks[1:]],
+                 "eval_stages": [n.state_dict() for n in self.eval_networks[1:]],
+                 "boundaries": [b.network.state_dict() for b in self.boundaries],
+                 "eval_boundaries": [b.network.state_dict() for b in self.eval_boundaries]}
+        if any(b.contexts for b in self.boundaries):
+            state["context_boundaries"] = [n.state_dict() for n in self._context_networks()]
+        return state
+
+    def _context_networks(self) -> list[LossyNetwork]:
+        return [n for b in [*self.boundaries, *self.eval_boundaries] for n in b.contexts]
 
     def load_state_dict(self, state: dict) -> None:
         for key, networks in (("stages", self.networks[1:]), ("eval_stages", self.eval_networks[1:]),
                               ("boundaries", self.boundary_networks()),
-                              ("eval_boundaries", [b.network for b in self.eval_boundaries])):
-            for network, saved in zip(networks, state[key], strict=True):
+                              ("eval_boundaries", [b.network for b in self.eval_boundaries]),
+                              ("context_boundaries", self._context_networks())):
+            for network, saved in zip(networks, state.get(key, []), strict=True):
                 network.load_state_dict(saved)
 
 
 def cut_stages(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_net: LossyNetwork,
-               eval_net: Optional[LossyNetwork], replica: int = 0) -> Optional[Pipeline]:
+               eval_net: Optional[LossyNetwork], replica: int = 0, contexts: tuple[int, ...] = (0,)) -> Optional[Pipeline]:
     """``model``'s blocks cut into ``config.pp_size`` stages (None for one stage): the layout, replica
     ``replica``'s every stage's networks (the first stage's are ``train_net`` and ``eval_net``) and every
-    boundary's. Evaluation runs on replica 0's networks (none for another replica's: ``eval_net`` None)."""
+    boundary's, at context rank ``contexts[0]``, and every boundary's at the other ``contexts`` (sim's
+    context ranks 1..: ``Boundary.contexts``). Evaluation runs on replica 0's networks (none for another
+    replica's: ``eval_net`` None)."""
     if config.pp_size == 1:
         return None
     plan, _ = plan_for(model)
     blocks = model.base_model.get_submodule(plan.blocks)
     layout = stage_layout(config.pp_layout, config.pp_size, len(blocks))
     settings, evaluation = config.network_settings(), config.network_settings(evaluation=True)
-    networks = [train_net] + [LossyNetwork(mesh.network_spec("tp", mesh.rank(dp=replica, pp=s), settings))
+    c = contexts[0]
+    networks = [train_net] + [LossyNetwork(mesh.network_spec("tp", mesh.rank(dp=replica, pp=s, cp=c), settings))
                               for s in range(1, config.pp_size)]
     eval_networks = [] if eval_net is None else \
-        [eval_net] + [LossyNetwork(mesh.network_spec("tp", mesh.rank(pp=s), evaluation))
+        [eval_net] + [LossyNetwork(mesh.network_spec("tp", mesh.rank(pp=s, cp=c), evaluation))
                       for s in range(1, config.pp_size)]
     lossy = config.pp_lossy()
-    # boundary b's network: "pp" at a rank of stage b (its TP group and stage b + 1's)
-    boundaries = [Boundary(b, mesh.tp, LossyNetwork(mesh.network_spec("pp", mesh.rank(dp=replica, pp=b), settings,
-                                                                      lossy)))
-                  for b in range(config.pp_size - 1)]
-    eval_boundaries = [] if eval_net is None else \
-        [Boundary(b, mesh.tp, LossyNetwork(mesh.network_spec("pp", mesh.rank(pp=b), evaluation, lossy)))
-         for b in range(config.pp_size - 1)]
+
+    # boundary b's network: "pp" at a rank of stage b (its TP group and stage b + 1's), per context rank
+    def boundary(b: int, values: dict, r: int) -> Boundary:
+        nets = [LossyNetwork(mesh.network_spec("pp", mesh.rank(dp=r, pp=b, cp=k), values, lossy)) for k in contexts]
+        return Boundary(b, mesh.tp, nets[0], contexts=nets[1:])
+    boundaries = [boundary(b, settings, replica) for b in range(config.pp_size - 1)]
+    eval_boundaries = [] if eval_net is None else [boundary(b, evaluation, 0) for b in range(config.pp_size - 1)]
     return Pipeline(layout, stage_parameters(model, layout), networks, eval_networks, boundaries, eval_boundaries)
 
 
@@ -248,7 +277,7 @@ def apply_pp(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_net: 
     """Cut ``model``'s blocks into ``config.pp_size`` stages (``cut_stages``; None for one stage), every
     stage in this process (``sim``): a boundary send on the input of every stage's first block but the
     first's. Called before ``apply_tp``, which puts each stage's blocks on its own TP group."""
-    pipeline = cut_stages(model, config, mesh, train_net, eval_net, replica)
+    pipeline = cut_stages(model, config, mesh, train_net, eval_net, replica, tuple(range(mesh.cp)))
     if pipeline is None:
         return None
     plan, _ = plan_for(model)

@@ -58,9 +58,11 @@ class Parts:
                     (self.context.evaluating() if self.context is not None else contextlib.nullcontext()):
                 yield
             return
-        for network in [*self.pipeline.eval_networks, *(b.network for b in self.pipeline.eval_boundaries)]:
+        for network in [*self.pipeline.eval_networks, *(n for b in self.pipeline.eval_boundaries
+                                                         for n in (b.network, *b.contexts))]:
             network.reset_stats()
-        with self.pipeline.evaluating(self.model.groups):
+        with self.pipeline.evaluating(self.model.groups), \
+                (self.context.evaluating() if self.context is not None else contextlib.nullcontext()):
             yield
 
 
@@ -116,7 +118,7 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
     dp_groups = groups if mesh.dp > 1 else None   # (dist pipelines: a group of one replica)
     positions = [[tp_rank]] if dp_groups is not None else \
         [list(range(mesh.tp)) for _ in range(mesh.pp)] if mesh.dp > 1 else []
-    networks = [[LossyNetwork(mesh.network_spec("dp", mesh.rank(tp=t, pp=s if dp_groups is None else stage),
+    networks = [[LossyNetwork(mesh.network_spec("dp_cp", mesh.rank(tp=t, pp=s if dp_groups is None else stage),
                                                 settings, config.dp_lossy())) for t in ranks]
                 for s, ranks in enumerate(positions)]
     dp = apply_dp(replicas, mesh, networks, config.dp_bucket_mb * (1 << 20), config.dp_mode, rank, dp_groups)

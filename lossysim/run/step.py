@@ -61,7 +61,8 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
     if parts.pipeline is not None:
         replicated = dp.dp_size > 1
         _pipeline_clock(config, state, dp.every_replica(stage_times), dp.every_stage(dp.ready()) if replicated else [],
-                        dp.every_stage(bucket_s) if replicated else [])
+                        dp.every_stage(bucket_s) if replicated else [],
+                        dp.every_stage(gather_s) if replicated and gather_s else [])
     finite = True
     for replica, replica_losses, experts_sq in zip(dp.replicas, losses, squares):
         parts.scaler.unscale_(replica.optimizer)
@@ -82,8 +83,9 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
     # its TP traffic (on train_net's clock) are charged; replicas step side by side and dp_s is what the
     # slowest one's path and the buckets it waits for add.
     state.compute_s += computes[0]
-    state.cp_s += context_s[0][0]       # what replica 0's context exchanges add beside its attention
-    state.cp_s_ideal_nic += context_s[0][1]
+    if parts.pipeline is None:      # (with stages, ``_pipeline_clock`` charged what the exchanges add)
+        state.cp_s += context_s[0][0]       # what replica 0's context exchanges add beside its attention
+        state.cp_s_ideal_nic += context_s[0][1]
     if parts.pipeline is None:      # (with stages, ``_pipeline_clock`` charged the buckets)
         paths = [clock.Path([[forward]], [[backward]]) for forward, backward in times.tolist()]
         state.dp_s += clock.step_time(paths, _buckets(dp, bucket_s, config, gather_s)).breakdown["dp_s"]
@@ -139,16 +141,20 @@ def _accumulate(parts: Parts, config: ExperimentConfig, replica: Replica, shard:
         # 2N FLOPs per token forward, 4N backward: a third of the compute is forward.
         forward_s += seconds / 3 + sum(e["comm_s"] - s["comm_s"] for s, e in zip(start, forward_end))
         backward_s += seconds * 2 / 3 + sum(e["comm_s"] - s["comm_s"] for s, e in zip(forward_end, backward_end))
+        per_stage = context.take_stage_seconds() if context is not None else None
         if context is not None:
-            added = context.take_seconds()
+            added = {d: [sum(s[k] for s in per_stage[d]) for k in (0, 1)] if pipeline is not None else
+                     per_stage[d][0] for d in per_stage}
             forward_s, backward_s = forward_s + added["fwd"][0], backward_s + added["bwd"][0]
             exposed = [exposed[k] + added["fwd"][k] + added["bwd"][k] for k in (0, 1)]
         if pipeline is not None:
             shares = _stage_shares(parts, micro)
             for phase, third, ends in (("forward", 1 / 3, (start, forward_end)), ("backward", 2 / 3,
                                                                                     (forward_end, backward_end))):
-                stages[phase].append([[seconds * third * share + end[c] - begin[c] for c in _CLOCKS]
-                                      for share, begin, end in zip(shares, *ends)])
+                # with context parallelism each stage's exchanges' added seconds follow its two clocks
+                stages[phase].append([[seconds * third * share + end[c] - begin[c] for c in _CLOCKS] +
+                                      (per_stage["fwd" if phase == "forward" else "bwd"][s] if per_stage else [])
+                                      for s, (share, begin, end) in enumerate(zip(shares, *ends))])
         losses.append(model.group.all_gather_reliable(model.rank_losses.detach()))
         logits.append(out.logits.detach())
     if pipeline is not None:
@@ -168,40 +174,56 @@ def _stage_shares(parts: Parts, batch: dict) -> list[float]:
 
 
 def _pipeline_clock(config: ExperimentConfig, state: TrainState, replicas: list[dict], ready: list[list[float]],
-                    bucket_s: list[list[float]]) -> None:
+                    bucket_s: list[list[float]], gather_s: list[list[float]] = ()) -> None:
     """Charge a step's schedule (``pipeline_time``) over every replica's stages' forward and backward per
     micro-batch (compute and TP traffic) and its boundaries' sends: ``pipeline_s`` (the slowest replica's
     schedule, and under the ideal nic), ``pp_s`` (what the sends add: the step less the same schedules
     with free sends), replica 0's stages' busy seconds (the bubble is the rest) and ``dp_s``, what each
     stage's buckets (``ready``, ``bucket_s`` per stage; none without replicas) add after its last
-    backward (the one clock, ``lossysim.clock.step_time``, as the estimate ends a step)."""
+    backward, all on the one clock (``lossysim.clock.step_time``), as the estimate ends a step. With context
+    parallelism each stage's exchanges lengthen its forward and backward: ``cp_s`` is what they add to
+    the schedule (the same schedules without them give ``pipeline_s`` and ``pp_s``). FSDP's gathers
+    (``gather_s``, per stage) come before each stage's first forward, prefetched as without stages: what
+    they add joins ``dp_s``."""
     p, m = config.pp_size, config.n_microbatches
     schedule = clock.Schedule(config.pp_schedule, p, m)
 
-    def arrays(stages: dict, phase: str, k: int) -> list[list[float]]:
+    context = len(replicas[0]["forward"][0][0]) > len(_CLOCKS)   # each stage's exchanges' seconds beside
+
+    def arrays(stages: dict, phase: str, k: int, exchanges: bool = False) -> list[list[float]]:
         values = stages[phase]
         if phase in ("forward", "backward"):   # [micro-batch][stage] -> [stage][micro-batch]
-            return [[values[i][s][k] for i in range(m)] for s in range(p)]
+            return [[values[i][s][k] + (values[i][s][len(_CLOCKS) + k] if exchanges else 0.0)
+                     for i in range(m)] for s in range(p)]
         return [[send[k] for send in boundary] for boundary in values]
 
-    def paths(k: int) -> list[clock.Path]:
-        return [clock.Path(arrays(stages, "forward", k), arrays(stages, "backward", k),
+    def paths(k: int, exchanges: bool = False) -> list[clock.Path]:
+        return [clock.Path(arrays(stages, "forward", k, exchanges), arrays(stages, "backward", k, exchanges),
                            clock.Sends(arrays(stages, "activation", k), arrays(stages, "gradient", k)))
                 for stages in replicas]
 
-    step = clock.step_time(paths(0), clock.Buckets(ready, bucket_s, overlap=config.dp_overlap), schedule,
-                           pp_added=True).breakdown
+    buckets = clock.Buckets(ready, bucket_s, gather_s, config.dp_overlap)
+    # without exchanges the buckets end this step; with them, the step the exchanges lengthen (below)
+    step = clock.step_time(paths(0), clock.Buckets() if context else buckets, schedule, pp_added=True).breakdown
     state.pipeline_s += step["pipeline_s"]
-    state.pipeline_s_ideal_nic += clock.step_time(paths(1), schedule=schedule).breakdown["pipeline_s"]
+    ideal_s = clock.step_time(paths(1), schedule=schedule).breakdown["pipeline_s"]
+    state.pipeline_s_ideal_nic += ideal_s
     state.pp_s += step["pp_s"]
     state.pp_busy_s += sum(map(sum, arrays(replicas[0], "forward", 0))) + \
         sum(map(sum, arrays(replicas[0], "backward", 0)))
+    if context:   # cp_s: what the exchanges add to the schedule (the stages' ops they lengthen)
+        exchanged = clock.step_time(paths(0, exchanges=True), buckets, schedule).breakdown
+        state.cp_s += exchanged["pipeline_s"] - step["pipeline_s"]
+        state.cp_s_ideal_nic += clock.step_time(paths(1, exchanges=True), schedule=schedule).breakdown["pipeline_s"] \
+            - ideal_s
+        step = exchanged
     if bucket_s:
         state.dp_s += step["dp_s"]
 
 
 def _buckets(dp, bucket_s: list, config: ExperimentConfig, gather_s=()) -> clock.Buckets:
-    """A step's data-parallel traffic as the clock takes it: a group of one waits for nothing."""
+    """A step's data-parallel traffic as the clock takes it (``gather_s``: each stage's units' gathers):
+    a group of one waits for nothing."""
     if dp.dp_size == 1:
         return clock.Buckets()
     return clock.Buckets(dp.ready(), bucket_s, gather_s, config.dp_overlap)

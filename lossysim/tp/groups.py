@@ -54,6 +54,10 @@ class SimGroup:
         views' gradients, rank by rank, as dist's all-reduce adds the ranks' sums."""
         return param.expand(self.stacked, *param.shape).unbind(0)
 
+    def row_bias(self, bias: torch.Tensor, dtype: torch.dtype, rows: int) -> torch.Tensor:
+        """A row-parallel layer's replicated bias as ``[rows, 1, n]`` stacked ranks add it (``RowParallel``)."""
+        return bias.to(dtype).expand(rows, 1, -1)
+
     def all_reduce(self, x: torch.Tensor, site: str, direction: str) -> torch.Tensor:
         return self.network.all_reduce(site, direction, x, self.ranks)
 

@@ -156,7 +156,7 @@ class RowParallel(nn.Module):
         partial = torch.bmm(h, weight.transpose(1, 2) if self.linear else weight)
         out = reduce_from_tp(partial, self.group, self.site)
         if self.bias is not None:  # [R, 1, n]: each rank's bias gradient is its own rows' sum (run_per_rank)
-            out = out + self.bias.to(out.dtype).expand(out.shape[0], 1, -1)
+            out = out + self.group.row_bias(self.bias, out.dtype, out.shape[0])
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def extra_repr(self) -> str:
