@@ -9,7 +9,7 @@ Its names are imported on first use (PEP 562): ``config`` reads the package's de
 import importlib
 
 _EXPORTS = {"apply_dp": ".apply", "Bucket": ".buckets", "plan_buckets": ".buckets",
-            "FullyShardedDataParallel": ".fsdp", "DataParallel": ".replicas", "Replica": ".replicas"}
+            "FullyShardedDataParallel": ".fsdp", "DataParallel": ".replicas", "Replica": ".replica"}
 __all__ = ["apply_dp", "Bucket", "plan_buckets", "DataParallel", "FullyShardedDataParallel", "Replica"]
 
 
