@@ -313,8 +313,14 @@ def test_fsdps_refusal_of_error_feedback_suggests_only_what_fsdp_takes():
         from_dict(dict(dp_size=2, dp_mode="fsdp", recovery="error_feedback"))
 
 
-@pytest.mark.parametrize("setting, timed", [(dict(dp_mode="fsdp"), True), (dict(pp_size=2, tp_size=1), True),
-                                            (dict(activation_checkpointing=True), True),
+@pytest.mark.parametrize("setting", [dict(dp_mode="fsdp"), dict(pp_size=2, tp_size=1)])
+def test_experts_train_beside_fsdp_and_pipeline_stages(setting):
+    import torch
+    from lossysim.ep.apply import check
+    check(from_dict(dict(model="tiny-moe", dp_size=2, ep_size=2, **setting)), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("setting, timed", [(dict(activation_checkpointing=True), True),
                                             (dict(dp_sync_every=3), False)])
 def test_trainings_refusals_beside_experts_suggest_settings_it_trains(setting, timed):
     import torch
