@@ -90,6 +90,8 @@ class Tally:
 
 def is_lossy(net: LossyNetwork) -> bool:
     """Whether ``net`` can lose a packet: a lossy model, a lossy link and a lossy direction."""
+    if net.spec.cables is not None:   # under a fabric: some link crosses a lossy cable (or NVLink loses)
+        return net.spec.can_lose and bool(net.lossy)
     return not net.loss_model.lossless and net.topology.has_lossy_link and bool(net.lossy)
 
 

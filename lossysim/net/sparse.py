@@ -35,7 +35,7 @@ from .receivers import Delivery, combine
 
 def applies(spec, device: torch.device) -> bool:
     """Whether a network of ``spec`` draws, drops or repairs its calls on ``device`` here."""
-    return (spec.loss.sparse and device.type == "cpu"
+    return (spec.loss.sparse and device.type == "cpu" and spec.cables is None   # a fabric's cables draw masks
             and (not spec.transport_model.repairs or spec.nic_model.mode == "selective"))
 
 
