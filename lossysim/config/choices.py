@@ -22,7 +22,8 @@ DP_MODES = ("ddp", "fsdp")
 IDENTITY_AT_DEFAULT_OMITTED = ("dp_size", "dp_bucket_mb", "dp_overlap", "dp_sync_every", "lossy_traffic",
                               "dp_mode", "lossy_layers", "lossy_sites", "outlier_fraction", "microbatches",
                               "pp_size", "pp_schedule", "pp_layout", "parallel_order", "ep_size", "cp_size",
-                              "cp_mode")
+                              "cp_mode", "fabric", "bad_link", "corrupt_share", "qps_per_connection", "pxn",
+                              "routing")
 CP_MODES = ("ring", "allgather")   # Megatron's p2p ring of K/V blocks; Llama 3's all-gathered K/V
 
 

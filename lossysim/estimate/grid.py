@@ -17,7 +17,8 @@ from typing import Callable, Iterable, Optional
 from tqdm.auto import tqdm
 
 from ..cp.layout import check_length
-from ..config import CP_MODES, DP_MODES, PP_SCHEDULES, ExperimentConfig
+from ..config.fabric import add_fabric_arguments, fabric_overrides
+from ..config import CP_MODES, DP_MODES, PP_SCHEDULES, ExperimentConfig, coerce
 from ..io import atomic_write_text, check_writable, output_errors
 from ..mesh import DEFAULT_ORDER
 from ..net.algorithms import ALGORITHMS
@@ -114,6 +115,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=10, help="simulated steps per setting (default 10)")
     parser.add_argument("--out", help="folder for estimate.csv, estimate.json and slowdown.png")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_fabric_arguments(parser)
 
 
 def run(args) -> int:
@@ -184,6 +186,7 @@ def config_of(args) -> ExperimentConfig:
                 parallel_order=args.parallel_order, lossy_traffic=args.lossy_traffic, **DEFAULTS)
     if args.payload_bytes is not None:
         keys["payload_bytes"] = args.payload_bytes
+    keys.update(coerce(fabric_overrides(args)))
     return job_config(args.model or "tiny", args.micro_batch, args.dtype, args.global_batch, **keys)
 
 

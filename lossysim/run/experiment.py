@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from ..config.fabric import add_fabric_arguments, fabric_overrides
 from ..config import (BACKENDS, CP_MODES, DP_MODES, PP_SCHEDULES, ExperimentConfig, coerce, load_config,
                       parse_overrides, save_yaml)
 from ..data import EVAL_SPLITS, MNLI, SYNTHETIC, train_batches
@@ -83,6 +84,7 @@ def add_arguments(parser) -> None:
                         help="override any config key (repeatable)")
     for flag, (key, help_text) in FLAGS.items():
         parser.add_argument(flag, dest=key, help=help_text)
+    add_fabric_arguments(parser)
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint in --out (see checkpoint_every)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -94,6 +96,7 @@ def run(args) -> int:
         overrides.update(coerce(parse_overrides([pair])))
     overrides.update({key: getattr(args, key) for _, (key, _) in FLAGS.items()
                       if getattr(args, key) is not None})
+    overrides.update(coerce(fabric_overrides(args)))
     config = load_config(args.config, overrides)
     summary = run_experiment(config, config.out, progress=not args.no_progress, resume=args.resume)
     if summary["status"] != "completed":

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
+from ..config.fabric import add_fabric_arguments, fabric_overrides
 from ..config import (IDENTITY_AT_DEFAULT_OMITTED, NON_SEMANTIC, ExperimentConfig, from_dict, load_yaml,
                       parse_overrides, save_yaml)
 from ..io import atomic_write_json, atomic_write_text, check_writable, output_errors
@@ -169,8 +170,9 @@ LOSS_ONLY = ("loss", "lossy", "recovery", "eval_lossy", "lossy_links", "transpor
 
 
 def normalise(config: ExperimentConfig) -> ExperimentConfig:
-    """Make equal experiments equal configs: a lossless run's ``LOSS_ONLY`` keys at their defaults."""
-    if parse_loss_model(config.loss).lossless:
+    """Make equal experiments equal configs: a lossless run's ``LOSS_ONLY`` keys at their defaults (a run
+    with a lossy cable is not lossless)."""
+    if parse_loss_model(config.loss).lossless and not config.bad_link and not config.corrupt_share:
         defaults = ExperimentConfig()
         return config.replace(**{key: getattr(defaults, key) for key in LOSS_ONLY})
     return config
@@ -461,10 +463,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "SLURM_ARRAY_TASK_MIN, SLURM_ARRAY_TASK_COUNT)")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and their state; train nothing")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_fabric_arguments(parser)   # base config keys, as --set would set them
 
 
 def run(args: argparse.Namespace, train: Optional[TrainFn] = None) -> int:
-    spec = load_spec(args.spec, parse_overrides(args.overrides), parse_grid_overrides(args.grid))
+    spec = load_spec(args.spec, {**parse_overrides(args.overrides), **fabric_overrides(args)},
+                     parse_grid_overrides(args.grid))
     out = Path(args.out or Path("results") / Path(args.spec).stem)
     k, n = parse_shard(args.shard)
     if args.dry_run:
