@@ -128,3 +128,20 @@ def test_bad_fabric_input_at_the_cli_exits_2(flags, message):
                             capture_output=True, text=True)
     assert result.returncode == 2 and message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.usefixtures("private_cache")
+def test_training_on_a_fabric_dist_equals_sim_and_loses_only_on_the_bad_cable(tmp_path, one_torch_thread):
+    """tp 1 x dp 2 on two nodes, one on each leaf; the cable up from leaf0 loses in bursts under DP's
+    buckets: sim and two gloo processes agree bit for bit and DP traffic loses packets; only the link
+    node0 -> node1 crosses that cable, the way back (up from leaf1) loses nothing."""
+    from test_data_parallel import assert_dist_is_sim, sim_and_dist
+
+    fabric = "leaf-spine:nodes=2,leaves=2,spines=1"
+    rows, weights = sim_and_dist(tmp_path, tp_size=1, dp_size=2, ranks_per_node=1, fabric=fabric,
+                                 bad_link="leaf0-spine0:ge:rate=0.05,burst=4", lossy_traffic="dp", steps=3)
+    assert_dist_is_sim(rows, weights)
+    last = [r for r in rows["sim"] if r["split"] == "train"][-1]
+    assert last["packets_lost_dp"] > 0
+    spec = NetworkSpec(2, "none", ranks_per_node=1, fabric=fabric, bad_link=("leaf0-spine0:bernoulli:0.5",))
+    assert spec.link_lossy(0, 1) and not spec.link_lossy(1, 0)

@@ -20,6 +20,7 @@ from .. import traffic
 from ..net import LossyNetwork, NetworkSpec
 from ..net.recovery import packets_of
 from ..net.sparse import Losses, bad_packets_of
+from .blast import Blast
 
 CLASSES = tuple(c.name for c in traffic.CLASSES)   # every class's columns, in the declared order
 
@@ -45,6 +46,7 @@ class Tally:
         self.sums = {}
         self.drawn = 0     # packet fates drawn (lossy groups simulated), all steps
         self.choices = defaultdict(set)   # (class, collective, algorithm, protocol, channels) -> bytes
+        self.blast = Blast()              # on a fabric: who crosses each lossy cable
 
     def lost(self, cls: str, direction: str, delivery, per_packet: int, numel: int, received: int,
              copies: int, collective: str = "all_reduce") -> None:
@@ -60,6 +62,7 @@ class Tally:
         groups it stands for); a lossy network's packets sent were drawn."""
         if is_lossy(net):
             self.drawn += net.totals()["sent"]
+            self.blast.add(cls, net, copies)
         sums = self.sums.setdefault(cls, defaultdict(float))
         totals = net.totals()
         for name in ("sent", "lost", "resent"):

@@ -153,6 +153,9 @@ def run_rows(args, configs: list, rows_of: Callable, extra: Optional[Callable[[]
         return 130
     print(rows[0]["layout"], file=sys.stderr)
     print(_table(rows))
+    for row in rows:   # on a fabric: who crosses each lossy cable (every row's, in estimate.json)
+        if row.get("blast_radius"):
+            print(f"blast radius ({row['loss']}, {row['transport']}, {row['nic']}): {row['blast_radius']}")
     if args.out:
         with output_errors(args.out, "--out"):
             written = write(rows, args.out)

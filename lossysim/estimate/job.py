@@ -113,8 +113,14 @@ class Job(Tally, Messages, ExpertMessages, ContextMessages):
                                              config.lossy_directions(c), c)
                            for c in EP_CLASSES)
                      for t in range(mesh.tp) for g in range(edp)]
-            lossy = self.ep_lossy = any(is_lossy(LossyNetwork(spec)) for spec in pairs[0])
-            self.ep.append([ExpertGroup(p, 1) for p in pairs] if lossy else [ExpertGroup(pairs[0], len(pairs))])
+            if pairs[0][0].cables is not None:   # on a fabric: the pairs that cross a lossy cable, one for the rest
+                lossy = [p for p in pairs if any(is_lossy(LossyNetwork(spec)) for spec in p)]
+                clean = [p for p in pairs if p not in lossy]
+                self.ep_lossy = False   # every lossy pair simulated, none sampled
+                self.ep.append([ExpertGroup(p, 1) for p in lossy] + ([ExpertGroup(clean[0], len(clean))] if clean else []))
+            else:
+                lossy = self.ep_lossy = any(is_lossy(LossyNetwork(spec)) for spec in pairs[0])
+                self.ep.append([ExpertGroup(p, 1) for p in pairs] if lossy else [ExpertGroup(pairs[0], len(pairs))])
             local = [torch.empty(experts.parameters // len(experts.blocks) // ep, device="meta", requires_grad=True,
                                  dtype=w.grad_torch_dtype) for _ in self.ep_blocks[s]]
             self.expert_buckets.append(plan_buckets(local, set(), config.dp_bucket_mb * (1 << 20)) if local else [])
@@ -126,6 +132,8 @@ class Job(Tally, Messages, ExpertMessages, ContextMessages):
         stages: a stage of fewer blocks counts its share), and how many of the first stage's are drawn
         instead."""
         k = self.sampled
+        if groups[0].spec.cables is not None and stages == 1:   # a fabric's lossy groups are each simulated
+            return groups, 0
         if not k or groups[0].copies > 1 or (len(groups) <= k and stages == 1):
             return groups, 0
         k = min(k, len(groups))
@@ -197,7 +205,13 @@ class Job(Tally, Messages, ExpertMessages, ContextMessages):
 
 
 def _groups(specs: list[NetworkSpec]) -> list[Group]:
-    """Identical groups: every one that can lose packets, or one for all when none can."""
+    """Identical groups: every one that can lose packets, or one for all when none can. On a fabric the
+    groups are not alike: every group whose links cross a lossy cable is simulated (never sampled), and one
+    that crosses none stands for all the others (they lose nothing)."""
+    if specs[0].cables is not None:
+        lossy = [spec for spec in specs if is_lossy(LossyNetwork(spec))]
+        clean = [spec for spec in specs if spec not in lossy]
+        return [Group(spec, 1) for spec in lossy] + ([Group(clean[0], len(clean))] if clean else [])
     if not is_lossy(LossyNetwork(specs[0])):
         return [Group(specs[0], len(specs))]
     return [Group(spec, 1) for spec in specs]
