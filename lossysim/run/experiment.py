@@ -38,6 +38,7 @@ from ..timing import NIC_PRESETS
 from ..util import one_of
 from . import checkpoint, record, tracking
 from .build import Parts, build
+from .fabric_record import fabric_summary
 from .evaluate import evaluate
 from .runtime import device as _device, init_distributed
 from .state import TrainState, Window
@@ -277,6 +278,8 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
         summary["context_parallel"] = record.cp_summary(parts.context, config, state)
     summary["traffic"] = record.traffic_summary(parts.train_net, parts.pipeline, parts.dp, parts.ep, parts.context)
     summary["collectives"] = record.collectives(parts.train_net, parts.pipeline, parts.dp, parts.context)
+    if parts.train_net.spec.cables is not None:
+        summary["fabric"] = fabric_summary(config, parts.train_net, parts.pipeline, parts.dp, parts.ep, parts.context)
     if rt.is_main:
         atomic_write_json(rt.run_dir / "summary.json", summary)
     return summary
