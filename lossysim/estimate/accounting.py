@@ -29,12 +29,14 @@ class Group(NamedTuple):
     """A group's network and the groups its counts stand for."""
     spec: NetworkSpec
     copies: float      # the groups its counts stand for: loss-free ones alike (exact), or G / k sampled lossy ones
+    same_as: int = -1  # on a fabric, a group that crosses no lossy cable: its times are this one's (not simulated)
 
 
 class ExpertGroup(NamedTuple):
     """An ep group's two networks (``ep_dispatch``, ``ep_combine``) and the groups its counts stand for."""
     specs: tuple
     copies: float
+    same_as: int = -1
 
 
 class Tally:

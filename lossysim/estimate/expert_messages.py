@@ -36,6 +36,11 @@ class ExpertMessages:
         for s in stages if not (self.sampled and self.ep_lossy) else ():
             blocks = self.ep_blocks[s]
             for j, group in enumerate(self.ep[s]):
+                if group.same_as >= 0:   # a fabric's clean group: its representative's times
+                    for step in out:
+                        for cls in EP_CLASSES:
+                            step[cls][s][j] = step[cls][s][group.same_as]
+                    continue
                 nets = [LossyNetwork(spec) for spec in group.specs]
                 if self.sampled and not any(is_lossy(net) for net in nets):   # loss-free, deterministic: one
                     # micro-batch stands for every one (on a fabric, a lossy group among clean ones is not)

@@ -114,10 +114,9 @@ class Job(Tally, Messages, ExpertMessages, ContextMessages):
                            for c in EP_CLASSES)
                      for t in range(mesh.tp) for g in range(edp)]
             if pairs[0][0].cables is not None:   # on a fabric: the pairs that cross a lossy cable, one for the rest
-                lossy = [p for p in pairs if any(is_lossy(LossyNetwork(spec)) for spec in p)]
-                clean = [p for p in pairs if p not in lossy]
                 self.ep_lossy = False   # every lossy pair simulated, none sampled
-                self.ep.append([ExpertGroup(p, 1) for p in lossy] + ([ExpertGroup(clean[0], len(clean))] if clean else []))
+                self.ep.append(_aliased(ExpertGroup, pairs, [any(is_lossy(LossyNetwork(spec)) for spec in p)
+                                                             for p in pairs]))
             else:
                 lossy = self.ep_lossy = any(is_lossy(LossyNetwork(spec)) for spec in pairs[0])
                 self.ep.append([ExpertGroup(p, 1) for p in pairs] if lossy else [ExpertGroup(pairs[0], len(pairs))])
@@ -209,9 +208,18 @@ def _groups(specs: list[NetworkSpec]) -> list[Group]:
     groups are not alike: every group whose links cross a lossy cable is simulated (never sampled), and one
     that crosses none stands for all the others (they lose nothing)."""
     if specs[0].cables is not None:
-        lossy = [spec for spec in specs if is_lossy(LossyNetwork(spec))]
-        clean = [spec for spec in specs if spec not in lossy]
-        return [Group(spec, 1) for spec in lossy] + ([Group(clean[0], len(clean))] if clean else [])
+        return _aliased(Group, specs, [is_lossy(LossyNetwork(spec)) for spec in specs])
     if not is_lossy(LossyNetwork(specs[0])):
         return [Group(specs[0], len(specs))]
     return [Group(spec, 1) for spec in specs]
+
+
+def _aliased(kind, specs: list, lossy: list[bool]) -> list:
+    """A fabric's groups in their order: each lossy one simulated, the first clean one standing for every
+    clean one (its copies), the other clean ones its aliases (``same_as``: their times are its own); all
+    clean, one group for all, as without a fabric."""
+    clean = [j for j, is_lossy_group in enumerate(lossy) if not is_lossy_group]
+    if len(clean) == len(specs):
+        return [kind(specs[0], len(specs))]
+    return [kind(spec, 1) if lossy[j] else kind(spec, len(clean)) if j == clean[0] else kind(spec, 0, clean[0])
+            for j, spec in enumerate(specs)]

@@ -60,29 +60,48 @@ class CableChains:
             lost |= drawn
             in_bad |= bad
         sent = [width] * rows if lengths is None else lengths.tolist()
+        for row, position, hit, bad in self._cables(ids, lossy_rows, width, sent):
+            row, position = torch.from_numpy(row).to(self.device), torch.from_numpy(position).to(self.device)
+            lost[row[hit], position[hit]] = True
+            in_bad[row[bad], position[bad]] = True
+        return lost, in_bad, advance
+
+    def _cables(self, ids: list, rows: Sequence[int], width: int, sent: Sequence[int]):
+        """Per lossy cable the rows' packets cross: their (row, position) in time order (the links send side
+        by side) and which of them its chain loses (and finds in its bad state)."""
         crossing: dict[int, list] = {}
-        for r in lossy_rows:
+        for r in rows:
             if ids[r] in self.intra:
                 continue
             src, dst = self.links[ids[r]]
             for cable, modulus, residue in self.placement.lossy(src, dst):
-                position = np.arange(residue, min(sent[r], width), modulus)
+                position = np.arange(residue, min(int(sent[r]), width), modulus)
                 if len(position):
                     crossing.setdefault(cable, []).append((r, position))
         for cable in sorted(crossing):
             parts = crossing[cable]
             row = np.concatenate([np.full(len(p), r) for r, p in parts])
             position = np.concatenate([p for _, p in parts])
-            order = np.lexsort((row, position))     # time order: the links send side by side
-            row = torch.from_numpy(row[order]).to(self.device)
-            position = torch.from_numpy(position[order]).to(self.device)
+            order = np.lexsort((row, position))
             n = len(order)
             drawn, bad, _ = self.cable(cable).draw(torch.zeros(1, dtype=torch.long, device=self.device), [0], n,
                                                    torch.tensor([n], device=self.device))
-            hit = drawn[0]
-            lost[row[hit], position[hit]] = True
-            in_bad[row[bad[0]], position[bad[0]]] = True
-        return lost, in_bad, advance
+            yield row[order], position[order], drawn[0].cpu(), bad[0].cpu()
+
+    def lost_positions(self, link_ids: torch.Tensor, lossy: Optional[np.ndarray], width: int,
+                       used: np.ndarray) -> np.ndarray:
+        """``sparse.lost_positions``'s sorted flat indices ``row * width + column``: the same draws as
+        ``draw`` with ``lengths=used`` (memoryless cables), the NVLink links' as without a fabric."""
+        from .sparse import lost_positions
+        ids = link_ids.tolist()
+        rows = range(len(ids)) if lossy is None else lossy.tolist()
+        on_nvlink = np.array([r for r in rows if ids[r] in self.intra], dtype=np.int64)
+        flats = [lost_positions(self.nvlink.model, self.nvlink, link_ids, on_nvlink, width, used)] \
+            if len(on_nvlink) else []
+        for row, position, hit, _ in self._cables(ids, rows, width, used):
+            hit = hit.numpy()
+            flats.append(row[hit] * width + position[hit])
+        return np.unique(np.concatenate(flats)) if flats else np.zeros(0, dtype=np.int64)
 
     def state_dict(self) -> dict:
         return {**self.nvlink.state_dict(),
