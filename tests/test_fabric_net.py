@@ -145,3 +145,39 @@ def test_training_on_a_fabric_dist_equals_sim_and_loses_only_on_the_bad_cable(tm
     assert last["packets_lost_dp"] > 0
     spec = NetworkSpec(2, "none", ranks_per_node=1, fabric=fabric, bad_link=("leaf0-spine0:bernoulli:0.5",))
     assert spec.link_lossy(0, 1) and not spec.link_lossy(1, 0)
+
+
+def test_the_estimate_simulates_every_group_that_crosses_a_lossy_cable_and_names_its_blast_radius():
+    """tp 2 x pp 2 x dp 4 on 8 nodes of 2, nodes 0-3 on leaf0 and 4-7 on leaf1: each DP group sits under
+    one leaf (no cable), every pipeline boundary joins the leaves. With one sampled group a stage, every
+    boundary group whose route crosses the bad cable is still simulated, each standing for itself, the clean
+    ones alias one; the blast radius names exactly the ranks whose links cross it, and only pp traffic."""
+    from lossysim.estimate.job import Job
+    from lossysim.estimate.shapes import load
+    from lossysim.estimate.simulate import estimate
+    from lossysim.estimate.workload import Workload, job_config
+    from lossysim.pp.stages import stage_layout
+
+    config = job_config("tiny-llama", 1, "bf16", None, tp_size=2, pp_size=2, dp_size=4, ranks_per_node=2,
+                        fabric="leaf-spine:nodes=8,leaves=2,spines=2", bad_link="leaf0-spine0.0:bernoulli:0.02",
+                        transport="retransmit", nic="irn", seed=1)
+    shape, w = load("tiny-llama"), Workload(256, sampled_groups=1)
+    job = Job(shape, config, w, stage_layout(None, 2, shape.layers), 256)
+    groups = job.pp[0]
+    crossing = [g for g in groups if g.spec.can_lose]
+    assert crossing and all(g.copies == 1 and g.same_as < 0 for g in crossing)
+    assert job._sample(groups) == (groups, 0)
+    assert all(g.same_as >= 0 or g.spec.can_lose or g.copies == len(groups) - len(crossing) for g in groups)
+    assert all(len(g) == 1 for g in job.dp)        # under one leaf: one clean group stands for all
+    expected = set()
+    for g in crossing:
+        place = g.spec.cables
+        for t in range(2):     # a boundary's sends: TP rank t of one stage to TP rank t of the next, and back
+            for s, d in ((t, 2 + t), (2 + t, t)):
+                if place.lossy(s, d):
+                    expected |= {place.ranks[s], place.ranks[d]}
+    row = estimate(shape, config, w, steps=1)
+    (blast,) = row["blast"]
+    assert blast["cable"] == "leaf0-spine0.0" and set(blast["groups"]) == {"pp"}
+    assert blast["ranks"] == len(expected) and set(blast["ranks_first"]) <= expected
+    assert 0 < blast["share"]["pp"] < 1 and row["pp_packets_lost"] > 0 and row["dp_packets_lost"] == 0
