@@ -229,6 +229,9 @@ class Mesh:
         at, declared = self.coordinates(rank), _NETWORKS[axis]
         seed = stream_seed(settings["seed"], _stream(declared.stream, {**at, "traffic": traffic}), "network")
         placed = {**settings, "ranks": len(ranks)} | ({"nics_per_node": None} if declared.own_nics else {})
+        if str(settings.get("fabric") or "none").strip().lower() not in ("none", ""):
+            # on a fabric, the group's routes follow its global ranks; ECMP's hash, the run's seed
+            placed["placement"] = (tuple(ranks), self.per_node, settings["seed"])
         if axis == "tp":   # the run's own network: moved only where the mesh spreads ranks over nodes
             if self.ranks_per_node is not None and self.world > self.tp:
                 placed["ranks_per_node"] = self._per_node(ranks)

@@ -25,8 +25,9 @@ TRACKERS = ("tensorboard", "wandb")
 BACKENDS = ("sim", "dist")     # every rank in one process, or one per process (torchrun)
 # Keys added after the first sweeps (data parallelism, micro-batches, ...): at their defaults they stay
 # out of a run's identity (the sweep's hash), so sweeps written before them still find their runs. An axis's
-# settings say so in their declaration (``Setting.identity_at_default``).
+# settings say so in their declaration (``Setting.identity_at_default``); the fabric's keys belong to no axis.
 IDENTITY_AT_DEFAULT_OMITTED = ("lossy_traffic", "lossy_layers", "lossy_sites", "outlier_fraction", "parallel_order",
+                               "fabric", "bad_link", "corrupt_share", "qps_per_connection", "pxn", "routing",
                                *(s.field for s in axes.settings() if not s.identity_at_default))
 
 

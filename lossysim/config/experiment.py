@@ -18,6 +18,7 @@ from ..traffic import BY_NAME, parse_kinds as traffic_kinds
 from ..util import stream_seed
 from .choices import BACKENDS, check_choice, parse_layout, parse_report_to
 from .execution import DEFAULT_THREADS, check_count
+from .fabric import check_fabric
 from .pairs import check_something_can_lose, validate_pairs
 
 _TRYING = contextvars.ContextVar("trying", default=False)   # ExperimentConfig.accepts is validating a variant
@@ -76,6 +77,13 @@ class ExperimentConfig:
     parallel_order: str = DEFAULT_ORDER  # how global ranks are laid out, innermost first (Megatron's order)
     lossy_traffic: str = "all"         # which traffic can lose packets: all, or some of lossysim.traffic.KINDS
     timeout_s: float = 600.0
+    # the fabric (config/fabric.py, docs/fabric.md): none keeps every rank pair its own link, as before
+    fabric: str = "none"               # none | superpod:SU | leaf-spine:nodes=N,... | a .yaml file
+    bad_link: str = ""                 # lossy cables, CABLE:LOSS entries separated by ';'
+    corrupt_share: float = 0.0         # a share of cables lossy at CorrOpt's rates, drawn at the seed
+    qps_per_connection: int = 1        # NCCL_IB_QPS_PER_CONNECTION: queue pairs hashed apart
+    pxn: bool = True                   # NCCL's PXN: cross-rail traffic over NVLink first
+    routing: str = "ecmp"              # ecmp | spray
     # training
     steps: int = 300
     batch_size: int = 16
@@ -130,6 +138,7 @@ class ExperimentConfig:
         validate_pairs(self)
         self.parallel_order = "-".join(parse_order(self.parallel_order))   # one spelling: one run identity
         self.mesh()                       # the layout's one check, for train, sweep and estimate alike
+        check_fabric(self)
         check_something_can_lose(self)
         try:
             parse_compute(self.compute)
@@ -281,6 +290,8 @@ def _coerce(name: str, value: Any) -> Any:
         kind = next(t for t in get_args(kind) if t is not type(None))
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
             return None
+    if name == "bad_link" and isinstance(value, (list, tuple)):
+        value = ";".join(str(v) for v in value)   # loss specs hold commas: entries are separated by ';'
     if name in _LIST_FIELDS and isinstance(value, (list, tuple)):
         value = ",".join(str(v) for v in value)   # report_to: [tensorboard, wandb], as HF takes it
     if isinstance(value, str) and kind is not str:

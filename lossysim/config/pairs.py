@@ -54,7 +54,7 @@ def check_something_can_lose(config) -> None:
     """A loss model that no traffic can meet is a mistake (the run would lose 0 packets, and say
     nothing): the traffic it may hit (lossy, lossy_traffic) never crosses a lossy link."""
     spec = config.network_spec()
-    if spec.loss.lossless:
+    if spec.loss.lossless or spec.cables is not None:   # a fabric's lossy cables: the blast radius says who crosses
         return
     mesh, settings = config.mesh(), config.network_settings()
     networks = [spec] + ([mesh.network_spec("dp_cp", 0, settings, config.dp_lossy())] if config.dp_size > 1 else []) + \

@@ -20,6 +20,7 @@ from .. import traffic
 from ..net import LossyNetwork, NetworkSpec
 from ..net.recovery import packets_of
 from ..net.sparse import Losses, bad_packets_of
+from .blast import Blast
 
 CLASSES = traffic.Live(lambda: tuple(c.name for c in traffic.CLASSES))   # every class's columns, declared order
 
@@ -28,12 +29,14 @@ class Group(NamedTuple):
     """A group's network and the groups its counts stand for."""
     spec: NetworkSpec
     copies: float      # the groups its counts stand for: loss-free ones alike (exact), or G / k sampled lossy ones
+    same_as: int = -1  # on a fabric, a group that crosses no lossy cable: its times are this one's (not simulated)
 
 
 class ExpertGroup(NamedTuple):
     """An ep group's two networks (``ep_dispatch``, ``ep_combine``) and the groups its counts stand for."""
     specs: tuple
     copies: float
+    same_as: int = -1
 
 
 class Tally:
@@ -45,6 +48,7 @@ class Tally:
         self.sums = {}
         self.drawn = 0     # packet fates drawn (lossy groups simulated), all steps
         self.choices = defaultdict(set)   # (class, collective, algorithm, protocol, channels) -> bytes
+        self.blast = Blast()              # on a fabric: who crosses each lossy cable
 
     def lost(self, cls: str, direction: str, delivery, per_packet: int, numel: int, received: int,
              copies: int, collective: str = "all_reduce") -> None:
@@ -60,6 +64,7 @@ class Tally:
         groups it stands for); a lossy network's packets sent were drawn."""
         if is_lossy(net):
             self.drawn += net.totals()["sent"]
+            self.blast.add(cls, net, copies)
         sums = self.sums.setdefault(cls, defaultdict(float))
         totals = net.totals()
         for name in ("sent", "lost", "resent"):
@@ -90,6 +95,8 @@ class Tally:
 
 def is_lossy(net: LossyNetwork) -> bool:
     """Whether ``net`` can lose a packet: a lossy model, a lossy link and a lossy direction."""
+    if net.spec.cables is not None:   # under a fabric: some link crosses a lossy cable (or NVLink loses)
+        return net.spec.can_lose and bool(net.lossy)
     return not net.loss_model.lossless and net.topology.has_lossy_link and bool(net.lossy)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..config import EP_CLASSES
 from ..net import LossyNetwork
-from .accounting import mark
+from .accounting import is_lossy, mark
 
 
 class ExpertMessages:
@@ -36,8 +36,14 @@ class ExpertMessages:
         for s in stages if not (self.sampled and self.ep_lossy) else ():
             blocks = self.ep_blocks[s]
             for j, group in enumerate(self.ep[s]):
+                if group.same_as >= 0:   # a fabric's clean group: its representative's times
+                    for step in out:
+                        for cls in EP_CLASSES:
+                            step[cls][s][j] = step[cls][s][group.same_as]
+                    continue
                 nets = [LossyNetwork(spec) for spec in group.specs]
-                if self.sampled:   # loss-free, deterministic: one micro-batch stands for every one
+                if self.sampled and not any(is_lossy(net) for net in nets):   # loss-free, deterministic: one
+                    # micro-batch stands for every one (on a fabric, a lossy group among clean ones is not)
                     copies = group.copies * m * steps
                     micro = _block_sum(self._ep_micro(nets, blocks, copies))
                     for step in out:

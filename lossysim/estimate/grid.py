@@ -18,7 +18,8 @@ from tqdm.auto import tqdm
 
 from ..cp.layout import check_length
 from .. import axes
-from ..config import DEFAULT_THREADS, ExperimentConfig, set_threads
+from ..config import DEFAULT_THREADS, ExperimentConfig, coerce, set_threads
+from ..config.fabric import add_fabric_arguments, fabric_overrides
 from ..io import atomic_write_text, check_writable, output_errors
 from ..mesh import DEFAULT_ORDER
 from ..net.algorithms import ALGORITHMS
@@ -100,6 +101,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--threads", type=int, help=f"torch's intra-op threads (default {DEFAULT_THREADS}); speed, "
                                                      "never results; each row records it")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_fabric_arguments(parser)
 
 
 def _add_setting(parser, setting) -> None:
@@ -168,6 +170,9 @@ def run_rows(args, configs: list, rows_of: Callable, extra: Optional[Callable[[]
         row["threads"] = threads   # how it ran, beside what it computed
     print(rows[0]["layout"], file=sys.stderr)
     print(_table(rows))
+    for row in rows:   # on a fabric: who crosses each lossy cable (every row's, in estimate.json)
+        if row.get("blast_radius"):
+            print(f"blast radius ({row['loss']}, {row['transport']}, {row['nic']}): {row['blast_radius']}")
     if args.out:
         with output_errors(args.out, "--out"):
             written = write(rows, args.out)
@@ -195,6 +200,7 @@ def config_of(args) -> ExperimentConfig:
                 parallel_order=args.parallel_order, lossy_traffic=args.lossy_traffic, **DEFAULTS)
     if args.payload_bytes is not None:
         keys["payload_bytes"] = args.payload_bytes
+    keys.update(coerce(fabric_overrides(args)))
     return job_config(args.model or "tiny", args.micro_batch, args.dtype, args.global_batch, **keys)
 
 

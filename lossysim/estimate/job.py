@@ -115,8 +115,13 @@ class Job(Tally, Messages, ExpertMessages, ContextMessages):
                                              config.lossy_directions(c), c)
                            for c in EP_CLASSES)
                      for t in range(mesh.tp) for g in range(edp)]
-            lossy = self.ep_lossy = any(is_lossy(LossyNetwork(spec)) for spec in pairs[0])
-            self.ep.append([ExpertGroup(p, 1) for p in pairs] if lossy else [ExpertGroup(pairs[0], len(pairs))])
+            if pairs[0][0].cables is not None:   # on a fabric: the pairs that cross a lossy cable, one for the rest
+                self.ep_lossy = False   # every lossy pair simulated, none sampled
+                self.ep.append(_aliased(ExpertGroup, pairs, [any(is_lossy(LossyNetwork(spec)) for spec in p)
+                                                             for p in pairs]))
+            else:
+                lossy = self.ep_lossy = any(is_lossy(LossyNetwork(spec)) for spec in pairs[0])
+                self.ep.append([ExpertGroup(p, 1) for p in pairs] if lossy else [ExpertGroup(pairs[0], len(pairs))])
             local = [torch.empty(experts.parameters // len(experts.blocks) // ep, device="meta", requires_grad=True,
                                  dtype=w.grad_torch_dtype) for _ in self.ep_blocks[s]]
             self.expert_buckets.append(plan_buckets(local, set(), config.dp_bucket_mb * (1 << 20)) if local else [])
@@ -128,6 +133,8 @@ class Job(Tally, Messages, ExpertMessages, ContextMessages):
         stages: a stage of fewer blocks counts its share), and how many of the first stage's are drawn
         instead."""
         k = self.sampled
+        if groups[0].spec.cables is not None and stages == 1:   # a fabric's lossy groups are each simulated
+            return groups, 0
         if not k or groups[0].copies > 1 or (len(groups) <= k and stages == 1):
             return groups, 0
         k = min(k, len(groups))
@@ -198,7 +205,22 @@ class Job(Tally, Messages, ExpertMessages, ContextMessages):
 
 
 def _groups(specs: list[NetworkSpec]) -> list[Group]:
-    """Identical groups: every one that can lose packets, or one for all when none can."""
+    """Identical groups: every one that can lose packets, or one for all when none can. On a fabric the
+    groups are not alike: every group whose links cross a lossy cable is simulated (never sampled), and one
+    that crosses none stands for all the others (they lose nothing)."""
+    if specs[0].cables is not None:
+        return _aliased(Group, specs, [is_lossy(LossyNetwork(spec)) for spec in specs])
     if not is_lossy(LossyNetwork(specs[0])):
         return [Group(specs[0], len(specs))]
     return [Group(spec, 1) for spec in specs]
+
+
+def _aliased(kind, specs: list, lossy: list[bool]) -> list:
+    """A fabric's groups in their order: each lossy one simulated, the first clean one standing for every
+    clean one (its copies), the other clean ones its aliases (``same_as``: their times are its own); all
+    clean, one group for all, as without a fabric."""
+    clean = [j for j, is_lossy_group in enumerate(lossy) if not is_lossy_group]
+    if len(clean) == len(specs):
+        return [kind(specs[0], len(specs))]
+    return [kind(spec, 1) if lossy[j] else kind(spec, len(clean)) if j == clean[0] else kind(spec, 0, clean[0])
+            for j, spec in enumerate(specs)]

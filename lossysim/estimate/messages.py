@@ -38,6 +38,8 @@ class Messages:
         for s, groups in enumerate(self.tp):
             chosen, extra = self._sample(groups)
             for j, group in enumerate(chosen):
+                if group.same_as >= 0:   # a fabric's clean group: its representative's times (below)
+                    continue
                 net = LossyNetwork(group.spec)
                 if self.sampled and not is_lossy(net):
                     # loss-free and deterministic: every micro-batch of every step is the first one's
@@ -49,16 +51,20 @@ class Messages:
                 for step in out:
                     step["tp"][s][j] = self._tp_group(net, group.copies, s, m)
                 self.count("tp", net, group.copies)
+            _alias(out, "tp", s, chosen)
             if extra:
                 self._draw_groups([step["tp"][s] for step in out], len(chosen))
         alike = defaultdict(list)   # boundaries whose groups differ only by their streams: one pool
         for b, groups in enumerate(self.pp):
             chosen, extra = self._sample(groups)
             for j, group in enumerate(chosen):
+                if group.same_as >= 0:
+                    continue
                 net = LossyNetwork(group.spec)
                 for step in out:
                     step["pp"][b][j] = self._sends(net, group.copies, b, m)
                 self.count("pp", net, group.copies)
+            _alias(out, "pp", b, chosen)
             if extra:
                 alike[dataclasses.replace(groups[0].spec, seed=0), len(chosen)].append(b)
         for (_, k), boundaries in alike.items():
@@ -148,6 +154,8 @@ class Messages:
         seconds = np.zeros((len(chosen), steps, len(messages), 2))
         kinds = [None] * len(messages)
         for g, group in enumerate(chosen):
+            if group.same_as >= 0:   # a fabric's clean group: no slower than its representative
+                continue
             net = LossyNetwork(group.spec)
             for i in range(steps):
                 for k, (site, direction, numel, dtype, collective) in enumerate(messages):
@@ -173,3 +181,11 @@ class Messages:
                 both = slowest[stage][:, alike]
                 slowest[stage][:, alike, 0] = np.maximum(both[..., 0], both[..., 1] + drawn)
         return slowest.tolist()
+
+
+def _alias(out: list[dict], cls: str, index: int, groups: list) -> None:
+    """A fabric's clean groups take their representative's times (they are loss-free and alike)."""
+    for j, group in enumerate(groups):
+        if group.same_as >= 0:
+            for step in out:
+                step[cls][index][j] = step[cls][index][group.same_as]

@@ -45,6 +45,7 @@ from ..ep import routing
 from ..models import cost
 from ..pp.stages import stage_layout
 from .accounting import CLASSES, intervals
+from .blast import describe
 from .job import Job, check_group_size
 from .shapes import Shape, load
 from .workload import Workload
@@ -134,6 +135,11 @@ def estimate(model: Union[str, Shape], config: ExperimentConfig, workload: Workl
         "sampled_groups": job.sampled, "packets_drawn": job.drawn / steps,
         "collectives": job.choice_summary(),
     }
+    if spec.cables is not None:   # the fabric's columns: only on a fabric, so a row without one stays as it was
+        blast = job.blast.table({cls: sums["sent"] for cls, sums in job.sums.items()})
+        row.update(fabric=spec.fabric, bad_link=";".join(spec.bad_link), corrupt_share=spec.corrupt_share,
+                   routing=spec.routing, qps_per_connection=spec.qps_per_connection, pxn=spec.pxn,
+                   lossy_cables=len(spec.cables.losses), blast_radius=describe(blast), blast=blast)
     for cls in CLASSES:   # every class's columns, zero where the job has none of its traffic
         seconds = added[cls] / steps
         row.update({f"{cls}_loss_free_s": float(seconds[1]), f"{cls}_repair_s": float(seconds[0]),

@@ -11,6 +11,7 @@ import torch
 
 from . import recovery as recoveries
 from .algorithms import PHASES
+from .cables import CableChains
 from .links import Chains
 from .stats import COUNTERS, Counters, NonFinite
 from ..util import stream_seed
@@ -20,7 +21,7 @@ from ..util import stream_seed
 class Channel:
     """One call site and direction: its link chains, its counters, its non-finite watch and what the
     recovery policy keeps there."""
-    chains: Chains
+    chains: Chains                 # (CableChains under a fabric)
     counters: Counters
     watch: NonFinite = field(default_factory=NonFinite)
     memory: Optional[recoveries.Memory] = None
@@ -40,7 +41,9 @@ class Channels:
         channel = self.by_key.get(key)
         if channel is None:
             spec = self.spec
-            chains = Chains(spec.loss, len(self.links), stream_seed(spec.seed, site, direction), device)
+            seed = stream_seed(spec.seed, site, direction)
+            chains = Chains(spec.loss, len(self.links), seed, device) if spec.cables is None else \
+                CableChains(spec, self.links, seed, device)
             channel = self.by_key[key] = Channel(chains, Counters(len(self.links), spec.max_burst, device))
             if spec.recovery_model.keeps_memory:
                 channel.memory = recoveries.Memory(spec.seed, site, direction, device)
@@ -113,7 +116,8 @@ class Channels:
                 "counts": counters["counts"], "histogram": counters["histogram"], "open_run": counters["open_run"],
                 "nonfinite_at": torch.tensor(ch.watch.settle()), "generator": chains["generator"],
                 "calls": counters["calls"], "started": chains["started"], "device": str(ch.counters.device),
-                "chain": chains["chain"], "recovery": None if ch.memory is None else ch.memory.state_dict()}
+                "chain": chains["chain"], "recovery": None if ch.memory is None else ch.memory.state_dict(),
+                **({"cables": chains["cables"]} if "cables" in chains else {})}
         return channels
 
     def load_state_dict(self, channels: dict) -> None:

@@ -61,6 +61,8 @@ class LossyNetwork:
         self.ranks, self.loss_model, self.lossy = spec.ranks, spec.loss, spec.lossy
         self.topology, self.transport, self.recovery = spec.topology, spec.transport_model, spec.recovery_model
         self.links = [(src, dst) for src in range(self.ranks) for dst in range(self.ranks) if src != dst]
+        # under a fabric, only a network some link of which crosses a lossy cable (or NVLink's loss) draws
+        self._can_lose = not spec.loss.lossless if spec.cables is None else spec.can_lose
         self.channels = Channels(spec, self.links)
         self.time = Clock(spec.compute)
         self._transfers: dict[tuple, transfers.Transfer] = {}
@@ -82,7 +84,7 @@ class LossyNetwork:
 
     def drops(self, direction: str, site: Optional[str] = None) -> bool:
         """Whether traffic in this direction (at call site ``site``; None: at some site) can lose packets."""
-        return (direction in self.lossy and not self.loss_model.lossless
+        return (direction in self.lossy and self._can_lose
                 and (site is None or self.spec.selection.covers(site)))
 
     def exact(self, direction: str, site: Optional[str] = None) -> bool:
@@ -242,8 +244,10 @@ class LossyNetwork:
 
     def configured_loss_rate(self, direction: str, src: int, dst: int, site: Optional[str] = None) -> float:
         """The loss rate a link is configured with for one direction's traffic (at ``site``, if given)."""
-        lossy = (direction in self.lossy and self.topology.lossy(src, dst)
-                 and (site is None or self.spec.selection.covers(site)))
+        lossy = direction in self.lossy and (site is None or self.spec.selection.covers(site))
+        if self.spec.cables is not None:
+            return self.spec.link_rate(src, dst) if lossy else 0.0
+        lossy = lossy and self.topology.lossy(src, dst)
         return self.loss_model.loss_rate if lossy else 0.0
 
     def summary(self, by: Sequence[str] = ("direction",)) -> list[dict]:

@@ -35,8 +35,13 @@ from .receivers import Delivery, combine
 
 def applies(spec, device: torch.device) -> bool:
     """Whether a network of ``spec`` draws, drops or repairs its calls on ``device`` here."""
-    return (spec.loss.sparse and device.type == "cpu"
+    return (spec.loss.sparse and device.type == "cpu" and _sparse_cables(spec)
             and (not spec.transport_model.repairs or spec.nic_model.mode == "selective"))
+
+
+def _sparse_cables(spec) -> bool:
+    """No fabric, or one whose lossy cables are all memoryless (their losses drawn as positions too)."""
+    return spec.cables is None or all(m.sparse and not m.hidden_state for m in spec.cables.losses.values())
 
 
 def lost_positions(model: LossModel, chains, link_ids: torch.Tensor, lossy: Optional[np.ndarray], width: int,
@@ -47,6 +52,8 @@ def lost_positions(model: LossModel, chains, link_ids: torch.Tensor, lossy: Opti
     rows = len(link_ids)
     if not rows or lossy is not None and not len(lossy):
         return np.zeros(0, dtype=np.int64)
+    if hasattr(chains, "lost_positions"):   # a fabric's: per cable (``net.cables``)
+        return chains.lost_positions(link_ids, lossy, width, used)
     if not chains.started:  # as Chains.draw starts its chains (Bernoulli: no draw, no state)
         _, _, chains.state = model.sample_with_states((chains.links, 0), chains.generator, None)
         chains.started = True

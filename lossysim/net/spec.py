@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Sequence, Union
 
+from ..fabric.place import Placement, placement as fabric_placement
 from ..loss import LossModel, parse_loss_model
 from ..timing import Compute, Link, Measured, nccl, parse_compute, parse_link
 from ..timing.congestion import CONGESTION
@@ -126,12 +127,21 @@ class NetworkSpec:
     compute: Union[str, Compute, Measured] = "h100"
     lossy_layers: str = "all"
     lossy_sites: str = "all"
+    # The fabric (docs/fabric.md): none keeps every rank pair its own link, as before.
+    fabric: str = "none"
+    bad_link: Union[str, Sequence[str]] = ()
+    corrupt_share: float = 0.0
+    qps_per_connection: int = 1
+    pxn: bool = True
+    routing: str = "ecmp"
+    placement: Optional[tuple] = None   # (global ranks, ranks per node, root seed): the mesh's; None: in order
     # Derived once from the fields above.
     selection: SiteSelection = field(init=False, repr=False, compare=False)
     topology: Topology = field(init=False, repr=False, compare=False)
     transport_model: Transport = field(init=False, repr=False, compare=False)
     nic_model: Nic = field(init=False, repr=False, compare=False)
     recovery_model: Policy = field(init=False, repr=False, compare=False)
+    cables: Optional[Placement] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         def put(name, value):
@@ -238,6 +248,36 @@ class NetworkSpec:
         put("nic_model", nic)
         put("recovery_model", recovery)
         put("selection", SiteSelection.parse(self.lossy_layers, self.lossy_sites))
+        self._place_on_fabric(put)
+
+    def _place_on_fabric(self, put) -> None:
+        """The network's ranks on the fabric (``fabric.place``), its settings checked; None without one."""
+        text = "none" if self.fabric is None else str(self.fabric).strip()
+        bad = tuple(b.strip() for b in (self.bad_link.split(";") if isinstance(self.bad_link, str)
+                                        else self.bad_link) if str(b).strip())
+        put("fabric", text)
+        put("bad_link", bad)
+        put("corrupt_share", float(self.corrupt_share))
+        put("qps_per_connection", int(self.qps_per_connection))
+        put("pxn", bool(self.pxn))
+        if text.lower() in ("none", ""):
+            if bad or self.corrupt_share:
+                raise ValueError(f"{'bad_link' if bad else 'corrupt_share'} needs a fabric: set fabric "
+                                 "(superpod:SU, leaf-spine:nodes=N,..., or a .yaml file)")
+            put("cables", None)
+            return
+        if self.routing == "spray" and self.nic_model.mode == "go_back_n":
+            raise ValueError(f"routing=spray reorders packets, which go-back-N (nic={self.nic}) takes for losses: "
+                             "use a selective repeat nic (irn, srd) or routing=ecmp")
+        if self.placement is None:
+            ranks, per_node, root = tuple(range(self.ranks)), self.topology.ranks_per_node, self.seed
+        else:
+            ranks, per_node, root = tuple(self.placement[0]), int(self.placement[1]), int(self.placement[2])
+        every = None if self.loss.lossless else self.loss.spec
+        put("cables", fabric_placement(text, ranks, per_node, channels=self.channels, seed=root,
+                                       qps_per_connection=self.qps_per_connection, pxn=self.pxn,
+                                       routing=self.routing, bad_link=bad, corrupt_share=self.corrupt_share,
+                                       every_cable=every))
 
     def _tcp_nics(self) -> str:
         """The TCP nics this spec takes in place of its own, as a refusal of a TCP-only setting suggests them
@@ -299,7 +339,34 @@ class NetworkSpec:
             out["sockets"] = self.sockets
         if self.congestion is not None:
             out["congestion"] = self.congestion
+        if self.cables is not None:                # and before the fabric
+            out.update(fabric=self.fabric, bad_link=list(self.bad_link), corrupt_share=self.corrupt_share,
+                       qps_per_connection=self.qps_per_connection, pxn=self.pxn, routing=self.routing)
         return out
+
+    @property
+    def can_lose(self) -> bool:
+        """Whether any link can lose a packet: the loss model on a lossy link, or (under a fabric) a link
+        whose route crosses a lossy cable."""
+        intra = not self.loss.lossless and self.topology.has_lossy_link
+        if self.cables is None:
+            return intra
+        topology = self.topology
+        return self.cables.any_lossy() or (intra and topology.lossy_links == "all" and topology.ranks_per_node > 1)
+
+    def link_lossy(self, src: int, dst: int) -> bool:
+        """Whether the link src -> dst can lose packets: without a fabric, the topology's rule; under one,
+        NVLink inside a node as before and a link between nodes where its route crosses a lossy cable."""
+        topology = self.topology
+        if self.cables is None or topology.link_class(src, dst) == "intra":
+            return not self.loss.lossless and topology.lossy(src, dst)
+        return bool(self.cables.lossy(src, dst))
+
+    def link_rate(self, src: int, dst: int) -> float:
+        """The share of the link's packets its losses take (under a fabric: on their routes' cables)."""
+        if self.cables is None or self.topology.link_class(src, dst) == "intra":
+            return self.loss.loss_rate if self.link_lossy(src, dst) else 0.0
+        return self.cables.rate(src, dst)
 
 
 SETTINGS = tuple(f.name for f in fields(NetworkSpec) if f.init)

@@ -103,10 +103,16 @@ def assemble(spec: NetworkSpec, links: list, sched: Schedule, per_packet: int, i
     topology = spec.topology
     index = {link: i for i, link in enumerate(links)}
     link_ids = torch.tensor([index[link] for link in sched.links], dtype=torch.long, device=device)
-    lossy_rows = [r for r, (src, dst) in enumerate(sched.links) if topology.lossy(src, dst)]
-    rescale = 1.0 / (1.0 - spec.loss.loss_rate) if spec.loss.loss_rate < 1 else 0.0
-    factor = torch.tensor([rescale if topology.lossy(s.src, s.dst) else 1.0 for s in sched.sends],
-                          dtype=torch.float64, device=device)
+    if spec.cables is None:
+        lossy_rows = [r for r, (src, dst) in enumerate(sched.links) if topology.lossy(src, dst)]
+        rescale = 1.0 / (1.0 - spec.loss.loss_rate) if spec.loss.loss_rate < 1 else 0.0
+        factor = torch.tensor([rescale if topology.lossy(s.src, s.dst) else 1.0 for s in sched.sends],
+                              dtype=torch.float64, device=device)
+    else:   # each link at the loss its route's cables give it
+        lossy_rows = [r for r, (src, dst) in enumerate(sched.links) if spec.link_lossy(src, dst)]
+        rate = {link: spec.link_rate(*link) for link in set(sched.links)}
+        factor = torch.tensor([1.0 / (1.0 - rate[s.src, s.dst]) if rate[s.src, s.dst] < 1 else 0.0
+                               for s in sched.sends], dtype=torch.float64, device=device)
     # packets each (phase, link) sends: one bincount (a 128-rank ring has 32,512 sends)
     slot = [PHASES.index(s.phase) * len(links) + index[sched.links[row]] for s, row in zip(sched.sends, sched.send_row)]
     sent = torch.from_numpy(np.bincount(np.asarray(slot, dtype=np.int64), [s.packets for s in sched.sends],

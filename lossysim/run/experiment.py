@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from .. import axes
 from ..config import (BACKENDS, DEFAULT_THREADS, ExperimentConfig, coerce, load_config, parse_overrides, save_yaml,
                       set_threads)
+from ..config.fabric import add_fabric_arguments, fabric_overrides
 from ..data import EVAL_SPLITS, MNLI, SYNTHETIC, train_batches
 from ..data.pydoc_text import PYDOC
 from ..io import atomic_write_json, atomic_write_text, check_writable, nearest_existing, read_summary, run_status
@@ -39,7 +40,7 @@ from ..util import one_of
 from . import checkpoint, tracking
 from .clock import clock_mark
 from .metrics import Metrics, cut_metrics, eval_row, train_row
-from .summary import collectives, failure, sections, summary as run_summary, traffic_summary
+from .summary import collectives, fabric, failure, sections, summary as run_summary, traffic_summary
 from .build import Parts, build
 from .evaluate import evaluate
 from .runtime import device as _device, init_distributed
@@ -82,6 +83,7 @@ def add_arguments(parser) -> None:
                         help="override any config key (repeatable)")
     for flag, (key, help_text) in flags().items():
         parser.add_argument(flag, dest=key, help=help_text)
+    add_fabric_arguments(parser)
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint in --out (see checkpoint_every)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -93,6 +95,7 @@ def run(args) -> int:
         overrides.update(coerce(parse_overrides([pair])))
     overrides.update({key: getattr(args, key) for _, (key, _) in flags().items()
                       if getattr(args, key, None) is not None})
+    overrides.update(coerce(fabric_overrides(args)))
     config = load_config(args.config, overrides)
     summary = run_experiment(config, config.out, progress=not args.no_progress, resume=args.resume)
     if summary["status"] != "completed":
@@ -256,6 +259,7 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
     summary.update(sections(parts, config, state))   # every used axis's (lossysim.axes)
     summary["traffic"] = traffic_summary(parts, config)
     summary["collectives"] = collectives(parts, config)
+    summary.update(fabric(parts, config))   # the fabric's, beside the axes' (it belongs to none)
     if rt.is_main:
         atomic_write_json(rt.run_dir / "summary.json", summary)
     return summary

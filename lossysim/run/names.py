@@ -35,8 +35,9 @@ LOSS_ONLY = ("loss", "lossy", "recovery", "eval_lossy", "lossy_links", "transpor
 
 
 def normalise(config: ExperimentConfig) -> ExperimentConfig:
-    """Make equal experiments equal configs: a lossless run's ``LOSS_ONLY`` keys at their defaults."""
-    if parse_loss_model(config.loss).lossless:
+    """Make equal experiments equal configs: a lossless run's ``LOSS_ONLY`` keys at their defaults (a run
+    with a lossy cable is not lossless)."""
+    if parse_loss_model(config.loss).lossless and not config.bad_link and not config.corrupt_share:
         defaults = ExperimentConfig()
         return config.replace(**{key: getattr(defaults, key) for key in LOSS_ONLY})
     return config

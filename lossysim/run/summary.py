@@ -19,6 +19,7 @@ from ..net import LossyNetwork
 from ..pp.stages import Pipeline
 from ..traffic import CLASSES
 from .clock import sim_time_summary
+from .fabric_record import fabric_summary
 from .metrics import used
 from .state import TrainState
 
@@ -69,6 +70,12 @@ def sections(parts, config: ExperimentConfig, state: TrainState) -> dict:
         out[axis.summary] = {**{s.field: getattr(config, s.field) for s in axis.settings},
                              **{c.per_step: getattr(state, c.name) / steps for c in axis.counters if c.per_step}}
     return out
+
+
+def fabric(parts, config: ExperimentConfig) -> dict:
+    """summary.json's ``fabric`` section (``fabric_record``), only on a fabric: a run without one writes
+    the summary it wrote before."""
+    return {"fabric": fabric_summary(parts, config)} if parts.train_net.spec.cables is not None else {}
 
 
 def traffic_summary(parts, config: ExperimentConfig) -> dict:

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Callable, Optional, Union
 
 from ..config import DEFAULT_THREADS, ExperimentConfig, default_jobs, from_dict, parse_overrides, save_yaml  # noqa: F401
+from ..config.fabric import add_fabric_arguments, fabric_overrides
 from ..io import atomic_write_json, check_writable, output_errors
 from ..loss import parse_loss_model   # noqa: F401  (what tests reach through the sweep)
 from ..results.table import read_summary, run_status, write_summary_csv
@@ -257,10 +258,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{DEFAULT_THREADS}); speed, never results")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and their state; train nothing")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_fabric_arguments(parser)   # base config keys, as --set would set them
 
 
 def run(args: argparse.Namespace, train: Optional[TrainFn] = None) -> int:
-    overrides = parse_overrides(args.overrides)
+    overrides = {**parse_overrides(args.overrides), **fabric_overrides(args)}   # the fabric's flags: base keys
     if getattr(args, "threads", None) is not None:
         overrides["threads"] = args.threads
     jobs = check_jobs(default_jobs() if getattr(args, "jobs", None) is None else args.jobs)

@@ -1,0 +1,30 @@
+"""summary.json's ``fabric``: the run's fabric settings and the blast radius of its lossy cables (which
+ranks, groups and traffic classes cross each, and its share of each class's packets), counted off the
+networks this process holds (replica 0's TP, pipeline, expert and context networks, every data-parallel
+group's it holds: sim, all of them), as the estimate counts its groups (``estimate.blast``). The fabric is
+no axis: ``run.summary`` adds this section beside the axes' own."""
+from __future__ import annotations
+
+from ..config import EP_CLASSES
+from ..estimate.blast import Blast
+
+
+def fabric_summary(parts, config) -> dict:
+    pipeline, dp, ep, context = parts.pipeline, parts.dp, parts.ep, parts.context
+    carriers = {"tp": [parts.train_net] if pipeline is None else list(pipeline.networks),
+                "pp": list(pipeline.boundary_networks()) if pipeline is not None else [],
+                config.dp_class: list(dp.networks) if dp.dp_size > 1 else [],
+                "cp": list(context.train_networks.cp) if context is not None else []}
+    if ep is not None and ep.mesh.ep > 1:
+        for name in EP_CLASSES:
+            carriers[name] = [ep.groups[0].train[name]]
+    blast, sent = Blast(), {}
+    for cls, networks in carriers.items():
+        for net in networks:
+            blast.add(cls, net, 1)
+            sent[cls] = sent.get(cls, 0) + net.totals()["sent"]
+    spec = parts.train_net.spec
+    return {"fabric": spec.fabric, "bad_link": list(spec.bad_link), "corrupt_share": spec.corrupt_share,
+            "routing": spec.routing, "qps_per_connection": spec.qps_per_connection, "pxn": spec.pxn,
+            "lossy_cables": len(spec.cables.losses) if spec.cables is not None else 0,
+            "blast_radius": blast.table(sent)}
