@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,3 +36,16 @@ def one_of(values) -> str:
 def cache_dir() -> Path:
     """lossysim's cache (prepared data, converted models): LOSSYSIM_CACHE, else ~/.cache/lossysim."""
     return Path(os.environ.get("LOSSYSIM_CACHE", Path.home() / ".cache" / "lossysim"))
+
+
+def lazy_exports(package: str, exports: dict[str, str]):
+    """A package's ``__getattr__`` (PEP 562) that imports each of ``exports``' names (name -> the module
+    holding it, relative to ``package``) when first asked for, and keeps it: reading one light module of a
+    package (an axis's declaration) then costs none of the rest."""
+    def __getattr__(name: str):
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(exports[name], package), name)
+        setattr(sys.modules[package], name, value)
+        return value
+    return __getattr__

@@ -3,15 +3,9 @@
 Its names are imported on first use (PEP 562): ``config`` reads the package's declaration
 (``axis.py``) before the modules below can be imported.
 """
-import importlib
+from ..util import lazy_exports
 
 _EXPORTS = {"ContextParallel": ".context", "apply_cp": ".context"}
 __all__ = ["ContextParallel", "apply_cp"]
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -6,16 +6,10 @@ reduce-scattered over it (FSDP), and the drift between replicas (what the traffi
 Its names are imported on first use (PEP 562): ``config`` reads the package's declaration
 (``axis.py``) before the modules below can be imported.
 """
-import importlib
+from ..util import lazy_exports
 
 _EXPORTS = {"apply_dp": ".apply", "Bucket": ".buckets", "plan_buckets": ".buckets",
             "FullyShardedDataParallel": ".fsdp", "DataParallel": ".replicas", "Replica": ".replica"}
 __all__ = ["apply_dp", "Bucket", "plan_buckets", "DataParallel", "FullyShardedDataParallel", "Replica"]
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -4,16 +4,10 @@ dispatched to them and combined back through the lossy network's all-to-all (see
 Its names are imported on first use (PEP 562): ``config`` reads the package's declaration
 (``axis.py``) before the modules below can be imported.
 """
-import importlib
+from ..util import lazy_exports
 
 _EXPORTS = {"ExpertParallelism": ".apply", "apply_ep": ".apply", "check": ".apply",
             "expert_parameters": ".apply", "shard_experts": ".apply", "ExpertParallel": ".experts"}
 __all__ = ["ExpertParallel", "ExpertParallelism", "apply_ep", "check", "expert_parameters", "shard_experts"]
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)

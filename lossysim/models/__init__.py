@@ -2,15 +2,9 @@
 
 The names below load ``build`` (and transformers' modeling code) when first asked for, so ``models.shapes`` and
 ``models.cost`` cost an estimate of a named shape nothing more."""
-import importlib
+from ..util import lazy_exports
 
-__all__ = ["NAMED_MAX_POSITIONS", "NAMED_SHAPES", "build_model", "check_max_length", "is_pretrained",
-           "max_positions"]
-
-
-def __getattr__(name):
-    if name in ("NAMED_MAX_POSITIONS", "NAMED_SHAPES"):
-        return getattr(importlib.import_module(".shapes", __name__), name)
-    if name in __all__:
-        return getattr(importlib.import_module(".build", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+_EXPORTS = {"NAMED_MAX_POSITIONS": ".shapes", "NAMED_SHAPES": ".shapes", "build_model": ".build",
+            "check_max_length": ".build", "is_pretrained": ".build", "max_positions": ".build"}
+__all__ = list(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

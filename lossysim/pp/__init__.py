@@ -4,7 +4,7 @@ under a schedule (GPipe or 1F1B), and the clock of that schedule.
 Its names are imported on first use (PEP 562): ``config`` reads the package's declaration
 (``axis.py``) before the modules below can be imported.
 """
-import importlib
+from ..util import lazy_exports
 
 _EXPORTS = {"SCHEDULES": ".schedule", "Op": ".schedule", "PipelineTiming": ".schedule",
             "pipeline_time": ".schedule", "stage_ops": ".schedule", "timeline_plot": ".schedule",
@@ -12,10 +12,4 @@ _EXPORTS = {"SCHEDULES": ".schedule", "Op": ".schedule", "PipelineTiming": ".sch
 __all__ = ["SCHEDULES", "Op", "PipelineTiming", "pipeline_time", "stage_ops", "timeline_plot", "Pipeline",
            "apply_pp", "stage_layout"]
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)
