@@ -49,17 +49,17 @@ class Inline:
         return False
 
 
-def _work(slot: int, tasks, done, progress: bool) -> None:
+def _work(slot: int, tasks, done, progress: bool, execute: Callable) -> None:
+    """A worker's loop; ``execute`` is the sweep's (pickled by name: the worker imports it itself)."""
     from .runtime import die_with_parent
     die_with_parent()
-    from . import sweep   # the sweep's own execute, and through it lossysim's trainer
     while True:
         item = tasks.get()
         if item is None:
             return
         index, run = item
         done.put(("started", slot, index))
-        status = sweep.execute(run, progress=progress, position=slot + 1).get("status")
+        status = execute(run, progress=progress, position=slot + 1).get("status")
         done.put(("done", slot, index, status))
 
 
@@ -69,16 +69,16 @@ class Pool:
     replaced. Leaving the block by an exception (Ctrl-C) stops every worker at once (SIGTERM); their
     unfinished runs start again on the next sweep, as a killed sweep's do."""
 
-    def __init__(self, jobs: int, progress: bool, on_lost: Callable[[Run, str], None]):
+    def __init__(self, jobs: int, progress: bool, on_lost: Callable[[Run, str], None], execute: Callable):
         self._context = multiprocessing.get_context("spawn")
         self._tasks, self._done = self._context.Queue(), self._context.Queue()
-        self._progress, self._on_lost = progress, on_lost
+        self._progress, self._on_lost, self._execute = progress, on_lost, execute
         self._running: dict[int, tuple[int, Run]] = {}   # slot -> the run it holds
         self._submitted: dict[int, Run] = {}
         self._workers = [self._start(slot) for slot in range(check_jobs(jobs))]
 
     def _start(self, slot: int):
-        worker = self._context.Process(target=_work, args=(slot, self._tasks, self._done, self._progress),
+        worker = self._context.Process(target=_work, args=(slot, self._tasks, self._done, self._progress, self._execute),
                                        name=f"lossysim-sweep-job{slot + 1}", daemon=True)
         # A worker ignores Ctrl-C (its disposition is inherited): the sweep alone answers it, once, and stops
         # every worker, with no traceback from wherever each one was.

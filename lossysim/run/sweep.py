@@ -200,7 +200,7 @@ def _run_all(spec: SweepSpec, runs: list[Run], out: Path, shard_k: int, shard_n:
         atomic_write_json(run.run_dir / "summary.json", failure_summary(run.config, error))
 
     runner = Inline(lambda run: execute(run, train=train, progress=progress).get("status")) if jobs == 1 \
-        else Pool(jobs, progress, lost)
+        else Pool(jobs, progress, lost, execute)
     waiting, stopped = list(todo), None
 
     def feed() -> None:
