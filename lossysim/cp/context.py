@@ -333,7 +333,8 @@ def apply_cp(tp_model, config, mesh, rank: int = 0, replica: int = 0, groups: Op
     # (Megatron's; lossysim.dp), through its lossy network; with one replica, over a reliable channel here.
     if distributed and mesh.dp == 1:
         for param in tp_model.parameters():
-            param.register_hook(_summed_over(context.group, mesh.cp))
+            if not getattr(param, "expert_parallel", False):   # a context rank's experts are its own (lossysim.ep)
+                param.register_hook(_summed_over(context.group, mesh.cp))
     elif not distributed:
         if mesh.dp > 1:
             context.gradients = Gradients(mesh.cp)
