@@ -63,3 +63,46 @@ def test_loss_free_experts_beside_context_ranks_are_the_unsharded_model(tp, cp, 
                                            msg=name)
     sent = {row["sent"] > 0 for rows in parts.ep.summaries().values() for row in rows}
     assert sent == {True} and len(parts.ep.groups) == tp * (dp * cp // ep)
+
+
+def _weights(parts) -> dict:
+    from lossysim.tp import gather_full_model
+    return {k: v.detach().clone() for k, v in gather_full_model(parts.model).state_dict().items()}
+
+
+@pytest.mark.parametrize("layout", [dict(cp_size=2, dp_size=1, ep_size=2), dict(cp_size=2, dp_size=2, ep_size=2),
+                                    dict(cp_size=2, dp_size=2, ep_size=4)])
+def test_loss_free_training_follows_the_unsplit_model(layout, tmp_path):
+    """Three steps (two micro-batches, the gradient clipped: every member's experts' squares in the norm)
+    end with replica 0 holding, every expert gathered, the weights of one unsplit replica trained on the
+    whole batch, to the tolerance data parallelism meets."""
+    settings = dict(grad_clip=0.5, microbatches=2)
+    reference, _, _ = train_steps(moe(tmp_path / "one", **settings), 3)
+    split, state, _ = train_steps(moe(tmp_path / "split", **settings, **layout), 3)
+    assert state.ep_s > 0 and state.cp_s > 0
+    expected, got = _weights(reference), _weights(split)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], **PARAM_TOL, msg=name)
+
+
+@pytest.mark.parametrize("layout", [dict(dp_size=1, ep_size=2), dict(dp_size=2, ep_size=4)])
+def test_resume_is_exact(layout, tmp_path):
+    """Resumed from its step-2 checkpoint, a lossy run with experts beside context ranks ends as the
+    uninterrupted one: metrics, summary, exported weights and the last checkpoint, bit for bit."""
+    from test_resume import assert_resumes_exactly
+    settings = dict(cp_size=2, loss="ge:rate=0.05,burst=4", recovery="zero", checkpoint_every=2,
+                    keep_checkpoints=0, save_checkpoint=True, steps=4, eval_every=2, log_every=1, **layout)
+    summary = assert_resumes_exactly(moe(tmp_path / "reference", **settings), tmp_path / "resumed")
+    assert summary["expert_parallel"]["packets_lost_ep_dispatch"] > 0
+    assert summary["expert_parallel"]["edp_size"] == 2 * layout["dp_size"] // layout["ep_size"]
+
+
+@pytest.mark.parametrize("settings, message", [
+    (["--model", "tiny-moe", "--ep-size", "2", "--cp-size", "4", "--set", "max_length=32"],
+     "ep_size=2 with cp_size=4: experts beside context parallelism need ep_size a multiple of cp_size"),
+    (["--model", "tiny-moe", "--ep-size", "2", "--cp-size", "2", "--pp-size", "2"],
+     "training ep_size=2 with cp_size=2 and pp_size=2"),
+])
+def test_what_is_still_not_modelled_is_refused_in_one_line(settings, message, tmp_path, capsys):
+    assert_train_refuses(settings, message, tmp_path / "o", capsys)
