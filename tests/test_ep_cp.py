@@ -137,10 +137,12 @@ CASES = {
     # every packet a trial: dispatch, combine, keys and values, and (with replicas) both gradient groups lose
     "cp-lossy": dict(dp_size=1, ep_size=2),
     "cp-dp-lossy": dict(dp_size=2, ep_size=2, microbatches=2),
+    # every TP rank's own ep group of the context ranks (a rank to a node: TP traffic loses too)
+    "tp-cp-lossy": dict(tp_size=2, dp_size=1, ep_size=2),
     # an ep group over two replicas' context ranks, stopped after its step-2 checkpoint and resumed
     "cp-ep4-resumed": dict(dp_size=2, ep_size=4, steps=4, eval_every=2, checkpoint_every=2, keep_checkpoints=0),
 }
-PHASES = [("cp-lossy", 2), ("cp-dp-lossy", 4), ("cp-ep4-resumed", 4)]
+PHASES = [("cp-lossy", 2), ("cp-dp-lossy", 4), ("tp-cp-lossy", 4), ("cp-ep4-resumed", 4)]
 
 
 def _settings(name: str) -> dict:
@@ -219,6 +221,8 @@ def test_dist_is_sim_bit_for_bit_under_loss(runs, name):
     assert last["packets_lost_cp_fwd"] > 0 and last["packets_lost_cp_bwd"] > 0
     if CASES[name]["dp_size"] > 1:
         assert last["packets_lost_dp"] > 0
+    if CASES[name].get("tp_size", 1) > 1:
+        assert last["packets_lost_fwd"] > 0
     if name.endswith("-resumed"):
         first = read_jsonl(runs / name / "first-metrics.jsonl")
         kept = [row for row in first if row["step"] <= 2]

@@ -100,6 +100,7 @@ class ContextParallel(nn.Module):
         self.views: dict = {}        # this forward's per-rank views of replicated parameters (``ContextGroup``)
         # sim with data parallelism: each context rank's gradients, for the dp x cp all-reduce
         self.gradients: Optional[Gradients] = None
+        self.tp_group = None         # dist with tp > 1: the TP ranks whose context groups sim records together
 
     # -- which networks -------------------------------------------------------------------------------
     @property
@@ -340,6 +341,8 @@ def apply_cp(tp_model, config, mesh, rank: int = 0, replica: int = 0, groups: Op
             context.gradients = Gradients(mesh.cp)
         for stage, group in enumerate(tp_model.groups):
             ContextGroup.attach(group, context, stage)
+    if distributed and mesh.tp > 1:
+        context.tp_group = groups["tp"][rank]
     tp_model.context = context
     pipeline = getattr(tp_model, "pipeline", None)
     if pipeline is not None:   # dist: the other stages' context groups mirror their owners'
