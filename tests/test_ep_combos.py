@@ -1,8 +1,8 @@
 """Expert parallelism beside the other parallelisms: inside pipeline stages (DeepSeek-V3's layout, pp x ep,
 at tiny sizes) and beside FSDP, on the tiny Mixtral-like MoE (``tiny-moe``) and the synthetic task.
 Loss-free each trains as the unsplit model; under loss, ``dist`` (gloo processes) is ``sim`` bit for bit;
-a run resumed from its checkpoint ends as the uninterrupted one. Experts beside context parallelism are
-still refused, in one line."""
+a run resumed from its checkpoint ends as the uninterrupted one. (Experts beside context parallelism:
+test_ep_cp.py.)"""
 from __future__ import annotations
 
 import os
@@ -122,8 +122,6 @@ def test_resume_is_exact(combo, tmp_path):
 
 
 @pytest.mark.parametrize("settings, message", [
-    (["--model", "tiny-moe", "--dp-size", "2", "--ep-size", "2", "--cp-size", "2"],
-     "ep_size=2 with cp_size=2: experts beside context parallelism are not modelled"),
     (["--model", "tiny-moe", "--dp-size", "2", "--ep-size", "2", "--pp-size", "2", "--set",
       "activation_checkpointing=true"],
      "training ep_size=2 with activation_checkpointing=True (recomputed blocks) is not supported"),

@@ -203,8 +203,8 @@ def test_a_lost_dispatch_packet_skips_the_token_at_its_expert_under_drop_token(r
      "ep_size=1: recovery=drop_token acts on all-to-alls only (elsewhere it is zero), and the run has none"),
     (["--model", "tiny-moe", "--dp-size", "2", "--ep-size", "2", "--recovery", "rescale"],
      "ep_size=2: recovery=rescale does not act on all-to-alls: use one of zero, drop_token"),
-    (["--model", "tiny-moe", "--dp-size", "2", "--ep-size", "2", "--cp-size", "2"],
-     "ep_size=2 with cp_size=2: experts beside context parallelism are not modelled"),
+    (["--model", "tiny-moe", "--ep-size", "2", "--cp-size", "4", "--set", "max_length=32"],
+     "ep_size=2 with cp_size=4: experts beside context parallelism need ep_size a multiple of cp_size"),
 ])
 def test_bad_expert_settings_are_one_line_and_exit_2(settings, message, tmp_path, capsys):
     assert_train_refuses(settings, message, tmp_path / "o", capsys)

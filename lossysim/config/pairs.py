@@ -9,9 +9,10 @@ from .choices import CP_MODES, EP_CLASSES, check_choice
 def validate_pairs(config) -> None:
     """Settings each fine alone that do not go together: checked here only, for every command."""
     fsdp, pp, ep = config.dp_mode == "fsdp" and config.dp_size > 1, config.pp_size > 1, config.ep_size > 1
-    if ep and config.cp_size > 1:
+    if ep and config.cp_size > 1 and config.ep_size % config.cp_size:
         raise ValueError(f"ep_size={config.ep_size} with cp_size={config.cp_size}: experts beside context "
-                         "parallelism are not modelled (training or estimate); leave one of them at 1")
+                         "parallelism need ep_size a multiple of cp_size (a replica's context ranks, members of "
+                         "one ep group)")
     validate_context(config, fsdp)
     for used, setting, collective in ((fsdp, "dp_mode=fsdp", "reduce_scatter"),
                                       (pp, f"pp_size={config.pp_size}", "send"),

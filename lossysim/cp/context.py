@@ -100,6 +100,7 @@ class ContextParallel(nn.Module):
         self.views: dict = {}        # this forward's per-rank views of replicated parameters (``ContextGroup``)
         # sim with data parallelism: each context rank's gradients, for the dp x cp all-reduce
         self.gradients: Optional[Gradients] = None
+        self.tp_group = None         # dist with tp > 1: the TP ranks whose context groups sim records together
 
     # -- which networks -------------------------------------------------------------------------------
     @property
@@ -333,12 +334,15 @@ def apply_cp(tp_model, config, mesh, rank: int = 0, replica: int = 0, groups: Op
     # (Megatron's; lossysim.dp), through its lossy network; with one replica, over a reliable channel here.
     if distributed and mesh.dp == 1:
         for param in tp_model.parameters():
-            param.register_hook(_summed_over(context.group, mesh.cp))
+            if not getattr(param, "expert_parallel", False):   # a context rank's experts are its own (lossysim.ep)
+                param.register_hook(_summed_over(context.group, mesh.cp))
     elif not distributed:
         if mesh.dp > 1:
             context.gradients = Gradients(mesh.cp)
         for stage, group in enumerate(tp_model.groups):
             ContextGroup.attach(group, context, stage)
+    if distributed and mesh.tp > 1:
+        context.tp_group = groups["tp"][rank]
     tp_model.context = context
     pipeline = getattr(tp_model, "pipeline", None)
     if pipeline is not None:   # dist: the other stages' context groups mirror their owners'

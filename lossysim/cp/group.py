@@ -48,7 +48,9 @@ class Gradients:
         out = [[] for _ in range(self.contexts)]
         for p in params:
             held = self.held.pop(id(p), None)
-            if held is None and p.grad is not None:
+            if getattr(p, "expert_parallel", False):   # a context rank's own experts: not its replica's to sum
+                held = None
+            elif held is None and p.grad is not None:
                 raise RuntimeError("a parameter got a gradient no context rank's view caught")
             for c in range(self.contexts):
                 out[c].append(torch.zeros_like(p) if held is None else held[c])

@@ -6,21 +6,43 @@ from __future__ import annotations
 from ..net.stats import class_row
 
 
+class _Summarised:
+    """Another TP rank's context group as a row counts it: its summary and lossy directions."""
+
+    def __init__(self, summary: list, lossy):
+        self._summary, self.lossy = summary, lossy
+
+    def summary(self) -> list:
+        return self._summary
+
+
+def _every_position(context, networks) -> list:
+    """``networks`` as ``sim`` holds them: on ``dist`` with tp > 1, every TP position's (gathered over the
+    TP group: a process runs its own position's context groups)."""
+    if context.tp_group is None:
+        return list(networks)
+    import torch.distributed as dist
+    every: list = [None] * dist.get_world_size(context.tp_group)
+    dist.all_gather_object(every, [(n.summary(), n.lossy) for n in networks], group=context.tp_group)
+    return [_Summarised(summary, lossy) for part in every for summary, lossy in part]
+
+
 def train_row(context, state) -> dict:
     """The context groups' packets: keys and values (``cp_fwd``) and their gradients (``cp_bwd``) sent and
-    lost so far, and the loss rate over their lossy directions (``observed_loss_rate_cp``)."""
-    return class_row("cp", context.train_networks.cp)
+    lost so far, and the loss rate over their lossy directions (``observed_loss_rate_cp``), every TP
+    position's."""
+    return class_row("cp", _every_position(context, context.train_networks.cp))
 
 
 def eval_row(context) -> dict:
-    return class_row("cp", context.eval_networks.cp)
+    return class_row("cp", _every_position(context, context.eval_networks.cp))
 
 
 def summary(context, config, state) -> dict:
     """summary.json's ``context_parallel``: the layout, what the exchanges added per step, and every
     context group's traffic per direction and link class."""
     return {"cp_size": config.cp_size, "cp_mode": config.cp_mode, "cp_s_per_step": state.cp_s / max(state.step, 1),
-            **class_row("cp", context.train_networks.cp),
+            **class_row("cp", _every_position(context, context.train_networks.cp)),
             "packets_by_group": [n.summary(by=("direction", "link_class")) for n in context.train_networks.cp]}
 
 

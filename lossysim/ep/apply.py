@@ -26,6 +26,7 @@ from ..dp import DataParallel, Replica
 from ..dp.replicas import DistDataParallel
 from ..mesh import Mesh
 from ..net import LossyNetwork
+from .context import ContextExperts, ContextGroup, MemberView, members
 from .experts import ExpertParallel
 from .groups import DistGroup, Networks, SimGroup, SimShared
 from .lockstep import Lockstep
@@ -47,16 +48,20 @@ def check(config: ExperimentConfig, device: torch.device) -> None:
             leave = f"; set {' or '.join(choices)}" if choices else ""
             raise ValueError(f"training {ep} with {name}={getattr(config, name)} ({why}) is not supported{leave}"
                              f"{' (lossysim estimate times the pair)' if timed else ''}")
+    if config.cp_size > 1 and config.pp_size > 1:
+        raise ValueError(f"training {ep} with cp_size={config.cp_size} and pp_size={config.pp_size} (experts beside "
+                         "context parallelism inside pipeline stages) is not supported; set pp_size=1")
     if config.backend == "sim" and device.type != "cpu":
         raise ValueError(f"{ep} on backend=sim runs on the CPU (its replicas meet inside CPU backward passes); "
                          "use device=cpu, or backend=dist")
 
 
-def shard_experts(tp_model, mesh: Mesh, rank: int, pipeline=None) -> list[ExpertParallel]:
+def shard_experts(tp_model, mesh: Mesh, rank: int, pipeline=None, contexts: int = 1) -> list[ExpertParallel]:
     """Every MoE block's experts (the plan's ``experts``) as global ``rank``'s share of them (all of them
     with ep 1), in place, before the optimiser sees the parameters. None: not a mixture of experts.
     ``pipeline``: the replica's stages; a block's experts sit on its stage's TP group and ep group (the
-    mesh's groups at that stage, as Megatron's expert layers inside a pipeline stage)."""
+    mesh's groups at that stage, as Megatron's expert layers inside a pipeline stage). ``contexts``: the
+    context ranks the model runs (``sim``: cp), each holding its own member's experts (``ContextExperts``)."""
     plan = tp_model.plan
     if plan.experts is None:
         if mesh.ep > 1:
@@ -75,7 +80,12 @@ def shard_experts(tp_model, mesh: Mesh, rank: int, pipeline=None) -> list[Expert
             continue
         # sim holds every stage's TP group; a dist process its own stage's alone (the others' blocks never run)
         group = tp_model.groups[stage_of[i]] if len(tp_model.groups) == len(layout) else tp_model.group
-        module = ExpertParallel(getattr(holder, leaf), f"{plan.blocks}.{i}.{plan.experts}", member, mesh.ep, group)
+        site = f"{plan.blocks}.{i}.{plan.experts}"
+        if contexts > 1:
+            module = ContextExperts(getattr(holder, leaf), site, member, mesh.ep, group, contexts)
+        else:
+            module = ExpertParallel(getattr(holder, leaf), site, member, mesh.ep, group)
+            module.routers = min(mesh.cp, mesh.ep)   # evaluation: the first replica's context ranks route
         module.stage = stage_of[i]
         setattr(holder, leaf, module)
         modules.append(module)
@@ -91,8 +101,9 @@ class ExpertParallelism:
 
     def __init__(self, mesh: Mesh, groups: list[Networks], lockstep: Optional[Lockstep],
                  edp: Sequence[DataParallel], replica_groups: list[dict[int, list[Networks]]], tp_group=None,
-                 ep_group=None, stage: int = 0, pp_group=None):
+                 ep_group=None, stage: int = 0, pp_group=None, contexts: int = 1):
         self.mesh, self.groups, self.lockstep, self.edp = mesh, groups, lockstep, list(edp)
+        self.contexts = contexts                # sim: the context ranks a replica runs (each one member)
         # per replica this process runs: per stage it holds, its groups TP rank by TP rank
         self.replica_groups = replica_groups
         self.tp_group = tp_group                # dist: the TP ranks whose groups run side by side
@@ -151,10 +162,13 @@ class ExpertParallelism:
         seconds = 0.0
         for edp in self.edp:
             seconds = max(seconds, sum(sum(stage) for stage in edp.average_gradients()))
+        # an ep group spans ep / cp replicas (Megatron carves it out of dp x cp): its experts' gradients
+        # sum that many replicas' losses
+        spanned = self.mesh.ep // self.mesh.cp if self.mesh.cp > 1 else self.mesh.ep
         for replica in replicas:
             for param in expert_parameters(replica.model):
                 if param.grad is not None:
-                    param.grad.div_(self.mesh.ep)
+                    param.grad.div_(spanned)
         return seconds
 
     def squares(self, replicas: Sequence[Replica]) -> list[torch.Tensor]:
@@ -171,11 +185,16 @@ class ExpertParallelism:
             across = mine.new_empty(stages)
             dist.all_gather_into_tensor(across, mine.reshape(1), group=self.pp_group)
             return [_sum(across.unbind())]
-        own = [[_squares(replica.model, s) for s in range(stages)] for replica in replicas]
         if self.lockstep is None:          # dist, ep 1: the group is this rank (and no expert is ep-sharded)
-            return [_sum(stage) for stage in own]
-        return [_sum([_sum([own[m][s] for m in range((r // ep) * ep, (r // ep + 1) * ep)]) for s in range(stages)])
-                for r in range(len(replicas))]
+            return [_sum([_squares(replica.model, s) for s in range(stages)]) for replica in replicas]
+        # sim: [replica][stage][its context ranks' members]; a group's ep / cp replicas' members in order
+        own = [[_squares(replica.model, s, c) for s in range(stages)] for replica in replicas
+               for c in range(self.contexts)]
+        own = [[[own[r * self.contexts + c][s] for c in range(self.contexts)] for s in range(stages)]
+               for r in range(len(replicas))]
+        spans = ep // self.contexts
+        return [_sum([_sum([m for j in range((r // spans) * spans, (r // spans + 1) * spans) for m in own[j][s]])
+                      for s in range(stages)]) for r in range(len(replicas))]
 
     def networks(self) -> list[LossyNetwork]:
         return [n for g in self.groups for n in g.train.values()]
@@ -240,10 +259,12 @@ def expert_parameters(model) -> list[torch.Tensor]:
     return [p for p in model.parameters() if getattr(p, "expert_parallel", False)]
 
 
-def _squares(model, stage: int = 0) -> torch.Tensor:
-    """The sum of squares of the gradients of ``model``'s ep-sharded experts on pipeline stage ``stage``."""
+def _squares(model, stage: int = 0, context: int = 0) -> torch.Tensor:
+    """The sum of squares of the gradients of ``model``'s ep-sharded experts on pipeline stage ``stage``
+    (``sim`` beside context parallelism: context rank ``context``'s member's)."""
     grads = [p.grad.float().pow(2).sum() for m in getattr(model, "experts", ()) if m.stage == stage
-             for p in (m.gate_up_proj, m.down_proj) if p.expert_parallel and p.grad is not None]
+             for p in (members(m)[context].gate_up_proj, members(m)[context].down_proj)
+             if p.expert_parallel and p.grad is not None]
     device = next(model.parameters()).device
     return torch.stack(grads).sum() if grads else torch.zeros((), device=device)
 
@@ -280,10 +301,10 @@ def apply_ep(replicas: Sequence[Replica], config: ExperimentConfig, mesh: Mesh, 
         module.groups = [_dist_group(networks, process_group, module)]
     edp = []
     at = mesh.coordinates(rank)
-    if mesh.ep > 1 and mesh.dp // mesh.ep > 1:
+    if mesh.ep > 1 and mesh.size("edp") > 1:
         edp_net = LossyNetwork(mesh.network_spec("edp", rank, config.network_settings(), config.dp_lossy()))
         edp = [DistDataParallel(replicas[0], edp_net, bucket, replica_index=at["edp"],
-                                tp_rank=at["tp"], dp_size=mesh.dp // mesh.ep, tp_size=mesh.tp,
+                                tp_rank=at["tp"], dp_size=mesh.size("edp"), tp_size=mesh.tp,
                                 dp_group=groups["edp"][rank], tp_group=groups["tp"][rank], stage=at["pp"],
                                 experts=True)]
     tp_group = groups["tp"][rank] if mesh.tp > 1 and "tp" in groups else None
@@ -301,10 +322,12 @@ def _dist_group(networks: Networks, process_group, module: ExpertParallel):
 
 
 def _connect_sim(replicas: Sequence[Replica], config: ExperimentConfig, mesh: Mesh, bucket: float):
-    """Every replica's experts on their groups, one per (stage, expert-data-parallel index, TP rank)."""
+    """Every replica's experts on their groups, one per (stage, expert-data-parallel index, TP rank); beside
+    context parallelism each replica's context ranks are consecutive members (``lossysim.ep.context``)."""
     lockstep = Lockstep()
     shared: dict[tuple[int, int, int], SimShared] = {}
     replica_groups = []
+    contexts = mesh.cp
     for r, replica in enumerate(replicas):
         at = mesh.coordinates(mesh.rank(dp=r))
         member, g = at["ep"], at["edp"]
@@ -316,18 +339,26 @@ def _connect_sim(replicas: Sequence[Replica], config: ExperimentConfig, mesh: Me
         replica_groups.append({s: [shared[(s, g, t)].networks for t in range(mesh.tp)] for s in range(mesh.pp)})
         for module in replica.model.experts:
             s = module.stage
-            module.groups = [SimGroup(shared[(s, g, t)], member, training=lambda m=module: m.training)
-                             for t in range(mesh.tp)]
+            if contexts > 1:
+                module.groups = [ContextGroup(shared[(s, g, t)], member // contexts, contexts,
+                                              training=lambda m=module: m.training) for t in range(mesh.tp)]
+            else:
+                module.groups = [SimGroup(shared[(s, g, t)], member, training=lambda m=module: m.training)
+                                 for t in range(mesh.tp)]
             for t in range(mesh.tp):
-                shared[(s, g, t)].experts.setdefault(module.site, [None] * mesh.ep)[member] = module
+                held = shared[(s, g, t)].experts.setdefault(module.site, [None] * mesh.ep)
+                for c, one in enumerate(members(module)):
+                    held[member + c] = one
     edp = []
-    if mesh.ep > 1 and mesh.dp // mesh.ep > 1:
-        # per expert block e: the replicas holding it, over one network per stage and TP rank
+    if mesh.ep > 1 and mesh.size("edp") > 1:
+        # per expert block e: the (context rank, replica) members holding it, in their group's order
         for e in range(mesh.ep):
-            held = [r for r in range(mesh.dp) if mesh.coordinates(mesh.rank(dp=r))["ep"] == e]
-            networks = [[LossyNetwork(mesh.network_spec("edp", mesh.rank(dp=held[0], tp=t, pp=s),
+            held = [divmod(i * mesh.ep + e, contexts)[::-1] for i in range(mesh.size("edp"))]   # (context, replica)
+            networks = [[LossyNetwork(mesh.network_spec("edp", mesh.rank(dp=held[0][1], cp=held[0][0], tp=t, pp=s),
                                                         config.network_settings(), config.dp_lossy()))
                          for t in range(mesh.tp)] for s in range(mesh.pp)]
-            edp.append(DataParallel([replicas[r] for r in held], networks, bucket, experts=True))
+            views = [replicas[d] if contexts == 1 else Replica(MemberView(replicas[d].model, c), None, None)
+                     for c, d in held]
+            edp.append(DataParallel(views, networks, bucket, experts=True))
     return ExpertParallelism(mesh, [shared[key].networks for key in sorted(shared)], lockstep, edp,
-                             replica_groups)
+                             replica_groups, contexts=contexts)

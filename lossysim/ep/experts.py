@@ -72,6 +72,7 @@ class ExpertParallel(nn.Module):
         self.act_fn = experts.act_fn
         self.tp_group = tp_group
         self.groups: list = []          # per local TP rank: its expert-parallel group (``connect``)
+        self.routers = 1                # the group's members that route in evaluation (lossysim.ep.context)
         for param in (self.gate_up_proj, self.down_proj):
             # averaged over its own expert-data-parallel group (lossysim.ep); with ep 1, as every replicated one
             param.expert_parallel = ep_size > 1
@@ -87,7 +88,8 @@ class ExpertParallel(nn.Module):
     def route(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, group) -> torch.Tensor:
         """One TP rank's tokens ``x`` [T, hidden] to their top-k experts and back, weighted."""
         tokens, k = index.shape
-        routes = self.training or group.member == 0    # evaluation: the group's first member's tokens alone
+        # evaluation: the group's first replica's tokens alone (its ``routers`` context ranks' members)
+        routes = self.training or group.member < self.routers
         flat = index.reshape(-1) if routes else index.new_zeros(0)
         order = torch.argsort(flat, stable=True)       # assignments by expert (then token, slot)
         counts = torch.bincount(flat, minlength=self.num_experts)

@@ -19,7 +19,7 @@ def train_row(ep, state) -> dict:
 def summary(ep, config, state) -> dict:
     """summary.json's ``expert_parallel``: the layout, replica 0's all-to-alls per class by direction and link
     class, and their seconds per step."""
-    return {"ep_size": config.ep_size, "edp_size": config.dp_size // config.ep_size, **train_row(ep, state),
+    return {"ep_size": config.ep_size, "edp_size": config.dp_size * config.cp_size // config.ep_size, **train_row(ep, state),
             "packets_by_class": ep.summaries(by=("direction", "link_class")),
             "ep_s_per_step": state.ep_s / max(state.step, 1)}
 

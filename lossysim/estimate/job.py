@@ -106,6 +106,9 @@ class Job(Tally, Messages, ExpertMessages, ContextMessages):
         self.ep, self.expert_buckets, self.edp = [], [], []
         if self.experts is None:
             return
+        if mesh.cp > 1:   # the groups below are carved out of dp alone (training carves them out of dp x cp)
+            raise ValueError(f"ep_size={mesh.ep} with cp_size={mesh.cp}: lossysim estimate does not time experts "
+                             "beside context parallelism (lossysim train does); leave one of them at 1")
         ep, edp = mesh.ep, mesh.dp // mesh.ep
         per = routing.rows(tokens, experts.top_k, experts.count, ep, w.routing_skew, config.seed)
         sent = tuple(0 if s == d else per[s][d] * shape.hidden for s in range(ep) for d in range(ep))

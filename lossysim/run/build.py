@@ -137,7 +137,7 @@ def _sim_replica(config: ExperimentConfig, model, mesh, train_net: LossyNetwork,
     sequences split over its context ranks."""
     pipeline = apply_pp(model, config, mesh, train_net, eval_net, replica)
     tp_model = apply_tp(model, config, mesh, train_net, rank, pipeline=pipeline)
-    shard_experts(tp_model, mesh, mesh.rank(dp=replica), pipeline)
+    shard_experts(tp_model, mesh, mesh.rank(dp=replica), pipeline, contexts=mesh.cp)   # each context rank its own
     apply_cp(tp_model, config, mesh, rank, replica, compute=compute)
     return _replica(config, tp_model, pipeline)
 
