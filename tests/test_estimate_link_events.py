@@ -156,12 +156,14 @@ def test_bad_link_events_at_the_cli_are_one_line_exit_2(flags, message):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_train_refuses_a_cable_the_fabric_lacks_in_one_line():
+@pytest.mark.parametrize("event, message", [("leaf7-spine0:down:at=0,for=1", "not in fabric"),
+                                            (f"{NIC_CABLE}:down:at=0,for=1", "training does not run link events")])
+def test_train_refuses_link_events_in_one_line(tmp_path, event, message):
     result = subprocess.run([sys.executable, "-m", "lossysim", "train", "--set", "dp_size=2", "--set", "ranks_per_node=1",
-                             "--set", f"fabric={FABRIC}", "--link-event", "leaf7-spine0:down:at=0,for=1", "--threads", "1"],
-                            capture_output=True, text=True)
-    assert result.returncode == 2 and "not in fabric" in result.stderr, result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+                             "--set", f"fabric={FABRIC}", "--link-event", event, "--threads", "1",
+                             "--out", str(tmp_path / "run")], capture_output=True, text=True)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
 
 def test_the_estimate_prints_what_the_events_do():

@@ -93,3 +93,12 @@ def check_fabric(config) -> None:
         raise ValueError(f"fabric={config.fabric} has {fabric.rails} NICs (rails) a node: ranks_per_node="
                          f"{mesh.per_node} must be a multiple or a divisor of it")
     event_schedule(config)
+
+
+def training_refusal(config):
+    """Why ``train`` refuses ``config`` (None if it does not): training does not run link events yet, and a
+    run that took them and did nothing with them would read as a fabric that never failed."""
+    if str(config.link_event or "").strip():
+        return ("link_event: training does not run link events yet (the estimate does: lossysim estimate "
+                "--link-event; docs/fabric.md)")
+    return None

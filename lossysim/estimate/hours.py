@@ -38,6 +38,8 @@ def add_arguments(parser) -> None:
 
 def check(args) -> None:
     """Refuse what ``--hours`` cannot do before the grid runs."""
+    if args.trace and getattr(args, "link_event", None):   # the replay has no step to run the events through
+        raise ValueError("--link-event takes a named shape's layout, not --trace")
     if getattr(args, "hours", None) is None:
         return
     if args.trace:
