@@ -98,8 +98,6 @@ def test_a_flap_costs_what_its_schedule_predicts(job):
     onsets = len([t for t in (10, 70, 130) if t < 10 + 150])
     assert out["event_calls_later"] == onsets and out["event_failures"] == 0
     assert out["event_job_s"] == pytest.approx(STEPS * (c + m) + onsets * TAU)
-    # with ECMP's reroute around a switch cable a flap costs the same timeout; without one, one as well
-    # (down 2 s < 4.3 s): so does tcp's ladder differ, checked in test_fabric_events
 
 
 def test_half_speed_slows_exactly_the_steps_whose_flows_cross_it(job):
