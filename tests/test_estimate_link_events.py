@@ -111,6 +111,16 @@ def test_half_speed_slows_exactly_the_steps_whose_flows_cross_it(job):
     assert apart["event_flows"] == "node2.nic0-leaf1: no flows"
 
 
+def test_with_drop_an_outage_holds_nothing_and_drops_the_calls_it_meets():
+    config = job_config("llama-3.2-1b", 1, "bf16", None, tp_size=1, dp_size=2, ranks_per_node=1, fabric=FABRIC,
+                        link_event=f"{NIC_CABLE}:down:at=10,for=1", event_steps=STEPS)
+    row = estimate(load("llama-3.2-1b"), config, Workload(2048), steps=1)
+    c, m = row["compute_s"], row["step_mean_s"] - row["compute_s"]
+    met = [k for k in range(STEPS) if k * (c + m) + c < 11 and (k + 1) * (c + m) > 10]
+    assert row["event_calls_dropped"] == len(met) > 0 and row["event_failures"] == row["event_calls_later"] == 0
+    assert row["event_job_s"] == pytest.approx(STEPS * (c + m))
+
+
 def test_without_events_the_row_and_the_run_identity_are_as_before(job):
     config, _, row = job
     bare = job_config("llama-3.2-1b", 1, "bf16", None, tp_size=1, dp_size=2, ranks_per_node=1, fabric=FABRIC,
