@@ -180,3 +180,14 @@ def test_the_estimate_prints_what_the_events_do():
     assert result.returncode == 0, result.stderr
     line = next(l for l in result.stdout.splitlines() if l.startswith("link events"))
     assert f"{NIC_CABLE}: dp 4 flows" in line and "1 collectives failed" in line and "1 restarts" in line
+
+
+def test_a_sweep_refuses_link_events_before_any_run_trains(tmp_path):
+    spec = tmp_path / "events.yaml"
+    spec.write_text(f"name: events\nmodel: tiny\nsteps: 2\ndp_size: 2\nranks_per_node: 1\nfabric: {FABRIC}\n"
+                    "grid:\n  - seed: [0]\n")
+    result = subprocess.run([sys.executable, "-m", "lossysim", "sweep", str(spec), "--out", str(tmp_path / "out"),
+                             "--link-event", f"{NIC_CABLE}:down:at=0,for=1", "--threads", "1", "--no-progress"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "training does not run link events" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out" / "events").exists()
