@@ -28,6 +28,7 @@ BACKENDS = ("sim", "dist")     # every rank in one process, or one per process (
 # settings say so in their declaration (``Setting.identity_at_default``); the fabric's keys belong to no axis.
 IDENTITY_AT_DEFAULT_OMITTED = ("lossy_traffic", "lossy_layers", "lossy_sites", "outlier_fraction", "parallel_order",
                                "fabric", "bad_link", "corrupt_share", "qps_per_connection", "pxn", "routing",
+                               "link_event", "reroute", "ib_timeout", "event_steps",
                                *(s.field for s in axes.settings() if not s.identity_at_default))
 
 

@@ -84,6 +84,10 @@ class ExperimentConfig:
     qps_per_connection: int = 1        # NCCL_IB_QPS_PER_CONNECTION: queue pairs hashed apart
     pxn: bool = True                   # NCCL's PXN: cross-rail traffic over NVLink first
     routing: str = "ecmp"              # ecmp | spray
+    link_event: str = ""               # cables down, flapping or slowed in time, entries separated by ';'
+    reroute: str = "ecmp"              # how routes go around a dead switch cable (fabric.events.REROUTE_S)
+    ib_timeout: int = 20               # NCCL_IB_TIMEOUT: how long an RC queue pair waits out an outage
+    event_steps: int = 1000            # estimate: the steps the job runs through its link events
     # training
     steps: int = 300
     batch_size: int = 16
@@ -290,7 +294,7 @@ def _coerce(name: str, value: Any) -> Any:
         kind = next(t for t in get_args(kind) if t is not type(None))
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
             return None
-    if name == "bad_link" and isinstance(value, (list, tuple)):
+    if name in ("bad_link", "link_event") and isinstance(value, (list, tuple)):
         value = ";".join(str(v) for v in value)   # loss specs hold commas: entries are separated by ';'
     if name in _LIST_FIELDS and isinstance(value, (list, tuple)):
         value = ",".join(str(v) for v in value)   # report_to: [tensorboard, wandb], as HF takes it

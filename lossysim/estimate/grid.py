@@ -20,6 +20,7 @@ from ..cp.layout import check_length
 from .. import axes
 from ..config import DEFAULT_THREADS, ExperimentConfig, coerce, set_threads
 from ..config.fabric import add_fabric_arguments, fabric_overrides
+from . import events as link_events
 from ..io import atomic_write_text, check_writable, output_errors
 from ..mesh import DEFAULT_ORDER
 from ..net.algorithms import ALGORITHMS
@@ -173,6 +174,8 @@ def run_rows(args, configs: list, rows_of: Callable, extra: Optional[Callable[[]
     for row in rows:   # on a fabric: who crosses each lossy cable (every row's, in estimate.json)
         if row.get("blast_radius"):
             print(f"blast radius ({row['loss']}, {row['transport']}, {row['nic']}): {row['blast_radius']}")
+        if row.get("event_flows") is not None:
+            print(link_events.report(row))
     if args.out:
         with output_errors(args.out, "--out"):
             written = write(rows, args.out)

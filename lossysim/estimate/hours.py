@@ -30,9 +30,7 @@ def add_arguments(parser) -> None:
                        help=f"mean hours between one cable's failures (default {CABLE_MTTF_H:.3g}: Llama 3's 35 "
                             "switch or cable interruptions over a 16,384-GPU fabric's cables)")
     group.add_argument("--repair-h", type=float, default=REPAIR_H, help=f"hours a cable stays down (default {REPAIR_H:g})")
-    group.add_argument("--reroute", default="ecmp", choices=tuple(REROUTE_S),
-                       help="how routes go around a dead switch cable (default ecmp: 1 s, RFC 7938)")
-    group.add_argument("--ib-timeout", type=int, default=20, help="NCCL_IB_TIMEOUT (default 20: 34.4 s to give up)")
+    # --reroute and --ib-timeout are the fabric's settings (config/fabric.py): link events read them too
     group.add_argument("--other-interruptions-per-day", default="0",
                        help="interruptions from anything but cables, a day (default 0; llama3: Llama 3's other "
                             f"{llama3_rates()['other_per_day']:.2f})")
@@ -40,6 +38,8 @@ def add_arguments(parser) -> None:
 
 def check(args) -> None:
     """Refuse what ``--hours`` cannot do before the grid runs."""
+    if args.trace and getattr(args, "link_event", None):   # the replay has no step to run the events through
+        raise ValueError("--link-event takes a named shape's layout, not --trace")
     if getattr(args, "hours", None) is None:
         return
     if args.trace:
@@ -74,13 +74,14 @@ def figures(args) -> dict:
             raise ValueError(f"--hours: {nodes} nodes need more than the largest SuperPOD ({SUPERPOD_SU[-1]} SU); "
                              "give a fabric")
         fabric, chosen = superpod(fits[0]), "the smallest SuperPOD that holds the job"
+    reroute, ib_timeout = args.reroute or "ecmp", int(args.ib_timeout or 20)
     cost = expected_cost(fabric, args.hours, nodes=nodes, gpus=gpus, mttf_h=args.cable_mttf_h,
-                         repair_h=args.repair_h, reroute_s=REROUTE_S[args.reroute],
-                         waits=outage_waits(NIC_PRESETS["roce-gbn-timeout"], args.ib_timeout),
+                         repair_h=args.repair_h, reroute_s=REROUTE_S[reroute],
+                         waits=outage_waits(NIC_PRESETS["roce-gbn-timeout"], ib_timeout),
                          restart_s=args.restart_s, checkpoint_s=args.checkpoint_every_s,
                          other_per_day=_other(args.other_interruptions_per_day))
-    return {"fabric": fabric.name, "fabric_chosen": chosen, "nodes": nodes, "reroute": args.reroute,
-            "ib_timeout": args.ib_timeout, "checkpoint_every_s": args.checkpoint_every_s, "restart_s": args.restart_s,
+    return {"fabric": fabric.name, "fabric_chosen": chosen, "nodes": nodes, "reroute": reroute,
+            "ib_timeout": ib_timeout, "checkpoint_every_s": args.checkpoint_every_s, "restart_s": args.restart_s,
             "cable_mttf_h": args.cable_mttf_h, "repair_h": args.repair_h, **cost.row(),
             "llama3_interruptions_per_day": llama3_rates()["all_per_day"]}
 

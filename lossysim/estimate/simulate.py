@@ -45,6 +45,7 @@ from ..ep import routing
 from ..models import cost
 from ..pp.stages import stage_layout
 from .accounting import CLASSES, intervals
+from . import events as link_events
 from .blast import describe
 from .job import Job, check_group_size
 from .shapes import Shape, load
@@ -149,6 +150,7 @@ def estimate(model: Union[str, Shape], config: ExperimentConfig, workload: Workl
     row.update({f"stack_{name}_s": 0.0 for name in ("compute", *CLASSES, "repair")})
     for name, value in zip(("compute", *job.classes, "repair"), stack):
         row[f"stack_{name}_s"] = float(value)
+    row.update(link_events.columns(config, job, row))   # only with link events: a row without stays as it was
     return row
 
 

@@ -242,6 +242,7 @@ class CallEnd:
     failed: bool
     stalled_s: float
     slowed_s: float
+    dropped: bool = False    # drop: an outage met the call and lost its packets (it did not wait)
 
 
 def resume_at(down_at: float, back: float, waits: Optional[Sequence[float]]) -> tuple[float, bool]:
@@ -258,12 +259,14 @@ def resume_at(down_at: float, back: float, waits: Optional[Sequence[float]]) -> 
 
 
 def call_end(schedule: LinkSchedule, loads: np.ndarray, start: float, seconds: float,
-             waits: Optional[Sequence[float]], reroute_s: float = REROUTE_S["ecmp"]) -> CallEnd:
+             waits: Optional[Sequence[float]], reroute_s: float = REROUTE_S["ecmp"], drop: bool = False) -> CallEnd:
     """When a call that starts at ``start`` and takes ``seconds`` loss-free ends under ``schedule``.
     ``loads``: bytes per directed cable (``load.cable_loads``): only cables that carry some matter,
     and while some are slowed the call goes at the rate its most loaded cable allows then (its step
     time at full speed over its step time at the speeds of the moment). An outage of any of them stops
-    it (``resume_at``); a flow rerouted off a cable is assumed to find room on the others."""
+    it (``resume_at``); a flow rerouted off a cable is assumed to find room on the others. ``drop``
+    (transport=drop): nothing waits for a lost packet, so an outage costs no time; the call is marked
+    ``dropped`` when one met it."""
     per_byte = loads * 8 / (np.array([c.gbps for c in schedule.fabric.cables]) * 1e9)
     crossed = np.flatnonzero(loads > 0)
     if not len(crossed) or seconds <= 0:
@@ -276,7 +279,7 @@ def call_end(schedule: LinkSchedule, loads: np.ndarray, start: float, seconds: f
     steady = float(per_byte[others].max(initial=0.0))
     t, left, stalled, slowed = float(start), 1.0, 0.0, 0.0
     while True:
-        outage = _next_outage(schedule, evented, t, reroute_s)
+        outage = None if drop else _next_outage(schedule, evented, t, reroute_s)
         horizon = outage[0] if outage else math.inf
         # the work goes on piecewise at each stretch's rate until the outage (or the end)
         points = [t, *schedule.changes(evented, t, min(horizon, t + 10 * schedule.run_s)), horizon]
@@ -289,7 +292,8 @@ def call_end(schedule: LinkSchedule, loads: np.ndarray, start: float, seconds: f
             if (b - a) * rate / seconds >= left:
                 done = a + left * seconds / rate
                 slowed += (done - a) - left * seconds
-                return CallEnd(done, False, stalled, slowed)
+                met = drop and any(schedule.outages(c, start, done) for c in evented)
+                return CallEnd(done, False, stalled, slowed, met)
             left -= (b - a) * rate / seconds
             slowed += (b - a) * (1 - rate)
         down_at, back = outage
@@ -329,34 +333,49 @@ def _next_outage(schedule: LinkSchedule, crossed: Sequence[int], t: float,
 @dataclass(frozen=True)
 class RunEnd:
     """A run of steps under a schedule: when it ended, its failed collectives, the seconds outages held
-    calls, the seconds restarts and redone steps cost."""
+    calls, the seconds restarts and redone steps cost; the steps a speed cut slowed, the calls an outage
+    ended later (or, with ``drop``, met) and the seconds speed cuts added."""
     end_s: float
     failures: int
     stalled_s: float
     restart_s: float
+    slowed_steps: int = 0
+    later_calls: int = 0
+    slowed_s: float = 0.0
+    dropped_calls: int = 0
 
 
 def run_steps(schedule: LinkSchedule, loads: np.ndarray, steps: int, compute_s: float, comm_s: float,
               waits: Optional[Sequence[float]], reroute_s: float = REROUTE_S["ecmp"], checkpoint_every: int = 0,
-              restart_s: float = 300.0, max_failures: int = 100) -> RunEnd:
+              restart_s: float = 300.0, max_failures: int = 100, lost_steps: Optional[int] = None,
+              drop: bool = False) -> RunEnd:
     """``steps`` training steps from t = 0, each ``compute_s`` of compute then one call of ``comm_s``
     loss-free on ``loads``. A failed call costs ``restart_s``, then the job resumes from its last
-    checkpoint (every ``checkpoint_every`` steps; 0: from the start); more than ``max_failures``
-    failures is an error."""
+    checkpoint (every ``checkpoint_every`` steps; 0: from the start; ``lost_steps``: that many steps
+    back, as training's ``restart_lost_steps`` charges it); more than ``max_failures`` failures is an
+    error. ``drop``: ``call_end``'s."""
     t, done, saved, failures, stalled, lost = 0.0, 0, 0, 0, 0.0, 0.0
+    slowed_steps = later = dropped = 0
+    slowed_s = 0.0
     while done < steps:
-        end = call_end(schedule, loads, t + compute_s, comm_s, waits, reroute_s)
+        end = call_end(schedule, loads, t + compute_s, comm_s, waits, reroute_s, drop)
         if end.failed:
             failures += 1
             if failures > max_failures:
                 raise ValueError(f"the run failed more than max_failures={max_failures} times by t={end.end_s:g} s")
             step_start = t
             t = end.end_s + restart_s
+            if lost_steps is not None:
+                saved = max(0, done - int(lost_steps))
             lost += restart_s + (end.end_s - step_start) + (done - saved) * (compute_s + comm_s)
             done = saved
             continue
         stalled += end.stalled_s
+        slowed_s += end.slowed_s
+        slowed_steps += end.slowed_s > 1e-12 * max(comm_s, 1.0)
+        later += end.stalled_s > 0
+        dropped += end.dropped
         t, done = end.end_s, done + 1
         if checkpoint_every and done % checkpoint_every == 0:
             saved = done
-    return RunEnd(t, failures, stalled, lost)
+    return RunEnd(t, failures, stalled, lost, slowed_steps, later, slowed_s, dropped)

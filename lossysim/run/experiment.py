@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from .. import axes
 from ..config import (BACKENDS, DEFAULT_THREADS, ExperimentConfig, coerce, load_config, parse_overrides, save_yaml,
                       set_threads)
-from ..config.fabric import add_fabric_arguments, fabric_overrides
+from ..config.fabric import add_fabric_arguments, fabric_overrides, training_refusal
 from ..data import EVAL_SPLITS, MNLI, SYNTHETIC, train_batches
 from ..data.pydoc_text import PYDOC
 from ..io import atomic_write_json, atomic_write_text, check_writable, nearest_existing, read_summary, run_status
@@ -119,6 +119,8 @@ def run_experiment(config: ExperimentConfig, run_dir, *, progress: bool = True, 
     ``diverged``), not raised.
     """
     config.validate()
+    if training_refusal(config):
+        raise ValueError(training_refusal(config))
     set_threads(config.threads)   # before any work; summary.json's config records it
     run_dir = Path(run_dir)
     started = time.time()

@@ -36,8 +36,9 @@ LOSS_ONLY = ("loss", "lossy", "recovery", "eval_lossy", "lossy_links", "transpor
 
 def normalise(config: ExperimentConfig) -> ExperimentConfig:
     """Make equal experiments equal configs: a lossless run's ``LOSS_ONLY`` keys at their defaults (a run
-    with a lossy cable is not lossless)."""
-    if parse_loss_model(config.loss).lossless and not config.bad_link and not config.corrupt_share:
+    with a lossy cable, or a cable that goes down, is not lossless)."""
+    if parse_loss_model(config.loss).lossless and not config.bad_link and not config.corrupt_share \
+            and not config.link_event:
         defaults = ExperimentConfig()
         return config.replace(**{key: getattr(defaults, key) for key in LOSS_ONLY})
     return config

@@ -47,6 +47,9 @@ def _refusal(model: str, tp: int, ep: int, pp: int, pp_layout: Optional[str]) ->
 def refusal(config: ExperimentConfig) -> Optional[str]:
     """The one line ``train`` would refuse ``config`` with for its model's shape; None when the shape fits
     (or is not known without loading the model)."""
+    from ..config.fabric import training_refusal
+    if training_refusal(config):
+        return training_refusal(config)
     return _refusal(config.model, config.tp_size, config.ep_size, config.pp_size, config.pp_layout)
 
 
