@@ -43,7 +43,10 @@ class Counters:
     still open at the end of each link (``open_run``)."""
 
     def __init__(self, links: int, max_burst: int, device):
-        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=device)  # noqa: E731
+        if torch.device(device).type == "cpu":   # calloc'd: a wide network's pages cost nothing until counted in
+            zeros = lambda *shape: torch.from_numpy(np.zeros(shape, dtype=np.int64))  # noqa: E731
+        else:
+            zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=device)  # noqa: E731
         self.links, self.max_burst = links, max_burst
         self.counts = zeros(len(COUNTERS), len(PHASES), links)
         self.histogram = zeros(links, max_burst + 1)
@@ -194,7 +197,7 @@ class Counters:
         slot = np.concatenate(slots).astype(np.int64, copy=False)
         if any(d.bad for d in queue):   # lost packets that were sent in the burst state: all of them
             bad = np.repeat([d.bad for d in queue], [len(d.row) for d in queue])
-            counts[2] += np.bincount(slot[bad], minlength=len(counts[2]))
+            _tally(np, counts[2], slot[bad])
         order = np.argsort(row, kind="stable")
         row, draw, position, slot = row[order], draw[order], position[order], slot[order]
         self._losses(np, used, row, draw, position, slot, link_ids, counts, self.histogram.view(-1).numpy())
@@ -223,7 +226,7 @@ class Counters:
         are one stream of packets) and moves the open runs on."""
         before = used.cumsum(0) - used                                      # valid packets before each draw
         total = used.sum(0)                                                 # [rows]
-        counts[1] += xp.bincount(slot, minlength=len(counts[1]))
+        _tally(xp, counts[1], slot)
         open_run = self.open_run.numpy() if xp is np else self.open_run
         after = count_runs(xp, row, before[draw, row] + position, total, link_ids, slot, open_run[link_ids],
                            self.max_burst, counts[3], hist)
@@ -276,22 +279,32 @@ def count_runs(xp, row, stream, total, link_ids, slot, open_run, max_burst: int,
     start = ~continues
     # A run whose first packet is its link's first in this batch carries on the run left open before.
     carried = start & (stream == 0) & (open_run[row] > 0)
-    bursts += xp.bincount(slot[start & ~carried], minlength=len(bursts))
+    _tally(xp, bursts, slot[start & ~carried])
     run = start.cumsum(0) - 1
     here = xp.bincount(run, minlength=int(start.sum()))                 # each run's packets in this batch
     run_row = row[start]
     ends_open = stream[start] + here - 1 == total[run_row] - 1          # reaches its link's last packet
     length = here + xp.where(carried[start], open_run[run_row], 0)
     bins, closed = max_burst + 1, ~ends_open
-    hist += xp.bincount(link_ids[run_row[closed]] * bins + length[closed].clip(max=max_burst), minlength=len(hist))
+    _tally(xp, hist, link_ids[run_row[closed]] * bins + length[closed].clip(max=max_burst))
     # A run left open before that this batch's first packet on its link closes.
     first_lost = xp.zeros_like(link_ids, dtype=bool)
     first_lost[row[stream == 0]] = True
     ended = (open_run > 0) & (total > 0) & ~first_lost
-    hist += xp.bincount((link_ids * bins + open_run.clip(max=max_burst))[ended], minlength=len(hist))
+    _tally(xp, hist, (link_ids * bins + open_run.clip(max=max_burst))[ended])
     after = xp.where(total > 0, 0, open_run)
     after[run_row[ends_open]] = length[ends_open]
     return after
+
+
+def _tally(xp, counts, index) -> None:
+    """counts[i] += 1 for each i in ``index``. In numpy, at the few slots touched: a bincount the length of
+    ``counts`` (a network's links times the burst bins, tens of thousands) cost far more than a batch's few
+    hundred losses; torch keeps the bincount (one kernel, no host sync on a GPU)."""
+    if xp is np:
+        np.add.at(counts, index, 1)
+    else:
+        counts += xp.bincount(index, minlength=len(counts))
 
 
 class NonFinite:

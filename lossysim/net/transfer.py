@@ -181,12 +181,13 @@ def _steps(spec, sched, link_ids, n_links, sizes, itemsize, ideal, device) -> li
         payload = [sizes[i] * itemsize for i in sends]
         final = [last_step[(s.src, s.dst)] == k for s in hops]
         width = max(s.packets for s in hops)
-        tails = torch.zeros(len(hops), width, dtype=torch.bool)
+        tails = np.zeros((len(hops), width), dtype=np.bool_)   # calloc'd, written in numpy: few are set
         for i, (s, is_final) in enumerate(zip(hops, final)):
             if is_final and not nic.rack:  # the last packets of each channel's share: nothing follows them
                 # (TCP finds its tails from the fates, per connection: ``transport._Rack``)
                 for end in _channel_ends(s.packets, spec.channels):
                     tails[i, max(end - nic.dupacks + 1, 0):end + 1] = True
+        tails = torch.from_numpy(tails)
         seconds = lambda values: torch.tensor(values, dtype=torch.float64, device=device)  # noqa: E731
         transport = Sends(
             packets=torch.tensor([s.packets for s in hops], device=device),
