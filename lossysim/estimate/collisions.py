@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
+from .. import traffic
 from ..fabric.load import all_to_all_flows, ring_flows, send_flows, slowdown
 
 BYTES = 64 * 2**20   # a flow's bytes: the factor is a ratio, so they cancel but for a packet's rounding
@@ -96,6 +97,22 @@ def _stretch(times, x: float):
 def stretch_rounds(rounds: list, x: Optional[float]) -> list:
     """A context exchange's rounds ([with loss, loss-free] seconds each) stretched as ``_stretch`` does."""
     return rounds if not x or x == 1.0 else [_stretch(r, x) for r in rounds]
+
+
+def classes_of(config) -> tuple[str, ...]:
+    """The job's traffic classes, as the estimate's job counts them (``Job.classes``): those whose axis has more
+    than one rank, data-parallel traffic DDP's or FSDP's."""
+    sizes = config.mesh().sizes
+    return tuple(c.name for c in traffic.CLASSES if sizes[c.axis] > 1
+                 and (c.axis != "dp" or c.name == config.dp_class))
+
+
+def summary(config) -> dict:
+    """summary.json's ``fabric`` ``slowdown``: each of the run's classes' factor on its fabric, as the estimate
+    multiplies its loss-free time by it (training's simulated clock does not: its networks time each
+    group alone)."""
+    per = columns(factors(config), classes_of(config))
+    return {cls: per[f"{cls}_fabric_slowdown"] for cls in classes_of(config)}
 
 
 def columns(by: dict[str, float], classes) -> dict:
