@@ -5,7 +5,9 @@ per queue pair, ``qps_per_connection``, spraying, PXN); each directed cable then
 every flow on it, and the step lasts as long as its most loaded cable allows: max over cables of
 bytes / speed. A fabric-free model charges each rank its own NIC's time, which is the same max taken
 over the NIC cables alone; ``slowdown`` is the ratio of the two, the factor a loss-free step time is
-multiplied by on this fabric (1 when no switch-to-switch cable carries more than a NIC's share).
+multiplied by on this fabric (1 when no switch-to-switch cable carries more than a NIC's share). The
+estimate multiplies each class's loss-free time by it, its concurrent groups' flows (``ring_flows``,
+``send_flows``, ``all_to_all_flows``) on the networks' own routes (``estimate.collisions``).
 
 What the hash predicts: k flows of equal size hashed uniformly over u equal cables put
 M = the largest of u bin counts on one of them; ``max_flows_pmf(k, u)`` is M's distribution (exact up
