@@ -112,3 +112,21 @@ def test_the_printed_estimate_names_the_factor():
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert f"fabric slowdown ({SMALL}, ecmp, 1 QP a connection): tp 1x, dp {factor:.3g}x" in result.stdout
+
+
+def test_a_context_ring_is_stretched_before_attention_hides_it():
+    """cp 4 x dp 2 with the context groups strided over the leaves (order tp-dp-cp): a seed whose rings
+    collide; what the exchanges add is at least the factor times their fabric-free part (a round's send
+    grows by the factor, the attention that hides it does not)."""
+    fabric = parse_fabric(SMALL)
+    groups = [[0, 2, 4, 6], [1, 3, 5, 7]]     # rank d + 2 c on node d + 2 c
+    seed = next(s for s in range(40) if ring_slowdown(Routes(fabric, 1, seed=s), groups, channels=2) > 1.01)
+    factor = ring_slowdown(Routes(fabric, 1, seed=seed), groups, channels=2)
+    config = job_config("tiny-llama", 1, "bf16", None, tp_size=1, cp_size=4, dp_size=2, ranks_per_node=1,
+                        parallel_order="tp-dp-cp-ep-pp", fabric=SMALL, seed=seed)
+    shape, w = load("tiny-llama"), Workload(256)
+    base = estimate(shape, config.replace(fabric="none"), w, steps=1)
+    row = estimate(shape, config, w, steps=1)
+    assert row["cp_fabric_slowdown"] == pytest.approx(factor) and base["cp_loss_free_s"] > 0
+    assert row["cp_loss_free_s"] >= factor * base["cp_loss_free_s"] * (1 - 1e-9)
+    assert row["dp_fabric_slowdown"] == 1.0 and row["dp_loss_free_s"] == pytest.approx(base["dp_loss_free_s"])
