@@ -16,6 +16,7 @@ from ..net import LossyNetwork
 from ..net.recovery import packets_of
 from ..net.sparse import Losses
 from .accounting import held_elements, mark
+from .collisions import stretch_rounds
 
 
 class ContextMessages:
@@ -86,6 +87,8 @@ class ContextMessages:
                 for b in order:
                     site = f"{plan.blocks}.{blocks[b]}.{plan.attention}.kv"
                     rounds = self._exchange(net, site, direction, mode, cp, n, per_packet, copies)
+                    # on a fabric, shared cables stretch a round's sends before attention hides them
+                    rounds = stretch_rounds(rounds, getattr(self, "fabric_factors", {}).get("cp"))
                     for k in (0, 1):
                         out[i, d, k, b] = cp_clock.exposed(mode, [r[k] for r in rounds], self.attention_s[d])
         return out

@@ -171,6 +171,10 @@ def run_rows(args, configs: list, rows_of: Callable, extra: Optional[Callable[[]
         row["threads"] = threads   # how it ran, beside what it computed
     print(rows[0]["layout"], file=sys.stderr)
     print(_table(rows))
+    if rows[0].get("fabric_slowdown"):   # on a fabric: each class's loss-free time stretched by its busiest cable
+        r, qps = rows[0], rows[0]["qps_per_connection"]
+        print(f"fabric slowdown ({r['fabric']}, {r['routing']}, {qps} QP{'s' * (qps != 1)} a connection): "
+              f"{r['fabric_slowdown']}")
     for row in rows:   # on a fabric: who crosses each lossy cable (every row's, in estimate.json)
         if row.get("blast_radius"):
             print(f"blast radius ({row['loss']}, {row['transport']}, {row['nic']}): {row['blast_radius']}")

@@ -45,6 +45,7 @@ from ..ep import routing
 from ..models import cost
 from ..pp.stages import stage_layout
 from .accounting import CLASSES, intervals
+from . import collisions
 from . import events as link_events
 from .blast import describe
 from .job import Job, check_group_size
@@ -84,9 +85,12 @@ def estimate(model: Union[str, Shape], config: ExperimentConfig, workload: Workl
     job.attention_s = [gpu.seconds(cp_clock.attention_step_flops(config.micro_batch_size, w.seq, shape.hidden, tp, cp,
                                                                  d)) for d in ("fwd", "bwd")]
     shares = job.shares(tokens)
+    # on a fabric: each class's loss-free seconds stretched by its most loaded cable (none: every time as it was)
+    job.fabric_factors = collisions.factors(config)
 
     per_step, ideal_steps, stacks, added = [], [], [], defaultdict(lambda: np.zeros(2))
     for times in job.run(steps, tick):
+        times = collisions.stretched(times, job.fabric_factors)
         clock = _Parts(times, micro_s, shares, config, pp, dp, m, job.ready, cp)
         per_step.append(clock.step(0))
         ideal_steps.append(clock.step(1))
@@ -140,7 +144,8 @@ def estimate(model: Union[str, Shape], config: ExperimentConfig, workload: Workl
         blast = job.blast.table({cls: sums["sent"] for cls, sums in job.sums.items()})
         row.update(fabric=spec.fabric, bad_link=";".join(spec.bad_link), corrupt_share=spec.corrupt_share,
                    routing=spec.routing, qps_per_connection=spec.qps_per_connection, pxn=spec.pxn,
-                   lossy_cables=len(spec.cables.losses), blast_radius=describe(blast), blast=blast)
+                   lossy_cables=len(spec.cables.losses), blast_radius=describe(blast), blast=blast,
+                   **collisions.columns(job.fabric_factors, job.classes))
     for cls in CLASSES:   # every class's columns, zero where the job has none of its traffic
         seconds = added[cls] / steps
         row.update({f"{cls}_loss_free_s": float(seconds[1]), f"{cls}_repair_s": float(seconds[0]),

@@ -62,6 +62,7 @@ class Fabric:
             raise ValueError(f"fabric {name}: two entries cable the same pair; give one entry a count")
         self._out = {end: tuple(ids) for end, ids in out.items()}
         self._far: dict[tuple[str, ...], dict[str, int]] = {}
+        self._hops: dict[tuple[str, str], tuple[int, ...]] = {}   # next_hops, once per (switch, NIC)
         self._graph = nx.Graph()
         self._graph.add_nodes_from(self.switches)
         self._graph.add_edges_from((c.src, c.dst) for c in cables if c.src in known and c.dst in known)
@@ -116,6 +117,12 @@ class Fabric:
     # -- routes ----------------------------------------------------------------------------------------
     def next_hops(self, at: str, dst: str) -> tuple[int, ...]:
         """The cables from ``at`` one hop nearer NIC ``dst`` along a shortest path (ECMP's choices)."""
+        key = (at, dst)
+        if key not in self._hops:
+            self._hops[key] = self._next_hops(at, dst)
+        return self._hops[key]
+
+    def _next_hops(self, at: str, dst: str) -> tuple[int, ...]:
         far = self._distances(self._attached(dst))
         ids = self._out[at]
         direct = tuple(i for i in ids if self.cables[i].dst == dst)

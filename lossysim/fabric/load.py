@@ -5,7 +5,9 @@ per queue pair, ``qps_per_connection``, spraying, PXN); each directed cable then
 every flow on it, and the step lasts as long as its most loaded cable allows: max over cables of
 bytes / speed. A fabric-free model charges each rank its own NIC's time, which is the same max taken
 over the NIC cables alone; ``slowdown`` is the ratio of the two, the factor a loss-free step time is
-multiplied by on this fabric (1 when no switch-to-switch cable carries more than a NIC's share).
+multiplied by on this fabric (1 when no switch-to-switch cable carries more than a NIC's share). The
+estimate multiplies each class's loss-free time by it, its concurrent groups' flows (``ring_flows``,
+``send_flows``, ``all_to_all_flows``) on the networks' own routes (``estimate.collisions``).
 
 What the hash predicts: k flows of equal size hashed uniformly over u equal cables put
 M = the largest of u bin counts on one of them; ``max_flows_pmf(k, u)`` is M's distribution (exact up
@@ -43,7 +45,7 @@ def cable_loads(routes: Routes, flows: Iterable[Flow], packet_bytes: int = PACKE
     packet's bytes on every cable of its route. Flows inside one node (NVLink) load no cable."""
     if packet_bytes <= 0:
         raise ValueError(f"packet_bytes={packet_bytes!r} must be > 0")
-    loads = np.zeros(len(routes.fabric.cables))
+    cables, shares = [], []   # summed once at the end (an estimate's all-to-alls are 10^5 flows)
     for flow in flows:
         if flow.bytes < 0:
             raise ValueError(f"flow {flow.src}->{flow.dst} has bytes={flow.bytes!r}; it must be >= 0")
@@ -52,8 +54,10 @@ def cable_loads(routes: Routes, flows: Iterable[Flow], packet_bytes: int = PACKE
             continue
         packets = max(1, math.ceil(flow.bytes / packet_bytes))
         for route in connection:
-            loads[list(route.cables)] += flow.bytes * route.packets(packets) / packets
-    return loads
+            cables += route.cables
+            shares += [flow.bytes * route.packets(packets) / packets] * len(route.cables)
+    return np.bincount(np.asarray(cables, dtype=np.int64), weights=np.asarray(shares, dtype=float),
+                       minlength=len(routes.fabric.cables)).astype(float)
 
 
 def cable_seconds(fabric: Fabric, loads: np.ndarray, speed: Optional[np.ndarray] = None) -> np.ndarray:
@@ -98,8 +102,7 @@ def slowdown(routes: Routes, flows: Sequence[Flow], packet_bytes: int = PACKET_B
 def ring_flows(groups: Iterable[Sequence[int]], bytes_per_rank: float, channels: int = 1) -> list[Flow]:
     """One step of ring collectives run at once, one per group (ranks in ring order): each rank sends
     ``bytes_per_rank`` to its successor, split evenly over ``channels`` (each its own connection)."""
-    if isinstance(channels, bool) or int(channels) != channels or channels < 1:
-        raise ValueError(f"channels={channels!r} must be a whole number >= 1")
+    channels = _channels(channels)
     flows = []
     for group in groups:
         group = list(group)
@@ -107,8 +110,27 @@ def ring_flows(groups: Iterable[Sequence[int]], bytes_per_rank: float, channels:
             continue
         for i, src in enumerate(group):
             dst = group[(i + 1) % len(group)]
-            flows += [Flow(src, dst, bytes_per_rank / channels, c) for c in range(int(channels))]
+            flows += [Flow(src, dst, bytes_per_rank / channels, c) for c in range(channels)]
     return flows
+
+
+def send_flows(pairs: Iterable[tuple[int, int]], bytes_per_send: float, channels: int = 1) -> list[Flow]:
+    """Point-to-point sends run at once (a pipeline tick's, an all-to-all's): ``bytes_per_send`` from each
+    pair's first rank to its second, split evenly over ``channels``."""
+    channels = _channels(channels)
+    return [Flow(src, dst, bytes_per_send / channels, c) for src, dst in pairs if src != dst for c in range(channels)]
+
+
+def all_to_all_flows(groups: Iterable[Sequence[int]], bytes_per_pair: float, channels: int = 1) -> list[Flow]:
+    """All-to-alls run at once, one per group: every rank sends ``bytes_per_pair`` to every other (uniform
+    routing)."""
+    return send_flows(((s, d) for group in groups for s in group for d in group), bytes_per_pair, channels)
+
+
+def _channels(channels) -> int:
+    if isinstance(channels, bool) or int(channels) != channels or channels < 1:
+        raise ValueError(f"channels={channels!r} must be a whole number >= 1")
+    return int(channels)
 
 
 def ring_slowdown(routes: Routes, groups: Iterable[Sequence[int]], channels: int = 1,

@@ -75,7 +75,9 @@ class Routes:
         path = []
         while at != dst:
             choices = self.fabric.next_hops(at, dst)
-            cable = choices[stream_seed(self.seed, f"{at}|{flow}", "ecmp") % len(choices)]
+            # one choice needs no hash (the same cable whatever it gives)
+            cable = choices[0] if len(choices) == 1 else \
+                choices[stream_seed(self.seed, f"{at}|{flow}", "ecmp") % len(choices)]
             path.append(cable)
             at = self.fabric.cables[cable].dst
         return tuple(path)

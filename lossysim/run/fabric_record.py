@@ -2,10 +2,13 @@
 ranks, groups and traffic classes cross each, and its share of each class's packets), counted off the
 networks this process holds (replica 0's TP, pipeline, expert and context networks, every data-parallel
 group's it holds: sim, all of them), as the estimate counts its groups (``estimate.blast``). The fabric is
-no axis: ``run.summary`` adds this section beside the axes' own."""
+no axis: ``run.summary`` adds this section beside the axes' own. ``slowdown``: each class's factor for the
+flows its concurrent groups share cables with (``estimate.collisions``), which the estimate multiplies its
+loss-free time by; training's clock does not."""
 from __future__ import annotations
 
 from ..config import EP_CLASSES
+from ..estimate import collisions
 from ..estimate.blast import Blast
 
 
@@ -27,4 +30,4 @@ def fabric_summary(parts, config) -> dict:
     return {"fabric": spec.fabric, "bad_link": list(spec.bad_link), "corrupt_share": spec.corrupt_share,
             "routing": spec.routing, "qps_per_connection": spec.qps_per_connection, "pxn": spec.pxn,
             "lossy_cables": len(spec.cables.losses) if spec.cables is not None else 0,
-            "blast_radius": blast.table(sent)}
+            "blast_radius": blast.table(sent), "slowdown": collisions.summary(config)}

@@ -1,0 +1,125 @@
+"""Shared cables in the loss-free time: on a fabric, the flows of one collective step that cross the same
+cable share its bandwidth, so each traffic class's loss-free seconds are stretched by the load its
+concurrent groups put on the most loaded cable they cross (``fabric.load.slowdown``: that cable's seconds
+over the busiest NIC cable's, which is what the fabric-free network model charges). The repairs are kept
+as simulated: a message's [with loss, loss-free] seconds (l, f) become (l + (x - 1) f, x f).
+
+Concurrent means the groups of one axis that run the same collective at once across the job, every group
+of the axis (all stages, replicas and TP positions): every DP (or FSDP) ring at once, every TP ring, every
+context ring, every ep group's all-to-all, the experts' buckets over every expert-data group, and a
+pipeline tick's sends over every boundary at once (activations one way, gradients the other, the slower
+direction's factor). Each collective's flows are a ring's (each rank to its successor, in the group's order;
+a tree's are not modelled) split over the spec's channels; an all-to-all's every pair's, uniform. The routes
+are the networks' own (the same hash seed, queue pairs, PXN and spraying as the cables' losses), so the
+factor is this seed's draw, not a mean over hashes.
+
+With no fabric ``factors`` is empty and nothing is touched: every figure as before.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+from .. import traffic
+from ..fabric.load import all_to_all_flows, ring_flows, send_flows, slowdown
+
+BYTES = 64 * 2**20   # a flow's bytes: the factor is a ratio, so they cancel but for a packet's rounding
+
+# a time key of ``Job.run``'s step -> the flows whose factor stretches it
+KEYS = {"tp": "tp", "pp": "pp", "cp": "cp", "bucket": "dp", "gather": "dp", "ep_dispatch": "ep",
+        "ep_combine": "ep", "expert_bucket": "edp"}
+# a traffic class's column -> the flows its time keys take (the experts' buckets are data-parallel traffic)
+CLASS_FLOWS = {"tp": ("tp",), "pp": ("pp",), "dp": ("dp", "edp"), "fsdp": ("dp",), "ep_dispatch": ("ep",),
+               "ep_combine": ("ep",), "cp": ("cp",)}
+
+
+def factors(config) -> dict[str, float]:
+    """Per flows (``tp``, ``pp``, ``cp``, ``dp``, ``ep``, ``edp``): the factor its loss-free seconds are
+    multiplied by on ``config``'s fabric (1.0 where the axis has one rank); empty without a fabric."""
+    spec = config.network_spec()
+    if spec.cables is None:
+        return {}
+    return dict(_factors(spec.cables.routes, config.mesh(), spec.cables.channels))
+
+
+@functools.lru_cache(maxsize=32)   # a grid's rows share their layout and routes: worked out once
+def _factors(routes, mesh, channels: int) -> tuple:
+    flows = {
+        "tp": lambda: ring_flows(mesh.groups("tp"), BYTES, channels),
+        "cp": lambda: ring_flows(mesh.groups("cp"), BYTES, channels),
+        "dp": lambda: ring_flows(_dp_groups(mesh), BYTES, channels),
+        "ep": lambda: all_to_all_flows(mesh.groups("ep"), BYTES, channels),
+        "edp": lambda: ring_flows(mesh.groups("edp"), BYTES, channels),
+    }
+    # without experts there are no expert-data groups (ep 1: they would be the gradients' own)
+    sizes = {"tp": mesh.tp, "cp": mesh.cp, "dp": mesh.dp * mesh.cp, "ep": mesh.ep,
+             "edp": mesh.dp * mesh.cp // mesh.ep if mesh.ep > 1 else 1}
+    out = {name: slowdown(routes, make()) if sizes[name] > 1 else 1.0 for name, make in flows.items()}
+    if mesh.pp > 1:
+        ticks = [(g[s], g[s + 1]) for g in mesh.groups("pp") for s in range(len(g) - 1)]
+        out["pp"] = max(slowdown(routes, send_flows(ticks, BYTES, channels)),
+                        slowdown(routes, send_flows([(d, s) for s, d in ticks], BYTES, channels)))
+    else:
+        out["pp"] = 1.0
+    return tuple(out.items())
+
+
+def _dp_groups(mesh) -> list[list[int]]:
+    """The gradients' groups (dp x cp, Megatron's data-parallel group with context parallelism)."""
+    return [mesh.group("dp_cp", r) for r in range(mesh.world)
+            if mesh.coordinates(r)["dp"] == 0 and mesh.coordinates(r)["cp"] == 0]
+
+
+def stretched(times: dict, by: dict[str, float]) -> dict:
+    """One step's ``Job.run`` times with every key's loss-free seconds multiplied by its flows' factor
+    (``by``, from ``factors``) and its repairs kept; ``cp``'s are stretched before their overlap with
+    attention (``context_messages``), so not here. ``by`` empty: ``times`` itself."""
+    if not by:
+        return times
+    out = dict(times)
+    for key, flows in KEYS.items():
+        x = by.get(flows, 1.0)
+        if key in out and key != "cp" and x != 1.0:
+            out[key] = _stretch(out[key], x)
+    return out
+
+
+def _stretch(times, x: float):
+    """``times`` (nested lists ending in [with loss, loss-free] pairs) with each pair (l, f) as
+    (l + (x - 1) f, x f)."""
+    if times is None:
+        return None
+    if len(times) == 2 and all(isinstance(t, (int, float)) for t in times):
+        return [times[0] + (x - 1.0) * times[1], x * times[1]]
+    return [_stretch(t, x) for t in times]
+
+
+def stretch_rounds(rounds: list, x: Optional[float]) -> list:
+    """A context exchange's rounds ([with loss, loss-free] seconds each) stretched as ``_stretch`` does."""
+    return rounds if not x or x == 1.0 else [_stretch(r, x) for r in rounds]
+
+
+def classes_of(config) -> tuple[str, ...]:
+    """The job's traffic classes, as the estimate's job counts them (``Job.classes``): those whose axis has more
+    than one rank, data-parallel traffic DDP's or FSDP's."""
+    sizes = config.mesh().sizes
+    return tuple(c.name for c in traffic.CLASSES if sizes[c.axis] > 1
+                 and (c.axis != "dp" or c.name == config.dp_class))
+
+
+def summary(config) -> dict:
+    """summary.json's ``fabric`` ``slowdown``: each of the run's classes' factor on its fabric, as the estimate
+    multiplies its loss-free time by it (training's simulated clock does not: its networks time each
+    group alone)."""
+    per = columns(factors(config), classes_of(config))
+    return {cls: per[f"{cls}_fabric_slowdown"] for cls in classes_of(config)}
+
+
+def columns(by: dict[str, float], classes) -> dict:
+    """The row's columns on a fabric: ``<class>_fabric_slowdown`` for every class (1.0 without its traffic),
+    the largest of its flows' factors, and ``fabric_slowdown``, the job's classes' in one line."""
+    present = set(classes)
+    per = {cls: max((by.get(f, 1.0) for f in flows), default=1.0) if cls in present else 1.0
+           for cls, flows in CLASS_FLOWS.items()}
+    line = ", ".join(f"{cls} {per[cls]:.3g}x" for cls in CLASS_FLOWS if cls in present)
+    return {"fabric_slowdown": line, **{f"{cls}_fabric_slowdown": per[cls] for cls in CLASS_FLOWS}}
