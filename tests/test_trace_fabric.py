@@ -94,3 +94,14 @@ def test_without_a_fabric_the_traced_row_has_no_fabric_columns(tmp_path):
                         link_inter="roce-100g")
     row = replays.simulate_trace(traces.read(_cp_dp_job(tmp_path)), config, steps=2)
     assert "blast" not in row and "fabric" not in row and row["dp_packets_lost"] > 0
+
+
+def test_one_mirrored_file_on_a_fabric_is_refused_in_one_line(tmp_path, capsys):
+    # one rank's file stands for its alike groups; on a fabric the groups that cross the cable may be others
+    path = tmp_path / "rank0.json"
+    write_trace(path, 0, {"0": (0, 1)}, [(0, 1000, [NcclCall("allreduce", 4096, 4096, "0", 100, 50)])], [(0, 90)])
+    code = main(["estimate", "--trace", str(path), "--ranks-per-node", "1", "--fabric", FABRIC,
+                 "--bad-link", "leaf0-spine0:bernoulli:0.2", "--no-progress", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "needs every rank's trace" in err, err
+    assert not (tmp_path / "out").exists()

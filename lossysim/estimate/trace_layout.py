@@ -46,6 +46,9 @@ class Layout:
                              "--tp-size, --pp-size and --dp-size (and --ranks-per-node) that make the traced job")
         self.config, self.settings = config, config.network_settings()
         self.fabric = str(self.settings.get("fabric") or "none").strip().lower() not in ("none", "")
+        if self.fabric and trace.mirrored:   # its groups stand for alike groups; a fabric's cables make them unalike
+            raise ValueError(f"fabric={self.settings['fabric']} needs every rank's trace (a folder of them): one "
+                             "file whose peers mirror it simulates only its own groups, which may cross no lossy cable")
         self.axis = {name: self._axis(ranks) for name, ranks in trace.groups.items()}
         self._placed: dict = {}
 
