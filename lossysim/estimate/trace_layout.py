@@ -8,6 +8,12 @@ traffic class ``traffic`` declares for it. A group that is no axis's group (the 
 a send between stages that are not neighbours go nowhere. Each group's network is the one the mesh gives that
 group (``Mesh.network_spec`` of its axis; any other group placed on its nodes with
 streams of its own), every packet a candidate.
+
+On a fabric every group's network sits on the traced job's own global ranks (its nodes and rails), so its
+routes, the lossy cables it crosses and the blast radius are the traced job's: a group of another axis
+carries its ranks as its placement, and with context parallelism each context rank's data-parallel group
+is a network of its own (without a fabric they are alike and share one, as before). A call's local ranks
+are the network's order of them, whatever order the trace lists the group in.
 """
 from __future__ import annotations
 
@@ -39,6 +45,10 @@ class Layout:
             raise ValueError(f"the trace's world is {trace.world} ranks, the layout's {mesh.name}: give "
                              "--tp-size, --pp-size and --dp-size (and --ranks-per-node) that make the traced job")
         self.config, self.settings = config, config.network_settings()
+        self.fabric = str(self.settings.get("fabric") or "none").strip().lower() not in ("none", "")
+        if self.fabric and trace.mirrored:   # its groups stand for alike groups; a fabric's cables make them unalike
+            raise ValueError(f"fabric={self.settings['fabric']} needs every rank's trace (a folder of them): one "
+                             "file whose peers mirror it simulates only its own groups, which may cross no lossy cable")
         self.axis = {name: self._axis(ranks) for name, ranks in trace.groups.items()}
         self._placed: dict = {}
 
@@ -73,17 +83,21 @@ class Layout:
             return None, None, "fwd"
         direction = _direction(cls, call)
         mesh, at = self.mesh, self.mesh.coordinates(ranks[0])
+        members = tuple(ranks)
         if axis == "tp":   # each context rank's TP group is a group of its own, as in training
             spec = mesh.network_spec("tp", mesh.rank(dp=at["dp"], pp=at["pp"], cp=at["cp"]), self.settings)
-            key = ("tp", at["dp"], at["pp"], at["cp"])
+            key, members = ("tp", at["dp"], at["pp"], at["cp"]), tuple(mesh.group("tp", ranks[0]))
         elif axis == "dp":
-            spec = mesh.network_spec("dp", mesh.rank(tp=at["tp"], pp=at["pp"]), self.settings,
+            cp = at["cp"] if self.fabric else 0   # on a fabric, context ranks' DP groups sit on other nodes
+            spec = mesh.network_spec("dp", mesh.rank(tp=at["tp"], pp=at["pp"], cp=cp), self.settings,
                                      self.config.lossy_directions(cls))
-            key = (cls, at["pp"], at["tp"])
+            key, members = (cls, at["pp"], at["tp"]) + ((cp,) if cp else ()), tuple(mesh.group("dp", ranks[0]))
+            if cp:   # dp's stream names no context rank: this group's draws of its own
+                spec = spec.replace(seed=stream_seed(spec.seed, f"trace.dp.cp{cp}", "network"))
         else:
             spec, key = self._group_spec(axis, ranks, cls), (cls, tuple(ranks))
         spec = spec.replace(lossy_layers="all", lossy_sites="all", lossy=self._lossy(cls, spec))
-        return Place(cls, key, spec, {r: i for i, r in enumerate(ranks)}), None, direction
+        return Place(cls, key, spec, {r: i for i, r in enumerate(members)}), None, direction
 
     def _p2p(self, axis: str, ranks: tuple, src: int, dst: int):
         mesh = self.mesh
@@ -105,10 +119,12 @@ class Layout:
 
     def _group_spec(self, axis: str, ranks: tuple, cls: str) -> NetworkSpec:
         """Any other axis's group on the nodes the mesh puts its ranks, with streams of its own."""
+        # on a fabric its routes follow its global ranks (ECMP's hash, the run's seed), as the mesh's groups'
+        placed = {"placement": (tuple(ranks), self.mesh.per_node, self.settings["seed"])} if self.fabric else {}
         return NetworkSpec(**{**self.settings, "ranks": len(ranks), "ranks_per_node": self.mesh._per_node(list(ranks)),
                               "seed": stream_seed(self.settings["seed"], f"trace.{axis}.group{ranks[0]}", "network"),
                               "lossy_layers": "all", "lossy_sites": "all",
-                              "lossy": self.config.lossy_directions(cls)})
+                              "lossy": self.config.lossy_directions(cls), **placed})
 
     def _lossy(self, cls: str, spec: NetworkSpec) -> tuple:
         """TP's lossy directions are the spec's (``lossy`` and ``lossy_traffic``); the others', their class's."""

@@ -39,6 +39,7 @@ from ..config import ExperimentConfig
 from ..net import LossyNetwork
 from ..net.algorithms import COLLECTIVES
 from .accounting import CLASSES, Tally, held_elements, intervals, mark
+from .blast import describe
 from .trace import Call, Trace
 from .trace_layout import Layout, Place
 
@@ -321,6 +322,11 @@ class Replay(Tally):
             "not_simulated_calls": sum(n for n, _ in skipped.values()),
             "not_simulated": "; ".join(f"{name}: {n:g} per step, {b:g} B" for name, (n, b) in sorted(skipped.items())),
         }
+        if spec.cables is not None:   # as every estimate's: the fabric's columns only on a fabric
+            blast = self.blast.table({cls: sums["sent"] for cls, sums in self.sums.items()})
+            row.update(fabric=spec.fabric, bad_link=";".join(spec.bad_link), corrupt_share=spec.corrupt_share,
+                       routing=spec.routing, qps_per_connection=spec.qps_per_connection, pxn=spec.pxn,
+                       lossy_cables=len(spec.cables.losses), blast_radius=describe(blast), blast=blast)
         for cls in CLASSES:
             seconds = added[cls] / steps if cls in added else np.zeros(2)
             row.update({f"{cls}_loss_free_s": float(seconds[1]), f"{cls}_repair_s": float(seconds[0]),

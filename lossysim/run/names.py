@@ -59,7 +59,8 @@ def run_name(config: ExperimentConfig, key: str) -> str:
     """``bernoulli-0.01_tp2_seed0-1a2b3c4d`` (``..._tp1_pp2_seed0-...`` with stages): readable prefix, hash
     for uniqueness."""
     defaults = ExperimentConfig()
-    parts = [label(config.loss), f"tp{config.tp_size}", *_pipeline_parts(config), f"seed{config.seed}"]
+    parts = [label(config.loss), *_fabric_parts(config), f"tp{config.tp_size}", *_pipeline_parts(config),
+             f"seed{config.seed}"]
     parts += [getattr(config, key) for key in ("lossy", "recovery", "algorithm")
               if getattr(config, key) != getattr(defaults, key)]
     if config.transport != defaults.transport:
@@ -69,6 +70,30 @@ def run_name(config: ExperimentConfig, key: str) -> str:
         parts.append(config.dp_mode)
     prefix = "".join(c if c.isalnum() or c in "._-" else "-" for c in "_".join(parts))
     return f"{prefix}-{key}"
+
+
+def _fabric_parts(config: ExperimentConfig) -> list[str]:
+    """On a fabric, what says where its packets are lost (``loss`` alone names every cable's model, so a
+    bad-link run would read ``none``): the fabric, each bad cable and its loss, the CorrOpt share, then the
+    routing settings away from their defaults. Nothing without a fabric, so those runs keep their names."""
+    text = str(config.fabric).strip()
+    if text.lower() in ("none", ""):
+        return []
+    kind, _, settings = text.partition(":")
+    if kind == "leaf-spine":   # nodes, rails, leaves, spines, oversubscription, gbps: their first letters
+        settings = "-".join(k.strip()[:1] + v.strip() for k, _, v in (p.partition("=") for p in settings.split(",")))
+    parts = [f"{kind}{settings}" if kind == "superpod" else f"{kind}-{settings}" if settings else Path(text).stem]
+    bad = [b.strip() for b in str(config.bad_link).split(";") if b.strip()]
+    for entry in bad[:2]:
+        cable, _, model = entry.partition(":")
+        parts.append(f"bad-{cable.strip()}-{label(model)}")
+    parts += [f"bad-{len(bad) - 2}-more"] if len(bad) > 2 else []
+    parts += [f"corrupt{float(config.corrupt_share):g}"] if config.corrupt_share else []
+    defaults = ExperimentConfig()
+    parts += [config.routing] if config.routing != defaults.routing else []
+    parts += [f"qps{config.qps_per_connection}"] if config.qps_per_connection != defaults.qps_per_connection else []
+    parts += ["nopxn"] if config.pxn != defaults.pxn else []
+    return parts
 
 
 def _pipeline_parts(config: ExperimentConfig) -> list[str]:
