@@ -130,3 +130,20 @@ def test_a_context_ring_is_stretched_before_attention_hides_it():
     assert row["cp_fabric_slowdown"] == pytest.approx(factor) and base["cp_loss_free_s"] > 0
     assert row["cp_loss_free_s"] >= factor * base["cp_loss_free_s"] * (1 - 1e-9)
     assert row["dp_fabric_slowdown"] == 1.0 and row["dp_loss_free_s"] == pytest.approx(base["dp_loss_free_s"])
+
+
+def test_unshared_cables_keep_every_time_as_without_a_fabric():
+    """``shared_cables: false`` (the assumption's other side): the same colliding hash, every loss-free time as
+    without a fabric and no factor columns; the flag reaches the config from the command line."""
+    seed, _ = _first_colliding_seed()
+    shape, w = load("tiny-llama"), Workload(256)
+    base = estimate(shape, _small(seed=seed), w, steps=1)
+    unshared = estimate(shape, _small(seed=seed, fabric=SMALL, shared_cables=False), w, steps=1)
+    assert unshared["dp_fabric_slowdown"] == 1.0 and unshared["shared_cables"] is False
+    assert all(unshared[k] == base[k] for k in ("loss_free_step_s", "step_mean_s", "dp_loss_free_s", "compute_s"))
+    result = subprocess.run([sys.executable, "-m", "lossysim", "estimate", "tiny-llama", "--seq", "256", "--tp-size",
+                             "2", "--dp-size", "4", "--gpus-per-node", "1", "--steps", "1", "--threads", "1",
+                             "--seed", str(seed), "--fabric", SMALL, "--shared-cables", "false", "--no-progress"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "): not charged (shared_cables false)" in result.stdout

@@ -27,7 +27,7 @@ BACKENDS = ("sim", "dist")     # every rank in one process, or one per process (
 # out of a run's identity (the sweep's hash), so sweeps written before them still find their runs. An axis's
 # settings say so in their declaration (``Setting.identity_at_default``); the fabric's keys belong to no axis.
 IDENTITY_AT_DEFAULT_OMITTED = ("lossy_traffic", "lossy_layers", "lossy_sites", "outlier_fraction", "parallel_order",
-                               "fabric", "bad_link", "corrupt_share", "qps_per_connection", "pxn", "routing",
+                               "fabric", "bad_link", "corrupt_share", "qps_per_connection", "pxn", "routing", "shared_cables",
                                "link_event", "reroute", "ib_timeout", "event_steps",
                                *(s.field for s in axes.settings() if not s.identity_at_default))
 

@@ -84,6 +84,7 @@ class ExperimentConfig:
     qps_per_connection: int = 1        # NCCL_IB_QPS_PER_CONNECTION: queue pairs hashed apart
     pxn: bool = True                   # NCCL's PXN: cross-rail traffic over NVLink first
     routing: str = "ecmp"              # ecmp | spray
+    shared_cables: bool = True         # estimate: flows on one cable share its bandwidth (estimate/collisions.py)
     link_event: str = ""               # cables down, flapping or slowed in time, entries separated by ';'
     reroute: str = "ecmp"              # how routes go around a dead switch cable (fabric.events.REROUTE_S)
     ib_timeout: int = 20               # NCCL_IB_TIMEOUT: how long an RC queue pair waits out an outage

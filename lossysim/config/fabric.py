@@ -19,6 +19,9 @@ FABRIC_FLAGS = {
     "--qps-per-connection": ("qps_per_connection", "queue pairs per connection, each hashed apart "
                                                    "(NCCL_IB_QPS_PER_CONNECTION, default 1)", None),
     "--pxn": ("pxn", "true or false: NCCL's PXN moves cross-rail traffic over NVLink first (default true)", None),
+    "--shared-cables": ("shared_cables", "true or false: flows of one collective step share a cable's bandwidth in "
+                                         "the estimate's loss-free times (default true; false: each flow its own "
+                                         "link's, as before the fabric's collisions were charged)", None),
     "--routing": ("routing", f"how flows take paths: {', '.join(ROUTINGS)} (spray: each packet its own path)", None),
     "--link-event": ("link_event", "a cable down, flapping or slowed in time: CABLE:down:at=T,for=D, "
                                    "CABLE:flap:at=T,period=P,down=D[,for=W], CABLE:speed:at=T,fraction=F[,for=D] "

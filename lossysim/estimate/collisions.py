@@ -35,9 +35,10 @@ CLASS_FLOWS = {"tp": ("tp",), "pp": ("pp",), "dp": ("dp", "edp"), "fsdp": ("dp",
 
 def factors(config) -> dict[str, float]:
     """Per flows (``tp``, ``pp``, ``cp``, ``dp``, ``ep``, ``edp``): the factor its loss-free seconds are
-    multiplied by on ``config``'s fabric (1.0 where the axis has one rank); empty without a fabric."""
+    multiplied by on ``config``'s fabric (1.0 where the axis has one rank); empty without a fabric or with
+    ``shared_cables`` off (every flow its own link's bandwidth: the sensitivity to this assumption)."""
     spec = config.network_spec()
-    if spec.cables is None:
+    if spec.cables is None or not config.shared_cables:
         return {}
     return dict(_factors(spec.cables.routes, config.mesh(), spec.cables.channels))
 

@@ -174,7 +174,7 @@ def run_rows(args, configs: list, rows_of: Callable, extra: Optional[Callable[[]
     if rows[0].get("fabric_slowdown"):   # on a fabric: each class's loss-free time stretched by its busiest cable
         r, qps = rows[0], rows[0]["qps_per_connection"]
         print(f"fabric slowdown ({r['fabric']}, {r['routing']}, {qps} QP{'s' * (qps != 1)} a connection): "
-              f"{r['fabric_slowdown']}")
+              + (r["fabric_slowdown"] if r.get("shared_cables", True) else "not charged (shared_cables false)"))
     for row in rows:   # on a fabric: who crosses each lossy cable (every row's, in estimate.json)
         if row.get("blast_radius"):
             print(f"blast radius ({row['loss']}, {row['transport']}, {row['nic']}): {row['blast_radius']}")

@@ -144,7 +144,7 @@ def estimate(model: Union[str, Shape], config: ExperimentConfig, workload: Workl
         blast = job.blast.table({cls: sums["sent"] for cls, sums in job.sums.items()})
         row.update(fabric=spec.fabric, bad_link=";".join(spec.bad_link), corrupt_share=spec.corrupt_share,
                    routing=spec.routing, qps_per_connection=spec.qps_per_connection, pxn=spec.pxn,
-                   lossy_cables=len(spec.cables.losses), blast_radius=describe(blast), blast=blast,
+                   shared_cables=bool(config.shared_cables), lossy_cables=len(spec.cables.losses), blast_radius=describe(blast), blast=blast,
                    **collisions.columns(job.fabric_factors, job.classes))
     for cls in CLASSES:   # every class's columns, zero where the job has none of its traffic
         seconds = added[cls] / steps

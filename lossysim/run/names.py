@@ -93,6 +93,7 @@ def _fabric_parts(config: ExperimentConfig) -> list[str]:
     parts += [config.routing] if config.routing != defaults.routing else []
     parts += [f"qps{config.qps_per_connection}"] if config.qps_per_connection != defaults.qps_per_connection else []
     parts += ["nopxn"] if config.pxn != defaults.pxn else []
+    parts += ["unshared"] if config.shared_cables != defaults.shared_cables else []
     return parts
 
 
