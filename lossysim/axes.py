@@ -6,7 +6,8 @@ flags, their help and its checks, Megatron's ``ModelParallelConfig`` fields carr
 traffic classes (named from ``lossysim.traffic``, or declared here by an axis outside the package), its
 counters (``TrainState``'s, saved in checkpoints), its summary.json section and the summary.csv columns read
 off it, its report section, the run's ``Parts`` attribute holding it and the module with what a run records
-of it (``record``: its metrics-row, summary and checkpoint functions, imported by ``run/`` when used).
+of it (``record``: its metrics-row, summary and checkpoint functions, imported by ``run/`` when used), the
+collective its recovery policy must act on (``requires``) and its checks against other settings (``pairs``).
 
 The declarations import no torch and nothing after ``traffic``: ``config/`` reads them before any axis's
 package can be imported (docs/architecture.md: they are their own stage, ``axes``). ``AXES`` is the one
@@ -109,6 +110,11 @@ class Axis:
     section: Optional[Section] = None
     part: Optional[str] = None          # the run's ``Parts`` attribute holding it
     record: Optional[str] = None        # the module with what a run records of it (``lossysim.cp.record``)
+    # the collective its messages are, which the run's recovery policy must act on (``net.recovery.require``)
+    requires: Optional[str] = None
+    # its checks against other settings (``config/pairs.py`` runs them in the axes' order): a callable taking
+    # the config, raising a one-line ValueError
+    pairs: Optional[Callable[[Any], None]] = None
 
     @property
     def classes(self) -> tuple[TrafficClass, ...]:

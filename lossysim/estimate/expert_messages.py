@@ -8,7 +8,7 @@ one stage's sampled groups are simulated and every other block's calls drawn fro
 """
 from __future__ import annotations
 
-from ..config import EP_CLASSES
+from ..ep.axis import EP_CLASSES
 from ..net import LossyNetwork
 from .accounting import is_lossy, mark
 

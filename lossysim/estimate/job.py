@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from .. import traffic
-from ..config import EP_CLASSES, ExperimentConfig
+from ..config import ExperimentConfig
+from ..ep.axis import EP_CLASSES
 from ..dp.buckets import plan_buckets
 from ..ep import routing
 from ..models import cost

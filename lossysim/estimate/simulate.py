@@ -38,7 +38,8 @@ from typing import Callable, Optional, Union
 import numpy as np
 
 from .. import clock as one_clock, timing
-from ..config import EP_CLASSES, ExperimentConfig
+from ..config import ExperimentConfig
+from ..ep.axis import EP_CLASSES
 from ..cp import clock as cp_clock
 from ..cp.layout import check_length
 from ..ep import routing

@@ -5,7 +5,7 @@ group's it holds: sim, all of them), as the estimate counts its groups (``estima
 no axis: ``run.summary`` adds this section beside the axes' own."""
 from __future__ import annotations
 
-from ..config import EP_CLASSES
+from ..ep.axis import EP_CLASSES
 from ..estimate.blast import Blast
 
 
