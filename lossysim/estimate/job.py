@@ -15,7 +15,9 @@ import torch
 
 from .. import traffic
 from ..config import ExperimentConfig
+from ..cp.estimate import ContextMessages
 from ..ep.axis import EP_CLASSES
+from ..ep.estimate import ExpertMessages
 from ..dp.buckets import plan_buckets
 from ..ep import routing
 from ..models import cost
@@ -24,8 +26,6 @@ from ..pp.stages import stage_parameters
 from ..tp.parallelize import head_counts, parallelize
 from ..util import stream_seed
 from .accounting import ExpertGroup, Group, Tally, is_lossy
-from .context_messages import ContextMessages
-from .expert_messages import ExpertMessages
 from .messages import Messages
 from .shapes import Shape
 from .workload import AMP_DTYPE, DTYPES, Workload, step_calls
@@ -51,7 +51,7 @@ def check_group_size(mesh) -> None:
 
 class Job(Tally, Messages, ExpertMessages, ContextMessages):
     """A job's groups, messages and bucket plans, and the per-step simulation of every class (``run``; each
-    class's messages: ``messages``, ``expert_messages``, ``context_messages``), counted as ``Tally`` counts."""
+    class's messages: ``messages``, ``ep.estimate``, ``cp.estimate``), counted as ``Tally`` counts."""
 
     def __init__(self, shape: Shape, config: ExperimentConfig, w: Workload, layout: tuple[int, ...], tokens: int):
         super().__init__()

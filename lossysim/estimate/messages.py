@@ -1,6 +1,6 @@
 """The step loop of an estimate and its tp, pp, dp and fsdp messages, each through ``LossyNetwork.simulate``
 on its group's network (``messages.Messages``, a part of ``job.Job``: its groups, sizes and counters are the
-job's; the experts' and context groups' messages are ``expert_messages`` and ``context_messages``).
+job's; the experts' and context groups' messages are ``ep.estimate`` and ``cp.estimate``).
 
 - ``tp``: every stage's TP all-reduces (``step_calls``), per micro-batch, on each replica's stage group;
 - ``pp``: every boundary's activation and its gradient, per micro-batch, TP rank t to TP rank t, a send's

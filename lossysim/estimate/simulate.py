@@ -26,7 +26,7 @@ Its traffic classes, each on the networks the mesh gives its groups:
   (seq / cp), on each context rank's groups (the clock reads context rank 0's, as training does).
 
 Which groups are simulated, and which stand for their identical others, is the job's (``job``); each class's
-messages are ``messages``, ``expert_messages`` and ``context_messages``; what they sent and lost is counted as
+messages are ``messages``, ``ep.estimate`` and ``cp.estimate``; what they sent and lost is counted as
 ``accounting.Tally`` counts; the step ends on training's clock (``lossysim.clock.step_time``), each axis's
 seconds handed to it as training hands them (``_Parts``).
 """

@@ -1,4 +1,4 @@
-"""A mixture of experts' messages in an estimate (``ExpertMessages``, a part of ``job.Job``): ``ep_dispatch``
+"""A mixture of experts' messages in an estimate (``ExpertMessages``, a part of ``estimate.job.Job``): ``ep_dispatch``
 and ``ep_combine``, the all-to-alls per MoE block and micro-batch on every (stage, TP position, expert-data
 index)'s ep group, sized by the routing assumed (``ep.routing``: uniform or skewed), in backward their
 gradients the other way; and the experts' gradient buckets over their expert-data-parallel groups (class
@@ -8,9 +8,9 @@ one stage's sampled groups are simulated and every other block's calls drawn fro
 """
 from __future__ import annotations
 
-from ..ep.axis import EP_CLASSES
+from ..estimate.accounting import is_lossy, mark
 from ..net import LossyNetwork
-from .accounting import is_lossy, mark
+from .axis import EP_CLASSES
 
 
 class ExpertMessages:

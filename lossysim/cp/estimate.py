@@ -1,4 +1,4 @@
-"""Context parallelism's messages in an estimate (``ContextMessages``, a part of ``job.Job``): ``cp``, every
+"""Context parallelism's messages in an estimate (``ContextMessages``, a part of ``estimate.job.Job``): ``cp``, every
 block's keys and values over each (stage, replica, TP position)'s context group, per micro-batch: the ring's
 rounds of point-to-point sends (or an all-gather), and their gradients back (or a reduce-scatter), training's
 exchanges (``cp.exchange``), each round's time its slowest send's and what it adds the part not hidden behind
@@ -11,11 +11,11 @@ from collections import defaultdict
 
 import numpy as np
 
-from ..cp import clock as cp_clock
+from ..estimate.accounting import held_elements, mark
 from ..net import LossyNetwork
 from ..net.recovery import packets_of
 from ..net.sparse import Losses
-from .accounting import held_elements, mark
+from . import clock as cp_clock
 
 
 class ContextMessages:
