@@ -7,7 +7,8 @@ traffic classes (named from ``lossysim.traffic``, or declared here by an axis ou
 counters (``TrainState``'s, saved in checkpoints), its summary.json section and the summary.csv columns read
 off it, its report section, the run's ``Parts`` attribute holding it and the module with what a run records
 of it (``record``: its metrics-row, summary and checkpoint functions, imported by ``run/`` when used), the
-collective its recovery policy must act on (``requires``) and its checks against other settings (``pairs``).
+collective its recovery policy must act on (``requires``), its checks against other settings (``pairs``) and its
+part of the estimate's job (``estimate``).
 
 The declarations import no torch and nothing after ``traffic``: ``config/`` reads them before any axis's
 package can be imported (docs/architecture.md: they are their own stage, ``axes``). ``AXES`` is the one
@@ -112,6 +113,9 @@ class Axis:
     record: Optional[str] = None        # the module with what a run records of it (``lossysim.cp.record``)
     # the collective its messages are, which the run's recovery policy must act on (``net.recovery.require``)
     requires: Optional[str] = None
+    # the module with its part of the estimate's job (``PART``, a part of ``estimate.job.Job``: its groups,
+    # ``init_part``; its messages per step, ``run_part``), imported by the estimate (``lossysim.cp.estimate``)
+    estimate: Optional[str] = None
     # its checks against other settings (``config/pairs.py`` runs them in the axes' order): a callable taking
     # the config, raising a one-line ValueError
     pairs: Optional[Callable[[Any], None]] = None
@@ -130,6 +134,10 @@ class Axis:
     def hooks(self):
         """The module ``record`` names (None without one)."""
         return importlib.import_module(self.record) if self.record else None
+
+    def estimate_part(self):
+        """The ``PART`` of the module ``estimate`` names (None without one)."""
+        return importlib.import_module(self.estimate).PART if self.estimate else None
 
 
 _axes: list[Axis] = []

@@ -51,4 +51,5 @@ AXIS = Axis(
                                "the others. ",
         "`CP per step`: what the key/value exchanges add to a step. `observed CP loss`: lost / sent packets on "
         "their lossy traffic in training. \"–\": the setting has cp 1."),
-    part="context", record="lossysim.cp.record", requires="kv_exchange", pairs=_pairs)
+    part="context", record="lossysim.cp.record", estimate="lossysim.cp.estimate", requires="kv_exchange",
+    pairs=_pairs)

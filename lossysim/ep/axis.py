@@ -18,6 +18,6 @@ AXIS = Axis(
         "Expert parallelism", "Every setting, the runs with experts over ranks (`ep`) beside the others. ",
         "`EP per step`: what the all-to-alls (dispatch and combine, both ways) add to a step. `observed EP "
         "loss`: lost / sent packets on their lossy traffic in training. \"–\": the setting has ep 1."),
-    part="ep", record="lossysim.ep.record", requires="all_to_all")
+    part="ep", record="lossysim.ep.record", estimate="lossysim.ep.estimate", requires="all_to_all")
 
 EP_CLASSES = tuple(c.name for c in AXIS.classes)   # an MoE block's all-to-alls: dispatch, then combine
