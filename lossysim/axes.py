@@ -68,11 +68,18 @@ class Setting:
 @dataclass(frozen=True)
 class Counter:
     """A number a run keeps in its ``TrainState`` (and its checkpoints, where it differs from its default);
-    ``per_step``: the metrics row's and summary's name of its rate per step."""
+    ``per_step``: the metrics row's and summary's name of its rate per step; ``clock``: the simulated clock's
+    columns its seconds add to (``run/clock.py``)."""
     name: str
     default: Any = 0.0                  # a number, or () for a list
     help: str = ""
     per_step: Optional[str] = None
+    # the simulated clock's columns it adds its seconds to (``sim_time_s``, ``sim_time_s_ideal_nic``), in the
+    # place ``clock_order`` gives it (the order the clock has always summed them: a float sum's digits
+    # follow its order); ``scheduled``: with pipeline stages the schedule's step holds it already
+    clock: tuple[str, ...] = ()
+    clock_order: int = 0
+    scheduled: bool = False
 
     def fresh(self) -> Any:
         return list(self.default) if isinstance(self.default, tuple) else self.default

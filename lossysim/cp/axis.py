@@ -42,8 +42,10 @@ AXIS = Axis(
                                       "(default ring)", default="ring")),
     ),
     traffic=("cp",),
-    counters=(Counter("cp_s", 0.0, "what its exchanges add beside attention", per_step="cp_s_per_step"),
-              Counter("cp_s_ideal_nic", 0.0, "... the same under the ideal nic")),
+    counters=(Counter("cp_s", 0.0, "what its exchanges add beside attention", per_step="cp_s_per_step",
+                      clock=("sim_time_s",), clock_order=2),
+              Counter("cp_s_ideal_nic", 0.0, "... the same under the ideal nic", clock=("sim_time_s_ideal_nic",),
+                      clock_order=2)),
     summary="context_parallel",
     columns=(Column("observed_loss_rate_cp", "observed_loss_rate_cp"), Column("cp_s_per_step", "cp_s_per_step")),
     section=Section(

@@ -10,8 +10,12 @@ AXIS = Axis(
                       estimate=EstimateFlag("expert parallelism: a mixture of experts' experts over this many of the "
                                             "data-parallel ranks (divides dp size; default 1)", default=1)),),
     traffic=("ep_dispatch", "ep_combine"),
-    counters=(Counter("ep_s", 0.0, "replica 0's all-to-alls' seconds", per_step="ep_s_per_step"),
-              Counter("ep_s_ideal_nic", 0.0, "... under the ideal nic")),
+    # in the clock first of the axes' seconds; with stages a stage's all-to-alls are in its forward and
+    # backward, so the schedule's step holds them
+    counters=(Counter("ep_s", 0.0, "replica 0's all-to-alls' seconds", per_step="ep_s_per_step",
+                      clock=("sim_time_s",), clock_order=0, scheduled=True),
+              Counter("ep_s_ideal_nic", 0.0, "... under the ideal nic", clock=("sim_time_s_ideal_nic",),
+                      clock_order=0, scheduled=True)),
     summary="expert_parallel",
     columns=(Column("observed_loss_rate_ep", "observed_loss_rate_ep"), Column("ep_s_per_step", "ep_s_per_step")),
     section=Section(
