@@ -126,6 +126,9 @@ class Axis:
     # its checks against other settings (``config/pairs.py`` runs them in the axes' order): a callable taking
     # the config, raising a one-line ValueError
     pairs: Optional[Callable[[Any], None]] = None
+    # its size against a model's shape (``fits(shape, size)``, a one-line ValueError), as training refuses it:
+    # the estimate and a sweep's precheck run it on a shape built on the meta device
+    fits: Optional[Callable[[Any, int], None]] = None
 
     @property
     def classes(self) -> tuple[TrafficClass, ...]:

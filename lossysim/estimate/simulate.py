@@ -74,7 +74,7 @@ def estimate(model: Union[str, Shape], config: ExperimentConfig, workload: Workl
     gpu = timing.parse_compute(config.compute)
     if isinstance(gpu, timing.Measured):
         raise ValueError("compute=measured needs a real training run; name a GPU model (e.g. h100)")
-    shape.check_ep(mesh.ep)
+    shape.check_axes(config)
     tokens = w.seq * config.micro_batch_size
     kernels = shape.kernels + cost.collective_kernels(shape.layers, tp)   # as a training run counts them
     # a rank computes its share of every sequence: 1 / (tp x cp) of the FLOPs, as training charges it
