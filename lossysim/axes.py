@@ -6,7 +6,9 @@ flags, their help and its checks, Megatron's ``ModelParallelConfig`` fields carr
 traffic classes (named from ``lossysim.traffic``, or declared here by an axis outside the package), its
 counters (``TrainState``'s, saved in checkpoints), its summary.json section and the summary.csv columns read
 off it, its report section, the run's ``Parts`` attribute holding it and the module with what a run records
-of it (``record``: its metrics-row, summary and checkpoint functions, imported by ``run/`` when used).
+of it (``record``: its metrics-row, summary and checkpoint functions, imported by ``run/`` when used), the
+collective its recovery policy must act on (``requires``), its checks against other settings (``pairs``) and its
+part of the estimate's job (``estimate``).
 
 The declarations import no torch and nothing after ``traffic``: ``config/`` reads them before any axis's
 package can be imported (docs/architecture.md: they are their own stage, ``axes``). ``AXES`` is the one
@@ -66,11 +68,18 @@ class Setting:
 @dataclass(frozen=True)
 class Counter:
     """A number a run keeps in its ``TrainState`` (and its checkpoints, where it differs from its default);
-    ``per_step``: the metrics row's and summary's name of its rate per step."""
+    ``per_step``: the metrics row's and summary's name of its rate per step; ``clock``: the simulated clock's
+    columns its seconds add to (``run/clock.py``)."""
     name: str
     default: Any = 0.0                  # a number, or () for a list
     help: str = ""
     per_step: Optional[str] = None
+    # the simulated clock's columns it adds its seconds to (``sim_time_s``, ``sim_time_s_ideal_nic``), in the
+    # place ``clock_order`` gives it (the order the clock has always summed them: a float sum's digits
+    # follow its order); ``scheduled``: with pipeline stages the schedule's step holds it already
+    clock: tuple[str, ...] = ()
+    clock_order: int = 0
+    scheduled: bool = False
 
     def fresh(self) -> Any:
         return list(self.default) if isinstance(self.default, tuple) else self.default
@@ -109,6 +118,17 @@ class Axis:
     section: Optional[Section] = None
     part: Optional[str] = None          # the run's ``Parts`` attribute holding it
     record: Optional[str] = None        # the module with what a run records of it (``lossysim.cp.record``)
+    # the collective its messages are, which the run's recovery policy must act on (``net.recovery.require``)
+    requires: Optional[str] = None
+    # the module with its part of the estimate's job (``PART``, a part of ``estimate.job.Job``: its groups,
+    # ``init_part``; its messages per step, ``run_part``), imported by the estimate (``lossysim.cp.estimate``)
+    estimate: Optional[str] = None
+    # its checks against other settings (``config/pairs.py`` runs them in the axes' order): a callable taking
+    # the config, raising a one-line ValueError
+    pairs: Optional[Callable[[Any], None]] = None
+    # its size against a model's shape (``fits(shape, size)``, a one-line ValueError), as training refuses it:
+    # the estimate and a sweep's precheck run it on a shape built on the meta device
+    fits: Optional[Callable[[Any, int], None]] = None
 
     @property
     def classes(self) -> tuple[TrafficClass, ...]:
@@ -124,6 +144,10 @@ class Axis:
     def hooks(self):
         """The module ``record`` names (None without one)."""
         return importlib.import_module(self.record) if self.record else None
+
+    def estimate_part(self):
+        """The ``PART`` of the module ``estimate`` names (None without one)."""
+        return importlib.import_module(self.estimate).PART if self.estimate else None
 
 
 _axes: list[Axis] = []

@@ -212,6 +212,12 @@ class Mesh:
         return rank // self.per_node
 
     # -- each group's network ----------------------------------------------------------------------
+    @staticmethod
+    def class_of(axis: str, name: str) -> Optional[str]:
+        """``name`` where ``axis``'s network is one per traffic class (each with chains of its own), else None:
+        what ``network_spec`` takes as ``traffic`` for that class."""
+        return name if "{traffic}" in _NETWORKS[axis].stream else None
+
     def network_spec(self, axis: str, rank: int, settings: dict, lossy: Optional[tuple[str, ...]] = None,
                      traffic: Optional[str] = None) -> NetworkSpec:
         """The network of ``rank``'s ``axis`` group (``tp``, ``cp``, ``dp``, ``dp_cp``, ``ep``, ``edp``; ``pp``: the

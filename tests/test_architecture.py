@@ -9,6 +9,10 @@ PACKAGE = ROOT / "lossysim"
 DOC = ROOT / "docs" / "architecture.md"
 # Packages' __init__.py only re-export and __main__.py only calls cli.main: the doc says so once.
 UNLISTED = ("__init__.py", "__main__.py")
+# An axis's parts that belong to a later stage than its package: its declaration (``cp/axis.py``) is the stage
+# ``axes`` (config reads it before its package), its part of the estimate's job (``cp/estimate.py``) the
+# stage ``estimate`` (it builds on the estimate's accounting; the package stays free of the estimate).
+AXIS_PARTS = {"axis": "axes", "estimate": "estimate"}
 
 
 def _modules() -> set[str]:
@@ -28,9 +32,12 @@ def _order(text: str) -> dict[str, int]:
 
 def _stage(module: str) -> str:
     """``net/links.py`` -> ``net``; ``config.py`` -> ``config``; an axis's declaration (``cp/axis.py``) is
-    the stage ``axes``, with ``axes.py`` that collects them: config reads it before its package."""
+    the stage ``axes``, with ``axes.py`` that collects them: config reads it before its package; its part
+    of the estimate (``cp/estimate.py``) the stage ``estimate`` (``AXIS_PARTS``)."""
     parts = module.split("/")
-    return "axes" if parts[1:] == ["axis.py"] else parts[0].removesuffix(".py")
+    if len(parts) == 2 and parts[1].removesuffix(".py") in AXIS_PARTS and (PACKAGE / parts[0] / "axis.py").exists():
+        return AXIS_PARTS[parts[1].removesuffix(".py")]
+    return parts[0].removesuffix(".py")
 
 
 def _imported_stages(path: Path) -> set[str]:
@@ -50,7 +57,8 @@ def _imported_stages(path: Path) -> set[str]:
             # `from .. import __version__` names the package itself, no stage
             if parts[0] == "lossysim" and len(parts) > 1 and (
                     (PACKAGE / parts[1]).is_dir() or (PACKAGE / f"{parts[1]}.py").exists()):
-                stages.add(_stage("/".join(parts[1:]) + ".py" if parts[2:] == ["axis"] else parts[1]))
+                part = len(parts) == 3 and parts[2] in AXIS_PARTS
+                stages.add(_stage("/".join(parts[1:]) + ".py" if part else parts[1]))
     return stages
 
 

@@ -3,16 +3,12 @@ parsing of ``report_to`` and ``pp_layout``."""
 from __future__ import annotations
 
 from .. import axes
-from ..cp.axis import CP_MODES
 from ..dp.axis import DP_MODES
 from ..pp.axis import PP_SCHEDULES
-from ..traffic import BY_NAME
 from ..util import one_of
 
-__all__ = ["BACKENDS", "CP_MODES", "DP_MODES", "EP_CLASSES", "IDENTITY_AT_DEFAULT_OMITTED", "NON_SEMANTIC",
+__all__ = ["BACKENDS", "DP_MODES", "IDENTITY_AT_DEFAULT_OMITTED", "NON_SEMANTIC",
            "PP_SCHEDULES", "TRACKERS", "check_choice", "parse_layout", "parse_report_to"]
-
-EP_CLASSES = tuple(c.name for c in BY_NAME.values() if c.axis == "ep")   # an MoE block's all-to-alls
 
 
 # Keys that say where or how a run is executed, not what it trains: they stay out of a run's

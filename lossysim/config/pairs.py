@@ -2,8 +2,9 @@
 them, for every command), and a loss model no traffic can meet."""
 from __future__ import annotations
 
+from .. import traffic
+from ..axes import AXES
 from ..net.recovery import require
-from .choices import CP_MODES, EP_CLASSES, check_choice
 
 
 def validate_pairs(config) -> None:
@@ -13,11 +14,14 @@ def validate_pairs(config) -> None:
         raise ValueError(f"ep_size={config.ep_size} with cp_size={config.cp_size}: experts beside context "
                          "parallelism need ep_size a multiple of cp_size (a replica's context ranks, members of "
                          "one ep group)")
-    validate_context(config, fsdp)
-    for used, setting, collective in ((fsdp, "dp_mode=fsdp", "reduce_scatter"),
-                                      (pp, f"pp_size={config.pp_size}", "send"),
-                                      (ep, f"ep_size={config.ep_size}", "all_to_all"),
-                                      (config.cp_size > 1, f"cp_size={config.cp_size}", "kv_exchange")):
+    for axis in AXES:   # each axis's own pairs (``Axis.pairs``), in the axes' order
+        if axis.pairs is not None:
+            axis.pairs(config)
+    # the collective each used axis's messages are (``Axis.requires``), FSDP's reduce-scatter first
+    needs = [(fsdp, "dp_mode=fsdp", "reduce_scatter")] + \
+        [(axis.used(config), f"{axis.size}={getattr(config, axis.size)}", axis.requires)
+         for axis in AXES if axis.requires is not None]
+    for used, setting, collective in needs:
         try:
             require(config.recovery, collective, used, works=lambda name: config.accepts(recovery=name))
         except ValueError as err:
@@ -31,24 +35,7 @@ def validate_pairs(config) -> None:
     # lossysim.ep refuses it where training builds it)
 
 
-def validate_context(config, fsdp: bool) -> None:
-    """Context parallelism's settings and their pairs (``lossysim.cp``)."""
-    check_choice("cp_mode", config.cp_mode, CP_MODES)
-    cp = config.cp_size
-    if config.recovery == "mask" and cp == 1:
-        raise ValueError("recovery=mask leaves lost keys out of attention: it needs cp_size > 1 (on other "
-                         "traffic it is zero); use recovery=zero")
-    if cp == 1:
-        return
-    if config.max_length % (2 * cp):
-        raise ValueError(f"max_length={config.max_length} is not a multiple of 2 x cp_size = {2 * cp}: context "
-                         "parallelism cuts every sequence into 2 x cp_size equal chunks")
-    if fsdp:
-        raise ValueError(f"cp_size={cp} with dp_mode=fsdp: FSDP's gathers beside context parallelism are not "
-                         "modelled; use dp_mode=ddp")
-    if config.activation_checkpointing:
-        raise ValueError(f"cp_size={cp} with activation_checkpointing: a recomputed block's key/value "
-                         "exchange is not modelled; set activation_checkpointing=false")
+_OWN = ("tp", "pp", "dp")   # the axes whose networks the check places itself: every stage's, every boundary's
 
 
 def check_something_can_lose(config) -> None:
@@ -61,13 +48,12 @@ def check_something_can_lose(config) -> None:
     networks = [spec] + ([mesh.network_spec("dp_cp", 0, settings, config.dp_lossy())] if config.dp_size > 1 else []) + \
         [mesh.network_spec("tp", mesh.rank(pp=s), settings) for s in range(1, config.pp_size)] + \
         [mesh.network_spec("pp", mesh.rank(pp=b), settings, config.pp_lossy()) for b in range(config.pp_size - 1)] + \
-        [mesh.network_spec("ep", 0, settings, config.lossy_directions(c), c) for c in EP_CLASSES
-         if config.ep_size > 1] + \
-        ([mesh.network_spec("cp", 0, settings, config.lossy_directions("cp"))] if config.cp_size > 1 else [])
+        [mesh.network_spec(c.axis, 0, settings, config.lossy_directions(c.name), mesh.class_of(c.axis, c.name))
+         for c in traffic.CLASSES if c.axis not in _OWN and mesh.sizes.get(c.axis, 1) > 1]
     if not any(net.lossy and net.topology.has_lossy_link for net in networks):
-        raise ValueError(f"loss={config.loss} but no traffic can lose packets (tp_size={config.tp_size}, "
-                         f"pp_size={config.pp_size}, dp_size={config.dp_size}, ep_size={config.ep_size}, "
-                         f"cp_size={config.cp_size}, lossy={config.lossy}, "
+        sizes = sorted((a for a in AXES if a.size), key=lambda a: _OWN.index(a.name) if a.name in _OWN else len(_OWN))
+        raise ValueError(f"loss={config.loss} but no traffic can lose packets "
+                         f"({', '.join(f'{a.size}={getattr(config, a.size)}' for a in sizes)}, lossy={config.lossy}, "
                          f"lossy_traffic={config.lossy_traffic}, "
                          f"lossy_links={config.lossy_links}, ranks_per_node={config.ranks_per_node}): "
                          "use loss=none for a loss-free run, or make some traffic cross a lossy link")

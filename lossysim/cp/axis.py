@@ -1,10 +1,32 @@
 """Context parallelism declared once (``lossysim.axes``): its settings and flags, its key/value traffic,
-its counters, summary.json's ``context_parallel``, the columns summary.csv reads off it and its report
-section."""
+its counters, summary.json's ``context_parallel``, the columns summary.csv reads off it, its report
+section, the collective its policy must act on and its checks against other settings."""
 from ..axes import Axis, Column, Counter, EstimateFlag, Section, Setting
 from ..util import one_of
 
 CP_MODES = ("ring", "allgather")   # Megatron's p2p ring of K/V blocks; Llama 3's all-gathered K/V
+
+
+def _pairs(config) -> None:
+    """Context parallelism's settings against the others (``config/pairs.py`` runs it for every command)."""
+    if config.cp_mode not in CP_MODES:
+        raise ValueError(f"cp_mode={config.cp_mode!r} must be {one_of(CP_MODES)}")
+    cp = config.cp_size
+    if config.recovery == "mask" and cp == 1:
+        raise ValueError("recovery=mask leaves lost keys out of attention: it needs cp_size > 1 (on other "
+                         "traffic it is zero); use recovery=zero")
+    if cp == 1:
+        return
+    if config.max_length % (2 * cp):
+        raise ValueError(f"max_length={config.max_length} is not a multiple of 2 x cp_size = {2 * cp}: context "
+                         "parallelism cuts every sequence into 2 x cp_size equal chunks")
+    if config.dp_mode == "fsdp" and config.dp_size > 1:
+        raise ValueError(f"cp_size={cp} with dp_mode=fsdp: FSDP's gathers beside context parallelism are not "
+                         "modelled; use dp_mode=ddp")
+    if config.activation_checkpointing:
+        raise ValueError(f"cp_size={cp} with activation_checkpointing: a recomputed block's key/value "
+                         "exchange is not modelled; set activation_checkpointing=false")
+
 
 AXIS = Axis(
     "cp", "CP", size="cp_size", mesh="cp",
@@ -20,8 +42,10 @@ AXIS = Axis(
                                       "(default ring)", default="ring")),
     ),
     traffic=("cp",),
-    counters=(Counter("cp_s", 0.0, "what its exchanges add beside attention", per_step="cp_s_per_step"),
-              Counter("cp_s_ideal_nic", 0.0, "... the same under the ideal nic")),
+    counters=(Counter("cp_s", 0.0, "what its exchanges add beside attention", per_step="cp_s_per_step",
+                      clock=("sim_time_s",), clock_order=2),
+              Counter("cp_s_ideal_nic", 0.0, "... the same under the ideal nic", clock=("sim_time_s_ideal_nic",),
+                      clock_order=2)),
     summary="context_parallel",
     columns=(Column("observed_loss_rate_cp", "observed_loss_rate_cp"), Column("cp_s_per_step", "cp_s_per_step")),
     section=Section(
@@ -29,4 +53,5 @@ AXIS = Axis(
                                "the others. ",
         "`CP per step`: what the key/value exchanges add to a step. `observed CP loss`: lost / sent packets on "
         "their lossy traffic in training. \"–\": the setting has cp 1."),
-    part="context", record="lossysim.cp.record")
+    part="context", record="lossysim.cp.record", estimate="lossysim.cp.estimate", requires="kv_exchange",
+    pairs=_pairs)

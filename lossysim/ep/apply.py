@@ -21,11 +21,12 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..config import EP_CLASSES, ExperimentConfig
+from ..config import ExperimentConfig
 from ..dp import DataParallel, Replica
 from ..dp.replicas import DistDataParallel
 from ..mesh import Mesh
 from ..net import LossyNetwork
+from .axis import EP_CLASSES
 from .context import ContextExperts, ContextGroup, MemberView, members
 from .experts import ExpertParallel
 from .groups import DistGroup, Networks, SimGroup, SimShared

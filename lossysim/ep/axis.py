@@ -2,6 +2,16 @@
 counters, summary.json's ``expert_parallel``, the columns summary.csv reads off it and its report section."""
 from ..axes import Axis, Column, Counter, EstimateFlag, Section, Setting
 
+def _fits(shape, ep_size: int) -> None:
+    """A one-line ValueError when ``ep_size`` cannot shard ``shape``'s experts (an estimate's ``Shape``)."""
+    if ep_size == 1:
+        return
+    if shape.experts is None:
+        raise ValueError(f"ep_size={ep_size} needs a mixture-of-experts model, not {shape.name}")
+    if shape.experts.count % ep_size:
+        raise ValueError(f"ep_size={ep_size} does not divide the {shape.experts.count} experts of {shape.name}")
+
+
 AXIS = Axis(
     "ep", "EP", size="ep_size", mesh="ep",
     settings=(Setting("ep_size", int, 1, "expert parallelism: an MoE's experts over this many data-parallel replicas "
@@ -10,12 +20,19 @@ AXIS = Axis(
                       estimate=EstimateFlag("expert parallelism: a mixture of experts' experts over this many of the "
                                             "data-parallel ranks (divides dp size; default 1)", default=1)),),
     traffic=("ep_dispatch", "ep_combine"),
-    counters=(Counter("ep_s", 0.0, "replica 0's all-to-alls' seconds", per_step="ep_s_per_step"),
-              Counter("ep_s_ideal_nic", 0.0, "... under the ideal nic")),
+    # in the clock first of the axes' seconds; with stages a stage's all-to-alls are in its forward and
+    # backward, so the schedule's step holds them
+    counters=(Counter("ep_s", 0.0, "replica 0's all-to-alls' seconds", per_step="ep_s_per_step",
+                      clock=("sim_time_s",), clock_order=0, scheduled=True),
+              Counter("ep_s_ideal_nic", 0.0, "... under the ideal nic", clock=("sim_time_s_ideal_nic",),
+                      clock_order=0, scheduled=True)),
     summary="expert_parallel",
     columns=(Column("observed_loss_rate_ep", "observed_loss_rate_ep"), Column("ep_s_per_step", "ep_s_per_step")),
     section=Section(
         "Expert parallelism", "Every setting, the runs with experts over ranks (`ep`) beside the others. ",
         "`EP per step`: what the all-to-alls (dispatch and combine, both ways) add to a step. `observed EP "
         "loss`: lost / sent packets on their lossy traffic in training. \"–\": the setting has ep 1."),
-    part="ep", record="lossysim.ep.record")
+    part="ep", record="lossysim.ep.record", estimate="lossysim.ep.estimate", requires="all_to_all",
+    fits=_fits)
+
+EP_CLASSES = tuple(c.name for c in AXIS.classes)   # an MoE block's all-to-alls: dispatch, then combine

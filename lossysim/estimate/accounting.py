@@ -33,7 +33,7 @@ class Group(NamedTuple):
 
 
 class ExpertGroup(NamedTuple):
-    """An ep group's two networks (``ep_dispatch``, ``ep_combine``) and the groups its counts stand for."""
+    """An expert group's networks, one per all-to-all class, and the groups its counts stand for."""
     specs: tuple
     copies: float
     same_as: int = -1

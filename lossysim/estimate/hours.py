@@ -10,10 +10,12 @@ import json
 import math
 from pathlib import Path
 
+from ..axes import AXES
 from ..fabric.events import REROUTE_S
 from ..fabric.presets import SU_NODES, SUPERPOD_SU, parse_fabric, superpod
 from ..fabric.reliability import CABLE_MTTF_H, REPAIR_H, expected_cost, llama3_rates
 from ..io import atomic_write_text, output_errors
+from ..mesh import CARVED
 from ..timing.retransmission import NIC_PRESETS, outage_waits
 
 DGX_GPUS = 8
@@ -64,7 +66,10 @@ def _other(text) -> float:
 def figures(args) -> dict:
     """The expected figures of ``args.hours`` for the layout the flags give."""
     per_node = args.ranks_per_node or DGX_GPUS
-    gpus = (args.tp_size or 8) * (args.pp_size or 1) * (args.dp_size or 1) * (args.cp_size or 1)
+    # the dense world: every mesh axis's size but those carved out of the others (a flag left out: TP over
+    # a DGX node's 8 GPUs, every other axis 1)
+    gpus = math.prod(getattr(args, a.size, None) or (DGX_GPUS if a.name == "tp" else 1)
+                     for a in AXES if a.mesh is not None and a.mesh not in CARVED)
     nodes = max(1, -(-gpus // per_node))
     fabric = parse_fabric(getattr(args, "fabric", None))
     chosen = "given"

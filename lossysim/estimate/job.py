@@ -11,20 +11,17 @@ draws the others.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from .. import traffic
-from ..config import EP_CLASSES, ExperimentConfig
+from ..axes import AXES
+from ..config import ExperimentConfig
 from ..dp.buckets import plan_buckets
-from ..ep import routing
 from ..models import cost
 from ..net import LossyNetwork, NetworkSpec
 from ..pp.stages import stage_parameters
-from ..tp.parallelize import head_counts, parallelize
+from ..tp.parallelize import parallelize
 from ..util import stream_seed
-from .accounting import ExpertGroup, Group, Tally, is_lossy
-from .context_messages import ContextMessages
-from .expert_messages import ExpertMessages
+from .accounting import Group, Tally, is_lossy
 from .messages import Messages
 from .shapes import Shape
 from .workload import AMP_DTYPE, DTYPES, Workload, step_calls
@@ -48,9 +45,16 @@ def check_group_size(mesh) -> None:
                              f"are simulated, not their size): use {axis}_size <= {limit}")
 
 
-class Job(Tally, Messages, ExpertMessages, ContextMessages):
+# each axis's part of the job (``Axis.estimate``: the experts', ``ep.estimate``; the context groups',
+# ``cp.estimate``), in the axes' order
+PARTS = tuple(part for part in (axis.estimate_part() for axis in AXES) if part is not None)
+
+
+class Job(Tally, Messages, *PARTS):
     """A job's groups, messages and bucket plans, and the per-step simulation of every class (``run``; each
-    class's messages: ``messages``, ``expert_messages``, ``context_messages``), counted as ``Tally`` counts."""
+    class's messages: ``messages``, then each axis's part, ``PARTS``), counted as ``Tally`` counts."""
+
+    PARTS = PARTS
 
     def __init__(self, shape: Shape, config: ExperimentConfig, w: Workload, layout: tuple[int, ...], tokens: int):
         super().__init__()
@@ -68,11 +72,6 @@ class Job(Tally, Messages, ExpertMessages, ContextMessages):
         self.pp = [_groups([mesh.network_spec("pp", mesh.rank(dp=r, pp=b, cp=c), settings, config.pp_lossy())
                             for r in range(dp)
                             for c in range(cp)]) for b in range(pp - 1)]
-        # cp[s]: stage s's context groups, one per replica and TP position (none without context parallelism)
-        self.cp = [_groups([mesh.network_spec("cp", mesh.rank(dp=r, tp=t, pp=s), settings,
-                                              config.lossy_directions("cp"))
-                            for r in range(dp) for t in range(tp)]) for s in range(pp)] if cp > 1 else []
-        self.attention_s = [0.0, 0.0]   # one ring step's attention per rank and block, forward and backward
         mode = config.dp_mode if dp > 1 else None
         if mode == "fsdp" and pp > 1:   # (training runs it: lossysim.dp.fsdp, each stage's units)
             raise ValueError(f"dp_mode=fsdp with pp_size={pp}: the estimate does not time FSDP's gathers around a "
@@ -85,51 +84,22 @@ class Job(Tally, Messages, ExpertMessages, ContextMessages):
         # the job's classes: those whose axis has more than one rank (data-parallel traffic is DDP's or FSDP's)
         self.classes = tuple(c.name for c in traffic.CLASSES if mesh.sizes[c.axis] > 1
                              and (c.axis != "dp" or c.name == self.dp_class))
-        self._init_experts(shape, config, w, tokens, settings)
+        for part in self.PARTS:   # each axis's groups (its part's ``init_part``)
+            part.init_part(self, shape, config, w, tokens, settings)
         self.buckets = self._buckets() if mode else []
         self.ready = [[b.ready for b in stage] for stage in self.buckets]
         self.calls = [step_calls(shape, config.activation_checkpointing, self.blocks(s)) for s in range(pp)]
         self.numel = tokens * shape.hidden // cp     # a context rank's tokens of the micro-batch
-        heads, kv, _ = head_counts(shape.plan, shape.config, tp)
-        head_dim = getattr(shape.config, "head_dim", None) or shape.hidden // heads
-        # a context rank's block: its tokens' keys and values for its TP rank's kv heads
-        self.kv_numel = 2 * config.micro_batch_size * max(kv // tp, 1) * (w.seq // cp) * head_dim
         self.sampled = w.sampled(mesh.world)
         self.rng = np.random.default_rng(stream_seed(config.seed, "estimate.slowest", "groups"))
 
-    def _init_experts(self, shape: Shape, config: ExperimentConfig, w: Workload, tokens: int, settings: dict) -> None:
-        """A mixture of experts' ep groups per stage (tp x expert-data of them), the routing's message sizes,
-        and the experts' gradient buckets over their expert-data-parallel groups."""
-        mesh, experts = self.mesh, shape.experts
-        self.experts = experts if mesh.ep > 1 else None
-        self.ep_blocks = [[i for i in self.blocks(s) if self.experts and i in experts.blocks] for s in range(mesh.pp)]
-        self.ep, self.expert_buckets, self.edp = [], [], []
-        if self.experts is None:
-            return
-        if mesh.cp > 1:   # the groups below are carved out of dp alone (training carves them out of dp x cp)
-            raise ValueError(f"ep_size={mesh.ep} with cp_size={mesh.cp}: lossysim estimate does not time experts "
-                             "beside context parallelism (lossysim train does); leave one of them at 1")
-        ep, edp = mesh.ep, mesh.dp // mesh.ep
-        per = routing.rows(tokens, experts.top_k, experts.count, ep, w.routing_skew, config.seed)
-        sent = tuple(0 if s == d else per[s][d] * shape.hidden for s in range(ep) for d in range(ep))
-        self.ep_counts = (sent, tuple(sent[d * ep + s] for s in range(ep) for d in range(ep)))   # dispatch, combine
-        for s in range(mesh.pp):
-            pairs = [tuple(mesh.network_spec("ep", mesh.rank(tp=t, dp=g * ep, pp=s), settings,
-                                             config.lossy_directions(c), c)
-                           for c in EP_CLASSES)
-                     for t in range(mesh.tp) for g in range(edp)]
-            if pairs[0][0].cables is not None:   # on a fabric: the pairs that cross a lossy cable, one for the rest
-                self.ep_lossy = False   # every lossy pair simulated, none sampled
-                self.ep.append(_aliased(ExpertGroup, pairs, [any(is_lossy(LossyNetwork(spec)) for spec in p)
-                                                             for p in pairs]))
-            else:
-                lossy = self.ep_lossy = any(is_lossy(LossyNetwork(spec)) for spec in pairs[0])
-                self.ep.append([ExpertGroup(p, 1) for p in pairs] if lossy else [ExpertGroup(pairs[0], len(pairs))])
-            local = [torch.empty(experts.parameters // len(experts.blocks) // ep, device="meta", requires_grad=True,
-                                 dtype=w.grad_torch_dtype) for _ in self.ep_blocks[s]]
-            self.expert_buckets.append(plan_buckets(local, set(), config.dp_bucket_mb * (1 << 20)) if local else [])
-            self.edp.append(_groups([mesh.network_spec("edp", mesh.rank(tp=t, dp=e, pp=s), settings, config.dp_lossy())
-                                     for t in range(mesh.tp) for e in range(ep)]) if edp > 1 else [])
+    def groups_of(self, specs: list[NetworkSpec]) -> list[Group]:
+        """Identical groups by the job's one rule (``_groups``): an axis's part builds its own with it."""
+        return _groups(specs)
+
+    def aliased(self, kind, specs: list, lossy: list[bool]) -> list:
+        """A fabric's groups in their order (``_aliased``), for an axis's part."""
+        return _aliased(kind, specs, lossy)
 
     def _sample(self, groups: list[Group], stages: float = 1) -> tuple[list[Group], int]:
         """The groups simulated, each standing for its share of the G (of each of ``stages`` alike

@@ -1,6 +1,6 @@
 """The step loop of an estimate and its tp, pp, dp and fsdp messages, each through ``LossyNetwork.simulate``
 on its group's network (``messages.Messages``, a part of ``job.Job``: its groups, sizes and counters are the
-job's; the experts' and context groups' messages are ``expert_messages`` and ``context_messages``).
+job's; the experts' and context groups' messages are ``ep.estimate`` and ``cp.estimate``).
 
 - ``tp``: every stage's TP all-reduces (``step_calls``), per micro-batch, on each replica's stage group;
 - ``pp``: every boundary's activation and its gradient, per micro-batch, TP rank t to TP rank t, a send's
@@ -33,8 +33,10 @@ class Messages:
         its network is let go once counted (its transfers are most of an estimate's memory)."""
         m, dtype, grad = self.config.n_microbatches, self.dtype, self.w.grad_torch_dtype
         out = [{"tp": [[None] * len(g) for g in self.tp], "pp": [[None] * len(g) for g in self.pp],
-                "cp": [[None] * len(g) for g in self.cp], "bucket": [], "gather": []} for _ in range(steps)]
-        self._contexts(out, steps, m)
+                "bucket": [], "gather": []} for _ in range(steps)]
+        for part in self.PARTS:   # the axes' parts whose draws come first (context exchanges)
+            if part.RUNS_FIRST:
+                part.run_part(self, out, steps, m)
         for s, groups in enumerate(self.tp):
             chosen, extra = self._sample(groups)
             for j, group in enumerate(chosen):
@@ -91,8 +93,9 @@ class Messages:
                   "reduce_scatter") for b, unit in enumerate(units)]
             for step, seconds in zip(out, self._slowest(self.dp[0], messages, "fsdp", steps)[0]):
                 step["gather"], step["bucket"] = seconds[:len(units)], [seconds[len(units):]]
-        if self.experts is not None:
-            self._run_experts(out, steps)
+        for part in self.PARTS:   # then the others' (the experts' all-to-alls and buckets)
+            if not part.RUNS_FIRST:
+                part.run_part(self, out, steps, m)
         for _ in range(steps if tick is not None else 0):
             tick()
         return out

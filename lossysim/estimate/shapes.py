@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from ..axes import AXES
 from ..models import cost
 from ..tp.parallelize import head_counts
 from ..tp.plans import PLANS, ShardingPlan, plan_for
@@ -145,14 +146,11 @@ class Shape:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)
 
-    def check_ep(self, ep_size: int) -> None:
-        """A one-line ValueError when ``ep_size`` cannot shard this model's experts."""
-        if ep_size == 1:
-            return
-        if self.experts is None:
-            raise ValueError(f"ep_size={ep_size} needs a mixture-of-experts model, not {self.name}")
-        if self.experts.count % ep_size:
-            raise ValueError(f"ep_size={ep_size} does not divide the {self.experts.count} experts of {self.name}")
+    def check_axes(self, config) -> None:
+        """A one-line ValueError when an axis's size in ``config`` cannot shard this model (``Axis.fits``)."""
+        for axis in AXES:
+            if axis.fits is not None:
+                axis.fits(self, getattr(config, axis.size))
 
     def check_tp(self, tp_size: int) -> None:
         """A one-line ValueError when ``tp_size`` cannot shard this model as ``parallelize`` would."""

@@ -26,7 +26,7 @@ Its traffic classes, each on the networks the mesh gives its groups:
   (seq / cp), on each context rank's groups (the clock reads context rank 0's, as training does).
 
 Which groups are simulated, and which stand for their identical others, is the job's (``job``); each class's
-messages are ``messages``, ``expert_messages`` and ``context_messages``; what they sent and lost is counted as
+messages are ``messages``, ``ep.estimate`` and ``cp.estimate``; what they sent and lost is counted as
 ``accounting.Tally`` counts; the step ends on training's clock (``lossysim.clock.step_time``), each axis's
 seconds handed to it as training hands them (``_Parts``).
 """
@@ -38,7 +38,8 @@ from typing import Callable, Optional, Union
 import numpy as np
 
 from .. import clock as one_clock, timing
-from ..config import EP_CLASSES, ExperimentConfig
+from ..config import ExperimentConfig
+from ..ep.axis import EP_CLASSES
 from ..cp import clock as cp_clock
 from ..cp.layout import check_length
 from ..ep import routing
@@ -75,7 +76,7 @@ def estimate(model: Union[str, Shape], config: ExperimentConfig, workload: Workl
     gpu = timing.parse_compute(config.compute)
     if isinstance(gpu, timing.Measured):
         raise ValueError("compute=measured needs a real training run; name a GPU model (e.g. h100)")
-    shape.check_ep(mesh.ep)
+    shape.check_axes(config)
     tokens = w.seq * config.micro_batch_size
     kernels = shape.kernels + cost.collective_kernels(shape.layers, tp)   # as a training run counts them
     # a rank computes its share of every sequence: 1 / (tp x cp) of the FLOPs, as training charges it

@@ -48,4 +48,4 @@ AXIS = Axis(
         "sends add to a step (the schedule less the same schedule with free sends). `observed PP loss`: lost "
         "/ sent packets on the boundaries' lossy traffic in training. \"–\": the setting has no stages.",
         extra={"bubble (%)": ("pp_bubble", 100)}, fragile=False),
-    part="pipeline", record="lossysim.pp.record")
+    part="pipeline", record="lossysim.pp.record", requires="send")

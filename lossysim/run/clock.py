@@ -48,11 +48,19 @@ def clock(state: TrainState, network: LossyNetwork, config: ExperimentConfig,
         per_step = busy / max(state.step, 1)
         state.restart_s += (failures - state.failures) * (config.restart_s + config.restart_lost_steps * per_step)
         state.failures = failures
-    # with stages a stage's all-to-alls are in its forward and backward: the schedule's step holds them
-    ep_s, ep_s_ideal_nic = (state.ep_s, state.ep_s_ideal_nic) if pipeline is None else (0.0, 0.0)
-    return {"sim_time_s": busy + ep_s + state.dp_s + state.cp_s + state.restart_s,
-            "sim_time_s_ideal_nic": busy_ideal + ep_s_ideal_nic + state.dp_s + state.cp_s_ideal_nic,
+    return {"sim_time_s": _added(state, busy, "sim_time_s", pipeline) + state.restart_s,
+            "sim_time_s_ideal_nic": _added(state, busy_ideal, "sim_time_s_ideal_nic", pipeline),
             "restart_s": state.restart_s, "failures": failures, **comm}
+
+
+def _added(state: TrainState, seconds: float, column: str, pipeline: Optional[Pipeline]) -> float:
+    """``seconds`` plus every axis's counters that add to the clock's ``column`` (``Counter.clock``), in their
+    ``clock_order``; with stages, not those the schedule holds (``scheduled``)."""
+    added = sorted((c for c in axes.counters() if column in c.clock), key=lambda c: c.clock_order)
+    for counter in added:
+        if not (counter.scheduled and pipeline is not None):
+            seconds = seconds + getattr(state, counter.name)
+    return seconds
 
 
 def _rated(config: ExperimentConfig) -> list:

@@ -7,7 +7,7 @@ flows its concurrent groups share cables with (``estimate.collisions``), which t
 loss-free time by; training's clock does not."""
 from __future__ import annotations
 
-from ..config import EP_CLASSES
+from ..ep.axis import EP_CLASSES
 from ..estimate import collisions
 from ..estimate.blast import Blast
 

@@ -4,9 +4,10 @@ shape (``refuse``), and models, tokenizers and data sets this machine cannot loa
 Settings are checked from the config and the shape alone (no weights, no data).
 
 The checks are the ones training makes: ``tp_size`` against the heads and widths (``Shape.check_tp``, built
-on ``parallelize``'s own ``head_counts``), ``ep_size`` against the experts, ``pp_size`` / ``pp_layout``
-against the depth (``stage_layout``). Shapes the estimate knows (the runner's tiny shapes, published
-models, a local config) are built once each on the meta device; any other model is left to training.
+on ``parallelize``'s own ``head_counts``), each size an axis's declaration checks against the shape
+(``Axis.fits``: the experts'), ``pp_size`` / ``pp_layout`` against the depth (``stage_layout``). Shapes the
+estimate knows (the runner's tiny shapes, published models, a local config) are built once each on the meta
+device; any other model is left to training.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
+from .. import axes
 from ..config import ExperimentConfig
 from ..results.table import FINISHED, run_status
 
@@ -30,14 +32,15 @@ def _shape(model: str):
 
 
 @lru_cache(maxsize=None)
-def _refusal(model: str, tp: int, ep: int, pp: int, pp_layout: Optional[str]) -> Optional[str]:
+def _refusal(model: str, tp: int, sizes: tuple, pp: int, pp_layout: Optional[str]) -> Optional[str]:
     shape = _shape(model)
     if shape is None:
         return None
     from ..pp.stages import stage_layout
     try:
         shape.check_tp(tp)
-        shape.check_ep(ep)
+        for name, size in sizes:   # (axis, size) of every axis that checks its size against the shape
+            axes.get(name).fits(shape, size)
         stage_layout(pp_layout, pp, shape.layers)
     except ValueError as err:
         return str(err).strip().splitlines()[0]
@@ -50,7 +53,8 @@ def refusal(config: ExperimentConfig) -> Optional[str]:
     from ..config.fabric import training_refusal
     if training_refusal(config):
         return training_refusal(config)
-    return _refusal(config.model, config.tp_size, config.ep_size, config.pp_size, config.pp_layout)
+    sizes = tuple((axis.name, getattr(config, axis.size)) for axis in axes.AXES if axis.fits is not None)
+    return _refusal(config.model, config.tp_size, sizes, config.pp_size, config.pp_layout)
 
 
 def refused(runs: list) -> dict[str, str]:

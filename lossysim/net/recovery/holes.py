@@ -34,7 +34,7 @@ class Mask(Policy):
     is ``zero``."""
     name = "mask"
     masks_keys = True
-    acts_on_exchanges = False   # (it needs cp_size > 1, and experts beside context parallelism are refused)
+    acts_on_exchanges = False   # (it needs context ranks, and experts beside context parallelism are refused)
 
 
 RESCALE, DROP_TOKEN, MASK = Rescale(), DropToken(), Mask()

@@ -1,4 +1,4 @@
-"""Context parallelism's messages in an estimate (``ContextMessages``, a part of ``job.Job``): ``cp``, every
+"""Context parallelism's messages in an estimate (``ContextMessages``, a part of ``estimate.job.Job``): ``cp``, every
 block's keys and values over each (stage, replica, TP position)'s context group, per micro-batch: the ring's
 rounds of point-to-point sends (or an all-gather), and their gradients back (or a reduce-scatter), training's
 exchanges (``cp.exchange``), each round's time its slowest send's and what it adds the part not hidden behind
@@ -11,16 +11,39 @@ from collections import defaultdict
 
 import numpy as np
 
-from ..cp import clock as cp_clock
+from ..estimate.accounting import held_elements, mark
+from ..estimate.collisions import stretch_rounds
 from ..net import LossyNetwork
 from ..net.recovery import packets_of
 from ..net.sparse import Losses
-from .accounting import held_elements, mark
-from .collisions import stretch_rounds
+from ..tp.parallelize import head_counts
+from . import clock as cp_clock
 
 
 class ContextMessages:
     """``Job``'s context groups' exchanges."""
+
+    RUNS_FIRST = True   # its exchanges draw from the job's random stream before TP's messages do
+
+    def init_part(self, shape, config, w, tokens: int, settings: dict) -> None:
+        """cp[s]: stage s's context groups, one per replica and TP position (none without context
+        parallelism); a context rank's key/value block; one ring step's attention (set by the estimate)."""
+        mesh = self.mesh
+        tp, pp, dp, cp = mesh.tp, mesh.pp, mesh.dp, mesh.cp
+        self.cp = [self.groups_of([mesh.network_spec("cp", mesh.rank(dp=r, tp=t, pp=s), settings,
+                                                     config.lossy_directions("cp"))
+                                   for r in range(dp) for t in range(tp)]) for s in range(pp)] if cp > 1 else []
+        self.attention_s = [0.0, 0.0]   # one ring step's attention per rank and block, forward and backward
+        heads, kv, _ = head_counts(shape.plan, shape.config, tp)
+        head_dim = getattr(shape.config, "head_dim", None) or shape.hidden // heads
+        # a context rank's block: its tokens' keys and values for its TP rank's kv heads
+        self.kv_numel = 2 * config.micro_batch_size * max(kv // tp, 1) * (w.seq // cp) * head_dim
+
+    def run_part(self, out: list[dict], steps: int, m: int) -> None:
+        """Every step's context exchanges (``out[step][AXIS]``; empty without context parallelism)."""
+        for step in out:
+            step["cp"] = [[None] * len(g) for g in self.cp]
+        self._contexts(out, steps, m)
 
     def _contexts(self, out: list[dict], steps: int, m: int) -> None:
         """Every stage's context groups' exchanges, per step: ``out[step]["cp"][s][j]``, group j's [micro-batch,
@@ -139,3 +162,6 @@ def _lost_packets(delivery) -> np.ndarray:
     if isinstance(delivery, Losses):
         return np.unique(delivery.packet)
     return np.nonzero((packets_of(delivery).weights[0, 0] == 0).cpu().numpy())[0]
+
+
+PART = ContextMessages

@@ -1,4 +1,4 @@
-"""A mixture of experts' messages in an estimate (``ExpertMessages``, a part of ``job.Job``): ``ep_dispatch``
+"""A mixture of experts' messages in an estimate (``ExpertMessages``, a part of ``estimate.job.Job``): ``ep_dispatch``
 and ``ep_combine``, the all-to-alls per MoE block and micro-batch on every (stage, TP position, expert-data
 index)'s ep group, sized by the routing assumed (``ep.routing``: uniform or skewed), in backward their
 gradients the other way; and the experts' gradient buckets over their expert-data-parallel groups (class
@@ -8,13 +8,59 @@ one stage's sampled groups are simulated and every other block's calls drawn fro
 """
 from __future__ import annotations
 
-from ..config import EP_CLASSES
+import torch
+
+from ..dp.buckets import plan_buckets
+from ..estimate.accounting import ExpertGroup, is_lossy, mark
 from ..net import LossyNetwork
-from .accounting import is_lossy, mark
+from . import routing
+from .axis import EP_CLASSES
 
 
 class ExpertMessages:
     """``Job``'s all-to-alls and experts' buckets."""
+
+    RUNS_FIRST = False   # the all-to-alls draw from the job's random stream after every other class's messages
+
+    def init_part(self, shape, config, w, tokens: int, settings: dict) -> None:
+        """A mixture of experts' ep groups per stage (tp x expert-data of them), the routing's message sizes,
+        and the experts' gradient buckets over their expert-data-parallel groups."""
+        mesh, experts = self.mesh, shape.experts
+        self.experts = experts if mesh.ep > 1 else None
+        self.ep_blocks = [[i for i in self.blocks(s) if self.experts and i in experts.blocks] for s in range(mesh.pp)]
+        self.ep, self.expert_buckets, self.edp = [], [], []
+        if self.experts is None:
+            return
+        if mesh.cp > 1:   # the groups below are carved out of dp alone (training carves them out of dp x cp)
+            raise ValueError(f"ep_size={mesh.ep} with cp_size={mesh.cp}: lossysim estimate does not time experts "
+                             "beside context parallelism (lossysim train does); leave one of them at 1")
+        ep, edp = mesh.ep, mesh.dp // mesh.ep
+        per = routing.rows(tokens, experts.top_k, experts.count, ep, w.routing_skew, config.seed)
+        sent = tuple(0 if s == d else per[s][d] * shape.hidden for s in range(ep) for d in range(ep))
+        self.ep_counts = (sent, tuple(sent[d * ep + s] for s in range(ep) for d in range(ep)))   # dispatch, combine
+        for s in range(mesh.pp):
+            pairs = [tuple(mesh.network_spec("ep", mesh.rank(tp=t, dp=g * ep, pp=s), settings,
+                                             config.lossy_directions(c), c)
+                           for c in EP_CLASSES)
+                     for t in range(mesh.tp) for g in range(edp)]
+            if pairs[0][0].cables is not None:   # on a fabric: the pairs that cross a lossy cable, one for the rest
+                self.ep_lossy = False   # every lossy pair simulated, none sampled
+                self.ep.append(self.aliased(ExpertGroup, pairs, [any(is_lossy(LossyNetwork(spec)) for spec in p)
+                                                                 for p in pairs]))
+            else:
+                lossy = self.ep_lossy = any(is_lossy(LossyNetwork(spec)) for spec in pairs[0])
+                self.ep.append([ExpertGroup(p, 1) for p in pairs] if lossy else [ExpertGroup(pairs[0], len(pairs))])
+            local = [torch.empty(experts.parameters // len(experts.blocks) // ep, device="meta", requires_grad=True,
+                                 dtype=w.grad_torch_dtype) for _ in self.ep_blocks[s]]
+            self.expert_buckets.append(plan_buckets(local, set(), config.dp_bucket_mb * (1 << 20)) if local else [])
+            self.edp.append(self.groups_of([mesh.network_spec("edp", mesh.rank(tp=t, dp=e, pp=s), settings,
+                                                              config.dp_lossy())
+                                            for t in range(mesh.tp) for e in range(ep)]) if edp > 1 else [])
+
+    def run_part(self, out: list[dict], steps: int, m: int) -> None:
+        """Every step's all-to-alls and experts' buckets (none without experts over ranks)."""
+        if self.experts is not None:
+            self._run_experts(out, steps)
 
     def _run_experts(self, out: list[dict], steps: int) -> None:
         """Every step's all-to-alls per stage, ep group and micro-batch (``out[step][cls][stage][group]``:
@@ -111,3 +157,6 @@ class ExpertMessages:
 def _block_sum(blocks: list[dict]) -> dict:
     """Per class, the (forward, backward) [with loss, loss-free] seconds of ``blocks`` together."""
     return {cls: tuple([sum(b[cls][d][q] for b in blocks) for q in (0, 1)] for d in (0, 1)) for cls in EP_CLASSES}
+
+
+PART = ExpertMessages
