@@ -74,7 +74,7 @@ def _dp_groups(mesh) -> list[list[int]]:
 def stretched(times: dict, by: dict[str, float]) -> dict:
     """One step's ``Job.run`` times with every key's loss-free seconds multiplied by its flows' factor
     (``by``, from ``factors``) and its repairs kept; ``cp``'s are stretched before their overlap with
-    attention (``context_messages``), so not here. ``by`` empty: ``times`` itself."""
+    attention (``cp.estimate``), so not here. ``by`` empty: ``times`` itself."""
     if not by:
         return times
     out = dict(times)
