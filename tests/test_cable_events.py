@@ -97,9 +97,9 @@ def test_a_call_off_the_event_cable_pays_nothing(running):
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(transport="drop"), "transport=retransmit only"),
-    (dict(tp_size=2, ranks_per_node=2), "data parallelism alone"),
-    (dict(checkpoint_every=2), "checkpoint"),
+    (dict(transport="drop"), "under transport=drop yet"),
+    (dict(tp_size=2, ranks_per_node=2), "tp, pp, cp or ep sizes above 1"),
+    (dict(checkpoint_every=2), "checkpoint_every > 0"),
 ])
 def test_training_still_refuses_what_is_not_built(tmp_path, changes, message):
     from test_data_parallel import tiny

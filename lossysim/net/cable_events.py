@@ -89,12 +89,13 @@ def refusal(config) -> Optional[str]:
     if not str(config.link_event or "").strip():
         return None
     if config.transport != "retransmit":
-        return (f"link_event: training runs link events under transport=retransmit only ({config.transport}: "
-                "the masks losing a down cable's packets are not built; the estimate runs it)")
+        return (f"link_event: training does not run link events under transport={config.transport} yet (only "
+                "retransmit: masks that lose a down cable's packets are not built; the estimate runs them)")
     if any(getattr(config, f"{axis}_size", 1) > 1 for axis in ("tp", "pp", "cp", "ep")):
-        return "link_event: training runs link events with data parallelism alone (tp, pp, cp and ep of 1)"
+        return "link_event: training does not run link events with tp, pp, cp or ep sizes above 1 yet (dp alone)"
     if config.checkpoint_every:
-        return "link_event: training does not resume link events from a checkpoint (set checkpoint_every=0)"
+        return ("link_event: training does not run link events with checkpoint_every > 0 yet (a resumed run "
+                "would forget the collectives they failed)")
     return None
 
 
