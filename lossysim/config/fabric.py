@@ -99,9 +99,8 @@ def check_fabric(config) -> None:
 
 
 def training_refusal(config):
-    """Why ``train`` refuses ``config`` (None if it does not): training does not run link events yet, and a
-    run that took them and did nothing with them would read as a fabric that never failed."""
-    if str(config.link_event or "").strip():
-        return ("link_event: training does not run link events yet (the estimate does: lossysim estimate "
-                "--link-event; docs/fabric.md)")
-    return None
+    """Why ``train`` refuses ``config`` (None if it does not): link events training does not run yet
+    (``net.cable_events.refusal``), since a run that took them and did nothing with them would read as a
+    fabric that never failed."""
+    from ..net.cable_events import refusal
+    return refusal(config)

@@ -7,6 +7,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import cable_events
 from . import exchange
 from . import sparse
 from . import transfer as transfers
@@ -67,6 +68,11 @@ def simulate(network, site: str, direction: str, numel: int, dtype: torch.dtype,
         elif lost is not None:   # (None: every packet repaired, the exact result)
             network.time.charge_policy(policy, transfer, collective, numel, dtype)
             delivery = policy.draw(transfer, lost, collective, numel, dtype, channel.memory)
+    events = cable_events.ACTIVE
+    later = events.charge(network, transfer) if events is not None else None
+    if later is not None:   # a link event held or slowed the call (``cable_events``)
+        network.time.tick(later)
+        repairs = later if repairs is None else repairs + later
     network.replay.keep(key, Outcome(delivery, transfer.ideal, repairs, network.time.recovery_s - recovery_before))
     if delivery is not None:   # the policy acts on this call
         _side_traffic(network, site, direction, collective, numel, dtype, device)

@@ -6,7 +6,7 @@ from typing import Optional
 
 from .. import axes
 from ..config import ExperimentConfig
-from ..net import LossyNetwork
+from ..net import LossyNetwork, cable_events
 from ..pp.record import bubble
 from ..pp.stages import Pipeline
 from .state import TrainState
@@ -39,7 +39,7 @@ def clock(state: TrainState, network: LossyNetwork, config: ExperimentConfig,
     and ``comm_s`` the traffic time of every stage and boundary summed (not all of it on the path)."""
     networks = _networks(network, pipeline)
     comm = _comm(networks)
-    failures = sum(n.totals()["failures"] for n in networks)
+    failures = sum(n.totals()["failures"] for n in networks) + cable_events.failures()
     if pipeline is None:
         busy, busy_ideal = state.compute_s + comm["comm_s"], state.compute_s + comm["comm_s_ideal_nic"]
     else:

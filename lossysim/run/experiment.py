@@ -31,6 +31,7 @@ from ..data.pydoc_text import PYDOC
 from ..io import atomic_write_json, atomic_write_text, check_writable, nearest_existing, read_summary, run_status
 from ..models import NAMED_SHAPES
 from ..models.pretrained import PACKAGED
+from ..net import cable_events
 from ..net.algorithms import ALGORITHMS
 from ..net.recovery import RECOVERY_POLICIES
 from ..net.spec import LOSSY
@@ -38,7 +39,7 @@ from ..net.transport import TRANSPORTS
 from ..timing import NIC_PRESETS
 from ..util import one_of
 from . import checkpoint, tracking
-from .clock import clock_mark
+from .clock import clock, clock_mark
 from .metrics import Metrics, cut_metrics, eval_row, train_row
 from .summary import collectives, fabric, failure, sections, summary as run_summary, traffic_summary
 from .build import Parts, build
@@ -134,7 +135,8 @@ def run_experiment(config: ExperimentConfig, run_dir, *, progress: bool = True, 
             return done.args[0]
         _claim(runtime, state)
         try:
-            summary = _train(runtime, parts, state, window, progress and runtime.is_main, position, started)
+            with cable_events.active(config):
+                summary = _train(runtime, parts, state, window, progress and runtime.is_main, position, started)
         except Exception as err:  # recorded, so a sweep goes on
             summary = _record_failure(runtime, err, started)
     finally:
@@ -211,6 +213,8 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
                leave=position == 0, disable=not progress, dynamic_ncols=True)
     try:
         for step in range(state.step + 1, config.steps + 1):
+            if cable_events.ACTIVE is not None:   # the step's calls meet the events at its simulated start
+                cable_events.ACTIVE.at(clock(state, parts.train_net, config, parts.pipeline)["sim_time_s"])
             if not train_step(parts, config, state, window, next(batches), rt.device):
                 raise _Divergence(step)
             state.step = step

@@ -1,0 +1,120 @@
+"""Link events in training: a fabric's cables down or slowed on the run's simulated clock
+(``fabric.events``' schedule), and what they do to each call whose flows cross them.
+
+The time base is the run's simulated clock: before each step the run sets ``now`` to its simulated time
+so far (``run.clock``: compute, traffic, restarts), which every rank computes alike, so sim and dist meet
+the same events. Every call of a step is taken to start at the step's start (the simplification, stated
+in docs/fabric.md: an outage that begins inside a step is met from the next one).
+
+A call's loads are its packets on each directed cable (the transfer's packets per link, each link's
+share on each of its flows' routes, ``Placement.paths``). With a retransmitting transport the call ends
+when ``fabric.events.call_end`` says (an outage: later by the outage and the pending timer; a speed cut:
+stretched by its most loaded slowed cable); the seconds it adds go on the network's clock, under the
+run's nic and, without ever failing, under the ideal one. A call still down after the transport's
+retries fails the collective: the run counts it (at most once a step: the job aborts at its first failed
+collective) and ``run.clock`` charges it ``restart_s`` and ``restart_lost_steps``, as it charges any
+failure. The data of a retransmitted call arrive exact (a failed one is redone after the restart).
+``drop`` (masks losing the down cable's packets) is not built: training refuses it.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..fabric.events import REROUTE_S, LinkSchedule, call_end
+from ..timing.retransmission import outage_waits
+
+# The run's events while it trains (one run a process at a time: ``active``); None: no events.
+ACTIVE: Optional["RunEvents"] = None
+# A training run's events last to its end, unknown in advance: a horizon no run reaches.
+HORIZON_S = 1e9
+
+
+class RunEvents:
+    """One training run's link schedule, its clock's ``now`` and the steps a collective failed in."""
+
+    def __init__(self, schedule: LinkSchedule, reroute: str = "ecmp", ib_timeout: int = 20):
+        self.schedule, self.reroute_s, self.ib_timeout = schedule, REROUTE_S[reroute], int(ib_timeout)
+        self.now = 0.0
+        self.failed_at: set = set()     # the step starts at which some collective failed
+        self._loads: dict = {}
+
+    def at(self, now: float) -> None:
+        self.now = float(now)
+
+    @property
+    def failures(self) -> int:
+        return len(self.failed_at)
+
+    def loads(self, network, transfer) -> np.ndarray:
+        """Bytes of ``transfer`` on each directed cable of the network's fabric (once per transfer)."""
+        key = (id(network), id(transfer))
+        if key not in self._loads:
+            if len(self._loads) > 4096:   # an all-to-all builds a transfer a call: hold a bounded few
+                self._loads.clear()
+            placement = network.spec.cables
+            out = np.zeros(len(placement.fabric.cables))
+            packets = transfer.sent.sum(0).cpu().numpy()
+            for link in np.flatnonzero(packets):
+                src, dst = network.links[int(link)]
+                for cables, modulus, _ in placement.paths(src, dst):
+                    for cable in cables:
+                        out[cable] += packets[link] * network.spec.payload_bytes / modulus
+            self._loads[key] = (transfer, out)     # the transfer held: its id stays its own
+        return self._loads[key][1]
+
+    def charge(self, network, transfer) -> Optional[torch.Tensor]:
+        """The seconds ``transfer``'s call at ``now`` is later by, [run's nic, ideal nic] (None: it meets
+        no event); a failed call is recorded."""
+        if network.spec.cables is None or transfer.ideal <= 0:
+            return None
+        loads = self.loads(network, transfer)
+        if not any(loads[c] > 0 for c in self.schedule.events):
+            return None
+        spec = network.spec
+        rtt = 2 * spec.link_inter.alpha
+        ends = [call_end(self.schedule, loads, self.now, transfer.ideal, waits, self.reroute_s)
+                for waits in (outage_waits(spec.nic_model, self.ib_timeout, rtt_s=rtt), None)]
+        if ends[0].failed:
+            self.failed_at.add(self.now)
+        extra = [max(e.end_s - self.now - transfer.ideal, 0.0) for e in ends]
+        if not any(extra):
+            return None
+        return torch.tensor(extra, dtype=torch.float64, device=transfer.link_ids.device)
+
+
+def refusal(config) -> Optional[str]:
+    """Why training refuses ``config``'s link events (None: it runs them): only what is built and tested."""
+    if not str(config.link_event or "").strip():
+        return None
+    if config.transport != "retransmit":
+        return (f"link_event: training does not run link events under transport={config.transport} yet (only "
+                "retransmit: masks that lose a down cable's packets are not built; the estimate runs them)")
+    if any(getattr(config, f"{axis}_size", 1) > 1 for axis in ("tp", "pp", "cp", "ep")):
+        return "link_event: training does not run link events with tp, pp, cp or ep sizes above 1 yet (dp alone)"
+    if config.checkpoint_every:
+        return ("link_event: training does not run link events with checkpoint_every > 0 yet (a resumed run "
+                "would forget the collectives they failed)")
+    return None
+
+
+@contextlib.contextmanager
+def active(config):
+    """Run ``config``'s link events (if any) while the block trains."""
+    global ACTIVE
+    if not str(config.link_event or "").strip():
+        yield None
+        return
+    from ..config.fabric import event_schedule
+    previous, ACTIVE = ACTIVE, RunEvents(event_schedule(config, HORIZON_S), config.reroute, config.ib_timeout)
+    try:
+        yield ACTIVE
+    finally:
+        ACTIVE = previous
+
+
+def failures() -> int:
+    return ACTIVE.failures if ACTIVE is not None else 0
