@@ -102,14 +102,14 @@ def refusal(config) -> Optional[str]:
 
 
 @contextlib.contextmanager
-def active(config):
-    """Run ``config``'s link events (if any) while the block trains."""
+def active(schedule: Optional[LinkSchedule], reroute: str, ib_timeout: int):
+    """Run ``schedule``'s link events (None: none) while the block trains (the run builds the schedule
+    from its config: the network stage reads no config)."""
     global ACTIVE
-    if not str(config.link_event or "").strip():
+    if schedule is None:
         yield None
         return
-    from ..config.fabric import event_schedule
-    previous, ACTIVE = ACTIVE, RunEvents(event_schedule(config, HORIZON_S), config.reroute, config.ib_timeout)
+    previous, ACTIVE = ACTIVE, RunEvents(schedule, reroute, ib_timeout)
     try:
         yield ACTIVE
     finally:

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from .. import axes
 from ..config import (BACKENDS, DEFAULT_THREADS, ExperimentConfig, coerce, load_config, parse_overrides, save_yaml,
                       set_threads)
-from ..config.fabric import add_fabric_arguments, fabric_overrides, training_refusal
+from ..config.fabric import add_fabric_arguments, event_schedule, fabric_overrides, training_refusal
 from ..data import EVAL_SPLITS, MNLI, SYNTHETIC, train_batches
 from ..data.pydoc_text import PYDOC
 from ..io import atomic_write_json, atomic_write_text, check_writable, nearest_existing, read_summary, run_status
@@ -135,7 +135,7 @@ def run_experiment(config: ExperimentConfig, run_dir, *, progress: bool = True, 
             return done.args[0]
         _claim(runtime, state)
         try:
-            with cable_events.active(config):
+            with cable_events.active(_events_of(config), config.reroute, config.ib_timeout):
                 summary = _train(runtime, parts, state, window, progress and runtime.is_main, position, started)
         except Exception as err:  # recorded, so a sweep goes on
             summary = _record_failure(runtime, err, started)
@@ -145,6 +145,13 @@ def run_experiment(config: ExperimentConfig, run_dir, *, progress: bool = True, 
         if previous_handler is not None:
             signal.signal(signal.SIGTERM, previous_handler)
     return summary
+
+
+def _events_of(config: ExperimentConfig):
+    """The run's link events on its fabric (None without any), over the horizon a run cannot outlast."""
+    if not str(config.link_event or "").strip():
+        return None
+    return event_schedule(config, cable_events.HORIZON_S)
 
 
 def _setup(config: ExperimentConfig, run_dir: Path, resume: bool):
