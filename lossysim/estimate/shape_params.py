@@ -12,7 +12,7 @@ tests/test_shape_params.py holds every published shape's list to the meta model'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -27,7 +27,7 @@ class Param:
     numel: int                # whole, before sharding
     place: str                # "embed" | "block" | "norm" | "head"
     block: int = -1
-    split: Optional[object] = None   # the plan's Column or Row of its layer, None: replicated
+    split: Optional[Union[Column, Row]] = None   # how the plan splits its layer, None: replicated
     expert: bool = False
 
 
@@ -39,7 +39,10 @@ def parameters(shape: Shape) -> Optional[list[Param]]:
     build = _FAMILIES.get(family)
     if build is None or shape.plan.name != family:
         return None
-    base, blocks, head = build(values)
+    built = build(values)
+    if built is None:
+        return None
+    base, blocks, head = built
     plan = shape.plan
     params = [Param(name, numel, "norm" if name.startswith(f"{plan.final_norm}.") else "embed")
               for name, numel in base]
@@ -154,7 +157,7 @@ def _mixtral(v: dict):
 def _qwen3_moe(v: dict):
     h, count = v["hidden_size"], v["num_experts"]
     if v.get("mlp_only_layers") or v.get("decoder_sparse_step", 1) != 1:
-        raise ValueError("qwen3_moe with dense blocks is not kept as data")
+        return None   # dense blocks among the sparse ones: the meta model says where
     return _llama_like(v, _experts(count, h, v["moe_intermediate_size"]) + [("mlp.gate.weight", count * h)],
                        qk_norm=True)
 
