@@ -27,9 +27,17 @@ def _modeling(modules) -> list:
             or (m.startswith("transformers.models.") and ".modeling_" in m)]
 
 
-def test_an_estimate_of_a_named_shape_imports_no_modeling_code(tmp_path):
+# tensor parallelism alone; DDP's buckets (planned parameter by parameter, estimate/shape_params.py); a
+# pipeline's stages with DDP and a mixture of experts' buckets apart (ep 2)
+LAYOUTS = {"tp": ["llama-3.1-70b", "--tp-size", "8"],
+           "ddp": ["llama-3.1-70b", "--tp-size", "8", "--dp-size", "2"],
+           "pipeline": ["mixtral-8x7b", "--tp-size", "2", "--pp-size", "2", "--dp-size", "2", "--ep-size", "2"]}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_an_estimate_of_a_named_shape_imports_no_modeling_code(tmp_path, layout):
     out = tmp_path / "est"
-    argv = ["estimate", "llama-3.1-70b", "--tp-size", "8", "--seq", "256", "--steps", "1", "--loss",
+    argv = ["estimate", *LAYOUTS[layout], "--seq", "256", "--steps", "1", "--loss",
             "bernoulli:0.01", "--transport", "retransmit", "--threads", "1", "--no-progress", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-c", _PROBE, *argv], env=env, capture_output=True, text=True,
@@ -41,6 +49,8 @@ def test_an_estimate_of_a_named_shape_imports_no_modeling_code(tmp_path):
     assert _modeling(probe["modules"]) == []
     rows = json.loads((out / "estimate.json").read_text())
     assert [row["threads"] for row in rows] == [1]
+    if layout != "tp":   # it did plan buckets: DDP's class ran
+        assert rows[0]["dp_packets_sent"] > 0
 
 
 def test_a_layout_that_needs_the_models_parameters_still_builds_it():

@@ -23,6 +23,7 @@ from ..tp.parallelize import parallelize
 from ..util import stream_seed
 from .accounting import Group, Tally, is_lossy
 from .messages import Messages
+from . import shape_params
 from .shapes import Shape
 from .workload import AMP_DTYPE, DTYPES, Workload, step_calls
 
@@ -138,14 +139,19 @@ class Job(Tally, Messages, *PARTS):
 
     def _buckets(self) -> list:
         """Each stage's buckets of a TP rank's local gradients, planned as training plans them on the
-        TP-sharded model (built on the meta device), in the reduce dtype."""
+        TP-sharded model, in the reduce dtype: a published shape's from its numbers (``shape_params``), any
+        other's built on the meta device."""
+        cap = self.config.dp_bucket_mb * (1 << 20)
+        params = shape_params.parameters(self.shape)
+        if params is not None:
+            return [plan_buckets(local, sharded, cap) for local, sharded in shape_params.stage_locals(
+                self.shape, params, self.mesh.tp, self.layout, self.experts is not None, self.w.grad_torch_dtype)]
         model = self.shape.meta_model()
         experts = self._expert_parameters(model)   # averaged over their own groups (``expert_buckets``)
         tp_model = parallelize(model, self.mesh.tp, LossyNetwork(self.mesh.tp)).to(self.w.grad_torch_dtype)
         owner = self._owners(model)    # after sharding: its layers' parameters are new ones
         sharded = {id(p) for p in tp_model.sharded_parameters()}
         params = [p for p in tp_model.parameters() if id(p) not in experts]
-        cap = self.config.dp_bucket_mb * (1 << 20)
         return [plan_buckets([p for p in params if owner.get(id(p), self.mesh.pp - 1) == s], sharded, cap)
                 for s in range(self.mesh.pp)]
 
@@ -161,7 +167,9 @@ class Job(Tally, Messages, *PARTS):
     @property
     def _stage_parameters(self) -> list[int]:
         if not hasattr(self, "_stage_counts"):
-            self._stage_counts = stage_parameters(self.shape.meta_model(), self.layout)
+            params = shape_params.parameters(self.shape)
+            self._stage_counts = stage_parameters(self.shape.meta_model(), self.layout) if params is None \
+                else shape_params.stage_parameters(params, self.layout)
         return self._stage_counts
 
     def _owners(self, model) -> dict:

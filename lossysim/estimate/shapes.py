@@ -3,8 +3,8 @@
 An estimate needs a model's shape, never its weights: the sharding plan (which sites all-reduce),
 the hidden size (every TP message is tokens x hidden), the layers, and the parameter count for the
 compute time. The model is built on the meta device, so even 70B costs no memory; a published shape's counts
-are kept as data (``shape_counts``), so its estimate imports no modeling code unless its layout needs the
-model's parameters one by one (DDP's buckets, a pipeline's stages).
+are kept as data (``shape_counts``) and its parameters one by one derived from its numbers (``shape_params``:
+DDP's buckets, a pipeline's stages), so its estimate imports no modeling code.
 """
 from __future__ import annotations
 
