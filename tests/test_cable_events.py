@@ -3,6 +3,8 @@ retransmitting transport, call by call and in a tiny DP run (sim and dist bit fo
 packets of exactly the flows on a down cable lost inside its window; and what training still refuses."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -98,7 +100,10 @@ def test_a_call_off_the_event_cable_pays_nothing(running):
 
 @pytest.mark.parametrize("changes, message", [
     (dict(transport="deadline"), "under transport=deadline yet"),
-    (dict(tp_size=2, ranks_per_node=2), "tp, pp, cp or ep sizes above 1"),
+    (dict(tp_size=2, ranks_per_node=2), "tp, cp or ep sizes above 1"),
+    (dict(dp_size=1, pp_size=2), "pp_size above 1 under transport=retransmit"),
+    (dict(dp_size=2, pp_size=2, ranks_per_node=1, fabric="leaf-spine:nodes=4,leaves=2,spines=1",
+          link_event="leaf0-spine0.0:down:at=0", transport="drop"), "pp_size above 1 under transport=drop and dp_size=2"),
     (dict(checkpoint_every=2), "checkpoint_every > 0"),
 ])
 def test_training_still_refuses_what_is_not_built(tmp_path, changes, message):
@@ -252,3 +257,45 @@ def test_a_cable_down_for_the_first_steps_under_drop_loses_their_dp_packets_and_
     assert [r["sim_time_s"] for r in down] == [r["sim_time_s"] for r in free]
     assert [r["failures"] for r in down] == [0] * len(down)
     assert down[0]["loss"] == free[0]["loss"] and down[-1]["loss"] != free[-1]["loss"]
+
+
+@pytest.mark.usefixtures("private_cache")
+def test_a_cable_down_for_the_first_steps_loses_the_pipelines_sends_under_drop_and_dist_equals_sim(
+        tmp_path, one_torch_thread):
+    """pp 2 on the 2-node fabric under drop (one stage a node: every activation and gradient send crosses
+    leaf0-spine0 one way or the other), the cable down for the first 2 ms: every send of the steps that start
+    inside it is lost, none of the later ones'; sim and two gloo processes (one a stage) bit for bit."""
+    import yaml
+    from safetensors.torch import load_file
+    from test_data_parallel import assert_dist_is_sim, tiny
+    from torchrun_launch import torchrun
+    from lossysim.io import read_jsonl
+    from lossysim.run.experiment import run_experiment
+
+    settings = dict(model="tiny", dataset="synthetic", max_length=32, max_train_samples=96, max_eval_samples=32,
+                    batch_size=8, eval_batch_size=32, steps=4, eval_every=4, log_every=1, warmup_steps=1,
+                    dropout=0.0, lr=1e-3, save_checkpoint=True, tp_size=1, pp_size=2, ranks_per_node=1,
+                    fabric=FABRIC, transport="drop", recovery="zero", link_event="leaf0-spine0:down:at=0,for=0.002")
+    spec = tmp_path / "run.yaml"
+    spec.write_text(yaml.safe_dump(settings))
+    sim = tiny(tmp_path, **settings, out=str(tmp_path / "sim"))
+    assert run_experiment(sim, sim.out, progress=False)["status"] == "completed"
+    result = torchrun(["train", "--config", str(spec), "--backend", "dist", "--out", str(tmp_path / "dist"),
+                       "--no-progress"], nproc=2, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {name: read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("sim", "dist")}
+    weights = [load_file(tmp_path / name / "checkpoint" / "model.safetensors") for name in ("sim", "dist")]
+    assert len(rows["sim"]) == len(rows["dist"])
+    assert_dist_is_sim(rows, weights)
+    train = [r for r in rows["sim"] if r["split"] == "train"]
+    starts = [0.0] + [r["sim_time_s"] for r in train[:-1]]
+    inside = [t < 0.002 for t in starts]
+    assert any(inside) and not all(inside)
+    before = {key: 0 for key in ("packets_sent_pp_fwd", "packets_lost_pp_fwd", "packets_sent_pp_bwd",
+                                 "packets_lost_pp_bwd")}
+    for row, is_inside in zip(train, inside):
+        for direction in ("fwd", "bwd"):
+            sent = row[f"packets_sent_pp_{direction}"] - before[f"packets_sent_pp_{direction}"]
+            lost = row[f"packets_lost_pp_{direction}"] - before[f"packets_lost_pp_{direction}"]
+            assert sent > 0 and lost == (sent if is_inside else 0), (row["step"], direction)
+        before = {key: row[key] for key in before}

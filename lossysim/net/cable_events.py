@@ -139,8 +139,11 @@ def refusal(config) -> Optional[str]:
     if config.transport not in ("retransmit", "drop"):
         return (f"link_event: training does not run link events under transport={config.transport} yet (only "
                 "retransmit and drop; the estimate runs them)")
-    if any(getattr(config, f"{axis}_size", 1) > 1 for axis in ("tp", "pp", "cp", "ep")):
-        return "link_event: training does not run link events with tp, pp, cp or ep sizes above 1 yet (dp alone)"
+    if config.pp_size > 1 and (config.transport != "drop" or config.dp_size > 1):
+        return ("link_event: training does not run link events with pp_size above 1 under transport="
+                f"{config.transport} and dp_size={config.dp_size} yet (only drop, dp_size 1)")
+    if any(getattr(config, f"{axis}_size", 1) > 1 for axis in ("tp", "cp", "ep")):
+        return "link_event: training does not run link events with tp, cp or ep sizes above 1 yet (dp and pp alone)"
     if config.checkpoint_every:
         return ("link_event: training does not run link events with checkpoint_every > 0 yet (a resumed run "
                 "would forget the collectives they failed)")
