@@ -1,7 +1,9 @@
 """Link events in training (``net.cable_events``): a downed or slowed cable on a 2-node fabric under a
-retransmitting transport, call by call and in a tiny DP run (sim and dist bit for bit), and what training
-still refuses."""
+retransmitting transport, call by call and in a tiny DP run (sim and dist bit for bit); under ``drop``, the
+packets of exactly the flows on a down cable lost inside its window; and what training still refuses."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -29,15 +31,15 @@ def _call(net: LossyNetwork, events: cable_events.RunEvents, now: float, site: s
     return net.clock()["comm_s"] - before
 
 
-def _events(text: str) -> cable_events.RunEvents:
+def _events(text: str, fabric: str = FABRIC) -> cable_events.RunEvents:
     from lossysim.fabric.place import fabric_of
-    return cable_events.RunEvents(LinkSchedule(fabric_of(FABRIC), [text], cable_events.HORIZON_S))
+    return cable_events.RunEvents(LinkSchedule(fabric_of(fabric), [text], cable_events.HORIZON_S))
 
 
 @pytest.fixture
 def running(monkeypatch):
-    def start(text: str) -> cable_events.RunEvents:
-        events = _events(text)
+    def start(text: str, fabric: str = FABRIC) -> cable_events.RunEvents:
+        events = _events(text, fabric)
         monkeypatch.setattr(cable_events, "ACTIVE", events)
         return events
     return start
@@ -97,8 +99,11 @@ def test_a_call_off_the_event_cable_pays_nothing(running):
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(transport="drop"), "under transport=drop yet"),
-    (dict(tp_size=2, ranks_per_node=2), "tp, pp, cp or ep sizes above 1"),
+    (dict(transport="deadline"), "under transport=deadline yet"),
+    (dict(tp_size=2, ranks_per_node=2), "tp, cp or ep sizes above 1"),
+    (dict(dp_size=1, pp_size=2), "pp_size above 1 under transport=retransmit"),
+    (dict(dp_size=2, pp_size=2, ranks_per_node=1, fabric="leaf-spine:nodes=4,leaves=2,spines=1",
+          link_event="leaf0-spine0.0:down:at=0", transport="drop"), "pp_size above 1 under transport=drop and dp_size=2"),
     (dict(checkpoint_every=2), "checkpoint_every > 0"),
 ])
 def test_training_still_refuses_what_is_not_built(tmp_path, changes, message):
@@ -147,3 +152,150 @@ def test_a_short_outage_in_training_costs_time_and_no_failure(tmp_path):
     for a, b in zip(free[1:], down[1:]):
         # (the bucket's seconds read off a clock that holds 8.59 s more: equal to its rounding)
         assert b["dp_s_per_step"] == pytest.approx(a["dp_s_per_step"], rel=1e-9) and b["loss"] == a["loss"]
+
+
+# four nodes, two to a leaf, two parallel uplinks a leaf: with 4 channels a ring's cross-leaf links hash
+# some flows onto leaf0-spine0.0 (or its reverse) and some not
+WIDE = "leaf-spine:nodes=4,leaves=2,spines=1"
+
+
+def _drop_net(bad: str = "") -> LossyNetwork:
+    return LossyNetwork(NetworkSpec(4, "none", ranks_per_node=1, fabric=WIDE, channels=4, transport="drop",
+                                    algorithm="ring", bad_link=(bad,) if bad else (), seed=3))
+
+
+def _per_link(net: LossyNetwork) -> dict:
+    """(src, dst) -> [sent, lost] over every phase, then the counters zeroed."""
+    out: dict = {}
+    for row in net.stats():
+        counts = out.setdefault((row["src"], row["dst"]), [0, 0])
+        counts[0] += row["sent"]
+        counts[1] += row["lost"]
+    net.reset_stats()
+    return out
+
+
+def _down_packets(net: LossyNetwork, down: set, src: int, dst: int, sent: int) -> int:
+    """Packets of the link's ``sent`` (one call's) on flows crossing a cable of ``down``, by its routes."""
+    return sum(len(range(residue, sent, modulus)) for cables, modulus, residue in net.spec.cables.paths(src, dst)
+               if down & set(cables))
+
+
+def test_drop_loses_every_packet_of_the_flows_on_a_down_cable_in_its_window_and_no_other(running):
+    net = _drop_net()
+    events = running("leaf0-spine0.0:down:at=10,for=5", WIDE)
+    down = set(events.downable)
+    assert not net.spec.can_lose and net.drops("bwd", "s")     # a lossless fabric loses to the outage alone
+    crossing, partly = 0, 0
+    for now, inside in ((0.0, False), (10.0, True), (14.9, True), (15.0, False), (400.0, False)):
+        events.at(now)
+        x = torch.randn(4, 50000, dtype=torch.float32)
+        out = net.all_reduce("s", "bwd", x.clone(), range(4))
+        links = _per_link(net)
+        for (src, dst), (sent, lost) in links.items():
+            expected = _down_packets(net, down, src, dst, sent) if inside else 0
+            assert lost == expected, (now, src, dst)
+            crossing += inside and expected > 0
+            partly += 0 < lost < sent       # a link some of whose flows go round the down cable
+        assert (out != x.sum(0)).any() == inside        # the outage costs the sum; outside it arrives exact
+    assert crossing >= 2 * 2 and partly >= 2   # links lost packets in both calls, one only some of its own
+    assert net.clock()["comm_s"] == pytest.approx(net.clock()["ideal_comm_s"], rel=1e-12)  # drop waits for nothing
+    assert events.failures == 0
+
+
+@pytest.mark.parametrize("loss", ["bernoulli:0.05", "ge:rate=0.05,burst=4"])
+def test_an_outage_under_drop_leaves_every_other_draw_as_a_run_without_it(running, loss):
+    """spine0-leaf1.1 lossy: the event net and one without events, same seed, lose the same packets on every
+    link no flow of which crosses the down cable, and (the lossy chain stepped alike) on every link after it."""
+    bad = f"spine0-leaf1.1:{loss}"
+    plain, evented = _drop_net(bad), _drop_net(bad)
+    events = running("leaf0-spine0.0:down:at=10,for=5", WIDE)
+    down = set(events.downable)
+    for now in (10.0, 12.0, 20.0, 30.0):
+        x = torch.randn(4, 50000, dtype=torch.float32)
+        cable_events.ACTIVE = None
+        plain.all_reduce("s", "bwd", x.clone(), range(4))
+        cable_events.ACTIVE = events
+        events.at(now)
+        evented.all_reduce("s", "bwd", x.clone(), range(4))
+        a, b = _per_link(plain), _per_link(evented)
+        assert sum(lost for _, lost in a.values()) > 0           # the lossy cable lost something
+        for link, (sent, lost) in a.items():
+            hit = _down_packets(evented, down, *link, sent) if now < 15 else 0
+            if not hit:
+                assert b[link] == [sent, lost], (now, link)
+            else:   # the down flows' packets all lost, the others' as the lossy cable drew them
+                assert hit <= b[link][1] <= hit + lost
+
+
+@pytest.mark.usefixtures("private_cache")
+def test_a_cable_down_for_the_first_steps_under_drop_loses_their_dp_packets_and_dist_equals_sim(
+        tmp_path, one_torch_thread):
+    """dp 2 on the 2-node fabric under drop, leaf0-spine0 down from t = 0 for 2 ms of simulated time: every
+    DP packet of the steps that start inside it is lost, none of the later ones; time as the free run's
+    (nothing waits), the training loss pays; sim and two gloo processes bit for bit."""
+    from test_data_parallel import assert_dist_is_sim, sim_and_dist, tiny
+    from lossysim.io import read_jsonl
+    from lossysim.run.experiment import run_experiment
+
+    settings = dict(tp_size=1, dp_size=2, ranks_per_node=1, fabric=FABRIC, transport="drop", steps=4, eval_every=4)
+    (tmp_path / "down").mkdir()
+    rows, weights = sim_and_dist(tmp_path / "down", link_event="leaf0-spine0:down:at=0,for=0.002", **settings)
+    assert_dist_is_sim(rows, weights)
+    free = tiny(tmp_path / "free", **settings, out=str(tmp_path / "free" / "out"))
+    assert run_experiment(free, free.out, progress=False)["status"] == "completed"
+    free = [r for r in read_jsonl(tmp_path / "free" / "out" / "metrics.jsonl") if r["split"] == "train"]
+    down = [r for r in rows["sim"] if r["split"] == "train"]
+    starts = [0.0] + [r["sim_time_s"] for r in down[:-1]]
+    inside = [t < 0.002 for t in starts]
+    assert any(inside) and not all(inside)          # the window holds the first steps, not all of them
+    sent_before = lost_before = 0
+    for row, is_inside in zip(down, inside):
+        sent, lost = row["packets_sent_dp"] - sent_before, row["packets_lost_dp"] - lost_before
+        assert sent > 0 and lost == (sent if is_inside else 0), row["step"]
+        sent_before, lost_before = row["packets_sent_dp"], row["packets_lost_dp"]
+    assert [r["sim_time_s"] for r in down] == [r["sim_time_s"] for r in free]
+    assert [r["failures"] for r in down] == [0] * len(down)
+    assert down[0]["loss"] == free[0]["loss"] and down[-1]["loss"] != free[-1]["loss"]
+
+
+@pytest.mark.usefixtures("private_cache")
+def test_a_cable_down_for_the_first_steps_loses_the_pipelines_sends_under_drop_and_dist_equals_sim(
+        tmp_path, one_torch_thread):
+    """pp 2 on the 2-node fabric under drop (one stage a node: every activation and gradient send crosses
+    leaf0-spine0 one way or the other), the cable down for the first 2 ms: every send of the steps that start
+    inside it is lost, none of the later ones'; sim and two gloo processes (one a stage) bit for bit."""
+    import yaml
+    from safetensors.torch import load_file
+    from test_data_parallel import assert_dist_is_sim, tiny
+    from torchrun_launch import torchrun
+    from lossysim.io import read_jsonl
+    from lossysim.run.experiment import run_experiment
+
+    settings = dict(model="tiny", dataset="synthetic", max_length=32, max_train_samples=96, max_eval_samples=32,
+                    batch_size=8, eval_batch_size=32, steps=4, eval_every=4, log_every=1, warmup_steps=1,
+                    dropout=0.0, lr=1e-3, save_checkpoint=True, tp_size=1, pp_size=2, ranks_per_node=1,
+                    fabric=FABRIC, transport="drop", recovery="zero", link_event="leaf0-spine0:down:at=0,for=0.002")
+    spec = tmp_path / "run.yaml"
+    spec.write_text(yaml.safe_dump(settings))
+    sim = tiny(tmp_path, **settings, out=str(tmp_path / "sim"))
+    assert run_experiment(sim, sim.out, progress=False)["status"] == "completed"
+    result = torchrun(["train", "--config", str(spec), "--backend", "dist", "--out", str(tmp_path / "dist"),
+                       "--no-progress"], nproc=2, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {name: read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("sim", "dist")}
+    weights = [load_file(tmp_path / name / "checkpoint" / "model.safetensors") for name in ("sim", "dist")]
+    assert len(rows["sim"]) == len(rows["dist"])
+    assert_dist_is_sim(rows, weights)
+    train = [r for r in rows["sim"] if r["split"] == "train"]
+    starts = [0.0] + [r["sim_time_s"] for r in train[:-1]]
+    inside = [t < 0.002 for t in starts]
+    assert any(inside) and not all(inside)
+    before = {key: 0 for key in ("packets_sent_pp_fwd", "packets_lost_pp_fwd", "packets_sent_pp_bwd",
+                                 "packets_lost_pp_bwd")}
+    for row, is_inside in zip(train, inside):
+        for direction in ("fwd", "bwd"):
+            sent = row[f"packets_sent_pp_{direction}"] - before[f"packets_sent_pp_{direction}"]
+            lost = row[f"packets_lost_pp_{direction}"] - before[f"packets_lost_pp_{direction}"]
+            assert sent > 0 and lost == (sent if is_inside else 0), (row["step"], direction)
+        before = {key: row[key] for key in before}

@@ -14,7 +14,13 @@ run's nic and, without ever failing, under the ideal one. A call still down afte
 retries fails the collective: the run counts it (at most once a step: the job aborts at its first failed
 collective) and ``run.clock`` charges it ``restart_s`` and ``restart_lost_steps``, as it charges any
 failure. The data of a retransmitted call arrive exact (a failed one is redone after the restart).
-``drop`` (masks losing the down cable's packets) is not built: training refuses it.
+
+With ``drop`` nothing waits for a lost packet: a call whose flows cross a cable down at ``now`` loses
+every packet of those flows (``CableChains`` marks them lost beside its lossy cables' draws, which go on
+as without the event, so every other packet's fate is the one a run without events draws) and costs no
+time for it; a speed cut still stretches it. A network whose links cross a cable some event takes down
+draws under ``drop`` even on a fabric without a lossy cable (``losing``), and the rows of its calls that
+cross one join the transfer's lossy rows (``widen``); without events nothing of this runs.
 """
 from __future__ import annotations
 
@@ -41,6 +47,10 @@ class RunEvents:
         self.now = 0.0
         self.failed_at: set = set()     # the step starts at which some collective failed
         self._loads: dict = {}
+        self._losing: dict = {}
+        # the cables an event takes down at some time (a speed cut alone loses nothing)
+        self.downable = frozenset(c for c, events in schedule.events.items()
+                                  if any(e.kind in ("down", "flap") for e in events))
 
     def at(self, now: float) -> None:
         self.now = float(now)
@@ -66,6 +76,41 @@ class RunEvents:
             self._loads[key] = (transfer, out)     # the transfer held: its id stays its own
         return self._loads[key][1]
 
+    def down(self, spec) -> frozenset:
+        """The cables down at ``now`` whose packets a network of ``spec`` loses (none for a transport that
+        repairs: its time is ``charge``'s)."""
+        if spec.cables is None or spec.transport_model.repairs or not self.downable:
+            return frozenset()
+        return frozenset(c for c in self.downable if self.schedule.down(c, self.now))
+
+    def _crossing(self, placement, src: int, dst: int) -> bool:
+        return any(c in self.downable for cables, _, _ in placement.paths(src, dst) for c in cables)
+
+    def losing(self, network) -> bool:
+        """Whether ``network`` can lose packets to an outage: ``drop``, and a link of it crosses a cable some
+        event takes down (once per network)."""
+        key = id(network)
+        if key not in self._losing:
+            spec = network.spec
+            self._losing[key] = (network, spec.cables is not None and not spec.transport_model.repairs and
+                                 any(spec.topology.link_class(s, d) != "intra" and
+                                     self._crossing(spec.cables, s, d) for s, d in network.links))
+        return self._losing[key][1]
+
+    def widen(self, network, transfer) -> None:
+        """Add to ``transfer``'s lossy rows those whose links cross a cable some event takes down (once)."""
+        if getattr(transfer, "_widened", False) or not self.losing(network):
+            return
+        spec, rows = network.spec, set(transfer.lossy_rows)
+        for r, (src, dst) in enumerate(transfer.sched.links):
+            if spec.topology.link_class(src, dst) != "intra" and self._crossing(spec.cables, src, dst):
+                rows.add(r)
+        transfer.lossy_rows = sorted(rows)
+        for cached in ("_lossy_np",):      # what a draw derived from the old rows
+            transfer.__dict__.pop(cached, None)
+        transfer.host_steps = None
+        transfer._widened = True
+
     def charge(self, network, transfer) -> Optional[torch.Tensor]:
         """The seconds ``transfer``'s call at ``now`` is later by, [run's nic, ideal nic] (None: it meets
         no event); a failed call is recorded."""
@@ -76,8 +121,9 @@ class RunEvents:
             return None
         spec = network.spec
         rtt = 2 * spec.link_inter.alpha
-        ends = [call_end(self.schedule, loads, self.now, transfer.ideal, waits, self.reroute_s)
-                for waits in (outage_waits(spec.nic_model, self.ib_timeout, rtt_s=rtt), None)]
+        drop = not spec.transport_model.repairs     # nothing waits: the outage lost the packets instead
+        ends = [call_end(self.schedule, loads, self.now, transfer.ideal, None if drop else waits, self.reroute_s,
+                         drop) for waits in (outage_waits(spec.nic_model, self.ib_timeout, rtt_s=rtt), None)]
         if ends[0].failed:
             self.failed_at.add(self.now)
         extra = [max(e.end_s - self.now - transfer.ideal, 0.0) for e in ends]
@@ -90,11 +136,14 @@ def refusal(config) -> Optional[str]:
     """Why training refuses ``config``'s link events (None: it runs them): only what is built and tested."""
     if not str(config.link_event or "").strip():
         return None
-    if config.transport != "retransmit":
+    if config.transport not in ("retransmit", "drop"):
         return (f"link_event: training does not run link events under transport={config.transport} yet (only "
-                "retransmit: masks that lose a down cable's packets are not built; the estimate runs them)")
-    if any(getattr(config, f"{axis}_size", 1) > 1 for axis in ("tp", "pp", "cp", "ep")):
-        return "link_event: training does not run link events with tp, pp, cp or ep sizes above 1 yet (dp alone)"
+                "retransmit and drop; the estimate runs them)")
+    if config.pp_size > 1 and (config.transport != "drop" or config.dp_size > 1):
+        return ("link_event: training does not run link events with pp_size above 1 under transport="
+                f"{config.transport} and dp_size={config.dp_size} yet (only drop, dp_size 1)")
+    if any(getattr(config, f"{axis}_size", 1) > 1 for axis in ("tp", "cp", "ep")):
+        return "link_event: training does not run link events with tp, cp or ep sizes above 1 yet (dp and pp alone)"
     if config.checkpoint_every:
         return ("link_event: training does not run link events with checkpoint_every > 0 yet (a resumed run "
                 "would forget the collectives they failed)")

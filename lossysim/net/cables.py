@@ -7,7 +7,9 @@ chains (``Chains``, the site's own stream), as without a fabric. In a call, a ca
 per packet that crosses it, in time order (packet position first, then the link), so flows that share a
 cable share its bursts; flows on other cables never see them. Because every stream is named by the site,
 the direction and the cable, any process draws the same fates for the same call whatever else it runs
-(sim and dist alike). The price (docs/fabric.md): a cable's chain is the site's alone, so a burst on one
+(sim and dist alike). Under ``drop`` with link events (``cable_events``), every packet of a flow that crosses
+a cable down at the call's time is lost too, beside (and without changing) the lossy cables' draws. The price
+(docs/fabric.md): a cable's chain is the site's alone, so a burst on one
 cable does not carry from one call site's traffic (or one group's network) to another's.
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ class CableChains:
         topology = spec.topology
         self.intra = {i for i, (s, d) in enumerate(links) if topology.link_class(s, d) == "intra"}
         self.cables: dict[int, Chains] = {}
+        self.spec = spec
 
     def cable(self, cable: int) -> Chains:
         """A lossy cable's chain at this site (its loss model: ``Placement.model``)."""
@@ -87,6 +90,31 @@ class CableChains:
             drawn, bad, _ = self.cable(cable).draw(torch.zeros(1, dtype=torch.long, device=self.device), [0], n,
                                                    torch.tensor([n], device=self.device))
             yield row[order], position[order], drawn[0].cpu(), bad[0].cpu()
+        outage = self._down(ids, rows, width, sent)
+        if outage is not None:
+            yield outage
+
+    def _down(self, ids: list, rows: Sequence[int], width: int, sent: Sequence[int]):
+        """The rows' packets on flows that cross a cable down now (link events under ``drop``), all lost and
+        none in a bad state (drawn from no stream); None without such a cable."""
+        from . import cable_events
+        down = cable_events.ACTIVE.down(self.spec) if cable_events.ACTIVE is not None else ()
+        if not down:
+            return None
+        parts = []
+        for r in rows:
+            if ids[r] in self.intra:
+                continue
+            src, dst = self.links[ids[r]]
+            for cables, modulus, residue in self.placement.paths(src, dst):
+                if any(c in down for c in cables):
+                    parts.append((r, np.arange(residue, min(int(sent[r]), width), modulus)))
+        parts = [(r, p) for r, p in parts if len(p)]
+        if not parts:
+            return None
+        row = np.concatenate([np.full(len(p), r) for r, p in parts])
+        position = np.concatenate([p for _, p in parts])
+        return row, position, torch.ones(len(row), dtype=torch.bool), torch.zeros(len(row), dtype=torch.bool)
 
     def lost_positions(self, link_ids: torch.Tensor, lossy: Optional[np.ndarray], width: int,
                        used: np.ndarray) -> np.ndarray:

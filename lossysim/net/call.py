@@ -46,6 +46,9 @@ def simulate(network, site: str, direction: str, numel: int, dtype: torch.dtype,
             transfer = transfers.build(network.spec, network.links, *shape)   # (a bad pair is refused here)
             network._transfers[shape] = transfer
         network._choices[(site, direction, collective, int(numel) * dtype.itemsize)] = transfer.choice
+    events = cable_events.ACTIVE
+    if events is not None:   # under drop, the rows crossing a cable an event takes down can lose packets
+        events.widen(network, transfer)
     channel = network.channels.get(site, direction, device)
     channel.counters.calls += 1
     network.time.ideal += transfer.ideal
@@ -68,7 +71,6 @@ def simulate(network, site: str, direction: str, numel: int, dtype: torch.dtype,
         elif lost is not None:   # (None: every packet repaired, the exact result)
             network.time.charge_policy(policy, transfer, collective, numel, dtype)
             delivery = policy.draw(transfer, lost, collective, numel, dtype, channel.memory)
-    events = cable_events.ACTIVE
     later = events.charge(network, transfer) if events is not None else None
     if later is not None:   # a link event held or slowed the call (``cable_events``)
         network.time.tick(later)

@@ -32,6 +32,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..timing.nccl import Estimate
+from . import cable_events
 from . import call
 from . import delivery as deliver
 from . import exchange
@@ -84,8 +85,8 @@ class LossyNetwork:
 
     def drops(self, direction: str, site: Optional[str] = None) -> bool:
         """Whether traffic in this direction (at call site ``site``; None: at some site) can lose packets."""
-        return (direction in self.lossy and self._can_lose
-                and (site is None or self.spec.selection.covers(site)))
+        can_lose = self._can_lose or (cable_events.ACTIVE is not None and cable_events.ACTIVE.losing(self))
+        return direction in self.lossy and can_lose and (site is None or self.spec.selection.covers(site))
 
     def exact(self, direction: str, site: Optional[str] = None) -> bool:
         """Whether tensors in this direction (at ``site``; None: at every site) always arrive exact (no
