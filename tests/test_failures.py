@@ -77,3 +77,21 @@ def test_networks_are_known_by_their_own_seed(tmp_path):
     found = failures.networks(parts)
     assert len(found) >= 2 + 2 + 2   # two replicas' TP, two DP groups, expert groups
     assert len({n.spec.seed for n in found}) == len(found)
+
+
+def test_dist_counts_what_sim_counts(tmp_path, one_torch_thread):
+    """tp 2 x dp 2 as 4 gloo processes, every class losing half its packets: each process holds its own
+    replica's TP group and its DP group (mirrored on their members), the count merges them by seed, and
+    every metrics row (failures and the restarts in sim_time_s among them) is sim's, bit for bit; both
+    count DP's failures and the other replica's."""
+    from test_data_parallel import assert_dist_is_sim, sim_and_dist
+    rows, weights = sim_and_dist(tmp_path, tp_size=2, dp_size=2, **LOSSY, steps=2, eval_every=2)
+    assert_dist_is_sim(rows, weights)
+    import yaml
+    settings = yaml.safe_load((tmp_path / "run.yaml").read_text())   # the runs' own
+    config = tiny_run(tmp_path / "again", **{**settings, "save_checkpoint": False})
+    parts, _, _ = train_steps(config, 1)
+    replica0 = parts.model.network.totals()["failures"]
+    assert failures.count(parts, config) > replica0
+    train = [r for r in rows["dist"] if r["split"] == "train"]
+    assert train[0]["failures"] == failures.count(parts, config) > 0
