@@ -29,17 +29,21 @@ def clock_mark(step: int, compute_s: float, network: LossyNetwork, pipeline: Opt
 
 
 def clock(state: TrainState, network: LossyNetwork, config: ExperimentConfig,
-          pipeline: Optional[Pipeline] = None) -> dict:
+          pipeline: Optional[Pipeline] = None, failed: Optional[int] = None) -> dict:
     """The simulated cluster's clock (see docs/time_model.md): modelled (or measured) compute, simulated
     communication with its repairs, and a restart for every collective the transport gave up on;
     beside it the same run's clock under the ideal nic (one resend and one round trip per loss, never
     a failure). A failure noticed here is charged once, into ``state``: ``restart_s`` plus
     ``restart_lost_steps`` steps at the run's mean step time so far. With pipeline stages the compute
     and traffic of a step are its schedule's time (``pipeline_s``), failures any stage's or boundary's,
-    and ``comm_s`` the traffic time of every stage and boundary summed (not all of it on the path)."""
+    and ``comm_s`` the traffic time of every stage and boundary summed (not all of it on the path).
+    ``failed``: the job's failed collectives, every network's (``run.failures.count``); None: replica 0's
+    TP and pipeline networks' alone (a caller without the run's parts)."""
     networks = _networks(network, pipeline)
     comm = _comm(networks)
-    failures = sum(n.totals()["failures"] for n in networks) + cable_events.failures()
+    if failed is None:
+        failed = sum(n.totals()["failures"] for n in networks)
+    failures = failed + cable_events.failures()
     if pipeline is None:
         busy, busy_ideal = state.compute_s + comm["comm_s"], state.compute_s + comm["comm_s_ideal_nic"]
     else:
@@ -69,13 +73,13 @@ def _rated(config: ExperimentConfig) -> list:
 
 
 def clock_row(state: TrainState, network: LossyNetwork, step: int, config: ExperimentConfig,
-              pipeline: Optional[Pipeline] = None) -> dict:
+              pipeline: Optional[Pipeline] = None, failed: Optional[int] = None) -> dict:
     """Simulated time per step since the last row, the cumulative clock, and the waits on retransmission
     timers per link class (so the time can be recomputed for other timers); marks this row. Every used
     axis's counters per step (``dp_s_per_step``, ...); with pipeline stages: ``pipeline_s_per_step`` (the
     schedule's step), ``pp_s_per_step`` (what the boundary sends add to it) and ``pp_bubble`` (the stages'
     idle share of it), over the steps since the last row."""
-    now = clock(state, network, config, pipeline)
+    now = clock(state, network, config, pipeline, failed)
     last = state.last_row
     steps = max(step - last["step"], 1)
     row = {"sim_time_s": now["sim_time_s"], "sim_time_s_ideal_nic": now["sim_time_s_ideal_nic"],
@@ -109,10 +113,11 @@ def repairs_by_class(*networks: LossyNetwork) -> dict:
 
 
 def sim_time_summary(state: TrainState, network: LossyNetwork, config: ExperimentConfig,
-                     pipeline: Optional[Pipeline] = None) -> dict:
-    """summary.json's ``sim_time``: the clock's totals and rates per step, repairs and failures."""
+                     pipeline: Optional[Pipeline] = None, failed: Optional[int] = None) -> dict:
+    """summary.json's ``sim_time``: the clock's totals and rates per step, repairs and failures (``failed``:
+    as ``clock`` takes it)."""
     steps = max(state.step, 1)
-    now = clock(state, network, config, pipeline)
+    now = clock(state, network, config, pipeline, failed)
     networks = _networks(network, pipeline)
     sent = [row for n in networks for row in n.summary()]
     return {"total_s": now["sim_time_s"], "total_s_ideal_nic": now["sim_time_s_ideal_nic"],

@@ -38,7 +38,7 @@ from ..net.spec import LOSSY
 from ..net.transport import TRANSPORTS
 from ..timing import NIC_PRESETS
 from ..util import one_of
-from . import checkpoint, tracking
+from . import checkpoint, failures, tracking
 from .clock import clock, clock_mark
 from .metrics import Metrics, cut_metrics, eval_row, train_row
 from .summary import collectives, fabric, failure, sections, summary as run_summary, traffic_summary
@@ -221,7 +221,8 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
     try:
         for step in range(state.step + 1, config.steps + 1):
             if cable_events.ACTIVE is not None:   # the step's calls meet the events at its simulated start
-                cable_events.ACTIVE.at(clock(state, parts.train_net, config, parts.pipeline)["sim_time_s"])
+                cable_events.ACTIVE.at(clock(state, parts.train_net, config, parts.pipeline,
+                                             failures.count(parts, config))["sim_time_s"])
             if not train_step(parts, config, state, window, next(batches), rt.device):
                 raise _Divergence(step)
             state.step = step
@@ -268,7 +269,7 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
     if status == "completed" and config.save_checkpoint:
         checkpoint.export_model(parts, rt.run_dir, rt.is_main)
     summary = run_summary(status, diverged_at, config, parts.data.name, state, parts.train_net,
-                          parts.eval_net, started, parts.pipeline)
+                          parts.eval_net, started, parts.pipeline, failures.count(parts, config))
     summary.update(sections(parts, config, state))   # every used axis's (lossysim.axes)
     summary["traffic"] = traffic_summary(parts, config)
     summary["collectives"] = collectives(parts, config)

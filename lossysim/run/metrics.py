@@ -14,6 +14,7 @@ from .. import axes
 from ..config import ExperimentConfig
 from ..io import append_jsonl, atomic_write_text, read_jsonl
 from ..net.stats import packets_row as traffic
+from . import failures
 from .clock import clock, clock_row
 from .state import TrainState
 from .tracking import open_tracker
@@ -65,8 +66,9 @@ def train_row(step: int, started: float, averages: dict, state: TrainState, part
     (every stage's TP traffic) and rank divergence, then every used axis's columns."""
     network, pipeline = parts.train_net, parts.pipeline
     stages = [network] if pipeline is None else pipeline.networks
+    failed = failures.count(parts, config)
     row = {"step": step, "split": "train", "time_s": time.time() - started, **averages,
-           **clock_row(state, network, step, config, pipeline), "lr": lr, **traffic(*stages),
+           **clock_row(state, network, step, config, pipeline, failed), "lr": lr, **traffic(*stages),
            "disagreement": disagreement["prediction"], "hidden_rel_diff": disagreement["hidden_rel_diff"]}
     for _, part, hooks in used(parts, config):
         if hasattr(hooks, "train_row"):
@@ -79,7 +81,7 @@ def eval_row(step: int, split: str, started: float, scores: dict, state: TrainSt
     """An evaluation: its scores, this evaluation's traffic, the training clock it happened at, and every
     used axis's columns."""
     pipeline = parts.pipeline
-    now = clock(state, parts.train_net, config, pipeline)
+    now = clock(state, parts.train_net, config, pipeline, failures.count(parts, config))
     stages = [parts.eval_net] if pipeline is None else pipeline.eval_networks
     row = {"step": step, "split": split, "time_s": time.time() - started,
            "sim_time_s": now["sim_time_s"], "sim_time_s_ideal_nic": now["sim_time_s_ideal_nic"],

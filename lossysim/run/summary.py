@@ -26,8 +26,8 @@ from .state import TrainState
 
 def summary(status: str, diverged_at: Optional[dict], config: ExperimentConfig, dataset: str,
             state: TrainState, train_net: LossyNetwork, eval_net: LossyNetwork, started: float,
-            pipeline: Optional[Pipeline] = None) -> dict:
-    """How the run ended and what it measured."""
+            pipeline: Optional[Pipeline] = None, failed: Optional[int] = None) -> dict:
+    """How the run ended and what it measured (``failed``: the job's failed collectives, ``run.clock.clock``'s)."""
     final, seen, reached = state.final, state.train_disagreement, state.reached or {}
     return {
         "status": status, "error": None, "name": config.name, "dataset": dataset,
@@ -46,7 +46,7 @@ def summary(status: str, diverged_at: Optional[dict], config: ExperimentConfig, 
             "mean_train": sum(seen) / len(seen) if seen else None,
         },
         "diverged_at": diverged_at, "versions": versions(),
-        "sim_time": sim_time_summary(state, train_net, config, pipeline),
+        "sim_time": sim_time_summary(state, train_net, config, pipeline, failed),
         "time_to_accuracy": {"target": config.target_accuracy, "split": EVAL_SPLITS[0],
                              "step": reached.get("step"), "sim_time_s": reached.get("sim_time_s"),
                              "sim_time_s_ideal_nic": reached.get("sim_time_s_ideal_nic")},
