@@ -12,6 +12,15 @@ def _fits(shape, ep_size: int) -> None:
         raise ValueError(f"ep_size={ep_size} does not divide the {shape.experts.count} experts of {shape.name}")
 
 
+def _pairs(config) -> None:
+    """Experts against the other settings (``config/pairs.py`` runs it for every command): beside context
+    parallelism a replica's context ranks are members of one ep group (ep carved out of dp x cp)."""
+    if config.ep_size > 1 and config.cp_size > 1 and config.ep_size % config.cp_size:
+        raise ValueError(f"ep_size={config.ep_size} with cp_size={config.cp_size}: experts beside context "
+                         "parallelism need ep_size a multiple of cp_size (a replica's context ranks, members of "
+                         "one ep group)")
+
+
 AXIS = Axis(
     "ep", "EP", size="ep_size", mesh="ep",
     settings=(Setting("ep_size", int, 1, "expert parallelism: an MoE's experts over this many data-parallel replicas "
@@ -33,6 +42,6 @@ AXIS = Axis(
         "`EP per step`: what the all-to-alls (dispatch and combine, both ways) add to a step. `observed EP "
         "loss`: lost / sent packets on their lossy traffic in training. \"–\": the setting has ep 1."),
     part="ep", record="lossysim.ep.record", estimate="lossysim.ep.estimate", requires="all_to_all",
-    fits=_fits)
+    fits=_fits, pairs=_pairs)
 
 EP_CLASSES = tuple(c.name for c in AXIS.classes)   # an MoE block's all-to-alls: dispatch, then combine
