@@ -54,8 +54,9 @@ def factors(config) -> dict[str, float]:
 @functools.lru_cache(maxsize=32)   # a grid's rows share their layout and routes: worked out once
 def _factors(routes, mesh, channels: int) -> tuple:
     # every other axis's classes' flows over its groups (a ring's or an all-to-all's, ``TrafficClass.flows``)
-    own = {c.axis: c.flows for c in traffic.CLASSES if c.axis not in ("dp", "pp")}
     make = {"ring": ring_flows, "all_to_all": all_to_all_flows}
+    own = {c.axis: c.flows for c in traffic.CLASSES
+           if c.axis not in ("dp", "pp") and c.axis in mesh.sizes and c.flows in make}
     flows = {axis: functools.partial(make[kind], mesh.groups(axis), BYTES, channels) for axis, kind in own.items()}
     sizes = {axis: mesh.size(axis) for axis in own}
     gradients = _dp_groups(mesh)
