@@ -40,6 +40,17 @@ class EstimateFlag:
 
 
 @dataclass(frozen=True)
+class WorkloadFlag:
+    """An estimate-only setting of an axis: a ``Workload`` field (no config field: training measures what the
+    estimate assumes), with its ``lossysim estimate`` flag, argparse's type and default, and its help."""
+    field: str
+    flag: str
+    type: Any
+    default: Any
+    help: str
+
+
+@dataclass(frozen=True)
 class Setting:
     """A config field an axis owns: its type and default, its ``lossysim train`` flag (None: ``--set`` only)
     and help, its estimate flag, and its checks (at least ``minimum``, one of ``choices``, ``check``: a
@@ -129,6 +140,10 @@ class Axis:
     # its size against a model's shape (``fits(shape, size)``, a one-line ValueError), as training refuses it:
     # the estimate and a sweep's precheck run it on a shape built on the meta device
     fits: Optional[Callable[[Any, int], None]] = None
+    # its estimate-only settings (``Workload`` fields with their flags) and its checks of the estimate's flags
+    # (argparse's namespace, before the config is built: a one-line ValueError naming the flag)
+    workload: tuple[WorkloadFlag, ...] = ()
+    estimate_check: Optional[Callable[[Any], None]] = None
 
     @property
     def classes(self) -> tuple[TrafficClass, ...]:
@@ -185,6 +200,11 @@ def settings() -> tuple[Setting, ...]:
 
 def setting(name: str) -> Setting:
     return next(s for s in settings() if s.field == name)
+
+
+def workload_flags() -> tuple[WorkloadFlag, ...]:
+    """Every axis's estimate-only settings, in the axes' order."""
+    return tuple(f for axis in AXES for f in axis.workload)
 
 
 def counters() -> tuple[Counter, ...]:

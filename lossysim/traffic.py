@@ -28,6 +28,9 @@ class TrafficClass:
     axis: str           # the mesh axis whose groups carry it (a pipeline boundary joins two stages' TP groups)
     label: str
     directions: tuple[Direction, ...]
+    # how a group's ranks exchange it, for the flows a fabric's cables carry (``estimate.events``): ``ring``
+    # (each rank to its successor), ``all_to_all`` (every pair), ``sends`` (a pipeline's neighbouring stages)
+    flows: str = "ring"
 
     def lossy(self, kinds: tuple[str, ...]) -> tuple[str, ...]:
         """The directions that may lose packets when ``lossy_traffic`` names ``kinds``."""
@@ -38,7 +41,7 @@ _DECLARED = (
     TrafficClass("tp", "tp", "TP", (Direction("fwd", "tp_forward", "TP activations"),
                                     Direction("bwd", "tp_backward", "TP gradients"))),
     TrafficClass("pp", "pp", "PP", (Direction("fwd", "pp_forward", "PP activations"),
-                                    Direction("bwd", "pp_backward", "PP gradients"))),
+                                    Direction("bwd", "pp_backward", "PP gradients")), flows="sends"),
     TrafficClass("dp", "dp", "DP", (Direction("bwd", "dp", "DP gradients"),)),
     TrafficClass("fsdp", "dp", "FSDP", (Direction("fwd", "dp", "FSDP weight gathers"),
                                         Direction("bwd", "dp", "FSDP gradient reduce-scatters"))),
@@ -46,9 +49,10 @@ _DECLARED = (
     # experts' outputs back (combine); in backward each carries the other's way the gradient of its data.
     TrafficClass("ep_dispatch", "ep", "EP dispatch", (Direction("fwd", "ep_dispatch", "EP dispatch"),
                                                       Direction("bwd", "ep_dispatch_backward",
-                                                                "EP dispatch gradients"))),
+                                                                "EP dispatch gradients")), flows="all_to_all"),
     TrafficClass("ep_combine", "ep", "EP combine", (Direction("fwd", "ep_combine", "EP combine"),
-                                                    Direction("bwd", "ep_combine_backward", "EP combine gradients"))),
+                                                    Direction("bwd", "ep_combine_backward", "EP combine gradients")),
+                 flows="all_to_all"),
     TrafficClass("cp", "cp", "CP", (Direction("fwd", "cp_forward", "CP keys and values"),
                                     Direction("bwd", "cp_backward", "CP key/value gradients"))),
 )

@@ -9,11 +9,7 @@ from ..net.recovery import require
 
 def validate_pairs(config) -> None:
     """Settings each fine alone that do not go together: checked here only, for every command."""
-    fsdp, pp, ep = config.dp_mode == "fsdp" and config.dp_size > 1, config.pp_size > 1, config.ep_size > 1
-    if ep and config.cp_size > 1 and config.ep_size % config.cp_size:
-        raise ValueError(f"ep_size={config.ep_size} with cp_size={config.cp_size}: experts beside context "
-                         "parallelism need ep_size a multiple of cp_size (a replica's context ranks, members of "
-                         "one ep group)")
+    fsdp, pp = config.dp_mode == "fsdp" and config.dp_size > 1, config.pp_size > 1
     for axis in AXES:   # each axis's own pairs (``Axis.pairs``), in the axes' order
         if axis.pairs is not None:
             axis.pairs(config)

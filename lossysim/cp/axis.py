@@ -17,15 +17,27 @@ def _pairs(config) -> None:
                          "traffic it is zero); use recovery=zero")
     if cp == 1:
         return
-    if config.max_length % (2 * cp):
-        raise ValueError(f"max_length={config.max_length} is not a multiple of 2 x cp_size = {2 * cp}: context "
-                         "parallelism cuts every sequence into 2 x cp_size equal chunks")
+    _split(config.max_length, cp, "max_length")
     if config.dp_mode == "fsdp" and config.dp_size > 1:
         raise ValueError(f"cp_size={cp} with dp_mode=fsdp: FSDP's gathers beside context parallelism are not "
                          "modelled; use dp_mode=ddp")
     if config.activation_checkpointing:
         raise ValueError(f"cp_size={cp} with activation_checkpointing: a recomputed block's key/value "
                          "exchange is not modelled; set activation_checkpointing=false")
+
+
+def _estimate_check(args) -> None:
+    """The estimate's flags of context parallelism, before its config: ``--seq`` named by its flag (the config's
+    sequence length is ``max_length``)."""
+    if args.cp_size > 1:
+        _split(args.seq, args.cp_size, "--seq")
+
+
+def _split(seq: int, cp: int, name: str) -> None:
+    """``cp.layout.check_length``'s refusal (that module is torch's; the declarations import none)."""
+    if seq % (2 * cp):
+        raise ValueError(f"{name}={seq} is not a multiple of 2 x cp_size = {2 * cp}: context parallelism cuts "
+                         "every sequence into 2 x cp_size equal chunks")
 
 
 AXIS = Axis(
@@ -54,4 +66,4 @@ AXIS = Axis(
         "`CP per step`: what the key/value exchanges add to a step. `observed CP loss`: lost / sent packets on "
         "their lossy traffic in training. \"–\": the setting has cp 1."),
     part="context", record="lossysim.cp.record", estimate="lossysim.cp.estimate", requires="kv_exchange",
-    pairs=_pairs)
+    pairs=_pairs, estimate_check=_estimate_check)

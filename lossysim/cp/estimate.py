@@ -24,6 +24,9 @@ class ContextMessages:
     """``Job``'s context groups' exchanges."""
 
     RUNS_FIRST = True   # its exchanges draw from the job's random stream before TP's messages do
+    # the time keys it stretches itself on a fabric (its rounds, before their overlap with attention), which
+    # ``estimate.collisions.stretched`` leaves alone
+    STRETCHED = ("cp",)
 
     def init_part(self, shape, config, w, tokens: int, settings: dict) -> None:
         """cp[s]: stage s's context groups, one per replica and TP position (none without context

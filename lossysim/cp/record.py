@@ -51,6 +51,11 @@ def traffic(context) -> dict:
     return {"cp": (networks, [n.summary() for n in networks])}
 
 
+def carriers(context) -> dict:
+    """The networks summary.json's ``fabric`` counts the blast radius on (``run.fabric_record``)."""
+    return {"cp": list(context.train_networks.cp)}
+
+
 def collectives(context) -> dict:
     """``cp.tp{t}``: TP position t's context group."""
     return {"cp": [(f"cp.tp{t}", n) for t, n in zip(context.tp_positions, context.train_networks.cp)]}

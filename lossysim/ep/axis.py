@@ -1,6 +1,7 @@
 """Expert parallelism declared once (``lossysim.axes``): its size and flags, its all-to-alls' traffic, its
 counters, summary.json's ``expert_parallel``, the columns summary.csv reads off it and its report section."""
-from ..axes import Axis, Column, Counter, EstimateFlag, Section, Setting
+from ..axes import Axis, Column, Counter, EstimateFlag, Section, Setting, WorkloadFlag
+
 
 def _fits(shape, ep_size: int) -> None:
     """A one-line ValueError when ``ep_size`` cannot shard ``shape``'s experts (an estimate's ``Shape``)."""
@@ -10,6 +11,23 @@ def _fits(shape, ep_size: int) -> None:
         raise ValueError(f"ep_size={ep_size} needs a mixture-of-experts model, not {shape.name}")
     if shape.experts.count % ep_size:
         raise ValueError(f"ep_size={ep_size} does not divide the {shape.experts.count} experts of {shape.name}")
+
+
+def _pairs(config) -> None:
+    """Experts against the other settings (``config/pairs.py`` runs it for every command): beside context
+    parallelism a replica's context ranks are members of one ep group (ep carved out of dp x cp)."""
+    if config.ep_size > 1 and config.cp_size > 1 and config.ep_size % config.cp_size:
+        raise ValueError(f"ep_size={config.ep_size} with cp_size={config.cp_size}: experts beside context "
+                         "parallelism need ep_size a multiple of cp_size (a replica's context ranks, members of "
+                         "one ep group)")
+
+
+def _estimate_check(args) -> None:
+    """The estimate's flags of experts, before its config: a skew nothing routes over is refused (the row would
+    record 0.0: it did nothing)."""
+    if getattr(args, "routing_skew", 0.0) > 0 and args.ep_size == 1:
+        raise ValueError(f"--routing-skew {args.routing_skew:g} needs experts spread over ranks: give a "
+                         "mixture-of-experts model --ep-size > 1, or leave --routing-skew at 0")
 
 
 AXIS = Axis(
@@ -33,6 +51,9 @@ AXIS = Axis(
         "`EP per step`: what the all-to-alls (dispatch and combine, both ways) add to a step. `observed EP "
         "loss`: lost / sent packets on their lossy traffic in training. \"–\": the setting has ep 1."),
     part="ep", record="lossysim.ep.record", estimate="lossysim.ep.estimate", requires="all_to_all",
-    fits=_fits)
+    fits=_fits, pairs=_pairs, estimate_check=_estimate_check,
+    # the routing the estimate assumes (training routes by its gate, measured)
+    workload=(WorkloadFlag("routing_skew", "--routing-skew", float, 0.0,
+                           "experts' popularity by Zipf's law with this exponent (default 0: uniform routing)"),))
 
 EP_CLASSES = tuple(c.name for c in AXIS.classes)   # an MoE block's all-to-alls: dispatch, then combine

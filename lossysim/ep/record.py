@@ -2,6 +2,8 @@
 the metrics rows, summary.json's ``expert_parallel``, their traffic and collectives, the checkpoint state."""
 from __future__ import annotations
 
+from .axis import EP_CLASSES
+
 
 def train_row(ep, state) -> dict:
     """Replica 0's expert all-to-alls (``ep_dispatch``, ``ep_combine``, both directions; every TP rank's
@@ -42,6 +44,12 @@ def collectives(ep) -> dict:
             for name, network in group.train.items():
                 out.setdefault(name, []).append((f"{name}{where}.tp{t}", network))
     return out
+
+
+def carriers(ep) -> dict:
+    """The networks summary.json's ``fabric`` counts the blast radius on: each class's, replica 0's first
+    group's (``run.fabric_record``)."""
+    return {name: [ep.groups[0].train[name]] for name in EP_CLASSES} if ep.mesh.ep > 1 else {}
 
 
 def save(parts):

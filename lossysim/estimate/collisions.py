@@ -25,12 +25,20 @@ from ..fabric.load import all_to_all_flows, ring_flows, send_flows, slowdown
 
 BYTES = 64 * 2**20   # a flow's bytes: the factor is a ratio, so they cancel but for a packet's rounding
 
-# a time key of ``Job.run``'s step -> the flows whose factor stretches it
-KEYS = {"tp": "tp", "pp": "pp", "cp": "cp", "bucket": "dp", "gather": "dp", "ep_dispatch": "ep",
-        "ep_combine": "ep", "expert_bucket": "edp"}
-# a traffic class's column -> the flows its time keys take (the experts' buckets are data-parallel traffic)
-CLASS_FLOWS = {"tp": ("tp",), "pp": ("pp",), "dp": ("dp", "edp"), "fsdp": ("dp",), "ep_dispatch": ("ep",),
-               "ep_combine": ("ep",), "cp": ("cp",)}
+# the time keys of data-parallel traffic (a class of axis dp times its messages under these) -> their flows
+DP_KEYS = {"bucket": "dp", "gather": "dp", "expert_bucket": "edp"}
+DP_FLOWS = {"dp": ("dp", "edp")}   # the experts' buckets are data-parallel traffic
+
+
+def keys() -> dict[str, str]:
+    """A time key of ``Job.run``'s step -> the flows whose factor stretches it: every class of another axis
+    is timed under its own name, on its axis's flows."""
+    return {**{c.name: c.axis for c in traffic.CLASSES if c.axis != "dp"}, **DP_KEYS}
+
+
+def class_flows() -> dict[str, tuple[str, ...]]:
+    """A traffic class's column -> the flows its time keys take (in the classes' order)."""
+    return {c.name: DP_FLOWS.get(c.name, (c.axis,)) for c in traffic.CLASSES}
 
 
 def factors(config) -> dict[str, float]:
@@ -45,16 +53,18 @@ def factors(config) -> dict[str, float]:
 
 @functools.lru_cache(maxsize=32)   # a grid's rows share their layout and routes: worked out once
 def _factors(routes, mesh, channels: int) -> tuple:
-    flows = {
-        "tp": lambda: ring_flows(mesh.groups("tp"), BYTES, channels),
-        "cp": lambda: ring_flows(mesh.groups("cp"), BYTES, channels),
-        "dp": lambda: ring_flows(_dp_groups(mesh), BYTES, channels),
-        "ep": lambda: all_to_all_flows(mesh.groups("ep"), BYTES, channels),
-        "edp": lambda: ring_flows(mesh.groups("edp"), BYTES, channels),
-    }
-    # without experts there are no expert-data groups (ep 1: they would be the gradients' own)
-    sizes = {"tp": mesh.tp, "cp": mesh.cp, "dp": mesh.dp * mesh.cp, "ep": mesh.ep,
-             "edp": mesh.dp * mesh.cp // mesh.ep if mesh.ep > 1 else 1}
+    # every other axis's classes' flows over its groups (a ring's or an all-to-all's, ``TrafficClass.flows``)
+    make = {"ring": ring_flows, "all_to_all": all_to_all_flows}
+    own = {c.axis: c.flows for c in traffic.CLASSES
+           if c.axis not in ("dp", "pp") and c.axis in mesh.sizes and c.flows in make}
+    flows = {axis: functools.partial(make[kind], mesh.groups(axis), BYTES, channels) for axis, kind in own.items()}
+    sizes = {axis: mesh.size(axis) for axis in own}
+    gradients = _dp_groups(mesh)
+    flows.update(dp=lambda: ring_flows(gradients, BYTES, channels),
+                 edp=lambda: ring_flows(mesh.groups("edp"), BYTES, channels))
+    # without experts there are no expert-data groups (an expert group of 1: they would be the gradients' own)
+    experts = len(mesh.group("edp", 0)) < len(gradients[0])
+    sizes.update(dp=len(gradients[0]), edp=len(mesh.group("edp", 0)) if experts else 1)
     out = {name: slowdown(routes, make()) if sizes[name] > 1 else 1.0 for name, make in flows.items()}
     if mesh.pp > 1:
         ticks = [(g[s], g[s + 1]) for g in mesh.groups("pp") for s in range(len(g) - 1)]
@@ -67,20 +77,22 @@ def _factors(routes, mesh, channels: int) -> tuple:
 
 def _dp_groups(mesh) -> list[list[int]]:
     """The gradients' groups (dp x cp, Megatron's data-parallel group with context parallelism)."""
-    return [mesh.group("dp_cp", r) for r in range(mesh.world)
-            if mesh.coordinates(r)["dp"] == 0 and mesh.coordinates(r)["cp"] == 0]
+    return [list(g) for g in dict.fromkeys(tuple(mesh.group("dp_cp", r)) for r in range(mesh.world))]
 
 
 def stretched(times: dict, by: dict[str, float]) -> dict:
     """One step's ``Job.run`` times with every key's loss-free seconds multiplied by its flows' factor
-    (``by``, from ``factors``) and its repairs kept; ``cp``'s are stretched before their overlap with
-    attention (``cp.estimate``), so not here. ``by`` empty: ``times`` itself."""
+    (``by``, from ``factors``) and its repairs kept; the keys a part of the job stretches itself
+    (``Job.STRETCHED``: the context rounds, before their overlap with attention) not here. ``by`` empty:
+    ``times`` itself."""
     if not by:
         return times
+    from .job import Job   # which imports the parts, one of which imports this module
+    own = Job.STRETCHED
     out = dict(times)
-    for key, flows in KEYS.items():
+    for key, flows in keys().items():
         x = by.get(flows, 1.0)
-        if key in out and key != "cp" and x != 1.0:
+        if key in out and key not in own and x != 1.0:
             out[key] = _stretch(out[key], x)
     return out
 
@@ -121,6 +133,6 @@ def columns(by: dict[str, float], classes) -> dict:
     the largest of its flows' factors, and ``fabric_slowdown``, the job's classes' in one line."""
     present = set(classes)
     per = {cls: max((by.get(f, 1.0) for f in flows), default=1.0) if cls in present else 1.0
-           for cls, flows in CLASS_FLOWS.items()}
-    line = ", ".join(f"{cls} {per[cls]:.3g}x" for cls in CLASS_FLOWS if cls in present)
-    return {"fabric_slowdown": line, **{f"{cls}_fabric_slowdown": per[cls] for cls in CLASS_FLOWS}}
+           for cls, flows in class_flows().items()}
+    line = ", ".join(f"{cls} {per[cls]:.3g}x" for cls in per if cls in present)
+    return {"fabric_slowdown": line, **{f"{cls}_fabric_slowdown": per[cls] for cls in per}}

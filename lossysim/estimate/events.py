@@ -18,24 +18,24 @@ from collections import defaultdict
 
 import numpy as np
 
+from .. import traffic
 from ..config.fabric import event_schedule
 from ..fabric.events import REROUTE_S, LinkSchedule, run_steps
 from ..fabric.load import Flow, cable_loads
 from ..timing.retransmission import outage_waits
 
-RINGS = {"tp": "tp", "dp": "dp", "fsdp": "dp", "cp": "cp"}   # a class's ring and the mesh axis it runs over
-
-
 def _pairs(mesh, cls: str) -> list[tuple[int, int]]:
-    """The (src, dst) global rank pairs a class's traffic runs between."""
-    if cls in RINGS:
-        return [(g[i], g[(i + 1) % len(g)]) for g in mesh.groups(RINGS[cls]) if len(g) > 1 for i in range(len(g))]
-    if cls == "pp":
-        return [pair for g in mesh.groups("pp") for s in range(len(g) - 1) for pair in ((g[s], g[s + 1]),
-                                                                                     (g[s + 1], g[s]))]
-    if cls.startswith("ep"):
-        return [(a, b) for g in mesh.groups("ep") for a in g for b in g if a != b]
-    return []
+    """The (src, dst) global rank pairs a class's traffic runs between: over its axis's groups, as its
+    ``TrafficClass.flows`` says."""
+    declared = traffic.BY_NAME.get(cls)
+    if declared is None:
+        return []
+    groups = mesh.groups(declared.axis)
+    if declared.flows == "sends":
+        return [pair for g in groups for s in range(len(g) - 1) for pair in ((g[s], g[s + 1]), (g[s + 1], g[s]))]
+    if declared.flows == "all_to_all":
+        return [(a, b) for g in groups for a in g for b in g if a != b]
+    return [(g[i], g[(i + 1) % len(g)]) for g in groups if len(g) > 1 for i in range(len(g))]
 
 
 def _flows(mesh, classes, row: dict, payload: int, channels: int) -> dict[str, list[Flow]]:

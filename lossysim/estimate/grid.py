@@ -16,7 +16,6 @@ from typing import Callable, Iterable, Optional
 
 from tqdm.auto import tqdm
 
-from ..cp.layout import check_length
 from .. import axes
 from ..config import DEFAULT_THREADS, ExperimentConfig, coerce, set_threads
 from ..config.fabric import add_fabric_arguments, fabric_overrides
@@ -71,8 +70,8 @@ def add_arguments(parser) -> None:
                         f"at most {MAX_PAYLOAD_BYTES}, a jumbo frame)")
     for setting in axes.settings():   # every axis's flags, from its declaration
         _add_setting(parser, setting)
-    parser.add_argument("--routing-skew", type=float, default=0.0,
-                        help="experts' popularity by Zipf's law with this exponent (default 0: uniform routing)")
+    for flag in axes.workload_flags():   # and their estimate-only settings
+        parser.add_argument(flag.flag, dest=flag.field, type=flag.type, default=flag.default, help=flag.help)
     parser.add_argument("--global-batch", type=int,
                         help="sequences per step: micro-batch x microbatches x dp size, as Megatron derives it")
     parser.add_argument("--grad-dtype", default="fp32", choices=tuple(DTYPES),
@@ -131,11 +130,16 @@ def axis_keys(args) -> dict:
     return keys
 
 
+def workload_keys(args) -> dict:
+    """Every axis's estimate-only settings as the flags give them (``Workload``'s fields)."""
+    return {flag.field: getattr(args, flag.field) for flag in axes.workload_flags()}
+
+
 def run(args) -> int:
     """A named shape's (or a config.json's) grid; ``command.run`` sends ``--trace`` to ``traced.run``."""
     if not args.model:
         raise ValueError("name a model (a named shape, a config.json or a model directory), or give --trace")
-    workload = Workload(args.seq, args.grad_dtype, args.sampled_groups, args.routing_skew)
+    workload = Workload(args.seq, args.grad_dtype, args.sampled_groups, **workload_keys(args))
     configs = grid(config_of(args), {key: getattr(args, key) for key in GRID.values()})
     return run_rows(args, configs, lambda on_row: run_grid(args.model, configs, workload, args.steps,
                                                            progress=not args.no_progress, on_row=on_row))
@@ -194,14 +198,12 @@ def run_rows(args, configs: list, rows_of: Callable, extra: Optional[Callable[[]
 def config_of(args) -> ExperimentConfig:
     """The training config the flags describe (the first value of every grid key), validated as ``lossysim
     train`` validates it: the same layout, micro-batch and network rules, the same one-line errors."""
-    if args.cp_size > 1:   # named by its flag before the config, whose sequence length is max_length
-        check_length(args.seq, args.cp_size, "--seq")
+    for axis in axes.AXES:   # each axis's own checks of its flags (``Axis.estimate_check``)
+        if axis.estimate_check is not None:
+            axis.estimate_check(args)
     if args.microbatches is not None and args.microbatches < 1:   # before the batch it multiplies is refused
         raise ValueError(f"--microbatches {args.microbatches} must be >= 1 (or left out: from --global-batch, else "
                          "the pp size)")
-    if getattr(args, "routing_skew", 0.0) > 0 and args.ep_size == 1:   # the row would record 0.0: it did nothing
-        raise ValueError(f"--routing-skew {args.routing_skew:g} needs experts spread over ranks: give a "
-                         "mixture-of-experts model --ep-size > 1, or leave --routing-skew at 0")
     keys = dict(**axis_keys(args), max_length=args.seq, activation_checkpointing=args.activation_checkpointing,
                 ranks_per_node=args.ranks_per_node, nics_per_node=args.nics_per_node, compute=args.compute, seed=args.seed,
                 parallel_order=args.parallel_order, lossy_traffic=args.lossy_traffic, **DEFAULTS)

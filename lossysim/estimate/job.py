@@ -56,6 +56,8 @@ class Job(Tally, Messages, *PARTS):
     class's messages: ``messages``, then each axis's part, ``PARTS``), counted as ``Tally`` counts."""
 
     PARTS = PARTS
+    # the time keys a part stretches itself on a fabric (``collisions.stretched`` leaves them alone)
+    STRETCHED = tuple(key for part in PARTS for key in vars(part).get("STRETCHED", ()))
 
     def __init__(self, shape: Shape, config: ExperimentConfig, w: Workload, layout: tuple[int, ...], tokens: int):
         super().__init__()

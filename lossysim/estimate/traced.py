@@ -16,7 +16,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from . import trace as traces
-from .grid import GRID, config_of, grid, run_rows
+from .grid import GRID, config_of, grid, run_rows, workload_keys
 from .trace_layout import Layout
 from .trace_replay import Replay, traced_compute
 from .simulate import estimate
@@ -61,7 +61,7 @@ def _compute(args, trace: traces.Trace, base, read: dict) -> tuple[float, str]:
     if not args.model:
         read["compute"] = "trace"
         return 1.0, "trace"
-    workload = Workload(args.seq, args.grad_dtype, routing_skew=args.routing_skew)
+    workload = Workload(args.seq, args.grad_dtype, **workload_keys(args))
     modelled = estimate(args.model, base.replace(loss="none"), workload, 1)["compute_s"]
     traced = traced_compute(trace, base)
     compute = f"modelled ({args.compute}, {args.model})"

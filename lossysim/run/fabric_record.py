@@ -7,20 +7,21 @@ flows its concurrent groups share cables with (``estimate.collisions``), which t
 loss-free time by; training's clock does not."""
 from __future__ import annotations
 
-from ..ep.axis import EP_CLASSES
+from ..axes import AXES
 from ..estimate import collisions
 from ..estimate.blast import Blast
 
 
 def fabric_summary(parts, config) -> dict:
-    pipeline, dp, ep, context = parts.pipeline, parts.dp, parts.ep, parts.context
+    pipeline, dp = parts.pipeline, parts.dp
     carriers = {"tp": [parts.train_net] if pipeline is None else list(pipeline.networks),
                 "pp": list(pipeline.boundary_networks()) if pipeline is not None else [],
-                config.dp_class: list(dp.networks) if dp.dp_size > 1 else [],
-                "cp": list(context.train_networks.cp) if context is not None else []}
-    if ep is not None and ep.mesh.ep > 1:
-        for name in EP_CLASSES:
-            carriers[name] = [ep.groups[0].train[name]]
+                config.dp_class: list(dp.networks) if dp.dp_size > 1 else []}
+    for axis in AXES:   # every other axis's networks, from its ``record`` module's ``carriers`` (the order: none)
+        part = getattr(parts, axis.part, None) if axis.part else None
+        hooks = axis.hooks() if part is not None else None
+        if hasattr(hooks, "carriers"):
+            carriers.update(hooks.carriers(part))
     blast, sent = Blast(), {}
     for cls, networks in carriers.items():
         for net in networks:
