@@ -3,6 +3,8 @@ their busiest cable (the factor the hash predicts on a SuperPOD, flatter with mo
 repairs kept; no fabric, nothing changes."""
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -147,3 +149,18 @@ def test_unshared_cables_keep_every_time_as_without_a_fabric():
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "): not charged (shared_cables false)" in result.stdout
+
+
+def test_the_blast_radius_reads_the_same_in_every_process():
+    """estimate.json's blast radius (its groups' order too) does not depend on the process's hash seed."""
+    seed, _ = _first_colliding_seed()
+    code = ("import json; from lossysim.estimate.simulate import estimate; from lossysim.estimate.shapes import load; "
+            "from lossysim.estimate.workload import Workload, job_config; "
+            "c = job_config('tiny-llama', 1, 'bf16', None, tp_size=2, dp_size=4, ranks_per_node=1, dp_overlap=False, "
+            f"seed={seed}, fabric={SMALL!r}, bad_link='node0.nic0-leaf0:bernoulli:0.01'); "
+            "print(json.dumps(estimate(load('tiny-llama'), c, Workload(256), steps=1)['blast']))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": h}).stdout for h in ("1", "2", "3", "4")}
+    assert len(outs) == 1, outs
+    blast = json.loads(next(iter(outs)))
+    assert blast and len(blast[0]["groups"]) >= 2   # two classes on the cable: an order that could differ

@@ -36,7 +36,7 @@ class Blast:
         for name, entry in sorted(self.cables.items()):
             ranks = sorted(entry["ranks"])
             groups = defaultdict(int)
-            for cls, _ in entry["groups"]:
+            for cls, _ in sorted(entry["groups"]):   # sorted: a set's order differs between processes
                 groups[cls] += 1
             out.append({"cable": name, "loss": entry["loss"], "ranks": len(ranks), "ranks_first": ranks[:16],
                         "groups": dict(groups),
