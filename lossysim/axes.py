@@ -144,6 +144,8 @@ class Axis:
     # (argparse's namespace, before the config is built: a one-line ValueError naming the flag)
     workload: tuple[WorkloadFlag, ...] = ()
     estimate_check: Optional[Callable[[Any], None]] = None
+    # whether training runs link events with it above 1 (``net.cable_events.refusal`` refuses the others)
+    link_events: bool = True
 
     @property
     def classes(self) -> tuple[TrafficClass, ...]:

@@ -51,7 +51,7 @@ AXIS = Axis(
         "`EP per step`: what the all-to-alls (dispatch and combine, both ways) add to a step. `observed EP "
         "loss`: lost / sent packets on their lossy traffic in training. \"–\": the setting has ep 1."),
     part="ep", record="lossysim.ep.record", estimate="lossysim.ep.estimate", requires="all_to_all",
-    fits=_fits, pairs=_pairs, estimate_check=_estimate_check,
+    fits=_fits, pairs=_pairs, estimate_check=_estimate_check, link_events=False,
     # the routing the estimate assumes (training routes by its gate, measured)
     workload=(WorkloadFlag("routing_skew", "--routing-skew", float, 0.0,
                            "experts' popularity by Zipf's law with this exponent (default 0: uniform routing)"),))
