@@ -42,12 +42,14 @@ class EstimateFlag:
 @dataclass(frozen=True)
 class WorkloadFlag:
     """An estimate-only setting of an axis: a ``Workload`` field (no config field: training measures what the
-    estimate assumes), with its ``lossysim estimate`` flag, argparse's type and default, and its help."""
+    estimate assumes), with its ``lossysim estimate`` flag, argparse's type and default, its help, and its
+    check (``Workload``'s, of a value however given: a callable raising a one-line ValueError)."""
     field: str
     flag: str
     type: Any
     default: Any
     help: str
+    check: Optional[Callable[[Any], None]] = None
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,8 @@ class Axis:
     # (argparse's namespace, before the config is built: a one-line ValueError naming the flag)
     workload: tuple[WorkloadFlag, ...] = ()
     estimate_check: Optional[Callable[[Any], None]] = None
+    # whether training runs link events with it above 1 (``net.cable_events.refusal`` refuses the others)
+    link_events: bool = True
 
     @property
     def classes(self) -> tuple[TrafficClass, ...]:

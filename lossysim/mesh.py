@@ -188,6 +188,12 @@ class Mesh:
                                  f"cp={at['cp']} it is {at[axis]}")
         return rank
 
+    def moved(self, rank: int, **coordinates: int) -> int:
+        """The global rank at ``rank``'s coordinates with these changed (``moved(r, tp=0)``: the first of
+        r's TP group), so a caller placing a group needs no axis it leaves as it is."""
+        at = self.coordinates(rank)
+        return self.rank(**({axis: at[axis] for axis in self.axes} | coordinates))
+
     def group(self, axis: str, rank: int) -> list[int]:
         """The ranks that differ from ``rank`` in ``axis`` alone, in that axis's order; ``ep``, ``edp``:
         the ranks at the same tp and pp whose (cp, dp) index differs in that expert coordinate alone."""

@@ -123,3 +123,31 @@ def test_summary_collectives_name_the_expert_networks(tmp_path):
     assert {"ep_dispatch.tp0", "ep_dispatch.tp1", "ep_combine.tp0", "ep_combine.tp1"} <= networks
     assert {r["collective"] for r in summary["collectives"] if r["network"].startswith("ep_")} == {"all_to_all"}
     assert {traffic.of_network(n).axis for n in networks} == {"tp", "dp", "ep"}
+
+
+def test_link_events_are_refused_over_the_axes_that_declare_so():
+    """Training's refusal of link events reads each axis's ``link_events``: a throwaway axis above 1 is
+    refused only while it is declared so, the built-in cp as it declares."""
+    import dataclasses
+    from types import SimpleNamespace
+    from lossysim.config.fabric import training_refusal
+    config = dict(link_event="leaf0-spine0:down:at=0", transport="drop", pp_size=1, dp_size=2, checkpoint_every=0,
+                  tp_size=1, cp_size=1, ep_size=1, zz_size=2)
+    assert training_refusal(SimpleNamespace(**config)) is None
+    with axes.declared(dataclasses.replace(ZZ, link_events=False)):
+        assert "sizes above 1" in training_refusal(SimpleNamespace(**config))
+    with axes.declared(ZZ):
+        assert training_refusal(SimpleNamespace(**config)) is None
+    assert "sizes above 1" in training_refusal(SimpleNamespace(**{**config, "cp_size": 2}))
+
+
+def test_the_estimates_workload_holds_and_checks_the_axes_estimate_only_settings():
+    """``Workload``'s fields after its own are every axis's ``workload`` flags, each checked as declared."""
+    import dataclasses
+    from lossysim.estimate.workload import Workload
+    names = [f.name for f in dataclasses.fields(Workload)]
+    assert names == ["seq", "grad_dtype", "sampled_groups", *(flag.field for flag in axes.workload_flags())]
+    flag = next(flag for flag in axes.workload_flags() if flag.check is not None)
+    assert getattr(Workload(), flag.field) == flag.default
+    with pytest.raises(ValueError, match=rf"^{flag.field}=-1 must be"):
+        Workload(**{flag.field: -1})

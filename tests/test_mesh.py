@@ -310,3 +310,16 @@ def test_train_sweep_and_estimate_refuse_a_layout_in_one_and_the_same_line(train
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and lines[0] in err, err
     assert not (tmp_path / "t").exists() and not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("sizes,order", [(dict(tp=2, cp=2, dp=2, pp=2), "tp-cp-ep-dp-pp"),
+                                         (dict(tp=2, cp=2, dp=3, pp=2), "tp-pp-cp-ep-dp"), (dict(tp=4, dp=2), None)])
+def test_a_moved_rank_keeps_every_coordinate_but_those_given(sizes, order):
+    mesh = Mesh(**sizes, **({"order": order} if order else {}))
+    for rank in range(mesh.world):
+        at = mesh.coordinates(rank)
+        for changes in ({"tp": 0}, {"tp": 0, "pp": 0}, {"pp": mesh.pp - 1, "dp": 0}):
+            moved = mesh.coordinates(mesh.moved(rank, **changes))
+            assert all(moved[a] == changes.get(a, at[a]) for a in mesh.axes)
+        # a TP group's first rank at stage 0, as the run places its TP network
+        assert mesh.moved(rank, tp=0, pp=0) == mesh.rank(dp=at["dp"], cp=at["cp"])

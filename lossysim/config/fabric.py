@@ -102,5 +102,6 @@ def training_refusal(config):
     """Why ``train`` refuses ``config`` (None if it does not): link events training does not run yet
     (``net.cable_events.refusal``), since a run that took them and did nothing with them would read as a
     fabric that never failed."""
+    from ..axes import AXES
     from ..net.cable_events import refusal
-    return refusal(config)
+    return refusal(config, tuple(axis.size for axis in AXES if not axis.link_events and axis.size))

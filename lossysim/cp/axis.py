@@ -66,4 +66,4 @@ AXIS = Axis(
         "`CP per step`: what the key/value exchanges add to a step. `observed CP loss`: lost / sent packets on "
         "their lossy traffic in training. \"–\": the setting has cp 1."),
     part="context", record="lossysim.cp.record", estimate="lossysim.cp.estimate", requires="kv_exchange",
-    pairs=_pairs, estimate_check=_estimate_check)
+    pairs=_pairs, estimate_check=_estimate_check, link_events=False)

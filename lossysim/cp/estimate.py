@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -21,12 +22,40 @@ from . import clock as cp_clock
 
 
 class ContextMessages:
-    """``Job``'s context groups' exchanges."""
+    """``Job``'s context groups' exchanges; on the estimate's clock (``estimate.simulate``, called on the
+    class): the row's columns, the replicas whose exchanges differ and what they add on a replica's stream."""
 
     RUNS_FIRST = True   # its exchanges draw from the job's random stream before TP's messages do
+    STREAM = "cp"       # its seconds on a replica's compute stream (``clock.OnStream``)
     # the time keys it stretches itself on a fabric (its rounds, before their overlap with attention), which
     # ``estimate.collisions.stretched`` leaves alone
     STRETCHED = ("cp",)
+
+    @staticmethod
+    def columns(shape, config, mesh, w) -> dict:
+        """The estimate row's columns of context parallelism: its size and mode."""
+        return {"cp_size": mesh.cp, "cp_mode": config.cp_mode if mesh.cp > 1 else ""}
+
+    @staticmethod
+    def replica_kind(parts) -> Optional[Callable[[int], int]]:
+        """Replica r's kind by its context groups (its own where every one was simulated), None: alike."""
+        return (lambda r: r) if any(len(g) > 1 for g in parts.t["cp"]) else None
+
+    @staticmethod
+    def on_stream(parts, zero) -> Callable[[int, int], list]:
+        """``(replica, k)`` -> [stage][micro-batch] of (forward, backward) seconds (``k`` 0: with loss, 1:
+        loss-free) its context exchanges add, each block's slowest TP position's (zeros without context
+        parallelism; none with its class in ``zero``)."""
+        if "cp" in zero:
+            return lambda r, k: ()
+
+        def added(s: int, r: int, k: int) -> np.ndarray:
+            groups = parts.t["cp"][s] if parts.t["cp"] else []
+            if not groups:
+                return np.zeros((parts.m, 2))
+            mine = groups if len(groups) == 1 else groups[r * len(groups) // parts.dp:(r + 1) * len(groups) // parts.dp]
+            return np.max(np.stack(mine), axis=0)[:, :, k].sum(-1)
+        return lambda r, k: [[(f, b) for f, b in added(s, r, k)] for s in range(parts.pp)]
 
     def init_part(self, shape, config, w, tokens: int, settings: dict) -> None:
         """cp[s]: stage s's context groups, one per replica and TP position (none without context

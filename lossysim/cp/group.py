@@ -120,3 +120,13 @@ class ContextGroup(SimGroup):
 
     def all_gather(self, x: torch.Tensor, site: str, direction: str) -> torch.Tensor:
         raise NotImplementedError("context parallelism with a plan that gathers TP outputs is not modelled")
+
+
+def data_parallel_keys(mesh, rank: int, groups: dict, contexts: int) -> dict:
+    """``dist``'s context rank among the data-parallel ranks (``DistDataParallel``'s keywords; none with
+    ``contexts`` 1): its context coordinate, the dp x cp group its gradients are summed over (Megatron's,
+    ``Mesh.process_groups``'s ``dp_cp``) and its replica's context ranks', whose deliveries it averages."""
+    if contexts == 1:
+        return {}
+    return dict(contexts=contexts, context=mesh.coordinates(rank)["cp"], grad_group=groups["dp_cp"][rank],
+                cp_group=groups["cp"][rank])

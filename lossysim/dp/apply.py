@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from ..cp.group import data_parallel_keys
 from ..mesh import Mesh
 from ..net import LossyNetwork
 from .fsdp import DistFullyShardedDataParallel, FullyShardedDataParallel
@@ -27,8 +28,7 @@ def apply_dp(replicas: Sequence[Replica], mesh: Mesh, networks: Sequence[Sequenc
     at = mesh.coordinates(rank)
     replica, stage, tp_rank = at["dp"], at["pp"], at["tp"]
     kind = DistFullyShardedDataParallel if fsdp else DistDataParallel
-    extra = dict(contexts=contexts, context=at["cp"], grad_group=groups["dp_cp"][rank],
-                 cp_group=groups["cp"][rank]) if contexts > 1 else {}
+    extra = data_parallel_keys(mesh, rank, groups, contexts)
     return kind(replicas[0], networks[0][0], bucket_bytes, replica_index=replica, tp_rank=tp_rank, dp_size=mesh.dp,
                 tp_size=mesh.tp, dp_group=groups["dp"][rank], tp_group=groups["tp"][rank], stage=stage,
                 pp_group=groups["pp"][rank] if mesh.pp > 1 else None, **extra)

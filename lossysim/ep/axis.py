@@ -30,6 +30,12 @@ def _estimate_check(args) -> None:
                          "mixture-of-experts model --ep-size > 1, or leave --routing-skew at 0")
 
 
+def _skew(value) -> None:
+    """The routing skew the estimate assumes (``Workload``'s): a finite number >= 0."""
+    if isinstance(value, bool) or not (float(value) >= 0 and float(value) < float("inf")):
+        raise ValueError(f"routing_skew={value!r} must be a finite number >= 0 (0: uniform)")
+
+
 AXIS = Axis(
     "ep", "EP", size="ep_size", mesh="ep",
     settings=(Setting("ep_size", int, 1, "expert parallelism: an MoE's experts over this many data-parallel replicas "
@@ -51,9 +57,11 @@ AXIS = Axis(
         "`EP per step`: what the all-to-alls (dispatch and combine, both ways) add to a step. `observed EP "
         "loss`: lost / sent packets on their lossy traffic in training. \"–\": the setting has ep 1."),
     part="ep", record="lossysim.ep.record", estimate="lossysim.ep.estimate", requires="all_to_all",
-    fits=_fits, pairs=_pairs, estimate_check=_estimate_check,
-    # the routing the estimate assumes (training routes by its gate, measured)
+    fits=_fits, pairs=_pairs, estimate_check=_estimate_check, link_events=False,
+    # the routing the estimate assumes (training routes by its gate, measured): 0 uniform, z > 0 the experts'
+    # popularity by Zipf's law with exponent z (``lossysim.ep.routing``)
     workload=(WorkloadFlag("routing_skew", "--routing-skew", float, 0.0,
-                           "experts' popularity by Zipf's law with this exponent (default 0: uniform routing)"),))
+                           "experts' popularity by Zipf's law with this exponent (default 0: uniform routing)",
+                           check=_skew),))
 
 EP_CLASSES = tuple(c.name for c in AXIS.classes)   # an MoE block's all-to-alls: dispatch, then combine

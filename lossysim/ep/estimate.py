@@ -8,6 +8,8 @@ one stage's sampled groups are simulated and every other block's calls drawn fro
 """
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 
 from ..dp.buckets import plan_buckets
@@ -18,9 +20,46 @@ from .axis import EP_CLASSES
 
 
 class ExpertMessages:
-    """``Job``'s all-to-alls and experts' buckets."""
+    """``Job``'s all-to-alls and experts' buckets; on the estimate's clock (``estimate.simulate``, called on the
+    class): the row's columns, the replicas whose all-to-alls differ and their seconds on a replica's stream."""
 
     RUNS_FIRST = False   # the all-to-alls draw from the job's random stream after every other class's messages
+    STREAM = "ep"        # its seconds on a replica's compute stream (``clock.OnStream``)
+
+    @staticmethod
+    def columns(shape, config, mesh, w) -> dict:
+        """The estimate row's columns of experts: ep's size, the routing assumed and the busiest rank's load."""
+        return {"ep_size": mesh.ep, "routing_skew": w.routing_skew if mesh.ep > 1 else 0.0,
+                "routing_imbalance": routed_load(shape, mesh, w, config.seed)}
+
+    @staticmethod
+    def replica_kind(parts) -> Optional[Callable[[int], int]]:
+        """Replica r's kind by its all-to-alls (its expert-data index's ep groups), None: every replica's alike."""
+        if not any(len(groups) > 1 for cls in EP_CLASSES for groups in parts.t.get(cls, [])):
+            return None
+        ep = parts.config.mesh().ep
+        return lambda r: r // ep
+
+    @staticmethod
+    def on_stream(parts, zero) -> Callable[[int, int], list]:
+        """``(replica, k)`` -> [stage][micro-batch] of (forward, backward) seconds (``k`` 0: with loss, 1:
+        loss-free) of the replica's all-to-alls: each class's summed (those not in ``zero``), the slowest of
+        its TP ranks' groups."""
+        present = [cls for cls in EP_CLASSES if cls in parts.t and cls not in zero]
+        mesh = parts.config.mesh()
+
+        def of(s: int, r: int) -> list:
+            total = [([0.0, 0.0], [0.0, 0.0]) for _ in range(parts.m)]
+            for cls in present:
+                groups = parts.t[cls][s]
+                mine = [groups[0]] if len(groups) == 1 else \
+                    [groups[t * (mesh.dp // mesh.ep) + r // mesh.ep] for t in range(mesh.tp)]
+                for i, pair in enumerate(total):
+                    for d in (0, 1):
+                        for q in (0, 1):
+                            pair[d][q] += max(group[i][d][q] for group in mine)
+            return total
+        return lambda r, k: [[(f[k], b[k]) for f, b in of(s, r)] for s in range(parts.pp)]
 
     def init_part(self, shape, config, w, tokens: int, settings: dict) -> None:
         """A mixture of experts' ep groups per stage (tp x expert-data of them), the routing's message sizes,
@@ -157,6 +196,12 @@ class ExpertMessages:
 def _block_sum(blocks: list[dict]) -> dict:
     """Per class, the (forward, backward) [with loss, loss-free] seconds of ``blocks`` together."""
     return {cls: tuple([sum(b[cls][d][q] for b in blocks) for q in (0, 1)] for d in (0, 1)) for cls in EP_CLASSES}
+
+
+def routed_load(shape, mesh, w, seed: int) -> float:
+    """The busiest rank's routed load as the routing assumed makes it (``routing.imbalance``; 1 with ep 1)."""
+    e = shape.experts
+    return routing.imbalance(e.top_k, e.count, mesh.ep, w.routing_skew, seed) if mesh.ep > 1 else 1.0
 
 
 PART = ExpertMessages

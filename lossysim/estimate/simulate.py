@@ -12,7 +12,7 @@ Its traffic classes, each on the networks the mesh gives its groups:
 - ``dp``: DDP's gradient buckets (``dp.buckets``, a TP rank's local tensors of its stage), all-reduced
   over each (stage, TP position)'s data-parallel group, a bucket's time its slowest group's;
 - ``fsdp``: the same units all-gathered before the forward and reduce-scattered after the backward;
-- ``ep_dispatch``, ``ep_combine``: a mixture of experts' all-to-alls per MoE block and micro-batch on every
+- the experts' dispatch and combine: a mixture of experts' all-to-alls per MoE block and micro-batch on every
   (stage, TP position, expert-data index)'s ep group, sized by the routing assumed (``ep.routing``: uniform or
   skewed); in backward their gradients the other way; the experts' gradient buckets over their
   expert-data-parallel groups (class ``dp``), after the backward, as training averages them. Beyond
@@ -28,7 +28,8 @@ Its traffic classes, each on the networks the mesh gives its groups:
 Which groups are simulated, and which stand for their identical others, is the job's (``job``); each class's
 messages are ``messages``, ``ep.estimate`` and ``cp.estimate``; what they sent and lost is counted as
 ``accounting.Tally`` counts; the step ends on training's clock (``lossysim.clock.step_time``), each axis's
-seconds handed to it as training hands them (``_Parts``).
+seconds handed to it as training hands them (``_Parts``; an axis's part of the job gives its row's columns, the
+replicas its messages set apart and its seconds on a replica's stream).
 """
 from __future__ import annotations
 
@@ -39,10 +40,9 @@ import numpy as np
 
 from .. import clock as one_clock, timing
 from ..config import ExperimentConfig
-from ..ep.axis import EP_CLASSES
 from ..cp import clock as cp_clock
 from ..cp.layout import check_length
-from ..ep import routing
+from ..ep.estimate import routed_load
 from ..models import cost
 from ..pp.stages import stage_layout
 from .accounting import CLASSES, intervals
@@ -112,11 +112,8 @@ def estimate(model: Union[str, Shape], config: ExperimentConfig, workload: Workl
     spec = job.tp[0][0].spec
     row = {
         "model": shape.name, "parameters": shape.parameters, "active_parameters": shape.active or shape.parameters,
-        "tp_size": tp, "pp_size": pp, "dp_size": dp, "ep_size": mesh.ep,
-        "routing_skew": w.routing_skew if mesh.ep > 1 else 0.0,
-        "routing_imbalance": routing.imbalance(shape.experts.top_k, shape.experts.count, mesh.ep, w.routing_skew,
-                                               config.seed) if mesh.ep > 1 else 1.0,
-        "cp_size": cp, "cp_mode": config.cp_mode if cp > 1 else "",
+        "tp_size": tp, "pp_size": pp, "dp_size": dp,
+        **{key: value for part in Job.PARTS for key, value in part.columns(shape, config, mesh, w).items()},
         "layout": mesh.name, "parallel_order": mesh.order, "gpus": mesh.world,
         "dp_mode": config.dp_mode if dp > 1 else "", "seq": w.seq, "micro_batch": config.micro_batch_size,
         "microbatches": m, "global_batch": config.batch_size, "pp_schedule": config.pp_schedule if pp > 1 else "",
@@ -168,7 +165,7 @@ def _busiest(shape: Shape, mesh, w: Workload, seed: int) -> float:
     if shape.experts is None:
         return active
     e = shape.experts
-    load = routing.imbalance(e.top_k, e.count, mesh.ep, w.routing_skew, seed) if mesh.ep > 1 else 1.0
+    load = routed_load(shape, mesh, w, seed)
     return active + e.parameters * e.top_k / e.count * (load * mesh.tp - 1.0)
 
 
@@ -179,9 +176,8 @@ class _Parts:
     all-to-alls and what context exchanges add on each replica's stream; the boundaries' sends; DDP's
     buckets and FSDP's gathers; the experts' buckets after the backward."""
 
-    # a class's times (the experts' buckets are data-parallel traffic)
-    KEYS = {"tp": ("tp",), "pp": ("pp",), "dp": ("bucket", "expert_bucket"), "fsdp": ("bucket", "gather"),
-            **{cls: (cls,) for cls in EP_CLASSES}, "cp": ("cp",)}
+    # a class's times, where they are not its own key's (the experts' buckets are data-parallel traffic)
+    KEYS = {"dp": ("bucket", "expert_bucket"), "fsdp": ("bucket", "gather")}
 
     def __init__(self, times: dict, micro_s: float, shares: list[float], config: ExperimentConfig, pp: int, dp: int,
                  m: int, ready: list, cp: int = 1):
@@ -191,50 +187,21 @@ class _Parts:
     def loss_free(self, cls: str) -> "_Parts":
         """These parts with ``cls``'s messages at their loss-free seconds (their repairs taken away)."""
         times = dict(self.t)
-        for key in self.KEYS[cls]:
+        for key in self.KEYS.get(cls, (cls,)):
             if key in times:
                 times[key] = _at_loss_free(times[key])
         return _Parts(times, self.c, self.shares, self.config, self.pp, self.dp, self.m, self.ready, self.cp)
 
-    def _context(self, s: int, r: int, k: int) -> np.ndarray:
-        """[micro-batch, direction]: what replica ``r``'s stage ``s``'s context exchanges add, each block's
-        slowest TP position's (zeros without context parallelism)."""
-        groups = self.t["cp"][s] if self.t["cp"] else []
-        if not groups:
-            return np.zeros((self.m, 2))
-        mine = groups if len(groups) == 1 else groups[r * len(groups) // self.dp:(r + 1) * len(groups) // self.dp]
-        return np.max(np.stack(mine), axis=0)[:, :, k].sum(-1)
-
-    def _experts(self, zero) -> Callable:
-        """``(stage, replica)`` -> [micro-batch] of (forward, backward) [with loss, loss-free] seconds of the
-        replica's all-to-alls: each class's summed (those not in ``zero``), the slowest of its TP ranks' groups."""
-        present = [cls for cls in EP_CLASSES if cls in self.t and cls not in zero]
-        mesh = self.config.mesh()
-
-        def of(s: int, r: int) -> list:
-            total = [([0.0, 0.0], [0.0, 0.0]) for _ in range(self.m)]
-            for cls in present:
-                groups = self.t[cls][s]
-                mine = [groups[0]] if len(groups) == 1 else \
-                    [groups[t * (mesh.dp // mesh.ep) + r // mesh.ep] for t in range(mesh.tp)]
-                for i, pair in enumerate(total):
-                    for d in (0, 1):
-                        for q in (0, 1):
-                            pair[d][q] += max(group[i][d][q] for group in mine)
-            return total
-        return of
-
     def _replicas(self) -> list[int]:
-        """One replica of each kind whose paths differ (replica 0 first): a replica's TP groups, pipeline
-        boundaries and context groups are its own where every one was simulated, its ep groups its
-        expert-data index's."""
-        mesh = self.config.mesh()
+        """One replica of each kind whose paths differ (replica 0 first): a replica's TP groups and pipeline
+        boundaries are its own where every one was simulated, and each axis's part says its own kinds
+        (``replica_kind``: context groups as TP's, ep groups by expert-data index)."""
         tp, pp = self.t["tp"], self.t["pp"]
-        experts = any(len(groups) > 1 for cls in EP_CLASSES for groups in self.t.get(cls, []))
-        own = any(len(g) > 1 for g in (*tp, *pp, *self.t["cp"]))
+        own = any(len(g) > 1 for g in (*tp, *pp))
+        kinds_of = [kind for kind in (part.replica_kind(self) for part in Job.PARTS) if kind is not None]
         kinds: dict = {}
-        for r in range(self.dp if own or experts else 1):
-            kinds.setdefault((r if own else 0, r // mesh.ep if experts else 0), r)
+        for r in range(self.dp if own or kinds_of else 1):
+            kinds.setdefault((r if own else 0, *(kind(r) for kind in kinds_of)), r)
         return list(kinds.values())
 
     def _expert_buckets(self, k: int, zero) -> float:
@@ -243,15 +210,14 @@ class _Parts:
             return 0.0
         return max((sum(seconds[k] for seconds in stage) for stage in self.t["expert_bucket"]), default=0.0)
 
-    def _path(self, r: int, k: int, zero, ep_of: Callable) -> one_clock.Path:
-        """Replica ``r``'s stream and sends, each axis's seconds apart."""
+    def _path(self, r: int, k: int, zero, streams: list) -> one_clock.Path:
+        """Replica ``r``'s stream and sends, each axis's seconds apart (``streams``: each axis's part's, in
+        the axes' order, after TP's)."""
         stages, m = range(self.pp), self.m
         tp, pp = self.t["tp"], self.t["pp"]
         # context rank 0's TP traffic and sends, as training charges them
         tp_seconds = () if "tp" in zero else \
             [[(f[k], b[k]) for f, b in tp[s][r * self.cp if len(tp[s]) > 1 else 0]] for s in stages]
-        ep_seconds = [[(f[k], b[k]) for f, b in ep_of(s, r)] for s in stages]
-        cp_seconds = () if "cp" in zero else [[(f, b) for f, b in self._context(s, r, k)] for s in stages]
         sends = one_clock.Sends()
         if self.pp > 1:
             links = [[[(0.0, 0.0)] * 2] * m if "pp" in zero else pp[b][r * self.cp if len(pp[b]) > 1 else 0]
@@ -259,15 +225,15 @@ class _Parts:
             sends = one_clock.Sends([[a[k] for a, _ in link] for link in links],
                                     [[g[k] for _, g in link] for link in links])
         compute = one_clock.Compute([self.c] * m, self.shares if self.pp > 1 else (1.0,))
-        return one_clock.stream(compute, one_clock.OnStream("tp", tp_seconds), one_clock.OnStream("ep", ep_seconds),
-                                one_clock.OnStream("cp", cp_seconds), sends=sends)
+        return one_clock.stream(compute, one_clock.OnStream("tp", tp_seconds),
+                                *(one_clock.OnStream(part.STREAM, of(r, k)) for part, of in streams), sends=sends)
 
     def step(self, k: int, zero=()) -> float:
         bucket = [[[0.0, 0.0]] * len(b) for b in self.t["bucket"]] if {"dp", "fsdp"} & set(zero) else self.t["bucket"]
         # (one stage's units: the estimate refuses FSDP with stages)
         gather = [] if "fsdp" in zero or not self.t["gather"] else [[g[k] for g in self.t["gather"]]]
-        ep_of = self._experts(zero)
-        paths = [self._path(r, k, zero, ep_of) for r in self._replicas()]
+        streams = [(part, part.on_stream(self, zero)) for part in Job.PARTS]   # (the axes' order: ep, then cp)
+        paths = [self._path(r, k, zero, streams) for r in self._replicas()]
         buckets = one_clock.Buckets(self.ready, [[b[k] for b in stage] for stage in bucket] if self.dp > 1 else (),
                                     gather, self.config.dp_overlap, self._expert_buckets(k, zero))
         schedule = one_clock.Schedule(self.config.pp_schedule, self.pp, self.m) if self.pp > 1 else None

@@ -13,11 +13,12 @@ all-reduce feeds only the residual sum, so it runs again only when a dropout aft
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, make_dataclass
 from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from .. import axes
 from ..config import ExperimentConfig, from_dict
 from ..tp.plans import Row
 from ..util import one_of
@@ -29,20 +30,19 @@ AMP_DTYPE = {"none": "fp32", "bf16": "bf16", "fp16": "fp16"}   # a run's ``amp``
 
 
 @dataclass(frozen=True)
-class Workload:
+class _Workload:
     """What an estimate adds to a training run's config (``ExperimentConfig``, which holds the layout, the
     batch, the micro-batches and the network): every micro-batch's sequences are ``seq`` tokens long (a
     training run pads each batch to its longest row), gradients are reduced in ``grad_dtype`` (DDP's
     buckets, FSDP's reduce-scatters; fp32 as training's and AMP's), and ``sampled_groups``: of a stage's
     (or boundary's) identical lossy groups, how many are simulated, the slowest of the rest drawn from their
     times (docs/estimate.md, "The slowest of identical groups"); 0: every group, exactly; None: every group up
-    to ``FULL_UP_TO`` GPUs, else 2. ``routing_skew``: a mixture of experts' routing as assumed (training routes
-    with the model's router): 0 uniform, z > 0 the experts' popularity by Zipf's law with exponent z
-    (``lossysim.ep.routing``)."""
+    to ``FULL_UP_TO`` GPUs, else 2. After these, every axis's estimate-only settings (``Axis.workload``, in the
+    axes' order: experts' routing as assumed, where training routes with the model's router), each checked
+    as its axis declares."""
     seq: int = 4096
     grad_dtype: str = "fp32"
     sampled_groups: Optional[int] = None  # lossy groups simulated per stage or boundary (0: all; None: auto)
-    routing_skew: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.seq, bool) or int(self.seq) != self.seq or self.seq < 1:
@@ -53,9 +53,9 @@ class Workload:
                                                 int(self.sampled_groups) != self.sampled_groups or
                                                 self.sampled_groups < 0):
             raise ValueError(f"sampled_groups={self.sampled_groups!r} must be an integer >= 0 (0: every group)")
-        if isinstance(self.routing_skew, bool) or not (float(self.routing_skew) >= 0 and
-                                                       float(self.routing_skew) < float("inf")):
-            raise ValueError(f"routing_skew={self.routing_skew!r} must be a finite number >= 0 (0: uniform)")
+        for flag in _AXES_FLAGS:
+            if flag.check is not None:
+                flag.check(getattr(self, flag.field))
 
     def sampled(self, world: int) -> int:
         """Lossy groups simulated per stage or boundary: 0 for every one."""
@@ -66,6 +66,14 @@ class Workload:
     @property
     def grad_torch_dtype(self) -> torch.dtype:
         return DTYPES[self.grad_dtype]
+
+
+# the fields above, then the axes' own (their declarations', read once here: a later ``axes.declared`` axis's
+# estimate-only settings are not a ``Workload``'s)
+_AXES_FLAGS = axes.workload_flags()
+Workload = make_dataclass("Workload", [(f.field, f.type, field(default=f.default)) for f in _AXES_FLAGS],
+                          bases=(_Workload,), frozen=True)
+Workload.__module__, Workload.__doc__ = __name__, _Workload.__doc__   # (pickled and documented as one class)
 
 
 def job_config(model: str = "tiny", micro_batch: int = 1, dtype: str = "bf16", global_batch: Optional[int] = None,

@@ -25,7 +25,7 @@ cross one join the transfer's lossy rows (``widen``); without events nothing of 
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -132,8 +132,10 @@ class RunEvents:
         return torch.tensor(extra, dtype=torch.float64, device=transfer.link_ids.device)
 
 
-def refusal(config) -> Optional[str]:
-    """Why training refuses ``config``'s link events (None: it runs them): only what is built and tested."""
+def refusal(config, sizes: Sequence[str] = ()) -> Optional[str]:
+    """Why training refuses ``config``'s link events (None: it runs them): only what is built and tested.
+    ``sizes``: the settings sizing the axes training does not run them over yet (each axis declares it:
+    ``Axis.link_events``; the network stage reads no declarations)."""
     if not str(config.link_event or "").strip():
         return None
     if config.transport not in ("retransmit", "drop"):
@@ -142,7 +144,7 @@ def refusal(config) -> Optional[str]:
     if config.pp_size > 1 and (config.transport != "drop" or config.dp_size > 1):
         return ("link_event: training does not run link events with pp_size above 1 under transport="
                 f"{config.transport} and dp_size={config.dp_size} yet (only drop, dp_size 1)")
-    if any(getattr(config, f"{axis}_size", 1) > 1 for axis in ("tp", "cp", "ep")):
+    if any(getattr(config, size, 1) > 1 for size in sizes):
         return "link_event: training does not run link events with tp, cp or ep sizes above 1 yet (dp and pp alone)"
     if config.checkpoint_every:
         return ("link_event: training does not run link events with checkpoint_every > 0 yet (a resumed run "

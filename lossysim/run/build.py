@@ -80,10 +80,13 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
     distributed = config.backend == "dist"
     # dist runs this rank's replica, stage, context rank and TP position; sim runs every rank, replica 0's
     # (its context rank 0's TP group) being the run's own.
-    at = mesh.coordinates(rank if distributed else 0)
-    replica, stage, tp_rank, context = at["dp"], at["pp"], at["tp"], at["cp"]
-    train_net = LossyNetwork(mesh.network_spec("tp", mesh.rank(dp=replica, cp=context), settings))
-    eval_net = LossyNetwork(mesh.network_spec("tp", mesh.rank(cp=context), config.network_settings(evaluation=True)))
+    here = rank if distributed else 0
+    at = mesh.coordinates(here)
+    replica, stage, tp_rank = at["dp"], at["pp"], at["tp"]
+    # its TP group's network placed as stage 0's (the pipeline places each stage's), evaluation's replica 0's
+    train_net = LossyNetwork(mesh.network_spec("tp", mesh.moved(here, tp=0, pp=0), settings))
+    eval_net = LossyNetwork(mesh.network_spec("tp", mesh.moved(here, tp=0, pp=0, dp=0),
+                                              config.network_settings(evaluation=True)))
     parameters = cost.active_parameters(model, config.tp_size)   # a token's step multiplies its experts' alone
     layers, hidden = cost.dims(model.config)
     train_net.spec.selection.check_depth(layers)

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from .. import clock, timing
+from .. import axes, clock, timing
 from ..config import ExperimentConfig
 from ..models import cost
 from ..dp import Replica
@@ -60,9 +60,12 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
     squares = parts.ep.squares(dp.replicas) if parts.ep is not None else [None] * len(dp.replicas)
     if parts.pipeline is not None:
         replicated = dp.dp_size > 1
-        _pipeline_clock(config, state, dp.every_replica(stage_times), dp.every_stage(dp.ready()) if replicated else [],
-                        dp.every_stage(bucket_s) if replicated else [],
-                        dp.every_stage(gather_s) if replicated and gather_s else [])
+        exchanged = _pipeline_clock(config, state, dp.every_replica(stage_times),
+                                    dp.every_stage(dp.ready()) if replicated else [],
+                                    dp.every_stage(bucket_s) if replicated else [],
+                                    dp.every_stage(gather_s) if replicated and gather_s else [])
+        if exchanged is not None:
+            _charge(parts, state, parts.context, exchanged)
     finite = True
     for replica, replica_losses, experts_sq in zip(dp.replicas, losses, squares):
         parts.scaler.unscale_(replica.optimizer)
@@ -83,17 +86,14 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
     # its TP traffic (on train_net's clock) are charged; replicas step side by side and dp_s is what the
     # slowest one's path and the buckets it waits for add.
     state.compute_s += computes[0]
-    if parts.pipeline is None:      # (with stages, ``_pipeline_clock`` charged what the exchanges add)
-        state.cp_s += context_s[0][0]       # what replica 0's context exchanges add beside its attention
-        state.cp_s_ideal_nic += context_s[0][1]
+    if parts.pipeline is None and parts.context is not None:   # (with stages, charged with the schedule)
+        _charge(parts, state, parts.context, context_s[0])   # what replica 0's exchanges add beside its attention
     if parts.pipeline is None:      # (with stages, ``_pipeline_clock`` charged the buckets)
         paths = [clock.Path([[forward]], [[backward]]) for forward, backward in times.tolist()]
         state.dp_s += clock.step_time(paths, _buckets(dp, bucket_s, config, gather_s)).breakdown["dp_s"]
     state.dp_s += experts_s
     if parts.ep is not None:        # replica 0's all-to-alls (its forward and backward wait for them)
-        ep_s, ep_s_ideal_nic = parts.ep.step_seconds()
-        state.ep_s += ep_s
-        state.ep_s_ideal_nic += ep_s_ideal_nic
+        _charge(parts, state, parts.ep, parts.ep.step_seconds())
     if config.dp_sync_every and (state.step + 1) % config.dp_sync_every == 0:
         state.dp_s += dp.synchronise()
     seconds = time.perf_counter() - t0
@@ -105,6 +105,17 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
 
 
 _CLOCKS = ("comm_s", "comm_s_ideal_nic")   # each stage time twice: the run's nic's, the ideal nic's
+_SIM_CLOCKS = ("sim_time_s", "sim_time_s_ideal_nic")   # the same two clocks as the run's counters add to them
+
+
+def _charge(parts: Parts, state: TrainState, part, seconds) -> None:
+    """Add a step's seconds of one axis's traffic (with the run's nic, under the ideal nic) to that axis's
+    counters on the simulated clock (``Counter.clock``): the axis whose ``Parts`` attribute holds ``part``."""
+    axis = next(a for a in axes.AXES if a.part and getattr(parts, a.part, None) is part)
+    for counter in axis.counters:
+        if counter.clock:
+            value = seconds[_SIM_CLOCKS.index(counter.clock[0])]
+            setattr(state, counter.name, getattr(state, counter.name) + value)
 
 
 def _accumulate(parts: Parts, config: ExperimentConfig, replica: Replica, shard: dict, t0: float,
@@ -174,15 +185,16 @@ def _stage_shares(parts: Parts, batch: dict) -> list[float]:
 
 
 def _pipeline_clock(config: ExperimentConfig, state: TrainState, replicas: list[dict], ready: list[list[float]],
-                    bucket_s: list[list[float]], gather_s: list[list[float]] = ()) -> None:
+                    bucket_s: list[list[float]], gather_s: list[list[float]] = ()) -> Optional[tuple[float, float]]:
     """Charge a step's schedule (``pipeline_time``) over every replica's stages' forward and backward per
     micro-batch (compute and TP traffic) and its boundaries' sends: ``pipeline_s`` (the slowest replica's
     schedule, and under the ideal nic), ``pp_s`` (what the sends add: the step less the same schedules
     with free sends), replica 0's stages' busy seconds (the bubble is the rest) and ``dp_s``, what each
     stage's buckets (``ready``, ``bucket_s`` per stage; none without replicas) add after its last
     backward, all on the one clock (``lossysim.clock.step_time``), as the estimate ends a step. With context
-    parallelism each stage's exchanges lengthen its forward and backward: ``cp_s`` is what they add to
-    the schedule (the same schedules without them give ``pipeline_s`` and ``pp_s``). FSDP's gathers
+    parallelism each stage's exchanges lengthen its forward and backward: what they add to the schedule
+    (with the run's nic, under the ideal nic) is returned for the caller to charge (None without them; the
+    same schedules without them give ``pipeline_s`` and ``pp_s``). FSDP's gathers
     (``gather_s``, per stage) come before each stage's first forward, prefetched as without stages: what
     they add joins ``dp_s``."""
     p, m = config.pp_size, config.n_microbatches
@@ -211,14 +223,15 @@ def _pipeline_clock(config: ExperimentConfig, state: TrainState, replicas: list[
     state.pp_s += step["pp_s"]
     state.pp_busy_s += sum(map(sum, arrays(replicas[0], "forward", 0))) + \
         sum(map(sum, arrays(replicas[0], "backward", 0)))
-    if context:   # cp_s: what the exchanges add to the schedule (the stages' ops they lengthen)
+    added = None
+    if context:   # what the exchanges add to the schedule (the stages' ops they lengthen)
         exchanged = clock.step_time(paths(0, exchanges=True), buckets, schedule).breakdown
-        state.cp_s += exchanged["pipeline_s"] - step["pipeline_s"]
-        state.cp_s_ideal_nic += clock.step_time(paths(1, exchanges=True), schedule=schedule).breakdown["pipeline_s"] \
-            - ideal_s
+        added = (exchanged["pipeline_s"] - step["pipeline_s"],
+                 clock.step_time(paths(1, exchanges=True), schedule=schedule).breakdown["pipeline_s"] - ideal_s)
         step = exchanged
     if bucket_s:
         state.dp_s += step["dp_s"]
+    return added
 
 
 def _buckets(dp, bucket_s: list, config: ExperimentConfig, gather_s=()) -> clock.Buckets:
@@ -237,8 +250,9 @@ def _compute_seconds(parts: Parts, config: ExperimentConfig, batch: dict, t0: fl
     # The GPU computes every position of the padded batch.
     rows, seq_len = batch["input_ids"].shape
     attention = cost.step_flops(0, rows * seq_len, parts.layers, parts.hidden, seq_len)
-    # Context parallelism splits every sequence's tokens (and its attention) over cp_size ranks too.
-    return parts.compute.step_time(parts.parameters, rows * seq_len, config.tp_size * config.cp_size,
+    # Context parallelism splits every sequence's tokens (and its attention) over its context ranks too.
+    mesh = config.mesh()
+    return parts.compute.step_time(parts.parameters, rows * seq_len, mesh.tp * mesh.cp,
                                    attention_flops=attention, kernels=parts.kernels)
 
 

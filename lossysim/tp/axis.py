@@ -6,4 +6,4 @@ AXIS = Axis(
     "tp", "TP", size="tp_size", mesh="tp",
     settings=(Setting("tp_size", int, 2, "tensor-parallel degree", flag="--tp-size", minimum=1,
                       estimate=EstimateFlag("tensor-parallel degree (default 8; with --trace 1)", unset=8)),),
-    traffic=("tp",))
+    traffic=("tp",), link_events=False)
