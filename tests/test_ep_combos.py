@@ -5,19 +5,14 @@ a run resumed from its checkpoint ends as the uninterrupted one. (Experts beside
 test_ep_cp.py.)"""
 from __future__ import annotations
 
-import os
-import shutil
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from dist_workers import assert_keeps_first_rows, spawn_runs, written
 from lossysim.data import train_batches
 from lossysim.ep import ExpertParallel
-from lossysim.io import read_jsonl
 from lossysim.models import NAMED_SHAPES
 from lossysim.run.build import build
 from lossysim.run.experiment import run_experiment
@@ -159,54 +154,12 @@ def _settings(name: str) -> dict:
     return {**BASE, **CASES[name]}
 
 
-def _worker(index: int, out: str, cache: str, ports: dict) -> None:
-    """Process ``index``: every case whose processes include it, as a torchrun rank of that case."""
-    torch.set_num_threads(1)
-    os.environ.update(LOSSYSIM_CACHE=cache, MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
-    _untied()
-    for phase in PHASES:
-        for name, first, world in phase:
-            if not first <= index < first + world:
-                continue
-            rank = index - first
-            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                              LOCAL_WORLD_SIZE=str(world), MASTER_PORT=str(ports[name]))
-            run_dir = Path(out) / name / "dist"
-            config = tiny_run(run_dir, backend="dist", **_settings(name))
-            summary = run_experiment(config, run_dir, progress=False)
-            assert summary["status"] == "completed", (name, summary.get("error"))
-            if name.endswith("-resumed"):   # killed after its step-2 checkpoint: the rest is gone
-                if rank == 0:
-                    shutil.copy(run_dir / "metrics.jsonl", run_dir.parent / "first-metrics.jsonl")
-                    shutil.rmtree(run_dir / "checkpoints" / "step-0000004")
-                    shutil.rmtree(run_dir / "checkpoint")
-                    (run_dir / "summary.json").unlink()
-                os.environ["MASTER_PORT"] = str(ports[f"resume-{name}"])
-                summary = run_experiment(config, run_dir, progress=False, resume=True)
-                assert summary["status"] == "completed", (name, summary.get("error"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every case's run directory on dist, by name."""
-    out = tmp_path_factory.mktemp("ep-combos-dist")
-    cache = tmp_path_factory.getbasetemp() / "cache"
-    ports = {name: _free_port() for name in [*CASES, *(f"resume-{n}" for n in CASES if n.endswith("-resumed"))]}
-    workers = mp.start_processes(_worker, args=(str(out), str(cache), ports), nprocs=PROCESSES, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
-    while not workers.join(timeout=1.0):   # raises if a worker failed (and stops the others)
-        if time.monotonic() > deadline:
-            for process in workers.processes:
-                process.kill()
-            pytest.fail(f"dist workers still running after {DEADLINE_S} s")
-    return out
+    return spawn_runs(tmp_path_factory, "ep-combos-dist",
+                      [case for phase in PHASES for case in phase], {name: _settings(name) for name in CASES},
+                      PROCESSES, DEADLINE_S, setup=_untied)
 
 
 @pytest.fixture
@@ -223,17 +176,12 @@ def sim(runs, monkeypatch):
     return run
 
 
-def _written(run_dir: Path):
-    from safetensors.torch import load_file
-    return read_jsonl(run_dir / "metrics.jsonl"), load_file(run_dir / "checkpoint" / "model.safetensors")
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_dist_is_sim_bit_for_bit_under_loss(runs, sim, name):
     """Gilbert-Elliott loss on every link (dispatch and combine both ways, TP, pipeline, DP, FSDP, the
     experts' own groups), drop_token, the gradient clipped: every metrics row and saved weight of the gloo
     processes is sim's; a run stopped after its step-2 checkpoint and resumed too."""
-    (sim_rows, sim_weights), (dist_rows, dist_weights) = _written(sim(name)), _written(runs / name / "dist")
+    (sim_rows, sim_weights), (dist_rows, dist_weights) = written(sim(name)), written(runs / name / "dist")
     assert len(sim_rows) == len(dist_rows)
     assert_dist_is_sim({"sim": sim_rows, "dist": dist_rows}, [sim_weights, dist_weights])
     last = [r for r in sim_rows if r["split"] == "train"][-1]
@@ -241,6 +189,4 @@ def test_dist_is_sim_bit_for_bit_under_loss(runs, sim, name):
     if CASES[name].get("pp_size", 1) > 1:
         assert last["packets_lost_pp_fwd"] > 0 and last["pipeline_s_per_step"] > 0
     if name.endswith("-resumed"):
-        first = read_jsonl(runs / name / "first-metrics.jsonl")
-        kept = [row for row in first if row["step"] <= 2]
-        assert dist_rows[:len(kept)] == kept and len(dist_rows) == len(first)
+        assert_keeps_first_rows(runs / name, dist_rows)

@@ -142,62 +142,20 @@ CASES = {
     # an ep group over two replicas' context ranks, stopped after its step-2 checkpoint and resumed
     "cp-ep4-resumed": dict(dp_size=2, ep_size=4, steps=4, eval_every=2, checkpoint_every=2, keep_checkpoints=0),
 }
-PHASES = [("cp-lossy", 2), ("cp-dp-lossy", 4), ("tp-cp-lossy", 4), ("cp-ep4-resumed", 4)]
+# (name, first process, processes), one after another
+PLAN = [("cp-lossy", 0, 2), ("cp-dp-lossy", 0, 4), ("tp-cp-lossy", 0, 4), ("cp-ep4-resumed", 0, 4)]
 
 
 def _settings(name: str) -> dict:
     return {**BASE, **CASES[name]}
 
 
-def _worker(index: int, out: str, cache: str, ports: dict) -> None:
-    """Process ``index``: every case whose world includes it, as a torchrun rank of that case."""
-    import os
-    import shutil
-    from pathlib import Path
-
-    from lossysim.run.experiment import run_experiment
-    from tiny_runs import tiny_run
-    torch.set_num_threads(1)
-    os.environ.update(LOSSYSIM_CACHE=cache, MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
-    for name, world in PHASES:
-        if index >= world:
-            continue
-        os.environ.update(RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(world),
-                          LOCAL_WORLD_SIZE=str(world), MASTER_PORT=str(ports[name]))
-        run_dir = Path(out) / name / "dist"
-        config = tiny_run(run_dir, backend="dist", **_settings(name))
-        summary = run_experiment(config, run_dir, progress=False)
-        assert summary["status"] == "completed", (name, summary.get("error"))
-        if name.endswith("-resumed"):   # killed after its step-2 checkpoint: the rest is gone
-            if index == 0:
-                shutil.copy(run_dir / "metrics.jsonl", run_dir.parent / "first-metrics.jsonl")
-                shutil.rmtree(run_dir / "checkpoints" / "step-0000004")
-                shutil.rmtree(run_dir / "checkpoint")
-                (run_dir / "summary.json").unlink()
-            os.environ["MASTER_PORT"] = str(ports[f"resume-{name}"])
-            summary = run_experiment(config, run_dir, progress=False, resume=True)
-            assert summary["status"] == "completed", (name, summary.get("error"))
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every case's run directory on dist, by name."""
-    import time
-
-    import torch.multiprocessing as mp
-    from test_ep_combos import _free_port
-    out = tmp_path_factory.mktemp("ep-cp-dist")
-    cache = tmp_path_factory.getbasetemp() / "cache"
-    ports = {name: _free_port() for name in [*CASES, *(f"resume-{n}" for n in CASES if n.endswith("-resumed"))]}
-    workers = mp.start_processes(_worker, args=(str(out), str(cache), ports), nprocs=PROCESSES, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
-    while not workers.join(timeout=1.0):   # raises if a worker failed (and stops the others)
-        if time.monotonic() > deadline:
-            for process in workers.processes:
-                process.kill()
-            pytest.fail(f"dist workers still running after {DEADLINE_S} s")
-    return out
+    from dist_workers import spawn_runs
+    return spawn_runs(tmp_path_factory, "ep-cp-dist", PLAN, {name: _settings(name) for name in CASES}, PROCESSES,
+                      DEADLINE_S)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -205,15 +163,14 @@ def test_dist_is_sim_bit_for_bit_under_loss(runs, name):
     """Gilbert-Elliott loss on every link (dispatch and combine both ways, keys and values, the dense
     gradients' dp x cp group, the experts' own groups), the gradient clipped: every metrics row and saved
     weight of the gloo processes is sim's; a run stopped after its step-2 checkpoint and resumed too."""
-    from lossysim.io import read_jsonl
+    from dist_workers import assert_keeps_first_rows, written
     from lossysim.run.experiment import run_experiment
     from test_data_parallel import assert_dist_is_sim
-    from test_ep_combos import _written
     from tiny_runs import tiny_run
     sim_dir = runs / name / "sim"
     config = tiny_run(sim_dir, backend="sim", **_settings(name))
     assert run_experiment(config, sim_dir, progress=False)["status"] == "completed"
-    (sim_rows, sim_weights), (dist_rows, dist_weights) = _written(sim_dir), _written(runs / name / "dist")
+    (sim_rows, sim_weights), (dist_rows, dist_weights) = written(sim_dir), written(runs / name / "dist")
     assert len(sim_rows) == len(dist_rows)
     assert_dist_is_sim({"sim": sim_rows, "dist": dist_rows}, [sim_weights, dist_weights])
     last = [r for r in sim_rows if r["split"] == "train"][-1]
@@ -224,6 +181,4 @@ def test_dist_is_sim_bit_for_bit_under_loss(runs, name):
     if CASES[name].get("tp_size", 1) > 1:
         assert last["packets_lost_fwd"] > 0
     if name.endswith("-resumed"):
-        first = read_jsonl(runs / name / "first-metrics.jsonl")
-        kept = [row for row in first if row["step"] <= 2]
-        assert dist_rows[:len(kept)] == kept and len(dist_rows) == len(first)
+        assert_keeps_first_rows(runs / name, dist_rows)

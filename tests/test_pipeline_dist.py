@@ -11,16 +11,12 @@ for every rank at once; that is TP's matter, not the pipeline's).
 """
 from __future__ import annotations
 
-import os
-import shutil
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from dist_workers import assert_keeps_first_rows, spawn_runs, written
 from lossysim.io import read_jsonl
 from lossysim.models import NAMED_SHAPES
 from lossysim.run.experiment import run_experiment
@@ -65,54 +61,12 @@ def _settings(name: str) -> dict:
     return {**BASE, **CASES[name]}
 
 
-def _worker(index: int, out: str, cache: str, ports: dict) -> None:
-    """Process ``index``: every case whose processes include it, as a torchrun rank of that case."""
-    torch.set_num_threads(1)
-    os.environ.update(LOSSYSIM_CACHE=cache, MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
-    _four_blocks()
-    for phase in PHASES:
-        for name, first, world in phase:
-            if not first <= index < first + world:
-                continue
-            rank = index - first
-            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                              LOCAL_WORLD_SIZE=str(world), MASTER_PORT=str(ports[name]))
-            run_dir = Path(out) / name / "dist"
-            config = tiny_run(run_dir, backend="dist", **_settings(name))
-            summary = run_experiment(config, run_dir, progress=False)
-            assert summary["status"] == "completed", (name, summary.get("error"), summary.get("diverged_at"))
-            if name.endswith("-resumed"):   # killed after its step-2 checkpoint: the rest is gone
-                if rank == 0:
-                    shutil.copy(run_dir / "metrics.jsonl", run_dir.parent / "first-metrics.jsonl")
-                    shutil.rmtree(run_dir / "checkpoints" / "step-0000004")
-                    shutil.rmtree(run_dir / "checkpoint")
-                    (run_dir / "summary.json").unlink()
-                os.environ["MASTER_PORT"] = str(ports[f"resume-{name}"])
-                summary = run_experiment(config, run_dir, progress=False, resume=True)
-                assert summary["status"] == "completed", (name, summary.get("error"), summary.get("diverged_at"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every case's run directory on dist (``dist``), and on sim (``sim``), by name."""
-    out = tmp_path_factory.mktemp("pp-dist")
-    cache = tmp_path_factory.getbasetemp() / "cache"
-    ports = {name: _free_port() for name in [*CASES, *(f"resume-{n}" for n in CASES if n.endswith("-resumed"))]}
-    workers = mp.start_processes(_worker, args=(str(out), str(cache), ports), nprocs=PROCESSES, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
-    while not workers.join(timeout=1.0):   # raises if a worker failed (and stops the others)
-        if time.monotonic() > deadline:
-            for process in workers.processes:
-                process.kill()
-            pytest.fail(f"dist workers still running after {DEADLINE_S} s")
-    return out
+    return spawn_runs(tmp_path_factory, "pp-dist",
+                      [case for phase in PHASES for case in phase], {name: _settings(name) for name in CASES},
+                      PROCESSES, DEADLINE_S, setup=_four_blocks)
 
 
 @pytest.fixture(scope="module")
@@ -136,13 +90,8 @@ def sim(runs, tmp_path_factory, four_blocks_here, one_torch_thread, monkeypatch)
     return run
 
 
-def _written(run_dir: Path):
-    from safetensors.torch import load_file
-    return read_jsonl(run_dir / "metrics.jsonl"), load_file(run_dir / "checkpoint" / "model.safetensors")
-
-
 def _assert_same(sim_dir: Path, dist_dir: Path) -> list[dict]:
-    (sim_rows, sim_weights), (dist_rows, dist_weights) = _written(sim_dir), _written(dist_dir)
+    (sim_rows, sim_weights), (dist_rows, dist_weights) = written(sim_dir), written(dist_dir)
     assert len(sim_rows) == len(dist_rows)
     assert_dist_is_sim({"sim": sim_rows, "dist": dist_rows}, [sim_weights, dist_weights])
     return sim_rows
@@ -155,8 +104,8 @@ def test_loss_free_dist_stages_train_as_sim_and_as_one_stage(runs, sim, name):
     rows = _assert_same(sim(name), runs / name / "dist")
     train = [r for r in rows if r["split"] == "train"]
     assert train[-1]["packets_sent_pp_fwd"] > 0 and train[-1]["pipeline_s_per_step"] > 0
-    _, staged = _written(runs / name / "dist")
-    _, one = _written(sim(name, pp_size=1, microbatches=2))
+    _, staged = written(runs / name / "dist")
+    _, one = written(sim(name, pp_size=1, microbatches=2))
     assert staged.keys() == one.keys()
     for key in one:
         assert torch.equal(staged[key], one[key]), key
@@ -184,10 +133,8 @@ def test_a_dist_pipeline_resumes_exactly(runs, sim, name):
     uninterrupted run; the rows up to the checkpoint are the first run's (their wall-clock times), the
     rest the resumed one's."""
     _assert_same(sim(name), runs / name / "dist")
-    first = read_jsonl(runs / name / "first-metrics.jsonl")
     resumed = read_jsonl(runs / name / "dist" / "metrics.jsonl")
-    kept = [row for row in first if row["step"] <= 2]
-    assert resumed[:len(kept)] == kept and len(resumed) == len(first)
+    first, kept = assert_keeps_first_rows(runs / name, resumed)
     assert [r["time_s"] for r in resumed[len(kept):]] != [r["time_s"] for r in first[len(kept):]]
 
 

@@ -6,17 +6,13 @@ tests' ``PARAM_TOL``), ``dist`` (one gloo process a rank, one spawn of 4 for the
 bit under loss, and a run stopped after a checkpoint and resumed ends as the uninterrupted one."""
 from __future__ import annotations
 
-import os
 import shutil
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from lossysim.io import read_jsonl
+from dist_workers import assert_keeps_first_rows, spawn_runs, written
 from lossysim.run import checkpoint
 from lossysim.run.experiment import run_experiment
 from lossysim.tp import gather_full_model
@@ -143,54 +139,11 @@ def test_a_lossy_combination_resumes_exactly(name, tmp_path, one_torch_thread):
 
 # -- dist against sim -------------------------------------------------------------------------------
 
-def _worker(index: int, out: str, cache: str, ports: dict) -> None:
-    """Process ``index``: every case, as a torchrun rank of it (each on all 4 processes)."""
-    torch.set_num_threads(1)
-    os.environ.update(LOSSYSIM_CACHE=cache, MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
-    for name in CASES:
-        os.environ.update(RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(PROCESSES),
-                          LOCAL_WORLD_SIZE=str(PROCESSES), MASTER_PORT=str(ports[name]))
-        run_dir = Path(out) / name / "dist"
-        config = tiny_run(run_dir, backend="dist", **_settings(name))
-        summary = run_experiment(config, run_dir, progress=False)
-        assert summary["status"] == "completed", (name, summary.get("error"))
-        if name.endswith("-resumed"):   # killed after its step-2 checkpoint: the rest is gone
-            if index == 0:
-                shutil.copy(run_dir / "metrics.jsonl", run_dir.parent / "first-metrics.jsonl")
-                shutil.rmtree(run_dir / "checkpoints" / "step-0000004")
-                shutil.rmtree(run_dir / "checkpoint")
-                (run_dir / "summary.json").unlink()
-            os.environ["MASTER_PORT"] = str(ports[f"resume-{name}"])
-            summary = run_experiment(config, run_dir, progress=False, resume=True)
-            assert summary["status"] == "completed", (name, summary.get("error"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every case's run directory on dist, by name."""
-    out = tmp_path_factory.mktemp("combos-dist")
-    cache = tmp_path_factory.getbasetemp() / "cache"
-    ports = {name: _free_port() for name in [*CASES, *(f"resume-{n}" for n in CASES if n.endswith("-resumed"))]}
-    workers = mp.start_processes(_worker, args=(str(out), str(cache), ports), nprocs=PROCESSES, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
-    while not workers.join(timeout=1.0):   # raises if a worker failed (and stops the others)
-        if time.monotonic() > deadline:
-            for process in workers.processes:
-                process.kill()
-            pytest.fail(f"dist workers still running after {DEADLINE_S} s")
-    return out
-
-
-def _written(run_dir: Path):
-    from safetensors.torch import load_file
-    return read_jsonl(run_dir / "metrics.jsonl"), load_file(run_dir / "checkpoint" / "model.safetensors")
+    return spawn_runs(tmp_path_factory, "combos-dist", [(name, 0, PROCESSES) for name in CASES],
+                      {name: _settings(name) for name in CASES}, PROCESSES, DEADLINE_S)
 
 
 def _sim(runs: Path, name: str, tmp_path_factory, monkeypatch) -> Path:
@@ -204,9 +157,9 @@ def _sim(runs: Path, name: str, tmp_path_factory, monkeypatch) -> Path:
 @pytest.mark.parametrize("name", ["cp-pp-lossy", "fsdp-pp-lossy", "cp-dp-lossy"])
 def test_lossy_dist_combinations_are_sims_bit_for_bit(name, runs, tmp_path_factory, monkeypatch, one_torch_thread):
     """5% Bernoulli loss on every link, the gradient clipped: every metrics row and saved weight."""
-    (sim_rows, sim_weights), (dist_rows, dist_weights) = (_written(d) for d in
-                                                          (_sim(runs, name, tmp_path_factory, monkeypatch),
-                                                           runs / name / "dist"))
+    (sim_rows, sim_weights), (dist_rows, dist_weights) = (written(d) for d in
+                                                         (_sim(runs, name, tmp_path_factory, monkeypatch),
+                                                          runs / name / "dist"))
     assert len(sim_rows) == len(dist_rows)
     assert_dist_is_sim({"sim": sim_rows, "dist": dist_rows}, [sim_weights, dist_weights])
     last = [r for r in sim_rows if r["split"] == "train"][-1]
@@ -223,10 +176,8 @@ def test_a_dist_context_pipeline_resumes_exactly(runs, tmp_path_factory, monkeyp
     """Stopped after its step-2 checkpoint and resumed on dist, tp 1 x cp 2 x pp 2 ends as sim's
     uninterrupted run; the rows up to the checkpoint are the first run's."""
     name = "cp-pp-resumed"
-    (sim_rows, sim_weights), (dist_rows, dist_weights) = (_written(d) for d in
-                                                          (_sim(runs, name, tmp_path_factory, monkeypatch),
-                                                           runs / name / "dist"))
+    (sim_rows, sim_weights), (dist_rows, dist_weights) = (written(d) for d in
+                                                         (_sim(runs, name, tmp_path_factory, monkeypatch),
+                                                          runs / name / "dist"))
     assert_dist_is_sim({"sim": sim_rows, "dist": dist_rows}, [sim_weights, dist_weights])
-    first = read_jsonl(runs / name / "first-metrics.jsonl")
-    kept = [row for row in first if row["step"] <= 2]
-    assert dist_rows[:len(kept)] == kept and len(dist_rows) == len(first)
+    assert_keeps_first_rows(runs / name, dist_rows)

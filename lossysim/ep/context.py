@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .experts import ExpertParallel, _AllToAll, transposed
+from .experts import ExpertParallel, _AllToAll, _assignments, _by_tp_rank, _weighted, transposed
 from .groups import SimShared, _messages
 from .lockstep import solo
 
@@ -59,10 +59,7 @@ class ContextExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        ranks = self.tp_group.local_size
-        outs = [self.route(x, index, weights, group) for x, index, weights, group in
-                zip(hidden_states.chunk(ranks), top_k_index.chunk(ranks), top_k_weights.chunk(ranks), self.groups)]
-        return torch.cat(outs)
+        return _by_tp_rank(self, hidden_states, top_k_index, top_k_weights)
 
     def route(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, group) -> torch.Tensor:
         """One TP rank's rows (its context ranks' local tokens, context rank by context rank) each to its
@@ -70,12 +67,9 @@ class ContextExperts(nn.Module):
         k = index.shape[1]
         # evaluation: the group's first replica's context ranks route (sim evaluates replica 0)
         routes = self.training or group.slot == 0
-        orders, flats = [], []
-        for part in index.chunk(self.contexts):
-            flat = part.reshape(-1) if routes else part.new_zeros(0)
-            flats.append(flat)
-            orders.append(torch.argsort(flat, stable=True))
-        counts = torch.stack([torch.bincount(f, minlength=self.num_experts) for f in flats])
+        orders, counts = zip(*(_assignments(part, routes, self.num_experts) for part in
+                               index.chunk(self.contexts)))
+        counts = torch.stack(counts)
         every = group.share(self.site, counts)          # [ep, experts]
         per = every.reshape(len(every), -1, self.per_rank).sum(-1).tolist()
         sent = torch.cat([rows[torch.div(order, k, rounding_mode="floor")]
@@ -87,13 +81,8 @@ class ContextExperts(nn.Module):
         back = _AllToAll.apply(torch.cat(computed), group, "ep_combine", f"{self.site}.combine", transposed(per))
         if not routes:
             return torch.zeros_like(x)
-        outs = []
-        for got, order, w in zip(back.split([len(o) for o in orders]), orders, weights.chunk(self.contexts)):
-            inverse = torch.empty_like(order)
-            inverse[order] = torch.arange(len(order), device=order.device)
-            outputs = got[inverse].view(len(w), k, -1)
-            outs.append((outputs * w.unsqueeze(-1).to(outputs.dtype)).sum(1))
-        return torch.cat(outs)
+        return torch.cat([_weighted(got, order, w, k) for got, order, w in
+                          zip(back.split([len(o) for o in orders]), orders, weights.chunk(self.contexts))])
 
     def gathered(self) -> dict:
         """Every expert of the layer, every member's block in member order (``gather_full_model``)."""

@@ -53,6 +53,35 @@ def transposed(matrix: Sequence[Sequence[int]]) -> list[list[int]]:
     return [list(column) for column in zip(*matrix)]
 
 
+# The steps of a route that ``ExpertParallel`` and ``lossysim.ep.context.ContextExperts`` (a route per
+# context rank's member) share.
+
+def _by_tp_rank(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+               top_k_weights: torch.Tensor) -> torch.Tensor:
+    """``module.route`` on each local TP rank's rows (``hidden_states`` holds them TP rank by TP rank),
+    through that rank's group (``module.groups``); the outputs in the same order."""
+    ranks = module.tp_group.local_size
+    outs = [module.route(x, index, weights, group) for x, index, weights, group in
+            zip(hidden_states.chunk(ranks), top_k_index.chunk(ranks), top_k_weights.chunk(ranks), module.groups)]
+    return torch.cat(outs)
+
+
+def _assignments(index: torch.Tensor, routes: bool, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (token, slot) assignments of top-k ``index`` [T, k] sorted by expert (then token, slot), and
+    the counts per expert; none where this rank does not route (``routes`` False: evaluation)."""
+    flat = index.reshape(-1) if routes else index.new_zeros(0)
+    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_experts)
+
+
+def _weighted(back: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, k: int) -> torch.Tensor:
+    """The expert outputs ``back`` (the assignments in ``order``) back to their tokens, each token's k
+    outputs summed times its gate ``weights`` [T, k]."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order), device=order.device)
+    outputs = back[inverse].view(len(weights), k, -1)
+    return (outputs * weights.unsqueeze(-1).to(outputs.dtype)).sum(1)
+
+
 class ExpertParallel(nn.Module):
     """A block's routed experts, this rank's share of them (``ep_rank`` of ``ep_size``), dispatched to and
     combined from over ``groups`` (one per TP rank this process holds: ``lossysim.ep.groups``)."""
@@ -80,19 +109,14 @@ class ExpertParallel(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        ranks = self.tp_group.local_size
-        outs = [self.route(x, index, weights, group) for x, index, weights, group in
-                zip(hidden_states.chunk(ranks), top_k_index.chunk(ranks), top_k_weights.chunk(ranks), self.groups)]
-        return torch.cat(outs)
+        return _by_tp_rank(self, hidden_states, top_k_index, top_k_weights)
 
     def route(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, group) -> torch.Tensor:
         """One TP rank's tokens ``x`` [T, hidden] to their top-k experts and back, weighted."""
-        tokens, k = index.shape
+        k = index.shape[1]
         # evaluation: the group's first replica's tokens alone (its ``routers`` context ranks' members)
         routes = self.training or group.member < self.routers
-        flat = index.reshape(-1) if routes else index.new_zeros(0)
-        order = torch.argsort(flat, stable=True)       # assignments by expert (then token, slot)
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        order, counts = _assignments(index, routes, self.num_experts)
         every = group.share(self.site, counts)         # [members, experts]
         per = every.reshape(len(every), -1, self.per_rank).sum(-1).tolist()    # rows member s sends member d
         sent = x[torch.div(order, k, rounding_mode="floor")]
@@ -101,10 +125,7 @@ class ExpertParallel(nn.Module):
         back = _AllToAll.apply(computed, group, "ep_combine", f"{self.site}.combine", transposed(per))
         if not routes:
             return torch.zeros_like(x)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(len(order), device=order.device)
-        outputs = back[inverse].view(tokens, k, -1)
-        return (outputs * weights.unsqueeze(-1).to(outputs.dtype)).sum(1)
+        return _weighted(back, order, weights, k)
 
     def compute(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each local expert on its rows: ``rows`` come source by source, each source's sorted by expert
