@@ -122,8 +122,7 @@ def classes_of(config) -> tuple[str, ...]:
 
 def summary(config) -> dict:
     """summary.json's ``fabric`` ``slowdown``: each of the run's classes' factor on its fabric, as the estimate
-    multiplies its loss-free time by it (training's simulated clock does not: its networks time each
-    group alone)."""
+    multiplies its loss-free time by it and training's clock its networks' (``run.fabric_record.stretch_clocks``)."""
     per = columns(factors(config), classes_of(config))
     return {cls: per[f"{cls}_fabric_slowdown"] for cls in classes_of(config)}
 

@@ -51,7 +51,8 @@ def simulate(network, site: str, direction: str, numel: int, dtype: torch.dtype,
         events.widen(network, transfer)
     channel = network.channels.get(site, direction, device)
     channel.counters.calls += 1
-    network.time.ideal += transfer.ideal
+    ideal = transfer.ideal * network.time.stretch   # (1.0 but in training on shared cables: exact, unchanged)
+    network.time.ideal += ideal
     delivery, repairs, recovery_before = None, None, network.time.recovery_s
     fates = network._fates.get(device)
     if fates is None:
@@ -75,7 +76,7 @@ def simulate(network, site: str, direction: str, numel: int, dtype: torch.dtype,
     if later is not None:   # a link event held or slowed the call (``cable_events``)
         network.time.tick(later)
         repairs = later if repairs is None else repairs + later
-    network.replay.keep(key, Outcome(delivery, transfer.ideal, repairs, network.time.recovery_s - recovery_before))
+    network.replay.keep(key, Outcome(delivery, ideal, repairs, network.time.recovery_s - recovery_before))
     if delivery is not None:   # the policy acts on this call
         _side_traffic(network, site, direction, collective, numel, dtype, device)
     return delivery

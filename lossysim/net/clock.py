@@ -14,6 +14,9 @@ class Clock:
         self.repairs: Optional[torch.Tensor] = None   # seconds repairs added: configured nic, ideal nic
         self.ideal = 0.0                               # all the traffic without loss
         self.recovery_s = 0.0                          # the recovery policy's compute
+        # on a fabric with shared cables, training multiplies each call's loss-free seconds by its class's
+        # collision factor (``run.fabric_record.stretch_clocks``), as the estimate does; 1.0 otherwise
+        self.stretch = 1.0
         self._policy_s: dict[tuple, float] = {}        # per policy and message shape: seconds per call
 
     def charge_policy(self, policy, transfer, collective: str, numel: int, dtype: torch.dtype) -> None:

@@ -40,6 +40,7 @@ from ..timing import NIC_PRESETS
 from ..util import one_of
 from . import checkpoint, failures, tracking
 from .clock import clock, clock_mark
+from .fabric_record import stretch_clocks
 from .metrics import Metrics, cut_metrics, eval_row, train_row
 from .summary import collectives, fabric, failure, sections, summary as run_summary, traffic_summary
 from .build import Parts, build
@@ -163,6 +164,7 @@ def _setup(config: ExperimentConfig, run_dir: Path, resume: bool):
         tracking.require(config.report_to)
     parts = build(config, runtime.device, runtime.rank, runtime.is_main,
                   runtime.barrier if config.backend == "dist" else None)
+    stretch_clocks(parts, config)   # shared cables on the step clock (none without a fabric)
     if resume:
         _check_finished(runtime, parts)
     if runtime.is_main:

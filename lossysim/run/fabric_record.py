@@ -4,7 +4,9 @@ networks this process holds (replica 0's TP, pipeline, expert and context networ
 group's it holds: sim, all of them), as the estimate counts its groups (``estimate.blast``). The fabric is
 no axis: ``run.summary`` adds this section beside the axes' own. ``slowdown``: each class's factor for the
 flows its concurrent groups share cables with (``estimate.collisions``), which the estimate multiplies its
-loss-free time by; training's clock does not."""
+loss-free time by, and which training's clock multiplies each of those networks' loss-free seconds by
+(``stretch_clocks``: replica 0's TP, pipeline, expert and context networks and every data-parallel one;
+the experts' buckets' networks are not stretched)."""
 from __future__ import annotations
 
 from ..axes import AXES
@@ -13,15 +15,7 @@ from ..estimate.blast import Blast
 
 
 def fabric_summary(parts, config) -> dict:
-    pipeline, dp = parts.pipeline, parts.dp
-    carriers = {"tp": [parts.train_net] if pipeline is None else list(pipeline.networks),
-                "pp": list(pipeline.boundary_networks()) if pipeline is not None else [],
-                config.dp_class: list(dp.networks) if dp.dp_size > 1 else []}
-    for axis in AXES:   # every other axis's networks, from its ``record`` module's ``carriers`` (the order: none)
-        part = getattr(parts, axis.part, None) if axis.part else None
-        hooks = axis.hooks() if part is not None else None
-        if hasattr(hooks, "carriers"):
-            carriers.update(hooks.carriers(part))
+    carriers = _carriers(parts, config)
     blast, sent = Blast(), {}
     for cls, networks in carriers.items():
         for net in networks:
@@ -32,3 +26,33 @@ def fabric_summary(parts, config) -> dict:
             "routing": spec.routing, "qps_per_connection": spec.qps_per_connection, "pxn": spec.pxn,
             "lossy_cables": len(spec.cables.losses) if spec.cables is not None else 0,
             "blast_radius": blast.table(sent), "slowdown": collisions.summary(config)}
+
+
+def stretch_clocks(parts, config) -> dict[str, float]:
+    """Each class's networks' clocks set to multiply their loss-free seconds by the class's collision factor
+    (``collisions.summary``), so training's step clock charges shared cables as the estimate does; the
+    factors set (empty without a fabric or with ``shared_cables`` off: every clock as it was)."""
+    if not collisions.factors(config):   # no fabric, or shared_cables off
+        return {}
+    by = collisions.summary(config)
+    networks = _carriers(parts, config)
+    if parts.ep is not None and parts.ep.mesh.ep > 1:   # every expert group's, not the blast radius's first
+        networks.update({name: [g.train[name] for g in parts.ep.groups] for name in networks
+                         if name.startswith("ep_")})
+    for cls, nets in networks.items():
+        for net in nets:
+            net.time.stretch = by.get(cls, 1.0)
+    return {cls: by.get(cls, 1.0) for cls, nets in networks.items() if nets}
+
+
+def _carriers(parts, config) -> dict:
+    pipeline, dp = parts.pipeline, parts.dp
+    carriers = {"tp": [parts.train_net] if pipeline is None else list(pipeline.networks),
+                "pp": list(pipeline.boundary_networks()) if pipeline is not None else [],
+                config.dp_class: list(dp.networks) if dp.dp_size > 1 else []}
+    for axis in AXES:   # every other axis's networks, from its ``record`` module's ``carriers`` (the order: none)
+        part = getattr(parts, axis.part, None) if axis.part else None
+        hooks = axis.hooks() if part is not None else None
+        if hasattr(hooks, "carriers"):
+            carriers.update(hooks.carriers(part))
+    return carriers
