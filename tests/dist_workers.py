@@ -69,13 +69,18 @@ def spawn_runs(tmp_path_factory, label: str, plan: list, settings: dict, process
     ports = {name: free_port() for name in [*names, *(f"resume-{n}" for n in names if n.endswith(RESUMED))]}
     workers = mp.start_processes(_run_cases, args=(str(out), str(cache), ports, plan, settings, setup),
                                  nprocs=processes, join=False, start_method="spawn")
+    join_or_fail(workers, deadline_s)
+    return out
+
+
+def join_or_fail(workers, deadline_s: float) -> None:
+    """Wait for spawned ``workers``; a failed one raises (and stops the others), a slow one fails the test."""
     deadline = time.monotonic() + deadline_s
-    while not workers.join(timeout=1.0):   # raises if a worker failed (and stops the others)
+    while not workers.join(timeout=1.0):
         if time.monotonic() > deadline:
             for process in workers.processes:
                 process.kill()
             pytest.fail(f"dist workers still running after {deadline_s} s")
-    return out
 
 
 def written(run_dir: Path):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import time
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ from _tp_common import (ALGORITHM_CASES, ATTENTION, CLASSES, LLAMA_DIST_CASES, L
                         POLICY_CASES, build, dist_worker,
                         grads, hf_step, lossy_network, lossy_run, make_batch, params, rel_err,
                         sharded_names, tp_layout, tp_step)
+from dist_workers import join_or_fail  # noqa: E402
 
 from lossysim import gather_full_model, parallelize  # noqa: E402
 
@@ -45,12 +45,7 @@ def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
     workers = mp.start_processes(dist_worker, args=(WORLD, str(out)), nprocs=WORLD, join=False,
                                  start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
-    while not workers.join(timeout=1.0):  # raises if a worker failed (and stops the other)
-        if time.monotonic() > deadline:
-            for process in workers.processes:
-                process.kill()
-            pytest.fail(f"dist workers still running after {DEADLINE_S} s")
+    join_or_fail(workers, DEADLINE_S)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
