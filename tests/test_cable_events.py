@@ -259,6 +259,35 @@ def test_a_cable_down_for_the_first_steps_under_drop_loses_their_dp_packets_and_
     assert down[0]["loss"] == free[0]["loss"] and down[-1]["loss"] != free[-1]["loss"]
 
 
+def test_a_flap_with_no_end_in_training_runs_and_loses_the_steps_its_down_windows_hold(tmp_path):
+    """dp 2 under drop, leaf0-spine0 flapping with no ``for=`` (to training's 1e9 s horizon; it once walked
+    every period to it and never got past a step): every DP packet of the steps that start inside a down
+    window is lost, none of the others'; time as the free run's."""
+    from test_data_parallel import tiny
+    from lossysim.fabric.place import fabric_of
+    from lossysim.io import read_jsonl
+    from lossysim.run.experiment import run_experiment
+
+    settings = dict(tp_size=1, dp_size=2, ranks_per_node=1, fabric=FABRIC, transport="drop", steps=6, eval_every=6)
+    free = tiny(tmp_path / "free", **settings, out=str(tmp_path / "free" / "out"))
+    assert run_experiment(free, free.out, progress=False)["status"] == "completed"
+    free = [r for r in read_jsonl(tmp_path / "free" / "out" / "metrics.jsonl") if r["split"] == "train"]
+    step = free[0]["sim_time_s"]
+    flap = f"leaf0-spine0:flap:at=0,period={2.7 * step:.9g},down={1.2 * step:.9g}"
+    run = tiny(tmp_path / "flap", **settings, link_event=flap, out=str(tmp_path / "flap" / "out"))
+    assert run_experiment(run, run.out, progress=False)["status"] == "completed"
+    rows = [r for r in read_jsonl(tmp_path / "flap" / "out" / "metrics.jsonl") if r["split"] == "train"]
+    schedule = LinkSchedule(fabric_of(FABRIC), [flap], cable_events.HORIZON_S)
+    inside = [schedule.down("leaf0-spine0", t) for t in [0.0] + [r["sim_time_s"] for r in free[:-1]]]
+    assert len(rows) == 6 and any(inside) and not all(inside)
+    sent_before = lost_before = 0
+    for row, is_inside in zip(rows, inside):
+        sent, lost = row["packets_sent_dp"] - sent_before, row["packets_lost_dp"] - lost_before
+        assert sent > 0 and lost == (sent if is_inside else 0), row["step"]
+        sent_before, lost_before = row["packets_sent_dp"], row["packets_lost_dp"]
+    assert [r["sim_time_s"] for r in rows] == [r["sim_time_s"] for r in free]
+
+
 @pytest.mark.usefixtures("private_cache")
 def test_a_cable_down_for_the_first_steps_loses_the_pipelines_sends_under_drop_and_dist_equals_sim(
         tmp_path, one_torch_thread):

@@ -277,25 +277,31 @@ def call_end(schedule: LinkSchedule, loads: np.ndarray, start: float, seconds: f
     others = loads > 0
     others[evented] = False
     steady = float(per_byte[others].max(initial=0.0))
+    # the slowest the call can go (every cable at its lowest speed): the stretches are worked out only up
+    # to when it must have ended, so a flap with no end (training's horizon) costs what the call spans
+    slowest = max([steady, *(per_byte[c] / min([e.fraction for e in schedule.events[c] if e.kind == "speed"],
+                                               default=1.0) for c in evented)])
     t, left, stalled, slowed = float(start), 1.0, 0.0, 0.0
     while True:
         outage = None if drop else _next_outage(schedule, evented, t, reroute_s)
         horizon = outage[0] if outage else math.inf
         # the work goes on piecewise at each stretch's rate until the outage (or the end)
-        points = [t, *schedule.changes(evented, t, min(horizon, t + 10 * schedule.run_s)), horizon]
-        for a, b in zip(points, points[1:]):
-            mid = a + (min(b, a + 1.0) - a) / 2 if math.isinf(b) else (a + b) / 2
-            # a cable down here has had its flows rerouted (else the outage would come first): its bytes
-            # are assumed to find room elsewhere, so it holds nothing back
-            now = max([steady, *(per_byte[c] / (schedule.speed(c, mid) or 1.0) for c in evented)])
-            rate = full / now
-            if (b - a) * rate / seconds >= left:
-                done = a + left * seconds / rate
-                slowed += (done - a) - left * seconds
-                met = drop and any(schedule.outages(c, start, done) for c in evented)
-                return CallEnd(done, False, stalled, slowed, met)
-            left -= (b - a) * rate / seconds
-            slowed += (b - a) * (1 - rate)
+        while t < horizon:
+            stop = min(horizon, t + 2 * left * seconds * slowest / full + 1.0)
+            points = [t, *schedule.changes(evented, t, min(stop, t + 10 * schedule.run_s)), stop]
+            for a, b in zip(points, points[1:]):
+                # a cable down here has had its flows rerouted (else the outage would come first): its
+                # bytes are assumed to find room elsewhere, so it holds nothing back
+                now = max([steady, *(per_byte[c] / (schedule.speed(c, (a + b) / 2) or 1.0) for c in evented)])
+                rate = full / now
+                if (b - a) * rate / seconds >= left:
+                    done = a + left * seconds / rate
+                    slowed += (done - a) - left * seconds
+                    met = drop and any(schedule.outages(c, start, done) for c in evented)
+                    return CallEnd(done, False, stalled, slowed, met)
+                left -= (b - a) * rate / seconds
+                slowed += (b - a) * (1 - rate)
+            t = stop
         down_at, back = outage
         resumed, failed = resume_at(down_at, back, waits)
         if failed:
