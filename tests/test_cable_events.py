@@ -249,11 +249,7 @@ def test_a_cable_down_for_the_first_steps_under_drop_loses_their_dp_packets_and_
     starts = [0.0] + [r["sim_time_s"] for r in down[:-1]]
     inside = [t < 0.002 for t in starts]
     assert any(inside) and not all(inside)          # the window holds the first steps, not all of them
-    sent_before = lost_before = 0
-    for row, is_inside in zip(down, inside):
-        sent, lost = row["packets_sent_dp"] - sent_before, row["packets_lost_dp"] - lost_before
-        assert sent > 0 and lost == (sent if is_inside else 0), row["step"]
-        sent_before, lost_before = row["packets_sent_dp"], row["packets_lost_dp"]
+    _assert_steps_lose_all_dp_packets_exactly_when(down, inside)
     assert [r["sim_time_s"] for r in down] == [r["sim_time_s"] for r in free]
     assert [r["failures"] for r in down] == [0] * len(down)
     assert down[0]["loss"] == free[0]["loss"] and down[-1]["loss"] != free[-1]["loss"]
@@ -280,11 +276,7 @@ def test_a_flap_with_no_end_in_training_runs_and_loses_the_steps_its_down_window
     schedule = LinkSchedule(fabric_of(FABRIC), [flap], cable_events.HORIZON_S)
     inside = [schedule.down("leaf0-spine0", t) for t in [0.0] + [r["sim_time_s"] for r in free[:-1]]]
     assert len(rows) == 6 and any(inside) and not all(inside)
-    sent_before = lost_before = 0
-    for row, is_inside in zip(rows, inside):
-        sent, lost = row["packets_sent_dp"] - sent_before, row["packets_lost_dp"] - lost_before
-        assert sent > 0 and lost == (sent if is_inside else 0), row["step"]
-        sent_before, lost_before = row["packets_sent_dp"], row["packets_lost_dp"]
+    _assert_steps_lose_all_dp_packets_exactly_when(rows, inside)
     assert [r["sim_time_s"] for r in rows] == [r["sim_time_s"] for r in free]
 
 
@@ -328,3 +320,12 @@ def test_a_cable_down_for_the_first_steps_loses_the_pipelines_sends_under_drop_a
             lost = row[f"packets_lost_pp_{direction}"] - before[f"packets_lost_pp_{direction}"]
             assert sent > 0 and lost == (sent if is_inside else 0), (row["step"], direction)
         before = {key: row[key] for key in before}
+
+
+def _assert_steps_lose_all_dp_packets_exactly_when(rows, inside) -> None:
+    """Each step sends DP packets and loses every one of them where ``inside`` says, none elsewhere."""
+    sent_before = lost_before = 0
+    for row, is_inside in zip(rows, inside):
+        sent, lost = row["packets_sent_dp"] - sent_before, row["packets_lost_dp"] - lost_before
+        assert sent > 0 and lost == (sent if is_inside else 0), row["step"]
+        sent_before, lost_before = row["packets_sent_dp"], row["packets_lost_dp"]

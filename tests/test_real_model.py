@@ -196,15 +196,10 @@ def _dist_worker(rank: int, world: int, path: str, out_dir: str) -> None:
 
 
 def test_pretrained_tp3_in_dist_matches_the_unmodified_model(real_dir, tmp_path):
-    import time
+    from dist_workers import join_or_fail
     workers = mp.start_processes(_dist_worker, args=(TP, str(real_dir), str(tmp_path)), nprocs=TP, join=False,
                                  start_method="spawn")
-    deadline = time.monotonic() + DIST_DEADLINE_S
-    while not workers.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in workers.processes:
-                process.kill()
-            pytest.fail(f"dist workers still running after {DIST_DEADLINE_S} s")
+    join_or_fail(workers, DIST_DEADLINE_S)
     for rank in range(TP):
         _check(torch.load(tmp_path / f"rank{rank}.pt"))
 
