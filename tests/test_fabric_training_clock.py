@@ -76,3 +76,25 @@ def test_training_stretches_the_pipeline_sends_by_their_factor(tmp_path, one_tor
     for a, b in zip(unshared[2], shared[2]):
         assert b["pp_s_per_step"] == pytest.approx(by["pp"] * a["pp_s_per_step"], rel=1e-9)
         assert b["dp_s_per_step"] == pytest.approx(a["dp_s_per_step"], rel=1e-12) and b["loss"] == a["loss"]
+
+
+@pytest.mark.usefixtures("private_cache")
+def test_every_expert_groups_all_to_alls_take_their_class_factor(tmp_path, one_torch_thread):
+    """dp 4 x ep 2: two expert groups; the stretch reaches every group's dispatch and combine networks (the
+    blast radius counts the first group's alone), each at its class's factor."""
+    import torch
+    from lossysim.run.build import build
+    from lossysim.run.fabric_record import stretch_clocks
+    config = tiny(tmp_path, model="tiny-moe", tp_size=1, dp_size=4, ep_size=2, ranks_per_node=1,
+                  transport="retransmit", fabric=FABRIC)
+    parts = build(config, torch.device("cpu"), 0, True, None)
+    by = collisions.summary(config)
+    for group in parts.ep.groups:   # a mark each group's clock must lose (the factors here are 1.0)
+        for net in group.train.values():
+            net.time.stretch = 7.0
+    set_ = stretch_clocks(parts, config)
+    classes = [name for name in set_ if name.startswith("ep_")]
+    assert classes and len(parts.ep.groups) == 2
+    for name in classes:
+        assert set_[name] == by.get(name, 1.0)
+        assert all(g.train[name].time.stretch == set_[name] for g in parts.ep.groups)

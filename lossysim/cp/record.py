@@ -51,8 +51,9 @@ def traffic(context) -> dict:
     return {"cp": (networks, [n.summary() for n in networks])}
 
 
-def carriers(context) -> dict:
-    """The networks summary.json's ``fabric`` counts the blast radius on (``run.fabric_record``)."""
+def carriers(context, every: bool = False) -> dict:
+    """The networks summary.json's ``fabric`` counts the blast radius on (``run.fabric_record``); every
+    context group's, so ``every`` changes nothing."""
     return {"cp": list(context.train_networks.cp)}
 
 

@@ -46,10 +46,11 @@ def collectives(ep) -> dict:
     return out
 
 
-def carriers(ep) -> dict:
+def carriers(ep, every: bool = False) -> dict:
     """The networks summary.json's ``fabric`` counts the blast radius on: each class's, replica 0's first
-    group's (``run.fabric_record``)."""
-    return {name: [ep.groups[0].train[name]] for name in EP_CLASSES} if ep.mesh.ep > 1 else {}
+    group's (``run.fabric_record``); ``every``: every group's (the clocks shared cables stretch)."""
+    groups = ep.groups if every else ep.groups[:1]
+    return {name: [g.train[name] for g in groups] for name in EP_CLASSES} if ep.mesh.ep > 1 else {}
 
 
 def save(parts):

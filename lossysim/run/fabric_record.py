@@ -35,17 +35,15 @@ def stretch_clocks(parts, config) -> dict[str, float]:
     if not collisions.factors(config):   # no fabric, or shared_cables off
         return {}
     by = collisions.summary(config)
-    networks = _carriers(parts, config)
-    if parts.ep is not None and parts.ep.mesh.ep > 1:   # every expert group's, not the blast radius's first
-        networks.update({name: [g.train[name] for g in parts.ep.groups] for name in networks
-                         if name.startswith("ep_")})
+    networks = _carriers(parts, config, every=True)
     for cls, nets in networks.items():
         for net in nets:
             net.time.stretch = by.get(cls, 1.0)
     return {cls: by.get(cls, 1.0) for cls, nets in networks.items() if nets}
 
 
-def _carriers(parts, config) -> dict:
+def _carriers(parts, config, every: bool = False) -> dict:
+    """Each class's networks: those the blast radius counts, or with ``every`` each group's."""
     pipeline, dp = parts.pipeline, parts.dp
     carriers = {"tp": [parts.train_net] if pipeline is None else list(pipeline.networks),
                 "pp": list(pipeline.boundary_networks()) if pipeline is not None else [],
@@ -54,5 +52,5 @@ def _carriers(parts, config) -> dict:
         part = getattr(parts, axis.part, None) if axis.part else None
         hooks = axis.hooks() if part is not None else None
         if hasattr(hooks, "carriers"):
-            carriers.update(hooks.carriers(part))
+            carriers.update(hooks.carriers(part, every=every))
     return carriers
