@@ -188,12 +188,14 @@ def _sojourn_masks(ends: torch.Tensor, state: torch.Tensor, packets: int, loss_b
     chains, sojourns = ends.shape
     if xp is np:
         ends, state = ends.numpy(), state.numpy()
-        odd = (np.arange(sojourns) & 1).astype(np.bool_)
+        bad = np.empty((chains, sojourns), dtype=np.bool_)
+        bad[:, 0::2], bad[:, 1::2] = state[:, None], ~state[:, None]
+        bad = bad.reshape(-1)
         chain_base = np.arange(chains)[:, None] * packets
     else:
         odd = torch.arange(sojourns, device=device).bitwise_and_(1).bool()
+        bad = (state[:, None] ^ odd).reshape(-1)
         chain_base = torch.arange(chains, device=device).unsqueeze(-1) * packets
-    bad = (state[:, None] ^ odd).reshape(-1)
     clipped = ends.clip(max=packets)
     length = clipped.copy() if xp is np else clipped.clone()
     length[:, 1:] -= clipped[:, :-1]
@@ -201,17 +203,24 @@ def _sojourn_masks(ends: torch.Tensor, state: torch.Tensor, packets: int, loss_b
     length = length.reshape(-1)
     total = chains * packets
     in_bad = _repeat(bad, length, total)
-    copy = (lambda m: m.copy()) if xp is np else (lambda m: m.clone())
-    zeros = (lambda: np.zeros(total, dtype=np.bool_)) if xp is np else (lambda: _zeros(total, device))
+
+    def copy_of_in_bad():
+        if sojourns * _DENSE_SEGMENTS >= packets:  # short sojourns: one memcpy beats repeating each
+            return in_bad.copy() if xp is np else in_bad.clone()
+        return _repeat(bad, length, total)          # long ones: repeating again reads nothing
+
+    def zeros():
+        return np.zeros(total, dtype=np.bool_) if xp is np else _zeros(total, device)
+
     bad_len = length * bad
     if loss_bad == 1.0:
-        lost = copy(in_bad)
+        lost = copy_of_in_bad()
     elif loss_bad == 0.0:
         lost = zeros()
     else:
         n_bad = int(bad_len.sum())
         pos, value = _thin(n_bad, loss_bad, generator, xp)
-        lost = zeros() if value else copy(in_bad)
+        lost = zeros() if value else copy_of_in_bad()
         lost[_in_ranges(base, bad_len, n_bad, pos, xp)] = value
     if loss_good == 1.0:
         lost |= ~in_bad
