@@ -879,3 +879,127 @@ def test_bernoulli_positions_are_one_rule_in_torch_or_numpy(total, p):
         assert stats.binomtest(len(pos), total, p).pvalue > 1e-6
     else:
         assert len(pos) == total * p
+
+
+# -- the long-call Gilbert-Elliott masks, held to the algorithm every published figure was drawn with --
+def reference_alternating(start, cover, q0, q1, g):
+    """``_alternating`` as first written: a [chains, block] scale, state by state."""
+    from lossysim.loss.sampling import _MAX_EXPONENTIAL, _SPARE_FIXED, _block_size, _hazard
+    chains = start.shape[0]
+    cycle = (1.0 / q0 if q0 > 0 else math.inf) + (1.0 / q1 if q1 > 0 else math.inf)
+    size = _block_size(2.0 * cover / cycle) if math.isfinite(cycle) else _SPARE_FIXED
+    size += size % 2
+    lam0, lam1 = _hazard(q0), _hazard(q1)
+    scale = torch.where(start.unsqueeze(-1) ^ (torch.arange(size) % 2 == 1),
+                        torch.tensor(-1.0 / lam1 if lam1 > 0 else -math.inf, dtype=torch.float64),
+                        torch.tensor(-1.0 / lam0 if lam0 > 0 else -math.inf, dtype=torch.float64))
+    parts, offset = [], torch.zeros(chains, 1, dtype=torch.int64)
+    while True:
+        x = torch.rand((chains, size), generator=g, dtype=torch.float64).neg_().log1p_().mul_(scale)
+        if min(lam0, lam1) == 0.0:
+            x.nan_to_num_(nan=cover, posinf=cover)
+        elif _MAX_EXPONENTIAL / min(lam0, lam1) > cover:
+            x.clamp_(max=cover)
+        ends = x.add_(1.0).to(torch.int64).cumsum_(1).add_(offset)
+        parts.append(ends)
+        offset = ends[:, -1:]
+        if chains == 0 or int(offset.min()) >= cover:
+            return torch.cat(parts, 1)
+
+
+def reference_thin_ranges(mask, base, lengths, p, g):
+    """Bernoulli(p) over ranges laid end to end, each event mapped back by a binary search."""
+    from lossysim.loss.sampling import _range_indices, _thin
+    if p == 0.0:
+        return
+    if p == 1.0:
+        mask[_range_indices(base, lengths)] = True
+        return
+    ends = lengths.cumsum(0)
+    pos, value = _thin(int(ends[-1]), p, g)
+    j = torch.searchsorted(ends, pos, right=True)
+    if not value:
+        mask[_range_indices(base, lengths)] = True
+    mask[base[j] + pos - (ends[j] - lengths[j])] = value
+
+
+def reference_long_ge(model, shape, g, state=None, used=None):
+    """GilbertElliott.sample_with_states on a long call as first written: zero masks filled from
+    index lists of the Bad and Good sojourns."""
+    from lossysim.loss.sampling import _flat_chains, _range_indices, _segments_to_masks, _thin
+    chains, packets, state, used = _flat_chains(shape, state, used, "cpu")
+    assert chains * packets > 8192, "a long call (short ones draw a uniform per packet)"
+    if state is None:
+        state = torch.rand(chains, generator=g) < model.pi_bad
+    state = state.to(torch.bool)
+    ends = reference_alternating(state, packets + 1, model.p_gb, model.p_bg, g)
+    bad = state.unsqueeze(-1) ^ (torch.arange(ends.shape[1]) % 2 == 1)
+    starts = torch.cat([torch.zeros_like(ends[:, :1]), ends[:, :-1]], 1)
+    which = torch.searchsorted(ends, used.unsqueeze(-1), right=True).squeeze(-1)
+    bad_idx = _range_indices(*_segments_to_masks(starts, ends, bad, packets))
+    in_bad, lost = torch.zeros(chains * packets, dtype=torch.bool), torch.zeros(chains * packets, dtype=torch.bool)
+    in_bad[bad_idx] = True
+    if model.loss_bad == 1.0:
+        lost[bad_idx] = True
+    elif model.loss_bad > 0.0:
+        pos, value = _thin(bad_idx.numel(), model.loss_bad, g)
+        if not value:
+            lost[bad_idx] = True
+        lost[bad_idx[pos]] = value
+    reference_thin_ranges(lost, *_segments_to_masks(starts, ends, ~bad, packets), model.loss_good, g)
+    return lost.view(shape), in_bad.view(shape), (state ^ (which % 2 == 1)).view(shape[:-1])
+
+
+REFERENCE_MODELS = {
+    "benchmark-1%": GE(0.001, 0.1, loss_good=0.001, loss_bad=0.9),       # Good events searched for
+    "benchmark-low-h": GE(0.002, 0.1, loss_good=0.002, loss_bad=0.4),    # Bad events dense: offsets written
+    "benchmark-20%": GE(0.05, 0.15, loss_good=0.05, loss_bad=0.65),
+    "simple": GE.from_rate(0.01, 8),
+    "bad-all-lost": GE(0.001, 0.2, loss_good=0.7, loss_bad=1.0),          # Good thinned from its complement
+    "bad-none-lost": GE(0.01, 0.3, loss_good=0.02, loss_bad=0.0),
+    "good-all-lost": GE(0.01, 0.3, loss_good=1.0, loss_bad=0.5),
+    "anti-flipping": GE(1.0, 1.0, loss_good=0.1, loss_bad=0.9),
+    "never-leaves-good": GE(0.0, 0.3, loss_good=0.01, loss_bad=0.9),
+    "never-leaves-bad": GE(0.4, 0.0, loss_good=0.01, loss_bad=0.9),
+}
+
+
+@pytest.mark.parametrize("shape", [(20_000,), (3, 5000), (2, 3, 4000), (5000, 2), (300, 40)])
+@pytest.mark.parametrize("name", list(REFERENCE_MODELS))
+def test_long_ge_masks_are_the_first_algorithms_bit_for_bit(name, shape):
+    """Same seed, same chain state and ``used``: the same lost and in_bad masks, the same next state,
+    the generator left in the same state, and a continuation call the same too."""
+    model = REFERENCE_MODELS[name]
+    chains = math.prod(shape[:-1])
+    states = [None, (torch.arange(chains) % 3 == 0).reshape(shape[:-1]), torch.ones(shape[:-1], dtype=torch.bool)]
+    useds = [None, (torch.arange(chains) * 37 % (shape[-1] + 1)).reshape(shape[:-1])]
+    for seed in (0, 5):
+        for state in states:
+            for used in useds:
+                g, g_ref = generator(seed), generator(seed)
+                got = model.sample_with_states(shape, g, state, used=used)
+                want = reference_long_ge(model, shape, g_ref, state, used=used)
+                for x, y in zip(got, want):
+                    assert x.dtype == y.dtype and torch.equal(x, y), (seed, state, used)
+                assert torch.equal(g.get_state(), g_ref.get_state())
+                again = model.sample_with_states(shape, g, got[2])
+                assert all(torch.equal(x, y) for x, y in zip(again, reference_long_ge(model, shape, g_ref, want[2])))
+    assert got[0].any() or model.loss_rate < 0.02   # the masks compared are not all empty
+
+
+@pytest.mark.parametrize("name", ["benchmark-1%", "benchmark-low-h", "bad-all-lost", "good-all-lost"])
+def test_sojourn_masks_torch_path_matches_numpys(name):
+    """The path a GPU takes (torch throughout), run on the CPU, against numpy's: same masks, same draws."""
+    from lossysim.loss.sampling import _sojourn_masks
+    model = REFERENCE_MODELS[name]
+    for chains, packets in [(1, 30_000), (4, 5000), (5000, 2)]:
+        state = torch.arange(chains) % 2 == 0
+        g = generator(4)
+        ends = _alternating(state, packets + 1, model.p_gb, model.p_bg, g)
+        before = g.get_state()
+        by_numpy = _sojourn_masks(ends, state, packets, model.loss_bad, model.loss_good, g)
+        after = g.get_state()
+        g.set_state(before)
+        by_torch = _sojourn_masks(ends, state, packets, model.loss_bad, model.loss_good, g, xp=torch)
+        assert torch.equal(g.get_state(), after)
+        assert all(torch.equal(x, y) for x, y in zip(by_numpy, by_torch))

@@ -11,7 +11,7 @@ import torch
 from .models import LossModel, _check_probability
 from .sampling import (_DENSE_BELOW, _DENSE_SEGMENTS, _SPARE_FIXED, _alternating, _block_size, _exponentials,
                        _flat_chains, _float64, _geometric, _hazard, _put, _range_indices, _repeat, _scan_chain,
-                       _segments_to_masks, _shape, _thin, _thin_ranges, _zeros)
+                       _segments_to_masks, _shape, _sojourn_masks, _zeros)
 
 
 class GilbertElliott(LossModel):
@@ -117,13 +117,17 @@ class GilbertElliott(LossModel):
         in_bad, sojourns, next_state = self._bad((rows, width), generator, state, used)
         if in_bad is not None:
             return np.flatnonzero(in_bad.numpy()), next_state
-        return _range_indices(*_segments_to_masks(*sojourns, width)).numpy(), next_state
+        ends, state = sojourns
+        bad = state.unsqueeze(-1) ^ (torch.arange(ends.shape[1], device=ends.device) % 2 == 1)
+        starts = torch.cat([torch.zeros_like(ends[:, :1]), ends[:, :-1]], 1)
+        return _range_indices(*_segments_to_masks(starts, ends, bad, width)).numpy(), next_state
 
     def _bad(self, shape, generator, state, used):
         """The chains' states of a draw of ``shape``, the part of ``sample_with_states`` that
         ``lost_positions`` shares: ``(in_bad, sojourns, next_state)``, ``in_bad`` the ``[chains, packets]``
         mask of a short call (one uniform per packet) and ``sojourns`` None, or for a long one ``in_bad``
-        None and ``sojourns`` ``(starts, ends, bad)`` ``[chains, J]``, the sojourns drawn."""
+        None and ``sojourns`` ``(ends, state)``: the sojourns' ends ``[chains, J]`` (``_alternating``) and
+        the chains' states in their first."""
         device = generator.device
         chains, packets, state, used = _flat_chains(shape, state, used, device)
         if state is None:
@@ -135,10 +139,8 @@ class GilbertElliott(LossModel):
         # Packet t arrives in the state of the sojourn covering step t; step
         # ``packets`` is where the next call's first packet arrives.
         ends = _alternating(state, packets + 1, self.p_gb, self.p_bg, generator)
-        bad = state.unsqueeze(-1) ^ (torch.arange(ends.shape[1], device=device) % 2 == 1)
-        starts = torch.cat([torch.zeros_like(ends[:, :1]), ends[:, :-1]], 1)
         which = torch.searchsorted(ends, used.unsqueeze(-1), right=True).squeeze(-1)
-        return None, (starts, ends, bad), state ^ (which % 2 == 1)
+        return None, (ends, state), state ^ (which % 2 == 1)
 
     def sample_with_states(self, n, generator, state=None, used=None):
         shape = _shape(n)
@@ -153,23 +155,7 @@ class GilbertElliott(LossModel):
                 v = torch.rand((chains, packets), generator=generator, device=device, dtype=torch.float64)
                 lost = v < torch.where(in_bad, _float64(self.loss_bad, device), _float64(self.loss_good, device))
             return lost.view(shape), in_bad.view(shape), next_state.view(shape[:-1])
-        starts, ends, bad = sojourns
-        bad_base, bad_len = _segments_to_masks(starts, ends, bad, packets)
-        in_bad = _zeros(chains * packets, device)
-        bad_idx = _range_indices(bad_base, bad_len)
-        _put(in_bad, bad_idx, True)
-        lost = _zeros(chains * packets, device)   # written sparsely: cheaper than copying in_bad
-        if self.simple:
-            _put(lost, bad_idx, True)
-        else:
-            if self.loss_bad == 1.0:
-                _put(lost, bad_idx, True)
-            elif self.loss_bad > 0.0:
-                pos, value = _thin(bad_idx.numel(), self.loss_bad, generator)
-                if not value:
-                    _put(lost, bad_idx, True)
-                _put(lost, bad_idx[pos], value)
-            _thin_ranges(lost, *_segments_to_masks(starts, ends, ~bad, packets), self.loss_good, generator)
+        lost, in_bad = _sojourn_masks(*sojourns, packets, self.loss_bad, self.loss_good, generator)
         return lost.view(shape), in_bad.view(shape), next_state.view(shape[:-1])
 
 

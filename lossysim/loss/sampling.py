@@ -104,15 +104,15 @@ def _bernoulli_positions(total: int, p: float, generator: torch.Generator, xp=to
     return pos[:int(xp.searchsorted(pos, total))]
 
 
-def _thin(total: int, p: float, generator: torch.Generator):
-    """``(positions, value)``: i.i.d. Bernoulli(p) over [0, total) as sparse positions.
+def _thin(total: int, p: float, generator: torch.Generator, xp=torch):
+    """``(positions, value)``: i.i.d. Bernoulli(p) over [0, total) as sparse positions (in ``xp``).
 
     value True: the successes are ``positions``. value False (p > 1/2): every
     position succeeds except ``positions``, so the events drawn stay <= total / 2.
     """
     if p > 0.5:
-        return _bernoulli_positions(total, 1.0 - p, generator), False
-    return _bernoulli_positions(total, p, generator), True
+        return _bernoulli_positions(total, 1.0 - p, generator, xp), False
+    return _bernoulli_positions(total, p, generator, xp), True
 
 
 def _zeros(size: int, device: torch.device) -> torch.Tensor:
@@ -134,8 +134,11 @@ _DENSE_BELOW = 8192   # calls of at most this many packets (all chains) draw one
 _DENSE_SEGMENTS = 16  # with a segment per 16 packets or more, masks are written packet by packet
 
 
-def _repeat(values: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
-    """values[j] repeated counts[j] times, concatenated (numpy's repeat on a CPU: faster)."""
+def _repeat(values, counts, total: int):
+    """values[j] repeated counts[j] times, concatenated (numpy's repeat on a CPU: faster); numpy
+    arrays give a numpy array."""
+    if isinstance(values, np.ndarray):
+        return np.repeat(values, counts)
     if values.device.type == "cpu":
         return torch.from_numpy(np.repeat(values.numpy(), counts.numpy()))
     return torch.repeat_interleave(values, counts, output_size=total)
@@ -155,26 +158,82 @@ def _range_indices(base: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return shift.add_(torch.arange(total, device=base.device))
 
 
-def _thin_ranges(mask: torch.Tensor, base: torch.Tensor, lengths: torch.Tensor, p: float,
-                 generator: torch.Generator) -> None:
-    """Set ``mask`` (flat) True at an i.i.d. Bernoulli(p) subset of the packets in the ranges.
+_SEARCH_OVER_REPEAT = 8  # a binary search per position costs about what writing 8 packets' offsets does
 
-    The ranges are laid end to end into one coordinate, so one sequence of
-    geometric gaps serves all of them; each event is mapped back by a binary search.
-    """
-    if p == 0.0 or lengths.numel() == 0:
-        return
-    if p == 1.0:
-        _put(mask, _range_indices(base, lengths), True)
-        return
+
+def _in_ranges(base, lengths, total: int, pos, xp=torch):
+    """Flat packet indices of positions ``pos`` (sorted) of the ranges laid end to end into one
+    coordinate of ``total`` packets: range j holds base[j] .. base[j] + lengths[j] - 1."""
     ends = lengths.cumsum(0)
-    total = int(ends[-1])
-    pos, value = _thin(total, p, generator)
-    j = torch.searchsorted(ends, pos, right=True)
-    idx = base[j] + pos - (ends[j] - lengths[j])
-    if not value:
-        _put(mask, _range_indices(base, lengths), True)
-    _put(mask, idx, value)
+    shift = base - ends + lengths
+    if total <= _SEARCH_OVER_REPEAT * len(pos):  # dense: every packet's shift, then look each one up
+        return _repeat(shift, lengths, total)[pos] + pos
+    j = np.searchsorted(ends, pos, side="right") if xp is np else torch.searchsorted(ends, pos, right=True)
+    return shift[j] + pos
+
+
+def _sojourn_masks(ends: torch.Tensor, state: torch.Tensor, packets: int, loss_bad: float, loss_good: float,
+                   generator: torch.Generator, xp=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat ``(lost, in_bad)`` masks of two-state chains over ``packets`` from their sojourn ends
+    (``_alternating``, state 1 = Bad): the Bad packets lose i.i.d. ``loss_bad``, then the Good ones
+    ``loss_good``, each drawn as one sequence of events over its packets laid end to end.
+
+    Clipped to the call, the sojourns tile each chain's packets, so ``in_bad`` is their states
+    repeated, written once (no index list, no zero fill). On a CPU the small arrays go through numpy
+    (``xp``), whose calls cost less; torch's path, a GPU's, gives the same masks from the same draws.
+    """
+    device = generator.device
+    if xp is None:
+        xp = np if device.type == "cpu" else torch
+    chains, sojourns = ends.shape
+    if xp is np:
+        ends, state = ends.numpy(), state.numpy()
+        bad = np.empty((chains, sojourns), dtype=np.bool_)
+        bad[:, 0::2], bad[:, 1::2] = state[:, None], ~state[:, None]
+        bad = bad.reshape(-1)
+        chain_base = np.arange(chains)[:, None] * packets
+    else:
+        odd = torch.arange(sojourns, device=device).bitwise_and_(1).bool()
+        bad = (state[:, None] ^ odd).reshape(-1)
+        chain_base = torch.arange(chains, device=device).unsqueeze(-1) * packets
+    clipped = ends.clip(max=packets)
+    length = clipped.copy() if xp is np else clipped.clone()
+    length[:, 1:] -= clipped[:, :-1]
+    base = (clipped - length + chain_base).reshape(-1)
+    length = length.reshape(-1)
+    total = chains * packets
+    in_bad = _repeat(bad, length, total)
+
+    def copy_of_in_bad():
+        if sojourns * _DENSE_SEGMENTS >= packets:  # short sojourns: one memcpy beats repeating each
+            return in_bad.copy() if xp is np else in_bad.clone()
+        return _repeat(bad, length, total)          # long ones: repeating again reads nothing
+
+    def zeros():
+        return np.zeros(total, dtype=np.bool_) if xp is np else _zeros(total, device)
+
+    bad_len = length * bad
+    if loss_bad == 1.0:
+        lost = copy_of_in_bad()
+    elif loss_bad == 0.0:
+        lost = zeros()
+    else:
+        n_bad = int(bad_len.sum())
+        pos, value = _thin(n_bad, loss_bad, generator, xp)
+        lost = zeros() if value else copy_of_in_bad()
+        lost[_in_ranges(base, bad_len, n_bad, pos, xp)] = value
+    if loss_good == 1.0:
+        lost |= ~in_bad
+    elif loss_good > 0.0:
+        good_len = length - bad_len
+        n_good = int(good_len.sum())
+        pos, value = _thin(n_good, loss_good, generator, xp)
+        if not value:
+            lost |= ~in_bad
+        lost[_in_ranges(base, good_len, n_good, pos, xp)] = value
+    if xp is np:
+        return torch.from_numpy(lost), torch.from_numpy(in_bad)
+    return lost, in_bad
 
 
 def _alternating(start: torch.Tensor, cover: int, q0: float, q1: float,
@@ -194,13 +253,15 @@ def _alternating(start: torch.Tensor, cover: int, q0: float, q1: float,
     size += size % 2  # even blocks, so the state of column j is start ^ (j odd) in every block
     lam0, lam1 = _hazard(q0), _hazard(q1)
     # log(1 - U) times -1/lam is E/lam; a state never left (lam = 0) gives inf or nan, set to the cap.
-    scale = torch.where(start.unsqueeze(-1) ^ (torch.arange(size, device=device) % 2 == 1),
-                        _float64(-1.0 / lam1 if lam1 > 0 else -math.inf, device),
-                        _float64(-1.0 / lam0 if lam0 > 0 else -math.inf, device))
+    # One (state 0, state 1) pair of scales per chain, broadcast over the block's column pairs.
+    pair = torch.tensor([-1.0 / lam0 if lam0 > 0 else -math.inf, -1.0 / lam1 if lam1 > 0 else -math.inf],
+                        dtype=torch.float64, device=device)
+    scale = torch.where(start.view(chains, 1, 1), pair.flip(0), pair)
     parts, offset = [], torch.zeros(chains, 1, dtype=torch.int64, device=device)
     while True:
         u = torch.rand((chains, size), generator=generator, device=device, dtype=torch.float64)
-        x = u.neg_().log1p_().mul_(scale)
+        x = u.neg_().log1p_()
+        x.view(chains, size // 2, 2).mul_(scale)
         if min(lam0, lam1) == 0.0:
             x.nan_to_num_(nan=cover, posinf=cover)
         elif _MAX_EXPONENTIAL / min(lam0, lam1) > cover:
