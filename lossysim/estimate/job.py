@@ -109,12 +109,23 @@ class Job(Tally, Messages, *PARTS):
         stages: a stage of fewer blocks counts its share), and how many of the first stage's are drawn
         instead."""
         k = self.sampled
-        if groups[0].spec.cables is not None and stages == 1:   # a fabric's lossy groups are each simulated
-            return groups, 0
+        if groups[0].spec.cables is not None and stages == 1 and not (k and self._alike_on_fabric(groups)):
+            return groups, 0   # a fabric's lossy groups are each simulated, unless alike but for their streams
         if not k or groups[0].copies > 1 or (len(groups) <= k and stages == 1):
             return groups, 0
         k = min(k, len(groups))
         return [g._replace(copies=len(groups) * stages / k) for g in groups[:k]], len(groups) - k
+
+    def _alike_on_fabric(self, groups: list[Group]) -> bool:
+        """Whether a fabric's groups differ only by their streams, so they are sampled as groups without a
+        fabric are (exact in distribution, docs/fabric.md "The same mean loss over every cable"): every one
+        lossy and standing for itself, every cable one Bernoulli rate (``Placement.uniform``), no link
+        events, and the groups' links crossing as many lossy cables flow by flow (``_crossings``)."""
+        if len(groups) < 2 or self.config.link_event or not groups[0].spec.cables.uniform \
+                or any(g.copies != 1 or g.same_as >= 0 for g in groups):
+            return False
+        first = _crossings(groups[0].spec)
+        return all(_crossings(g.spec) == first for g in groups[1:])
 
     def _draw_groups(self, per_step: list[list], k: int) -> None:
         """Fill each step's groups after the first ``k`` (simulated) with [micro-batch] of two items,
@@ -189,13 +200,23 @@ class Job(Tally, Messages, *PARTS):
 
 def _groups(specs: list[NetworkSpec]) -> list[Group]:
     """Identical groups: every one that can lose packets, or one for all when none can. On a fabric the
-    groups are not alike: every group whose links cross a lossy cable is simulated (never sampled), and one
-    that crosses none stands for all the others (they lose nothing)."""
+    groups are not alike: every group whose links cross a lossy cable is simulated (sampled only when the
+    cables are all alike and so are the groups' crossings: ``Job._alike_on_fabric``), and one that crosses
+    none stands for all the others (they lose nothing)."""
     if specs[0].cables is not None:
         return _aliased(Group, specs, [is_lossy(LossyNetwork(spec)) for spec in specs])
     if not is_lossy(LossyNetwork(specs[0])):
         return [Group(specs[0], len(specs))]
     return [Group(spec, 1) for spec in specs]
+
+
+def _crossings(spec: NetworkSpec) -> tuple:
+    """Per directed link of a fabric's group, in order: NVLink inside a node, or its flows' (modulus, residue,
+    lossy cables crossed) (``Placement.counts``). Under a uniform fabric, groups with equal crossings draw
+    identically distributed fates."""
+    top, cables, n = spec.topology, spec.cables, spec.ranks
+    return tuple(() if top.link_class(s, d) == "intra" else cables.counts(s, d)
+                 for s in range(n) for d in range(n) if s != d)
 
 
 def _aliased(kind, specs: list, lossy: list[bool]) -> list:
