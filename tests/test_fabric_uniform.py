@@ -70,3 +70,21 @@ def test_sampled_groups_lose_packets_at_the_closed_form_rate_of_their_cables():
     full = estimate(*_job(0)[:3], steps=steps)
     assert row["loss_free_step_s"] == full["loss_free_step_s"]
     assert row["packets_drawn"] < full["packets_drawn"]
+
+
+def test_expert_groups_on_a_uniform_fabric_are_sampled_at_their_cables_closed_form_rate():
+    """tp 1 x pp 2 x dp 8, ep 4, one rank a node on 16 nodes, 0-7 under leaf0: every ep group's pairs join two
+    nodes under one leaf (2 cables each). Sampled as without a fabric: one group's one micro-batch stands for
+    every group, micro-batch and step (copies = steps x groups x micro-batches), at 1 - (1 - p)^2."""
+    steps, m, groups = 3, 2, 4   # 2 stages x 2 expert-data groups
+    config = job_config("tiny-moe", micro_batch=2, microbatches=m, tp_size=1, dp_size=8, ep_size=4, pp_size=2,
+                        ranks_per_node=1, fabric="leaf-spine:nodes=16,leaves=2,spines=2", loss=f"bernoulli:{P}",
+                        lossy_links="inter_node", transport="retransmit", nic="irn", seed=1)
+    shape = load("tiny-moe")
+    job = Job(shape, config, Workload(256, sampled_groups=1), stage_layout(None, 2, shape.layers), 256)
+    assert job.ep_lossy and all(len(stage) == 2 and stage[0].copies == 1 for stage in job.ep)
+    assert not Job(shape, config, Workload(256, sampled_groups=0), stage_layout(None, 2, shape.layers), 256).ep_lossy
+    row = estimate(shape, config, Workload(256, sampled_groups=1), steps=steps)
+    sent = round(sum(row[f"{c}_packets_sent"] for c in ("ep_dispatch", "ep_combine")) / (groups * m))
+    lost = round(sum(row[f"{c}_packets_lost"] for c in ("ep_dispatch", "ep_combine")) / (groups * m))
+    assert lost > 0 and stats.binomtest(lost, sent, 1 - (1 - P) ** 2).pvalue > 1e-3, (lost, sent)

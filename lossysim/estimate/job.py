@@ -66,6 +66,7 @@ class Job(Tally, Messages, *PARTS):
         tp, pp, dp, cp = mesh.tp, mesh.pp, mesh.dp, mesh.cp
         self.dtype_name = AMP_DTYPE[config.amp]
         self.dtype = DTYPES[self.dtype_name]
+        self.sampled = w.sampled(mesh.world)
         settings = config.network_settings()
         # tp[s]: stage s's groups, one per replica and context rank (context rank 0's first; or one for
         # all: loss-free); pp[b] alike
@@ -93,7 +94,6 @@ class Job(Tally, Messages, *PARTS):
         self.ready = [[b.ready for b in stage] for stage in self.buckets]
         self.calls = [step_calls(shape, config.activation_checkpointing, self.blocks(s)) for s in range(pp)]
         self.numel = tokens * shape.hidden // cp     # a context rank's tokens of the micro-batch
-        self.sampled = w.sampled(mesh.world)
         self.rng = np.random.default_rng(stream_seed(config.seed, "estimate.slowest", "groups"))
 
     def groups_of(self, specs: list[NetworkSpec]) -> list[Group]:
@@ -109,23 +109,25 @@ class Job(Tally, Messages, *PARTS):
         stages: a stage of fewer blocks counts its share), and how many of the first stage's are drawn
         instead."""
         k = self.sampled
-        if groups[0].spec.cables is not None and stages == 1 and not (k and self._alike_on_fabric(groups)):
+        if groups[0].spec.cables is not None and stages == 1 and not (
+                k and all(g.copies == 1 and g.same_as < 0 for g in groups)
+                and self.alike_on_fabric([(g.spec,) for g in groups])):
             return groups, 0   # a fabric's lossy groups are each simulated, unless alike but for their streams
         if not k or groups[0].copies > 1 or (len(groups) <= k and stages == 1):
             return groups, 0
         k = min(k, len(groups))
         return [g._replace(copies=len(groups) * stages / k) for g in groups[:k]], len(groups) - k
 
-    def _alike_on_fabric(self, groups: list[Group]) -> bool:
-        """Whether a fabric's groups differ only by their streams, so they are sampled as groups without a
-        fabric are (exact in distribution, docs/fabric.md "The same mean loss over every cable"): every one
-        lossy and standing for itself, every cable one Bernoulli rate (``Placement.uniform``), no link
-        events, and the groups' links crossing as many lossy cables flow by flow (``_crossings``)."""
-        if len(groups) < 2 or self.config.link_event or not groups[0].spec.cables.uniform \
-                or any(g.copies != 1 or g.same_as >= 0 for g in groups):
+    def alike_on_fabric(self, groups: list[tuple[NetworkSpec, ...]]) -> bool:
+        """Whether a fabric's groups (each its networks: one, or an expert group's per class) differ only by
+        their streams, so they are sampled as groups without a fabric are (exact in distribution,
+        docs/fabric.md "The same mean loss over every cable"): every cable one Bernoulli rate
+        (``Placement.uniform``), no link events, and the groups' links crossing as many lossy cables flow by
+        flow (``_crossings``)."""
+        if len(groups) < 2 or self.config.link_event or not groups[0][0].cables.uniform:
             return False
-        first = _crossings(groups[0].spec)
-        return all(_crossings(g.spec) == first for g in groups[1:])
+        first = [_crossings(spec) for spec in groups[0]]
+        return all([_crossings(spec) for spec in group] == first for group in groups[1:])
 
     def _draw_groups(self, per_step: list[list], k: int) -> None:
         """Fill each step's groups after the first ``k`` (simulated) with [micro-batch] of two items,
