@@ -77,12 +77,15 @@ class ExpertMessages:
         per = routing.rows(tokens, experts.top_k, experts.count, ep, w.routing_skew, config.seed)
         sent = tuple(0 if s == d else per[s][d] * shape.hidden for s in range(ep) for d in range(ep))
         self.ep_counts = (sent, tuple(sent[d * ep + s] for s in range(ep) for d in range(ep)))   # dispatch, combine
-        for s in range(mesh.pp):
-            pairs = [tuple(mesh.network_spec("ep", mesh.rank(tp=t, dp=g * ep, pp=s), settings,
-                                             config.lossy_directions(c), c)
-                           for c in EP_CLASSES)
-                     for t in range(mesh.tp) for g in range(edp)]
-            if pairs[0][0].cables is not None:   # on a fabric: the pairs that cross a lossy cable, one for the rest
+        staged = [[tuple(mesh.network_spec("ep", mesh.rank(tp=t, dp=g * ep, pp=s), settings,
+                                           config.lossy_directions(c), c)
+                         for c in EP_CLASSES)
+                   for t in range(mesh.tp) for g in range(edp)] for s in range(mesh.pp)]
+        # a fabric's groups all alike but for their streams are sampled as groups without one are (every stage's)
+        fabric = staged[0][0][0].cables is not None and not (
+            self.sampled and self.alike_on_fabric([p for pairs in staged for p in pairs]))
+        for s, pairs in enumerate(staged):
+            if fabric:   # on a fabric: the pairs that cross a lossy cable, one for the rest
                 self.ep_lossy = False   # every lossy pair simulated, none sampled
                 self.ep.append(self.aliased(ExpertGroup, pairs, [any(is_lossy(LossyNetwork(spec)) for spec in p)
                                                                  for p in pairs]))

@@ -66,6 +66,7 @@ class Job(Tally, Messages, *PARTS):
         tp, pp, dp, cp = mesh.tp, mesh.pp, mesh.dp, mesh.cp
         self.dtype_name = AMP_DTYPE[config.amp]
         self.dtype = DTYPES[self.dtype_name]
+        self.sampled = w.sampled(mesh.world)
         settings = config.network_settings()
         # tp[s]: stage s's groups, one per replica and context rank (context rank 0's first; or one for
         # all: loss-free); pp[b] alike
@@ -93,7 +94,6 @@ class Job(Tally, Messages, *PARTS):
         self.ready = [[b.ready for b in stage] for stage in self.buckets]
         self.calls = [step_calls(shape, config.activation_checkpointing, self.blocks(s)) for s in range(pp)]
         self.numel = tokens * shape.hidden // cp     # a context rank's tokens of the micro-batch
-        self.sampled = w.sampled(mesh.world)
         self.rng = np.random.default_rng(stream_seed(config.seed, "estimate.slowest", "groups"))
 
     def groups_of(self, specs: list[NetworkSpec]) -> list[Group]:
@@ -109,12 +109,25 @@ class Job(Tally, Messages, *PARTS):
         stages: a stage of fewer blocks counts its share), and how many of the first stage's are drawn
         instead."""
         k = self.sampled
-        if groups[0].spec.cables is not None and stages == 1:   # a fabric's lossy groups are each simulated
-            return groups, 0
+        if groups[0].spec.cables is not None and stages == 1 and not (
+                k and all(g.copies == 1 and g.same_as < 0 for g in groups)
+                and self.alike_on_fabric([(g.spec,) for g in groups])):
+            return groups, 0   # a fabric's lossy groups are each simulated, unless alike but for their streams
         if not k or groups[0].copies > 1 or (len(groups) <= k and stages == 1):
             return groups, 0
         k = min(k, len(groups))
         return [g._replace(copies=len(groups) * stages / k) for g in groups[:k]], len(groups) - k
+
+    def alike_on_fabric(self, groups: list[tuple[NetworkSpec, ...]]) -> bool:
+        """Whether a fabric's groups (each its networks: one, or an expert group's per class) differ only by
+        their streams, so they are sampled as groups without a fabric are (exact in distribution,
+        docs/fabric.md "The same mean loss over every cable"): every cable one Bernoulli rate
+        (``Placement.uniform``), no link events, and the groups' links crossing as many lossy cables flow by
+        flow (``_crossings``)."""
+        if len(groups) < 2 or self.config.link_event or not groups[0][0].cables.uniform:
+            return False
+        first = [_crossings(spec) for spec in groups[0]]
+        return all([_crossings(spec) for spec in group] == first for group in groups[1:])
 
     def _draw_groups(self, per_step: list[list], k: int) -> None:
         """Fill each step's groups after the first ``k`` (simulated) with [micro-batch] of two items,
@@ -189,13 +202,23 @@ class Job(Tally, Messages, *PARTS):
 
 def _groups(specs: list[NetworkSpec]) -> list[Group]:
     """Identical groups: every one that can lose packets, or one for all when none can. On a fabric the
-    groups are not alike: every group whose links cross a lossy cable is simulated (never sampled), and one
-    that crosses none stands for all the others (they lose nothing)."""
+    groups are not alike: every group whose links cross a lossy cable is simulated (sampled only when the
+    cables are all alike and so are the groups' crossings: ``Job._alike_on_fabric``), and one that crosses
+    none stands for all the others (they lose nothing)."""
     if specs[0].cables is not None:
         return _aliased(Group, specs, [is_lossy(LossyNetwork(spec)) for spec in specs])
     if not is_lossy(LossyNetwork(specs[0])):
         return [Group(specs[0], len(specs))]
     return [Group(spec, 1) for spec in specs]
+
+
+def _crossings(spec: NetworkSpec) -> tuple:
+    """Per directed link of a fabric's group, in order: NVLink inside a node, or its flows' (modulus, residue,
+    lossy cables crossed) (``Placement.counts``). Under a uniform fabric, groups with equal crossings draw
+    identically distributed fates."""
+    top, cables, n = spec.topology, spec.cables, spec.ranks
+    return tuple(() if top.link_class(s, d) == "intra" else cables.counts(s, d)
+                 for s in range(n) for d in range(n) if s != d)
 
 
 def _aliased(kind, specs: list, lossy: list[bool]) -> list:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from typing import Mapping, Optional
 
-from ..loss import LossModel
+from ..loss import Bernoulli, LossModel
 from .cables import cable_losses
 from .graph import Fabric
 from .presets import parse_fabric
@@ -94,6 +94,21 @@ class Placement:
         for cable, modulus, _ in self.lossy(src, dst):
             out[cable] = out.get(cable, 0.0) + 1.0 / modulus
         return out
+
+    def counts(self, src: int, dst: int) -> tuple[tuple[int, int, int], ...]:
+        """The link's flows as (modulus, residue, lossy cables crossed): all that a packet's fate depends on
+        when the fabric is ``uniform``."""
+        return tuple((m, r, sum(cable in self.losses for cable in cables)) for cables, m, r in self.paths(src, dst))
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every cable of the fabric loses packets independently at one rate (one Bernoulli model on
+        all of them: ``every_cable`` with no named cable or CorrOpt draw that differs). A packet over c cables
+        is then lost with probability 1 - (1 - p)^c, whichever cables they are, and flows that share a cable
+        share nothing but its stream."""
+        models = list(self.losses.values())
+        return len(models) == len(self.fabric.cables) and all(
+            isinstance(m, Bernoulli) and m.p == models[0].p for m in models)
 
     def any_lossy(self) -> bool:
         """Whether a link between two of the ranks (on different nodes) crosses a lossy cable (once)."""
