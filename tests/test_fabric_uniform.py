@@ -88,3 +88,27 @@ def test_expert_groups_on_a_uniform_fabric_are_sampled_at_their_cables_closed_fo
     sent = round(sum(row[f"{c}_packets_sent"] for c in ("ep_dispatch", "ep_combine")) / (groups * m))
     lost = round(sum(row[f"{c}_packets_lost"] for c in ("ep_dispatch", "ep_combine")) / (groups * m))
     assert lost > 0 and stats.binomtest(lost, sent, 1 - (1 - P) ** 2).pvalue > 1e-3, (lost, sent)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_a_sampled_uniform_fabric_names_the_blast_radius_every_group_would(moe):
+    """Each group a sampled one stands for is counted on its own cables: the same cables, ranks and groups as
+    with every group simulated, each class's share of packets on a cable within retransmissions' noise."""
+    if moe:
+        settings = dict(micro_batch=2, microbatches=2, tp_size=1, dp_size=8, ep_size=4, pp_size=2, ranks_per_node=1,
+                        fabric="leaf-spine:nodes=16,leaves=2,spines=2")
+        name = "tiny-moe"
+    else:
+        settings = dict(tp_size=2, pp_size=2, dp_size=4, ranks_per_node=2, fabric=FABRIC)
+        name = "tiny-llama"
+    # a low rate, so a share's noise (its retransmissions) stays well under the tolerance
+    config = job_config(name, **({"micro_batch": 1} if not moe else {}), loss="bernoulli:0.002",
+                        lossy_links="inter_node", transport="retransmit", nic="irn", seed=1, **settings)
+    blasts = [estimate(load(name), config, Workload(256, sampled_groups=k), steps=1)["blast"] for k in (1, 0)]
+    sampled, full = ({b["cable"]: b for b in blast} for blast in blasts)
+    assert sampled.keys() == full.keys() and len(full) > 4
+    for cable, entry in full.items():
+        assert (sampled[cable]["ranks"], sampled[cable]["groups"]) == (entry["ranks"], entry["groups"]), cable
+        assert sampled[cable]["ranks_first"] == entry["ranks_first"]
+        for cls, share in entry["share"].items():
+            assert sampled[cable]["share"][cls] == pytest.approx(share, rel=0.02), (cable, cls)

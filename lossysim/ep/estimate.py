@@ -157,6 +157,11 @@ class ExpertMessages:
         chosen = self.ep[first][:self.sampled]
         units = steps * sum(len(self.ep[s]) * m * len(self.ep_blocks[s]) for s in stages)   # block calls in all
         copies = units / (len(chosen) * len(self.ep_blocks[first]))
+        if chosen[0].specs[0].cables is not None:   # a uniform fabric's: each chosen one stands for every k-th
+            every = [group for s in stages for group in self.ep[s]]
+            for c in range(len(EP_CLASSES)):
+                self.stand_for.update((g.specs[c], [h.specs[c] for h in every[j::len(chosen)]])
+                                      for j, g in enumerate(chosen))
         pool = []
         for group in chosen:
             nets = [LossyNetwork(spec) for spec in group.specs]

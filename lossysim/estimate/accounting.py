@@ -49,6 +49,9 @@ class Tally:
         self.drawn = 0     # packet fates drawn (lossy groups simulated), all steps
         self.choices = defaultdict(set)   # (class, collective, algorithm, protocol, channels) -> bytes
         self.blast = Blast()              # on a fabric: who crosses each lossy cable
+        # a sampled group's network -> the groups' networks it stands for, on a uniform fabric (their
+        # crossings, and so their blast, are their own: ``Job.alike_on_fabric``)
+        self.stand_for: dict = {}
 
     def lost(self, cls: str, direction: str, delivery, per_packet: int, numel: int, received: int,
              copies: int, collective: str = "all_reduce") -> None:
@@ -64,7 +67,9 @@ class Tally:
         groups it stands for); a lossy network's packets sent were drawn."""
         if is_lossy(net):
             self.drawn += net.totals()["sent"]
-            self.blast.add(cls, net, copies)
+            others = self.stand_for.get(net.spec, (net.spec,))
+            for spec in others:   # each group it stands for, on its own cables, with its packets
+                self.blast.add(cls, net, copies / len(others), spec.cables)
         sums = self.sums.setdefault(cls, defaultdict(float))
         totals = net.totals()
         for name in ("sent", "lost", "resent"):

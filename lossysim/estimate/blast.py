@@ -2,7 +2,8 @@
 and what share of each class's packets it carries (the estimate's ``blast_radius`` column and
 ``blast_radius`` in estimate.json). Counted off the networks an estimate simulated, from each link's packets
 sent and the share of them whose routes cross the cable (``fabric.place.Placement.crosses``): on a fabric
-every group that crosses a lossy cable is simulated, so nothing is missed."""
+every group that crosses a lossy cable is simulated, or (a uniform fabric's alike groups, sampled) each is
+counted on its own cables with a simulated group's packets, so nothing is missed."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -15,8 +16,9 @@ class Blast:
     def __init__(self):
         self.cables: dict[str, dict] = {}
 
-    def add(self, cls: str, net, copies: float) -> None:
-        place = net.spec.cables
+    def add(self, cls: str, net, copies: float, place=None) -> None:
+        """``net``'s packets, each link's on ``place``'s cables (default: its own; another group's alike)."""
+        place = net.spec.cables if place is None else place
         if place is None or not place.losses:
             return
         sent = defaultdict(int)

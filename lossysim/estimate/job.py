@@ -116,6 +116,8 @@ class Job(Tally, Messages, *PARTS):
         if not k or groups[0].copies > 1 or (len(groups) <= k and stages == 1):
             return groups, 0
         k = min(k, len(groups))
+        if groups[0].spec.cables is not None:   # each sampled one stands for every k-th group from it
+            self.stand_for.update((g.spec, [h.spec for h in groups[j::k]]) for j, g in enumerate(groups[:k]))
         return [g._replace(copies=len(groups) * stages / k) for g in groups[:k]], len(groups) - k
 
     def alike_on_fabric(self, groups: list[tuple[NetworkSpec, ...]]) -> bool:
