@@ -82,10 +82,10 @@ class ExpertMessages:
                          for c in EP_CLASSES)
                    for t in range(mesh.tp) for g in range(edp)] for s in range(mesh.pp)]
         # a fabric's groups all alike but for their streams are sampled as groups without one are (every stage's)
-        fabric = staged[0][0][0].cables is not None and not (
+        one_by_one = staged[0][0][0].cables is not None and not (
             self.sampled and self.alike_on_fabric([p for pairs in staged for p in pairs]))
         for s, pairs in enumerate(staged):
-            if fabric:   # on a fabric: the pairs that cross a lossy cable, one for the rest
+            if one_by_one:   # on a fabric: the pairs that cross a lossy cable, one for the rest
                 self.ep_lossy = False   # every lossy pair simulated, none sampled
                 self.ep.append(self.aliased(ExpertGroup, pairs, [any(is_lossy(LossyNetwork(spec)) for spec in p)
                                                                  for p in pairs]))

@@ -205,7 +205,7 @@ class Job(Tally, Messages, *PARTS):
 def _groups(specs: list[NetworkSpec]) -> list[Group]:
     """Identical groups: every one that can lose packets, or one for all when none can. On a fabric the
     groups are not alike: every group whose links cross a lossy cable is simulated (sampled only when the
-    cables are all alike and so are the groups' crossings: ``Job._alike_on_fabric``), and one that crosses
+    cables are all alike and so are the groups' crossings: ``Job.alike_on_fabric``), and one that crosses
     none stands for all the others (they lose nothing)."""
     if specs[0].cables is not None:
         return _aliased(Group, specs, [is_lossy(LossyNetwork(spec)) for spec in specs])
