@@ -35,7 +35,7 @@ Profiles:
          5%; direct exchange at 20%; at 1%, 5%, 20%: retransmit as a selective-repeat
          NIC (irn) and RoCE go-back-N (roce-gbn) repair, each also timed under the ideal
          NIC, and deadline (3x); a 2 nodes x 2 ranks layout losing only between nodes.
-         51 runs, about 12 minutes
+         51 runs, about 10 minutes
          on 2 idle CPU cores. Spec: experiments/quick.yaml
   mitigations
          the quick profile's model and cluster, ring all-reduce, drop: the recovery
