@@ -329,3 +329,22 @@ def _assert_steps_lose_all_dp_packets_exactly_when(rows, inside) -> None:
         sent, lost = row["packets_sent_dp"] - sent_before, row["packets_lost_dp"] - lost_before
         assert sent > 0 and lost == (sent if is_inside else 0), row["step"]
         sent_before, lost_before = row["packets_sent_dp"], row["packets_lost_dp"]
+
+
+def test_a_stretched_call_meets_the_outage_and_ends_on_its_stretched_seconds(running):
+    """On shared cables the clock stretches a call's loss-free seconds by the collision factor x: an outage at
+    1.5 x the call's own seconds after its start meets the x = 3 call (not the unstretched one), which works
+    1.5 of them, waits to the first retry after the cable is back (2 TAU after the cut at 100, back at 105),
+    then does the rest: x * ideal + 2 TAU in all."""
+    events = running("leaf0-spine0:down:at=100,for=5")
+    plain, stretched = _net(), _net()
+    ideal = _call(plain, events, 0.0)
+    start = 100.0 - 1.5 * ideal
+    assert _call(plain, events, start) == pytest.approx(ideal, rel=1e-12)       # over before the cut
+    stretched.time.stretch = 3.0
+    assert _call(stretched, events, 0.0) == pytest.approx(3 * ideal, rel=1e-12)
+    before = stretched.clock()["comm_s_ideal_nic"]
+    assert _call(stretched, events, start) == pytest.approx(3 * ideal + 2 * ib_timeout_s(20), rel=1e-9)
+    # the ideal nic waits for the cable alone: back at 105, then the 1.5 ideal left
+    assert stretched.clock()["comm_s_ideal_nic"] - before == pytest.approx(3 * ideal + 5.0, rel=1e-9)
+    assert events.failures == 0

@@ -98,3 +98,40 @@ def test_every_expert_groups_all_to_alls_take_their_class_factor(tmp_path, one_t
     for name in classes:
         assert set_[name] == by.get(name, 1.0)
         assert all(g.train[name].time.stretch == set_[name] for g in parts.ep.groups)
+
+
+@pytest.mark.usefixtures("private_cache")
+def test_training_stretches_the_experts_buckets_by_the_expert_data_factor_and_nothing_else(
+        tmp_path, one_torch_thread, monkeypatch):
+    """dp 4 x ep 2 of tiny-moe, a rank a node: the expert groups {0, 1} and {2, 3} stay under a leaf (their
+    all-to-alls 1x), the dense ring 0-1-2-3 crosses the uplink once each way (1x), the expert-data groups
+    {0, 2} and {1, 3} both send leaf0 -> leaf1 over the one uplink (2x): each step's expert buckets' seconds
+    double, every other clock stays as without shared cables."""
+    from lossysim.ep.apply import ExpertParallelism
+    layout = dict(model="tiny-moe", tp_size=1, dp_size=4, ep_size=2)
+    flows = collisions.factors(tiny(tmp_path, **{**LAYOUT, **layout}, fabric=FABRIC))
+    assert flows["edp"] == pytest.approx(2.0) and flows["dp"] == 1.0 and flows["ep"] == 1.0
+    seconds: list = []
+    original = ExpertParallelism.average_gradients
+
+    def kept(self, replicas):
+        seconds.append(original(self, replicas))
+        return seconds[-1]
+    monkeypatch.setattr(ExpertParallelism, "average_gradients", kept)
+    runs = {}
+    for name, changes in (("unshared", dict(shared_cables=False)), ("shared", {})):
+        seconds.clear()
+        runs[name] = (_run(tmp_path, name, **layout, fabric=FABRIC, **changes), list(seconds))
+    (_, _, unshared), experts_before = runs["unshared"]
+    (_, _, shared), experts_after = runs["shared"]
+    assert experts_before and all(s > 0 for s in experts_before)
+    assert experts_after == pytest.approx([2 * s for s in experts_before], rel=1e-12)
+    for a, b in zip(unshared, shared):
+        assert b["loss"] == a["loss"]
+        moved = {k for k in _clock(a) if _clock(a)[k] != _clock(b)[k]}
+        # the experts' buckets are charged on the DP clock (after the dense buckets), so dp_s and the run's sum move
+        assert moved <= {"dp_s_per_step", "sim_time_s", "comm_s_per_step"}, moved
+        assert b["dp_s_per_step"] > a["dp_s_per_step"]
+    step = len(unshared)
+    extra = sum(experts_before[:step]) / step     # the rows' per-step means: what the stretch adds to each
+    assert shared[-1]["dp_s_per_step"] - unshared[-1]["dp_s_per_step"] == pytest.approx(extra, rel=1e-6)

@@ -48,9 +48,15 @@ def collectives(ep) -> dict:
 
 def carriers(ep, every: bool = False) -> dict:
     """The networks summary.json's ``fabric`` counts the blast radius on: each class's, replica 0's first
-    group's (``run.fabric_record``); ``every``: every group's (the clocks shared cables stretch)."""
+    group's (``run.fabric_record``); ``every``: every group's, and every expert-data group's bucket networks
+    (``expert_bucket``: the clocks shared cables stretch)."""
+    if ep.mesh.ep <= 1:
+        return {}
     groups = ep.groups if every else ep.groups[:1]
-    return {name: [g.train[name] for g in groups] for name in EP_CLASSES} if ep.mesh.ep > 1 else {}
+    out = {name: [g.train[name] for g in groups] for name in EP_CLASSES}
+    if every:
+        out["expert_bucket"] = [n for edp in ep.edp for n in edp.networks]
+    return out
 
 
 def save(parts):

@@ -8,8 +8,11 @@ Concurrent means the groups of one axis that run the same collective at once acr
 of the axis (all stages, replicas and TP positions): every DP (or FSDP) ring at once, every TP ring, every
 context ring, every ep group's all-to-all, the experts' buckets over every expert-data group, and a
 pipeline tick's sends over every boundary at once (activations one way, gradients the other, the slower
-direction's factor). Each collective's flows are a ring's (each rank to its successor, in the group's order;
-a tree's are not modelled) split over the spec's channels; an all-to-all's every pair's, uniform. The routes
+direction's factor). Each collective's flows are a ring's (each rank to its successor, in the group's order)
+split over the spec's channels, or, where a group's all-reduce runs as a tree (``trees``: TP's, DDP's
+buckets' and the experts' buckets' under ``algorithm=tree``, the buckets' where ``auto``'s NCCL pick is the
+tree at ``dp_bucket_mb``), a tree's (``fabric.load.tree_flows``: NCCL's double binary tree of the group's
+nodes, a chain within each); an all-to-all's every pair's, uniform. The routes
 are the networks' own (the same hash seed, queue pairs, PXN and spraying as the cables' losses), so the
 factor is this seed's draw, not a mean over hashes.
 
@@ -21,7 +24,7 @@ import functools
 from typing import Optional
 
 from .. import traffic
-from ..fabric.load import all_to_all_flows, ring_flows, send_flows, slowdown
+from ..fabric.load import all_to_all_flows, ring_flows, send_flows, slowdown, tree_flows
 
 BYTES = 64 * 2**20   # a flow's bytes: the factor is a ratio, so they cancel but for a packet's rounding
 
@@ -48,20 +51,47 @@ def factors(config) -> dict[str, float]:
     spec = config.network_spec()
     if spec.cables is None or not config.shared_cables:
         return {}
-    return dict(_factors(spec.cables.routes, config.mesh(), spec.cables.channels))
+    return dict(_factors(spec.cables.routes, config.mesh(), spec.cables.channels, trees(config)))
+
+
+def trees(config) -> tuple[str, ...]:
+    """The flows (``tp``, ``dp``, ``edp``) whose all-reduce runs as a tree: every one under ``algorithm=tree``
+    (DDP's buckets: FSDP's gathers and reduce-scatters run on rings), and under ``auto`` the buckets' whose
+    group NCCL's tuner (``net.transfer.choose``) runs as a tree at ``dp_bucket_mb``; none otherwise (the ring,
+    the default, NVLS)."""
+    ddp = ("dp", "edp") if config.dp_class == "dp" else ("edp",)
+    if config.algorithm == "tree":
+        return ("tp", *ddp)
+    if config.algorithm != "auto":
+        return ()
+    from ..net.transfer import choose   # (the network stage's: imported where it is asked)
+    mesh, settings = config.mesh(), config.network_settings()
+    bucket = int(config.dp_bucket_mb * (1 << 20))
+    out = []
+    for name in ddp:
+        if mesh.size(name) > 1:
+            spec = mesh.network_spec(name, 0, settings, config.dp_lossy())
+            if choose(spec, "all_reduce", bucket, spec.payload_bytes).algorithm == "tree":
+                out.append(name)
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=32)   # a grid's rows share their layout and routes: worked out once
-def _factors(routes, mesh, channels: int) -> tuple:
-    # every other axis's classes' flows over its groups (a ring's or an all-to-all's, ``TrafficClass.flows``)
+def _factors(routes, mesh, channels: int, tree_axes: tuple = ()) -> tuple:
+    # every other axis's classes' flows over its groups (a ring's or an all-to-all's, ``TrafficClass.flows``;
+    # a tree's where ``tree_axes`` names the axis)
     make = {"ring": ring_flows, "all_to_all": all_to_all_flows}
+
+    def reduce(axis: str):   # an axis's all-reduce flows: a ring's, or NCCL's trees'
+        return functools.partial(tree_flows, ranks_per_node=routes.per_node) if axis in tree_axes else ring_flows
     own = {c.axis: c.flows for c in traffic.CLASSES
            if c.axis not in ("dp", "pp") and c.axis in mesh.sizes and c.flows in make}
-    flows = {axis: functools.partial(make[kind], mesh.groups(axis), BYTES, channels) for axis, kind in own.items()}
+    flows = {axis: functools.partial(reduce(axis) if kind == "ring" else make[kind], mesh.groups(axis), BYTES,
+                                     channels) for axis, kind in own.items()}
     sizes = {axis: mesh.size(axis) for axis in own}
     gradients = _dp_groups(mesh)
-    flows.update(dp=lambda: ring_flows(gradients, BYTES, channels),
-                 edp=lambda: ring_flows(mesh.groups("edp"), BYTES, channels))
+    flows.update(dp=lambda: reduce("dp")(gradients, BYTES, channels),
+                 edp=lambda: reduce("edp")(mesh.groups("edp"), BYTES, channels))
     # without experts there are no expert-data groups (an expert group of 1: they would be the gradients' own)
     experts = len(mesh.group("edp", 0)) < len(gradients[0])
     sizes.update(dp=len(gradients[0]), edp=len(mesh.group("edp", 0)) if experts else 1)

@@ -3,7 +3,7 @@
 caller."""
 from __future__ import annotations
 
-from . import hours
+from . import events, hours
 from .grid import add_arguments as grid_arguments
 
 
@@ -19,7 +19,10 @@ def run(args) -> int:
         from .traced import run as run_trace
         return run_trace(args)
     from .grid import run as run_named
-    code = run_named(args)
+    # with --hours, the link events are the hours' schedule: the step's run is not their whole span
+    span = args.hours * 3600 if getattr(args, "hours", None) is not None and hours.given(args).strip() else None
+    with events.checked_over(span):
+        code = run_named(args)
     if code == 0 and getattr(args, "hours", None) is not None:
         hours.report(args)
     return code

@@ -9,12 +9,16 @@ the rest of its mean step (its communication, with its repairs) on those loads; 
 ``event_steps`` of them from t = 0 through the events, a failed collective paying ``restart_s`` and
 ``restart_lost_steps`` steps redone, as training charges it. The simplification, stated: every class's
 traffic is taken to be in flight during that one call, so an outage during the compute (where DP's
-buckets may overlap) is met only at the call.
+buckets may overlap) is met only at the call. With ``--hours H`` (``checked_over``) the events are the
+hours' schedule: checked against the H hours, not refused for falling past the step's run, whose steps
+meet what falls in them.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
+from typing import Optional
 
 import numpy as np
 
@@ -23,6 +27,21 @@ from ..config.fabric import event_schedule
 from ..fabric.events import REROUTE_S, LinkSchedule, run_steps
 from ..fabric.load import Flow, cable_loads
 from ..timing.retransmission import outage_waits
+
+# the seconds the events are checked against beside the step's run (``--hours``' H hours; None: the run's)
+CHECKED_OVER_S: Optional[float] = None
+
+
+@contextlib.contextmanager
+def checked_over(seconds: Optional[float]):
+    """Check the estimate's link events against ``seconds`` (None: the step's run alone) while the block runs."""
+    global CHECKED_OVER_S
+    previous, CHECKED_OVER_S = CHECKED_OVER_S, seconds
+    try:
+        yield
+    finally:
+        CHECKED_OVER_S = previous
+
 
 def _pairs(mesh, cls: str) -> list[tuple[int, int]]:
     """The (src, dst) global rank pairs a class's traffic runs between: over its axis's groups, as its
@@ -61,12 +80,13 @@ def columns(config, job, row: dict) -> dict:
     compute_s, step_s = float(row["compute_s"]), float(row["step_mean_s"])
     steps = int(config.event_steps)
     run_s = steps * step_s
+    span = max(run_s, CHECKED_OVER_S or 0.0)
     try:
-        event_schedule(config, run_s)            # the run's end: known once its step is
+        event_schedule(config, span)            # the run's end: known once its step is
     except ValueError as error:
         raise ValueError(f"{error} ({steps} event_steps of {step_s:.4g} s)") from None
     # open-ended events last through the stalls and restarts the run pays past its event-free end
-    horizon = 100 * run_s + 100 * float(config.restart_s) + 1.0
+    horizon = max(100 * run_s + 100 * float(config.restart_s) + 1.0, span)
     schedule = event_schedule(config, horizon)
     drop = spec.transport == "drop"
     waits = outage_waits(spec.nic_model, int(config.ib_timeout), rtt_s=2 * spec.link_inter.alpha)

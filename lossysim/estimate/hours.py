@@ -2,7 +2,9 @@
 (``fabric.reliability``): the expected cable failures, interruptions, GPU-hours lost and effective
 training time, printed after the step's table (and ``hours.json`` with ``--out``). The fabric is
 ``--fabric`` where the command has one, else the smallest SuperPOD that holds the job's nodes (said
-so in the output). Without ``--hours`` nothing changes.
+so in the output). With ``--link-event`` the given schedule over the hours counts too, beside the
+failures the MTTF draws (``hours_events``: its ``event_*`` figures, and its share of the totals). Without
+``--hours`` nothing changes.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from ..fabric.reliability import CABLE_MTTF_H, REPAIR_H, expected_cost, llama3_r
 from ..io import atomic_write_text, output_errors
 from ..mesh import CARVED
 from ..timing.retransmission import NIC_PRESETS, outage_waits
+from . import hours_events
 
 DGX_GPUS = 8
 
@@ -49,6 +52,14 @@ def check(args) -> None:
     if not args.hours > 0 or math.isinf(args.hours):
         raise ValueError(f"--hours {args.hours:g} must be a number of hours > 0")
     _other(args.other_interruptions_per_day)
+    if given(args) and getattr(args, "fabric", None):   # (no fabric: the grid's own one line says so)
+        hours_events.schedule(given(args), parse_fabric(args.fabric), args.hours)
+
+
+def given(args) -> str:
+    """``--link-event``'s entries joined as the config keeps them ("" without)."""
+    entries = getattr(args, "link_event", None)
+    return ";".join(entries) if isinstance(entries, list) else str(entries or "")
 
 
 def _other(text) -> float:
@@ -80,23 +91,38 @@ def figures(args) -> dict:
                              "give a fabric")
         fabric, chosen = superpod(fits[0]), "the smallest SuperPOD that holds the job"
     reroute, ib_timeout = args.reroute or "ecmp", int(args.ib_timeout or 20)
+    waits = outage_waits(NIC_PRESETS["roce-gbn-timeout"], ib_timeout)
     cost = expected_cost(fabric, args.hours, nodes=nodes, gpus=gpus, mttf_h=args.cable_mttf_h,
-                         repair_h=args.repair_h, reroute_s=REROUTE_S[reroute],
-                         waits=outage_waits(NIC_PRESETS["roce-gbn-timeout"], ib_timeout),
+                         repair_h=args.repair_h, reroute_s=REROUTE_S[reroute], waits=waits,
                          restart_s=args.restart_s, checkpoint_s=args.checkpoint_every_s,
                          other_per_day=_other(args.other_interruptions_per_day))
-    return {"fabric": fabric.name, "fabric_chosen": chosen, "nodes": nodes, "reroute": reroute,
-            "ib_timeout": ib_timeout, "checkpoint_every_s": args.checkpoint_every_s, "restart_s": args.restart_s,
-            "cable_mttf_h": args.cable_mttf_h, "repair_h": args.repair_h, **cost.row(),
-            "llama3_interruptions_per_day": llama3_rates()["all_per_day"]}
+    row = {"fabric": fabric.name, "fabric_chosen": chosen, "nodes": nodes, "reroute": reroute,
+           "ib_timeout": ib_timeout, "checkpoint_every_s": args.checkpoint_every_s, "restart_s": args.restart_s,
+           "cable_mttf_h": args.cable_mttf_h, "repair_h": args.repair_h, **cost.row(),
+           "llama3_interruptions_per_day": llama3_rates()["all_per_day"]}
+    if given(args).strip():
+        row.update(_with_events(args, row, fabric, nodes, waits))
+    return row
+
+
+def _with_events(args, row: dict, fabric, nodes: int, waits) -> dict:
+    """The given schedule's figures, and the totals counting them beside the MTTF's."""
+    events = hours_events.cost(hours_events.schedule(given(args), fabric, args.hours), nodes,
+                               REROUTE_S[row["reroute"]], waits, args.restart_s, args.checkpoint_every_s)
+    mttf_lost_s = row["gpu_hours_lost"] * 3600 / row["gpus"]
+    lost_s = mttf_lost_s + events.lost_s
+    return {"link_event": given(args), **events.row(), "interruptions": row["interruptions"] + events.interruptions,
+            "gpu_hours_lost": row["gpus"] * lost_s / 3600, "effective": max(0.0, 1 - lost_s / (args.hours * 3600))}
 
 
 def report(args) -> None:
     """Print the figures (and write hours.json with ``--out``)."""
     row = figures(args)
     print(f"{row['hours']:g} h on {row['fabric']} ({row['fabric_chosen']}), {row['gpus']} GPUs: "
-          f"{row['cable_failures']:.3g} cable failures, {row['interruptions']:.3g} interruptions, "
-          f"{row['routed_around']:.3g} routed around ({row['reroute']}), {row['gpu_hours_lost']:.4g} GPU-hours lost, "
+          f"{row['cable_failures']:.3g} cable failures, {row['interruptions']:.3g} interruptions"
+          + (f" (the link events' {row['event_outages']} outages: {row['event_interruptions']} interruptions, "
+             f"{row['event_stalls']} stalls of {row['event_stalled_s']:.4g} s)" if "event_outages" in row else "") +
+          f", {row['routed_around']:.3g} routed around ({row['reroute']}), {row['gpu_hours_lost']:.4g} GPU-hours lost, "
           f"effective training time {100 * row['effective']:.1f}% (Llama 3: {row['llama3_interruptions_per_day']:.2f} "
           "interruptions a day of all causes, over 90% effective)")
     if args.out:

@@ -114,6 +114,51 @@ def ring_flows(groups: Iterable[Sequence[int]], bytes_per_rank: float, channels:
     return flows
 
 
+def tree_flows(groups: Iterable[Sequence[int]], bytes_per_rank: float, channels: int = 1,
+               ranks_per_node: int = 1) -> list[Flow]:
+    """One step of tree all-reduces run at once, one per group, as NCCL lays them out: a chain through each
+    node's ranks (in the group's order) and, across nodes, a double binary tree of the nodes (``dtree_parents``)
+    joining each node's first rank to its parent node's; each tree carries half the message, reduced up and
+    broadcast down, so every tree edge carries ``bytes_per_rank / 2`` each way, split over ``channels``."""
+    channels = _channels(channels)
+    flows = []
+    for group in groups:
+        nodes: dict[int, list[int]] = {}
+        for rank in group:
+            nodes.setdefault(rank // ranks_per_node, []).append(rank)
+        leaders = [ranks[0] for ranks in nodes.values()]
+        # the chains (each message whole, both ways: NVLink, which loads no cable) and the trees' edges
+        edges = [(a, b, 1.0) for ranks in nodes.values() for a, b in zip(ranks, ranks[1:])]
+        edges += [(child, leaders[parent], 0.5) for tree in dtree_parents(len(leaders))
+                  for child, parent in zip(leaders, tree) if parent >= 0]
+        flows += [Flow(x, y, share * bytes_per_rank / channels, c) for a, b, share in edges
+                  for x, y in ((a, b), (b, a)) for c in range(channels)]
+    return flows
+
+
+def _btree_parent(n: int, rank: int) -> int:
+    """NCCL's binary tree over ``n`` ranks (root 0): the parent of ``rank`` (-1 for the root)."""
+    if rank == 0:
+        return -1
+    bit = 1
+    while bit < n and not bit & rank:
+        bit <<= 1
+    up = (rank ^ bit) | (bit << 1)
+    return up if up < n else rank ^ bit
+
+
+def dtree_parents(n: int) -> tuple[list[int], list[int]]:
+    """NCCL's double binary tree over ``n`` ranks: each rank's parent in the first tree (the binary tree)
+    and in the second (the first mirrored, rank r as n-1-r, for an even n; shifted by one for an odd n),
+    -1 for a root."""
+    first = [_btree_parent(n, r) for r in range(n)]
+    if n % 2:
+        second = [-1 if (p := _btree_parent(n, (r - 1) % n)) < 0 else (p + 1) % n for r in range(n)]
+    else:
+        second = [-1 if (p := first[n - 1 - r]) < 0 else n - 1 - p for r in range(n)]
+    return first, second
+
+
 def send_flows(pairs: Iterable[tuple[int, int]], bytes_per_send: float, channels: int = 1) -> list[Flow]:
     """Point-to-point sends run at once (a pipeline tick's, an all-to-all's): ``bytes_per_send`` from each
     pair's first rank to its second, split evenly over ``channels``."""

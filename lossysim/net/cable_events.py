@@ -6,8 +6,10 @@ so far (``run.clock``: compute, traffic, restarts), which every rank computes al
 the same events. Every call of a step is taken to start at the step's start (the simplification, stated
 in docs/fabric.md: an outage that begins inside a step is met from the next one).
 
-A call's loads are its packets on each directed cable (the transfer's packets per link, each link's
-share on each of its flows' routes, ``Placement.paths``). With a retransmitting transport the call ends
+A call's loss-free seconds are the clock's: its transfer's times the network's collision factor on shared
+cables (``run.fabric_record.stretch_clocks``), so an outage meets a stretched call, and its end is timed,
+on the stretched seconds. A call's loads are its packets on each directed cable (the transfer's packets
+per link, each link's share on each of its flows' routes, ``Placement.paths``). With a retransmitting transport the call ends
 when ``fabric.events.call_end`` says (an outage: later by the outage and the pending timer; a speed cut:
 stretched by its most loaded slowed cable); the seconds it adds go on the network's clock, under the
 run's nic and, without ever failing, under the ideal one. A call still down after the transport's
@@ -122,11 +124,15 @@ class RunEvents:
         spec = network.spec
         rtt = 2 * spec.link_inter.alpha
         drop = not spec.transport_model.repairs     # nothing waits: the outage lost the packets instead
-        ends = [call_end(self.schedule, loads, self.now, transfer.ideal, None if drop else waits, self.reroute_s,
+        # the call as the clock times it: on shared cables its loss-free seconds stretched by the collision
+        # factor (``run.fabric_record.stretch_clocks``; 1.0 otherwise, the same seconds to the bit), so an
+        # outage meets it, and its end is timed, on the seconds it really spans
+        seconds = transfer.ideal * network.time.stretch
+        ends = [call_end(self.schedule, loads, self.now, seconds, None if drop else waits, self.reroute_s,
                          drop) for waits in (outage_waits(spec.nic_model, self.ib_timeout, rtt_s=rtt), None)]
         if ends[0].failed:
             self.failed_at.add(self.now)
-        extra = [max(e.end_s - self.now - transfer.ideal, 0.0) for e in ends]
+        extra = [max(e.end_s - self.now - seconds, 0.0) for e in ends]
         if not any(extra):
             return None
         return torch.tensor(extra, dtype=torch.float64, device=transfer.link_ids.device)

@@ -5,8 +5,8 @@ group's it holds: sim, all of them), as the estimate counts its groups (``estima
 no axis: ``run.summary`` adds this section beside the axes' own. ``slowdown``: each class's factor for the
 flows its concurrent groups share cables with (``estimate.collisions``), which the estimate multiplies its
 loss-free time by, and which training's clock multiplies each of those networks' loss-free seconds by
-(``stretch_clocks``: replica 0's TP, pipeline, expert and context networks and every data-parallel one;
-the experts' buckets' networks are not stretched)."""
+(``stretch_clocks``: replica 0's TP, pipeline, expert and context networks, every data-parallel one and
+every expert-data-parallel group's, the experts' buckets', as the estimate stretches ``expert_bucket``)."""
 from __future__ import annotations
 
 from ..axes import AXES
@@ -31,10 +31,16 @@ def fabric_summary(parts, config) -> dict:
 def stretch_clocks(parts, config) -> dict[str, float]:
     """Each class's networks' clocks set to multiply their loss-free seconds by the class's collision factor
     (``collisions.summary``), so training's step clock charges shared cables as the estimate does; the
-    factors set (empty without a fabric or with ``shared_cables`` off: every clock as it was)."""
-    if not collisions.factors(config):   # no fabric, or shared_cables off
+    factors set (empty without a fabric or with ``shared_cables`` off: every clock as it was). The dense
+    gradients' networks take the data-parallel flows' factor and the experts' buckets' (``expert_bucket``)
+    the expert-data groups' (``edp``), each its own as the estimate's time keys do (the ``dp`` class's
+    column is the larger of the two)."""
+    flows = collisions.factors(config)
+    if not flows:   # no fabric, or shared_cables off
         return {}
-    by = collisions.summary(config)
+    by = {**collisions.summary(config), "expert_bucket": flows.get("edp", 1.0)}
+    if config.dp_class in by:
+        by[config.dp_class] = flows.get("dp", 1.0)
     networks = _carriers(parts, config, every=True)
     for cls, nets in networks.items():
         for net in nets:
