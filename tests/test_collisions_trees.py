@@ -58,3 +58,36 @@ def test_the_trees_factor_counts_its_half_flows_on_the_uplink(tmp_path):
     assert collisions.factors(auto)["dp"] == pytest.approx(expected, rel=1e-12)
     # FSDP's gathers and reduce-scatters run on rings whatever the algorithm
     assert "dp" not in collisions.trees(_config(tmp_path, algorithm="tree", dp_mode="fsdp"))
+
+
+def test_link_events_meet_the_trees_flows_where_the_all_reduce_runs_as_a_tree(tmp_path):
+    """A link event's loads take the same flows as the factor: under the tree, dp 5's two trees (16 half
+    edges, each carrying a sixteenth of the bytes) cross leaf0's uplink 10 times, 10/16 of the class's bytes;
+    the ring (5 equal flows) crosses it twice, 2/5."""
+    from lossysim.estimate import events
+    tree = _config(tmp_path, algorithm="tree")
+    mesh, row = tree.mesh(), {"dp_packets_sent": 1600.0}
+    on_tree = events._flows(mesh, ("dp",), row, 1, 1, collisions.trees(tree), 1)["dp"]
+    on_ring = events._flows(mesh, ("dp",), row, 1, 1)["dp"]
+    assert sum(f.bytes for f in on_tree) == pytest.approx(1600.0) and len(on_tree) == 16
+    assert {f.bytes for f in on_tree} == {100.0}
+    assert Counter((f.src, f.dst) for f in on_tree) == Counter((f.src, f.dst) for f in tree_flows([range(5)], 1.0))
+    leaf = {0: 0, 1: 0, 2: 0, 3: 1, 4: 1}
+    crossing = lambda flows: sum(f.bytes for f in flows if leaf[f.src] != leaf[f.dst])
+    assert crossing(on_tree) == pytest.approx(1600.0 * 10 / 16)
+    assert crossing(on_ring) == pytest.approx(1600.0 * 2 / 5)
+
+
+def test_an_estimates_link_event_counts_the_trees_flows_on_its_cable():
+    """End to end: the cable leaf0-spine0 carries the ring's 2 crossing flows (on 2 channels: 4), the trees'
+    10 (20), as the factor's flows."""
+    from lossysim.estimate.shapes import load
+    from lossysim.estimate.simulate import estimate
+    from lossysim.estimate.workload import Workload, job_config
+    described = {}
+    for algorithm in ("ring", "tree"):
+        config = job_config("llama-3.2-1b", 1, "bf16", None, tp_size=1, dp_size=5, ranks_per_node=1, channels=2,
+                            fabric=FABRIC, algorithm=algorithm, transport="retransmit", nic="irn",
+                            link_event="leaf0-spine0:down:at=1,for=1", event_steps=100)
+        described[algorithm] = estimate(load("llama-3.2-1b"), config, Workload(2048), steps=1)["event_flows"]
+    assert described == {"ring": "leaf0-spine0: dp 4 flows", "tree": "leaf0-spine0: dp 20 flows"}

@@ -1,8 +1,10 @@
 """What a fabric's link events (``link_event``, ``fabric.events``) do to an estimated job: the estimate's
 ``event_*`` columns, only when events are given (a row without them stays as it was).
 
-The job's flows are its groups' traffic on the routes: each class's ring (tp, dp and fsdp, cp), every
-pipeline boundary both ways (pp) and every pair of an expert group (ep), each rank's flow split over the
+The job's flows are its groups' traffic on the routes: each class's ring (tp, dp and fsdp, cp), or NCCL's
+double binary tree where its all-reduce runs as one (``collisions.trees``: tp and DDP's buckets under
+``algorithm=tree`` or ``auto``'s pick, the tree's edges weighted as ``fabric.load.tree_flows`` weighs them),
+every pipeline boundary both ways (pp) and every pair of an expert group (ep), each rank's flow split over the
 spec's channels, a class's bytes of a step (its packets sent times the payload) spread evenly over its
 flows. A step is then, as ``fabric.events.run_steps`` runs it, the estimate's compute then one call of
 the rest of its mean step (its communication, with its repairs) on those loads; the job runs
@@ -25,8 +27,9 @@ import numpy as np
 from .. import traffic
 from ..config.fabric import event_schedule
 from ..fabric.events import REROUTE_S, LinkSchedule, run_steps
-from ..fabric.load import Flow, cable_loads
+from ..fabric.load import Flow, cable_loads, tree_flows
 from ..timing.retransmission import outage_waits
+from .collisions import trees
 
 # the seconds the events are checked against beside the step's run (``--hours``' H hours; None: the run's)
 CHECKED_OVER_S: Optional[float] = None
@@ -57,11 +60,18 @@ def _pairs(mesh, cls: str) -> list[tuple[int, int]]:
     return [(g[i], g[(i + 1) % len(g)]) for g in groups if len(g) > 1 for i in range(len(g))]
 
 
-def _flows(mesh, classes, row: dict, payload: int, channels: int) -> dict[str, list[Flow]]:
+def _flows(mesh, classes, row: dict, payload: int, channels: int, tree_classes: tuple = (),
+           per_node: int = 1) -> dict[str, list[Flow]]:
     out = {}
     for cls in classes:
-        pairs = _pairs(mesh, cls)
         sent = float(row.get(f"{cls}_packets_sent", 0.0)) * payload
+        if cls in tree_classes and sent > 0:   # NCCL's trees (``collisions.trees``): the tree's edges, its own weights
+            unit = tree_flows(mesh.groups(traffic.BY_NAME[cls].axis), 1.0, channels, per_node)
+            if unit:
+                scale = sent / sum(f.bytes for f in unit)
+                out[cls] = [Flow(f.src, f.dst, f.bytes * scale, f.channel) for f in unit]
+            continue
+        pairs = _pairs(mesh, cls)
         if pairs and sent > 0:
             each = sent / (len(pairs) * channels)
             out[cls] = [Flow(a, b, each, c) for a, b in pairs for c in range(channels)]
@@ -74,7 +84,8 @@ def columns(config, job, row: dict) -> dict:
         return {}
     spec = job.tp[0][0].spec
     routes = spec.cables.routes
-    flows = _flows(config.mesh(), job.classes, row, spec.payload_bytes, spec.channels)
+    flows = _flows(config.mesh(), job.classes, row, spec.payload_bytes, spec.channels, trees(config),
+                   routes.per_node)
     loads = {cls: cable_loads(routes, f) for cls, f in flows.items()}
     total = sum(loads.values()) if loads else np.zeros(len(routes.fabric.cables))
     compute_s, step_s = float(row["compute_s"]), float(row["step_mean_s"])
