@@ -2,7 +2,9 @@
 and ``ep_combine``, the all-to-alls per MoE block and micro-batch on every (stage, TP position, expert-data
 index)'s ep group, sized by the routing assumed (``ep.routing``: uniform or skewed), in backward their
 gradients the other way; and the experts' gradient buckets over their expert-data-parallel groups (class
-``dp``), after the backward, as training averages them. Beyond ``FULL_UP_TO`` GPUs, a few micro-batches of
+``dp``), after the backward, as training averages them. Beside context parallelism the groups are carved out
+of dp x cp as the mesh carves them (ep a multiple of cp: a replica's context ranks in one ep group) and a rank
+routes its own seq / cp tokens of each sequence. Beyond ``FULL_UP_TO`` GPUs, a few micro-batches of
 one stage's sampled groups are simulated and every other block's calls drawn from theirs (docs/estimate.md,
 "Experts").
 """
