@@ -2,7 +2,9 @@
 and ``ep_combine``, the all-to-alls per MoE block and micro-batch on every (stage, TP position, expert-data
 index)'s ep group, sized by the routing assumed (``ep.routing``: uniform or skewed), in backward their
 gradients the other way; and the experts' gradient buckets over their expert-data-parallel groups (class
-``dp``), after the backward, as training averages them. Beyond ``FULL_UP_TO`` GPUs, a few micro-batches of
+``dp``), after the backward, as training averages them. Beside context parallelism the groups are carved out
+of dp x cp as the mesh carves them (ep a multiple of cp: a replica's context ranks in one ep group) and a rank
+routes its own seq / cp tokens of each sequence. Beyond ``FULL_UP_TO`` GPUs, a few micro-batches of
 one stage's sampled groups are simulated and every other block's calls drawn from theirs (docs/estimate.md,
 "Experts").
 """
@@ -34,26 +36,29 @@ class ExpertMessages:
 
     @staticmethod
     def replica_kind(parts) -> Optional[Callable[[int], int]]:
-        """Replica r's kind by its all-to-alls (its expert-data index's ep groups), None: every replica's alike."""
+        """Replica r's kind by its all-to-alls (its context ranks' expert-data indices' ep groups), None: every
+        replica's alike."""
         if not any(len(groups) > 1 for cls in EP_CLASSES for groups in parts.t.get(cls, [])):
             return None
-        ep = parts.config.mesh().ep
-        return lambda r: r // ep
+        mesh = parts.config.mesh()
+        return lambda r: expert_data(mesh, r)
 
     @staticmethod
     def on_stream(parts, zero) -> Callable[[int, int], list]:
         """``(replica, k)`` -> [stage][micro-batch] of (forward, backward) seconds (``k`` 0: with loss, 1:
         loss-free) of the replica's all-to-alls: each class's summed (those not in ``zero``), the slowest of
-        its TP ranks' groups."""
+        its TP ranks' groups (with context parallelism, of its context ranks': one ep group a TP rank, ep a
+        multiple of cp)."""
         present = [cls for cls in EP_CLASSES if cls in parts.t and cls not in zero]
         mesh = parts.config.mesh()
+        edp = mesh.size("edp")
 
         def of(s: int, r: int) -> list:
             total = [([0.0, 0.0], [0.0, 0.0]) for _ in range(parts.m)]
             for cls in present:
                 groups = parts.t[cls][s]
                 mine = [groups[0]] if len(groups) == 1 else \
-                    [groups[t * (mesh.dp // mesh.ep) + r // mesh.ep] for t in range(mesh.tp)]
+                    [groups[t * edp + g] for t in range(mesh.tp) for g in expert_data(mesh, r)]
                 for i, pair in enumerate(total):
                     for d in (0, 1):
                         for q in (0, 1):
@@ -62,22 +67,24 @@ class ExpertMessages:
         return lambda r, k: [[(f[k], b[k]) for f, b in of(s, r)] for s in range(parts.pp)]
 
     def init_part(self, shape, config, w, tokens: int, settings: dict) -> None:
-        """A mixture of experts' ep groups per stage (tp x expert-data of them), the routing's message sizes,
-        and the experts' gradient buckets over their expert-data-parallel groups."""
+        """A mixture of experts' ep groups per stage (tp x expert-data of them, carved out of dp x cp as the
+        mesh carves them), the routing's message sizes (a rank routes its own tokens: with context parallelism
+        its seq / cp of each sequence), and the experts' gradient buckets over their expert-data-parallel
+        groups."""
         mesh, experts = self.mesh, shape.experts
         self.experts = experts if mesh.ep > 1 else None
         self.ep_blocks = [[i for i in self.blocks(s) if self.experts and i in experts.blocks] for s in range(mesh.pp)]
         self.ep, self.expert_buckets, self.edp = [], [], []
         if self.experts is None:
             return
-        if mesh.cp > 1:   # the groups below are carved out of dp alone (training carves them out of dp x cp)
-            raise ValueError(f"ep_size={mesh.ep} with cp_size={mesh.cp}: lossysim estimate does not time experts "
-                             "beside context parallelism (lossysim train does); leave one of them at 1")
-        ep, edp = mesh.ep, mesh.dp // mesh.ep
-        per = routing.rows(tokens, experts.top_k, experts.count, ep, w.routing_skew, config.seed)
+        if mesh.cp > 1 and mesh.ep % mesh.cp:   # (the pairs' check refuses it first: ``ep.axis``)
+            raise ValueError(f"ep_size={mesh.ep} with cp_size={mesh.cp}: lossysim estimate does not time a replica's "
+                             "context ranks over several ep groups; use an ep_size that is a multiple of cp_size")
+        ep, edp = mesh.ep, mesh.size("edp")
+        per = routing.rows(tokens // mesh.cp, experts.top_k, experts.count, ep, w.routing_skew, config.seed)
         sent = tuple(0 if s == d else per[s][d] * shape.hidden for s in range(ep) for d in range(ep))
         self.ep_counts = (sent, tuple(sent[d * ep + s] for s in range(ep) for d in range(ep)))   # dispatch, combine
-        staged = [[tuple(mesh.network_spec("ep", mesh.rank(tp=t, dp=g * ep, pp=s), settings,
+        staged = [[tuple(mesh.network_spec("ep", _at(mesh, g * ep, tp=t, pp=s), settings,
                                            config.lossy_directions(c), c)
                          for c in EP_CLASSES)
                    for t in range(mesh.tp) for g in range(edp)] for s in range(mesh.pp)]
@@ -95,7 +102,7 @@ class ExpertMessages:
             local = [torch.empty(experts.parameters // len(experts.blocks) // ep, device="meta", requires_grad=True,
                                  dtype=w.grad_torch_dtype) for _ in self.ep_blocks[s]]
             self.expert_buckets.append(plan_buckets(local, set(), config.dp_bucket_mb * (1 << 20)) if local else [])
-            self.edp.append(self.groups_of([mesh.network_spec("edp", mesh.rank(tp=t, dp=e, pp=s), settings,
+            self.edp.append(self.groups_of([mesh.network_spec("edp", _at(mesh, e, tp=t, pp=s), settings,
                                                               config.dp_lossy())
                                             for t in range(mesh.tp) for e in range(ep)]) if edp > 1 else [])
 
@@ -204,6 +211,17 @@ class ExpertMessages:
 def _block_sum(blocks: list[dict]) -> dict:
     """Per class, the (forward, backward) [with loss, loss-free] seconds of ``blocks`` together."""
     return {cls: tuple([sum(b[cls][d][q] for b in blocks) for q in (0, 1)] for d in (0, 1)) for cls in EP_CLASSES}
+
+
+def expert_data(mesh, r: int) -> tuple[int, ...]:
+    """Replica ``r``'s context ranks' expert-data indices (their ep groups' at one TP position and stage): its
+    (cp, dp) indices ``c + cp x r`` cut ep innermost, as the mesh cuts them (one with ep a multiple of cp)."""
+    return tuple(sorted({(c + mesh.cp * r) // mesh.ep for c in range(mesh.cp)}))
+
+
+def _at(mesh, index: int, **coordinates: int) -> int:
+    """The global rank of (cp, dp) index ``index`` (``c + cp x dp``) at the other ``coordinates``."""
+    return mesh.rank(cp=index % mesh.cp, dp=index // mesh.cp, **coordinates)
 
 
 def routed_load(shape, mesh, w, seed: int) -> float:
