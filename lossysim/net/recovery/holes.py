@@ -24,7 +24,7 @@ class DropToken(Policy):
     name = "drop_token"
     drops_rows = True
     only_on = "all_to_all"
-    acts_on_keys = False    # (experts beside context parallelism are refused: config/pairs.py validate_pairs)
+    acts_on_keys = False    # a key/value exchange has no token rows to drop: ``zero`` there
 
 
 class Mask(Policy):
@@ -34,7 +34,7 @@ class Mask(Policy):
     is ``zero``."""
     name = "mask"
     masks_keys = True
-    acts_on_exchanges = False   # (it needs context ranks, and experts beside context parallelism are refused)
+    acts_on_exchanges = False   # an all-to-all has no softmax to leave a row out of: ``zero`` there
 
 
 RESCALE, DROP_TOKEN, MASK = Rescale(), DropToken(), Mask()
