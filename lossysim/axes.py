@@ -4,7 +4,8 @@ An ``Axis`` says everything the code outside its package needs to know about it,
 sizes, its settings (each a config field with its default, its ``lossysim train`` and ``lossysim estimate``
 flags, their help and its checks, Megatron's ``ModelParallelConfig`` fields carrying their flags), its
 traffic classes (named from ``lossysim.traffic``, or declared here by an axis outside the package), its
-counters (``TrainState``'s, saved in checkpoints), its summary.json section and the summary.csv columns read
+traffic families measured by ``lossysim budget`` (``budget``), its counters (``TrainState``'s, saved in
+checkpoints), its summary.json section and the summary.csv columns read
 off it, its report section, the run's ``Parts`` attribute holding it and the module with what a run records
 of it (``record``: its metrics-row, summary and checkpoint functions, imported by ``run/`` when used), the
 collective its recovery policy must act on (``requires``), its checks against other settings (``pairs``) and its
@@ -118,6 +119,23 @@ class Section:
 
 
 @dataclass(frozen=True)
+class Family:
+    """A traffic family the axis carries, whose loss budget ``lossysim budget`` measures (``budget/``): its
+    name and label, the ``lossy_traffic`` keys that let it alone lose packets, the layout its runs take (the
+    smallest that carries it between nodes), the experts to upcycle the model into (0: the model as it is;
+    a job of experts in the trade), its trade's job's layout where it differs from ``layout`` (None: the
+    same) and its place among every axis's families (``order``: the budget's table and its flag list them
+    so)."""
+    name: str
+    label: str
+    lossy_traffic: str
+    layout: dict = field(default_factory=dict)
+    upcycled: int = 0
+    job: Optional[dict] = None
+    order: int = 0
+
+
+@dataclass(frozen=True)
 class Axis:
     name: str
     label: str                          # the report's name of it (``CP``)
@@ -148,6 +166,8 @@ class Axis:
     estimate_check: Optional[Callable[[Any], None]] = None
     # whether training runs link events with it above 1 (``net.cable_events.refusal`` refuses the others)
     link_events: bool = True
+    # the traffic families it carries whose loss budgets ``lossysim budget`` measures
+    budget: tuple[Family, ...] = ()
 
     @property
     def classes(self) -> tuple[TrafficClass, ...]:
@@ -209,6 +229,11 @@ def setting(name: str) -> Setting:
 def workload_flags() -> tuple[WorkloadFlag, ...]:
     """Every axis's estimate-only settings, in the axes' order."""
     return tuple(f for axis in AXES for f in axis.workload)
+
+
+def families() -> tuple[Family, ...]:
+    """Every axis's budget families, in their ``order``."""
+    return tuple(sorted((f for axis in AXES for f in axis.budget), key=lambda f: f.order))
 
 
 def counters() -> tuple[Counter, ...]:

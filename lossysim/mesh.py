@@ -194,6 +194,16 @@ class Mesh:
         at = self.coordinates(rank)
         return self.rank(**({axis: at[axis] for axis in self.axes} | coordinates))
 
+    def alike(self, rank: int, *axes: str) -> int:
+        """The first rank alike ``rank`` but in ``axes`` (each with a digit in a global rank): its coordinates
+        with those at 0 (``alike(r, "tp", "pp")``: the first of r's TP group at stage 0), so a caller keying,
+        seeding or placing a group by its first rank names no axis it keeps."""
+        dense = self.axes
+        for axis in axes:
+            if axis not in dense:
+                raise ValueError(f"axis={axis!r}: a rank is alike another but in one of {', '.join(dense)}")
+        return self.moved(rank, **dict.fromkeys(axes, 0))
+
     def group(self, axis: str, rank: int) -> list[int]:
         """The ranks that differ from ``rank`` in ``axis`` alone, in that axis's order; ``ep``, ``edp``:
         the ranks at the same tp and pp whose (cp, dp) index differs in that expert coordinate alone."""

@@ -323,3 +323,24 @@ def test_a_moved_rank_keeps_every_coordinate_but_those_given(sizes, order):
             assert all(moved[a] == changes.get(a, at[a]) for a in mesh.axes)
         # a TP group's first rank at stage 0, as the run places its TP network
         assert mesh.moved(rank, tp=0, pp=0) == mesh.rank(dp=at["dp"], cp=at["cp"])
+
+
+@pytest.mark.parametrize("sizes,order", [(dict(tp=2, cp=2, dp=2, pp=2), "tp-cp-ep-dp-pp"),
+                                         (dict(tp=2, cp=3, dp=2, pp=2, ep=2), "tp-pp-cp-ep-dp"),
+                                         (dict(tp=1, cp=4, dp=2, pp=1, ep=4), "tp-dp-cp-ep-pp"), (dict(tp=4, dp=2), None)])
+def test_an_alike_rank_is_the_one_at_those_axes_zero_and_every_other_coordinate_kept(sizes, order):
+    mesh = Mesh(**sizes, **({"order": order} if order else {}))
+    dense = ("tp", "cp", "dp", "pp")
+    for rank in range(mesh.world):
+        at = mesh.coordinates(rank)
+        for axes in (("cp",), ("tp",), ("tp", "pp"), ("dp",), ("dp", "cp"), ("tp", "cp", "dp", "pp"), ()):
+            kept = {a: (0 if a in axes else at[a]) for a in dense}
+            assert mesh.alike(rank, *axes) == mesh.rank(**kept)
+        # the first of the rank's context group: cp 0, its other coordinates its own
+        first = mesh.coordinates(mesh.alike(rank, "cp"))
+        assert first["cp"] == 0 and all(first[a] == at[a] for a in ("tp", "dp", "pp"))
+        assert mesh.alike(rank, "cp") == mesh.group("cp", rank)[0]
+        assert mesh.alike(rank, "tp", "pp") == mesh.group("pp", mesh.group("tp", rank)[0])[0]
+    assert mesh.alike(mesh.world - 1, *dense) == 0
+    with pytest.raises(ValueError, match=r"^axis='ep': a rank is alike another but in one of "):
+        mesh.alike(0, "ep")

@@ -26,9 +26,9 @@ from ..config import ExperimentConfig, from_dict
 from ..io import atomic_write_text, check_writable, read_jsonl, read_summary
 from ..results.perplexity import paired_change
 from ..run.sweep import Run, config_key, execute, normalise, run_name
-from .families import POLICIES, Family, model_for, parse_families
+from .families import FAMILIES, POLICIES, Family, model_for, parse_families
 from .search import GRID, TOLERANCE_PCT, Budget, Point, find_budget
-from .trade import JOBS, NICS, SEQ, step_cost_pct
+from .trade import NICS, SEQ, job, step_cost_pct
 
 BASE = dict(model="smollm2-135m", dataset="pydoc", task="lm", tokenizer="auto", max_length=64,
             max_train_samples=None, max_eval_samples=48, eval_batch_size=16, dropout=0.0, eval_lossy=False,
@@ -147,7 +147,7 @@ def markdown(table: pd.DataFrame, base: dict, seeds: int, nics) -> str:
              f"{TOLERANCE_PCT:g}% of the paired loss-free run (the 95% interval's upper end over {seeds} seeds); "
              "evaluated loss-free. Beside it, what retransmitting that traffic at that rate adds to a real job's "
              f"step (`lossysim estimate`, the family's axis at 2 across nodes, {SEQ}-token sequences: "
-             + ", ".join(f"{name} {shape}" for name, (shape, _) in JOBS.items()) + ").", "",
+             + ", ".join(f"{family.name} {job(family)[0]}" for family in FAMILIES) + ").", "",
              "| " + " | ".join(["traffic", "policy", "steps", "budget", *cost]) + " |",
              "| " + " | ".join(["---"] * (4 + len(cost))) + " |"]
     for row in table.to_dict("records"):
@@ -160,8 +160,8 @@ def markdown(table: pd.DataFrame, base: dict, seeds: int, nics) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="folder for the runs and the budget table")
-    parser.add_argument("--families", default="all", help="all, or some of tp, pp, cp_ring, cp_allgather, ep, dp, "
-                                                          "fsdp separated by commas")
+    parser.add_argument("--families", default="all", help=f"all, or some of {', '.join(f.name for f in FAMILIES)} "
+                                                          "separated by commas")
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="recovery policies to try (those that act on a family's traffic are kept)")
     parser.add_argument("--steps", default="6", help="optimizer steps per run, several separated by commas "

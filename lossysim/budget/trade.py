@@ -2,9 +2,11 @@
 job's step (``lossysim estimate``), so a budget reads "drop below X%, or pay Y% of a step".
 
 Each family's job is a named shape with that family's axis at 2 across nodes (``ranks_per_node: 1``, as
-the budget's own runs place it) on H100s over RoCE 200G, one step of 8 sequences of 4,096 tokens, its
-traffic lossy alone: the step with ``transport: retransmit`` on each NIC preset over the loss-free step.
-A job whose TP stays inside NVLink never loses TP packets; this says what it would cost if it crossed.
+the budget's own runs place it; ``Family.job`` where its layout differs from the budget's runs') on H100s
+over RoCE 200G, one step of 8 sequences of 4,096 tokens, its traffic lossy alone: the step with
+``transport: retransmit`` on each NIC preset over the loss-free step. A family of experts runs on a mixture
+of experts. A job whose TP stays inside NVLink never loses TP packets; this says what it would cost if it
+crossed.
 """
 from __future__ import annotations
 
@@ -14,18 +16,18 @@ from .families import Family
 NICS = ("irn", "tcp")
 SEQ = 4096
 _DENSE, _MOE = "llama-3.1-8b", "mixtral-8x7b"
-JOBS = {"tp": (_DENSE, dict(tp_size=2)), "pp": (_DENSE, dict(tp_size=1, pp_size=2)),
-        "cp_ring": (_DENSE, dict(tp_size=1, cp_size=2, cp_mode="ring")),
-        "cp_allgather": (_DENSE, dict(tp_size=1, cp_size=2, cp_mode="allgather")),
-        "ep": (_MOE, dict(tp_size=1, dp_size=2, ep_size=2)), "dp": (_DENSE, dict(tp_size=1, dp_size=2)),
-        "fsdp": (_DENSE, dict(tp_size=1, dp_size=2, dp_mode="fsdp"))}
+
+
+def job(family: Family) -> tuple[str, dict]:
+    """``family``'s job: its named shape and its layout."""
+    return (_MOE if family.upcycled else _DENSE), dict(family.layout if family.job is None else family.job)
 
 
 def step_cost_pct(family: Family, rate: float, nic: str, seed: int = 0) -> float:
     """Percent of the loss-free step that retransmitting ``family``'s traffic at ``rate`` adds, on ``nic``."""
     from ..estimate.simulate import estimate
     from ..estimate.workload import Workload
-    shape, layout = JOBS[family.name]
+    shape, layout = job(family)
     config = from_dict({**layout, "compute": "h100", "link_inter": "roce-200g", "link_intra": "nvlink4",
                         "ranks_per_node": 1, "lossy_links": "inter_node", "batch_size": 8, "seed": seed,
                         "lossy_traffic": family.lossy_traffic, "loss": f"bernoulli:{rate:.6g}",

@@ -1,7 +1,7 @@
 """Context parallelism declared once (``lossysim.axes``): its settings and flags, its key/value traffic,
 its counters, summary.json's ``context_parallel``, the columns summary.csv reads off it, its report
 section, the collective its policy must act on and its checks against other settings."""
-from ..axes import Axis, Column, Counter, EstimateFlag, Section, Setting
+from ..axes import Axis, Column, Counter, EstimateFlag, Family, Section, Setting
 from ..util import one_of
 
 CP_MODES = ("ring", "allgather")   # Megatron's p2p ring of K/V blocks; Llama 3's all-gathered K/V
@@ -66,4 +66,8 @@ AXIS = Axis(
         "`CP per step`: what the key/value exchanges add to a step. `observed CP loss`: lost / sent packets on "
         "their lossy traffic in training. \"–\": the setting has cp 1."),
     part="context", record="lossysim.cp.record", estimate="lossysim.cp.estimate", requires="kv_exchange",
-    pairs=_pairs, estimate_check=_estimate_check, link_events=False)
+    pairs=_pairs, estimate_check=_estimate_check, link_events=False,
+    budget=(Family("cp_ring", "CP keys/values (ring)", "cp_forward,cp_backward",
+                   dict(tp_size=1, cp_size=2, cp_mode="ring"), order=2),
+            Family("cp_allgather", "CP keys/values (all-gather)", "cp_forward,cp_backward",
+                   dict(tp_size=1, cp_size=2, cp_mode="allgather"), order=3)))

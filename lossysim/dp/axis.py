@@ -2,7 +2,7 @@
 its counters, summary.json's ``data_parallel`` and the columns summary.csv reads off it."""
 import math
 
-from ..axes import Axis, Column, Counter, EstimateFlag, Setting
+from ..axes import Axis, Column, Counter, EstimateFlag, Family, Setting
 from ..util import one_of
 
 DP_MODES = ("ddp", "fsdp")
@@ -41,4 +41,7 @@ AXIS = Axis(
     summary="data_parallel",
     columns=(Column("replicas", "dp_size", number=False), Column("drift", "drift_final"), Column("drift_max", "drift_max"),
              Column("observed_loss_rate_dp", "observed_loss_rate_dp"), Column("dp_s_per_step", "dp_s_per_step")),
-    part="dp", record="lossysim.dp.record")
+    part="dp", record="lossysim.dp.record",
+    budget=(Family("dp", "DP gradient buckets", "dp", dict(tp_size=1, dp_size=2), order=5),
+            Family("fsdp", "FSDP gathers and reduce-scatters", "dp", dict(tp_size=1, dp_size=2, dp_mode="fsdp"),
+                   order=6)))

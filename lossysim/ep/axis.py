@@ -1,6 +1,6 @@
 """Expert parallelism declared once (``lossysim.axes``): its size and flags, its all-to-alls' traffic, its
 counters, summary.json's ``expert_parallel``, the columns summary.csv reads off it and its report section."""
-from ..axes import Axis, Column, Counter, EstimateFlag, Section, Setting, WorkloadFlag
+from ..axes import Axis, Column, Counter, EstimateFlag, Family, Section, Setting, WorkloadFlag
 
 
 def _fits(shape, ep_size: int) -> None:
@@ -62,6 +62,9 @@ AXIS = Axis(
     # popularity by Zipf's law with exponent z (``lossysim.ep.routing``)
     workload=(WorkloadFlag("routing_skew", "--routing-skew", float, 0.0,
                            "experts' popularity by Zipf's law with this exponent (default 0: uniform routing)",
-                           check=_skew),))
+                           check=_skew),),
+    # the model upcycled into 4 experts over ep 2 (``models/upcycle.py``); the trade's job, a mixture of experts
+    budget=(Family("ep", "EP dispatch and combine", "ep_dispatch,ep_dispatch_backward,ep_combine,ep_combine_backward",
+                   dict(tp_size=1, dp_size=2, ep_size=2), upcycled=4, order=4),))
 
 EP_CLASSES = tuple(c.name for c in AXIS.classes)   # an MoE block's all-to-alls: dispatch, then combine

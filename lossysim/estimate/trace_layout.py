@@ -84,16 +84,21 @@ class Layout:
         direction = _direction(cls, call)
         mesh, at = self.mesh, self.mesh.coordinates(ranks[0])
         members = tuple(ranks)
-        if axis == "tp":   # each context rank's TP group is a group of its own, as in training
-            spec = mesh.network_spec("tp", mesh.rank(dp=at["dp"], pp=at["pp"], cp=at["cp"]), self.settings)
-            key, members = ("tp", at["dp"], at["pp"], at["cp"]), tuple(mesh.group("tp", ranks[0]))
+        if axis == "tp":   # each TP group is a group of its own (a context rank's too), as in training
+            first = mesh.alike(ranks[0], "tp")
+            spec = mesh.network_spec("tp", first, self.settings)
+            key, members = ("tp", first), tuple(mesh.group("tp", ranks[0]))
         elif axis == "dp":
-            cp = at["cp"] if self.fabric else 0   # on a fabric, context ranks' DP groups sit on other nodes
-            spec = mesh.network_spec("dp", mesh.rank(tp=at["tp"], pp=at["pp"], cp=cp), self.settings,
-                                     self.config.lossy_directions(cls))
-            key, members = (cls, at["pp"], at["tp"]) + ((cp,) if cp else ()), tuple(mesh.group("dp", ranks[0]))
-            if cp:   # dp's stream names no context rank: this group's draws of its own
-                spec = spec.replace(seed=stream_seed(spec.seed, f"trace.dp.cp{cp}", "network"))
+            # the DP groups at a TP rank and stage are alike and share the first's network (every other
+            # coordinate 0); on a fabric each (a context rank's) sits on other nodes, a network of its own
+            shared = mesh.rank(tp=at["tp"], pp=at["pp"])
+            first = mesh.alike(ranks[0], "dp") if self.fabric else shared
+            spec = mesh.network_spec("dp", first, self.settings, self.config.lossy_directions(cls))
+            key, members = (cls, first), tuple(mesh.group("dp", ranks[0]))
+            if first != shared:   # dp's stream names tp and pp alone: the other coordinates make its draws its own
+                own, theirs = mesh.coordinates(first), mesh.coordinates(shared)
+                named = "".join(f".{a}{own[a]}" for a in own if a in mesh.axes and own[a] != theirs[a])
+                spec = spec.replace(seed=stream_seed(spec.seed, f"trace.dp{named}", "network"))
         else:
             spec, key = self._group_spec(axis, ranks, cls), (cls, tuple(ranks))
         spec = spec.replace(lossy_layers="all", lossy_sites="all", lossy=self._lossy(cls, spec))
@@ -104,11 +109,10 @@ class Layout:
         a, b = mesh.coordinates(src), mesh.coordinates(dst)
         if axis == "pp" and abs(a["pp"] - b["pp"]) == 1:
             boundary = min(a["pp"], b["pp"])
-            spec = mesh.network_spec("pp", mesh.rank(dp=a["dp"], pp=boundary, cp=a["cp"]), self.settings,
-                                     self.config.lossy_directions("pp"))
-            members = (mesh.group("tp", mesh.rank(dp=a["dp"], pp=boundary, cp=a["cp"]))
-                       + mesh.group("tp", mesh.rank(dp=a["dp"], pp=boundary + 1, cp=a["cp"])))
-            place = Place("pp", ("pp", a["dp"], boundary, a["cp"]), spec, {r: i for i, r in enumerate(members)})
+            first = mesh.moved(mesh.alike(src, "tp"), pp=boundary)   # the boundary's stage's TP group's first
+            spec = mesh.network_spec("pp", first, self.settings, self.config.lossy_directions("pp"))
+            members = mesh.group("tp", first) + mesh.group("tp", mesh.moved(first, pp=boundary + 1))
+            place = Place("pp", ("pp", first), spec, {r: i for i, r in enumerate(members)})
             return place, (place.local[src], place.local[dst]), "fwd" if b["pp"] > a["pp"] else "bwd"
         cls = _class_of(axis, "send")
         if cls is None or axis == "pp":     # a send between stages that are not neighbours: not modelled

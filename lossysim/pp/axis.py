@@ -2,7 +2,7 @@
 counters, summary.json's ``pipeline``, the columns summary.csv reads off it and its report section."""
 from typing import Optional
 
-from ..axes import Axis, Column, Counter, EstimateFlag, Section, Setting
+from ..axes import Axis, Column, Counter, EstimateFlag, Family, Section, Setting
 from ..util import one_of
 
 # torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B; 1f1b is Megatron's
@@ -48,4 +48,6 @@ AXIS = Axis(
         "sends add to a step (the schedule less the same schedule with free sends). `observed PP loss`: lost "
         "/ sent packets on the boundaries' lossy traffic in training. \"–\": the setting has no stages.",
         extra={"bubble (%)": ("pp_bubble", 100)}, fragile=False),
-    part="pipeline", record="lossysim.pp.record", requires="send")
+    part="pipeline", record="lossysim.pp.record", requires="send",
+    budget=(Family("pp", "PP activations and gradients", "pp_forward,pp_backward", dict(tp_size=1, pp_size=2),
+                   order=1),))

@@ -129,8 +129,7 @@ class DistPipeline(Pipeline):
     mirror their owner's state after every step and evaluation (``gathered``, ``evaluating``)."""
     stage: int = 0
     tp_rank: int = 0
-    replica: int = 0
-    context: int = 0       # this pipeline's context rank (each context rank's stages a pipeline of their own)
+    rank: int = 0          # this process's global rank (its pipeline: the ranks alike it but in their stage)
     mesh: Optional[Mesh] = None
     group: Any = None      # this pipeline's process group (one rank per stage)
     link: Optional[_Link] = None
@@ -142,7 +141,7 @@ class DistPipeline(Pipeline):
         return self.stage == self.stages - 1
 
     def _rank(self, stage: int) -> int:
-        return self.mesh.rank(dp=self.replica, tp=self.tp_rank, pp=stage, cp=self.context)
+        return self.mesh.moved(self.rank, pp=stage)
 
     def from_last(self, value):
         """``value`` as the last stage holds it, on every stage of this pipeline (reliable)."""
@@ -215,7 +214,7 @@ class DistPipeline(Pipeline):
         full = gather_full_model(tp_model)
         owner = parameter_stages(full, self.layout)
         mine = {name: p.detach().cpu() for name, p in full.named_parameters() if owner[id(p)] == self.stage} \
-            if self.tp_rank == 0 and self.replica == 0 and self.context == 0 else {}
+            if self.rank == self.mesh.rank(pp=self.stage) else {}   # its stage's first rank
         every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, every, dst=0)
         if every is not None:
@@ -270,8 +269,8 @@ def apply_dist_pp(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_
     process: the other stages' blocks hand their input on, its stage's first block receives from the
     previous stage and the next stage's first block sends to it. ``attach`` it to the TP model."""
     at = mesh.coordinates(rank)
-    replica, stage, tp_rank, context = at["dp"], at["pp"], at["tp"], at["cp"]
-    pipeline = cut_stages(model, config, mesh, train_net, eval_net, replica, (context,))
+    stage, tp_rank = at["pp"], at["tp"]
+    pipeline = cut_stages(model, config, mesh, train_net, eval_net, (mesh.alike(rank, "tp", "pp"),))
     if pipeline is None:
         return None
     head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
@@ -281,8 +280,8 @@ def apply_dist_pp(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_
     p = pipeline.stages
     link = _Link(pipeline.boundaries[stage - 1] if stage else None,
                  pipeline.boundaries[stage] if stage < p - 1 else None, tp_rank,
-                 mesh.rank(dp=replica, tp=tp_rank, pp=stage - 1, cp=context) if stage else None,
-                 mesh.rank(dp=replica, tp=tp_rank, pp=stage + 1, cp=context) if stage < p - 1 else None)
+                 mesh.moved(rank, pp=stage - 1) if stage else None,
+                 mesh.moved(rank, pp=stage + 1) if stage < p - 1 else None)
     plan, _ = plan_for(model)
     base = model.base_model
     blocks = base.get_submodule(plan.blocks)
@@ -301,8 +300,7 @@ def apply_dist_pp(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_
         blocks[first + pipeline.layout[stage]].register_forward_pre_hook(on_hidden_states(link.send),
                                                                          with_kwargs=True)
     fields = {f.name: getattr(pipeline, f.name) for f in dataclasses.fields(Pipeline)}
-    return DistPipeline(**fields, stage=stage, tp_rank=tp_rank, replica=replica, context=context, mesh=mesh,
-                        link=link)
+    return DistPipeline(**fields, stage=stage, tp_rank=tp_rank, rank=rank, mesh=mesh, link=link)
 
 
 def attach(pipeline: DistPipeline, tp_model: TensorParallelModel, group, seed: int) -> PipelineStage:

@@ -243,32 +243,33 @@ class Pipeline:
 
 
 def cut_stages(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_net: LossyNetwork,
-               eval_net: Optional[LossyNetwork], replica: int = 0, contexts: tuple[int, ...] = (0,)) -> Optional[Pipeline]:
-    """``model``'s blocks cut into ``config.pp_size`` stages (None for one stage): the layout, replica
-    ``replica``'s every stage's networks (the first stage's are ``train_net`` and ``eval_net``) and every
-    boundary's, at context rank ``contexts[0]``, and every boundary's at the other ``contexts`` (sim's
-    context ranks 1..: ``Boundary.contexts``). Evaluation runs on replica 0's networks (none for another
-    replica's: ``eval_net`` None)."""
+               eval_net: Optional[LossyNetwork], firsts: tuple[int, ...] = (0,)) -> Optional[Pipeline]:
+    """``model``'s blocks cut into ``config.pp_size`` stages (None for one stage): the layout, and the
+    networks of the pipelines whose first ranks (TP rank 0 at stage 0) are ``firsts``: ``firsts[0]``'s every
+    stage's (the first stage's are ``train_net`` and ``eval_net``) and every boundary's, and every boundary's
+    of the others (sim's context ranks 1..: ``Boundary.contexts``). Evaluation runs on replica 0's networks
+    (none for another replica's: ``eval_net`` None)."""
     if config.pp_size == 1:
         return None
     plan, _ = plan_for(model)
     blocks = model.base_model.get_submodule(plan.blocks)
     layout = stage_layout(config.pp_layout, config.pp_size, len(blocks))
     settings, evaluation = config.network_settings(), config.network_settings(evaluation=True)
-    c = contexts[0]
-    networks = [train_net] + [LossyNetwork(mesh.network_spec("tp", mesh.rank(dp=replica, pp=s, cp=c), settings))
+    first = firsts[0]
+    networks = [train_net] + [LossyNetwork(mesh.network_spec("tp", mesh.moved(first, pp=s), settings))
                               for s in range(1, config.pp_size)]
     eval_networks = [] if eval_net is None else \
-        [eval_net] + [LossyNetwork(mesh.network_spec("tp", mesh.rank(pp=s, cp=c), evaluation))
+        [eval_net] + [LossyNetwork(mesh.network_spec("tp", mesh.moved(first, dp=0, pp=s), evaluation))
                       for s in range(1, config.pp_size)]
     lossy = config.pp_lossy()
 
-    # boundary b's network: "pp" at a rank of stage b (its TP group and stage b + 1's), per context rank
-    def boundary(b: int, values: dict, r: int) -> Boundary:
-        nets = [LossyNetwork(mesh.network_spec("pp", mesh.rank(dp=r, pp=b, cp=k), values, lossy)) for k in contexts]
+    # boundary b's network: "pp" at a rank of stage b (its TP group and stage b + 1's), per pipeline
+    def boundary(b: int, values: dict, evaluated: bool) -> Boundary:
+        at = {"pp": b, **({"dp": 0} if evaluated else {})}   # evaluation's: replica 0's
+        nets = [LossyNetwork(mesh.network_spec("pp", mesh.moved(f, **at), values, lossy)) for f in firsts]
         return Boundary(b, mesh.tp, nets[0], contexts=nets[1:])
-    boundaries = [boundary(b, settings, replica) for b in range(config.pp_size - 1)]
-    eval_boundaries = [] if eval_net is None else [boundary(b, evaluation, 0) for b in range(config.pp_size - 1)]
+    boundaries = [boundary(b, settings, False) for b in range(config.pp_size - 1)]
+    eval_boundaries = [] if eval_net is None else [boundary(b, evaluation, True) for b in range(config.pp_size - 1)]
     return Pipeline(layout, stage_parameters(model, layout), networks, eval_networks, boundaries, eval_boundaries)
 
 
@@ -277,7 +278,9 @@ def apply_pp(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_net: 
     """Cut ``model``'s blocks into ``config.pp_size`` stages (``cut_stages``; None for one stage), every
     stage in this process (``sim``): a boundary send on the input of every stage's first block but the
     first's. Called before ``apply_tp``, which puts each stage's blocks on its own TP group."""
-    pipeline = cut_stages(model, config, mesh, train_net, eval_net, replica, tuple(range(mesh.cp)))
+    # every context rank's pipeline of the replica, each by its first rank (stage 0, TP rank 0), in rank order
+    firsts = sorted({mesh.alike(r, "tp", "pp") for r in range(mesh.world) if mesh.coordinates(r)["dp"] == replica})
+    pipeline = cut_stages(model, config, mesh, train_net, eval_net, tuple(firsts))
     if pipeline is None:
         return None
     plan, _ = plan_for(model)
