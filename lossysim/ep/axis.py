@@ -38,11 +38,11 @@ def _skew(value) -> None:
 
 AXIS = Axis(
     "ep", "EP", size="ep_size", mesh="ep",
-    settings=(Setting("ep_size", int, 1, "expert parallelism: an MoE's experts over this many data-parallel replicas "
-                                         "(divides dp)",
+    settings=(Setting("ep_size", int, 1, "expert parallelism: an MoE's experts over this many data-parallel ranks "
+                                         "(divides dp x cp; with cp, a multiple of cp)",
                       flag="--ep-size", minimum=1, identity_at_default=False,
                       estimate=EstimateFlag("expert parallelism: a mixture of experts' experts over this many of the "
-                                            "data-parallel ranks (divides dp size; default 1)", default=1)),),
+                                            "data-parallel ranks (divides dp x cp; default 1)", default=1)),),
     traffic=("ep_dispatch", "ep_combine"),
     # in the clock first of the axes' seconds; with stages a stage's all-to-alls are in its forward and
     # backward, so the schedule's step holds them
