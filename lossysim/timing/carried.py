@@ -73,35 +73,38 @@ def step(kind: str, windows: np.ndarray, window: np.ndarray, row: np.ndarray, lo
     F0, F1 = [NAN] * m, [NAN] * m           # where each loss's first and reveal-th SACK comes back
     beyond = [0.0] * m
     bounds = bounds.tolist()
-    packets_l, states = packets.tolist(), windows.tolist()
-    lost_rel = position
+    packets_l, states, lasts = packets.tolist(), windows.tolist(), window.tolist()
+    taus_l, rtts_l, delays_l = taus.tolist(), rtts.tolist(), delays.tolist()
     half_cube = {}
     for r in busy:
-        tau, rtt = float(taus[r]), float(rtts[r])
+        tau, rtt = taus_l[r], rtts_l[r]
         hc = half_cube.get(rtt)
         if hc is None:
             half = math.sqrt(alpha / (3 * CUBIC_C * rtt)) / 2
             hc = half_cube[rtt] = (half, half ** 3)
-        delay_r = 0.0
+        delay_r, row_states, row_lasts, row_packets = 0.0, states[r], lasts[r], packets_l[r]
         for c in range(k):
             g = r * k + c
-            size_c = packets_l[r][c]
-            got = _connection(kind, cubic, beta, alpha, states[r][c], size_c, tau, rtt, hc[0], hc[1],
+            size_c = row_packets[c]
+            got = _connection(kind, cubic, beta, alpha, row_states[c], size_c, tau, rtt, hc[0], hc[1],
                               P, W, K, sends[g], sends[g + 1], F0, F1)
             lo, hi = bounds[g], bounds[g + 1]
             if got is None:                 # the cubic curve: carry's own loop
-                delay, state, last, sacks, marks = carry(kind, windows[r, c], size_c, lost_rel[lo:hi], tau, rtt,
+                delay, state, last, sacks, marks = carry(kind, windows[r, c], size_c, position[lo:hi], tau, rtt,
                                                          reveal)
                 F0[lo:hi], F1[lo:hi] = sacks.tolist(), marks.tolist()
-                windows[r, c] = state
+                row_states[c] = list(state)
             else:
                 delay, w_max, cut, epoch, last = got
-                windows[r, c] = (w_max, cut, epoch)
-            window[r, c] = last
+                row_states[c] = [w_max, cut, epoch]
+            row_lasts[c] = last
             if hi > lo:
                 beyond[lo:hi] = [size_c + last] * (hi - lo)
             delay_r = max(delay_r, delay)
-        delays[r] = delay_r
+        delays_l[r] = delay_r
+    windows[busy] = np.array([states[r] for r in busy])
+    window[busy] = np.array([lasts[r] for r in busy])
+    delays = np.array(delays_l)
     if m:
         firsts_l = firsts[row, conn]
         sacks, marks, beyond = np.array(F0), np.array(F1), np.array(beyond)
