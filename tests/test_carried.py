@@ -133,3 +133,19 @@ def test_cut_states_without_losses_are_carried():
         empty = _random_step(rng, 4, 3, (-6, -5), 0.0)
         assert not np.isnan(windows[:, :, 1]).all()
         _check(kind, windows, empty, 3)
+
+
+@pytest.mark.parametrize("kind", ["cubic", "reno"])
+def test_pipes_of_a_hundred_thousand_packets_and_more(kind):
+    """Where the plan's lower bound is off (pipes of 1e5 packets a round trip and more) and around it:
+    still carry's figures, over two steps."""
+    rng = np.random.default_rng(17)
+    for _ in range(6):
+        n, k = int(rng.integers(1, 4)), int(rng.integers(1, 3))
+        windows = congestion.fresh(n, k)
+        for rate in (0.02, 0.005):
+            step = _random_step(rng, n, k, (-5, -3), rate)
+            if rate == 0.02:
+                rtts = step[6]
+                taus = rtts / 10 ** rng.uniform(4.5, 6, size=n)
+            windows = _check(kind, windows, step[:5] + (taus, rtts), 3)
