@@ -177,9 +177,10 @@ def _connection(kind, cubic, beta, alpha, state, packets, tau, rtt, half, cube, 
                             if w >= pipe:
                                 more = d * tau
                             else:
-                                to_pipe = (pp - w * w) / a2
+                                ww = w * w
+                                to_pipe = (pp - ww) / a2
                                 more = ((pipe - w) * rtt / alpha + (d - to_pipe) * tau if d >= to_pipe
-                                        else (sqrt(w * w + a2 * d) - w) * rtt / alpha)
+                                        else (sqrt(ww + a2 * d) - w) * rtt / alpha)
                         else:
                             more = d * tau
                         seconds, planned = sec0 + more, more
@@ -189,9 +190,10 @@ def _connection(kind, cubic, beta, alpha, state, packets, tau, rtt, half, cube, 
                         if w >= pipe:
                             more = d * tau
                         else:
-                            to_pipe = (pp - w * w) / a2
+                            ww = w * w
+                            to_pipe = (pp - ww) / a2
                             more = ((pipe - w) * rtt / alpha + (d - to_pipe) * tau if d >= to_pipe
-                                    else (sqrt(w * w + a2 * d) - w) * rtt / alpha)
+                                    else (sqrt(ww + a2 * d) - w) * rtt / alpha)
                     else:
                         more = d * tau
                     seconds, planned = more, epoch + more
