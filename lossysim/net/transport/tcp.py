@@ -81,11 +81,32 @@ class _Rack:
         self.suspects, self.next = [], np.zeros(len(row))
         if len(row):
             conn = self.connection(row, packet)
-            for r in np.unique(row).tolist():
-                mine = np.flatnonzero(row == r)
-                self._first_row(r, packet[mine], conn[mine], mine, waits, timer)
+            final = self.a.final[row]
+            if not final.all():
+                self._first_not_final(row[~final], packet[~final], conn[~final], np.flatnonzero(~final), waits)
+            bounds = np.searchsorted(row, np.arange(len(self.a.packets) + 1)).tolist()
+            for r in np.unique(row[final]).tolist():        # row is sorted: each send's losses a slice
+                lo, hi = bounds[r], bounds[r + 1]
+                self._first_row(r, packet[lo:hi], conn[lo:hi], np.arange(lo, hi), waits, timer)
         self._charge(waits, timer)
         return delays
+
+    def _first_not_final(self, row: np.ndarray, lost: np.ndarray, conn: np.ndarray, index: np.ndarray,
+                         waits: np.ndarray) -> None:
+        """``_first_row`` for the sends that are not their link's last in the collective, all at once: each
+        connection with losses waits a round trip, its latest delivered position is its end less its trailing
+        losses, and its resends go out a window after their losses."""
+        group = row * self.a.connections + conn                     # sorted: each connection's losses a run
+        starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+        counts = np.diff(np.r_[starts, len(group)])
+        which = np.repeat(np.arange(len(starts)), counts)
+        place = np.arange(len(group)) - starts[which]
+        end = self.ends[row, conn]
+        trailing = (end - lost) - (counts[which] - 1 - place) == 0   # nothing delivered after it
+        r, c = row[starts], conn[starts]
+        self.latest[r, c] = end[starts] - np.add.reduceat(trailing.astype(np.int64), starts)
+        waits[r, c] = self.a.rtt[r]
+        self.next[index] = lost + self.window[row, conn]
 
     def _first_row(self, r: int, lost: np.ndarray, conn: np.ndarray, index: np.ndarray, waits: np.ndarray,
                    timer: np.ndarray) -> None:
