@@ -1,7 +1,7 @@
 """``carried.step``, every connection of a step carried at once, against ``congestion.carry`` one connection
 at a time: every figure to the last bit (delays, states, last windows, where the SACKs come back), on
 random steps of CUBIC and Reno connections, with and without losses, fresh and already cut, carried over
-several steps, on round trips from a cluster's microseconds (the Reno-friendly line) to 100 ms (the cubic
+several steps, on round trips from a cluster's microseconds (the Reno-friendly line) to 30 ms (the cubic
 curve, left to ``carry``)."""
 from __future__ import annotations
 
