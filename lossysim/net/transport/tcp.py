@@ -7,7 +7,7 @@ from typing import Optional
 
 import numpy as np
 
-from ...timing import congestion
+from ...timing import carried, congestion
 from ...timing.retransmission import Nic
 from .sends import HostSends
 
@@ -81,11 +81,32 @@ class _Rack:
         self.suspects, self.next = [], np.zeros(len(row))
         if len(row):
             conn = self.connection(row, packet)
-            for r in np.unique(row).tolist():
-                mine = np.flatnonzero(row == r)
-                self._first_row(r, packet[mine], conn[mine], mine, waits, timer)
+            final = self.a.final[row]
+            if not final.all():
+                self._first_not_final(row[~final], packet[~final], conn[~final], np.flatnonzero(~final), waits)
+            bounds = np.searchsorted(row, np.arange(len(self.a.packets) + 1)).tolist()
+            for r in np.unique(row[final]).tolist():        # row is sorted: each send's losses a slice
+                lo, hi = bounds[r], bounds[r + 1]
+                self._first_row(r, packet[lo:hi], conn[lo:hi], np.arange(lo, hi), waits, timer)
         self._charge(waits, timer)
         return delays
+
+    def _first_not_final(self, row: np.ndarray, lost: np.ndarray, conn: np.ndarray, index: np.ndarray,
+                         waits: np.ndarray) -> None:
+        """``_first_row`` for the sends that are not their link's last in the collective, all at once: each
+        connection with losses waits a round trip, its latest delivered position is its end less its trailing
+        losses, and its resends go out a window after their losses."""
+        group = row * self.a.connections + conn                     # sorted: each connection's losses a run
+        starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+        counts = np.diff(np.r_[starts, len(group)])
+        which = np.repeat(np.arange(len(starts)), counts)
+        place = np.arange(len(group)) - starts[which]
+        end = self.ends[row, conn]
+        trailing = (end - lost) - (counts[which] - 1 - place) == 0   # nothing delivered after it
+        r, c = row[starts], conn[starts]
+        self.latest[r, c] = end[starts] - np.add.reduceat(trailing.astype(np.int64), starts)
+        waits[r, c] = self.a.rtt[r]
+        self.next[index] = lost + self.window[row, conn]
 
     def _first_row(self, r: int, lost: np.ndarray, conn: np.ndarray, index: np.ndarray, waits: np.ndarray,
                    timer: np.ndarray) -> None:
@@ -226,29 +247,10 @@ class _Rack:
 
     def _windows(self, row: np.ndarray, packet: np.ndarray) -> np.ndarray:
         """Per send, the seconds beyond its loss-free time that its slowest connection's window costs, from
-        its state before the step and round 0's losses (``congestion.carry``); the states after, each
-        connection's window at the end and the windows its losses went out with (where resends go)."""
-        a, k = self.a, self.a.connections
-        delays = np.zeros(len(a.packets))
-        bounds = np.searchsorted(row, np.arange(len(a.packets) + 1)).tolist()
+        its state before the step and round 0's losses (``congestion.carry``, for all connections at once:
+        ``carried.step``); the states after, each connection's window at the end and the windows its losses
+        went out with (where resends go)."""
         conn = self.connection(row, packet) if len(row) else row
-        firsts = self._start(np.arange(k)[:, None]).T.tolist()   # [send][connection]: its first packet
-        ends, taus, rtts = self.ends.tolist(), self.tau.tolist(), a.rtt.tolist()
-        kind, dupacks, windows = self.nic.window, self.nic.dupacks, self.windows
-        for r in range(len(a.packets)):
-            lo, hi = bounds[r], bounds[r + 1]
-            if lo == hi and np.isnan(windows[r, :, 1]).all():
-                continue   # never cut, nothing lost: at the pipe
-            lost = packet[lo:hi]
-            # a send's losses are sorted and its connections contiguous: each connection's a slice
-            split = np.searchsorted(conn[lo:hi], np.arange(k + 1)).tolist()
-            for c in range(k):
-                first = firsts[r][c]
-                ours = lost[split[c]:split[c + 1]] - first
-                delay, state, window, *found = congestion.carry(kind, windows[r, c], ends[r][c] - first + 1, ours,
-                                                                taus[r], rtts[r], dupacks)
-                windows[r, c], self.window[r, c] = state, window
-                if len(ours):
-                    self.found_at[(r, c)] = [x + first for x in found]
-                delays[r] = max(delays[r], delay)
-        return delays
+        firsts = self._start(np.arange(self.a.connections)[:, None]).T   # [send, connection]: its first packet
+        return carried.step(self.nic.window, self.windows, self.window, row, packet, conn, firsts, self.ends,
+                            self.tau, self.a.rtt, self.nic.dupacks, self.found_at)
