@@ -120,6 +120,7 @@ def plot(points: pd.DataFrame, path: Path) -> None:
     1% tolerance dashed; one panel per length."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter
     lengths = sorted(points["steps"].unique())
     fig = Figure(figsize=(6.5 * len(lengths), 4.5))
     FigureCanvasAgg(fig)
@@ -132,6 +133,11 @@ def plot(points: pd.DataFrame, path: Path) -> None:
             ax.fill_between(x, y - h, y + h, color=line.get_color(), alpha=0.15)
         ax.axhline(TOLERANCE_PCT, color="k", linestyle="--", linewidth=1)
         ax.set_xscale("log")
+        # the rates measured as the ticks, as printed in the table: a narrow log range's own ticks read
+        # "1.1x10^1" or go missing
+        rates = sorted(100 * points[points["steps"] == steps]["rate"].unique())
+        ax.set_xticks(rates, [f"{r:.3g}" for r in rates], fontsize=7, rotation=45 if len(rates) > 6 else 0)
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("loss rate (%)")
         ax.set_ylabel("eval perplexity vs loss-free, paired (%)")
         ax.set_title(f"{steps} optimizer steps")
