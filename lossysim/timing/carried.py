@@ -172,6 +172,8 @@ def _connection(kind, cubic, beta, alpha, state, packets, tau, rtt, half, cube, 
                         planned = epoch + sec0
                         seconds, planned = sec0, (0.0 if 0.0 < planned else planned)
                     else:
+                        # the line's plan (Flow.plan) written out here and below on purpose: this loop's
+                        # turns are most of a TCP row's time, and a call would add to every turn
                         if line:
                             w = cut + alpha * 0.0 / rtt
                             if w >= pipe:
