@@ -84,10 +84,10 @@ class ExpertMessages:
         per = routing.rows(tokens // mesh.cp, experts.top_k, experts.count, ep, w.routing_skew, config.seed)
         sent = tuple(0 if s == d else per[s][d] * shape.hidden for s in range(ep) for d in range(ep))
         self.ep_counts = (sent, tuple(sent[d * ep + s] for s in range(ep) for d in range(ep)))   # dispatch, combine
-        staged = [[tuple(mesh.network_spec("ep", _at(mesh, g * ep, tp=t, pp=s), settings,
-                                           config.lossy_directions(c), c)
-                         for c in EP_CLASSES)
-                   for t in range(mesh.tp) for g in range(edp)] for s in range(mesh.pp)]
+        # the ep groups' first ranks at a TP position and stage: the mesh's expert-data group of its first rank
+        staged = [[tuple(mesh.network_spec("ep", first, settings, config.lossy_directions(c), c) for c in EP_CLASSES)
+                   for t in range(mesh.tp) for first in mesh.group("edp", mesh.rank(tp=t, pp=s))]
+                  for s in range(mesh.pp)]
         # a fabric's groups all alike but for their streams are sampled as groups without one are (every stage's)
         one_by_one = staged[0][0][0].cables is not None and not (
             self.sampled and self.alike_on_fabric([p for pairs in staged for p in pairs]))
@@ -102,9 +102,10 @@ class ExpertMessages:
             local = [torch.empty(experts.parameters // len(experts.blocks) // ep, device="meta", requires_grad=True,
                                  dtype=w.grad_torch_dtype) for _ in self.ep_blocks[s]]
             self.expert_buckets.append(plan_buckets(local, set(), config.dp_bucket_mb * (1 << 20)) if local else [])
-            self.edp.append(self.groups_of([mesh.network_spec("edp", _at(mesh, e, tp=t, pp=s), settings,
-                                                              config.dp_lossy())
-                                            for t in range(mesh.tp) for e in range(ep)]) if edp > 1 else [])
+            # the expert-data groups' first ranks: the mesh's ep group of the stage's TP position's first rank
+            firsts = [first for t in range(mesh.tp) for first in mesh.group("ep", mesh.rank(tp=t, pp=s))]
+            self.edp.append(self.groups_of([mesh.network_spec("edp", first, settings, config.dp_lossy())
+                                            for first in firsts]) if edp > 1 else [])
 
     def run_part(self, out: list[dict], steps: int, m: int) -> None:
         """Every step's all-to-alls and experts' buckets (none without experts over ranks)."""
@@ -214,14 +215,9 @@ def _block_sum(blocks: list[dict]) -> dict:
 
 
 def expert_data(mesh, r: int) -> tuple[int, ...]:
-    """Replica ``r``'s context ranks' expert-data indices (their ep groups' at one TP position and stage): its
-    (cp, dp) indices ``c + cp x r`` cut ep innermost, as the mesh cuts them (one with ep a multiple of cp)."""
-    return tuple(sorted({(c + mesh.cp * r) // mesh.ep for c in range(mesh.cp)}))
-
-
-def _at(mesh, index: int, **coordinates: int) -> int:
-    """The global rank of (cp, dp) index ``index`` (``c + cp x dp``) at the other ``coordinates``."""
-    return mesh.rank(cp=index % mesh.cp, dp=index // mesh.cp, **coordinates)
+    """Replica ``r``'s context ranks' expert-data indices (the mesh's ``edp`` coordinate: their ep groups' at one
+    TP position and stage; one with ep a multiple of cp)."""
+    return tuple(sorted({mesh.coordinates(mesh.rank(dp=r, cp=c))["edp"] for c in range(mesh.cp)}))
 
 
 def routed_load(shape, mesh, w, seed: int) -> float:
