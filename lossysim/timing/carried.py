@@ -163,19 +163,19 @@ def _connection(kind, cubic, beta, alpha, state, packets, tau, rtt, half, cube, 
                 # plan: the seconds sending up to ``position`` takes, and the epoch after (Flow.plan)
                 if d <= 0:
                     seconds, planned = 0.0, epoch
-                elif epoch < 0:              # recovery's round trip: the window holds at its cut
-                    held = -epoch * hw / rtt
-                    if d < held:
-                        held = d
-                    sec0, d = held * rtt / hw, d - held
+                else:
+                    sec0, e = 0.0, epoch
+                    if epoch < 0:            # recovery's round trip: the window holds at its cut
+                        held = -epoch * hw / rtt
+                        if d < held:
+                            held = d
+                        sec0, d, e = held * rtt / hw, d - held, 0.0
                     if d <= 0:
                         planned = epoch + sec0
                         seconds, planned = sec0, (0.0 if 0.0 < planned else planned)
-                    else:
-                        # the line's plan (Flow.plan) written out here and below on purpose: this loop's
-                        # turns are most of a TCP row's time, and a call would add to every turn
+                    else:                    # the line's (or Reno's) growth from epoch e (Flow.plan)
                         if line:
-                            w = cut + alpha * 0.0 / rtt
+                            w = cut + alpha * e / rtt
                             if w >= pipe:
                                 more = d * tau
                             else:
@@ -185,20 +185,7 @@ def _connection(kind, cubic, beta, alpha, state, packets, tau, rtt, half, cube, 
                                         else (sqrt(ww + a2 * d) - w) * rtt / alpha)
                         else:
                             more = d * tau
-                        seconds, planned = sec0 + more, more
-                else:
-                    if line:
-                        w = cut + alpha * epoch / rtt
-                        if w >= pipe:
-                            more = d * tau
-                        else:
-                            ww = w * w
-                            to_pipe = (pp - ww) / a2
-                            more = ((pipe - w) * rtt / alpha + (d - to_pipe) * tau if d >= to_pipe
-                                    else (sqrt(ww + a2 * d) - w) * rtt / alpha)
-                    else:
-                        more = d * tau
-                    seconds, planned = more, epoch + more
+                        seconds, planned = (sec0 + more, more) if epoch < 0 else (more, epoch + more)
                 if not nxt <= now + seconds:
                     break
             # a SACK comes back before this send: where the stream is then (Flow.advance)
