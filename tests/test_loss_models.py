@@ -1003,3 +1003,91 @@ def test_sojourn_masks_torch_path_matches_numpys(name):
         by_torch = _sojourn_masks(ends, state, packets, model.loss_bad, model.loss_good, g, xp=torch)
         assert torch.equal(g.get_state(), after)
         assert all(torch.equal(x, y) for x, y in zip(by_numpy, by_torch))
+
+
+# -- the 4-state masks, held to the algorithm every published figure was drawn with --
+def reference_four_state(model, shape, g, state=None, used=None):
+    """FourState.sample_with_states as first written: slots of a primary and a secondary sojourn,
+    the periods' phases from a scatter of ``_alternating``'s ends, masks from index lists or repeats."""
+    from lossysim.loss.sampling import (_exponentials, _flat_chains, _geometric, _hazard, _range_indices,
+                                        _segments_to_masks)
+    chains, packets, state, used = _flat_chains(shape, state, used, "cpu")
+    if state is None:
+        cdf = torch.tensor(np.cumsum(model.stationary)[:3], dtype=torch.float64)
+        state = torch.searchsorted(cdf, torch.rand(chains, generator=g, dtype=torch.float64), right=True) + 1
+    state = state.to(torch.int64)
+    q_gap, q_burst = model.p13 + model.p14, model.p31 + model.p32
+    leave_gap = model.p13 / q_gap if q_gap > 0 else 0.0
+    leave_burst = model.p31 / q_burst if q_burst > 0 else 0.0
+    cover = packets + 1
+    lead = torch.where(state == 4, 1, 0)
+    lead = torch.where(state == 2, _geometric(_exponentials(chains, g), _hazard(model.p23), cover) + 1, lead)
+    burst = (state == 2) | (state == 3)
+    slot = model._slot_size(cover)
+    seg_len, seg_state, covered = [lead.unsqueeze(-1)], [state.unsqueeze(-1)], lead.clone()
+    while True:
+        phase_ends = _alternating(burst, slot + 1, leave_gap, leave_burst, g)
+        flips = torch.zeros(chains, slot + 2, dtype=torch.int32)
+        flips.scatter_add_(1, phase_ends.clamp(max=slot + 1), torch.ones_like(phase_ends, dtype=torch.int32))
+        in_burst = burst.unsqueeze(-1) ^ (flips[:, :-1].cumsum(1) % 2 == 1)
+        ends_period = in_burst[:, 1:] != in_burst[:, :-1]
+        in_burst = in_burst[:, :-1]
+        e = _exponentials((chains, slot, 2), g)
+        hazard = torch.where(in_burst, torch.tensor(_hazard(q_burst), dtype=torch.float64),
+                             torch.tensor(_hazard(q_gap), dtype=torch.float64))
+        primary = _geometric(e[..., 0], hazard, cover) + 1
+        secondary = torch.where(in_burst, _geometric(e[..., 1], _hazard(model.p23), cover) + 1, 1)
+        secondary = torch.where(ends_period, 0, secondary)
+        seg_len.append(torch.stack([primary, secondary], -1).flatten(1))
+        seg_state.append(torch.stack([torch.where(in_burst, 3, 1), torch.where(in_burst, 2, 4)], -1).flatten(1))
+        covered = covered + (primary + secondary).sum(1)
+        burst = in_burst[:, -1] ^ ends_period[:, -1]
+        if chains == 0 or int(covered.min()) >= cover:
+            break
+    seg_len, seg_state = torch.cat(seg_len, 1), torch.cat(seg_state, 1)
+    seg_end = seg_len.cumsum(1) - 1
+    seg_start = seg_end - seg_len
+    next_state = seg_state.gather(1, torch.searchsorted(seg_end, (used - 1).unsqueeze(-1), right=True)).squeeze(-1)
+    lost, in_bad = torch.zeros(chains * packets, dtype=torch.bool), torch.zeros(chains * packets, dtype=torch.bool)
+    lost[_range_indices(*_segments_to_masks(seg_start, seg_end, seg_state >= 3, packets))] = True
+    in_bad[_range_indices(*_segments_to_masks(seg_start, seg_end, (seg_state == 2) | (seg_state == 3), packets))] = True
+    return lost.view(shape), in_bad.view(shape), next_state.view(shape[:-1])
+
+
+FOUR_STATE_REFERENCE_MODELS = {
+    "benchmark-1%": FourState(0.0015, 0.3, 0.1, 0.5, 0.005),
+    "benchmark-20%": FourState(0.03, 0.25, 0.15, 0.4, 0.14),
+    "netem-example": FourState(0.01, 0.3, 0.02, 0.8, 0.005),
+    "bursty": FourState(0.0004, 0.05, 0.2, 0.3, 0.004),
+    "netem-defaults": FourState(0.05),                                    # Bernoulli: p23 = 1, no 2s, no 4s
+    "isolated-only": FourState(0.0, 0.5, 0.0, 1.0, 0.1),                  # gap periods never end
+    "burst-never-ends": FourState(0.01, 0.0, 0.3, 0.2, 0.01),             # p31 = 0
+    "stuck-in-2": FourState(0.05, 0.0, 0.5, 0.0, 0.0),                    # p23 = 0: absorbing 2
+    "lossless": FourState(0.0, 0.5, 0.2, 0.3, 0.0),                       # never leaves 1
+    "sojourns-of-one": FourState(0.6, 0.7, 0.3, 1.0, 0.4),                # q_gap = q_burst = p23 = 1
+    "dense": FourState(0.3, 0.2, 0.5, 0.6, 0.2),
+}
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (20_000,), (3, 5000), (2, 3, 400), (5000, 2), (300, 40), (4, 0),
+                                   (0, 10)])
+@pytest.mark.parametrize("name", list(FOUR_STATE_REFERENCE_MODELS))
+def test_four_state_masks_are_the_first_algorithms_bit_for_bit(name, shape):
+    """Same seed, chain state and ``used``: the same lost and in_bad masks, the same next state, the
+    generator left in the same state, and a continuation call the same too."""
+    model = FOUR_STATE_REFERENCE_MODELS[name]
+    chains = math.prod(shape[:-1])
+    states = [None, (torch.arange(chains) % 4 + 1).reshape(shape[:-1]), torch.full(shape[:-1], 2)]
+    useds = [None, (torch.arange(chains) * 37 % (shape[-1] + 1)).reshape(shape[:-1])]
+    for seed in (0, 5):
+        for state in states:
+            for used in useds:
+                g, g_ref = generator(seed), generator(seed)
+                got = model.sample_with_states(shape, g, state, used=used)
+                want = reference_four_state(model, shape, g_ref, state, used=used)
+                for x, y in zip(got, want):
+                    assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), (seed, state, used)
+                assert torch.equal(g.get_state(), g_ref.get_state())
+                again = model.sample_with_states(shape, g, got[2])
+                assert all(torch.equal(x, y) for x, y in zip(again, reference_four_state(model, shape, g_ref, want[2])))
+    assert got[0].any() or model.loss_rate == 0.0 or shape[-1] * chains < 100   # the masks compared are not all empty

@@ -9,9 +9,9 @@ import numpy as np
 import torch
 
 from .models import LossModel, _check_probability
-from .sampling import (_DENSE_BELOW, _DENSE_SEGMENTS, _SPARE_FIXED, _alternating, _block_size, _exponentials,
-                       _flat_chains, _float64, _geometric, _hazard, _put, _range_indices, _repeat, _scan_chain,
-                       _segments_to_masks, _shape, _sojourn_masks, _zeros)
+from .sampling import (_DENSE_BELOW, _DENSE_SEGMENTS, _MAX_EXPONENTIAL, _SPARE_FIXED, _alternating, _block_size,
+                       _exponentials, _flat_chains, _float64, _geometric, _hazard, _put, _range_indices, _repeat,
+                       _scan_chain, _segments_to_masks, _shape, _sojourn_masks, _zeros)
 
 
 class GilbertElliott(LossModel):
@@ -159,6 +159,19 @@ class GilbertElliott(LossModel):
         return lost.view(shape), in_bad.view(shape), next_state.view(shape[:-1])
 
 
+def _cap(x: torch.Tensor, lam: float, cap: int) -> None:
+    """Clamp geometric draws x = E / lam at ``cap`` in place where one could exceed it; a rate 0
+    (inf, or nan from 0 / 0) is the cap, as ``_geometric`` has it."""
+    if lam == 0.0:
+        x.nan_to_num_(nan=cap, posinf=cap)
+    if lam == 0.0 or _MAX_EXPONENTIAL / lam > cap:
+        x.clamp_(max=cap)
+
+
+_CODE_OF_STATE = torch.tensor([0, 0, 2, 3, 1], dtype=torch.uint8)   # indexed by the state, 1..4
+_STATE_OF_CODE = torch.tensor([1, 4, 2, 3])
+
+
 class FourState(LossModel):
     """netem's 4-state model (``loss state p13 p31 p32 p23 p14``), stepped as its loss_4state.
 
@@ -259,45 +272,67 @@ class FourState(LossModel):
         lead = torch.where(state == 2, _geometric(e, _hazard(self.p23), cover) + 1, lead)
         burst = (state == 2) | (state == 3)
         slot = self._slot_size(cover)
-        seg_len, seg_state = [lead.unsqueeze(-1)], [state.unsqueeze(-1)]
-        covered = lead.clone()
+        # A segment is a sojourn, written as its code, lost | in_bad << 1 (state 1: 0, 4: 1, 2: 2, 3: 3),
+        # and its end (exclusive, steps from -1). Lengths are floor(E / lam) + 1 as ``_geometric``
+        # gives them, from -E = log1p(-U) over -lam: the same IEEE operations, so the same integers.
+        lam_gap, lam_burst, lam_2 = _hazard(q_gap), _hazard(q_burst), _hazard(self.p23)
+        neg_gap, neg_burst = _float64(-lam_gap, device), _float64(-lam_burst, device)
+        neg_rate_2 = -1.0 / lam_2 if 0 < lam_2 < math.inf else -0.0 if lam_2 > 0 else -math.inf
+        lengths, codes, ends, first = [], [], [], 1   # the first block also holds the lead segment, column 0
         while True:
-            phase_ends = _alternating(burst, slot + 1, leave_gap, leave_burst, generator)
-            flips = torch.zeros(chains, slot + 2, dtype=torch.int32, device=device)
-            flips.scatter_add_(1, phase_ends.clamp(max=slot + 1), torch.ones_like(phase_ends, dtype=torch.int32))
-            in_burst = burst.unsqueeze(-1) ^ (flips[:, :-1].cumsum(1) % 2 == 1)   # phase of slots 0..slot
+            phase_ends = _alternating(burst, slot + 1, leave_gap, leave_burst, generator).clamp_(max=slot + 1)
+            phase_len = phase_ends.clone()
+            torch.sub(phase_ends[:, 1:], phase_ends[:, :-1], out=phase_len[:, 1:])
+            odd = torch.arange(phase_ends.shape[1], device=device).bitwise_and_(1).bool()
+            in_burst = _repeat((burst.unsqueeze(-1) ^ odd).flatten(), phase_len.flatten(),
+                               chains * (slot + 1)).view(chains, slot + 1)       # phase of slots 0..slot
             ends_period = in_burst[:, 1:] != in_burst[:, :-1]
             in_burst = in_burst[:, :-1]
-            e = _exponentials((chains, slot, 2), generator)
-            primary = _geometric(e[..., 0], torch.where(in_burst, _float64(_hazard(q_burst), device),
-                                                        _float64(_hazard(q_gap), device)), cover) + 1
-            secondary = torch.where(in_burst, _geometric(e[..., 1], _hazard(self.p23), cover) + 1, 1)
-            secondary = torch.where(ends_period, 0, secondary)
-            seg_len.append(torch.stack([primary, secondary], -1).flatten(1))
-            seg_state.append(torch.stack([torch.where(in_burst, 3, 1), torch.where(in_burst, 2, 4)],
-                                         -1).flatten(1))
-            covered = covered + (primary + secondary).sum(1)
-            burst = in_burst[:, -1] ^ ends_period[:, -1]
-            if chains == 0 or int(covered.min()) >= cover:
+            x = torch.rand((chains, slot, 2), generator=generator, device=device, dtype=torch.float64)
+            x = x.neg_().log1p_()                                               # -E, as _exponentials
+            length = torch.empty((chains, first + 2 * slot), dtype=torch.int64, device=device)
+            code = torch.empty((chains, first + 2 * slot), dtype=torch.uint8, device=device)
+            if first:
+                length[:, 0], code[:, 0] = lead - 1, _CODE_OF_STATE.to(device)[state]   # 1 added below
+            pair, code_pair = length[:, first:].view(chains, slot, 2), code[:, first:].view(chains, slot, 2)
+            divisor = torch.where(in_burst, neg_burst, neg_gap, out=pair.view(torch.float64)[..., 0])
+            primary, secondary = x[..., 0].div_(divisor), x[..., 1].mul_(neg_rate_2)
+            _cap(primary, min(lam_gap, lam_burst), cover)
+            _cap(secondary, lam_2, cover)
+            # Casts truncate, which is floor here (draws >= 0); every length is 1 + its draw: a secondary's
+            # draw is 0 in a gap (a single 4) and -1 where the period ends (no secondary).
+            pair[..., 0] = primary
+            pair[..., 1] = secondary.masked_fill_(~in_burst, 0.0).masked_fill_(ends_period, -1.0)
+            length += 1
+            torch.mul(in_burst.view(torch.uint8), 3, out=code_pair[..., 0])
+            torch.add(in_burst.view(torch.uint8), 1, out=code_pair[..., 1])
+            end = length.cumsum(1)
+            if not first:
+                end += ends[-1][:, -1:]
+            lengths.append(length)
+            codes.append(code)
+            ends.append(end)
+            burst, first = in_burst[:, -1] ^ ends_period[:, -1], 0
+            if chains == 0 or int(end[:, -1].min()) >= cover:
                 break
-        seg_len, seg_state = torch.cat(seg_len, 1), torch.cat(seg_state, 1)
-        seg_end = seg_len.cumsum(1) - 1                     # exclusive, packet index (step -1 first)
-        seg_start = seg_end - seg_len
-        which = torch.searchsorted(seg_end, (used - 1).unsqueeze(-1), right=True)
-        next_state = seg_state.gather(1, which).squeeze(-1)
-        if seg_len.shape[1] * _DENSE_SEGMENTS >= packets:
-            # Dense chains (a state change every few packets): write every packet's
-            # state once, 1 byte each, rather than index lists 8 bytes per packet.
-            _, length = _segments_to_masks(seg_start, seg_end, torch.ones_like(seg_state, dtype=torch.bool),
-                                           packets)
-            states = _repeat(seg_state.to(torch.int8).flatten(), length, chains * packets)
-            lost = states >= 3
-            return lost.view(shape), (states == 2).logical_or_(states == 3).view(shape), next_state.view(shape[:-1])
-        lost, in_bad = _zeros(chains * packets, device), _zeros(chains * packets, device)
-        _put(lost, _range_indices(*_segments_to_masks(seg_start, seg_end, seg_state >= 3, packets)), True)
-        bad = (seg_state == 2) | (seg_state == 3)
-        _put(in_bad, _range_indices(*_segments_to_masks(seg_start, seg_end, bad, packets)), True)
-        return lost.view(shape), in_bad.view(shape), next_state.view(shape[:-1])
+        length, codes, ends = (torch.cat(x, 1) if len(x) > 1 else x[0] for x in (lengths, codes, ends))
+        which = torch.searchsorted(ends, used.unsqueeze(-1), right=True)
+        next_state = _STATE_OF_CODE.to(device)[codes.gather(1, which).squeeze(-1).long()]
+        # Clipped to the call's packets, steps 1 .. cover - 1 of each segment's [end - length, end): only
+        # the first two segments (where step 0, the packet before the call, lies) and the last ones change.
+        tail = int(torch.searchsorted(ends, torch.full((chains, 1), cover, device=device), right=True).min()) \
+            if chains else 0
+        for lo, hi in ((0, min(2, tail)), (tail, ends.shape[1])):
+            end = ends[:, lo:hi]
+            length[:, lo:hi] = end.clamp(max=cover).sub_((end - length[:, lo:hi]).clamp_(min=1)).clamp_(min=0)
+        code = _repeat(codes.flatten(), length.flatten(), chains * packets)
+        if device.type == "cpu":    # numpy's bitwise ops are several times faster; lost overwrites the codes
+            code = code.numpy()
+            in_bad = torch.from_numpy(code >> 1)
+            lost = torch.from_numpy(np.bitwise_and(code, 1, out=code))
+        else:
+            in_bad, lost = code >> 1, code.bitwise_and_(1)
+        return lost.view(torch.bool).view(shape), in_bad.view(torch.bool).view(shape), next_state.view(shape[:-1])
 
     def _slot_size(self, cover: int) -> int:
         """Slots per block: the expected number in ``cover`` steps, plus spare."""
