@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -140,6 +141,9 @@ class Axis:
     name: str
     label: str                          # the report's name of it (``CP``)
     size: Optional[str] = None          # the setting that sizes it (used where it is above 1)
+    # other axes' size settings its groups run across too (DP's gradients: over dp x cp, Megatron's): used
+    # where the product is above 1
+    spans: tuple[str, ...] = ()
     mesh: Optional[str] = None          # the ``Mesh`` axis that setting sizes (None: no mesh axis)
     settings: tuple[Setting, ...] = ()
     traffic: tuple[Union[str, TrafficClass], ...] = ()
@@ -177,8 +181,9 @@ class Axis:
         """Whether ``config`` (a config or a summary's config dict) spreads over this axis."""
         if self.size is None:
             return True
-        value = config.get(self.size, 1) if isinstance(config, dict) else getattr(config, self.size)
-        return (value or 1) > 1
+        sizes = [config.get(name, 1) if isinstance(config, dict) else getattr(config, name)
+                 for name in (self.size, *self.spans)]
+        return math.prod(value or 1 for value in sizes) > 1
 
     def hooks(self):
         """The module ``record`` names (None without one)."""

@@ -292,7 +292,7 @@ class Mesh:
             out[axis] = {}
             for ranks in self.groups(axis):
                 out[axis].update(dict.fromkeys(ranks, dist.new_group(ranks)))
-        if self.cp > 1 and self.dp > 1:   # the gradients' group (``dp_cp``)
+        if self.cp > 1:   # the gradients' group (``dp_cp``; one replica's: its context group's ranks)
             out["dp_cp"] = {}
             for ranks in [self.group("dp_cp", r) for r in range(self.world) if self.coordinates(r)["dp"] ==
                           self.coordinates(r)["cp"] == 0]:

@@ -100,6 +100,36 @@ def test_dist_context_ranks_are_sim_bit_for_bit_under_loss(tmp_path, mode):
     assert last["packets_lost_cp_fwd"] > 0 and last["packets_lost_cp_bwd"] > 0 and last["cp_s_per_step"] > 0
 
 
+def test_one_replica_s_context_ranks_sum_their_gradients_over_the_lossy_context_group(tmp_path):
+    """tp 1 x cp 2 x dp 1, a context rank per node, only data-parallel traffic lossy (5%): the context ranks'
+    gradients are all-reduced over their dp x cp group (Megatron's; here the context group), whose buckets
+    lose packets at the configured rate (a binomial test, every packet a trial) and add their seconds to
+    the step, while the keys and values lose none. Loss-free, the run still trains as the unsplit model."""
+    p = 0.05
+    parts, state, _ = train_steps(tiny(tmp_path, cp_size=2, ranks_per_node=1, lossy_traffic="dp",
+                                       loss=f"bernoulli:{p}"), 2)
+    assert parts.dp.grouped and len(parts.dp.networks) == 1
+    totals = parts.dp.networks[0].totals()
+    assert totals["sent"] > 0 and stats.binomtest(totals["lost"], totals["sent"], p).pvalue > 1e-3, totals
+    assert all(n.totals()["lost"] == 0 for n in parts.context.train_networks.cp) and state.dp_s > 0
+    single, _, _ = train_steps(tiny(tmp_path, tp_size=1), 2)
+    split, _, _ = train_steps(tiny(tmp_path, cp_size=2, ranks_per_node=1), 2)
+    expected = dict(gather_full_model(single.model).named_parameters())
+    got = dict(gather_full_model(split.dp.replicas[0].model).named_parameters())
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value.detach(), **PARAM_TOL, msg=name)
+
+
+def test_dist_sums_one_replica_s_context_gradients_over_the_lossy_group_as_sim_does(tmp_path):
+    """cp 2 at dp 1 as 2 gloo processes, only the gradient buckets lossy (10%): every metrics row (their
+    lost packets among them) and every saved weight, bit for bit."""
+    rows, weights = sim_and_dist(tmp_path, tp_size=1, cp_size=2, dp_size=1, task="lm", loss="bernoulli:0.1",
+                                 lossy_traffic="dp", ranks_per_node=1)
+    assert_dist_is_sim(rows, weights)
+    last = [r for r in rows["sim"] if r["split"] == "train"][-1]
+    assert last["observed_loss_rate_dp"] > 0 and last["dp_s_per_step"] > 0
+
+
 def test_a_context_parallel_run_resumes_exactly(tmp_path):
     """Stopped after its step-2 checkpoint and resumed, a lossy tp 2 x cp 2 run ends as the uninterrupted
     one: its context groups' and context ranks' networks (streams, counters, clock) come back with the
@@ -391,8 +421,10 @@ def test_a_ring_round_costs_the_longer_of_its_send_and_the_attention_it_overlaps
                     '"num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 8, '
                     '"intermediate_size": 11008, "vocab_size": 1000, "max_position_embeddings": 32768}')
     seq, cp, shape = 32768, 4, load(str(path))
+    # the context ranks' gradients are all-reduced after the backward (not beside it), so the step is the
+    # sends' exposure plus what it was
     config = job_config(str(path), tp_size=1, cp_size=cp, ranks_per_node=1, max_length=seq,
-                        link_inter=f"roce-400g,bw={bandwidth}")
+                        link_inter=f"roce-400g,bw={bandwidth}", dp_overlap=False)
     net = LossyNetwork(config.mesh().network_spec("cp", 0, config.network_settings(), ("fwd", "bwd")))
     net.simulate("kv", "fwd", 2 * 8 * (seq // cp) * 128, torch.bfloat16, "send", pair=(0, 1))   # one block's
     send = net.clock()["comm_s"]

@@ -71,7 +71,11 @@ def _weights(parts) -> dict:
 
 
 @pytest.mark.parametrize("layout", [dict(cp_size=2, dp_size=1, ep_size=2), dict(cp_size=2, dp_size=2, ep_size=2),
-                                    dict(cp_size=2, dp_size=2, ep_size=4)])
+                                    dict(cp_size=2, dp_size=2, ep_size=4),
+                                    # inside pipeline stages (each stage's blocks on that stage's ep groups)
+                                    dict(cp_size=2, pp_size=2, dp_size=1, ep_size=2),
+                                    dict(cp_size=2, pp_size=2, dp_size=2, ep_size=4),
+                                    dict(tp_size=2, cp_size=2, pp_size=2, dp_size=1, ep_size=2)])
 def test_loss_free_training_follows_the_unsplit_model(layout, tmp_path):
     """Three steps (two micro-batches, the gradient clipped: every member's experts' squares in the norm)
     end with replica 0 holding, every expert gathered, the weights of one unsplit replica trained on the
@@ -86,7 +90,8 @@ def test_loss_free_training_follows_the_unsplit_model(layout, tmp_path):
         torch.testing.assert_close(got[name], expected[name], **PARAM_TOL, msg=name)
 
 
-@pytest.mark.parametrize("layout", [dict(dp_size=1, ep_size=2), dict(dp_size=2, ep_size=4)])
+@pytest.mark.parametrize("layout", [dict(dp_size=1, ep_size=2), dict(dp_size=2, ep_size=4),
+                                    dict(dp_size=1, ep_size=2, pp_size=2, microbatches=2)])
 def test_resume_is_exact(layout, tmp_path):
     """Resumed from its step-2 checkpoint, a lossy run with experts beside context ranks ends as the
     uninterrupted one: metrics, summary, exported weights and the last checkpoint, bit for bit."""
@@ -119,8 +124,6 @@ def test_each_member_s_experts_cross_its_own_lossy_expert_data_parallel_group(tm
 @pytest.mark.parametrize("settings, message", [
     (["--model", "tiny-moe", "--ep-size", "2", "--cp-size", "4", "--set", "max_length=32"],
      "ep_size=2 with cp_size=4: experts beside context parallelism need ep_size a multiple of cp_size"),
-    (["--model", "tiny-moe", "--ep-size", "2", "--cp-size", "2", "--pp-size", "2"],
-     "training ep_size=2 with cp_size=2 and pp_size=2"),
 ])
 def test_what_is_still_not_modelled_is_refused_in_one_line(settings, message, tmp_path, capsys):
     assert_train_refuses(settings, message, tmp_path / "o", capsys)
@@ -141,9 +144,13 @@ CASES = {
     "tp-cp-lossy": dict(tp_size=2, dp_size=1, ep_size=2),
     # an ep group over two replicas' context ranks, stopped after its step-2 checkpoint and resumed
     "cp-ep4-resumed": dict(dp_size=2, ep_size=4, steps=4, eval_every=2, checkpoint_every=2, keep_checkpoints=0),
+    # inside two pipeline stages (every class losing packets: boundaries too), stopped and resumed
+    "cp-pp-resumed": dict(dp_size=1, ep_size=2, pp_size=2, microbatches=2, steps=4, eval_every=2, checkpoint_every=2,
+                          keep_checkpoints=0),
 }
 # (name, first process, processes), one after another
-PLAN = [("cp-lossy", 0, 2), ("cp-dp-lossy", 0, 4), ("tp-cp-lossy", 0, 4), ("cp-ep4-resumed", 0, 4)]
+PLAN = [("cp-lossy", 0, 2), ("cp-dp-lossy", 0, 4), ("tp-cp-lossy", 0, 4), ("cp-ep4-resumed", 0, 4),
+        ("cp-pp-resumed", 0, 4)]
 
 
 def _settings(name: str) -> dict:

@@ -101,7 +101,7 @@ def test_summary_json_names_each_class_factor():
     from lossysim.run.fabric_record import fabric_summary
     seed, factor = _first_colliding_seed()
     config = _small(seed=seed, fabric=SMALL)
-    parts = SimpleNamespace(pipeline=None, dp=SimpleNamespace(dp_size=1), ep=None, context=None,
+    parts = SimpleNamespace(pipeline=None, dp=SimpleNamespace(grouped=False), ep=None, context=None,
                             train_net=LossyNetwork(config.network_spec()))
     assert fabric_summary(parts, config)["slowdown"] == {"tp": 1.0, "dp": pytest.approx(factor)}
 

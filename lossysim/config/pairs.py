@@ -41,7 +41,8 @@ def check_something_can_lose(config) -> None:
     if spec.loss.lossless or spec.cables is not None:   # a fabric's lossy cables: the blast radius says who crosses
         return
     mesh, settings = config.mesh(), config.network_settings()
-    networks = [spec] + ([mesh.network_spec("dp_cp", 0, settings, config.dp_lossy())] if config.dp_size > 1 else []) + \
+    networks = [spec] + ([mesh.network_spec("dp_cp", 0, settings, config.dp_lossy())]
+                  if mesh.size("dp_cp") > 1 else []) + \
         [mesh.network_spec("tp", mesh.rank(pp=s), settings) for s in range(1, config.pp_size)] + \
         [mesh.network_spec("pp", mesh.rank(pp=b), settings, config.pp_lossy()) for b in range(config.pp_size - 1)] + \
         [mesh.network_spec(c.axis, 0, settings, config.lossy_directions(c.name), mesh.class_of(c.axis, c.name))

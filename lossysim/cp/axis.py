@@ -18,7 +18,7 @@ def _pairs(config) -> None:
     if cp == 1:
         return
     _split(config.max_length, cp, "max_length")
-    if config.dp_mode == "fsdp" and config.dp_size > 1:
+    if config.dp_mode == "fsdp":   # its shards would span dp x cp (torchtitan's dp_shard_cp), one replica's too
         raise ValueError(f"cp_size={cp} with dp_mode=fsdp: FSDP's gathers beside context parallelism are not "
                          "modelled; use dp_mode=ddp")
     if config.activation_checkpointing:

@@ -18,11 +18,10 @@ forward do it (torchtitan's ``apply_cp`` wraps the model the same way):
 (``[tp, cp, batch]``), the TP group is a ``ContextGroup`` (each context rank's TP traffic on that rank's
 own TP network, its matmuls and its replicated modules run on its own rows with its own views of the
 parameters), and a parameter's gradient is the context ranks' gradients summed, rank by rank. ``dist``
-runs one: the other ranks' logits and hidden states arrive by a reliable all-gather, and (one replica)
-every parameter's gradient is all-gathered over the context group and summed in ``sim``'s order, so both
-backends end a step with the same bits. With replicas the context ranks' gradients are summed as
-Megatron sums them, in the data-parallel all-reduce over dp x cp, through its lossy network
-(``lossysim.dp``; ``sim`` keeps each context rank's apart: ``group.Gradients``). With pipeline stages each
+runs one: the other ranks' logits and hidden states arrive by a reliable all-gather. The context ranks'
+gradients are summed as Megatron sums them, in the data-parallel all-reduce over dp x cp (one replica's
+too: over the context group), through its lossy network (``lossysim.dp``; ``sim`` keeps each context
+rank's apart: ``group.Gradients``), so both backends end a step with the same bits. With pipeline stages each
 stage's blocks exchange over that stage's context groups (docs/context.md).
 """
 from __future__ import annotations
@@ -98,7 +97,7 @@ class ContextParallel(nn.Module):
         self._keys = None            # this forward's (valid keys [batch, keys], key positions, query positions)
         self.on_hidden: Callable[[torch.Tensor], None] = lambda hidden: None
         self.views: dict = {}        # this forward's per-rank views of replicated parameters (``ContextGroup``)
-        # sim with data parallelism: each context rank's gradients, for the dp x cp all-reduce
+        # sim: each context rank's gradients, for the dp x cp all-reduce
         self.gradients: Optional[Gradients] = None
         self.tp_group = None         # dist with tp > 1: the TP ranks whose context groups sim records together
 
@@ -262,15 +261,6 @@ class _Gathered(torch.autograd.Function):
         return layout.split(whole, ctx.cp, [ctx.own], 1).contiguous(), None, None, None, None
 
 
-def _summed_over(group, size: int):
-    """A gradient hook: every context rank's gradient of a parameter, summed in rank order (``sim``'s)."""
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        every = [torch.empty_like(grad) for _ in range(size)]
-        dist.all_gather(every, grad.contiguous(), group=group)
-        return torch.stack(every).sum(0)
-    return hook
-
-
 def _head(model: nn.Module, kind: str) -> nn.Module:
     """The module whose output is the model's per-token result: the LM head, the classifier, or (no head)
     the base model itself."""
@@ -330,15 +320,10 @@ def apply_cp(tp_model, config, mesh, rank: int = 0, replica: int = 0, groups: Op
     def on_hidden(whole: torch.Tensor) -> None:
         tp_model.rank_hidden = whole.reshape(context._local, -1, *whole.shape[1:])
     context.on_hidden = on_hidden
-    # With replicas the context ranks' gradients are summed in the data-parallel all-reduce over dp x cp
-    # (Megatron's; lossysim.dp), through its lossy network; with one replica, over a reliable channel here.
-    if distributed and mesh.dp == 1:
-        for param in tp_model.parameters():
-            if not getattr(param, "expert_parallel", False):   # a context rank's experts are its own (lossysim.ep)
-                param.register_hook(_summed_over(context.group, mesh.cp))
-    elif not distributed:
-        if mesh.dp > 1:
-            context.gradients = Gradients(mesh.cp)
+    # The context ranks' gradients are summed in the data-parallel all-reduce over dp x cp (Megatron's;
+    # lossysim.dp), through its lossy network, one replica's too.
+    if not distributed:
+        context.gradients = Gradients(mesh.cp)
         for stage, group in enumerate(tp_model.groups):
             ContextGroup.attach(group, context, stage)
     if distributed and mesh.tp > 1:

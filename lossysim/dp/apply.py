@@ -19,8 +19,9 @@ def apply_dp(replicas: Sequence[Replica], mesh: Mesh, networks: Sequence[Sequenc
     (``Mesh.process_groups``), this process being global ``rank``; None: sim. ``mode``: ddp or fsdp
     (a group of one has nothing to shard)."""
     fsdp = mode == "fsdp" and mesh.dp > 1
-    # with context parallelism every context rank is a member of its group (Megatron's dp x cp)
-    contexts = mesh.cp if mesh.dp > 1 else 1
+    # with context parallelism every context rank is a member of its group (Megatron's dp x cp), one
+    # replica's too
+    contexts = mesh.cp
     if groups is None:
         if fsdp:
             return FullyShardedDataParallel(replicas, networks, bucket_bytes)

@@ -14,7 +14,7 @@ def _bucket(value) -> None:
 
 
 AXIS = Axis(
-    "dp", "DP", size="dp_size", mesh="dp",
+    "dp", "DP", size="dp_size", mesh="dp", spans=("cp_size",),   # the gradients' group: dp x cp
     settings=(
         Setting("dp_size", int, 1, "data-parallel replicas of the tensor-parallel group (world = tp x dp)",
                 flag="--dp-size", minimum=1, identity_at_default=False,

@@ -58,9 +58,9 @@ def collectives(dp) -> dict:
 
 
 def save(parts):
-    return parts.dp.state_dict() if parts.dp.dp_size > 1 else None
+    return parts.dp.state_dict() if parts.dp.grouped else None
 
 
 def load(parts, saved) -> None:
-    if parts.dp.dp_size > 1:
+    if parts.dp.grouped:
         parts.dp.load_state_dict(saved)

@@ -56,6 +56,11 @@ class DataParallel:
         self.tp_size = len(self.stage_networks[0]) if self.stage_networks else 0
         self._init_buckets(bucket_bytes, range(max(len(self.stage_networks), 1)))
 
+    @property
+    def grouped(self) -> bool:
+        """Whether its group has more than one member (replicas x context ranks): one sends nothing."""
+        return self.dp_size * self.contexts > 1
+
     def _init_buckets(self, bucket_bytes: float, stages: Sequence[int]) -> None:
         """Each of ``stages``' buckets of its own parameters (``stage_buckets``, in that order) and all of
         them (``buckets``)."""
@@ -102,7 +107,7 @@ class DataParallel:
         """All-reduce every bucket in every group; write each replica's average back as its gradient.
         Returns each stage's buckets' seconds on the clock (the slowest group's: groups run side by side).
         A group of one averages nothing: its gradients stay as backward left them."""
-        if self.dp_size == 1:
+        if not self.grouped:
             return []
         grads = [[_grad(p) for p in r.model.parameters()] for r in self.replicas]
         # each member's contribution: a replica's, or (dp x cp) each of its context ranks'

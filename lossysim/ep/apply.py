@@ -49,9 +49,6 @@ def check(config: ExperimentConfig, device: torch.device) -> None:
             leave = f"; set {' or '.join(choices)}" if choices else ""
             raise ValueError(f"training {ep} with {name}={getattr(config, name)} ({why}) is not supported{leave}"
                              f"{' (lossysim estimate times the pair)' if timed else ''}")
-    if config.cp_size > 1 and config.pp_size > 1:
-        raise ValueError(f"training {ep} with cp_size={config.cp_size} and pp_size={config.pp_size} (experts beside "
-                         "context parallelism inside pipeline stages) is not supported; set pp_size=1")
     if config.backend == "sim" and device.type != "cpu":
         raise ValueError(f"{ep} on backend=sim runs on the CPU (its replicas meet inside CPU backward passes); "
                          "use device=cpu, or backend=dist")

@@ -76,7 +76,7 @@ class Job(Tally, Messages, *PARTS):
         self.pp = [_groups([mesh.network_spec("pp", mesh.rank(dp=r, pp=b, cp=c), settings, config.pp_lossy())
                             for r in range(dp)
                             for c in range(cp)]) for b in range(pp - 1)]
-        mode = config.dp_mode if dp > 1 else None
+        mode = config.dp_mode if mesh.size("dp_cp") > 1 else None   # the gradients' group: dp x cp (Megatron's)
         if mode == "fsdp" and pp > 1:   # (training runs it: lossysim.dp.fsdp, each stage's units)
             raise ValueError(f"dp_mode=fsdp with pp_size={pp}: the estimate does not time FSDP's gathers around a "
                              "pipeline schedule (training does); use dp_mode=ddp or pp_size=1")
@@ -86,7 +86,7 @@ class Job(Tally, Messages, *PARTS):
         self.mode = mode
         self.dp_class = config.dp_class
         # the job's classes: those whose axis has more than one rank (data-parallel traffic is DDP's or FSDP's)
-        self.classes = tuple(c.name for c in traffic.CLASSES if mesh.sizes[c.axis] > 1
+        self.classes = tuple(c.name for c in traffic.CLASSES if mesh.size("dp_cp" if c.axis == "dp" else c.axis) > 1
                              and (c.axis != "dp" or c.name == self.dp_class))
         for part in self.PARTS:   # each axis's groups (its part's ``init_part``)
             part.init_part(self, shape, config, w, tokens, settings)

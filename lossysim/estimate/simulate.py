@@ -234,7 +234,7 @@ class _Parts:
         gather = [] if "fsdp" in zero or not self.t["gather"] else [[g[k] for g in self.t["gather"]]]
         streams = [(part, part.on_stream(self, zero)) for part in Job.PARTS]   # (the axes' order: ep, then cp)
         paths = [self._path(r, k, zero, streams) for r in self._replicas()]
-        buckets = one_clock.Buckets(self.ready, [[b[k] for b in stage] for stage in bucket] if self.dp > 1 else (),
+        buckets = one_clock.Buckets(self.ready, [[b[k] for b in stage] for stage in bucket] if bucket else (),
                                     gather, self.config.dp_overlap, self._expert_buckets(k, zero))
         schedule = one_clock.Schedule(self.config.pp_schedule, self.pp, self.m) if self.pp > 1 else None
         return one_clock.step_time(paths, buckets, schedule).seconds

@@ -118,9 +118,10 @@ def build(config: ExperimentConfig, device: torch.device, rank: int, is_main: bo
                   for r in range(1, mesh.dp)]
         replicas = [_sim_replica(config, model, mesh, train_net, eval_net, rank, 0, compute), *others]
         pipeline, tp_model = replicas[0].pipeline, replicas[0].model
-    dp_groups = groups if mesh.dp > 1 else None   # (dist pipelines: a group of one replica)
+    grouped = mesh.size("dp_cp") > 1   # the gradients' group: dp x cp (Megatron's)
+    dp_groups = groups if grouped else None   # (dist pipelines: a group of one replica)
     positions = [[tp_rank]] if dp_groups is not None else \
-        [list(range(mesh.tp)) for _ in range(mesh.pp)] if mesh.dp > 1 else []
+        [list(range(mesh.tp)) for _ in range(mesh.pp)] if grouped else []
     networks = [[LossyNetwork(mesh.network_spec("dp_cp", mesh.rank(tp=t, pp=s if dp_groups is None else stage),
                                                 settings, config.dp_lossy())) for t in ranks]
                 for s, ranks in enumerate(positions)]

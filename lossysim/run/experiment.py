@@ -239,7 +239,7 @@ def _train(rt: _Runtime, parts: Parts, state: TrainState, window: Window, progre
                 bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}",
                                 lost=f"{row['observed_loss_rate']:.4f}", refresh=False,
                                 **({"lost_dp": f"{row['observed_loss_rate_dp']:.4f}", "drift": f"{row['drift']:.2g}"}
-                                   if parts.dp.dp_size > 1 else {}),
+                                   if parts.dp.grouped else {}),
                                 **({"lost_pp": f"{row['observed_loss_rate_pp']:.4f}"} if parts.pipeline else {}))
                 if config.max_failures and row["failures"] >= config.max_failures:
                     raise _GaveUp(step, row["failures"])

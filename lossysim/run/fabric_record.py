@@ -53,7 +53,7 @@ def _carriers(parts, config, every: bool = False) -> dict:
     pipeline, dp = parts.pipeline, parts.dp
     carriers = {"tp": [parts.train_net] if pipeline is None else list(pipeline.networks),
                 "pp": list(pipeline.boundary_networks()) if pipeline is not None else [],
-                config.dp_class: list(dp.networks) if dp.dp_size > 1 else []}
+                config.dp_class: list(dp.networks) if dp.grouped else []}
     for axis in AXES:   # every other axis's networks, from its ``record`` module's ``carriers`` (the order: none)
         part = getattr(parts, axis.part, None) if axis.part else None
         hooks = axis.hooks() if part is not None else None

@@ -59,7 +59,7 @@ def train_step(parts: Parts, config: ExperimentConfig, state: TrainState, window
     experts_s = parts.ep.average_gradients(dp.replicas) if parts.ep is not None else 0.0
     squares = parts.ep.squares(dp.replicas) if parts.ep is not None else [None] * len(dp.replicas)
     if parts.pipeline is not None:
-        replicated = dp.dp_size > 1
+        replicated = dp.grouped
         exchanged = _pipeline_clock(config, state, dp.every_replica(stage_times),
                                     dp.every_stage(dp.ready()) if replicated else [],
                                     dp.every_stage(bucket_s) if replicated else [],
@@ -237,7 +237,7 @@ def _pipeline_clock(config: ExperimentConfig, state: TrainState, replicas: list[
 def _buckets(dp, bucket_s: list, config: ExperimentConfig, gather_s=()) -> clock.Buckets:
     """A step's data-parallel traffic as the clock takes it (``gather_s``: each stage's units' gathers):
     a group of one waits for nothing."""
-    if dp.dp_size == 1:
+    if not dp.grouped:
         return clock.Buckets()
     return clock.Buckets(dp.ready(), bucket_s, gather_s, config.dp_overlap)
 
