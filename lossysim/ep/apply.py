@@ -49,6 +49,11 @@ def check(config: ExperimentConfig, device: torch.device) -> None:
             leave = f"; set {' or '.join(choices)}" if choices else ""
             raise ValueError(f"training {ep} with {name}={getattr(config, name)} ({why}) is not supported{leave}"
                              f"{' (lossysim estimate times the pair)' if timed else ''}")
+    if config.cp_size > 1 and config.ep_size % config.cp_size:   # Megatron's carving allows it; ours trains
+        # a replica's context ranks as members of one ep group (``ep.context``)
+        raise ValueError(f"training {ep} with cp_size={config.cp_size}: experts beside context parallelism need "
+                         "ep_size a multiple of cp_size (a replica's context ranks, members of one ep group; "
+                         "lossysim estimate times the pair)")
     if config.backend == "sim" and device.type != "cpu":
         raise ValueError(f"{ep} on backend=sim runs on the CPU (its replicas meet inside CPU backward passes); "
                          "use device=cpu, or backend=dist")

@@ -13,15 +13,6 @@ def _fits(shape, ep_size: int) -> None:
         raise ValueError(f"ep_size={ep_size} does not divide the {shape.experts.count} experts of {shape.name}")
 
 
-def _pairs(config) -> None:
-    """Experts against the other settings (``config/pairs.py`` runs it for every command): beside context
-    parallelism a replica's context ranks are members of one ep group (ep carved out of dp x cp)."""
-    if config.ep_size > 1 and config.cp_size > 1 and config.ep_size % config.cp_size:
-        raise ValueError(f"ep_size={config.ep_size} with cp_size={config.cp_size}: experts beside context "
-                         "parallelism need ep_size a multiple of cp_size (a replica's context ranks, members of "
-                         "one ep group)")
-
-
 def _estimate_check(args) -> None:
     """The estimate's flags of experts, before its config: a skew nothing routes over is refused (the row would
     record 0.0: it did nothing)."""
@@ -39,7 +30,7 @@ def _skew(value) -> None:
 AXIS = Axis(
     "ep", "EP", size="ep_size", mesh="ep",
     settings=(Setting("ep_size", int, 1, "expert parallelism: an MoE's experts over this many data-parallel ranks "
-                                         "(divides dp x cp; with cp, a multiple of cp)",
+                                         "(divides dp x cp; training with cp: a multiple of cp)",
                       flag="--ep-size", minimum=1, identity_at_default=False,
                       estimate=EstimateFlag("expert parallelism: a mixture of experts' experts over this many of the "
                                             "data-parallel ranks (divides dp x cp; default 1)", default=1)),),
@@ -57,7 +48,7 @@ AXIS = Axis(
         "`EP per step`: what the all-to-alls (dispatch and combine, both ways) add to a step. `observed EP "
         "loss`: lost / sent packets on their lossy traffic in training. \"–\": the setting has ep 1."),
     part="ep", record="lossysim.ep.record", estimate="lossysim.ep.estimate", requires="all_to_all",
-    fits=_fits, pairs=_pairs, estimate_check=_estimate_check, link_events=False,
+    fits=_fits, estimate_check=_estimate_check, link_events=False,
     # the routing the estimate assumes (training routes by its gate, measured): 0 uniform, z > 0 the experts'
     # popularity by Zipf's law with exponent z (``lossysim.ep.routing``)
     workload=(WorkloadFlag("routing_skew", "--routing-skew", float, 0.0,

@@ -3,7 +3,8 @@ and ``ep_combine``, the all-to-alls per MoE block and micro-batch on every (stag
 index)'s ep group, sized by the routing assumed (``ep.routing``: uniform or skewed), in backward their
 gradients the other way; and the experts' gradient buckets over their expert-data-parallel groups (class
 ``dp``), after the backward, as training averages them. Beside context parallelism the groups are carved out
-of dp x cp as the mesh carves them (ep a multiple of cp: a replica's context ranks in one ep group) and a rank
+of dp x cp as the mesh carves them (ep a multiple of cp: a replica's context ranks in one ep group; ep below
+or beside cp: in several, the replica waiting on its slowest) and a rank
 routes its own seq / cp tokens of each sequence. Beyond ``FULL_UP_TO`` GPUs, a few micro-batches of
 one stage's sampled groups are simulated and every other block's calls drawn from theirs (docs/estimate.md,
 "Experts").
@@ -47,8 +48,8 @@ class ExpertMessages:
     def on_stream(parts, zero) -> Callable[[int, int], list]:
         """``(replica, k)`` -> [stage][micro-batch] of (forward, backward) seconds (``k`` 0: with loss, 1:
         loss-free) of the replica's all-to-alls: each class's summed (those not in ``zero``), the slowest of
-        its TP ranks' groups (with context parallelism, of its context ranks': one ep group a TP rank, ep a
-        multiple of cp)."""
+        its TP ranks' groups (with context parallelism, of its context ranks': one ep group a TP rank with ep a
+        multiple of cp, several without)."""
         present = [cls for cls in EP_CLASSES if cls in parts.t and cls not in zero]
         mesh = parts.config.mesh()
         edp = mesh.size("edp")
@@ -77,9 +78,6 @@ class ExpertMessages:
         self.ep, self.expert_buckets, self.edp = [], [], []
         if self.experts is None:
             return
-        if mesh.cp > 1 and mesh.ep % mesh.cp:   # (the pairs' check refuses it first: ``ep.axis``)
-            raise ValueError(f"ep_size={mesh.ep} with cp_size={mesh.cp}: lossysim estimate does not time a replica's "
-                             "context ranks over several ep groups; use an ep_size that is a multiple of cp_size")
         ep, edp = mesh.ep, mesh.size("edp")
         per = routing.rows(tokens // mesh.cp, experts.top_k, experts.count, ep, w.routing_skew, config.seed)
         sent = tuple(0 if s == d else per[s][d] * shape.hidden for s in range(ep) for d in range(ep))
@@ -216,7 +214,7 @@ def _block_sum(blocks: list[dict]) -> dict:
 
 def expert_data(mesh, r: int) -> tuple[int, ...]:
     """Replica ``r``'s context ranks' expert-data indices (the mesh's ``edp`` coordinate: their ep groups' at one
-    TP position and stage; one with ep a multiple of cp)."""
+    TP position and stage; one with ep a multiple of cp, else several)."""
     return tuple(sorted({mesh.coordinates(mesh.rank(dp=r, cp=c))["edp"] for c in range(mesh.cp)}))
 
 
