@@ -97,10 +97,28 @@ def test_the_command_writes_its_table_and_resumes_without_training(pretrained, t
     assert pd.read_csv(out / "budgets.csv").equals(table)
 
 
+def test_runs_side_by_side_give_the_same_budgets(pretrained, tmp_path, capsys):
+    """``--jobs 2`` trains each round's runs (every search's next rate at once) in two worker processes: the
+    same runs, the same points and the same table as one at a time."""
+    def budget(out, jobs):
+        assert main(["budget", "--out", str(out), "--model", str(pretrained), "--families", "dp", "--policies",
+                     "zero,rescale", "--steps", "2", "--seeds", "3", "--grid", "0.3", "--refine", "0",
+                     "--no-progress", "--nics", "none", "--jobs", str(jobs), "--set", "max_eval_samples=8",
+                     "--set", "max_train_samples=32", "--set", "max_length=32"]) == 0
+        return {name: pd.read_csv(out / name) for name in ("budgets.csv", "points.csv")}
+    one, two = budget(tmp_path / "one", 1), budget(tmp_path / "two", 2)
+    assert list(one["budgets.csv"]["policy"]) == ["zero", "rescale"] and len(one["points.csv"]) == 2
+    for name in one:
+        pd.testing.assert_frame_equal(one[name], two[name])
+    assert sorted(p.name for p in (tmp_path / "one" / "runs").iterdir()) == \
+        sorted(p.name for p in (tmp_path / "two" / "runs").iterdir())
+
+
 @pytest.mark.parametrize("flags,message", [(["--families", "nope"], "families='nope' must be"),
                                            (["--seeds", "2"], "at least 3 paired seeds"),
                                            (["--policies", "zero,magic"], "--policies magic"),
-                                           (["--nics", "irn,carrier-pigeon"], "--nics carrier-pigeon")])
+                                           (["--nics", "irn,carrier-pigeon"], "--nics carrier-pigeon"),
+                                           (["--jobs", "0"], "jobs=0 must be a whole number >= 1")])
 def test_bad_input_is_one_line_and_exit_2(flags, message, tmp_path, capsys):
     assert main(["budget", "--out", str(tmp_path / "b"), *flags]) == 2
     err = capsys.readouterr().err

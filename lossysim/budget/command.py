@@ -22,12 +22,13 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from ..config import ExperimentConfig, from_dict
-from ..io import atomic_write_text, check_writable, read_jsonl, read_summary
+from ..config import ExperimentConfig, default_jobs, from_dict
+from ..io import atomic_write_json, atomic_write_text, check_writable, read_jsonl, read_summary
 from ..results.perplexity import paired_change
-from ..run.sweep import Run, config_key, execute, normalise, run_name
+from ..run.pool import Pool, check_jobs
+from ..run.sweep import Run, config_key, execute, failure_summary, normalise, run_name
 from .families import FAMILIES, POLICIES, Family, model_for, parse_families
-from .search import GRID, TOLERANCE_PCT, Budget, Point, find_budget
+from .search import GRID, TOLERANCE_PCT, Budget, Point, search
 from .trade import NICS, SEQ, job, step_cost_pct
 
 BASE = dict(model="smollm2-135m", dataset="pydoc", task="lm", tokenizer="auto", max_length=64,
@@ -49,16 +50,44 @@ class Runner:
                                     "lossy_traffic": family.lossy_traffic, "recovery": policy, "loss": loss,
                                     "steps": steps, "eval_every": steps, "log_every": 1, "seed": seed}))
 
-    def summary(self, config: ExperimentConfig) -> tuple[dict, Path]:
+    def _run(self, config: ExperimentConfig) -> Run:
         key = config_key(config)
         name = run_name(config, key)
-        run_dir = self.out / "runs" / name
-        summary = read_summary(run_dir)
+        return Run(config=config.replace(name=name, out=str(self.out / "runs" / name)), key=key, dir_name=name)
+
+    def summary(self, config: ExperimentConfig) -> tuple[dict, Path]:
+        run = self._run(config)
+        summary = read_summary(run.run_dir)
         if summary is None or summary.get("status") != "completed":
-            config = config.replace(name=name, out=str(run_dir))
-            summary = execute(Run(config=config, key=key, dir_name=name), progress=self.progress)
+            summary = execute(run, progress=self.progress)
             self.trained += 1
-        return summary, run_dir
+        return summary, run.run_dir
+
+    def configs(self, family: Family, policy: str, steps: int, rate: float) -> list[ExperimentConfig]:
+        """The runs ``measure`` reads: each seed's loss-free run and its run at ``rate``."""
+        return [c for seed in range(self.seeds)
+                for c in (self.config(family, steps, seed), self.config(family, steps, seed, policy, rate))]
+
+    def train(self, configs: list[ExperimentConfig], jobs: int) -> None:
+        """Train those of ``configs`` not completed yet, ``jobs`` at a time side by side (``run/pool.py``, as
+        ``lossysim sweep --jobs`` does: a run's result never depends on what ran beside it); dist runs one at
+        a time (torchrun's ranks take the machine)."""
+        todo = {run.dir_name: run for run in map(self._run, configs)
+                if (read_summary(run.run_dir) or {}).get("status") != "completed"}
+        jobs = min(jobs, len(todo))
+        if jobs <= 1 or any(run.config.backend == "dist" for run in todo.values()):
+            for run in todo.values():
+                self.summary(run.config)
+            return
+
+        def lost(run: Run, error: str) -> None:
+            atomic_write_json(run.run_dir / "summary.json", failure_summary(run.config, error))
+        with Pool(jobs, self.progress, lost, execute) as pool:
+            for index, run in enumerate(todo.values()):
+                pool.submit(index, run)
+            while pool.pending:
+                pool.next_done()
+                self.trained += 1
 
     def perplexity_and_losses(self, config: ExperimentConfig) -> tuple[float, dict]:
         summary, run_dir = self.summary(config)
@@ -91,27 +120,39 @@ def policies_for(runner: Runner, family: Family, steps: int, wanted) -> list[str
 
 
 def budgets(out: Path, families, steps_list, policies, seeds: int, grid, refine: int, base: dict,
-            nics=NICS, progress: bool = True) -> tuple[pd.DataFrame, pd.DataFrame]:
+            nics=NICS, progress: bool = True, jobs: int = 1) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Every (family, length, policy)'s search, advanced side by side: each round trains the runs every
+    search asks for next together (``jobs`` at a time), then hands each search its point."""
     runner = Runner(out, base, seeds, progress)
+    searches = [(family, steps, policy) for family in families for steps in steps_list
+                for policy in policies_for(runner, family, steps, policies)]
+    coroutines = [search(grid, refine) for _ in searches]
+    asked = {i: next(c) for i, c in enumerate(coroutines)}
+    gaps: list[dict] = [{} for _ in searches]
+    found: dict[int, Budget] = {}
+    while asked:
+        runner.train([c for i, rate in asked.items() for c in runner.configs(searches[i][0], searches[i][2],
+                                                                             searches[i][1], rate)], jobs)
+        for i, rate in list(asked.items()):
+            family, steps, policy = searches[i]
+            point, gaps[i][rate] = runner.measure(family, policy, steps, rate)
+            try:
+                asked[i] = coroutines[i].send(point)
+            except StopIteration as done:
+                found[i] = done.value
+                del asked[i]
     rows, points = [], []
-    for family in families:
-        for steps in steps_list:
-            for policy in policies_for(runner, family, steps, policies):
-                gaps = {}
-
-                def measure(rate, family=family, policy=policy, steps=steps):
-                    point, gaps[rate] = runner.measure(family, policy, steps, rate)
-                    return point
-                found: Budget = find_budget(measure, grid, refine)
-                rows.append({"family": family.name, "traffic": family.label, "policy": policy, "steps": steps,
-                             "budget_rate": found.rate, "failed_at": found.failed_at,
-                             "bracketed": found.bracketed, "budget": found.describe(), "seeds": seeds,
-                             **{f"retransmit_{nic}_pct": (step_cost_pct(family, found.rate, nic)
-                                                          if found.rate is not None else math.nan) for nic in nics}})
-                points += [{"family": family.name, "policy": policy, "steps": steps, "rate": p.rate,
-                            "change_pct": p.change_pct, "change_pct_ci": p.half_width, "upper_pct": p.upper,
-                            "pairs": p.pairs, "passes": p.passes, "train_loss_gap": gaps.get(p.rate, math.nan)}
-                           for p in found.points]
+    for i, (family, steps, policy) in enumerate(searches):
+        budget = found[i]
+        rows.append({"family": family.name, "traffic": family.label, "policy": policy, "steps": steps,
+                     "budget_rate": budget.rate, "failed_at": budget.failed_at,
+                     "bracketed": budget.bracketed, "budget": budget.describe(), "seeds": seeds,
+                     **{f"retransmit_{nic}_pct": (step_cost_pct(family, budget.rate, nic)
+                                                  if budget.rate is not None else math.nan) for nic in nics}})
+        points += [{"family": family.name, "policy": policy, "steps": steps, "rate": p.rate,
+                    "change_pct": p.change_pct, "change_pct_ci": p.half_width, "upper_pct": p.upper,
+                    "pairs": p.pairs, "passes": p.passes, "train_loss_gap": gaps[i].get(p.rate, math.nan)}
+                   for p in budget.points]
     return pd.DataFrame(rows), pd.DataFrame(points)
 
 
@@ -180,6 +221,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="NIC presets whose retransmission cost is set beside each budget (none: skip)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any run setting (device=cuda, batch_size=8, ...)")
+    parser.add_argument("--jobs", type=int, default=None, metavar="N",
+                        help=f"runs side by side (default: the cores available here, {default_jobs()}); each "
+                             "run's result is the same at any N")
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -201,11 +245,12 @@ def run(args) -> int:
     bad = sorted(set(nics) - set(NIC_PRESETS))
     if bad:
         raise ValueError(f"--nics {','.join(bad)}: must be none or some of {', '.join(NIC_PRESETS)}")
+    jobs = check_jobs(default_jobs() if args.jobs is None else args.jobs)
     base = {**BASE, "model": args.model, **parse_overrides(args.set)}
     out = Path(args.out)
     check_writable(out)
     table, points = budgets(out, families, steps_list, policies, args.seeds, grid, args.refine, base, nics,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, jobs=jobs)
     atomic_write_text(out / "budgets.csv", table.to_csv(index=False))
     atomic_write_text(out / "points.csv", points.to_csv(index=False))
     atomic_write_text(out / "budgets.md", markdown(table, base, args.seeds, nics))

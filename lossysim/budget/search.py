@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Generator, Optional, Sequence
 
 GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)   # 0.01% .. 30%
 TOLERANCE_PCT = 1.0
@@ -52,25 +52,42 @@ class Budget:
         return f"{100 * self.rate:.3g}% (fails at {100 * self.failed_at:.3g}%)"
 
 
-def find_budget(measure: Callable[[float], Point], grid: Sequence[float] = GRID, refine: int = 2) -> Budget:
-    """Scan ``grid`` (ascending) with ``measure`` until a rate fails, then ``refine`` bisections (geometric
-    means) between the last pass and the first failure."""
+def search(grid: Sequence[float] = GRID, refine: int = 2) -> Generator[float, Point, Budget]:
+    """The search as a coroutine: it yields the next rate to measure, is sent that rate's ``Point`` and
+    returns the ``Budget`` (``StopIteration.value``). Scans ``grid`` (ascending) until a rate fails, then
+    ``refine`` bisections (geometric means) between the last pass and the first failure. Several searches
+    can so be advanced side by side, their runs trained together (``budget/command.py``)."""
     rates = sorted(float(r) for r in grid)
     if not rates or rates[0] <= 0 or rates[-1] >= 1:
         raise ValueError(f"a budget's grid needs rates in (0, 1), got {list(grid)}")
+    return _search(rates, int(refine))
+
+
+def _search(rates: list[float], refine: int) -> Generator[float, Point, Budget]:
     points: list[Point] = []
     passed, failed = None, None
     for rate in rates:
-        point = measure(rate)
+        point = yield rate
         points.append(point)
         if not point.passes:
             failed = rate
             break
         passed = rate
     if passed is not None and failed is not None:
-        for _ in range(int(refine)):
+        for _ in range(refine):
             mid = math.sqrt(passed * failed)
-            point = measure(mid)
+            point = yield mid
             points.append(point)
             passed, failed = (mid, failed) if point.passes else (passed, mid)
     return Budget(passed, failed, tuple(sorted(points, key=lambda p: p.rate)))
+
+
+def find_budget(measure: Callable[[float], Point], grid: Sequence[float] = GRID, refine: int = 2) -> Budget:
+    """``search`` driven by ``measure``, one rate at a time."""
+    steps = search(grid, refine)
+    try:
+        rate = next(steps)
+        while True:
+            rate = steps.send(measure(rate))
+    except StopIteration as done:
+        return done.value
