@@ -96,7 +96,7 @@ def test_a_run_never_depends_on_what_ran_beside_it(tmp_path):
     spec = sweep.load_spec(_spec(tmp_path / "j.yaml"))
     one = sweep.run_sweep(spec, tmp_path / "one", progress=False, jobs=1)
     runs = sweep.shard(sweep.expand(spec, tmp_path / "two"), 1, 1)
-    assert sweep._side_by_side(runs, 2, None) == 2   # lossysim's own trainer: worker processes
+    assert sweep.side_by_side(runs, 2, None) == 2   # lossysim's own trainer: worker processes
     two = sweep.run_sweep(spec, tmp_path / "two", progress=False, jobs=2)
     assert one.ran == two.ran == 2 and one.exit_code == two.exit_code == 0
     assert list(one.statuses.values()) == list(two.statuses.values()) == ["completed"] * 2
@@ -112,10 +112,10 @@ def test_a_run_never_depends_on_what_ran_beside_it(tmp_path):
 def test_a_trainer_handed_in_runs_here_one_at_a_time(tmp_path):
     spec = sweep.load_spec(_spec(tmp_path / "j.yaml"))
     runs = sweep.expand(spec, tmp_path / "o")
-    assert sweep._side_by_side(runs, 2, lambda *a, **k: {}) == 1
-    assert sweep._side_by_side(runs[:1], 2, None) == 1
+    assert sweep.side_by_side(runs, 2, lambda *a, **k: {}) == 1
+    assert sweep.side_by_side(runs[:1], 2, None) == 1
     dist = [r.__class__(r.config.replace(backend="dist"), r.key, r.dir_name) for r in runs]
-    assert sweep._side_by_side(dist, 2, None) == 1
+    assert sweep.side_by_side(dist, 2, None) == 1
 
 
 def test_jobs_default_to_the_cores_available(capsys):

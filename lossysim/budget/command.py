@@ -23,10 +23,10 @@ import numpy as np
 import pandas as pd
 
 from ..config import ExperimentConfig, default_jobs, from_dict
-from ..io import atomic_write_json, atomic_write_text, check_writable, read_jsonl, read_summary
+from ..io import atomic_write_text, check_writable, read_jsonl, read_summary
 from ..results.perplexity import paired_change
 from ..run.pool import Pool, check_jobs
-from ..run.sweep import Run, config_key, execute, failure_summary, normalise, run_name
+from ..run.sweep import Run, config_key, execute, normalise, record_lost, run_name, side_by_side
 from .families import FAMILIES, POLICIES, Family, model_for, parse_families
 from .search import GRID, TOLERANCE_PCT, Budget, Point, search
 from .trade import NICS, SEQ, job, step_cost_pct
@@ -74,15 +74,12 @@ class Runner:
         a time (torchrun's ranks take the machine)."""
         todo = {run.dir_name: run for run in map(self._run, configs)
                 if (read_summary(run.run_dir) or {}).get("status") != "completed"}
-        jobs = min(jobs, len(todo))
-        if jobs <= 1 or any(run.config.backend == "dist" for run in todo.values()):
+        jobs = side_by_side(list(todo.values()), jobs)
+        if jobs <= 1:
             for run in todo.values():
                 self.summary(run.config)
             return
-
-        def lost(run: Run, error: str) -> None:
-            atomic_write_json(run.run_dir / "summary.json", failure_summary(run.config, error))
-        with Pool(jobs, self.progress, lost, execute) as pool:
+        with Pool(jobs, self.progress, record_lost, execute) as pool:
             for index, run in enumerate(todo.values()):
                 pool.submit(index, run)
             while pool.pending:

@@ -168,7 +168,12 @@ def run_sweep(spec: SweepSpec, out: Union[str, Path], shard_k: int = 1, shard_n:
         return _run_all(spec, runs, out, shard_k, shard_n, train, progress, [r.dir_name for r in every], jobs)
 
 
-def _side_by_side(todo: list[Run], jobs: int, train: Optional[TrainFn]) -> int:
+def record_lost(run: Run, error: str) -> None:
+    """A run whose worker process died: its summary says failed, and why (``Pool``'s ``on_lost``)."""
+    atomic_write_json(run.run_dir / "summary.json", failure_summary(run.config, error))
+
+
+def side_by_side(todo: list[Run], jobs: int, train: Optional[TrainFn] = None) -> int:
     """How many of ``todo`` run at once: one for a dist run (torchrun's ranks take the machine's devices), or
     for a trainer other than lossysim's own (one handed in runs only in this process)."""
     jobs = min(jobs, len(todo))
@@ -191,16 +196,13 @@ def _run_all(spec: SweepSpec, runs: list[Run], out: Path, shard_k: int, shard_n:
     statuses = {i: run_status(run.run_dir) for i, run in enumerate(runs)}
     todo = [i for i, run in enumerate(runs) if statuses[i] not in FINISHED]
     result.skipped = len(runs) - len(todo)
-    jobs = _side_by_side([runs[i] for i in todo], jobs, train)
+    jobs = side_by_side([runs[i] for i in todo], jobs, train)
     label = spec.name if shard_n == 1 else f"{spec.name} {shard_k}/{shard_n}"
     bar = tqdm(total=len(runs), desc=label, unit="run", position=0, disable=not progress,
                dynamic_ncols=True, initial=result.skipped)
 
-    def lost(run: Run, error: str) -> None:
-        atomic_write_json(run.run_dir / "summary.json", failure_summary(run.config, error))
-
     runner = Inline(lambda run: execute(run, train=train, progress=progress).get("status")) if jobs == 1 \
-        else Pool(jobs, progress, lost, execute)
+        else Pool(jobs, progress, record_lost, execute)
     waiting, stopped = list(todo), None
 
     def feed() -> None:
