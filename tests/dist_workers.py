@@ -10,6 +10,7 @@ after its step-2 checkpoint (its later checkpoints, export and summary deleted, 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import time
@@ -24,10 +25,34 @@ from lossysim.io import read_jsonl
 RESUMED = "-resumed"
 
 
+_PORTS_TAKEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range, new to this process.
+
+    A module picks every case's port before its first case starts, minutes before the last one listens. A
+    port from the ephemeral range (``bind(0)``) can meanwhile become the local end of one of gloo's own
+    connections, and the case's store then fails with EADDRINUSE; the kernel never hands out ports below
+    that range on its own.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768   # Linux's default where the file cannot be read
+    candidates = list(range(max(1024, low - 12000), low))
+    random.Random(os.getpid() ^ time.monotonic_ns()).shuffle(candidates)
+    for port in candidates:
+        if port in _PORTS_TAKEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_TAKEN.add(port)
+        return port
+    raise RuntimeError(f"no free port below {low}")
 
 
 def _run_cases(index: int, out: str, cache: str, ports: dict, plan: list, settings: dict, setup) -> None:
