@@ -26,6 +26,9 @@ def test_the_parameters_are_the_meta_models(name):
     owner = parameter_stages(model, layout)
     assert [shape_params.stage_of(p, layout) for p in params] == [owner[id(p)] for p in model.parameters()]
     assert shape_params.stage_parameters(params, layout) == stage_parameters(model, layout)
+    if shape.experts:   # counted as a token multiplies them, at tp 2
+        weight = shape.experts.top_k / shape.experts.count * 2
+        assert shape_params.stage_parameters(params, layout, weight) == stage_parameters(model, layout, 2)
     assert sum(p.numel for p in params) == shape.parameters
     if shape.experts:
         assert sum(p.numel for p in params if p.expert) == shape.experts.parameters

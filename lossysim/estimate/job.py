@@ -16,6 +16,7 @@ from .. import traffic
 from ..axes import AXES
 from ..config import ExperimentConfig
 from ..dp.buckets import plan_buckets
+from ..ep.estimate import routed_load
 from ..models import cost
 from ..net import LossyNetwork, NetworkSpec
 from ..pp.stages import stage_parameters
@@ -182,11 +183,16 @@ class Job(Tally, Messages, *PARTS):
                 if hasattr(block.get_submodule(parent), leaf) for p in getattr(block.get_submodule(parent), leaf).parameters()}
 
     @property
-    def _stage_parameters(self) -> list[int]:
+    def _stage_parameters(self) -> list[float]:
+        """Each stage's parameters as the step's compute counts them (``simulate._busiest``): its routed
+        experts' as often as the busiest rank's tokens reach them, run whole by every TP rank."""
         if not hasattr(self, "_stage_counts"):
+            e, scale = self.shape.experts, float(self.mesh.tp)
+            if e is not None:
+                scale *= routed_load(self.shape, self.mesh, self.w, self.config.seed)
             params = shape_params.parameters(self.shape)
-            self._stage_counts = stage_parameters(self.shape.meta_model(), self.layout) if params is None \
-                else shape_params.stage_parameters(params, self.layout)
+            self._stage_counts = stage_parameters(self.shape.meta_model(), self.layout, scale) if params is None \
+                else shape_params.stage_parameters(params, self.layout, 1.0 if e is None else e.top_k / e.count * scale)
         return self._stage_counts
 
     def _owners(self, model) -> dict:

@@ -66,11 +66,12 @@ def stage_of(param: Param, layout: tuple[int, ...]) -> int:
     return 0 if param.place == "embed" else len(layout) - 1
 
 
-def stage_parameters(params: list[Param], layout: tuple[int, ...]) -> list[int]:
-    """Each stage's parameters, whole (``pp.stages.stage_parameters``)."""
+def stage_parameters(params: list[Param], layout: tuple[int, ...], expert_weight: float = 1.0) -> list[float]:
+    """Each stage's parameters, whole, a routed expert's counted ``expert_weight`` times (top-k / experts
+    times a scale: ``pp.stages.stage_parameters``)."""
     counts = [0] * len(layout)
     for param in params:
-        counts[stage_of(param, layout)] += param.numel
+        counts[stage_of(param, layout)] += param.numel * (expert_weight if param.expert else 1)
     return counts
 
 

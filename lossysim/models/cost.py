@@ -24,18 +24,23 @@ def step_flops(parameters: float, tokens: float, layers: int, hidden: int, seq_l
     return 6.0 * parameters * tokens + 12.0 * layers * seq_len ** 2 * hidden * sequences
 
 
+def routed_experts(model: torch.nn.Module) -> dict[int, float]:
+    """Each routed expert parameter's id -> the fraction of tokens it multiplies (top-k / experts); the
+    other parameters multiply every token."""
+    top_k = getattr(model.config, "num_experts_per_tok", None)
+    return {id(p): top_k / module.num_experts for module in model.modules()
+            if top_k and hasattr(module, "gate_up_proj") and getattr(module, "num_experts", None)
+            for p in module.parameters(recurse=False)}
+
+
 def active_parameters(model: torch.nn.Module, tp_size: int = 1) -> int:
     """The parameters one token's step multiplies: every one, less the routed experts it is not sent to
-    (an MoE block's experts times 1 - top-k / experts). ``tp_size``: the compute model divides a step's
-    FLOPs by it, but every TP rank runs its experts whole (expert-tensor parallelism 1, ``lossysim.ep``):
-    their share counts tp_size times."""
-    total = float(sum(p.numel() for p in model.parameters()))
-    top_k = getattr(model.config, "num_experts_per_tok", None)
-    for module in model.modules():
-        if top_k and hasattr(module, "gate_up_proj") and getattr(module, "num_experts", None):
-            experts = sum(p.numel() for p in module.parameters(recurse=False))
-            total += experts * (top_k / module.num_experts * tp_size - 1)
-    return int(round(total))
+    (an MoE block's experts times top-k / experts, ``routed_experts``). ``tp_size``: the compute model
+    divides a step's FLOPs by it, but every TP rank runs its experts whole (expert-tensor parallelism 1,
+    ``lossysim.ep``): their share counts tp_size times."""
+    routed = routed_experts(model)
+    return int(round(sum(p.numel() * (routed[id(p)] * tp_size if id(p) in routed else 1)
+                         for p in model.parameters())))
 
 
 def dims(config) -> tuple[int, int]:

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..config import ExperimentConfig, parse_layout
 from ..mesh import Mesh
+from ..models import cost
 from ..net import LossyNetwork
 from ..tp import gather_full_model
 from ..tp.plans import plan_for
@@ -65,13 +66,17 @@ def parameter_stages(model: nn.Module, layout: tuple[int, ...]) -> dict[int, int
     return owner
 
 
-def stage_parameters(model: nn.Module, layout: tuple[int, ...]) -> list[int]:
+def stage_parameters(model: nn.Module, layout: tuple[int, ...], expert_scale: Optional[float] = None) -> list[float]:
     """Parameters (of the whole, unsharded model) each stage holds (``parameter_stages``), a head tied
-    to the embeddings counted once, with them, as 6 N T counts it (``lossysim.models.cost``)."""
+    to the embeddings counted once, with them, as 6 N T counts it (``lossysim.models.cost``). With
+    ``expert_scale`` the ones a token's step multiplies: a routed expert's count top-k / experts times
+    ``expert_scale`` (``cost.active_parameters``'s tp size; the estimate's busiest rank's load times tp),
+    so a stage of experts is charged its active compute, not its experts' size."""
     owner = parameter_stages(model, layout)
+    routed = {} if expert_scale is None else cost.routed_experts(model)
     counts = [0] * len(layout)
     for param in model.parameters():
-        counts[owner[id(param)]] += param.numel()
+        counts[owner[id(param)]] += param.numel() * (routed[id(param)] * expert_scale if id(param) in routed else 1)
     return counts
 
 
@@ -177,7 +182,8 @@ def on_hidden_states(apply):
 
 @dataclass
 class Pipeline:
-    """A run's stages: blocks per stage, each stage's parameters (unsharded), its TP network (stage 0's
+    """A run's stages: blocks per stage, each stage's active parameters (unsharded, as the run's compute
+    counts them: ``stage_parameters``), its TP network (stage 0's
     is the run's ``train_net``) and evaluation network, and the boundaries between them."""
     layout: tuple[int, ...]
     parameters: list[int]
@@ -270,7 +276,7 @@ def cut_stages(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_net
         return Boundary(b, mesh.tp, nets[0], contexts=nets[1:])
     boundaries = [boundary(b, settings, False) for b in range(config.pp_size - 1)]
     eval_boundaries = [] if eval_net is None else [boundary(b, evaluation, True) for b in range(config.pp_size - 1)]
-    return Pipeline(layout, stage_parameters(model, layout), networks, eval_networks, boundaries, eval_boundaries)
+    return Pipeline(layout, stage_parameters(model, layout, config.tp_size), networks, eval_networks, boundaries, eval_boundaries)
 
 
 def apply_pp(model: nn.Module, config: ExperimentConfig, mesh: Mesh, train_net: LossyNetwork,
