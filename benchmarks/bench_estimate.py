@@ -14,6 +14,8 @@
 5. ``--tcp``: the TCP row's time over the IRN row's, each timed in this process side by side (irn, then
    tcp): the 70B step of 1. (the README's DDP layout, ring), and with ``--405b`` / ``--deepseek`` theirs
    too (the 405B tcp row took 26 minutes of CPU before issue 52: run it once, if at all). Target <= 3x.
+   The 70B tcp row is timed a second time on the Python loop (``timing.carried.COMPILED`` off: what runs
+   without numba), its row compared with the compiled one's, every figure equal.
 
 Torch runs one intra-op thread (``--threads``, default 1): the targets are one core's, and a shared
 machine's spare threads only spin.
@@ -125,6 +127,16 @@ def main() -> int:
         irn, _ = timed(shape, "bernoulli:0.01", ddp, workload, args.steps, "irn")
         tcp, row = timed(shape, "bernoulli:0.01", ddp, workload, args.steps, "tcp")
         ratio_line(f"70B DDP ({row['layout']}, 1%)", irn, tcp)
+        from lossysim.timing import carried, carried_kernel
+        if carried_kernel.connections() is not None:
+            carried.COMPILED = False
+            python, again = timed(shape, "bernoulli:0.01", ddp, workload, args.steps, "tcp")
+            carried.COMPILED = True
+            same = again == row   # NaN-free rows: == compares every figure
+            print(f"70B DDP tcp row on the Python loop: {python:.1f} s ({python / tcp:.2f}x the compiled); "
+                  f"the same row: {'yes' if same else 'NO'}")
+        else:
+            print("numba is not installed: the tcp row ran the Python loop (pip install -e '.[fast]')")
 
     for wanted, name, run in ((args.big, "405B", big), (args.deepseek, "DeepSeek-V3", deepseek)):
         if not wanted:

@@ -8,7 +8,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lossysim.timing import carried, congestion
+from lossysim.timing import carried, carried_kernel, congestion
+
+
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def path(request, monkeypatch):
+    """Every test twice: the busy connections through the compiled kernel (numba: the ``dev`` and ``fast``
+    extras install it) and through ``_connection`` in Python, the path without numba."""
+    if request.param == "compiled":
+        assert carried_kernel.connections() is not None, "numba is not installed: pip install -e '.[dev]'"
+    monkeypatch.setattr(carried, "COMPILED", request.param == "compiled")
+    return request.param
 
 
 def _by_carry(kind, windows, row, packet, conn, firsts, ends, taus, rtts, reveal):

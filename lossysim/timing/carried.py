@@ -17,7 +17,11 @@ from itertools import chain
 
 import numpy as np
 
+from . import carried_kernel
 from .congestion import CUBIC_C, CURVE, LINE, PIPE, WINDOWS, Flow, carry
+
+# whether the busy connections run compiled where numba is installed (tests run both ways)
+COMPILED = True
 
 NAN, INF = math.nan, math.inf
 
@@ -68,52 +72,87 @@ def step(kind: str, windows: np.ndarray, window: np.ndarray, row: np.ndarray, lo
     e_what = np.concatenate([w[x] for w, x in zip(whats, keep)])
     e_loss = np.concatenate([np.arange(m)[x] for x in keep])    # global loss index
     order = np.lexsort((e_loss, e_what, e_place, e_group))
-    P, W, K = e_place[order].astype(np.float64).tolist(), e_what[order].tolist(), e_loss[order].tolist()
-    sends = np.searchsorted(e_group[order], np.arange(n * k + 1)).tolist()
-    F0, F1 = [NAN] * m, [NAN] * m           # where each loss's first and reveal-th SACK comes back
-    beyond = [0.0] * m
-    bounds = bounds.tolist()
-    packets_l, states, lasts = packets.tolist(), windows.tolist(), window.tolist()
-    taus_l, rtts_l, delays_l = taus.tolist(), rtts.tolist(), delays.tolist()
+    P, W, K = e_place[order].astype(np.float64), e_what[order], e_loss[order]
+    sends = np.searchsorted(e_group[order], np.arange(n * k + 1))
+    taus_l, rtts_l = taus.tolist(), rtts.tolist()
     half_cube = {}
     for r in busy:
-        tau, rtt = taus_l[r], rtts_l[r]
-        hc = half_cube.get(rtt)
-        if hc is None:
+        rtt = rtts_l[r]
+        if rtt not in half_cube:
             half = math.sqrt(alpha / (3 * CUBIC_C * rtt)) / 2
-            hc = half_cube[rtt] = (half, half ** 3)
-        delay_r, row_states, row_lasts, row_packets = 0.0, states[r], lasts[r], packets_l[r]
-        for c in range(k):
-            g = r * k + c
-            size_c = row_packets[c]
-            got = _connection(kind, cubic, beta, alpha, row_states[c], size_c, tau, rtt, hc[0], hc[1],
-                              P, W, K, sends[g], sends[g + 1], F0, F1)
-            lo, hi = bounds[g], bounds[g + 1]
-            if got is None:                 # the cubic curve: carry's own loop
-                delay, state, last, sacks, marks = carry(kind, windows[r, c], size_c, position[lo:hi], tau, rtt,
-                                                         reveal)
-                F0[lo:hi], F1[lo:hi] = sacks.tolist(), marks.tolist()
-                row_states[c] = list(state)
-            else:
-                delay, w_max, cut, epoch, last = got
-                row_states[c] = [w_max, cut, epoch]
-            row_lasts[c] = last
-            if hi > lo:
-                beyond[lo:hi] = [size_c + last] * (hi - lo)
-            delay_r = max(delay_r, delay)
-        delays_l[r] = delay_r
-    windows[busy] = np.array([states[r] for r in busy])
-    window[busy] = np.array([lasts[r] for r in busy])
-    delays = np.array(delays_l)
+            half_cube[rtt] = (half, half ** 3)
+    delay_of = np.zeros(n * k)                 # each connection's delay
+    kernel = carried_kernel.connections() if COMPILED else None
+    if kernel is not None:
+        status, outs, F0, F1 = _compiled(kernel, busy, k, cubic, beta, alpha, windows, packets, taus_l, rtts_l,
+                                         half_cube, P, W, K, sends, m)
+        done = np.flatnonzero(status == carried_kernel.DONE)
+        r_done, c_done = np.divmod(done, k)
+        windows[r_done, c_done], window[r_done, c_done] = outs[done, 1:4], outs[done, 4]
+        delay_of[done] = outs[done, 0]
+        left = np.flatnonzero(status == carried_kernel.PYTHON).tolist()
+    else:
+        F0, F1 = [NAN] * m, [NAN] * m          # where each loss's first and reveal-th SACK comes back
+        left = [r * k + c for r in busy for c in range(k)]
+    if left:
+        _in_python(left, kind, cubic, beta, alpha, windows, window, delay_of, packets.tolist(), taus_l, rtts_l,
+                   half_cube, P.tolist(), W.tolist(), K.tolist(), sends.tolist(), bounds.tolist(), position, reveal,
+                   F0, F1)
+    # a send's delay: its slowest connection's, 0 at least (``max(0.0, d, ...)``, a NaN passed over)
+    slowest = np.fmax.reduce(delay_of.reshape(n, k), axis=1)
+    delays = np.where(slowest > 0.0, slowest, 0.0)
+    beyond = size + window[row, conn]           # where a SACK after the stream is, before its pace
     if m:
         firsts_l = firsts[row, conn]
-        sacks, marks, beyond = np.array(F0), np.array(F1), np.array(beyond)
+        sacks, marks = np.array(F0), np.array(F1)
         sacks = np.where(np.isnan(sacks), beyond, sacks) + firsts_l
         marks = np.where(np.isnan(marks), beyond, marks) + firsts_l
         for g in np.unique(group).tolist():
             lo, hi = bounds[g], bounds[g + 1]
             found_at[divmod(g, k)] = [sacks[lo:hi], marks[lo:hi]]
     return delays
+
+
+def _in_python(groups, kind, cubic, beta, alpha, windows, window, delay_of, packets, taus, rtts, half_cube, P, W, K,
+               sends, bounds, position, reveal, F0, F1) -> None:
+    """Connections ``groups`` (``send * connections + connection``) through ``_connection``, those whose
+    window follows the cubic curve through ``carry``: their states, last windows and delays written in
+    place, where their SACKs come back in ``F0``, ``F1``."""
+    k = windows.shape[1]
+    for g in groups:
+        r, c = divmod(g, k)
+        tau, rtt, size_c = taus[r], rtts[r], packets[r][c]
+        half, cube = half_cube[rtt]
+        got = _connection(kind, cubic, beta, alpha, windows[r, c].tolist(), size_c, tau, rtt, half, cube,
+                          P, W, K, sends[g], sends[g + 1], F0, F1)
+        if got is None:                 # the cubic curve: carry's own loop
+            lo, hi = bounds[g], bounds[g + 1]
+            delay, state, last, sacks, marks = carry(kind, windows[r, c], size_c, position[lo:hi], tau, rtt, reveal)
+            F0[lo:hi], F1[lo:hi] = sacks.tolist(), marks.tolist()
+        else:
+            delay, *state, last = got
+        windows[r, c], window[r, c], delay_of[g] = state, last, delay
+
+
+def _compiled(kernel, busy, k, cubic, beta, alpha, windows, packets, taus, rtts, half_cube, P, W, K, sends, m):
+    """Every busy connection through the compiled ``kernel`` (``carried_kernel.connections()``): each one's outcome and figures (as
+    ``_connection`` returns them), and where SACKs come back (``F0``, ``F1``, as lists)."""
+    n = len(taus)
+    # per send, in Python as ``_connection`` computes them (``pipe ** 2`` is C's pow): the same floats
+    pipes, p2s, halfs, cubes = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+    for r in busy:
+        pipe = rtts[r] / taus[r]
+        pipes[r], p2s[r] = pipe, pipe ** 2
+        halfs[r], cubes[r] = half_cube[rtts[r]]
+    n_groups = len(sends) - 1
+    F = np.full((2, max(m, 1)), NAN)
+    outs = np.empty((n_groups, 5))
+    status = np.full(n_groups, -1, dtype=np.int64)   # -1: not busy
+    kernel(np.array(busy, dtype=np.int64), k, cubic, beta, alpha, np.ascontiguousarray(windows, dtype=np.float64),
+           packets.astype(np.float64), np.array(taus), np.array(rtts), np.array(pipes), np.array(p2s), np.array(halfs),
+           np.array(cubes), P, W.astype(np.int64, copy=False), K.astype(np.int64, copy=False),
+           sends.astype(np.int64, copy=False), F, outs, status)
+    return status, outs, F[0, :m].tolist(), F[1, :m].tolist()
 
 
 def _mode(kind: str, cubic: bool, w_max: float, cut: float, tau: float, rtt: float, alpha: float, pipe: float,
