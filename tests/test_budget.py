@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from lossysim.budget import FAMILIES, Point, find_budget
-from lossysim.budget.command import BASE, Runner
+from lossysim.budget.command import BASE, Runner, policies_for
 from lossysim.budget.search import MIN_PAIRS, TOLERANCE_PCT
 from lossysim.cli import main
 from tiny_pretrained import save_tiny_pretrained
@@ -73,6 +73,21 @@ def test_every_familys_runs_validate_and_name_their_traffic_alone(pretrained, tm
         config = runner.config(family, 2, 0, "zero", 0.01)
         assert config.lossy_traffic == family.lossy_traffic and config.loss == "bernoulli:0.01"
         assert runner.config(family, 2, 0).loss == "none"
+
+
+def test_any_recovery_policy_is_tried_where_it_acts(pretrained, tmp_path):
+    """Beyond the default six: ``hadamard+rescale`` on TP's all-reduces, and on every family where
+    ``hadamard`` is tried (both act on summed traffic), nowhere else."""
+    runner = Runner(tmp_path, {**BASE, "model": str(pretrained)}, seeds=3)
+    by_name = {family.name: family for family in FAMILIES}
+    config = runner.config(by_name["tp"], 2, 0, "hadamard+rescale", 0.01)
+    assert config.recovery == "hadamard+rescale" and config.lossy_traffic == by_name["tp"].lossy_traffic
+    wanted = ["zero", "hadamard+rescale"]
+    assert policies_for(runner, by_name["tp"], 2, wanted) == wanted
+    for family in FAMILIES:
+        kept = policies_for(runner, family, 2, ["zero", "hadamard", "hadamard+rescale"])
+        assert ("hadamard" in kept) == ("hadamard+rescale" in kept), (family.name, kept)
+    assert "hadamard" not in policies_for(runner, by_name["ep"], 2, ["zero", "hadamard"])
 
 
 def test_the_command_writes_its_table_and_resumes_without_training(pretrained, tmp_path, capsys):

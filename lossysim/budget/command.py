@@ -207,7 +207,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--families", default="all", help=f"all, or some of {', '.join(f.name for f in FAMILIES)} "
                                                           "separated by commas")
     parser.add_argument("--policies", default=",".join(POLICIES),
-                        help="recovery policies to try (those that act on a family's traffic are kept)")
+                        help="recovery policies to try (those that act on a family's traffic are kept; default "
+                             f"{','.join(POLICIES)}; any recovery policy, e.g. hadamard+rescale)")
     parser.add_argument("--steps", default="6", help="optimizer steps per run, several separated by commas "
                                                      "(a budget per length, side by side)")
     parser.add_argument("--seeds", type=int, default=3, help="paired seeds per rate (>= 3)")
@@ -230,9 +231,10 @@ def run(args) -> int:
     steps_list = [int(s) for s in str(args.steps).split(",") if s.strip()]
     grid = [float(r) for r in str(args.grid).split(",") if r.strip()]
     policies = [p.strip() for p in str(args.policies).split(",") if p.strip()]
-    unknown = sorted(set(policies) - set(POLICIES))
+    from ..net.recovery.registry import RECOVERY_POLICIES
+    unknown = sorted(set(policies) - set(RECOVERY_POLICIES))
     if unknown:
-        raise ValueError(f"--policies {','.join(unknown)}: must be some of {', '.join(POLICIES)}")
+        raise ValueError(f"--policies {','.join(unknown)}: must be some of {', '.join(RECOVERY_POLICIES)}")
     if args.seeds < 3:
         raise ValueError(f"--seeds {args.seeds}: a budget's interval needs at least 3 paired seeds")
     if not steps_list or min(steps_list) < 1:
