@@ -14,7 +14,7 @@ from lossysim.timing import carried, carried_kernel, congestion
 @pytest.fixture(autouse=True, params=["compiled", "python"])
 def path(request, monkeypatch):
     """Every test twice: the busy connections through the compiled kernel (numba: the ``dev`` and ``fast``
-    extras install it) and through ``_connection`` in Python, the path without numba."""
+    extras install it) and through ``carried_kernel.connection`` in Python, the path without numba."""
     if request.param == "compiled":
         assert carried_kernel.connections() is not None, "numba is not installed: pip install -e '.[dev]'"
     monkeypatch.setattr(carried, "COMPILED", request.param == "compiled")

@@ -186,7 +186,7 @@ class Pipeline:
     counts them: ``stage_parameters``), its TP network (stage 0's
     is the run's ``train_net``) and evaluation network, and the boundaries between them."""
     layout: tuple[int, ...]
-    parameters: list[int]
+    parameters: list[float]
     networks: list[LossyNetwork]
     eval_networks: list[LossyNetwork]
     boundaries: list[Boundary]

@@ -1,49 +1,55 @@
-"""``carried._connection`` compiled (numba, the ``fast`` extra): every busy connection of a step in one call.
-
-The same float operations in the same order as ``carried._connection`` (IEEE-754 in both: numba sets no
-fast-math flags, so nothing is fused or reordered; the powers and per-round-trip constants are computed
-by the caller in Python and passed in), so the same floats to the last bit; tests/test_carried.py holds
-the compiled path and the Python one to ``congestion.carry``. Where ``_connection`` would call the flow's
-own mode check (the Reno-friendly shortcut does not answer: the cubic curve may govern) a connection is
-handed back (``PYTHON``): ``carried.step`` runs ``_connection`` on it, which leaves the curve to ``carry``.
-
-``connections()`` is None where numba is not installed: ``carried.step`` then runs its Python loop.
+"""One connection's window carried through its step's sends (``connection``), run compiled with numba
+where it is installed (the ``fast`` extra: ``connections()``, every busy connection of a step in one call)
+and as plain Python where it is not: one loop, the same float operations in the same order either way
+(numba sets no fast-math flags, so nothing is fused or reordered; the powers and per-round-trip constants
+are computed by the caller in Python), so the same floats to the last bit as ``congestion.carry``
+(tests/test_carried.py runs both paths against it). A connection whose window may follow the cubic curve
+(the Reno-friendly shortcut does not answer) is handed back (``CARRY``): ``carried.step`` gives it to
+``carry`` itself.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from .congestion import CUBIC_C, LINE, PIPE
 
-DONE, PYTHON = 0, 1               # a connection's outcome: carried here, or left to ``_connection``
+DONE, CARRY = 0, 1                # a connection's outcome: carried here, or left to ``carry``
 
 
-def _shortcut(w_max, cut, rtt, alpha, pipe, half, cube):
-    """``carried._mode``'s shortcut: LINE where it answers, -1 where the flow's own check must."""
-    over = w_max - cut
-    if (pipe - cut) * rtt / alpha < half and (0.0 if 0.0 > over else over) / CUBIC_C < cube:
-        return LINE
-    return -1
+def connection(cubic, beta, alpha, w_max, cut, epoch, packets, tau, rtt, pipe, p2, half, cube, P, W, K, lo, hi,
+               F0, F1, ret_t, ret_w, ret_k, out):
+    """``carry``'s loop for one connection in state ``(w_max, cut, epoch)`` sending ``packets``, its sends
+    ``P[lo:hi]`` (positions, as floats), ``W`` (what: 0 a loss, 1 and 2 the delivered packets behind it
+    whose SACKs find it first and at the reveal), ``K`` (the loss, a global index into ``F0``/``F1``,
+    filled with where its SACKs come back; left NaN: after the stream). ``pipe`` is ``rtt / tau``, ``p2``
+    ``pipe ** 2``, ``half`` and ``cube`` the Reno-friendly shortcut's bounds; ``ret_*`` room for the SACKs
+    on their way back. Its outcome; ``out`` (DONE): delay, w_max, cut, epoch, the last window.
 
-
-def _one(cubic, beta, alpha, w_max, cut, epoch, packets, tau, rtt, pipe, p2, half, cube, P, W, K, lo, hi, F,
-         ret_t, ret_w, ret_k, out):
-    """``carried._connection`` for one connection; ``out``: (delay, w_max, cut, epoch, last). Its outcome."""
+    ``min(a, b)`` is written ``b if b < a else a`` and ``max(a, b)`` ``b if b > a else a``: what the builtins
+    return, NaN included. Before a send the loop asks whether the next SACK comes back first, which
+    ``carry`` answers by planning the send (``now + seconds``); where the SACK is back by ``now`` plus half
+    the send's time at the pipe (``d * tau / 2``, d >= 1 packets), no plan is needed: the window is never
+    above the pipe, so ``seconds >= d * tau`` but for rounding (at most ``pipe^2 * 2e-15`` of it in the
+    square root's cancellation, well under half below 1e5 packets a round trip; beyond, the bound is 0),
+    and a float sum never falls as one of its terms grows: the same answer."""
     if cut != cut:
         mode = PIPE
     elif not cubic:
         mode = LINE
-    else:
-        mode = _shortcut(w_max, cut, rtt, alpha, pipe, half, cube)
-        if mode < 0:
-            return PYTHON
-    hw = pipe if pipe < cut else cut
+    else:                            # ``Flow._reno_governs``'s shortcut, else carry's own check
+        over = w_max - cut
+        if not ((pipe - cut) * rtt / alpha < half and (0.0 if 0.0 > over else over) / CUBIC_C < cube):
+            return CARRY
+        mode = LINE
+    hw = pipe if pipe < cut else cut         # the window held through recovery's round trip: min(cut, pipe)
     a2, pp, onebeta = 2 * alpha, pipe * pipe, 1 + beta
     bound = tau / 2 if pipe < 1e5 else 0.0
     line = mode == LINE
     h = 0
     nret = 0
-    nxt = np.inf
+    nxt = math.inf                           # the next SACK's time
     now, at = 0.0, 0.0
     starter = -1
     cut_at, has_cut_at = 0.0, False
@@ -80,7 +86,7 @@ def _one(cubic, beta, alpha, w_max, cut, epoch, packets, tau, rtt, pipe, p2, hal
                                 if d >= to_pipe:
                                     more = (pipe - w) * rtt / alpha + (d - to_pipe) * tau
                                 else:
-                                    more = (np.sqrt(ww + a2 * d) - w) * rtt / alpha
+                                    more = (math.sqrt(ww + a2 * d) - w) * rtt / alpha
                         else:
                             more = d * tau
                         if epoch < 0:
@@ -112,9 +118,12 @@ def _one(cubic, beta, alpha, w_max, cut, epoch, packets, tau, rtt, pipe, p2, hal
                     sent, epoch = sent + more, epoch + sec
                 at += sent
             now = back
-            F[which, i] = at
+            if which == 0:
+                F0[i] = at
+            else:
+                F1[i] = at
             h += 1
-            nxt = ret_t[h] if h < nret else np.inf
+            nxt = ret_t[h] if h < nret else math.inf
             if i == starter and which == 1 and not has_cut_at:
                 if epoch < 0:
                     w = hw
@@ -128,8 +137,10 @@ def _one(cubic, beta, alpha, w_max, cut, epoch, packets, tau, rtt, pipe, p2, hal
                 cut, epoch = beta * w, -rtt
                 if 2.0 > cut:
                     cut = 2.0
-                if cubic and _shortcut(w_max, cut, rtt, alpha, pipe, half, cube) < 0:
-                    return PYTHON
+                if cubic:
+                    over = w_max - cut
+                    if not ((pipe - cut) * rtt / alpha < half and (0.0 if 0.0 > over else over) / CUBIC_C < cube):
+                        return CARRY
                 mode, line = LINE, True
                 hw = pipe if pipe < cut else cut
                 cut_at, has_cut_at, starter = at, True, -1
@@ -155,21 +166,25 @@ def _one(cubic, beta, alpha, w_max, cut, epoch, packets, tau, rtt, pipe, p2, hal
         last = pipe if pipe < v else v
     for q in range(h, nret):
         back, which, i = ret_t[q], ret_w[q], ret_k[q]
-        F[which, i] = packets + (back - end) / rtt * last
+        found = packets + (back - end) / rtt * last
+        if which == 0:
+            F0[i] = found
+        else:
+            F1[i] = found
         if i == starter and which == 1 and not has_cut_at:
-            w = last   # ``_connection``'s w: the same expression as ``last``, nothing it reads changed since
+            w = last   # the window then: ``last``'s expression, nothing it reads changed since
             w_max = w * onebeta / 2 if cubic and w_max == w_max and w < w_max else w
             x = beta * w
             cut, epoch = (2.0 if 2.0 > x else x), -rtt
-            cut_at, has_cut_at, starter = F[which, i], True, -1
+            cut_at, has_cut_at, starter = found, True, -1
     out[0], out[1], out[2], out[3], out[4] = end - packets * tau, w_max, cut, (0.0 if 0.0 > epoch else epoch), last
     return DONE
 
 
-def _all(busy, k, cubic, beta, alpha, states, packets, taus, rtts, pipes, p2s, halfs, cubes, P, W, K, sends, F,
-         outs, status):
-    """Every connection ``c`` of every send ``r`` in ``busy``: its outcome in ``status[r * k + c]``, its
-    figures in ``outs[r * k + c]`` (DONE), SACK positions in ``F`` (``F[0]``: ``_connection``'s F0)."""
+def _all(busy, k, cubic, beta, alpha, states, packets, taus, rtts, pipes, p2s, halfs, cubes, P, W, K, sends, F0,
+         F1, outs, status):
+    """``connection`` for every connection ``c`` of every send ``r`` in ``busy``: its outcome in
+    ``status[r * k + c]``, its figures in ``outs[r * k + c]``."""
     longest = 1
     for g in range(len(sends) - 1):
         longest = max(longest, sends[g + 1] - sends[g] + 1)
@@ -179,25 +194,25 @@ def _all(busy, k, cubic, beta, alpha, states, packets, taus, rtts, pipes, p2s, h
     for r in busy:
         for c in range(k):
             g = r * k + c
-            status[g] = _one(cubic, beta, alpha, states[r, c, 0], states[r, c, 1], states[r, c, 2], packets[r, c],
-                             taus[r], rtts[r], pipes[r], p2s[r], halfs[r], cubes[r], P, W, K, sends[g], sends[g + 1],
-                             F, ret_t, ret_w, ret_k, outs[g])
+            status[g] = _compiled_connection(cubic, beta, alpha, states[r, c, 0], states[r, c, 1], states[r, c, 2],
+                                             packets[r, c], taus[r], rtts[r], pipes[r], p2s[r], halfs[r], cubes[r],
+                                             P, W, K, sends[g], sends[g + 1], F0, F1, ret_t, ret_w, ret_k, outs[g])
 
 
 _compiled: dict = {}
+_compiled_connection = None           # ``connection`` compiled, which the compiled ``_all`` calls
 
 
 def connections():
     """``_all`` compiled, or None where numba is not installed. numba is imported (and the kernel loaded
     from its cache, or compiled once) on first use: an estimate without TCP never pays for it."""
-    global _shortcut, _one
+    global _compiled_connection
     if "all" not in _compiled:
         try:
             import numba
         except ImportError:           # the Python loop stands in
             _compiled["all"] = None
         else:
-            _shortcut = numba.njit(cache=True)(_shortcut)
-            _one = numba.njit(cache=True)(_one)
+            _compiled_connection = numba.njit(cache=True)(connection)
             _compiled["all"] = numba.njit(cache=True)(_all)
     return _compiled["all"]
