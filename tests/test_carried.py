@@ -21,6 +21,28 @@ def path(request, monkeypatch):
     return request.param
 
 
+def test_events_are_each_loss_and_the_delivered_packets_behind_it_in_sending_order(path):
+    """``carried_kernel.events`` against ``congestion.behind``: each loss, the first delivered packet
+    behind it and the reveal-th (those within the stream), sorted by (place, what, loss)."""
+    rng = np.random.default_rng(7)
+    events = carried_kernel.events
+    if path == "compiled":
+        carried_kernel.connections()
+        events = carried_kernel._compiled_events
+    for _ in range(300):
+        size, reveal, lo = int(rng.integers(1, 300)), int(rng.integers(1, 5)), int(rng.integers(0, 4))
+        lost = np.flatnonzero(rng.random(size) < rng.uniform(0, 0.7))
+        places = [lost, congestion.behind(lost, size, 1), congestion.behind(lost, size, reveal)]
+        expected = sorted((int(at), what, lo + i) for what, ats in enumerate(places) for i, at in enumerate(ats)
+                          if at < size)
+        position = np.concatenate([np.zeros(lo, dtype=np.int64), lost])   # another connection's losses first
+        m = len(lost) + 1
+        A1, A2, P, W, K = (np.zeros(m, dtype=np.int64), np.zeros(m, dtype=np.int64), np.zeros(3 * m),
+                           np.zeros(3 * m, dtype=np.int64), np.zeros(3 * m, dtype=np.int64))
+        n = events(position, lo, lo + len(lost), size, reveal, A1, A2, P, W, K)
+        assert list(zip(P[:n].astype(int).tolist(), W[:n].tolist(), K[:n].tolist())) == expected
+
+
 def _by_carry(kind, windows, row, packet, conn, firsts, ends, taus, rtts, reveal):
     """What ``_Rack._windows`` did before ``carried``: ``carry`` per connection."""
     n, k = windows.shape[:2]

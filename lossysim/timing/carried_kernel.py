@@ -181,32 +181,78 @@ def connection(cubic, beta, alpha, w_max, cut, epoch, packets, tau, rtt, pipe, p
     return DONE
 
 
-def _all(busy, k, cubic, beta, alpha, states, packets, taus, rtts, pipes, p2s, halfs, cubes, P, W, K, sends, F0,
-         F1, outs, status):
-    """``connection`` for every connection ``c`` of every send ``r`` in ``busy``: its outcome in
-    ``status[r * k + c]``, its figures in ``outs[r * k + c]``."""
+def events(position, lo, hi, size, reveal, A1, A2, P, W, K):
+    """The sends that matter on one connection of ``size`` packets, losing those at ``position[lo:hi]``
+    (sorted, in the connection's packets), in sending order (place, then what, then loss): each loss (0)
+    and the delivered packets behind it whose SACKs find it first (1) and at the ``reveal``-th (2), those
+    within the stream: their places in ``P`` (as floats), what they are in ``W``, their loss (a global
+    index, ``lo`` on) in ``K``; ``A1``, ``A2`` room for the places behind. How many there are.
+
+    The n-th delivered packet after loss i is the (d_i + n)-th delivered overall (d_i = position - i
+    delivered before it), at that count plus the losses among them (``congestion.behind``); each of the
+    three sequences is sorted, so sending order is their merge."""
+    m = hi - lo
+    for s in range(2):
+        buf = A1 if s == 0 else A2
+        behind = 1 if s == 0 else reveal
+        count = 0
+        for i in range(m):
+            target = position[lo + i] - i + behind - 1
+            while count < m and position[lo + count] - count <= target:
+                count += 1
+            buf[i] = target + count
+    n, j0, j1, j2 = 0, 0, 0, 0
+    while True:
+        best, place, i = -1, 0, 0
+        if j0 < m:
+            best, place, i = 0, position[lo + j0], j0
+        if j1 < m and A1[j1] < size and (best < 0 or A1[j1] < place):
+            best, place, i = 1, A1[j1], j1
+        if j2 < m and A2[j2] < size and (best < 0 or A2[j2] < place):
+            best, place, i = 2, A2[j2], j2
+        if best < 0:
+            return n
+        P[n], W[n], K[n] = float(place), best, lo + i
+        n += 1
+        if best == 0:
+            j0 += 1
+        elif best == 1:
+            j1 += 1
+        else:
+            j2 += 1
+
+
+def _all(busy, k, cubic, beta, alpha, states, packets, taus, rtts, pipes, p2s, halfs, cubes, position, bounds,
+         reveal, F0, F1, outs, status):
+    """``connection`` for every connection ``c`` of every send ``r`` in ``busy``, on its ``events``
+    (connection ``g = r * k + c`` losing ``position[bounds[g]:bounds[g + 1]]``): its outcome in
+    ``status[g]``, its figures in ``outs[g]``."""
     longest = 1
-    for g in range(len(sends) - 1):
-        longest = max(longest, sends[g + 1] - sends[g] + 1)
-    ret_t = np.empty(longest)
-    ret_w = np.empty(longest, dtype=np.int64)
-    ret_k = np.empty(longest, dtype=np.int64)
+    for g in range(len(bounds) - 1):
+        longest = max(longest, bounds[g + 1] - bounds[g])
+    A1, A2 = np.empty(longest, dtype=np.int64), np.empty(longest, dtype=np.int64)
+    P, W, K = np.empty(3 * longest), np.empty(3 * longest, dtype=np.int64), np.empty(3 * longest, dtype=np.int64)
+    ret_t = np.empty(3 * longest + 1)
+    ret_w = np.empty(3 * longest + 1, dtype=np.int64)
+    ret_k = np.empty(3 * longest + 1, dtype=np.int64)
     for r in busy:
         for c in range(k):
             g = r * k + c
+            size = packets[r, c]
+            n = _compiled_events(position, bounds[g], bounds[g + 1], size, reveal, A1, A2, P, W, K)
             status[g] = _compiled_connection(cubic, beta, alpha, states[r, c, 0], states[r, c, 1], states[r, c, 2],
-                                             packets[r, c], taus[r], rtts[r], pipes[r], p2s[r], halfs[r], cubes[r],
-                                             P, W, K, sends[g], sends[g + 1], F0, F1, ret_t, ret_w, ret_k, outs[g])
+                                             float(size), taus[r], rtts[r], pipes[r], p2s[r], halfs[r], cubes[r],
+                                             P, W, K, 0, n, F0, F1, ret_t, ret_w, ret_k, outs[g])
 
 
 _compiled: dict = {}
-_compiled_connection = None           # ``connection`` compiled, which the compiled ``_all`` calls
+_compiled_connection = _compiled_events = None    # compiled, which the compiled ``_all`` calls
 
 
 def connections():
     """``_all`` compiled, or None where numba is not installed. numba is imported (and the kernel loaded
     from its cache, or compiled once) on first use: an estimate without TCP never pays for it."""
-    global _compiled_connection
+    global _compiled_connection, _compiled_events
     if "all" not in _compiled:
         try:
             import numba
@@ -214,5 +260,6 @@ def connections():
             _compiled["all"] = None
         else:
             _compiled_connection = numba.njit(cache=True)(connection)
+            _compiled_events = numba.njit(cache=True)(events)
             _compiled["all"] = numba.njit(cache=True)(_all)
     return _compiled["all"]

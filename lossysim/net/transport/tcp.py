@@ -47,7 +47,8 @@ class _Rack:
         self.nic, self.a = nic, a
         n, k = len(a.packets), a.connections
         self.base, self.extra = np.divmod(a.packets, k)     # connection c carries base + (c < extra) packets
-        self.ends = np.array([self._start(c + 1) - 1 for c in range(k)]).T.reshape(n, k)
+        starts = self._start(np.arange(k + 1)[:, None]).T                    # [send, connection + 1]
+        self.firsts, self.ends = starts[:, :-1], starts[:, 1:] - 1         # each connection's first and last packet
         self.tau = a.tau * k                                # a connection's packets, at its share of the link
         self.window = np.repeat((a.rtt / self.tau)[:, None], k, axis=1)   # packets a round trip, per connection
         self.found_at: dict = {}                            # (send, connection): where its losses' SACKs came back
@@ -62,6 +63,7 @@ class _Rack:
         self.late, self.late_timers = np.zeros(n), np.zeros(n, dtype=np.int64)
         self.suspects: list = []    # the last round's unrevealed losses: (send, connection, position, timer, packets)
         self.next = np.zeros(0)     # per pending (send, packet), in their order: where its next resend goes out
+        self.conn = np.zeros(0, dtype=np.int64)   # and the connection that carries it
 
     def _start(self, c) -> np.ndarray:
         """The first packet of connection ``c`` of every send."""
@@ -76,11 +78,11 @@ class _Rack:
     def first(self, row: np.ndarray, packet: np.ndarray) -> np.ndarray:
         """Round 0's losses (row-major): the round's waits, and per send the seconds its connections' windows
         add (0 without a window)."""
-        delays = self._windows(row, packet) if self.nic.window else np.zeros(len(self.a.packets))
+        conn = self.connection(row, packet) if len(row) else row
+        delays = self._windows(row, packet, conn) if self.nic.window else np.zeros(len(self.a.packets))
         waits, timer = np.zeros_like(self.spent), np.zeros(self.spent.shape, dtype=bool)
-        self.suspects, self.next = [], np.zeros(len(row))
+        self.suspects, self.next, self.conn = [], np.zeros(len(row)), conn
         if len(row):
-            conn = self.connection(row, packet)
             final = self.a.final[row]
             if not final.all():
                 self._first_not_final(row[~final], packet[~final], conn[~final], np.flatnonzero(~final), waits)
@@ -152,33 +154,37 @@ class _Rack:
         if (r, c) in self.found_at:
             sacks, marks = self.found_at[(r, c)]
         else:
-            first, end = int(self._start(np.int64(c))[r]), int(self.ends[r, c])
+            first, end = int(self.firsts[r, c]), int(self.ends[r, c])
             sacks, marks = (congestion.behind(mine - first, end - first + 1, n) + first + window for n in (1, dupacks))
         episode, reordered = (-math.inf, -math.inf), False
-        for k, i in enumerate(mine.tolist()):
-            if behind[k] == 0:
+        window, after_timer = float(window), float(self.ends[r, c]) + self.AFTER_TIMER
+        found, resends = [], []      # (plain floats: a loop over every loss of the connection)
+        for k, (i, b, sack, mark) in enumerate(zip(mine.tolist(), behind.tolist(), sacks.tolist(), marks.tolist())):
+            if b == 0:
                 continue
-            sack = sacks[k] - 0.5
+            sack = sack - 0.5
             if episode[0] <= sack < episode[1]:
                 resend = sack
-            elif behind[k] >= dupacks:
-                resend = marks[k] - 0.5
+            elif b >= dupacks:
+                resend = mark - 0.5
                 if resend >= episode[1]:
                     episode = (resend, episode[1])
             else:
                 reordered = True
-                self.next[at[k]] = self.ends[r, c] + self.AFTER_TIMER + self.TIE * i
+                found.append(k)
+                resends.append(after_timer + self.TIE * i)
                 continue
-            self.next[at[k]] = resend + self.TIE * i
+            found.append(k)
+            resends.append(resend + self.TIE * i)
             episode = (episode[0], max(episode[1], resend + window))
+        self.next[at[found]] = resends
         return reordered, episode
 
     def resent(self, row: np.ndarray, packet: np.ndarray, lost: np.ndarray, rounds: int) -> None:
         """A later round's resends (row-major, ``lost``: which were lost again): the last round's suspects
         settled against them (``late``), then this round's waits and suspects."""
         before = self.spent.max(1)
-        conn = self.connection(row, packet) if len(row) else row
-        position, delivered = self.next.copy(), ~lost
+        conn, position, delivered = self.conn, self.next.copy(), ~lost
         suspected = np.zeros(len(row), dtype=bool)
         for r, c, _, _, packets in self.suspects:
             suspected |= (row == r) & (conn == c) & np.isin(packet, packets)
@@ -214,7 +220,7 @@ class _Rack:
                 mine &= ~covered
             if mine.any():
                 self.suspects.append((r, c, float(position[mine].max()), ("rto", False), packet[mine]))
-        self.next = follow[lost]
+        self.next, self.conn = follow[lost], conn[lost]
         self._charge(waits, np.zeros(self.spent.shape, dtype=bool))
 
     def _acked(self, row: np.ndarray, conn: np.ndarray, position: np.ndarray, delivered: np.ndarray) -> None:
@@ -224,7 +230,7 @@ class _Rack:
 
     def keep(self, kept: np.ndarray) -> None:
         """Some pending packets left (their send stopped at the deadline): ``kept`` marks those that stay."""
-        self.next = self.next[kept]
+        self.next, self.conn = self.next[kept], self.conn[kept]
 
     def _timer(self, r: int, c: int, fallback: tuple) -> float:
         """A suspect's timer: ``("probe", one packet out)`` or ``("rto", armed by the last ACK)``, the RTO
@@ -245,12 +251,10 @@ class _Rack:
         counted = timer.sum(1)
         self.timer = counted if any(counted.tolist()) else None
 
-    def _windows(self, row: np.ndarray, packet: np.ndarray) -> np.ndarray:
+    def _windows(self, row: np.ndarray, packet: np.ndarray, conn: np.ndarray) -> np.ndarray:
         """Per send, the seconds beyond its loss-free time that its slowest connection's window costs, from
         its state before the step and round 0's losses (``congestion.carry``, for all connections at once:
         ``carried.step``); the states after, each connection's window at the end and the windows its losses
         went out with (where resends go)."""
-        conn = self.connection(row, packet) if len(row) else row
-        firsts = self._start(np.arange(self.a.connections)[:, None]).T   # [send, connection]: its first packet
-        return carried.step(self.nic.window, self.windows, self.window, row, packet, conn, firsts, self.ends,
+        return carried.step(self.nic.window, self.windows, self.window, row, packet, conn, self.firsts, self.ends,
                             self.tau, self.a.rtt, self.nic.dupacks, self.found_at)
