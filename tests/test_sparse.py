@@ -180,4 +180,4 @@ def test_runs_are_counted_by_one_rule_on_either_representation(xp):
     expected = np.zeros((4, 8), dtype=np.int64)
     expected[0, [6, 1, 2]] = 1
     expected[1, 2] = 1
-    assert np.asarray(hist).reshape(4, 8).tolist() == expected.tolist()
+    assert np.asarray(hist).reshape(8, 4).T.tolist() == expected.tolist()   # kept by length, then link

@@ -39,8 +39,10 @@ class _Draw(NamedTuple):
 
 class Counters:
     """Counts of one call site and direction: ``counts[counter, phase, link]``, the lengths of finished
-    runs of losses per link (``histogram[link, length]``, the last bin holding longer runs) and the run
-    still open at the end of each link (``open_run``)."""
+    runs of losses per link (``runs[length, link]``, the last bin holding longer runs; ``closed_histogram``
+    reads it by link) and the run still open at the end of each link (``open_run``). Runs are kept by
+    length first: most are a packet or two long, so a wide network's counts touch a few rows of pages
+    rather than a page for every link or two."""
 
     def __init__(self, links: int, max_burst: int, device):
         if torch.device(device).type == "cpu":   # calloc'd: a wide network's pages cost nothing until counted in
@@ -49,7 +51,7 @@ class Counters:
             zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=device)  # noqa: E731
         self.links, self.max_burst = links, max_burst
         self.counts = zeros(len(COUNTERS), len(PHASES), links)
-        self.histogram = zeros(links, max_burst + 1)
+        self.runs = zeros(max_burst + 1, links)
         self.open_run = zeros(links)
         self.calls = 0
         # Queued draws: their masks are copied into buffers kept from call to call (a mask kept alive
@@ -162,7 +164,7 @@ class Counters:
         lost = self._packets(self._view(self._lost, rows)[:, :columns], starts, used)
         row, draw, position = lost
         slot = self._slot(queue, lost, link_ids)
-        self._losses(torch, used, row, draw, position, slot, link_ids, counts, self.histogram.view(-1))
+        self._losses(torch, used, row, draw, position, slot, link_ids, counts, self.runs.view(-1))
 
     @staticmethod
     def _packets(masks: torch.Tensor, starts: list, used: torch.Tensor):
@@ -200,7 +202,7 @@ class Counters:
             _tally(np, counts[2], slot[bad])
         order = np.argsort(row, kind="stable")
         row, draw, position, slot = row[order], draw[order], position[order], slot[order]
-        self._losses(np, used, row, draw, position, slot, link_ids, counts, self.histogram.view(-1).numpy())
+        self._losses(np, used, row, draw, position, slot, link_ids, counts, self.runs.view(-1).numpy())
 
     def _slot(self, queue, packets, link_ids: torch.Tensor) -> torch.Tensor:
         """The counter slot of each (row, draw, position) packet: its draw's per-packet slots, or its
@@ -238,27 +240,28 @@ class Counters:
         """Zero every counter; queued draws are dropped with them."""
         self._queue, self._columns = [], 0
         self.counts.zero_()
-        self.histogram.zero_()
+        self.runs.zero_()
         self.open_run.zero_()
         self.calls = 0
 
     def closed_histogram(self) -> torch.Tensor:
         """Runs by length per link, the runs still open counted at their length so far."""
         self.flush()
-        hist = self.histogram.clone()
+        hist = self.runs.T.clone(memory_format=torch.contiguous_format)    # [link, length]
         hist.scatter_add_(1, self.open_run.clamp(max=self.max_burst).unsqueeze(-1),
                           (self.open_run > 0).long().unsqueeze(-1))
         return hist
 
     def state_dict(self) -> dict:
         self.flush()
-        return {"counts": self.counts.cpu().clone(), "histogram": self.histogram.cpu().clone(),
+        return {"counts": self.counts.cpu().clone(),
+                "histogram": self.runs.T.cpu().clone(memory_format=torch.contiguous_format),   # [link, length]
                 "open_run": self.open_run.cpu().clone(), "calls": self.calls}
 
     def load_state_dict(self, state: dict) -> None:
         self._queue, self._columns = [], 0
-        for name in ("counts", "histogram", "open_run"):
-            setattr(self, name, state[name].to(self.device))
+        self.counts, self.open_run = state["counts"].to(self.device), state["open_run"].to(self.device)
+        self.runs = state["histogram"].to(self.device).T.contiguous()
         if len(self.counts) < len(COUNTERS):  # saved before the later counters existed: they were 0
             grown = torch.zeros(len(COUNTERS), *self.counts.shape[1:], dtype=torch.long, device=self.device)
             grown[:len(self.counts)] = self.counts
@@ -270,8 +273,9 @@ def count_runs(xp, row, stream, total, link_ids, slot, open_run, max_burst: int,
     """Runs of consecutive lost packets on each link, in ``xp`` (the numpy or torch module: whichever
     holds the arrays): ``row``/``stream`` each lost packet's link row and stream position in the batch,
     sorted; ``total`` the packets sent per row; ``open_run`` the run each row's link left open before.
-    Adds the bursts begun to ``bursts[slot]`` and the lengths of the runs that ended to ``hist[link,
-    length]`` (flat, the last bin holding longer runs); returns the run each row leaves open."""
+    Adds the bursts begun to ``bursts[slot]`` and the lengths of the runs that ended to ``hist[length,
+    link]`` (flat, ``max_burst + 1`` rows of a network's links, the last holding longer runs); returns the
+    run each row leaves open."""
     continues = xp.ones_like(row, dtype=bool)
     continues[1:] = (row[1:] == row[:-1]) & (stream[1:] == stream[:-1] + 1)
     if len(row):
@@ -285,13 +289,13 @@ def count_runs(xp, row, stream, total, link_ids, slot, open_run, max_burst: int,
     run_row = row[start]
     ends_open = stream[start] + here - 1 == total[run_row] - 1          # reaches its link's last packet
     length = here + xp.where(carried[start], open_run[run_row], 0)
-    bins, closed = max_burst + 1, ~ends_open
-    _tally(xp, hist, link_ids[run_row[closed]] * bins + length[closed].clip(max=max_burst))
+    links, closed = len(hist) // (max_burst + 1), ~ends_open
+    _tally(xp, hist, length[closed].clip(max=max_burst) * links + link_ids[run_row[closed]])
     # A run left open before that this batch's first packet on its link closes.
     first_lost = xp.zeros_like(link_ids, dtype=bool)
     first_lost[row[stream == 0]] = True
     ended = (open_run > 0) & (total > 0) & ~first_lost
-    _tally(xp, hist, (link_ids * bins + open_run.clip(max=max_burst))[ended])
+    _tally(xp, hist, (open_run.clip(max=max_burst) * links + link_ids)[ended])
     after = xp.where(total > 0, 0, open_run)
     after[run_row[ends_open]] = length[ends_open]
     return after
