@@ -211,15 +211,21 @@ class _Rack:
         waits[row[lost], conn[lost]] = self.a.rtt[row[lost]]
         # found by one SACK behind it (in recovery), a lost one's next resend goes out a window on
         follow = position + 0.5 + self.window[row, conn] + self.TIE * packet
-        final = self.a.final[row] & lost
-        for r, c in sorted(set(zip(row[final].tolist(), conn[final].tolist()))):
-            mine = (row == r) & (conn == c) & lost & (position >= self.latest[r, c])
-            if timed[r, c]:   # lost before the timer fired and found by nothing: the timer resends them too
-                covered = mine & (position < self.fired[r, c])
-                follow[covered] = self.fired[r, c] + packet[covered]
-                mine &= ~covered
-            if mine.any():
-                self.suspects.append((r, c, float(position[mine].max()), ("rto", False), packet[mine]))
+        # lost in its link's last send with nothing delivered after it on its connection: a suspect, unless
+        # it was lost before its connection's timer fired, which resends it too
+        mine = self.a.final[row] & lost & (position >= self.latest[row, conn])
+        covered = mine & timed[row, conn] & (position < self.fired[row, conn])
+        follow[covered] = self.fired[row[covered], conn[covered]] + packet[covered]
+        mine &= ~covered
+        at = np.flatnonzero(mine)
+        if len(at):   # a suspect per connection, in order (row-major: each connection's a run)
+            group = row[at] * self.a.connections + conn[at]
+            starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+            sends, conns = np.divmod(group[starts], self.a.connections)
+            for r, c, top, packets in zip(sends.tolist(), conns.tolist(),
+                                          np.maximum.reduceat(position[at], starts).tolist(),
+                                          np.split(packet[at], starts[1:])):
+                self.suspects.append((r, c, top, ("rto", False), packets))
         self.next, self.conn = follow[lost], conn[lost]
         self._charge(waits, np.zeros(self.spent.shape, dtype=bool))
 
