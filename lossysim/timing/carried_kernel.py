@@ -1,4 +1,5 @@
-"""One connection's window carried through its step's sends (``connection``), run compiled with numba
+"""One connection's window carried through its step's sends (``connection``), those sends put in order
+first (``events``: its losses and the delivered packets behind them), both run compiled with numba
 where it is installed (the ``fast`` extra: ``connections()``, every busy connection of a step in one call)
 and as plain Python where it is not: one loop, the same float operations in the same order either way
 (numba sets no fast-math flags, so nothing is fused or reordered; the powers and per-round-trip constants
