@@ -1091,3 +1091,20 @@ def test_four_state_masks_are_the_first_algorithms_bit_for_bit(name, shape):
                 again = model.sample_with_states(shape, g, got[2])
                 assert all(torch.equal(x, y) for x, y in zip(again, reference_four_state(model, shape, g_ref, want[2])))
     assert got[0].any() or model.loss_rate == 0.0 or shape[-1] * chains < 100   # the masks compared are not all empty
+
+
+@pytest.mark.parametrize("name", list(FOUR_STATE_REFERENCE_MODELS))
+def test_four_state_block_in_torch_equals_numpy(name, monkeypatch):
+    """A GPU runs the 4-state block's arithmetic in torch, a CPU in numpy: the same masks, next state and
+    generator state from the same draws (torch's path run here on the CPU)."""
+    import lossysim.loss.markov as markov
+    model, shape = FOUR_STATE_REFERENCE_MODELS[name], (3, 20_000)
+    used = torch.tensor([0, 7_777, 20_000])
+    g = generator(1)
+    got = model.sample_with_states(shape, g, None, used=used)
+    monkeypatch.setattr(markov, "_array_module", lambda device: torch)
+    g_torch = generator(1)
+    want = model.sample_with_states(shape, g_torch, None, used=used)
+    for x, y in zip(got, want):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+    assert torch.equal(g.get_state(), g_torch.get_state())

@@ -2,6 +2,7 @@
 chains, stepped once per packet; their masks drawn per sojourn (``sampling.py``)."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -159,13 +160,25 @@ class GilbertElliott(LossModel):
         return lost.view(shape), in_bad.view(shape), next_state.view(shape[:-1])
 
 
-def _cap(x: torch.Tensor, lam: float, cap: int) -> None:
-    """Clamp geometric draws x = E / lam at ``cap`` in place where one could exceed it; a rate 0
-    (inf, or nan from 0 / 0) is the cap, as ``_geometric`` has it."""
+def _cap(x, lam: float, cap: int) -> None:
+    """Clamp geometric draws x = E / lam (a tensor or a numpy array) at ``cap`` in place where one could
+    exceed it; a rate 0 (inf, or nan from 0 / 0) is the cap, as ``_geometric`` has it."""
+    if isinstance(x, np.ndarray):
+        if lam == 0.0:
+            np.nan_to_num(x, copy=False, nan=cap, posinf=cap)
+        if lam == 0.0 or _MAX_EXPONENTIAL / lam > cap:
+            np.minimum(x, cap, out=x)
+        return
     if lam == 0.0:
         x.nan_to_num_(nan=cap, posinf=cap)
     if lam == 0.0 or _MAX_EXPONENTIAL / lam > cap:
         x.clamp_(max=cap)
+
+
+def _array_module(device: torch.device):
+    """Where a 4-state block's arithmetic runs: numpy on a CPU (its calls cost less), torch on a GPU; the
+    same IEEE operations on the same draws, so the same segments either way (tests/test_loss_models.py)."""
+    return np if device.type == "cpu" else torch
 
 
 _CODE_OF_STATE = torch.tensor([0, 0, 2, 3, 1], dtype=torch.uint8)   # indexed by the state, 1..4
@@ -276,36 +289,51 @@ class FourState(LossModel):
         # and its end (exclusive, steps from -1). Lengths are floor(E / lam) + 1 as ``_geometric``
         # gives them, from -E = log1p(-U) over -lam: the same IEEE operations, so the same integers.
         lam_gap, lam_burst, lam_2 = _hazard(q_gap), _hazard(q_burst), _hazard(self.p23)
-        neg_gap, neg_burst = _float64(-lam_gap, device), _float64(-lam_burst, device)
         neg_rate_2 = -1.0 / lam_2 if 0 < lam_2 < math.inf else -0.0 if lam_2 > 0 else -math.inf
+        xp = _array_module(device)
+        if xp is np:
+            neg_gap, neg_burst, burst, lead = -lam_gap, -lam_burst, burst.numpy(), lead.numpy()
+            state_code = _CODE_OF_STATE.numpy()[state.numpy()]
+            empty, arange = np.empty, np.arange
+        else:
+            neg_gap, neg_burst = _float64(-lam_gap, device), _float64(-lam_burst, device)
+            state_code = _CODE_OF_STATE.to(device)[state]
+            empty = functools.partial(torch.empty, device=device)
+            arange = functools.partial(torch.arange, device=device)
         lengths, codes, ends, first = [], [], [], 1   # the first block also holds the lead segment, column 0
         while True:
-            phase_ends = _alternating(burst, slot + 1, leave_gap, leave_burst, generator).clamp_(max=slot + 1)
-            phase_len = phase_ends.clone()
-            torch.sub(phase_ends[:, 1:], phase_ends[:, :-1], out=phase_len[:, 1:])
-            odd = torch.arange(phase_ends.shape[1], device=device).bitwise_and_(1).bool()
-            in_burst = _repeat((burst.unsqueeze(-1) ^ odd).flatten(), phase_len.flatten(),
-                               chains * (slot + 1)).view(chains, slot + 1)       # phase of slots 0..slot
-            ends_period = in_burst[:, 1:] != in_burst[:, :-1]
-            in_burst = in_burst[:, :-1]
+            phase_ends = _alternating(torch.as_tensor(burst), slot + 1, leave_gap, leave_burst,
+                                      generator).clamp_(max=slot + 1)
             x = torch.rand((chains, slot, 2), generator=generator, device=device, dtype=torch.float64)
             x = x.neg_().log1p_()                                               # -E, as _exponentials
-            length = torch.empty((chains, first + 2 * slot), dtype=torch.int64, device=device)
-            code = torch.empty((chains, first + 2 * slot), dtype=torch.uint8, device=device)
+            if xp is np:
+                phase_ends, x = phase_ends.numpy(), x.numpy()
+            phase_len = phase_ends.copy() if xp is np else phase_ends.clone()
+            phase_len[:, 1:] -= phase_ends[:, :-1]
+            odd = (arange(phase_ends.shape[1]) & 1) == 1
+            in_burst = _repeat((burst[:, None] ^ odd).reshape(-1), phase_len.reshape(-1),
+                               chains * (slot + 1)).reshape(chains, slot + 1)    # phase of slots 0..slot
+            ends_period = in_burst[:, 1:] != in_burst[:, :-1]
+            in_burst = in_burst[:, :-1]
+            length = empty((chains, first + 2 * slot), dtype=xp.int64)
+            code = empty((chains, first + 2 * slot), dtype=xp.uint8)
             if first:
-                length[:, 0], code[:, 0] = lead - 1, _CODE_OF_STATE.to(device)[state]   # 1 added below
-            pair, code_pair = length[:, first:].view(chains, slot, 2), code[:, first:].view(chains, slot, 2)
-            divisor = torch.where(in_burst, neg_burst, neg_gap, out=pair.view(torch.float64)[..., 0])
-            primary, secondary = x[..., 0].div_(divisor), x[..., 1].mul_(neg_rate_2)
+                length[:, 0], code[:, 0] = lead - 1, state_code   # 1 added below
+            pair, code_pair = length[:, first:].reshape(chains, slot, 2), code[:, first:].reshape(chains, slot, 2)
+            primary = x[..., 0] / xp.where(in_burst, neg_burst, neg_gap)
+            secondary = x[..., 1] * neg_rate_2
             _cap(primary, min(lam_gap, lam_burst), cover)
             _cap(secondary, lam_2, cover)
             # Casts truncate, which is floor here (draws >= 0); every length is 1 + its draw: a secondary's
             # draw is 0 in a gap (a single 4) and -1 where the period ends (no secondary).
             pair[..., 0] = primary
-            pair[..., 1] = secondary.masked_fill_(~in_burst, 0.0).masked_fill_(ends_period, -1.0)
+            pair[..., 1] = secondary
+            pair[..., 1] *= in_burst
+            pair[..., 1] -= ends_period * (pair[..., 1] + 1)   # -1 where the period ends
             length += 1
-            torch.mul(in_burst.view(torch.uint8), 3, out=code_pair[..., 0])
-            torch.add(in_burst.view(torch.uint8), 1, out=code_pair[..., 1])
+            burst_code = in_burst.view(xp.uint8)
+            code_pair[..., 0] = burst_code * 3
+            code_pair[..., 1] = burst_code + 1
             end = length.cumsum(1)
             if not first:
                 end += ends[-1][:, -1:]
@@ -315,6 +343,8 @@ class FourState(LossModel):
             burst, first = in_burst[:, -1] ^ ends_period[:, -1], 0
             if chains == 0 or int(end[:, -1].min()) >= cover:
                 break
+        if xp is np:
+            lengths, codes, ends = ([torch.from_numpy(a) for a in x] for x in (lengths, codes, ends))
         length, codes, ends = (torch.cat(x, 1) if len(x) > 1 else x[0] for x in (lengths, codes, ends))
         which = torch.searchsorted(ends, used.unsqueeze(-1), right=True)
         next_state = _STATE_OF_CODE.to(device)[codes.gather(1, which).squeeze(-1).long()]
