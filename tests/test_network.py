@@ -411,6 +411,22 @@ def test_state_dict_round_trip_continues_identically():
         LossyNetwork(**{**spec, "seed": 18}).load_state_dict(net.state_dict())
 
 
+def test_an_in_memory_state_loads_twice_alike():
+    """Loading a state does not tie the network to it: counting on after a load leaves the state as saved."""
+    spec = dict(ranks=3, loss_model="ge:rate=0.2,burst=20", seed=17, payload_bytes=8)
+    net = LossyNetwork(**spec)
+    exercise(net)
+    state, saved_stats = net.state_dict(), net.stats()
+    runs = []
+    for _ in range(2):
+        restored = LossyNetwork(**spec)
+        restored.load_state_dict(state)
+        assert restored.stats() == saved_stats
+        exercise(restored)
+        runs.append((restored.stats(), restored.burst_histogram()))
+    assert runs[0] == runs[1] and runs[0][0] != saved_stats
+
+
 def test_a_state_saved_when_ranks_were_called_tp_size_still_loads():
     spec = dict(ranks=3, loss_model="ge:rate=0.2,burst=20", seed=17, payload_bytes=8)
     net = LossyNetwork(**spec)

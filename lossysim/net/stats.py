@@ -260,8 +260,10 @@ class Counters:
 
     def load_state_dict(self, state: dict) -> None:
         self._queue, self._columns = [], 0
-        self.counts, self.open_run = state["counts"].to(self.device), state["open_run"].to(self.device)
-        self.runs = state["histogram"].to(self.device).T.contiguous()
+        # Copies: counting goes on in place, and the state may be loaded again (an in-memory one too)
+        self.counts = state["counts"].to(self.device, copy=True)
+        self.open_run = state["open_run"].to(self.device, copy=True)
+        self.runs = state["histogram"].to(self.device).T.clone(memory_format=torch.contiguous_format)
         if len(self.counts) < len(COUNTERS):  # saved before the later counters existed: they were 0
             grown = torch.zeros(len(COUNTERS), *self.counts.shape[1:], dtype=torch.long, device=self.device)
             grown[:len(self.counts)] = self.counts
