@@ -4,10 +4,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import mmap
 import os
 import sys
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 
 @contextlib.contextmanager
@@ -49,3 +52,20 @@ def lazy_exports(package: str, exports: dict[str, str]):
         setattr(sys.modules[package], name, value)
         return value
     return __getattr__
+
+
+_MAPPED_FROM = 1 << 20   # bytes; below, a mapping's system calls cost more than clearing the memory
+
+
+def untouched_zeros(shape, dtype) -> np.ndarray:
+    """A zero array whose pages cost nothing until written: a large one is an anonymous mapping, whose
+    pages the kernel hands over zeroed when first touched. (``np.zeros`` is calloc, which clears memory
+    the heap reuses, and glibc's heap serves blocks of up to 32 MiB once one that size was freed.)"""
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if size >= _MAPPED_FROM:
+        try:
+            return np.frombuffer(mmap.mmap(-1, size), dtype=dtype).reshape(shape)
+        except OSError:   # out of mappings (vm.max_map_count): the heap's zeros are as good, only slower
+            pass
+    return np.zeros(shape, dtype=dtype)

@@ -438,3 +438,25 @@ def test_a_state_saved_when_ranks_were_called_tp_size_still_loads():
     assert restored.stats() == net.stats()
     with pytest.raises(ValueError, match="saved with"):   # the old name is read as ranks, and checked
         LossyNetwork(**{**spec, "ranks": 4}).load_state_dict(state)
+
+
+@pytest.mark.parametrize("shape, dtype", [((3, 5), np.int64), ((257, 1024), np.int64), ((1 << 21,), np.bool_)])
+def test_untouched_zeros_are_writable_independent_zeros(shape, dtype, monkeypatch):
+    """Large ones are mapped (their pages untouched until written), small ones and a failed mapping are
+    the heap's: zeros of the shape and dtype either way, each its own memory."""
+    from lossysim import util
+    mapping = util.mmap.mmap
+
+    def mapped(a) -> bool:
+        while isinstance(a, np.ndarray):
+            a = a.base
+        return isinstance(a, memoryview) and isinstance(a.obj, mapping)
+
+    for failing in (False, True):
+        if failing:
+            monkeypatch.setattr(util.mmap, "mmap", lambda *a: (_ for _ in ()).throw(OSError("no more mappings")))
+        a, b = util.untouched_zeros(shape, dtype), util.untouched_zeros(shape, dtype)
+        assert a.shape == shape and a.dtype == dtype and not a.any() and a.flags.writeable
+        assert mapped(a) == (not failing and a.nbytes >= util._MAPPED_FROM)
+        a.reshape(-1)[-1] = 1
+        assert not b.any() and a.sum() == 1

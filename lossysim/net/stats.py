@@ -14,6 +14,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from ..util import untouched_zeros
 from .algorithms import PHASES
 
 COUNTERS = ("sent", "lost", "sent_bad", "bursts", "resent", "missing", "timeouts", "failures")
@@ -45,8 +46,8 @@ class Counters:
     rather than a page for every link or two."""
 
     def __init__(self, links: int, max_burst: int, device):
-        if torch.device(device).type == "cpu":   # calloc'd: a wide network's pages cost nothing until counted in
-            zeros = lambda *shape: torch.from_numpy(np.zeros(shape, dtype=np.int64))  # noqa: E731
+        if torch.device(device).type == "cpu":   # a wide network's pages cost nothing until counted in
+            zeros = lambda *shape: torch.from_numpy(untouched_zeros(shape, np.int64))  # noqa: E731
         else:
             zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=device)  # noqa: E731
         self.links, self.max_burst = links, max_burst
