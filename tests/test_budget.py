@@ -75,6 +75,19 @@ def test_every_familys_runs_validate_and_name_their_traffic_alone(pretrained, tm
         assert runner.config(family, 2, 0).loss == "none"
 
 
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda family: family.name)
+def test_every_familys_layout_trains_a_pretrained_model_from_files_under_loss(pretrained, tmp_path, family):
+    """One lossy step of each family's layout on a model loaded as a pretrained one is (transformers 5
+    swapped hub kernels into a loaded model's norms on ``train()``, dropping the per-rank forwards a
+    context rank's gradients are caught by: every CP run of a pretrained model failed)."""
+    base = {**BASE, "model": str(pretrained), "max_eval_samples": 4, "max_train_samples": 16, "max_length": 32}
+    runner = Runner(tmp_path, base, seeds=1, progress=False)
+    summary, _ = runner.summary(runner.config(family, 1, 0, "zero", 0.05))
+    assert summary["status"] == "completed", summary.get("error")
+    lossy = [d for axis in summary["traffic"].values() for d in axis.values() if d["lossy"]]
+    assert lossy and sum(d["lost"] for d in lossy) > 0   # the family's own traffic lost packets
+
+
 def test_any_recovery_policy_is_tried_where_it_acts(pretrained, tmp_path):
     """Beyond the default six: ``hadamard+rescale`` on TP's all-reduces, and on every family where
     ``hadamard`` is tried (both act on summed traffic), nowhere else."""

@@ -20,7 +20,7 @@ HIDDEN = 48
 def save_tiny_pretrained(folder: Path, seed: int = 3) -> Path:
     tokenizer = train_bpe(pydoc_text.texts("train")[:40], vocab_size=300)
     config = LlamaConfig(num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1, hidden_size=HIDDEN,
-                         head_dim=16, intermediate_size=80, vocab_size=len(tokenizer), tie_word_embeddings=True,
+                         head_dim=16, intermediate_size=96, vocab_size=len(tokenizer), tie_word_embeddings=True,
                          max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(folder)

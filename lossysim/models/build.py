@@ -132,6 +132,11 @@ def _from_pretrained(auto, path: str, config, attn_implementation: str) -> tuple
     if embedding in info["missing_keys"] and "lm_head.weight" in info["unexpected_keys"] \
             and getattr(config, "tie_word_embeddings", False):
         model, info = load(key_mapping={r"^lm_head\.weight$": embedding})
+    if getattr(model, "use_kernels", False):
+        # transformers 5 swaps hub kernels into a loaded model's layers, again on every train(), which drops
+        # the forward each parallelism sets on a layer (its per-rank runs): the model's own torch code, as a
+        # named shape runs it
+        model.use_kernels = False
     parameters = {n for n, _ in model.named_parameters()}
     base = model.base_model_prefix
     return model, sorted(k for k in info["missing_keys"] if k in parameters and k.split(".")[0] == base)
