@@ -154,8 +154,8 @@ def budgets(out: Path, families, steps_list, policies, seeds: int, grid, refine:
 
 
 def plot(points: pd.DataFrame, path: Path) -> None:
-    """Perplexity change against loss rate, a line per family and policy (log x, 95% intervals shaded), the
-    1% tolerance dashed; one panel per length."""
+    """Perplexity change against loss rate, a line per family and policy (log x, 95% intervals shaded and
+    barred), the 1% tolerance dashed; one panel per length."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import NullFormatter
@@ -169,6 +169,8 @@ def plot(points: pd.DataFrame, path: Path) -> None:
             x, y, h = 100 * group["rate"], group["change_pct"], group["change_pct_ci"].fillna(0)
             line, = ax.plot(x, y, marker="o", label=f"{family} ({policy})")
             ax.fill_between(x, y - h, y + h, color=line.get_color(), alpha=0.15)
+            # each point's interval as a bar too: a family measured at one rate has no band to shade
+            ax.errorbar(x, y, yerr=h, fmt="none", ecolor=line.get_color(), capsize=3, linewidth=1)
         ax.axhline(TOLERANCE_PCT, color="k", linestyle="--", linewidth=1)
         ax.set_xscale("log")
         # the rates measured as the ticks, as printed in the table: a narrow log range's own ticks read
