@@ -248,6 +248,51 @@ def test_stats_and_burst_histogram_match_numpy_runs_across_calls(spy):
         assert observed.tolist() == expected.tolist()
 
 
+@pytest.mark.parametrize("bad", [False, True])
+def test_compiled_count_of_lost_packets_equals_numpys(monkeypatch, bad):
+    """``runs.count`` (one compiled pass) against ``count_runs``' numpy passes on the same queued losses:
+    bursty runs, runs carried from batch to batch and left open at a link's last packet, rows that send
+    nothing, links in any order, slots by phase and per packet."""
+    from lossysim.net import runs
+    from lossysim.net.stats import Counters
+    kernel = runs.compiled()
+    assert kernel is not None, "the dev extra installs numba"
+    links, rows, max_burst = 40, 12, 5
+
+    def counted(compiled: bool):
+        monkeypatch.setitem(runs._compiled, "count", kernel if compiled else None)
+        rng = np.random.default_rng(7)
+        counters = Counters(links, max_burst, "cpu")
+        for batch in range(6):
+            link_ids = torch.from_numpy(rng.choice(links, rows, replace=False))
+            silent = rng.random(rows) < 0.2                            # send nothing this batch
+            for _ in range(int(rng.integers(1, 9))):
+                width = int(rng.integers(1, 30))
+                used = rng.integers(0, width + 1, rows)
+                used[silent | (rng.random(rows) < 0.2)] = 0
+                burst = rng.random((rows, width)) < 0.15
+                lost = burst | np.roll(burst, 1, 1) & (rng.random((rows, width)) < 0.7)
+                lost[:, -2:] |= rng.random((rows, 1)) < 0.3       # runs reaching the call's end
+                lost &= np.arange(width) < used[:, None]
+                row, position = np.nonzero(lost)
+                if rng.random() < 0.5:
+                    counters.record_lost(link_ids, row, position, used, int(rng.integers(0, 2)), bad=bad)
+                else:
+                    slots = torch.from_numpy(rng.integers(0, 3, (rows, width)) * links + link_ids.numpy()[:, None])
+                    sent = torch.zeros(counters.counts.shape[1:], dtype=torch.long).view(-1)
+                    sent.index_add_(0, slots[torch.from_numpy(np.arange(width) < used[:, None])],
+                                    torch.ones(int(used.sum()), dtype=torch.long))
+                    counters.record_lost(link_ids, row, position, used, slots, sent.view(counters.counts.shape[1:]),
+                                         bad=bad)
+            counters.flush()
+        return counters.counts.clone(), counters.runs.clone(), counters.open_run.clone()
+
+    numpy, compiled = counted(False), counted(True)
+    assert compiled[0][3].sum() > 100 and compiled[1][max_burst].sum() > 0 and (compiled[2] > 0).any()
+    for a, b in zip(numpy, compiled):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("settings", [dict(algorithm="ring"), dict(algorithm="tree", payload_bytes=16),
                                       dict(algorithm="ring", transport="retransmit"),
                                       dict(algorithm="ring", transport="deadline", deadline=3.0)])

@@ -15,7 +15,9 @@ import numpy as np
 import torch
 
 from ..util import untouched_zeros
+from . import runs
 from .algorithms import PHASES
+from .runs import count_runs, tally
 
 COUNTERS = ("sent", "lost", "sent_bad", "bursts", "resent", "missing", "timeouts", "failures")
 QUEUE = 64                 # calls counted together
@@ -179,8 +181,31 @@ class Counters:
         return row[sent], draw[sent], position[sent]
 
     def _count_lost(self, queue: list, link_ids: np.ndarray) -> None:
-        """``flush`` of draws queued by ``record_lost`` (CPU counters), in numpy: the same counts, runs and
-        histogram as the masks of the same draws give."""
+        """``flush`` of draws queued by ``record_lost`` (CPU counters): the same counts, runs and histogram
+        as the masks of the same draws give, in one compiled pass (``runs.count``) or numpy's."""
+        count = runs.compiled()
+        if count is None:
+            self._count_lost_numpy(queue, link_ids)
+            return
+        counts = self.counts.view(len(COUNTERS), -1).numpy()
+        used = np.stack([draw.used for draw in queue]).astype(np.int64, copy=False)     # [draws, rows]
+        row = np.concatenate([draw.row for draw in queue]).astype(np.int64, copy=False)
+        position = np.concatenate([draw.position for draw in queue]).astype(np.int64, copy=False)
+        bounds = np.zeros(len(queue) + 1, dtype=np.int64)
+        np.cumsum([len(draw.row) for draw in queue], out=bounds[1:])
+        phase = np.array([draw.index if isinstance(draw.index, int) else -1 for draw in queue], dtype=np.int64)
+        slot = np.zeros(len(row) if (phase < 0).any() else 0, dtype=np.int64)
+        for e in np.flatnonzero(phase < 0):   # per-packet slots: its sent packets come counted
+            draw = queue[e]
+            counts[0] += draw.sent.view(-1).numpy()
+            slot[bounds[e]:bounds[e + 1]] = draw.index.numpy()[draw.row, draw.position]
+        open_run = self.open_run.numpy()[link_ids]
+        after = np.empty_like(open_run)
+        count(row, position, bounds, phase, slot, np.array([draw.bad for draw in queue]), used, link_ids,
+              open_run, self.max_burst, self.links, *counts[:4], self.runs.view(-1).numpy(), after)
+        self._leave_open(link_ids, after)
+
+    def _count_lost_numpy(self, queue: list, link_ids: np.ndarray) -> None:
         counts = self.counts.view(len(COUNTERS), -1).numpy()
         links = self.links
         used = np.stack([draw.used for draw in queue])                       # [draws, rows]
@@ -200,7 +225,7 @@ class Counters:
         slot = np.concatenate(slots).astype(np.int64, copy=False)
         if any(d.bad for d in queue):   # lost packets that were sent in the burst state: all of them
             bad = np.repeat([d.bad for d in queue], [len(d.row) for d in queue])
-            _tally(np, counts[2], slot[bad])
+            tally(np, counts[2], slot[bad])
         order = np.argsort(row, kind="stable")
         row, draw, position, slot = row[order], draw[order], position[order], slot[order]
         self._losses(np, used, row, draw, position, slot, link_ids, counts, self.runs.view(-1).numpy())
@@ -229,13 +254,16 @@ class Counters:
         are one stream of packets) and moves the open runs on."""
         before = used.cumsum(0) - used                                      # valid packets before each draw
         total = used.sum(0)                                                 # [rows]
-        _tally(xp, counts[1], slot)
+        tally(xp, counts[1], slot)
         open_run = self.open_run.numpy() if xp is np else self.open_run
         after = count_runs(xp, row, before[draw, row] + position, total, link_ids, slot, open_run[link_ids],
                            self.max_burst, counts[3], hist)
-        moved = self.open_run.clone()   # the old tensor may be a saved state's: never written in place
-        moved[torch.as_tensor(link_ids)] = torch.as_tensor(after)
-        self.open_run = moved
+        self._leave_open(link_ids, after)
+
+    def _leave_open(self, link_ids, after) -> None:
+        # In place, as the counts are: a state saved or loaded is a copy (a wide network's clone per
+        # flush had been a tenth of its counting)
+        self.open_run[torch.as_tensor(link_ids)] = torch.as_tensor(after)
 
     def reset(self) -> None:
         """Zero every counter; queued draws are dropped with them."""
@@ -270,48 +298,6 @@ class Counters:
             grown[:len(self.counts)] = self.counts
             self.counts = grown
         self.calls = state["calls"]
-
-
-def count_runs(xp, row, stream, total, link_ids, slot, open_run, max_burst: int, bursts, hist):
-    """Runs of consecutive lost packets on each link, in ``xp`` (the numpy or torch module: whichever
-    holds the arrays): ``row``/``stream`` each lost packet's link row and stream position in the batch,
-    sorted; ``total`` the packets sent per row; ``open_run`` the run each row's link left open before.
-    Adds the bursts begun to ``bursts[slot]`` and the lengths of the runs that ended to ``hist[length,
-    link]`` (flat, ``max_burst + 1`` rows of a network's links, the last holding longer runs); returns the
-    run each row leaves open."""
-    continues = xp.ones_like(row, dtype=bool)
-    continues[1:] = (row[1:] == row[:-1]) & (stream[1:] == stream[:-1] + 1)
-    if len(row):
-        continues[0] = False
-    start = ~continues
-    # A run whose first packet is its link's first in this batch carries on the run left open before.
-    carried = start & (stream == 0) & (open_run[row] > 0)
-    _tally(xp, bursts, slot[start & ~carried])
-    run = start.cumsum(0) - 1
-    here = xp.bincount(run, minlength=int(start.sum()))                 # each run's packets in this batch
-    run_row = row[start]
-    ends_open = stream[start] + here - 1 == total[run_row] - 1          # reaches its link's last packet
-    length = here + xp.where(carried[start], open_run[run_row], 0)
-    links, closed = len(hist) // (max_burst + 1), ~ends_open
-    _tally(xp, hist, length[closed].clip(max=max_burst) * links + link_ids[run_row[closed]])
-    # A run left open before that this batch's first packet on its link closes.
-    first_lost = xp.zeros_like(link_ids, dtype=bool)
-    first_lost[row[stream == 0]] = True
-    ended = (open_run > 0) & (total > 0) & ~first_lost
-    _tally(xp, hist, (open_run.clip(max=max_burst) * links + link_ids)[ended])
-    after = xp.where(total > 0, 0, open_run)
-    after[run_row[ends_open]] = length[ends_open]
-    return after
-
-
-def _tally(xp, counts, index) -> None:
-    """counts[i] += 1 for each i in ``index``. In numpy, at the few slots touched: a bincount the length of
-    ``counts`` (a network's links times the burst bins, tens of thousands) cost far more than a batch's few
-    hundred losses; torch keeps the bincount (one kernel, no host sync on a GPU)."""
-    if xp is np:
-        np.add.at(counts, index, 1)
-    else:
-        counts += xp.bincount(index, minlength=len(counts))
 
 
 class NonFinite:
