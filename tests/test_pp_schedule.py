@@ -222,3 +222,41 @@ def test_the_figures_docs_pipeline_md_quotes():
     assert (free, gpipe, one_f_one_b, repaired) == (33, 34.5, 37, 39)   # quarter seconds: exact
     assert f"GPipe takes {gpipe:g} s and 1F1B takes {one_f_one_b:g} s, against {free:g} s" in doc
     assert f"the step grows from {one_f_one_b:g} s to {repaired:g} s" in doc
+
+
+def _event_loop(schedule, p, m, f, b, act, grad):
+    """The clock as a list scheduler sweeping the stages until every op has run, each op started once its
+    input's end is known: the reference the one-pass clock must equal to the last bit."""
+    orders, end, free, busy, nxt, ops = stage_ops(schedule, p, m), {}, [0.0] * p, [0.0] * p, [0] * p, []
+    while len(end) < 2 * p * m:
+        for s in range(p):
+            while nxt[s] < len(orders[s]):
+                kind, i = orders[s][nxt[s]]
+                if kind == "F":
+                    ready = 0.0 if s == 0 else end.get((s - 1, "F", i))
+                    ready = ready if s == 0 or ready is None else ready + act[s - 1][i]
+                else:
+                    ready = end.get((s, "F", i)) if s == p - 1 else end.get((s + 1, "B", i))
+                    ready = ready if s == p - 1 or ready is None else ready + grad[s][i]
+                if ready is None:
+                    break
+                start = max(free[s], ready)
+                seconds = (f if kind == "F" else b)[s][i]
+                free[s], busy[s] = start + seconds, busy[s] + seconds
+                end[s, kind, i] = free[s]
+                ops.append((s, kind, i, start, free[s]))
+                nxt[s] += 1
+    return max(free), busy, sorted(ops)
+
+
+@settings(max_examples=60, deadline=None)
+@given(schedule=st.sampled_from(SCHEDULES), p=st.integers(1, 6), m=st.integers(1, 9), seed=st.integers(0, 2**32 - 1))
+def test_one_pass_in_dependency_order_is_the_event_loop_to_the_bit(schedule, p, m, seed):
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    f, b = rng.exponential(1.0, (p, m)), rng.exponential(2.0, (p, m))
+    act, grad = rng.exponential(0.3, (max(p - 1, 1), m))[:p - 1], rng.exponential(0.3, (max(p - 1, 1), m))[:p - 1]
+    t = pipeline_time(schedule, p, m, f, b, act if p > 1 else 0.0, grad if p > 1 else 0.0)
+    step, busy, ops = _event_loop(schedule, p, m, f.tolist(), b.tolist(), act.tolist(), grad.tolist())
+    assert t.step_s == step and list(t.busy_s) == busy
+    assert sorted((op.stage, op.kind, op.microbatch, op.start, op.end) for op in t.timeline) == ops

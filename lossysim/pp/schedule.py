@@ -9,6 +9,7 @@ dependency order gives the exact critical path (list scheduling on a max-plus sy
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
@@ -53,6 +54,7 @@ class PipelineTiming:
     timeline: tuple[Op, ...]
 
 
+@functools.lru_cache(maxsize=64)
 def stage_ops(schedule: str, stages: int, microbatches: int) -> tuple[tuple[tuple[str, int], ...], ...]:
     """Each stage's ops, ``(kind, microbatch)``, in the order the schedule runs them.
 
@@ -91,32 +93,25 @@ def pipeline_time(schedule: str, stages: int, microbatches: int, forward_s, back
     grad = _per_op("gradient_s", gradient_s, p - 1, m)
     f, b, act, grad = f.tolist(), b.tolist(), act.tolist(), grad.tolist()   # Python floats: a scalar loop
     orders = stage_ops(schedule, p, m)
-
-    end: dict[tuple[int, str, int], float] = {}
     ops: list[list[Op]] = [[] for _ in range(p)]
     free = [0.0] * p
     busy = [0.0] * p     # summed in the order the stage runs: with no idle it equals the stage's end exactly
-    nxt = [0] * p
-    remaining = 2 * p * m
-    while remaining:
-        progressed = False
-        for s in range(p):
-            while nxt[s] < len(orders[s]):
-                kind, i = orders[s][nxt[s]]
-                ready = _ready(kind, s, i, p, end, act, grad)
-                if ready is None:
-                    break
-                start = max(free[s], ready)
-                seconds = (f if kind == "F" else b)[s][i]
-                free[s] = start + seconds
-                busy[s] += seconds
-                end[s, kind, i] = free[s]
-                ops[s].append(Op(s, kind, i, start, free[s]))
-                nxt[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # a schedule whose orders wait on each other: a bug here, not bad input
-            raise RuntimeError(f"{schedule}: stages wait on each other at ops {nxt}")
+    end = [0.0] * (2 * p * m)
+    for k, (s, kind, i, needs, message) in enumerate(_dependency_order(schedule, p, m)):
+        if needs < 0:
+            ready = 0.0
+        elif message == "act":
+            ready = end[needs] + act[s - 1][i]
+        elif message == "grad":
+            ready = end[needs] + grad[s][i]
+        else:
+            ready = end[needs]
+        start = max(free[s], ready)
+        seconds = (f if kind == "F" else b)[s][i]
+        free[s] = start + seconds
+        busy[s] += seconds
+        end[k] = free[s]
+        ops[s].append(Op(s, kind, i, start, free[s]))
 
     step = max(free)
     mean_busy = sum(busy) / p
@@ -188,17 +183,33 @@ def _per_op(name: str, value, rows: int, m: int) -> np.ndarray:
     return arr
 
 
-def _ready(kind: str, s: int, i: int, p: int, end: dict, act: list, grad: list) -> float | None:
-    """When op (s, kind, i)'s input is there, or None while the op it needs has not run."""
-    if kind == "F":
-        if s == 0:
-            return 0.0
-        before = end.get((s - 1, "F", i))
-        return None if before is None else before + act[s - 1][i]
-    if s == p - 1:
-        return end.get((s, "F", i))
-    after = end.get((s + 1, "B", i))
-    return None if after is None else after + grad[s][i]
+@functools.lru_cache(maxsize=64)
+def _dependency_order(schedule: str, p: int, m: int) -> tuple[tuple[int, str, int, int, str], ...]:
+    """Every op ``(stage, kind, microbatch, needs, message)`` in an order that runs each after the op it
+    waits on (``needs``, its index here; -1: none) and after its stage's earlier ops; ``message`` the
+    message between them ("act", "grad" or ""). Which ops can run depends on which have, never on when, so
+    the order is worked out once per shape and every step's times are one pass over it."""
+    orders = stage_ops(schedule, p, m)
+    done: dict[tuple[int, str, int], int] = {}
+    plan, nxt = [], [0] * p
+    while len(plan) < 2 * p * m:
+        progressed = False
+        for s in range(p):
+            while nxt[s] < len(orders[s]):
+                kind, i = orders[s][nxt[s]]
+                if kind == "F":
+                    wait, message = ((s - 1, "F", i), "act") if s > 0 else (None, "")
+                else:
+                    wait, message = ((s, "F", i), "") if s == p - 1 else ((s + 1, "B", i), "grad")
+                if wait is not None and wait not in done:
+                    break
+                done[s, kind, i] = len(plan)
+                plan.append((s, kind, i, -1 if wait is None else done[wait], message))
+                nxt[s] += 1
+                progressed = True
+        if not progressed:  # a schedule whose orders wait on each other: a bug here, not bad input
+            raise RuntimeError(f"{schedule}: stages wait on each other at ops {nxt}")
+    return tuple(plan)
 
 
 def _peak_in_flight(order: Sequence[tuple[str, int]]) -> int:
