@@ -337,3 +337,25 @@ def test_a_class_repair_is_what_its_losses_add_and_nothing_where_it_loses_nothin
         lossy = [c for c in ("pp", "dp") if row[f"{c}_packets_lost"] > 0]
         assert lossy and all(row[f"{c}_repair_s"] > 0 for c in lossy)
         assert all(row[f"{c}_repair_s"] >= 0 for c in ("tp", "pp", "dp", "fsdp"))
+
+
+def test_groups_alike_share_their_transfers_and_their_rows_are_those_of_networks_built_alone(monkeypatch):
+    """The groups of a stage differ only by their seeds, so they share each call shape's transfer (built once,
+    not once a group): the row is the one networks built alone give, to the last bit, under loss and
+    retransmission (its lazily derived parts included)."""
+    from lossysim.estimate import load, messages
+    from lossysim.net import transfer
+    shape = load("tiny-llama")
+    config = job_config("tiny-llama", micro_batch=2, tp_size=2, pp_size=2, dp_size=4, ranks_per_node=2,
+                        dp_bucket_mb=0.01, loss="bernoulli:0.05", transport="retransmit", nic="irn",
+                        link_inter="roce-400g", lossy_links="inter_node", seed=4)
+    built = []
+    real_build = transfer.build
+    monkeypatch.setattr(transfer, "build", lambda *a, **k: built.append(a[2:]) or real_build(*a, **k))
+    shared = estimate(shape, config, Workload(seq=16, sampled_groups=0), steps=2)
+    shared_builds = len(built)
+    monkeypatch.setattr(messages, "_network", lambda spec, shapes: LossyNetwork(spec))
+    built.clear()
+    alone = estimate(shape, config, Workload(seq=16, sampled_groups=0), steps=2)
+    assert shared["packets_lost"] > 0 and shared["packets_resent"] > 0 and shared == alone
+    assert shared_builds < len(built) and len(set(built)) < len(built)

@@ -37,12 +37,13 @@ class Messages:
         for part in self.PARTS:   # the axes' parts whose draws come first (context exchanges)
             if part.RUNS_FIRST:
                 part.run_part(self, out, steps, m)
+        shapes: dict = {}
         for s, groups in enumerate(self.tp):
             chosen, extra = self._sample(groups)
             for j, group in enumerate(chosen):
                 if group.same_as >= 0:   # a fabric's clean group: its representative's times (below)
                     continue
-                net = LossyNetwork(group.spec)
+                net = _network(group.spec, shapes)
                 if self.sampled and not is_lossy(net):
                     # loss-free and deterministic: every micro-batch of every step is the first one's
                     once = self._tp_group(net, group.copies * m * steps, s, 1)
@@ -56,13 +57,13 @@ class Messages:
             _alias(out, "tp", s, chosen)
             if extra:
                 self._draw_groups([step["tp"][s] for step in out], len(chosen))
-        alike = defaultdict(list)   # boundaries whose groups differ only by their streams: one pool
+        alike, shapes = defaultdict(list), {}   # boundaries whose groups differ only by their streams: one pool
         for b, groups in enumerate(self.pp):
             chosen, extra = self._sample(groups)
             for j, group in enumerate(chosen):
                 if group.same_as >= 0:
                     continue
-                net = LossyNetwork(group.spec)
+                net = _network(group.spec, shapes)
                 for step in out:
                     step["pp"][b][j] = self._sends(net, group.copies, b, m)
                 self.count("pp", net, group.copies)
@@ -154,12 +155,12 @@ class Messages:
         added to its own loss-free time (the same in every group). ``stages`` > 1: as many stages alike
         but for their streams, the groups of all but the first drawn whole. Returns [stage][step][message]."""
         chosen, extra = self._sample(groups, stages)
-        seconds = np.zeros((len(chosen), steps, len(messages), 2))
+        seconds, shapes = np.zeros((len(chosen), steps, len(messages), 2)), {}
         kinds = [None] * len(messages)
         for g, group in enumerate(chosen):
             if group.same_as >= 0:   # a fabric's clean group: no slower than its representative
                 continue
-            net = LossyNetwork(group.spec)
+            net = _network(group.spec, shapes)
             for i in range(steps):
                 for k, (site, direction, numel, dtype, collective) in enumerate(messages):
                     numel = numel(net) if callable(numel) else numel
@@ -184,6 +185,12 @@ class Messages:
                 both = slowest[stage][:, alike]
                 slowest[stage][:, alike, 0] = np.maximum(both[..., 0], both[..., 1] + drawn)
         return slowest.tolist()
+
+
+def _network(spec, shapes: dict) -> LossyNetwork:
+    """A group's network, its transfers shared with the groups alike but for their streams (``shapes``: a
+    cache per spec less its seed), so each call shape is built once, not once a group."""
+    return LossyNetwork(spec, transfer_cache=shapes.setdefault(dataclasses.replace(spec, seed=0), {}))
 
 
 def _alias(out: list[dict], cls: str, index: int, groups: list) -> None:

@@ -54,10 +54,12 @@ class LossyNetwork:
 
     ``LossyNetwork(spec)`` takes a ``NetworkSpec``; ``LossyNetwork(ranks, loss_model, **settings)``
     builds one (``settings``: any of ``NetworkSpec``'s fields, e.g. ``seed``, ``algorithm``,
-    ``transport``, ``recovery``).
+    ``transport``, ``recovery``). ``transfer_cache``: each call shape's transfer (derived from the spec,
+    never from its seed) shared with networks alike but for their seeds, as an estimate's groups are.
     """
 
-    def __init__(self, ranks: Union[int, NetworkSpec], loss_model="none", **settings):
+    def __init__(self, ranks: Union[int, NetworkSpec], loss_model="none",
+                 transfer_cache: Optional[dict] = None, **settings):
         self.spec = spec = ranks if isinstance(ranks, NetworkSpec) else NetworkSpec(ranks, loss_model, **settings)
         self.ranks, self.loss_model, self.lossy = spec.ranks, spec.loss, spec.lossy
         self.topology, self.transport, self.recovery = spec.topology, spec.transport_model, spec.recovery_model
@@ -66,7 +68,9 @@ class LossyNetwork:
         self._can_lose = not spec.loss.lossless if spec.cables is None else spec.can_lose
         self.channels = Channels(spec, self.links)
         self.time = Clock(spec.compute)
-        self._transfers: dict[tuple, transfers.Transfer] = {}
+        # (link events widen a transfer's lossy rows for this network's cables: never shared then)
+        shared = transfer_cache is not None and cable_events.ACTIVE is None
+        self._transfers: dict[tuple, transfers.Transfer] = transfer_cache if shared else {}
         self._fates: dict = {}                      # per device: where the packets' fates are kept (``fates``)
         self._choices: dict = {}                    # per (site, direction, collective, bytes): how NCCL runs it
         # TCP's congestion windows, per link and connection, shared by every call site (one communicator)

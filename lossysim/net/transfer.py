@@ -174,10 +174,12 @@ def _steps(spec, sched, link_ids, n_links, sizes, itemsize, ideal, device) -> li
             by_step.setdefault(s.step, []).append(i)
     active = sorted(by_step)
     steps = []
+    link_of = {pair: spec.link(topology.link_class(*pair)) for pair in last_step}   # a ring's 128 links
+    window_of = {id(link): timing.window_packets(link, spec.payload_bytes) for link in link_of.values()}
     for k in active:
         sends = by_step[k]
         hops = [sched.sends[i] for i in sends]
-        links = [spec.link(topology.link_class(s.src, s.dst)) for s in hops]
+        links = [link_of[s.src, s.dst] for s in hops]
         payload = [sizes[i] * itemsize for i in sends]
         final = [last_step[(s.src, s.dst)] == k for s in hops]
         width = max(s.packets for s in hops)
@@ -194,7 +196,7 @@ def _steps(spec, sched, link_ids, n_links, sizes, itemsize, ideal, device) -> li
             tau=seconds([link.wire_bytes(b, s.packets) / link.bandwidth_Bps / s.packets
                          for link, b, s in zip(links, payload, hops)]),
             rtt=seconds([2 * link.latency_s for link in links]),
-            window=torch.tensor([timing.window_packets(link, spec.payload_bytes) for link in links], device=device),
+            window=torch.tensor([window_of[id(link)] for link in links], device=device),
             final=torch.tensor(final, device=device), tails=tails.to(device),
             tail_resends=torch.tensor([nic.dupacks * spec.channels if f else 0 for f in final], device=device),
             connections=spec.connections)
