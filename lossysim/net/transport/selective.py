@@ -37,11 +37,13 @@ def selective(nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, budget:
     while True:
         lost = draw(to_send, width)                                         # flat row * width + column
         lost_row, lost_column = np.divmod(lost, width)
-        went = lost_column < to_send[lost_row]
-        count(lost_row[went], lost_column[went], to_send)
+        if min(to_send.tolist(), default=width) < width:   # (else every fate drawn went out: no copies)
+            went = lost_column < to_send[lost_row]
+            lost_row, lost_column = lost_row[went], lost_column[went]
+        count(lost_row, lost_column, to_send)
         tail = timer = None
         if row is None:  # round 0 sends every packet in order: the lost ones that went out are pending
-            row, packet = lost_row[went], lost_column[went]
+            row, packet = lost_row, lost_column
             if rack is not None:
                 waits = waits + rack.first(row, packet)
             elif a.tails is not None and len(row):
