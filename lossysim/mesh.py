@@ -207,14 +207,25 @@ class Mesh:
     def group(self, axis: str, rank: int) -> list[int]:
         """The ranks that differ from ``rank`` in ``axis`` alone, in that axis's order; ``ep``, ``edp``:
         the ranks at the same tp and pp whose (cp, dp) index differs in that expert coordinate alone."""
-        at, size = self.coordinates(rank), self.size(axis)
+        at, size, place = self.coordinates(rank), self.size(axis), self._places()
+        if axis in place:   # a digit of its own: walk it (a 16,384-GPU job asks for thousands of groups)
+            first = rank - at[axis] * place[axis]
+            return list(range(first, first + size * place[axis], place[axis]))
         if axis == "dp_cp":   # Megatron's data-parallel group with context parallelism: (cp, dp) index cp + cp x dp
-            return [self._dense({**at, "cp": c % self.cp, "dp": c // self.cp}) for c in range(size)]
-        if axis not in CARVED:
-            return [self._dense(at, axis, i) for i in range(size)]
-        index = [at["edp"] * self.ep + i for i in range(size)] if axis == "ep" else \
-            [i * self.ep + at["ep"] for i in range(size)]
-        return [self._dense({**at, "cp": c % self.cp, "dp": c // self.cp}) for c in index]
+            index = range(size)
+        elif axis == "ep":
+            index = [at["edp"] * self.ep + i for i in range(size)]
+        else:   # edp (size has refused any other name)
+            index = [i * self.ep + at["ep"] for i in range(size)]
+        base = rank - at["cp"] * place["cp"] - at["dp"] * place["dp"]
+        return [base + c % self.cp * place["cp"] + c // self.cp * place["dp"] for c in index]
+
+    def _places(self) -> dict[str, int]:
+        """Each digit's place value in a global rank (its axis's stride)."""
+        places, stride = {}, 1
+        for axis in self.axes:
+            places[axis], stride = stride, stride * self.size(axis)
+        return places
 
     def _dense(self, at: dict, axis: Optional[str] = None, index: int = 0) -> int:
         """The rank at ``at``'s dense coordinates (``axis`` moved to ``index``), its carved ones ignored."""

@@ -119,6 +119,28 @@ def test_one_rule_gives_every_axis_its_groups(sizes, order):
         assert set(mesh.group("tp", r)) & set(mesh.group("dp", r)) & set(mesh.group("pp", r)) == {r}
 
 
+@given(sizes=st.tuples(*[st.integers(1, 3)] * 4), ep=st.integers(1, 9),
+       order=st.permutations(["tp", "cp", "ep", "dp", "pp"]))
+@settings(max_examples=60, deadline=None)
+def test_groups_cut_from_dp_by_cp_walk_their_index_and_keep_every_other_coordinate(sizes, ep, order):
+    """dp x cp (the gradients' group), ep and edp, any sizes, any order: a group through r holds r, walks its
+    index in order (cp + cp_size x dp; ep; edp) and keeps r's every other coordinate, as ``coordinates`` reads
+    them back."""
+    tp, cp, dp, pp = sizes
+    if (dp * cp) % ep:
+        ep = 1
+    mesh = Mesh(tp, dp, pp=pp, cp=cp, ep=ep, order="-".join(order))
+    walks = {"dp_cp": lambda c: c["cp"] + cp * c["dp"], "ep": lambda c: c["ep"], "edp": lambda c: c["edp"]}
+    kept = {"dp_cp": ("tp", "pp"), "ep": ("tp", "pp", "edp"), "edp": ("tp", "pp", "ep")}
+    for r in range(mesh.world):
+        at = mesh.coordinates(r)
+        for axis, walk in walks.items():
+            group = mesh.group(axis, r)
+            coords = [mesh.coordinates(g) for g in group]
+            assert r in group and [walk(c) for c in coords] == list(range(mesh.size(axis)))
+            assert all(c[k] == at[k] for c in coords for k in kept[axis])
+
+
 def test_tp4_on_8_gpu_nodes_puts_two_replicas_of_a_stage_on_a_node():
     """Where the order matters: more than one TP group to a node. Megatron's order (pp outermost) puts two
     replicas of a stage on a node, so their data-parallel link stays on NVLink and the pipeline boundary

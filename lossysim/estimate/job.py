@@ -74,7 +74,8 @@ class Job(Tally, Messages, *PARTS):
         self.tp = [_groups([mesh.network_spec("tp", mesh.rank(dp=r, pp=s, cp=c), settings) for r in range(dp)
                             for c in range(cp)])
                    for s in range(pp)]
-        self.pp = [_groups([mesh.network_spec("pp", mesh.rank(dp=r, pp=b, cp=c), settings, config.pp_lossy())
+        pp_lossy = config.pp_lossy()   # (parsed once: 1,920 boundaries' groups in the 405B layout)
+        self.pp = [_groups([mesh.network_spec("pp", mesh.rank(dp=r, pp=b, cp=c), settings, pp_lossy)
                             for r in range(dp)
                             for c in range(cp)]) for b in range(pp - 1)]
         mode = config.dp_mode if mesh.size("dp_cp") > 1 else None   # the gradients' group: dp x cp (Megatron's)
