@@ -12,7 +12,8 @@ Each axis hands its part of a step as a small record; ``step_time`` adds them up
 - ``Buckets`` (dp, fsdp): each stage's gradient buckets (their readiness as a share of backward, their
   seconds), FSDP's gathers before the forward, whether they overlap compute, and what runs after the
   backward (the experts' buckets over their own groups);
-- ``Schedule`` (pp): the pipeline schedule a step's stages run (``pp.schedule.pipeline_time``).
+- ``Schedule`` (pp): the pipeline schedule a step's stages run (``pp.schedule.pipeline_ends``: every
+  replica's at once, ``pipeline_time``'s floats).
 
 ``stream`` builds a replica's ``Path`` (its stages' forward and backward seconds) from the first three;
 training, which reads its TP and all-to-all seconds off its networks' clock marks around each pass, builds
@@ -31,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
 
-from .pp.schedule import PipelineTiming, pipeline_time
+from .pp.schedule import Ends, pipeline_ends
 
 _THIRD = 1 / 3     # forward's share of a micro-batch's compute (2N FLOPs of 6N)
 
@@ -155,15 +156,15 @@ def step_time(paths: Sequence[Path], buckets: Buckets = Buckets(), schedule: Opt
             seconds += dp_s
         return Step(seconds + buckets.after, {"compute_s": first.compute_s, "comm_s": first.comm_s, "dp_s": dp_s,
                                               "dp_after_s": buckets.after})
-    timings = [_schedule(schedule, p, p.sends) for p in paths]
-    pipeline_s = max(t.step_s for t in timings)
+    ends = _schedule(schedule, paths)
+    pipeline_s = float(ends.step_s.max())
     if buckets.gather:    # FSDP's gathers delay each stage's first forward: what they add is dp_s's
-        timings = [_schedule(schedule, _gathered(p, buckets), p.sends) for p in paths]
-    seconds = pipeline_step_seconds(timings, buckets.ready, buckets.seconds, buckets.overlap)
+        ends = _schedule(schedule, [_gathered(p, buckets) for p in paths])
+    seconds = pipeline_step_seconds(ends, buckets.ready, buckets.seconds, buckets.overlap)
     parts = {"compute_s": paths[0].compute_s, "pipeline_s": pipeline_s, "dp_s": seconds - pipeline_s,
              "dp_after_s": buckets.after}
     if pp_added:
-        parts["pp_s"] = pipeline_s - max(_schedule(schedule, p, Sends()).step_s for p in paths)
+        parts["pp_s"] = pipeline_s - float(_schedule(schedule, paths, sends=False).step_s.max())
     return Step(seconds + buckets.after, parts)
 
 
@@ -176,10 +177,13 @@ def _gathered(path: Path, buckets: Buckets) -> Path:
     return Path(forward, path.backward, path.sends, path.compute_s, path.comm_s)
 
 
-def _schedule(schedule: Schedule, path: Path, sends: Sends) -> PipelineTiming:
-    return pipeline_time(schedule.name, schedule.stages, schedule.microbatches, path.forward, path.backward,
-                         **(dict(activation_s=sends.activation, gradient_s=sends.gradient)
-                            if sends.activation or sends.gradient else {}))
+def _schedule(schedule: Schedule, paths: Sequence[Path], sends: bool = True) -> Ends:
+    """Every replica's schedule at once; ``sends`` False: the boundaries' sends free (as a path without)."""
+    free = [[0.0] * schedule.microbatches] * (schedule.stages - 1)
+    act, grad = ([x if sends and len(x) else free for x in (getattr(p.sends, kind) for p in paths)]
+                 for kind in ("activation", "gradient"))
+    return pipeline_ends(schedule.name, schedule.stages, schedule.microbatches, [p.forward for p in paths],
+                         [p.backward for p in paths], act, grad)
 
 
 def step_seconds(forward_s: float, backward_s: float, ready: Sequence[float], bucket_s: Sequence[float],
@@ -226,17 +230,16 @@ def added_seconds(times: Sequence[Sequence[float]], ready: Sequence[float], gath
     return end - times[0][0] - times[0][1]
 
 
-def pipeline_step_seconds(timings: Sequence[PipelineTiming], ready: Sequence[Sequence[float]] = (),
+def pipeline_step_seconds(ends: Ends, ready: Sequence[Sequence[float]] = (),
                           bucket_s: Sequence[Sequence[float]] = (), overlap: bool = True) -> float:
-    """A pipelined step over every replica's schedule (``timings``): the slowest replica's end, or later
-    where a stage's buckets end later. A stage's gradients are final once its last backward ends
-    (accumulation over micro-batches): its buckets (``ready[s]``, ``bucket_s[s]``) fill during that
-    backward, on every replica, and overlap it as DDP's do."""
-    step = max(t.step_s for t in timings)
+    """A pipelined step over every replica's schedule (``ends``, ``pp.schedule.pipeline_ends``): the
+    slowest replica's end, or later where a stage's buckets end later. A stage's gradients are final once
+    its last backward ends (accumulation over micro-batches): its buckets (``ready[s]``, ``bucket_s[s]``)
+    fill during that backward, on every replica, and overlap it as DDP's do."""
+    step = float(ends.step_s.max())
     for stage, (shares, seconds) in enumerate(zip(ready, bucket_s)):
         if not seconds:
             continue
-        last = [[op for op in t.timeline if op.stage == stage and op.kind == "B"][-1] for t in timings]
-        start, end = max(op.start for op in last), max(op.end for op in last)
+        start, end = (float(ends.last_backward[:, stage, k].max()) for k in (0, 1))
         step = max(step, step_seconds(start, end - start, shares, seconds, overlap))
     return step

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lossysim.pp import SCHEDULES, pipeline_time, stage_ops, timeline_plot
+from lossysim.pp import SCHEDULES, pipeline_ends, pipeline_time, stage_ops, timeline_plot
 
 REL = 1e-12
 seconds = st.floats(0.01, 10, allow_nan=False)
@@ -260,3 +260,26 @@ def test_one_pass_in_dependency_order_is_the_event_loop_to_the_bit(schedule, p, 
     step, busy, ops = _event_loop(schedule, p, m, f.tolist(), b.tolist(), act.tolist(), grad.tolist())
     assert t.step_s == step and list(t.busy_s) == busy
     assert sorted((op.stage, op.kind, op.microbatch, op.start, op.end) for op in t.timeline) == ops
+
+
+@settings(max_examples=60, deadline=None)
+@given(schedule=st.sampled_from(SCHEDULES), p=st.integers(1, 6), m=st.integers(1, 9), r=st.integers(1, 5),
+       seed=st.integers(0, 2**32 - 1))
+def test_every_replicas_ends_at_once_are_each_replicas_schedule_to_the_bit(schedule, p, m, r, seed):
+    """``pipeline_ends`` (the step clock's: every replica at once) against ``pipeline_time`` replica by
+    replica: the step's end and each stage's last backward, the same floats; ties (zero seconds) too."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+
+    def seconds(rows, scale):   # some ops free, so maxima tie
+        return rng.exponential(scale, (r, rows, m)) * (rng.random((r, rows, m)) < 0.8)
+    f, b, act, grad = seconds(p, 1.0), seconds(p, 2.0), seconds(p - 1, 0.3), seconds(p - 1, 0.3)
+    ends = pipeline_ends(schedule, p, m, f, b, act, grad)
+    for k in range(r):
+        t = pipeline_time(schedule, p, m, f[k], b[k], act[k] if p > 1 else 0.0, grad[k] if p > 1 else 0.0)
+        assert ends.step_s[k] == t.step_s
+        for s in range(p):
+            last = [op for op in t.timeline if op.stage == s and op.kind == "B"][-1]
+            assert (ends.last_backward[k, s, 0], ends.last_backward[k, s, 1]) == (last.start, last.end)
+    free = pipeline_ends(schedule, p, m, f, b)
+    assert all(free.step_s[k] == pipeline_time(schedule, p, m, f[k], b[k]).step_s for k in range(r))

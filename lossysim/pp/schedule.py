@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -123,6 +123,51 @@ def pipeline_time(schedule: str, stages: int, microbatches: int, forward_s, back
         bubble, ratio = 1.0 - mean_busy / step, step / mean_busy - 1.0
     return PipelineTiming(schedule, p, m, step, tuple(busy), bubble, ratio,
                           _peak_in_flight(orders[0]), tuple(op for stage in ops for op in stage))
+
+
+class Ends(NamedTuple):
+    """``pipeline_time``'s step end for each of R replicas (``step_s[r]``) and the start and end of each
+    stage's last backward (``last_backward[r, s]``), where the stage's gradients are final."""
+    step_s: np.ndarray
+    last_backward: np.ndarray
+
+
+def pipeline_ends(schedule: str, stages: int, microbatches: int, forward_s, backward_s, activation_s=None,
+                  gradient_s=None) -> Ends:
+    """``pipeline_time``'s ends for R replicas at once: ``forward_s``, ``backward_s`` as [R][stages][
+    microbatches] arrays, ``activation_s``, ``gradient_s`` as [R][stages-1][microbatches] (None: free). The
+    same floats as ``pipeline_time`` replica by replica: one pass over the dependency order, each op's
+    times for every replica in one float64 add and maximum (numpy's are Python's: IEEE, element by element).
+    A step's clock asks for a hundred replicas' schedules (a 405B job's dp 128) and reads these alone."""
+    _check_shape(schedule, stages, microbatches)
+    p, m = stages, microbatches
+    f, b = (_replicas(name, value, p, m) for name, value in (("forward_s", forward_s), ("backward_s", backward_s)))
+    r = f.shape[-1]
+    act, grad = (np.zeros((p - 1, m, r)) if value is None else _replicas(name, value, p - 1, m, r)
+                 for name, value in (("activation_s", activation_s), ("gradient_s", gradient_s)))
+    free, last = np.zeros((p, r)), np.zeros((p, 2, r))
+    end = np.empty((2 * p * m, r))
+    for k, (s, kind, i, needs, message) in enumerate(_dependency_order(schedule, p, m)):
+        if needs < 0:
+            start = free[s].copy()   # (free[s] is rewritten below)
+        else:
+            ready = end[needs] + act[s - 1, i] if message == "act" else \
+                end[needs] + grad[s, i] if message == "grad" else end[needs]
+            start = np.maximum(free[s], ready)
+        free[s] = end[k] = start + (f if kind == "F" else b)[s, i]
+        if kind == "B":   # the stage's backwards run in its order: the last one written is its last
+            last[s, 0], last[s, 1] = start, end[k]
+    return Ends(free.max(axis=0), last.transpose(2, 0, 1))
+
+
+def _replicas(name: str, value, rows: int, m: int, replicas: Optional[int] = None) -> np.ndarray:
+    """``value``, [R][rows][m] seconds, as a [rows][m][R] float array (each op's replicas side by side)."""
+    arr = np.asarray(value, dtype=float)
+    if arr.ndim != 3 or arr.shape[1:] != (rows, m) or (replicas is not None and len(arr) != replicas):
+        raise ValueError(f"{name} must be a replicas x {rows} x {m} array, got shape {arr.shape}")
+    if not (np.isfinite(arr) & (arr >= 0)).all():
+        raise ValueError(f"{name} must be finite seconds >= 0")
+    return np.ascontiguousarray(arr.transpose(1, 2, 0))
 
 
 def timeline_plot(timing: PipelineTiming, path_or_ax):
