@@ -7,7 +7,8 @@ Its names are imported on first use (PEP 562): ``config`` reads the package's de
 from ..util import lazy_exports
 
 _EXPORTS = {"SCHEDULES": ".schedule", "Op": ".schedule", "PipelineTiming": ".schedule",
-            "pipeline_time": ".schedule", "pipeline_ends": ".schedule", "stage_ops": ".schedule", "timeline_plot": ".schedule",
+            "pipeline_time": ".schedule", "pipeline_ends": ".schedule", "stage_ops": ".schedule",
+            "timeline_plot": ".schedule",
             "Pipeline": ".stages", "apply_pp": ".stages", "stage_layout": ".stages"}
 __all__ = ["SCHEDULES", "Op", "PipelineTiming", "pipeline_time", "pipeline_ends", "stage_ops", "timeline_plot",
            "Pipeline", "apply_pp", "stage_layout"]

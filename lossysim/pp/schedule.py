@@ -91,27 +91,16 @@ def pipeline_time(schedule: str, stages: int, microbatches: int, forward_s, back
     b = _per_op("backward_s", backward_s, p, m)
     act = _per_op("activation_s", activation_s, p - 1, m)
     grad = _per_op("gradient_s", gradient_s, p - 1, m)
-    f, b, act, grad = f.tolist(), b.tolist(), act.tolist(), grad.tolist()   # Python floats: a scalar loop
-    orders = stage_ops(schedule, p, m)
+    plan = _dependency_order(schedule, p, m)
+    starts, ends = (times[:, 0].tolist() for times in _times(plan, *(x[..., None] for x in (f, b, act, grad))))
     ops: list[list[Op]] = [[] for _ in range(p)]
     free = [0.0] * p
     busy = [0.0] * p     # summed in the order the stage runs: with no idle it equals the stage's end exactly
-    end = [0.0] * (2 * p * m)
-    for k, (s, kind, i, needs, message) in enumerate(_dependency_order(schedule, p, m)):
-        if needs < 0:
-            ready = 0.0
-        elif message == "act":
-            ready = end[needs] + act[s - 1][i]
-        elif message == "grad":
-            ready = end[needs] + grad[s][i]
-        else:
-            ready = end[needs]
-        start = max(free[s], ready)
-        seconds = (f if kind == "F" else b)[s][i]
-        free[s] = start + seconds
-        busy[s] += seconds
-        end[k] = free[s]
-        ops[s].append(Op(s, kind, i, start, free[s]))
+    f, b = f.tolist(), b.tolist()
+    for (s, kind, i, _, _), start, end in zip(plan, starts, ends):
+        busy[s] += (f if kind == "F" else b)[s][i]
+        free[s] = end
+        ops[s].append(Op(s, kind, i, start, end))
 
     step = max(free)
     mean_busy = sum(busy) / p
@@ -122,7 +111,7 @@ def pipeline_time(schedule: str, stages: int, microbatches: int, forward_s, back
     else:
         bubble, ratio = 1.0 - mean_busy / step, step / mean_busy - 1.0
     return PipelineTiming(schedule, p, m, step, tuple(busy), bubble, ratio,
-                          _peak_in_flight(orders[0]), tuple(op for stage in ops for op in stage))
+                          _peak_in_flight(stage_ops(schedule, p, m)[0]), tuple(op for stage in ops for op in stage))
 
 
 class Ends(NamedTuple):
@@ -134,30 +123,45 @@ class Ends(NamedTuple):
 
 def pipeline_ends(schedule: str, stages: int, microbatches: int, forward_s, backward_s, activation_s=None,
                   gradient_s=None) -> Ends:
-    """``pipeline_time``'s ends for R replicas at once: ``forward_s``, ``backward_s`` as [R][stages][
-    microbatches] arrays, ``activation_s``, ``gradient_s`` as [R][stages-1][microbatches] (None: free). The
-    same floats as ``pipeline_time`` replica by replica: one pass over the dependency order, each op's
-    times for every replica in one float64 add and maximum (numpy's are Python's: IEEE, element by element).
-    A step's clock asks for a hundred replicas' schedules (a 405B job's dp 128) and reads these alone."""
+    """``pipeline_time``'s ends for R replicas at once (the same pass, ``_times``, every replica side by
+    side): ``forward_s``, ``backward_s`` as [R][stages][microbatches] arrays, ``activation_s``,
+    ``gradient_s`` as [R][stages-1][microbatches] (None: free). A step's clock asks for a hundred
+    replicas' schedules (a 405B job's dp 128) and reads these alone."""
     _check_shape(schedule, stages, microbatches)
     p, m = stages, microbatches
     f, b = (_replicas(name, value, p, m) for name, value in (("forward_s", forward_s), ("backward_s", backward_s)))
     r = f.shape[-1]
     act, grad = (np.zeros((p - 1, m, r)) if value is None else _replicas(name, value, p - 1, m, r)
                  for name, value in (("activation_s", activation_s), ("gradient_s", gradient_s)))
-    free, last = np.zeros((p, r)), np.zeros((p, 2, r))
-    end = np.empty((2 * p * m, r))
-    for k, (s, kind, i, needs, message) in enumerate(_dependency_order(schedule, p, m)):
-        if needs < 0:
-            start = free[s].copy()   # (free[s] is rewritten below)
-        else:
-            ready = end[needs] + act[s - 1, i] if message == "act" else \
-                end[needs] + grad[s, i] if message == "grad" else end[needs]
-            start = np.maximum(free[s], ready)
-        free[s] = end[k] = start + (f if kind == "F" else b)[s, i]
+    plan = _dependency_order(schedule, p, m)
+    start, end = _times(plan, f, b, act, grad)
+    last = np.zeros((p, 2, r))
+    for k, (s, kind, _, _, _) in enumerate(plan):
         if kind == "B":   # the stage's backwards run in its order: the last one written is its last
-            last[s, 0], last[s, 1] = start, end[k]
-    return Ends(free.max(axis=0), last.transpose(2, 0, 1))
+            last[s, 0], last[s, 1] = start[k], end[k]
+    return Ends(end.max(axis=0), last.transpose(2, 0, 1))   # (a stage's ends only grow: the last is its end)
+
+
+def _times(plan, f, b, act, grad) -> tuple[np.ndarray, np.ndarray]:
+    """Each op's start and end (``[op, replica]``, ops in ``plan``'s order) from its stage's compute
+    (``f``, ``b``: [stage][micro-batch][replica]) and the boundaries' messages (``act``, ``grad``): an op
+    starts once its stage is free and what it waits on has arrived, so one pass in dependency order is the
+    schedule. Every replica's in one float64 add and maximum per op (IEEE, element by element: one
+    replica's floats are those of a scalar loop)."""
+    p, r = f.shape[0], f.shape[-1]
+    free = np.zeros((p, r))
+    start, end = np.empty((len(plan), r)), np.empty((len(plan), r))
+    for k, (s, kind, i, needs, message) in enumerate(plan):
+        if needs < 0:
+            start[k] = free[s]
+        elif message == "act":
+            np.maximum(free[s], end[needs] + act[s - 1, i], out=start[k])
+        elif message == "grad":
+            np.maximum(free[s], end[needs] + grad[s, i], out=start[k])
+        else:
+            np.maximum(free[s], end[needs], out=start[k])
+        free[s] = end[k] = start[k] + (f if kind == "F" else b)[s, i]
+    return start, end
 
 
 def _replicas(name: str, value, rows: int, m: int, replicas: Optional[int] = None) -> np.ndarray:
