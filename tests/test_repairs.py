@@ -9,11 +9,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy import stats
 
 from lossysim import timing
 from lossysim.net.network import LossyNetwork
-from lossysim.net.transport import Sends, Transport, run_step, selective
+from lossysim.net.transport import Sends, Transport, rounds, run_step, selective
 from lossysim.timing import NIC_PRESETS, expected_repair_s
 
 ALPHA = 1e-5
@@ -164,6 +166,47 @@ def test_selective_repeat_is_one_rule_whatever_keeps_the_fates(retries):
         assert by_masks.transmissions.tolist() == [7, 4] and by_masks.timeouts.tolist() == [1, 0]
         assert by_masks.failed.tolist() == [True, False]
         assert by_masks.extra == pytest.approx(max(2 * TAU + timer, 2 * TAU + 2 * RTT), rel=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.booleans(), st.integers(0, 3)), min_size=1, max_size=6),
+       st.sampled_from([None, 0, 1, 3]), st.floats(0.02, 0.6), st.integers(0, 2 ** 31))
+def test_compiled_rounds_are_numpys_rounds_to_the_bit(sends, retries, p, seed):
+    """Selective repeat's bookkeeping in ``transport.rounds`` (compiled, and the same functions run as
+    Python) against numpy's passes, on the same fates: every figure of the Result equal, floats to the
+    bit, and every round's count of the losses that went out the same. Sends of any lengths, a link's
+    last step or not, tail positions and tail resends, failures after any retries."""
+    nic = replace(NIC_PRESETS["irn"], retries=retries)
+    packets = [k for k, _, _ in sends]
+    tails = torch.zeros(len(sends), max(packets), dtype=torch.bool)
+    for i, (k, final, last) in enumerate(sends):
+        tails[i, max(k - last, 0):k] = final
+    f64 = dict(dtype=torch.float64)
+    host = Sends(torch.tensor(packets), torch.linspace(1e-7, 3e-7, len(sends), **f64),
+                 torch.linspace(6e-6, 9e-6, len(sends), **f64), torch.full((len(sends),), WINDOW),
+                 torch.tensor([final for _, final, _ in sends]), tails,
+                 torch.tensor([last for _, _, last in sends])).host()   # (only a final send's count)
+    kernels = rounds.kernels()
+    assert kernels is not None, "the dev extra installs numba"
+
+    def repaired(which):
+        rng, counted = np.random.default_rng(seed), []
+
+        def draw(to_send, width):
+            return np.flatnonzero(rng.random((len(packets), width)) < p)
+
+        def count(row, column, to_send):
+            counted.append((row.tolist(), column.tolist(), to_send.tolist()))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(rounds, "kernels", lambda: which)
+            return selective(nic, host, draw, count, math.inf, give_up=False), counted
+
+    numpy, *others = (repaired(which) for which in (None, kernels, (rounds.went, rounds.advance, rounds.wait)))
+    for result, counted in others:
+        assert counted == numpy[1]
+        for name in ("missing_row", "missing_packet", "transmissions", "timeouts", "failed"):
+            np.testing.assert_array_equal(getattr(result, name), getattr(numpy[0], name))
+        assert (result.extra, result.shadow) == (numpy[0].extra, numpy[0].shadow)
 
 
 def lossy_clock(nic: str, loss: str, tp=4, transport="retransmit", **kwargs) -> dict:

@@ -11,8 +11,11 @@ import numpy as np
 import torch
 
 from ...timing.retransmission import Nic
+from . import rounds as compiled_rounds
 from .sends import Count, HostSends, PositionsDraw, Result, slowest
 from .tcp import _Rack
+
+_NO_TAILS = np.zeros((0, 0), dtype=bool)
 
 
 def selective(nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, budget: float, give_up: bool,
@@ -23,13 +26,16 @@ def selective(nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, budget:
 
     The pending packets are ``(row, packet)`` pairs, row-major; most rounds after the first resend a few
     packets and lose none, so the work that only losses, tails or failures need is skipped without them."""
+    checks_failures = nic.retries is not None and not give_up
+    kernels = None if nic.rack or give_up else compiled_rounds.kernels()
+    if kernels is not None:
+        return _compiled(kernels, nic, a, draw, count, checks_failures)
     packets, n = a.packets, len(a.packets)
     sent = np.zeros(n, dtype=np.int64)
     waits, shadow = np.zeros(n), np.zeros(n)
     timeouts, streak = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
     failed, stopped = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
     streaking = False                                                   # some streak is not 0
-    checks_failures = nic.retries is not None and not give_up
     to_send = pending = packets                                          # pending: per row
     given_up = []     # (rows, packets) still pending when their send stopped at the deadline
     width, rounds, row = a.width, 0, None
@@ -102,7 +108,49 @@ def selective(nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, budget:
         if timer is not None:
             timeouts = timeouts + np.where(active, timer, 0)
         width = max(to_send.tolist())
-    resent = (sent - packets) * a.tau
+    return _result(a, row, packet, sent, waits, shadow, timeouts, failed, stopped, given_up, budget,
+                   None if rack is None else rack.windows)
+
+
+def _compiled(kernels, nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, checks_failures: bool) -> Result:
+    """``selective``'s rounds without RACK or a deadline, each round's bookkeeping in ``rounds``' compiled
+    kernels: the same steps, the same Result to the bit."""
+    went, advance, wait = kernels
+    n = len(a.packets)
+    sent, waits, shadow = np.zeros(n, dtype=np.int64), np.zeros(n), np.zeros(n)
+    timeouts, streak = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    failed, no_timer = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+    tails = _NO_TAILS if a.tails is None else a.tails
+    row = packet = np.zeros(0, dtype=np.int64)
+    to_send = pending = a.packets
+    width, rounds, streaking = a.width, 0, False
+    while True:
+        lost = draw(to_send, width)
+        lost_row, lost_column = went(lost, width, to_send)
+        count(lost_row, lost_column, to_send)
+        rounds += 1
+        row, packet, pending, to_send, tail, any_tail = advance(
+            rounds == 1, lost, lost_row, lost_column, width, row, packet, pending, to_send, tails, a.any_final,
+            a.final, a.tail_resends, sent, failed, checks_failures and rounds > nic.retries)
+        if any_tail:
+            rtt = torch.from_numpy(a.rtt)
+            wait_s = np.where(tail, nic.timer_s(rtt, torch.from_numpy(streak), torch.from_numpy(pending)).numpy(), a.rtt)
+            streak, streaking, timer = np.where(tail, streak + 1, 0), True, tail
+        else:
+            wait_s, timer = a.rtt, no_timer
+            if streaking:
+                streak, streaking = np.zeros(n, dtype=np.int64), False
+        width = wait(to_send, wait_s, a.rtt, timer, waits, shadow, timeouts)
+        if width == 0:
+            break
+    return _result(a, row, packet, sent, waits, shadow, timeouts, failed, np.zeros(n, dtype=bool), [], 0.0, None)
+
+
+def _result(a: HostSends, row, packet, sent, waits, shadow, timeouts, failed, stopped, given_up, budget,
+            windows) -> Result:
+    """The step's Result from its rounds: the pairs still pending (a failed send's left out, a stopped
+    send's kept missing) and each send's repairs, the slowest's."""
+    resent = (sent - a.packets) * a.tau
     extra = np.where(stopped, budget, resent + waits)
     keep = ~failed[row]
     row, packet = row[keep], packet[keep]
@@ -111,8 +159,7 @@ def selective(nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, budget:
                        np.concatenate([packet, *(p for _, p in given_up)]))
         order = np.lexsort((packet, row))
         row, packet = row[order], packet[order]
-    return Result(row, packet, sent, slowest(extra), slowest(resent + shadow), timeouts, failed,
-                  None if rack is None else rack.windows)
+    return Result(row, packet, sent, slowest(extra), slowest(resent + shadow), timeouts, failed, windows)
 
 
 def _member(keys: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
