@@ -201,7 +201,7 @@ def test_compiled_rounds_are_numpys_rounds_to_the_bit(sends, retries, p, seed):
             patch.setattr(rounds, "kernels", lambda: which)
             return selective(nic, host, draw, count, math.inf, give_up=False), counted
 
-    numpy, *others = (repaired(which) for which in (None, kernels, (rounds.went, rounds.advance, rounds.wait)))
+    numpy, *others = (repaired(which) for which in (None, kernels, (rounds.went, rounds.advance, rounds.wait, rounds.repairs)))
     for result, counted in others:
         assert counted == numpy[1]
         for name in ("missing_row", "missing_packet", "transmissions", "timeouts", "failed"):

@@ -1,6 +1,7 @@
 """Selective repeat's bookkeeping between one round's draw and the next, compiled where numba is
 installed (the ``fast`` extra): which of a round's losses went out (``went``), what stays pending and
-which sends' last resends are tails (``advance``), and the round's waits (``wait``).
+which sends' last resends are tails (``advance``), the round's waits (``wait``) and at the end the
+slowest send's repairs (``repairs``).
 
 Written element by element so numba compiles them as they stand; ``transport.selective`` runs them when
 no RACK and no deadline is involved (every RDMA preset under ``retransmit``) and numpy's passes
@@ -107,11 +108,22 @@ def wait(to_send, wait_s, rtt, timer, waits, shadow, timeouts):
     return width
 
 
+def repairs(sent, packets, tau, waits, shadow):
+    """``(extra, ideal)``: the slowest send's repairs, resends' wire time plus its waits (``waits``
+    under the preset, ``shadow`` under the ideal one); 0 without sends."""
+    extra = ideal = 0.0
+    for s in range(len(sent)):
+        resent = (sent[s] - packets[s]) * tau[s]
+        extra = max(extra, resent + waits[s])
+        ideal = max(ideal, resent + shadow[s])
+    return extra, ideal
+
+
 _compiled: dict = {}
 
 
 def kernels():
-    """``(went, advance, wait)`` compiled, or None where numba is not installed or ``COMPILED`` is off."""
+    """``(went, advance, wait, repairs)`` compiled, or None where numba is not installed or ``COMPILED`` is off."""
     if not COMPILED:
         return None
     if "all" not in _compiled:
@@ -120,5 +132,5 @@ def kernels():
         except ImportError:
             _compiled["all"] = None
         else:
-            _compiled["all"] = tuple(numba.njit(cache=True)(f) for f in (went, advance, wait))
+            _compiled["all"] = tuple(numba.njit(cache=True)(f) for f in (went, advance, wait, repairs))
     return _compiled["all"]

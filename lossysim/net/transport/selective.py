@@ -115,7 +115,7 @@ def selective(nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, budget:
 def _compiled(kernels, nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, checks_failures: bool) -> Result:
     """``selective``'s rounds without RACK or a deadline, each round's bookkeeping in ``rounds``' compiled
     kernels: the same steps, the same Result to the bit."""
-    went, advance, wait = kernels
+    went, advance, wait, repairs = kernels
     n = len(a.packets)
     sent, waits, shadow = np.zeros(n, dtype=np.int64), np.zeros(n), np.zeros(n)
     timeouts, streak = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
@@ -143,7 +143,10 @@ def _compiled(kernels, nic: Nic, a: HostSends, draw: PositionsDraw, count: Count
         width = wait(to_send, wait_s, a.rtt, timer, waits, shadow, timeouts)
         if width == 0:
             break
-    return _result(a, row, packet, sent, waits, shadow, timeouts, failed, np.zeros(n, dtype=bool), [], 0.0, None)
+    if checks_failures:
+        keep = ~failed[row]
+        row, packet = row[keep], packet[keep]
+    return Result(row, packet, sent, *repairs(sent, a.packets, a.tau, waits, shadow), timeouts, failed)
 
 
 def _result(a: HostSends, row, packet, sent, waits, shadow, timeouts, failed, stopped, given_up, budget,
