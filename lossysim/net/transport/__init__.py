@@ -28,8 +28,8 @@ shows beside the configured preset.
 
 The package's modules, one a rule: ``dispatch`` (``Transport``, ``run_step``: which rule a step goes
 through), ``sends`` (what a step hands a rule and gets back), ``selective`` (selective repeat and the
-deadline's give-up; ``rounds``, its bookkeeping between two rounds compiled), ``tcp`` (TCP's RACK, probe, RTO and congestion windows, within selective repeat),
-``gobackn`` (go-back-N).
+deadline's give-up; ``rounds``, its bookkeeping between two rounds compiled), ``tcp`` (TCP's RACK, probe,
+RTO and congestion windows, within selective repeat), ``gobackn`` (go-back-N).
 """
 from .dispatch import MODES, TRANSPORTS, Transport, run_step
 from .selective import selective

@@ -14,10 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 
-# whether selective repeat runs these compiled where numba is installed (tests run both ways)
-COMPILED = True
-
-
 def went(lost, width, to_send):
     """``(row, column)`` of the round's losses (flat ``row * width + column``, sorted) that went out:
     ``column < to_send[row]``."""
@@ -123,9 +119,7 @@ _compiled: dict = {}
 
 
 def kernels():
-    """``(went, advance, wait, repairs)`` compiled, or None where numba is not installed or ``COMPILED`` is off."""
-    if not COMPILED:
-        return None
+    """``(went, advance, wait, repairs)`` compiled, or None where numba is not installed."""
     if "all" not in _compiled:
         try:
             import numba

@@ -83,9 +83,8 @@ def selective(nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, budget:
         if rack is not None:
             wait, timer = rack.wait, rack.timer
         elif tail is not None and any(tail.tolist()):
-            rtt = torch.from_numpy(a.rtt)
-            wait = np.where(tail, nic.timer_s(rtt, torch.from_numpy(streak), torch.from_numpy(pending)).numpy(), a.rtt)
-            streak, streaking, timer = np.where(tail, streak + 1, 0), True, tail
+            wait, streak = _timers(nic, a, tail, streak, pending)
+            streaking, timer = True, tail
         else:
             wait = a.rtt
             if streaking:
@@ -112,7 +111,15 @@ def selective(nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, budget:
                    None if rack is None else rack.windows)
 
 
-def _compiled(kernels, nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, checks_failures: bool) -> Result:
+def _timers(nic: Nic, a: HostSends, tail: np.ndarray, streak: np.ndarray, pending: np.ndarray):
+    """``(wait, streak)``: the next round's wait of each send (the preset's tail timer where its last
+    resends are ``tail``, ``streak`` of them already in a row, else a round trip) and the streaks after."""
+    timer = nic.timer_s(torch.from_numpy(a.rtt), torch.from_numpy(streak), torch.from_numpy(pending)).numpy()
+    return np.where(tail, timer, a.rtt), np.where(tail, streak + 1, 0)
+
+
+def _compiled(kernels, nic: Nic, a: HostSends, draw: PositionsDraw, count: Count,
+              checks_failures: bool) -> Result:
     """``selective``'s rounds without RACK or a deadline, each round's bookkeeping in ``rounds``' compiled
     kernels: the same steps, the same Result to the bit."""
     went, advance, wait, repairs = kernels
@@ -133,9 +140,8 @@ def _compiled(kernels, nic: Nic, a: HostSends, draw: PositionsDraw, count: Count
             rounds == 1, lost, lost_row, lost_column, width, row, packet, pending, to_send, tails, a.any_final,
             a.final, a.tail_resends, sent, failed, checks_failures and rounds > nic.retries)
         if any_tail:
-            rtt = torch.from_numpy(a.rtt)
-            wait_s = np.where(tail, nic.timer_s(rtt, torch.from_numpy(streak), torch.from_numpy(pending)).numpy(), a.rtt)
-            streak, streaking, timer = np.where(tail, streak + 1, 0), True, tail
+            wait_s, streak = _timers(nic, a, tail, streak, pending)
+            streaking, timer = True, tail
         else:
             wait_s, timer = a.rtt, no_timer
             if streaking:
