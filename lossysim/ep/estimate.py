@@ -151,11 +151,12 @@ class ExpertMessages:
                             step[cls][s][j] = [mb[cls] for mb in micro]
                 for cls, net in zip(EP_CLASSES, nets):
                     self.count(cls, net, copies)
+        shapes: dict = {}   # the stages' expert-data groups alike but for their streams build each bucket once
         for s in stages:
             if self.edp[s] and self.expert_buckets[s]:
                 messages = [(f"dp.bucket{b}", "bwd", bucket.numel, self.w.grad_torch_dtype, "all_reduce")
                             for b, bucket in enumerate(self.expert_buckets[s])]
-                for step, seconds in zip(out, self._slowest(self.edp[s], messages, "dp", steps)[0]):
+                for step, seconds in zip(out, self._slowest(self.edp[s], messages, "dp", steps, shapes)[0]):
                     step["expert_bucket"][s] = seconds
 
     def _sampled_experts(self, out: list[dict], steps: int, stages: list[int]) -> None:

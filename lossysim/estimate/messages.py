@@ -76,6 +76,7 @@ class Messages:
             for step in out:
                 step["bucket"] = [None] * len(self.dp)
             alike = defaultdict(list)   # under the model, stages alike but for streams share the simulated groups
+            shapes: dict = {}           # and every stage's groups the transfers of its buckets' sizes
             for s, (groups, buckets) in enumerate(zip(self.dp, self.buckets)):
                 same = self.sampled and groups[0].copies == 1
                 alike[(dataclasses.replace(groups[0].spec, seed=0), tuple(b.numel for b in buckets))
@@ -83,7 +84,8 @@ class Messages:
             for stages in alike.values():
                 messages = [(f"dp.bucket{b}", "bwd", bucket.numel, grad, "all_reduce")
                             for b, bucket in enumerate(self.buckets[stages[0]])]
-                for s, per_step in zip(stages, self._slowest(self.dp[stages[0]], messages, "dp", steps, len(stages))):
+                for s, per_step in zip(stages, self._slowest(self.dp[stages[0]], messages, "dp", steps, shapes,
+                                                             len(stages))):
                     for step, seconds in zip(out, per_step):
                         step["bucket"][s] = seconds
         elif self.mode == "fsdp":
@@ -92,7 +94,7 @@ class Messages:
                          "all_gather") for b, unit in enumerate(units)] + \
                 [(f"fsdp.reduce{b}", "bwd", lambda net, n=unit.numel: net.ranks * shard_numel(net, n, grad), grad,
                   "reduce_scatter") for b, unit in enumerate(units)]
-            for step, seconds in zip(out, self._slowest(self.dp[0], messages, "fsdp", steps)[0]):
+            for step, seconds in zip(out, self._slowest(self.dp[0], messages, "fsdp", steps, {})[0]):
                 step["gather"], step["bucket"] = seconds[:len(units)], [seconds[len(units):]]
         for part in self.PARTS:   # then the others' (the experts' all-to-alls and buckets)
             if not part.RUNS_FIRST:
@@ -147,15 +149,19 @@ class Messages:
             out.append(tuple(pair))
         return out
 
-    def _slowest(self, groups: list[Group], messages: list, cls: str, steps: int, stages: int = 1) -> list:
+    def _slowest(self, groups: list[Group], messages: list, cls: str, steps: int, shapes: dict,
+                 stages: int = 1) -> list:
         """Per step, each message's [with loss, loss-free] seconds, the slowest group's: groups run side
         by side. ``messages``: (site, direction, numel or numel(network), dtype, collective). Groups
         beyond the sampled ones: each message's slowest repair is drawn from the simulated repairs of
         every message of its kind (direction, collective and packets, on groups alike but for streams),
         added to its own loss-free time (the same in every group). ``stages`` > 1: as many stages alike
-        but for their streams, the groups of all but the first drawn whole. Returns [stage][step][message]."""
+        but for their streams, the groups of all but the first drawn whole. ``shapes``: the transfers built so
+        far (``_network``'s cache), shared by the calls of other stages: a pipeline's first, middle and last
+        stages' groups differ only by their streams, and most of their buckets are the same sizes. Returns
+        [stage][step][message]."""
         chosen, extra = self._sample(groups, stages)
-        seconds, shapes = np.zeros((len(chosen), steps, len(messages), 2)), {}
+        seconds = np.zeros((len(chosen), steps, len(messages), 2))
         kinds = [None] * len(messages)
         for g, group in enumerate(chosen):
             if group.same_as >= 0:   # a fabric's clean group: no slower than its representative
