@@ -22,47 +22,47 @@ def count(row, position, bounds, phase, slot, bad, used, link_ids, open_run, max
     draws, rows = used.shape
     n = len(row)
     total = np.zeros(rows, dtype=np.int64)
-    stream = np.empty(n, dtype=np.int64)         # each loss's place in its link's packets of the batch
-    slots = np.empty(n, dtype=np.int64)
     start = np.zeros(rows + 1, dtype=np.int64)
+    for k in range(n):
+        start[row[k] + 1] += 1
+    for r in range(rows):
+        start[r + 1] += start[r]
+    fill = start[:rows].copy()
+    # The losses in link order, each link's in queue order (a counting sort: stable, so in stream order),
+    # written in place as they are read: the runs below walk each link's losses front to back.
+    stream = np.empty(n, dtype=np.int64)   # each loss's place in its link's packets of the batch
+    slots = np.empty(n, dtype=np.int64)
     for e in range(draws):
         for k in range(bounds[e], bounds[e + 1]):
             r = row[k]
-            stream[k] = total[r] + position[k]
-            slots[k] = phase[e] * links + link_ids[r] if phase[e] >= 0 else slot[k]
-            lost[slots[k]] += 1
+            s = phase[e] * links + link_ids[r] if phase[e] >= 0 else slot[k]
+            lost[s] += 1
             if bad[e]:
-                sent_bad[slots[k]] += 1
-            start[r + 1] += 1
+                sent_bad[s] += 1
+            i = fill[r]
+            fill[r] = i + 1
+            stream[i] = total[r] + position[k]
+            slots[i] = s
         for r in range(rows):
             if phase[e] >= 0:
                 sent[phase[e] * links + link_ids[r]] += used[e, r]
             total[r] += used[e, r]
-    # The losses in link order, each link's in queue order (a counting sort: stable), so in stream order
-    for r in range(rows):
-        start[r + 1] += start[r]
-    fill = start[:rows].copy()
-    order = np.empty(n, dtype=np.int64)
-    for k in range(n):
-        order[fill[row[k]]] = k
-        fill[row[k]] += 1
     for r in range(rows):
         link, opened, packets = link_ids[r], open_run[r], total[r]
         after[r] = 0 if packets > 0 else opened
         k, end = start[r], start[r + 1]
-        if opened > 0 and packets > 0 and not (k < end and stream[order[k]] == 0):
+        if opened > 0 and packets > 0 and not (k < end and stream[k] == 0):
             hist[min(opened, max_burst) * links + link] += 1   # the batch's first packet arrived: it ends
         while k < end:
-            i = order[k]
-            last = stream[i]
+            last = stream[k]
             carried = last == 0 and opened > 0             # the run left open before goes on
             if not carried:
-                bursts[slots[i]] += 1
+                bursts[slots[k]] += 1
             length = opened if carried else 0
             while True:
                 length += 1
                 k += 1
-                if k == end or stream[order[k]] != last + 1:
+                if k == end or stream[k] != last + 1:
                     break
                 last += 1
             if last == packets - 1:                        # reaches the link's last packet: stays open
