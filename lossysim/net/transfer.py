@@ -25,6 +25,9 @@ from .spec import NetworkSpec
 from .transport import Sends
 
 
+_PHASE = {phase: k for k, phase in enumerate(PHASES)}
+
+
 def packets(payload_bytes: int, numel: int, dtype: torch.dtype) -> tuple[int, int]:
     """(elements per packet, packets per message) for a message of ``numel`` elements: the last packet
     may be partial."""
@@ -103,25 +106,29 @@ def assemble(spec: NetworkSpec, links: list, sched: Schedule, per_packet: int, i
     topology = spec.topology
     index = {link: i for i, link in enumerate(links)}
     link_ids = torch.tensor([index[link] for link in sched.links], dtype=torch.long, device=device)
+    # per send, from its schedule link (a 128-rank ring has 32,512 sends on 128 links)
+    row = np.asarray(sched.send_row, dtype=np.int64)
     if spec.cables is None:
-        lossy_rows = [r for r, (src, dst) in enumerate(sched.links) if topology.lossy(src, dst)]
+        lossy = [topology.lossy(src, dst) for src, dst in sched.links]
         rescale = 1.0 / (1.0 - spec.loss.loss_rate) if spec.loss.loss_rate < 1 else 0.0
-        factor = torch.tensor([rescale if topology.lossy(s.src, s.dst) else 1.0 for s in sched.sends],
-                              dtype=torch.float64, device=device)
+        per_link = [rescale if is_lossy else 1.0 for is_lossy in lossy]
     else:   # each link at the loss its route's cables give it
-        lossy_rows = [r for r, (src, dst) in enumerate(sched.links) if spec.link_lossy(src, dst)]
-        rate = {link: spec.link_rate(*link) for link in set(sched.links)}
-        factor = torch.tensor([1.0 / (1.0 - rate[s.src, s.dst]) if rate[s.src, s.dst] < 1 else 0.0
-                               for s in sched.sends], dtype=torch.float64, device=device)
-    # packets each (phase, link) sends: one bincount (a 128-rank ring has 32,512 sends)
-    slot = [PHASES.index(s.phase) * len(links) + index[sched.links[row]] for s, row in zip(sched.sends, sched.send_row)]
-    sent = torch.from_numpy(np.bincount(np.asarray(slot, dtype=np.int64), [s.packets for s in sched.sends],
-                                        minlength=len(PHASES) * len(links)).astype(np.int64))
+        lossy = [spec.link_lossy(src, dst) for src, dst in sched.links]
+        rate = [spec.link_rate(*link) for link in sched.links]
+        per_link = [1.0 / (1.0 - r) if r < 1 else 0.0 for r in rate]
+    lossy_rows = [r for r, is_lossy in enumerate(lossy) if is_lossy]
+    factor = torch.from_numpy(np.asarray(per_link, dtype=np.float64)[row]).to(device)
+    phase = np.fromiter((_PHASE[s.phase] for s in sched.sends), np.int64, len(sched.sends))
+    packets = np.fromiter((s.packets for s in sched.sends), np.int64, len(sched.sends))
+    # packets each (phase, link) sends: one bincount
+    slot = phase * len(links) + np.asarray([index[link] for link in sched.links], dtype=np.int64)[row]
+    sent = torch.from_numpy(np.bincount(slot, packets, minlength=len(PHASES) * len(links)).astype(np.int64))
     sent = sent.view(len(PHASES), len(links)).to(device)
     if sizes is None:
-        sizes = [max(0, min(numel, (s.first + s.packets) * per_packet) - s.first * per_packet) for s in sched.sends]
+        first = np.fromiter((s.first for s in sched.sends), np.int64, len(sched.sends))
+        sizes = np.maximum(0, np.minimum(numel, (first + packets) * per_packet) - first * per_packet)
     ideal = chosen.seconds
-    steps = _steps(spec, sched, link_ids, len(links), sizes, itemsize, ideal, device)
+    steps = _steps(spec, sched, row, packets, link_ids, len(links), sizes, itemsize, ideal, device)
     return Transfer(sched, per_packet, len(links), link_ids, lossy_rows, factor,
                     torch.tensor(sched.link_packets, dtype=torch.long, device=device),
                     max(sched.link_packets, default=0), sent, steps, ideal, chosen)
@@ -162,49 +169,52 @@ def loss_free(spec: NetworkSpec, sched: Schedule, message_bytes: int, packet_byt
                                     spec.link_intra, spec.link_inter, spec.bus_bandwidth(), spec.arch)
 
 
-def _steps(spec, sched, link_ids, n_links, sizes, itemsize, ideal, device) -> list:
-    """Per step with traffic: its sends as the transport needs them (``sizes``: each send's elements)."""
-    topology, nic = spec.topology, spec.nic_model
-    # One pass over the sends (a 128-rank ring has 32,512): each step's sends with packets, in schedule order,
-    # and the step in which each link sends for the last time (its connections end there).
-    last_step, by_step = {}, {}
-    for i, s in enumerate(sched.sends):
-        if s.packets:
-            last_step[(s.src, s.dst)] = max(last_step.get((s.src, s.dst), -1), s.step)
-            by_step.setdefault(s.step, []).append(i)
-    active = sorted(by_step)
-    steps = []
-    link_of = {pair: spec.link(topology.link_class(*pair)) for pair in last_step}   # a ring's 128 links
-    window_of = {id(link): timing.window_packets(link, spec.payload_bytes) for link in link_of.values()}
-    for k in active:
-        sends = by_step[k]
-        hops = [sched.sends[i] for i in sends]
-        links = [link_of[s.src, s.dst] for s in hops]
-        payload = [sizes[i] * itemsize for i in sends]
-        final = [last_step[(s.src, s.dst)] == k for s in hops]
-        width = max(s.packets for s in hops)
-        tails = np.zeros((len(hops), width), dtype=np.bool_)   # calloc'd, written in numpy: few are set
-        for i, (s, is_final) in enumerate(zip(hops, final)):
-            if is_final and not nic.rack:  # the last packets of each channel's share: nothing follows them
-                # (TCP finds its tails from the fates, per connection: ``transport._Rack``)
-                for end in _channel_ends(s.packets, spec.channels):
-                    tails[i, max(end - nic.dupacks + 1, 0):end + 1] = True
-        tails = torch.from_numpy(tails)
-        seconds = lambda values: torch.tensor(values, dtype=torch.float64, device=device)  # noqa: E731
-        transport = Sends(
-            packets=torch.tensor([s.packets for s in hops], device=device),
-            tau=seconds([link.wire_bytes(b, s.packets) / link.bandwidth_Bps / s.packets
-                         for link, b, s in zip(links, payload, hops)]),
-            rtt=seconds([2 * link.latency_s for link in links]),
-            window=torch.tensor([window_of[id(link)] for link in links], device=device),
-            final=torch.tensor(final, device=device), tails=tails.to(device),
-            tail_resends=torch.tensor([nic.dupacks * spec.channels if f else 0 for f in final], device=device),
-            connections=spec.connections)
-        rows = [sched.send_row[i] for i in sends]
-        phase = PHASES.index(hops[0].phase)
-        steps.append(Step(sends, rows, phase, transport, phase * n_links + link_ids[rows],
-                          (spec.deadline - 1.0) * ideal / len(active)))
-    return steps
+def _steps(spec, sched, row, packets, link_ids, n_links, sizes, itemsize, ideal, device) -> list:
+    """Per step with traffic: its sends as the transport needs them (``row``, ``packets``, ``sizes``: each
+    send's schedule link, packets and elements).
+
+    Worked out for every send at once (a 128-rank ring has 32,512), then cut step by step: each step's
+    sends with packets, in schedule order; a send is final where its link sends for the last time (its
+    connections end there)."""
+    nic, sends = spec.nic_model, sched.sends
+    step = np.fromiter((s.step for s in sends), np.int64, len(sends))
+    busy = np.flatnonzero(packets > 0)
+    busy = busy[np.argsort(step[busy], kind="stable")]          # by step, each step's in schedule order
+    last = np.full(len(sched.links), -1, dtype=np.int64)
+    np.maximum.at(last, row[busy], step[busy])
+    final = step == last[row]
+    # each schedule link's Link (a ring's 128): its header, bandwidth, round trip and window
+    link_of = [spec.link(spec.topology.link_class(*pair)) for pair in sched.links]
+    header = np.array([link.header_bytes for link in link_of], dtype=np.int64)
+    bandwidth = np.array([link.bandwidth_Bps for link in link_of], dtype=np.float64)
+    rtt = np.array([2 * link.latency_s for link in link_of], dtype=np.float64)
+    windows = {id(link): timing.window_packets(link, spec.payload_bytes) for link in link_of}
+    window = np.array([windows[id(link)] for link in link_of], dtype=np.int64)
+    wire = np.asarray(sizes, dtype=np.int64) * itemsize + packets * header[row]
+    with np.errstate(divide="ignore", invalid="ignore"):       # (sends without packets are left out)
+        tau = wire / bandwidth[row] / packets
+    resends = np.where(final, nic.dupacks * spec.channels, 0)
+    starts = np.flatnonzero(np.diff(step[busy], prepend=-1)) if len(busy) else np.zeros(0, dtype=np.int64)
+    active = len(starts)
+    out = []
+    for first, end in zip(starts.tolist(), [*starts[1:].tolist(), len(busy)]):
+        i = busy[first:end]
+        width = int(packets[i].max())
+        tails = np.zeros((len(i), width), dtype=np.bool_)   # calloc'd, written in numpy: few are set
+        if not nic.rack:   # the last packets of each channel's share: nothing follows them
+            # (TCP finds its tails from the fates, per connection: ``transport._Rack``)
+            for k in np.flatnonzero(final[i]).tolist():
+                for stop in _channel_ends(int(packets[i[k]]), spec.channels):
+                    tails[k, max(stop - nic.dupacks + 1, 0):stop + 1] = True
+        on = lambda values: torch.from_numpy(values).to(device)  # noqa: E731
+        transport = Sends(packets=on(packets[i]), tau=on(tau[i]), rtt=on(rtt[row[i]]),
+                          window=on(window[row[i]]), final=on(final[i]), tails=on(tails),
+                          tail_resends=on(resends[i]), connections=spec.connections)
+        rows = row[i].tolist()
+        phase = PHASES.index(sends[i[0]].phase)
+        out.append(Step(i.tolist(), rows, phase, transport, phase * n_links + link_ids[rows],
+                        (spec.deadline - 1.0) * ideal / active))
+    return out
 
 
 def _channel_ends(packets: int, channels: int) -> list[int]:
