@@ -195,8 +195,8 @@ def _steps(spec, sched, row, packets, link_ids, n_links, sizes, itemsize, ideal,
         tau = wire / bandwidth[row] / packets
     resends = np.where(final, nic.dupacks * spec.channels, 0)
     starts = np.flatnonzero(np.diff(step[busy], prepend=-1)) if len(busy) else np.zeros(0, dtype=np.int64)
-    active = len(starts)
-    out = []
+    active, out = len(starts), []
+    on = lambda values: torch.from_numpy(values).to(device)  # noqa: E731
     for first, end in zip(starts.tolist(), [*starts[1:].tolist(), len(busy)]):
         i = busy[first:end]
         width = int(packets[i].max())
@@ -206,7 +206,6 @@ def _steps(spec, sched, row, packets, link_ids, n_links, sizes, itemsize, ideal,
             for k in np.flatnonzero(final[i]).tolist():
                 for stop in _channel_ends(int(packets[i[k]]), spec.channels):
                     tails[k, max(stop - nic.dupacks + 1, 0):stop + 1] = True
-        on = lambda values: torch.from_numpy(values).to(device)  # noqa: E731
         transport = Sends(packets=on(packets[i]), tau=on(tau[i]), rtt=on(rtt[row[i]]),
                           window=on(window[row[i]]), final=on(final[i]), tails=on(tails),
                           tail_resends=on(resends[i]), connections=spec.connections)
