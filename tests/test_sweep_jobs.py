@@ -134,13 +134,20 @@ def test_a_bad_count_is_one_line_and_exit_2(tmp_path, capsys, flag):
     assert not (tmp_path / "o").exists()
 
 
+def _foreground(command: list[str]) -> list[str]:
+    """``command`` with Ctrl-C's default action, as a terminal's foreground job has it: a job a shell script
+    sends to the background (``&``) inherits SIGINT ignored, and so would the sweep, which then runs on."""
+    again = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+    return [sys.executable, "-c", again, *command]
+
+
 def test_ctrl_c_stops_every_job_with_exit_130_and_the_sweep_resumes(tmp_path):
     spec = _spec(tmp_path / "j.yaml")
     out = tmp_path / "o"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     command = [sys.executable, "-m", "lossysim", "sweep", str(spec), "--out", str(out), "--jobs", "2",
                "--no-progress", "--set", "steps=200", "--set", "eval_every=100"]
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(_foreground(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     deadline = time.time() + 240
     while time.time() < deadline and len(list(out.glob("*/metrics.jsonl"))) < 2:
