@@ -51,8 +51,13 @@ class Inline:
 
 def _work(slot: int, tasks, done, progress: bool, execute: Callable) -> None:
     """A worker's loop; ``execute`` is the sweep's (pickled by name: the worker imports it itself)."""
+    from tqdm import tqdm
+
     from .runtime import die_with_parent
     die_with_parent()
+    # tqdm's default lock is a multiprocessing semaphore of this process alone (a spawned worker shares no
+    # lock with the sweep): a worker stopped by Ctrl-C would leave it to the resource tracker's warning
+    tqdm.set_lock(threading.RLock())
     while True:
         item = tasks.get()
         if item is None:
