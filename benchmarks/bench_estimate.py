@@ -14,10 +14,11 @@
 5. ``--tcp``: the TCP row's time over the IRN row's, each timed in this process side by side (irn, then
    tcp): the 70B step of 1. (the README's DDP layout, ring), and with ``--405b`` / ``--deepseek`` theirs
    too (the 405B tcp row took 26 minutes of CPU before issue 52: run it once, if at all). Target <= 3x.
-   numba's one-time start-up (its import and the kernel loaded from its cache, paid once per process by
+   numba's one-time start-up (its import and the kernels loaded from its cache, paid once per process by
    the first TCP row) is timed first and printed on its own, and beside the 70B ratio.
-   The 70B tcp row is timed a second time on the Python loop (``timing.carried.COMPILED`` off: what runs
-   without numba), its row compared with the compiled one's, every figure equal.
+   The 70B tcp row is timed a second time on the Python loops (``timing.carried.COMPILED`` and
+   ``net.transport.rack_kernel.COMPILED`` off: what runs without numba), its row compared with the
+   compiled one's, every figure equal.
 
 Torch runs one intra-op thread (``--threads``, default 1): the targets are one core's, and a shared
 machine's spare threads only spin.
@@ -86,12 +87,17 @@ def big(nic: str) -> tuple[float, dict]:
 
 
 def numba_start_up() -> float:
-    """Seconds to import numba and load the TCP kernel (one tiny connection carried through it)."""
-    from lossysim.timing import carried, congestion
+    """Seconds to import numba and load the TCP kernels (one tiny send of one connection through them: its
+    window carried, its round 0 and a resend)."""
+    from lossysim.net.transport.sends import HostSends
+    from lossysim.net.transport.tcp import _Rack
+    from lossysim.timing.retransmission import NIC_PRESETS
     start = time.perf_counter()
     one = np.array([0])
-    carried.step("cubic", congestion.fresh(1, 1), np.zeros((1, 1)), one, np.array([3]), one, one[:, None],
-                 np.array([[9]]), np.array([1e-6]), np.array([1e-5]), 3, {})
+    rack = _Rack(NIC_PRESETS["tcp"], HostSends(np.array([10]), 10, np.array([1e-6]), np.array([1e-5]),
+                                               np.array([True]), None, True, one), None)
+    rack.first(one, np.array([9]))
+    rack.resent(one, np.array([9]), np.array([False]), 1)
     return time.perf_counter() - start
 
 
@@ -145,11 +151,12 @@ def main() -> int:
         ratio_line(f"70B DDP ({row['layout']}, 1%)", irn, tcp)
         print(f"70B DDP with numba's start-up: {tcp + kernel_start:.1f} s / {irn:.1f} s = "
               f"{(tcp + kernel_start) / irn:.2f}x")
+        from lossysim.net.transport import rack_kernel
         from lossysim.timing import carried, carried_kernel
         if carried_kernel.connections() is not None:
-            carried.COMPILED = False
+            carried.COMPILED = rack_kernel.COMPILED = False
             python, again = timed(shape, "bernoulli:0.01", ddp, workload, args.steps, "tcp")
-            carried.COMPILED = True
+            carried.COMPILED = rack_kernel.COMPILED = True
             same = again == row   # NaN-free rows: == compares every figure
             print(f"70B DDP tcp row on the Python loop: {python:.1f} s ({python / tcp:.2f}x the compiled); "
                   f"the same row: {'yes' if same else 'NO'}")

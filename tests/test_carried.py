@@ -46,7 +46,7 @@ def test_events_are_each_loss_and_the_delivered_packets_behind_it_in_sending_ord
 def _by_carry(kind, windows, row, packet, conn, firsts, ends, taus, rtts, reveal):
     """What ``_Rack._windows`` did before ``carried``: ``carry`` per connection."""
     n, k = windows.shape[:2]
-    windows, window, found_at = windows.copy(), np.zeros((n, k)), {}
+    windows, window, sacks, marks = windows.copy(), np.zeros((n, k)), [], []
     delays = np.zeros(n)
     bounds = np.searchsorted(row, np.arange(n + 1)).tolist()
     for r in range(n):
@@ -61,10 +61,10 @@ def _by_carry(kind, windows, row, packet, conn, firsts, ends, taus, rtts, reveal
             delay, state, last, *found = congestion.carry(kind, windows[r, c], int(ends[r, c]) - first + 1, ours,
                                                           float(taus[r]), float(rtts[r]), reveal)
             windows[r, c], window[r, c] = state, last
-            if len(ours):
-                found_at[(r, c)] = [x + first for x in found]
+            sacks += (found[0] + first).tolist()
+            marks += (found[1] + first).tolist()
             delays[r] = max(delays[r], delay)
-    return delays, windows, window, found_at
+    return delays, windows, window, sacks, marks
 
 
 def _random_step(rng, n, k, rtt_range, rate, runs=False, most=4000):
@@ -93,14 +93,13 @@ def _same(a, b):
 def _check(kind, windows, step, reveal):
     row, packet, conn, firsts, ends, taus, rtts = step
     want = _by_carry(kind, windows, row, packet, conn, firsts, ends, taus, rtts, reveal)
-    got_windows, got_window, got_found = windows.copy(), np.zeros(windows.shape[:2]), {}
-    delays = carried.step(kind, got_windows, got_window, row, packet, conn, firsts, ends, taus, rtts, reveal, got_found)
+    got_windows, got_window = windows.copy(), np.zeros(windows.shape[:2])
+    delays, sacks, marks = carried.step(kind, got_windows, got_window, row, packet, conn, firsts, ends, taus, rtts,
+                                        reveal)
     assert _same(delays, want[0])
     assert _same(got_windows, want[1])
     assert _same(got_window, want[2])
-    assert sorted(got_found) == sorted(want[3])
-    for key, (sacks, marks) in want[3].items():
-        assert _same(got_found[key][0], sacks) and _same(got_found[key][1], marks)
+    assert len(sacks) == len(row) and _same(sacks, want[3]) and _same(marks, want[4])
     return got_windows
 
 
@@ -150,9 +149,9 @@ def test_nothing_lost_nothing_cut_is_left_alone():
     rng = np.random.default_rng(9)
     row, packet, conn, firsts, ends, taus, rtts = _random_step(rng, 3, 2, (-6, -5), 0.0)
     assert len(row) == 0
-    windows, window, found = congestion.fresh(3, 2), np.zeros((3, 2)), {}
-    delays = carried.step("cubic", windows, window, row, packet, conn, firsts, ends, taus, rtts, 3, found)
-    assert not delays.any() and not found and not window.any()
+    windows, window = congestion.fresh(3, 2), np.zeros((3, 2))
+    delays, sacks, marks = carried.step("cubic", windows, window, row, packet, conn, firsts, ends, taus, rtts, 3)
+    assert not delays.any() and not len(sacks) and not len(marks) and not window.any()
     assert _same(windows, congestion.fresh(3, 2))
 
 

@@ -28,23 +28,23 @@ NAN = math.nan
 
 def step(kind: str, windows: np.ndarray, window: np.ndarray, row: np.ndarray, lost: np.ndarray,
          conn: np.ndarray, firsts: np.ndarray, ends: np.ndarray, taus: np.ndarray, rtts: np.ndarray,
-         reveal: int, found_at: dict) -> np.ndarray:
+         reveal: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One step's connections (``windows``: ``[sends, connections, 3]`` states, updated in place), each
     sending its share of its send's packets (connection ``c`` of send ``r`` the packets ``firsts[r, c]`` to
     ``ends[r, c]``, ``taus[r]`` seconds each, round trips of ``rtts[r]``) and losing those at ``lost``
     (sorted by send, then packet; ``row`` and ``conn`` say whose): per send the seconds beyond its
-    loss-free time that its slowest connection's window costs (``carry``'s first figure, 0 at least), each
-    connection's window at the end in ``window``, and per connection with losses where their SACKs come
-    back (``carry``'s last two, in packets of the send) in ``found_at[(r, c)]``. A send with nothing lost
-    whose connections were never cut is left alone (at the pipe)."""
+    loss-free time that its slowest connection's window costs (``carry``'s first figure, 0 at least), and
+    per loss where its first and ``reveal``-th SACK come back (``carry``'s last two, in packets of the
+    send); each connection's window at the end in ``window``. A send with nothing lost whose connections
+    were never cut is left alone (at the pipe)."""
     n, k = windows.shape[:2]
     beta, alpha = WINDOWS[kind]
     cubic = kind == "cubic"
     delays = np.zeros(n)
     counts = np.bincount(row, minlength=n) if len(row) else np.zeros(n, dtype=np.int64)
-    busy = np.flatnonzero((counts > 0) | ~np.isnan(windows[:, :, 1]).all(1)).tolist()
-    if not busy:
-        return delays
+    busy = np.flatnonzero((counts > 0) | ~np.isnan(windows[:, :, 1]).all(1))
+    if not len(busy):
+        return delays, np.zeros(0), np.zeros(0)
     packets = ends - firsts + 1                                   # [send, connection]
     group = row * k + conn                                        # sorted: each connection's losses a run
     m = len(group)
@@ -52,17 +52,17 @@ def step(kind: str, windows: np.ndarray, window: np.ndarray, row: np.ndarray, lo
     firsts_l = firsts[row, conn]
     position = lost - firsts_l                                    # in its connection's packets
     taus_l, rtts_l = taus.tolist(), rtts.tolist()
-    half_cube = {}
-    for r in busy:
-        rtt = rtts_l[r]
-        if rtt not in half_cube:
-            half = math.sqrt(alpha / (3 * CUBIC_C * rtt)) / 2
-            half_cube[rtt] = (half, half ** 3)
+    half_cube = {}                             # per round trip (a step has a few): Python's floats
+    for rtt in np.unique(rtts[busy]).tolist():
+        half = math.sqrt(alpha / (3 * CUBIC_C * rtt)) / 2
+        half_cube[rtt] = (half, half ** 3)
     delay_of = np.zeros(n * k)                 # each connection's delay
     kernel = carried_kernel.connections() if COMPILED else None
     if kernel is not None:
-        status, outs, F0, F1 = _compiled(kernel, busy, k, cubic, beta, alpha, windows, packets, taus_l, rtts_l,
-                                         half_cube, position, bounds, reveal)
+        status, outs, F0, F1 = _compiled(kernel, busy, k, cubic, beta, alpha, windows, packets,
+                                         np.ascontiguousarray(taus, dtype=np.float64),
+                                         np.ascontiguousarray(rtts, dtype=np.float64), half_cube, position, bounds,
+                                         reveal)
         done = np.flatnonzero(status == carried_kernel.DONE)
         r_done, c_done = np.divmod(done, k)
         windows[r_done, c_done], window[r_done, c_done] = outs[done, 1:4], outs[done, 4]
@@ -70,23 +70,19 @@ def step(kind: str, windows: np.ndarray, window: np.ndarray, row: np.ndarray, lo
         left, loop = np.flatnonzero(status == carried_kernel.CARRY).tolist(), False
     else:
         F0, F1 = [NAN] * m, [NAN] * m          # where each loss's first and reveal-th SACK comes back
-        left, loop = [r * k + c for r in busy for c in range(k)], True
+        left, loop = [r * k + c for r in busy.tolist() for c in range(k)], True
     if left:
         _in_python(left, loop, kind, cubic, beta, alpha, windows, window, delay_of, packets.tolist(), taus_l,
                    rtts_l, half_cube, bounds.tolist(), position, reveal, F0, F1)
     # a send's delay: its slowest connection's, 0 at least (``max(0.0, d, ...)``, a NaN passed over)
     slowest = np.fmax.reduce(delay_of.reshape(n, k), axis=1)
     delays = np.where(slowest > 0.0, slowest, 0.0)
-    if m:
-        # where a SACK after the stream is (before its pace), in the send's packets
-        beyond = packets[row, conn] + window[row, conn] + firsts_l
-        sacks, marks = np.asarray(F0, dtype=np.float64), np.asarray(F1, dtype=np.float64)
-        sacks = np.where(np.isnan(sacks), beyond, sacks + firsts_l)
-        marks = np.where(np.isnan(marks), beyond, marks + firsts_l)
-        for g in np.flatnonzero(bounds[1:] > bounds[:-1]).tolist():
-            lo, hi = bounds[g], bounds[g + 1]
-            found_at[divmod(g, k)] = [sacks[lo:hi], marks[lo:hi]]
-    return delays
+    # where a SACK after the stream is (before its pace), in the send's packets
+    beyond = packets[row, conn] + window[row, conn] + firsts_l
+    sacks, marks = np.asarray(F0, dtype=np.float64), np.asarray(F1, dtype=np.float64)
+    sacks = np.where(np.isnan(sacks), beyond, sacks + firsts_l)
+    marks = np.where(np.isnan(marks), beyond, marks + firsts_l)
+    return delays, sacks, marks
 
 
 def _in_python(groups, loop, kind, cubic, beta, alpha, windows, window, delay_of, packets, taus, rtts, half_cube,
@@ -126,18 +122,19 @@ def _compiled(kernel, busy, k, cubic, beta, alpha, windows, packets, taus, rtts,
     """Every busy connection through the compiled ``kernel`` (``carried_kernel.connections()``): each one's
     outcome and figures, and where SACKs come back (``F0``, ``F1``)."""
     n = len(taus)
-    # per send, in Python as ``_in_python`` computes them (``pipe ** 2`` is C's pow): the same floats
-    pipes, p2s, halfs, cubes = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
-    for r in busy:
-        pipe = rtts[r] / taus[r]
-        pipes[r], p2s[r] = pipe, pipe ** 2
-        halfs[r], cubes[r] = half_cube[rtts[r]]
+    # per send, as ``_in_python`` computes them: a division is IEEE's either way, a power Python's (C's pow)
+    # per value, which the sends of a step share
+    pipes, p2s, halfs, cubes = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
+    pipes[busy] = rtts[busy] / taus[busy]
+    values, which = np.unique(pipes[busy], return_inverse=True)
+    p2s[busy] = np.array([pipe ** 2 for pipe in values.tolist()])[which]
+    values, which = np.unique(rtts[busy], return_inverse=True)
+    halfs[busy], cubes[busy] = np.array([half_cube[rtt] for rtt in values.tolist()]).T[:, which]
     m, n_groups = len(position), len(bounds) - 1
     F0, F1 = np.full(m, NAN), np.full(m, NAN)
     outs = np.empty((n_groups, 5))
     status = np.full(n_groups, -1, dtype=np.int64)   # -1: not busy
-    kernel(np.array(busy, dtype=np.int64), k, cubic, beta, alpha, np.ascontiguousarray(windows, dtype=np.float64),
-           packets.astype(np.int64, copy=False), np.array(taus), np.array(rtts), np.array(pipes), np.array(p2s),
-           np.array(halfs), np.array(cubes), position.astype(np.int64, copy=False),
-           bounds.astype(np.int64, copy=False), reveal, F0, F1, outs, status)
+    kernel(busy, k, cubic, beta, alpha, np.ascontiguousarray(windows, dtype=np.float64),
+           packets.astype(np.int64, copy=False), taus, rtts, pipes, p2s, halfs, cubes,
+           position.astype(np.int64, copy=False), bounds.astype(np.int64, copy=False), reveal, F0, F1, outs, status)
     return status, outs, F0, F1
