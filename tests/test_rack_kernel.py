@@ -54,9 +54,9 @@ def _by_connection(rack: _Rack, row, packet, sacks, marks):
                     episode = (resend, episode[1])
             else:
                 reordered = True
-                nxt[at[k]] = float(end) + rack.AFTER_TIMER + rack.TIE * i
+                nxt[at[k]] = float(end) + rack_kernel.AFTER_TIMER + rack_kernel.TIE * i
                 continue
-            nxt[at[k]] = resend + rack.TIE * i
+            nxt[at[k]] = resend + rack_kernel.TIE * i
             episode = (episode[0], max(episode[1], resend + window))
         if reordered:
             waits[r, c], timer[r, c] = max(waits[r, c], float(nic.reorder_s(a.rtt[r:r + 1])[0])), True
@@ -66,7 +66,7 @@ def _by_connection(rack: _Rack, row, packet, sacks, marks):
                 fallback = ("rto", True)
             else:
                 fallback = ("probe", bool(trailing.sum() == 1 and not (nxt[at[~trailing]] > last_ack).any()))
-            nxt[at[trailing]] = end + window + rack.TIE * mine[trailing]
+            nxt[at[trailing]] = end + window + rack_kernel.TIE * mine[trailing]
             suspects.append((r, c, float(end), fallback, mine[trailing].tolist()))
     return latest, waits, timer, nxt, suspects
 

@@ -13,6 +13,7 @@ more, ``congestion.CURVE``) a connection is left to ``carry`` itself.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -51,29 +52,19 @@ def step(kind: str, windows: np.ndarray, window: np.ndarray, row: np.ndarray, lo
     bounds = np.searchsorted(group, np.arange(n * k + 1)) if m else np.zeros(n * k + 1, dtype=np.int64)
     firsts_l = firsts[row, conn]
     position = lost - firsts_l                                    # in its connection's packets
-    taus_l, rtts_l = taus.tolist(), rtts.tolist()
-    half_cube = {}                             # per round trip (a step has a few): Python's floats
-    for rtt in np.unique(rtts[busy]).tolist():
-        half = math.sqrt(alpha / (3 * CUBIC_C * rtt)) / 2
-        half_cube[rtt] = (half, half ** 3)
     delay_of = np.zeros(n * k)                 # each connection's delay
     kernel = carried_kernel.connections() if COMPILED else None
     if kernel is not None:
-        status, outs, F0, F1 = _compiled(kernel, busy, k, cubic, beta, alpha, windows, packets,
-                                         np.ascontiguousarray(taus, dtype=np.float64),
-                                         np.ascontiguousarray(rtts, dtype=np.float64), half_cube, position, bounds,
-                                         reveal)
-        done = np.flatnonzero(status == carried_kernel.DONE)
-        r_done, c_done = np.divmod(done, k)
-        windows[r_done, c_done], window[r_done, c_done] = outs[done, 1:4], outs[done, 4]
-        delay_of[done] = outs[done, 0]
+        status, F0, F1 = _compiled(kernel, busy, k, cubic, beta, alpha, windows, window, delay_of, packets,
+                                   np.ascontiguousarray(taus, dtype=np.float64),
+                                   np.ascontiguousarray(rtts, dtype=np.float64), position, bounds, reveal)
         left, loop = np.flatnonzero(status == carried_kernel.CARRY).tolist(), False
     else:
         F0, F1 = [NAN] * m, [NAN] * m          # where each loss's first and reveal-th SACK comes back
         left, loop = [r * k + c for r in busy.tolist() for c in range(k)], True
     if left:
-        _in_python(left, loop, kind, cubic, beta, alpha, windows, window, delay_of, packets.tolist(), taus_l,
-                   rtts_l, half_cube, bounds.tolist(), position, reveal, F0, F1)
+        _in_python(left, loop, kind, cubic, beta, alpha, windows, window, delay_of, packets.tolist(), taus.tolist(),
+                   rtts.tolist(), bounds.tolist(), position, reveal, F0, F1)
     # a send's delay: its slowest connection's, 0 at least (``max(0.0, d, ...)``, a NaN passed over)
     slowest = np.fmax.reduce(delay_of.reshape(n, k), axis=1)
     delays = np.where(slowest > 0.0, slowest, 0.0)
@@ -85,8 +76,22 @@ def step(kind: str, windows: np.ndarray, window: np.ndarray, row: np.ndarray, lo
     return delays, sacks, marks
 
 
-def _in_python(groups, loop, kind, cubic, beta, alpha, windows, window, delay_of, packets, taus, rtts, half_cube,
-               bounds, position, reveal, F0, F1) -> None:
+@functools.lru_cache(maxsize=256)
+def _bounds(alpha: float, rtt: float) -> tuple[float, float]:
+    """The Reno-friendly shortcut's bounds at a round trip, as Python computes them (C's pow): a step's
+    sends share a few round trips, a run a few hundred."""
+    half = math.sqrt(alpha / (3 * CUBIC_C * rtt)) / 2
+    return half, half ** 3
+
+
+@functools.lru_cache(maxsize=256)
+def _square(pipe: float) -> float:
+    """``pipe ** 2`` as Python computes it (C's pow, which numba's ``**`` need not match)."""
+    return pipe ** 2
+
+
+def _in_python(groups, loop, kind, cubic, beta, alpha, windows, window, delay_of, packets, taus, rtts, bounds,
+               position, reveal, F0, F1) -> None:
     """Connections ``groups`` (``send * connections + connection``) carried in Python: through
     ``carried_kernel.connection`` on their ``events`` (``loop``: without numba), else or where it hands them
     back through ``carry``; their states, last windows and delays written in place, where their SACKs come
@@ -102,7 +107,7 @@ def _in_python(groups, loop, kind, cubic, beta, alpha, windows, window, delay_of
         lo, hi = bounds[g], bounds[g + 1]
         outcome = carried_kernel.CARRY
         if loop:
-            half, cube = half_cube[rtt]
+            half, cube = _bounds(alpha, rtt)
             pipe = rtt / tau
             w_max, cut, epoch = windows[r, c].tolist()
             sends = carried_kernel.events(losses, lo, hi, size_c, reveal, A1, A2, P, W, K)
@@ -117,24 +122,26 @@ def _in_python(groups, loop, kind, cubic, beta, alpha, windows, window, delay_of
         windows[r, c], window[r, c], delay_of[g] = state, last, delay
 
 
-def _compiled(kernel, busy, k, cubic, beta, alpha, windows, packets, taus, rtts, half_cube, position, bounds,
+def _compiled(kernel, busy, k, cubic, beta, alpha, windows, window, delay_of, packets, taus, rtts, position, bounds,
               reveal):
     """Every busy connection through the compiled ``kernel`` (``carried_kernel.connections()``): each one's
-    outcome and figures, and where SACKs come back (``F0``, ``F1``)."""
+    outcome, where SACKs come back (``F0``, ``F1``); a connection carried there has its state, last window
+    and delay written in place."""
     n = len(taus)
     # per send, as ``_in_python`` computes them: a division is IEEE's either way, a power Python's (C's pow)
-    # per value, which the sends of a step share
     pipes, p2s, halfs, cubes = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
     pipes[busy] = rtts[busy] / taus[busy]
-    values, which = np.unique(pipes[busy], return_inverse=True)
-    p2s[busy] = np.array([pipe ** 2 for pipe in values.tolist()])[which]
-    values, which = np.unique(rtts[busy], return_inverse=True)
-    halfs[busy], cubes[busy] = np.array([half_cube[rtt] for rtt in values.tolist()]).T[:, which]
+    p2s[busy] = [_square(pipe) for pipe in pipes[busy].tolist()]
+    halfs[busy], cubes[busy] = np.array([_bounds(alpha, rtt) for rtt in rtts[busy].tolist()]).T
     m, n_groups = len(position), len(bounds) - 1
     F0, F1 = np.full(m, NAN), np.full(m, NAN)
-    outs = np.empty((n_groups, 5))
     status = np.full(n_groups, -1, dtype=np.int64)   # -1: not busy
-    kernel(busy, k, cubic, beta, alpha, np.ascontiguousarray(windows, dtype=np.float64),
-           packets.astype(np.int64, copy=False), taus, rtts, pipes, p2s, halfs, cubes,
-           position.astype(np.int64, copy=False), bounds.astype(np.int64, copy=False), reveal, F0, F1, outs, status)
-    return status, outs, F0, F1
+    states, last = np.ascontiguousarray(windows, dtype=np.float64), np.ascontiguousarray(window, dtype=np.float64)
+    kernel(busy, k, cubic, beta, alpha, states, last, delay_of, packets.astype(np.int64, copy=False), taus, rtts,
+           pipes, p2s, halfs, cubes, position.astype(np.int64, copy=False), bounds.astype(np.int64, copy=False),
+           reveal, F0, F1, status)
+    if states is not windows:       # (a copy: written back)
+        windows[...] = states
+    if last is not window:
+        window[...] = last
+    return status, F0, F1

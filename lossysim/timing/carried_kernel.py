@@ -223,11 +223,12 @@ def events(position, lo, hi, size, reveal, A1, A2, P, W, K):
             j2 += 1
 
 
-def _all(busy, k, cubic, beta, alpha, states, packets, taus, rtts, pipes, p2s, halfs, cubes, position, bounds,
-         reveal, F0, F1, outs, status):
+def _all(busy, k, cubic, beta, alpha, states, window, delay_of, packets, taus, rtts, pipes, p2s, halfs, cubes,
+         position, bounds, reveal, F0, F1, status):
     """``connection`` for every connection ``c`` of every send ``r`` in ``busy``, on its ``events``
     (connection ``g = r * k + c`` losing ``position[bounds[g]:bounds[g + 1]]``): its outcome in
-    ``status[g]``, its figures in ``outs[g]``."""
+    ``status[g]``; one carried here (DONE) has its state after in ``states[r, c]``, its last window in
+    ``window[r, c]`` and its delay in ``delay_of[g]``."""
     longest = 1
     for g in range(len(bounds) - 1):
         longest = max(longest, bounds[g + 1] - bounds[g])
@@ -236,6 +237,7 @@ def _all(busy, k, cubic, beta, alpha, states, packets, taus, rtts, pipes, p2s, h
     ret_t = np.empty(3 * longest + 1)
     ret_w = np.empty(3 * longest + 1, dtype=np.int64)
     ret_k = np.empty(3 * longest + 1, dtype=np.int64)
+    out = np.empty(5)
     for r in busy:
         for c in range(k):
             g = r * k + c
@@ -243,7 +245,10 @@ def _all(busy, k, cubic, beta, alpha, states, packets, taus, rtts, pipes, p2s, h
             n = _compiled_events(position, bounds[g], bounds[g + 1], size, reveal, A1, A2, P, W, K)
             status[g] = _compiled_connection(cubic, beta, alpha, states[r, c, 0], states[r, c, 1], states[r, c, 2],
                                              float(size), taus[r], rtts[r], pipes[r], p2s[r], halfs[r], cubes[r],
-                                             P, W, K, 0, n, F0, F1, ret_t, ret_w, ret_k, outs[g])
+                                             P, W, K, 0, n, F0, F1, ret_t, ret_w, ret_k, out)
+            if status[g] == DONE:
+                delay_of[g], states[r, c, 0], states[r, c, 1], states[r, c, 2], window[r, c] = \
+                    out[0], out[1], out[2], out[3], out[4]
 
 
 _compiled: dict = {}

@@ -56,6 +56,9 @@ class HostSends:
     any_final: bool             # some send is its link's last in the collective
     tail_resends: np.ndarray
     connections: int = 1
+    # what a transport works out once from these sends and reads at every step that has them (a run's
+    # steps repeat a few hundred sends thousands of times), keyed by the transport's own key
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass

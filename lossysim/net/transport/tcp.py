@@ -2,7 +2,7 @@
 RTO and its backoff, per connection, and what each connection's congestion window costs."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -40,17 +40,13 @@ class _Rack:
     collective has later traffic on every connection: its losses wait a round trip. A round's wait counts
     as a timeout per connection that waited a timer."""
 
-    AFTER_TIMER, TIE = rack_kernel.AFTER_TIMER, rack_kernel.TIE
-
     def __init__(self, nic: Nic, a: HostSends, windows: Optional[np.ndarray]):
         self.nic, self.a = nic, a
         n, k = len(a.packets), a.connections
-        self.base, self.extra = np.divmod(a.packets, k)     # connection c carries base + (c < extra) packets
-        starts = self._start(np.arange(k + 1)[:, None]).T                    # [send, connection + 1]
-        self.firsts, self.ends = starts[:, :-1], starts[:, 1:] - 1         # each connection's first and last packet
-        self.tau = a.tau * k                                # a connection's packets, at its share of the link
-        self.window = np.repeat((a.rtt / self.tau)[:, None], k, axis=1)   # packets a round trip, per connection
-        self.latest = self.ends.astype(np.float64)          # the latest position a delivered transmission had
+        layout = a.cache.get(nic) or a.cache.setdefault(nic, _Layout.of(nic, a))
+        self.base, self.extra, self.firsts, self.ends, self.tau, self.reorder = layout[:6]
+        self.window = layout.window.copy()     # packets a round trip per connection (the step's last, in place)
+        self.latest = layout.latest.copy()     # the latest position a delivered transmission had
         self.spent = np.zeros((n, k))                       # each connection's waits so far
         self.provisional = np.zeros((n, k))                 # what each connection's last round waited, as known then
         self.timed = np.zeros((n, k), dtype=bool)
@@ -58,16 +54,10 @@ class _Rack:
         self.fired = np.zeros((n, k))                       # where each connection's last timer fired
         self.windows = windows if windows is not None or not nic.window else congestion.fresh(n, k)
         self.wait, self.timer = a.rtt, None
-        self.late, self.late_timers = np.zeros(n), np.zeros(n, dtype=np.int64)
-        none = np.zeros(0, dtype=np.int64)   # the last round's losses nothing delivered behind reveals:
-        self.suspects = rack_kernel.Suspects.first(0, none, none, np.zeros(0), none, np.zeros(0, dtype=bool),
-                                                   np.zeros(1, dtype=np.int64), none)
-        self.next = np.zeros(0)     # per pending (send, packet), in their order: where its next resend goes out
-        self.conn = np.zeros(0, dtype=np.int64)   # and the connection that carries it
-
-    def _start(self, c) -> np.ndarray:
-        """The first packet of connection ``c`` of every send."""
-        return c * self.base + np.minimum(c, self.extra)
+        self.late, self.late_timers = _NO_LATE
+        self.suspects = _NO_SUSPECTS   # the last round's losses nothing delivered behind reveals
+        self.next = _NONE_F         # per pending (send, packet), in their order: where its next resend goes out
+        self.conn = _NONE           # and the connection that carries it
 
     def connection(self, row: np.ndarray, packet: np.ndarray) -> np.ndarray:
         """The connection that carries each (row, packet)."""
@@ -92,7 +82,7 @@ class _Rack:
             marks = sacks
         first = rack_kernel.kernels()[0]
         waits, timer, self.next, *suspects = first(row, packet, conn, self.a.final, self.firsts, self.ends,
-                                                   self.window, self.a.rtt, self.nic.reorder_s(self.a.rtt),
+                                                   self.window, self.a.rtt, self.reorder,
                                                    self.nic.dupacks, sacks, marks, self.latest)
         self.conn, self.suspects = conn, rack_kernel.Suspects.first(*suspects)
         self._charge(waits, timer)
@@ -142,3 +132,34 @@ class _Rack:
         after and each connection's window at the end, in place."""
         return carried.step(self.nic.window, self.windows, self.window, row, packet, conn, self.firsts, self.ends,
                             self.tau, self.a.rtt, self.nic.dupacks)
+
+
+class _Layout(NamedTuple):
+    """What ``_Rack`` reads of a step's sends under a preset, worked out once (``HostSends.cache``): each
+    send's connections (connection c carries ``base + (c < extra)`` packets, ``firsts`` to ``ends``), a
+    connection's packet time and round trip in packets, the reordering timer; the positions ``latest``
+    starts from."""
+    base: np.ndarray
+    extra: np.ndarray
+    firsts: np.ndarray
+    ends: np.ndarray
+    tau: np.ndarray
+    reorder: np.ndarray
+    window: np.ndarray
+    latest: np.ndarray
+
+    @classmethod
+    def of(cls, nic: Nic, a: HostSends) -> "_Layout":
+        k = a.connections
+        base, extra = np.divmod(a.packets, k)
+        starts = (np.arange(k + 1)[:, None] * base + np.minimum(np.arange(k + 1)[:, None], extra)).T
+        firsts, ends = starts[:, :-1], starts[:, 1:] - 1
+        tau = a.tau * k                                 # a connection's packets, at its share of the link
+        window = np.repeat((a.rtt / tau)[:, None], k, axis=1)
+        return cls(base, extra, firsts, ends, tau, nic.reorder_s(a.rtt), window, ends.astype(np.float64))
+
+
+_NONE, _NONE_F = np.zeros(0, dtype=np.int64), np.zeros(0)
+_NO_LATE = (0.0, 0)      # (each later round sets them)
+_NO_SUSPECTS = rack_kernel.Suspects.first(0, _NONE, _NONE, _NONE_F, _NONE, np.zeros(0, dtype=bool),
+                                          np.zeros(1, dtype=np.int64), _NONE)
