@@ -385,3 +385,52 @@ def test_a_step_waits_for_its_slowest_send(name):
     got = run_step(Transport("retransmit", nic.mode), nic, sends, draw, math.inf).extra
     second = 2 * (9 * TAU + NAK) if nic.mode == "go_back_n" else 2 * (2 * TAU + RTT)
     assert got == pytest.approx(max(TAU + TAIL[name], second), abs=1e-12)
+
+
+@pytest.mark.parametrize("preset", ["tcp", "tcp-bbr"])
+@pytest.mark.parametrize("retries", [None, 1])
+def test_tcps_rounds_compiled_are_numpys_rounds_to_the_bit(preset, retries):
+    """TCP's steps (RACK's waits per connection, the windows carried) through ``rounds``' compiled
+    bookkeeping and through numpy's passes, on the same fates: the same Result, floats and windows to the
+    bit, and the same losses counted each round. Sends of 1 to 4 connections, a link's last step or not,
+    scattered and heavy loss (so later rounds lose again), windows fresh and carried from a step before."""
+    nic = replace(NIC_PRESETS[preset], retries=retries)
+    assert rounds.kernels() is not None, "the dev extra installs numba"
+    rng = np.random.default_rng(7)
+    rounds_seen = 0
+    for k in (1, 2, 4):
+        for p in (0.003, 0.05, 0.3):
+            n = 12
+            packets = rng.integers(k, 2000, size=n)
+            f64 = dict(dtype=torch.float64)
+            rtt = torch.from_numpy(10 ** rng.uniform(-6, -4, size=n))
+            host = Sends(torch.from_numpy(packets), rtt / 10 ** torch.from_numpy(rng.uniform(0.5, 3, size=n)), rtt,
+                         torch.full((n,), WINDOW), torch.from_numpy(rng.random(n) < 0.7),
+                         torch.zeros(n, int(packets.max()), dtype=torch.bool), torch.zeros(n, dtype=torch.int64),
+                         connections=k).host()
+            seed = int(rng.integers(2 ** 31))
+            before = None
+            for _ in range(2):     # the second step starts from the windows the first left
+                results = []
+                for which in (None, rounds.kernels()):
+                    fates, counted = np.random.default_rng(seed), []
+
+                    def draw(to_send, width):
+                        return np.flatnonzero(fates.random((n, width)) < p)
+
+                    def count(row, column, to_send):
+                        counted.append((row.tolist(), column.tolist(), to_send.tolist()))
+                    with pytest.MonkeyPatch.context() as patch:
+                        patch.setattr(rounds, "kernels", lambda: which)
+                        start = None if before is None else before.copy()
+                        results.append((selective(nic, host, draw, count, math.inf, give_up=False, windows=start),
+                                        counted))
+                (numpy, numpy_counted), (compiled, compiled_counted) = results
+                assert compiled_counted == numpy_counted
+                rounds_seen += len(numpy_counted)
+                for name in ("missing_row", "missing_packet", "transmissions", "timeouts", "failed", "windows"):
+                    a, b = getattr(compiled, name), getattr(numpy, name)
+                    assert (a is None) == (b is None) and (a is None or np.asarray(a).tobytes() == b.tobytes()), name
+                assert (compiled.extra, compiled.shadow) == (numpy.extra, numpy.shadow)
+                before, seed = numpy.windows, seed + 1
+    assert rounds_seen > (60 if retries is None else 30)    # (one retry: two rounds a step at most)

@@ -4,8 +4,8 @@ which sends' last resends are tails (``advance``), the round's waits (``wait``) 
 slowest send's repairs (``repairs``).
 
 Written element by element so numba compiles them as they stand; ``transport.selective`` runs them when
-no RACK and no deadline is involved (every RDMA preset under ``retransmit``) and numpy's passes
-otherwise. A wide network's step runs a few rounds of a hundred sends each, hundreds of thousands in
+no deadline is involved (every preset under ``retransmit``, TCP's with ``tcp._Rack`` beside them) and
+numpy's passes otherwise. A wide network's step runs a few rounds of a hundred sends each, hundreds of thousands in
 the 405B step, and numpy's thirty-odd calls a round cost tens of microseconds where this costs a few.
 The same integers and the same IEEE additions in the same order: the same ``Result`` to the bit
 (tests/test_repairs.py runs both, and these functions uncompiled).
@@ -31,8 +31,8 @@ def went(lost, width, to_send):
 
 def advance(first, lost, lost_row, lost_column, width, row, packet, pending, to_send, tails, any_final, final,
             tail_resends, sent, failed, check_failures):
-    """After a round's draw: ``(row, packet, pending, to_send, tail, any_tail)``, the (send, packet) pairs
-    still pending, per send how many (``pending``) and how many go out next round (``to_send``: none from
+    """After a round's draw: ``(row, packet, pending, to_send, tail, any_tail, again)``, the (send, packet)
+    pairs still pending (``again``: which of the last round's were lost again), per send how many (``pending``) and how many go out next round (``to_send``: none from
     a failed send), and which sends' last pending packets nothing behind reveals. ``first``: round 0,
     whose lost packets that went out are pending; later, the k-th pending packet of a send went out as its
     k-th transmission (the last column past the round's width) and is pending again if that was lost.
@@ -41,6 +41,7 @@ def advance(first, lost, lost_row, lost_column, width, row, packet, pending, to_
     n = len(pending)
     tail = np.zeros(n, dtype=np.bool_)
     any_tail = False
+    keep = np.zeros(len(row), dtype=np.bool_)
     if first:
         row, packet = lost_row, lost_column
         if tails.shape[0] > 0:
@@ -54,7 +55,6 @@ def advance(first, lost, lost_row, lost_column, width, row, packet, pending, to_
         for s in range(n):
             before[s] = total
             total += pending[s]
-        keep = np.zeros(len(row), dtype=np.bool_)
         order = np.empty(len(row), dtype=np.int64)
         at = 0
         for j in range(len(row)):   # the keys only grow: one walk along the sorted losses
@@ -84,7 +84,7 @@ def advance(first, lost, lost_row, lost_column, width, row, packet, pending, to_
                 failed[s] = True
             if failed[s]:
                 to_send[s] = 0
-    return row, packet, pending, to_send, tail, any_tail
+    return row, packet, pending, to_send, tail, any_tail, keep
 
 
 def wait(to_send, wait_s, rtt, timer, waits, shadow, timeouts):

@@ -5,6 +5,7 @@ round trip when a later packet on the same connection reveals the gap, the prese
 behind it does (a tail loss); with RACK (TCP) each connection's waits are ``tcp._Rack``'s."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import numpy as np
@@ -27,9 +28,9 @@ def selective(nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, budget:
     The pending packets are ``(row, packet)`` pairs, row-major; most rounds after the first resend a few
     packets and lose none, so the work that only losses, tails or failures need is skipped without them."""
     checks_failures = nic.retries is not None and not give_up
-    kernels = None if nic.rack or give_up else compiled_rounds.kernels()
+    kernels = None if give_up else compiled_rounds.kernels()
     if kernels is not None:
-        return _compiled(kernels, nic, a, draw, count, checks_failures)
+        return _compiled(kernels, nic, a, draw, count, checks_failures, _Rack(nic, a, windows) if nic.rack else None)
     packets, n = a.packets, len(a.packets)
     sent = np.zeros(n, dtype=np.int64)
     waits, shadow = np.zeros(n), np.zeros(n)
@@ -118,16 +119,16 @@ def _timers(nic: Nic, a: HostSends, tail: np.ndarray, streak: np.ndarray, pendin
     return np.where(tail, timer, a.rtt), np.where(tail, streak + 1, 0)
 
 
-def _compiled(kernels, nic: Nic, a: HostSends, draw: PositionsDraw, count: Count,
-              checks_failures: bool) -> Result:
-    """``selective``'s rounds without RACK or a deadline, each round's bookkeeping in ``rounds``' compiled
-    kernels: the same steps, the same Result to the bit."""
+def _compiled(kernels, nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, checks_failures: bool,
+              rack: Optional[_Rack]) -> Result:
+    """``selective``'s rounds without a deadline, each round's bookkeeping in ``rounds``' compiled kernels
+    (and RACK's in ``rack``'s): the same steps, the same Result to the bit."""
     went, advance, wait, repairs = kernels
     n = len(a.packets)
     sent, waits, shadow = np.zeros(n, dtype=np.int64), np.zeros(n), np.zeros(n)
     timeouts, streak = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
     failed, no_timer = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
-    tails = _NO_TAILS if a.tails is None else a.tails
+    tails = _NO_TAILS if a.tails is None or rack is not None else a.tails   # (RACK finds its own tails)
     row = packet = np.zeros(0, dtype=np.int64)
     to_send = pending = a.packets
     width, rounds, streaking = a.width, 0, False
@@ -136,10 +137,20 @@ def _compiled(kernels, nic: Nic, a: HostSends, draw: PositionsDraw, count: Count
         lost_row, lost_column = went(lost, width, to_send)
         count(lost_row, lost_column, to_send)
         rounds += 1
-        row, packet, pending, to_send, tail, any_tail = advance(
-            rounds == 1, lost, lost_row, lost_column, width, row, packet, pending, to_send, tails, a.any_final,
-            a.final, a.tail_resends, sent, failed, checks_failures and rounds > nic.retries)
-        if any_tail:
+        was_row, was_packet = row, packet
+        row, packet, pending, to_send, tail, any_tail, again = advance(
+            rounds == 1, lost, lost_row, lost_column, width, row, packet, pending, to_send, tails,
+            a.any_final and rack is None, a.final, a.tail_resends, sent, failed,
+            checks_failures and rounds > nic.retries)
+        if rack is not None:
+            if rounds == 1:
+                waits += rack.first(row, packet)
+            else:
+                rack.resent(was_row, was_packet, again, rounds - 1)
+                waits += rack.late
+                timeouts += rack.late_timers
+            wait_s, timer = rack.wait, no_timer if rack.timer is None else rack.timer
+        elif any_tail:
             wait_s, streak = _timers(nic, a, tail, streak, pending)
             streaking, timer = True, tail
         else:
@@ -149,6 +160,8 @@ def _compiled(kernels, nic: Nic, a: HostSends, draw: PositionsDraw, count: Count
         width = wait(to_send, wait_s, a.rtt, timer, waits, shadow, timeouts)
         if width == 0:
             break
+    if rack is not None:
+        return _result(a, row, packet, sent, waits, shadow, timeouts, failed, no_timer, [], math.inf, rack.windows)
     if checks_failures:
         keep = ~failed[row]
         row, packet = row[keep], packet[keep]
