@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -29,7 +30,7 @@ NAN = math.nan
 
 def step(kind: str, windows: np.ndarray, window: np.ndarray, row: np.ndarray, lost: np.ndarray,
          conn: np.ndarray, firsts: np.ndarray, ends: np.ndarray, taus: np.ndarray, rtts: np.ndarray,
-         reveal: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+         reveal: int, powers: Optional["Powers"] = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One step's connections (``windows``: ``[sends, connections, 3]`` states, updated in place), each
     sending its share of its send's packets (connection ``c`` of send ``r`` the packets ``firsts[r, c]`` to
     ``ends[r, c]``, ``taus[r]`` seconds each, round trips of ``rtts[r]``) and losing those at ``lost``
@@ -37,43 +38,69 @@ def step(kind: str, windows: np.ndarray, window: np.ndarray, row: np.ndarray, lo
     loss-free time that its slowest connection's window costs (``carry``'s first figure, 0 at least), and
     per loss where its first and ``reveal``-th SACK come back (``carry``'s last two, in packets of the
     send); each connection's window at the end in ``window``. A send with nothing lost whose connections
-    were never cut is left alone (at the pipe)."""
+    were never cut is left alone (at the pipe). ``powers``: ``Powers.of(kind, taus, rtts)``, which a
+    caller that has the same sends again keeps."""
     n, k = windows.shape[:2]
     beta, alpha = WINDOWS[kind]
     cubic = kind == "cubic"
-    delays = np.zeros(n)
-    counts = np.bincount(row, minlength=n) if len(row) else np.zeros(n, dtype=np.int64)
-    busy = np.flatnonzero((counts > 0) | ~np.isnan(windows[:, :, 1]).all(1))
-    if not len(busy):
-        return delays, np.zeros(0), np.zeros(0)
-    packets = ends - firsts + 1                                   # [send, connection]
-    group = row * k + conn                                        # sorted: each connection's losses a run
-    m = len(group)
-    bounds = np.searchsorted(group, np.arange(n * k + 1)) if m else np.zeros(n * k + 1, dtype=np.int64)
-    firsts_l = firsts[row, conn]
-    position = lost - firsts_l                                    # in its connection's packets
-    delay_of = np.zeros(n * k)                 # each connection's delay
     kernel = carried_kernel.connections() if COMPILED else None
     if kernel is not None:
-        status, F0, F1 = _compiled(kernel, busy, k, cubic, beta, alpha, windows, window, delay_of, packets,
-                                   np.ascontiguousarray(taus, dtype=np.float64),
-                                   np.ascontiguousarray(rtts, dtype=np.float64), position, bounds, reveal)
-        left, loop = np.flatnonzero(status == carried_kernel.CARRY).tolist(), False
+        powers = powers or Powers.of(kind, taus, rtts)
+        states = np.ascontiguousarray(windows, dtype=np.float64)
+        last = np.ascontiguousarray(window, dtype=np.float64)
+        busy, status, delay_of, position, bounds, F0, F1, delays, sacks, marks = kernel(
+            k, cubic, beta, alpha, states, last, row, lost, conn, firsts, ends,
+            np.ascontiguousarray(taus, dtype=np.float64), np.ascontiguousarray(rtts, dtype=np.float64), *powers,
+            reveal)
+        if states is not windows:       # (a copy: written back)
+            windows[...] = states
+        if last is not window:
+            window[...] = last
+        if not busy:
+            return delays, np.zeros(0), np.zeros(0)
+        left = np.flatnonzero(status == carried_kernel.CARRY).tolist()
+        if not left:
+            return delays, sacks, marks
+        loop = False
     else:
-        F0, F1 = [NAN] * m, [NAN] * m          # where each loss's first and reveal-th SACK comes back
+        counts = np.bincount(row, minlength=n) if len(row) else np.zeros(n, dtype=np.int64)
+        busy = np.flatnonzero((counts > 0) | ~np.isnan(windows[:, :, 1]).all(1))
+        if not len(busy):
+            return np.zeros(n), np.zeros(0), np.zeros(0)
+        group = row * k + conn                                    # sorted: each connection's losses a run
+        bounds = np.searchsorted(group, np.arange(n * k + 1)) if len(group) else np.zeros(n * k + 1, dtype=np.int64)
+        position = lost - firsts[row, conn]                       # in its connection's packets
+        delay_of = np.zeros(n * k)                                # each connection's delay
+        F0, F1 = [NAN] * len(row), [NAN] * len(row)              # where each loss's first and reveal-th SACK comes back
         left, loop = [r * k + c for r in busy.tolist() for c in range(k)], True
-    if left:
-        _in_python(left, loop, kind, cubic, beta, alpha, windows, window, delay_of, packets.tolist(), taus.tolist(),
-                   rtts.tolist(), bounds.tolist(), position, reveal, F0, F1)
+    packets = ends - firsts + 1                                   # [send, connection]
+    _in_python(left, loop, kind, cubic, beta, alpha, windows, window, delay_of, packets.tolist(), taus.tolist(),
+               rtts.tolist(), bounds.tolist(), position, reveal, F0, F1)
     # a send's delay: its slowest connection's, 0 at least (``max(0.0, d, ...)``, a NaN passed over)
     slowest = np.fmax.reduce(delay_of.reshape(n, k), axis=1)
     delays = np.where(slowest > 0.0, slowest, 0.0)
     # where a SACK after the stream is (before its pace), in the send's packets
+    firsts_l = firsts[row, conn]
     beyond = packets[row, conn] + window[row, conn] + firsts_l
     sacks, marks = np.asarray(F0, dtype=np.float64), np.asarray(F1, dtype=np.float64)
     sacks = np.where(np.isnan(sacks), beyond, sacks + firsts_l)
     marks = np.where(np.isnan(marks), beyond, marks + firsts_l)
     return delays, sacks, marks
+
+
+class Powers(NamedTuple):
+    """Each send's powers as Python computes them (C's pow, which numba's ``**`` need not match): its
+    round trip in packets squared, the Reno-friendly shortcut's bounds."""
+    p2s: np.ndarray
+    halfs: np.ndarray
+    cubes: np.ndarray
+
+    @classmethod
+    def of(cls, kind: str, taus: np.ndarray, rtts: np.ndarray) -> "Powers":
+        alpha = WINDOWS[kind][1]
+        bounds = [_bounds(alpha, rtt) for rtt in rtts.tolist()]
+        return cls(np.array([_square(pipe) for pipe in (rtts / taus).tolist()], dtype=np.float64),
+                   np.array([h for h, _ in bounds], dtype=np.float64), np.array([c for _, c in bounds], dtype=np.float64))
 
 
 @functools.lru_cache(maxsize=256)
@@ -120,28 +147,3 @@ def _in_python(groups, loop, kind, cubic, beta, alpha, windows, window, delay_of
             delay, state, last, sacks, marks = carry(kind, windows[r, c], size_c, position[lo:hi], tau, rtt, reveal)
             F0[lo:hi], F1[lo:hi] = sacks.tolist(), marks.tolist()
         windows[r, c], window[r, c], delay_of[g] = state, last, delay
-
-
-def _compiled(kernel, busy, k, cubic, beta, alpha, windows, window, delay_of, packets, taus, rtts, position, bounds,
-              reveal):
-    """Every busy connection through the compiled ``kernel`` (``carried_kernel.connections()``): each one's
-    outcome, where SACKs come back (``F0``, ``F1``); a connection carried there has its state, last window
-    and delay written in place."""
-    n = len(taus)
-    # per send, as ``_in_python`` computes them: a division is IEEE's either way, a power Python's (C's pow)
-    pipes, p2s, halfs, cubes = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
-    pipes[busy] = rtts[busy] / taus[busy]
-    p2s[busy] = [_square(pipe) for pipe in pipes[busy].tolist()]
-    halfs[busy], cubes[busy] = np.array([_bounds(alpha, rtt) for rtt in rtts[busy].tolist()]).T
-    m, n_groups = len(position), len(bounds) - 1
-    F0, F1 = np.full(m, NAN), np.full(m, NAN)
-    status = np.full(n_groups, -1, dtype=np.int64)   # -1: not busy
-    states, last = np.ascontiguousarray(windows, dtype=np.float64), np.ascontiguousarray(window, dtype=np.float64)
-    kernel(busy, k, cubic, beta, alpha, states, last, delay_of, packets.astype(np.int64, copy=False), taus, rtts,
-           pipes, p2s, halfs, cubes, position.astype(np.int64, copy=False), bounds.astype(np.int64, copy=False),
-           reveal, F0, F1, status)
-    if states is not windows:       # (a copy: written back)
-        windows[...] = states
-    if last is not window:
-        window[...] = last
-    return status, F0, F1

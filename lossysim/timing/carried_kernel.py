@@ -223,14 +223,45 @@ def events(position, lo, hi, size, reveal, A1, A2, P, W, K):
             j2 += 1
 
 
-def _all(busy, k, cubic, beta, alpha, states, window, delay_of, packets, taus, rtts, pipes, p2s, halfs, cubes,
-         position, bounds, reveal, F0, F1, status):
-    """``connection`` for every connection ``c`` of every send ``r`` in ``busy``, on its ``events``
-    (connection ``g = r * k + c`` losing ``position[bounds[g]:bounds[g + 1]]``): its outcome in
-    ``status[g]``; one carried here (DONE) has its state after in ``states[r, c]``, its last window in
-    ``window[r, c]`` and its delay in ``delay_of[g]``."""
+def _all(k, cubic, beta, alpha, states, window, row, lost, conn, firsts, ends, taus, rtts, p2s, halfs, cubes,
+         reveal):
+    """``carried.step`` for every connection ``c`` of every busy send ``r`` (a loss, or a connection once
+    cut) through ``connection`` on its ``events``, the losses ``lost`` (sorted by send, then packet;
+    ``row`` and ``conn`` say whose): ``(busy, status, delay_of, position, bounds, F0, F1, delays, sacks,
+    marks)``, whether any send is busy, per connection ``g = r * k + c`` its outcome and delay, each loss's
+    position in its connection and where its SACKs come back (NaN: after the stream), connection g's losses
+    ``bounds[g]:bounds[g + 1]``, and ``carried.step``'s figures as it computes them (valid where no
+    connection is left to ``carry``: CARRY). A connection carried here (DONE) has its state after in
+    ``states[r, c]`` and its last window in ``window[r, c]``; ``p2s``, ``halfs`` and ``cubes`` are each
+    send's powers as Python computes them."""
+    n, m = len(taus), len(row)
+    busy = np.zeros(n, dtype=np.bool_)
+    for j in range(m):
+        busy[row[j]] = True
+    for r in range(n):
+        for c in range(k):
+            if states[r, c, 1] == states[r, c, 1]:   # cut once: not NaN
+                busy[r] = True
+    any_busy = False
+    for r in range(n):
+        any_busy = any_busy or busy[r]
+    bounds = np.zeros(n * k + 1, dtype=np.int64)
+    position = np.empty(m, dtype=np.int64)
+    j = 0
+    for g in range(n * k + 1):
+        while j < m and row[j] * k + conn[j] < g:
+            j += 1
+        bounds[g] = j
+    for j in range(m):
+        position[j] = lost[j] - firsts[row[j], conn[j]]
+    F0, F1 = np.full(m, np.nan), np.full(m, np.nan)
+    status = np.full(n * k, -1, dtype=np.int64)    # -1: not busy
+    delay_of = np.zeros(n * k)
+    delays, sacks, marks = np.zeros(n), np.empty(m), np.empty(m)
+    if not any_busy:
+        return any_busy, status, delay_of, position, bounds, F0, F1, delays, sacks, marks
     longest = 1
-    for g in range(len(bounds) - 1):
+    for g in range(n * k):
         longest = max(longest, bounds[g + 1] - bounds[g])
     A1, A2 = np.empty(longest, dtype=np.int64), np.empty(longest, dtype=np.int64)
     P, W, K = np.empty(3 * longest), np.empty(3 * longest, dtype=np.int64), np.empty(3 * longest, dtype=np.int64)
@@ -238,17 +269,34 @@ def _all(busy, k, cubic, beta, alpha, states, window, delay_of, packets, taus, r
     ret_w = np.empty(3 * longest + 1, dtype=np.int64)
     ret_k = np.empty(3 * longest + 1, dtype=np.int64)
     out = np.empty(5)
-    for r in busy:
+    for r in range(n):
+        if not busy[r]:
+            continue
+        pipe = rtts[r] / taus[r]
         for c in range(k):
             g = r * k + c
-            size = packets[r, c]
-            n = _compiled_events(position, bounds[g], bounds[g + 1], size, reveal, A1, A2, P, W, K)
+            size = ends[r, c] - firsts[r, c] + 1
+            e = _compiled_events(position, bounds[g], bounds[g + 1], size, reveal, A1, A2, P, W, K)
             status[g] = _compiled_connection(cubic, beta, alpha, states[r, c, 0], states[r, c, 1], states[r, c, 2],
-                                             float(size), taus[r], rtts[r], pipes[r], p2s[r], halfs[r], cubes[r],
-                                             P, W, K, 0, n, F0, F1, ret_t, ret_w, ret_k, out)
+                                             float(size), taus[r], rtts[r], pipe, p2s[r], halfs[r], cubes[r],
+                                             P, W, K, 0, e, F0, F1, ret_t, ret_w, ret_k, out)
             if status[g] == DONE:
                 delay_of[g], states[r, c, 0], states[r, c, 1], states[r, c, 2], window[r, c] = \
                     out[0], out[1], out[2], out[3], out[4]
+    for r in range(n):    # its slowest connection's delay, 0 at least (a NaN passed over)
+        top = np.nan
+        for c in range(k):
+            d = delay_of[r * k + c]
+            if d == d and (top != top or d > top):
+                top = d
+        delays[r] = top if top > 0.0 else 0.0
+    for j in range(m):    # a SACK after the stream: where it is before its pace, in the send's packets
+        r, c = row[j], conn[j]
+        first = float(firsts[r, c])
+        beyond = float(ends[r, c] - firsts[r, c] + 1) + window[r, c] + first
+        sacks[j] = beyond if F0[j] != F0[j] else F0[j] + first
+        marks[j] = beyond if F1[j] != F1[j] else F1[j] + first
+    return any_busy, status, delay_of, position, bounds, F0, F1, delays, sacks, marks
 
 
 _compiled: dict = {}

@@ -45,6 +45,7 @@ class _Rack:
         n, k = len(a.packets), a.connections
         layout = a.cache.get(nic) or a.cache.setdefault(nic, _Layout.of(nic, a))
         self.base, self.extra, self.firsts, self.ends, self.tau, self.reorder = layout[:6]
+        self.powers = layout.powers
         self.window = layout.window.copy()     # packets a round trip per connection (the step's last, in place)
         self.latest = layout.latest.copy()     # the latest position a delivered transmission had
         self.spent = np.zeros((n, k))                       # each connection's waits so far
@@ -131,7 +132,7 @@ class _Rack:
         ``carried.step``), and per loss where its first and ``dupacks``-th SACK come back; the states
         after and each connection's window at the end, in place."""
         return carried.step(self.nic.window, self.windows, self.window, row, packet, conn, self.firsts, self.ends,
-                            self.tau, self.a.rtt, self.nic.dupacks)
+                            self.tau, self.a.rtt, self.nic.dupacks, self.powers)
 
 
 class _Layout(NamedTuple):
@@ -147,6 +148,7 @@ class _Layout(NamedTuple):
     reorder: np.ndarray
     window: np.ndarray
     latest: np.ndarray
+    powers: Optional[carried.Powers]   # what the window's carry reads (None without a window)
 
     @classmethod
     def of(cls, nic: Nic, a: HostSends) -> "_Layout":
@@ -156,7 +158,8 @@ class _Layout(NamedTuple):
         firsts, ends = starts[:, :-1], starts[:, 1:] - 1
         tau = a.tau * k                                 # a connection's packets, at its share of the link
         window = np.repeat((a.rtt / tau)[:, None], k, axis=1)
-        return cls(base, extra, firsts, ends, tau, nic.reorder_s(a.rtt), window, ends.astype(np.float64))
+        return cls(base, extra, firsts, ends, tau, nic.reorder_s(a.rtt), window, ends.astype(np.float64),
+                   carried.Powers.of(nic.window, tau, a.rtt) if nic.window else None)
 
 
 _NONE, _NONE_F = np.zeros(0, dtype=np.int64), np.zeros(0)
