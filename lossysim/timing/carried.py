@@ -98,9 +98,9 @@ class Powers(NamedTuple):
     @classmethod
     def of(cls, kind: str, taus: np.ndarray, rtts: np.ndarray) -> "Powers":
         alpha = WINDOWS[kind][1]
-        bounds = [_bounds(alpha, rtt) for rtt in rtts.tolist()]
+        bounds = np.array([_bounds(alpha, rtt) for rtt in rtts.tolist()], dtype=np.float64).reshape(-1, 2).T
         return cls(np.array([_square(pipe) for pipe in (rtts / taus).tolist()], dtype=np.float64),
-                   np.array([h for h, _ in bounds], dtype=np.float64), np.array([c for _, c in bounds], dtype=np.float64))
+                   *(np.ascontiguousarray(column) for column in bounds))
 
 
 @functools.lru_cache(maxsize=256)

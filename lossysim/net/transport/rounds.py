@@ -32,8 +32,9 @@ def went(lost, width, to_send):
 def advance(first, lost, lost_row, lost_column, width, row, packet, pending, to_send, tails, any_final, final,
             tail_resends, sent, failed, check_failures):
     """After a round's draw: ``(row, packet, pending, to_send, tail, any_tail, again)``, the (send, packet)
-    pairs still pending (``again``: which of the last round's were lost again), per send how many (``pending``) and how many go out next round (``to_send``: none from
-    a failed send), and which sends' last pending packets nothing behind reveals. ``first``: round 0,
+    pairs still pending (``again``: which of the last round's were lost again), per send how many
+    (``pending``) and how many go out next round (``to_send``: none from a failed send), and which sends'
+    last pending packets nothing behind reveals. ``first``: round 0,
     whose lost packets that went out are pending; later, the k-th pending packet of a send went out as its
     k-th transmission (the last column past the round's width) and is pending again if that was lost.
     Adds the round's transmissions to ``sent``; with ``check_failures`` (the retries spent) a send still
