@@ -17,6 +17,7 @@ import torch
 from scipy import stats
 
 from lossysim.loss import Bernoulli, FourState, GilbertElliott, NoLoss, Trace, load_trace, parse_loss_model
+from lossysim.loss import sampling
 from lossysim.loss.sampling import _alternating, _bernoulli_positions
 
 GE = GilbertElliott
@@ -414,6 +415,42 @@ def test_masks_expand_the_drawn_sojourns_exactly(name, n):
     else:  # losses only where the state allows them
         assert not (lost & in_bad & (model.loss_bad == 0)).any()
         assert not (lost & ~in_bad & (model.loss_good == 0)).any()
+
+
+def test_the_walk_marks_the_packets_in_ranges_indexes():
+    """``_walk_ranges`` (compiled, and as Python) marks the very packets ``_in_ranges`` indexes, empty
+    ranges, dense and sparse positions included."""
+    rng = np.random.default_rng(0)
+    walks = [sampling._walk_ranges, sampling._walk()]
+    assert walks[1] is not None, "the dev extra installs numba"
+    for trial in range(200):
+        lengths = rng.integers(0, 6, size=int(rng.integers(1, 40)))
+        total = int(lengths.sum())
+        base = np.cumsum(lengths + rng.integers(0, 4, size=len(lengths))) - lengths   # ranges apart
+        pos = np.flatnonzero(rng.random(total) < [0.05, 0.5, 0.95][trial % 3])
+        expected = np.zeros(int(base[-1] + lengths[-1]) + 1, dtype=bool)
+        expected[sampling._in_ranges(base, lengths, total, pos, np)] = True
+        for walk in walks:
+            got = np.zeros_like(expected)
+            ends = lengths.cumsum(0)
+            walk(got, ends, base - ends + lengths, pos, True)
+            assert np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("name", [name for name, model in MODELS.items()
+                                  if isinstance(model, GE) and not is_simple(model)])
+def test_the_compiled_walk_gives_numpys_masks(name, monkeypatch):
+    """General Gilbert-Elliott's masks with the losses written by the compiled walk (numba, the fast
+    extra) and by numpy's index arrays: the same, packet for packet, in short and long calls."""
+    walk = sampling._walk()
+    assert walk is not None, "the dev extra installs numba"
+    for shape in [(2, 5000), (3, LONG_CALL + 77), (4 * LONG_CALL,)]:
+        drawn = []
+        for which in (None, walk):
+            monkeypatch.setitem(sampling._compiled, "walk", which)
+            drawn.append(MODELS[name].sample_with_states(shape, generator(5)))
+        for numpy_mask, walked in zip(*drawn):
+            assert torch.equal(numpy_mask, walked)
 
 
 def reference_chain(u, p_gb, p_bg, start):
