@@ -301,3 +301,18 @@ def test_damage_map_replays_the_loss_free_prefix_bit_for_bit(layer, sequences):
     whole = tpm.rank_logits[0]
     assert torch.equal(runner.logits(network(), layer), whole)
     assert not torch.equal(whole, runner.clean)
+
+
+def test_the_gguf_readers_bar_is_off_while_converting(capfd):
+    """transformers' GGUF reader draws its own tqdm bar, past its progress-bar switch: off while
+    ``_convert`` reads the file (a sweep's log stays its own lines), back as it was after."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from lossysim.models import pretrained
+    bar = gguf_utils.tqdm
+    with pretrained._quiet_gguf():
+        list(gguf_utils.tqdm(range(50), desc="Converting and de-quantizing GGUF tensors..."))
+    assert "Converting" not in capfd.readouterr().err
+    assert gguf_utils.tqdm is bar
+    list(gguf_utils.tqdm(range(50), desc="Converting and de-quantizing GGUF tensors..."))
+    assert "Converting" in capfd.readouterr().err    # (what the test would have seen)

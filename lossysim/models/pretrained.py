@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -129,7 +130,7 @@ def _convert(source: Path, out: Path) -> None:
         except importlib.metadata.PackageNotFoundError:
             raise ValueError(f"converting {source.name} needs the {package} package: {INSTALL_HINT}") from None
     log.warning("converting %s to safetensors once (about 40 s on 2 cores)", source.name)
-    with quiet_transformers():
+    with quiet_transformers(), _quiet_gguf():
         tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
         model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
     # The weights are plain fp32 now; transformers refuses to save a GGUF-loaded model, and a saved
@@ -156,6 +157,22 @@ def quiet_transformers():
     finally:
         hf_logging.set_verbosity(previous)
         hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def _quiet_gguf():
+    """transformers' GGUF reader draws its own tqdm bar, which its progress-bar switch does not reach:
+    that bar off too (lossysim's log line says what runs and for how long)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None:   # (a transformers without it: nothing to quiet)
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
 
 
 def _readable(folder: Path) -> None:
