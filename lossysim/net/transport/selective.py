@@ -62,7 +62,7 @@ def selective(nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, budget:
             order = np.minimum(np.arange(len(row)) - (np.cumsum(pending) - pending)[row], width - 1)
             again = _member(row * width + order, lost)
             if rack is not None:
-                rack.resent(row, packet, again, rounds)
+                rack.resent(row, packet, again)
                 waits, timeouts = waits + rack.late, timeouts + rack.late_timers
             row, packet, order = row[again], packet[again], order[again]
             if rack is None and len(row) and a.any_final:  # the round's last resends have nothing behind them
@@ -71,7 +71,7 @@ def selective(nic: Nic, a: HostSends, draw: PositionsDraw, count: Count, budget:
                 tail &= a.final
         else:  # nothing lost this round: nothing pending
             if rack is not None:   # (every pending packet arrived: the last round's suspects were revealed)
-                rack.resent(row, packet, np.zeros(len(row), dtype=bool), rounds)
+                rack.resent(row, packet, np.zeros(len(row), dtype=bool))
                 waits, timeouts = waits + rack.late, timeouts + rack.late_timers
             row, packet = row[:0], packet[:0]
         sent = sent + to_send
@@ -146,7 +146,7 @@ def _compiled(kernels, nic: Nic, a: HostSends, draw: PositionsDraw, count: Count
             if rounds == 1:
                 waits += rack.first(row, packet)
             else:
-                rack.resent(was_row, was_packet, again, rounds - 1)
+                rack.resent(was_row, was_packet, again)
                 waits += rack.late
                 timeouts += rack.late_timers
             wait_s, timer = rack.wait, no_timer if rack.timer is None else rack.timer

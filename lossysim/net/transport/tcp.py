@@ -55,7 +55,7 @@ class _Rack:
         self.fired = np.zeros((n, k))                       # where each connection's last timer fired
         self.windows = windows if windows is not None or not nic.window else congestion.fresh(n, k)
         self.wait, self.timer = a.rtt, None
-        self.late, self.late_timers = _NO_LATE
+        self.late, self.late_timers = 0.0, 0   # (each later round sets them: ``resent``)
         self.suspects = _NO_SUSPECTS   # the last round's losses nothing delivered behind reveals
         self.next = _NONE_F         # per pending (send, packet), in their order: where its next resend goes out
         self.conn = _NONE           # and the connection that carries it
@@ -89,7 +89,7 @@ class _Rack:
         self._charge(waits, timer)
         return delays
 
-    def resent(self, row: np.ndarray, packet: np.ndarray, lost: np.ndarray, rounds: int) -> None:
+    def resent(self, row: np.ndarray, packet: np.ndarray, lost: np.ndarray) -> None:
         """A later round's resends (row-major, ``lost``: which were lost again): the last round's suspects
         settled against them (``late``: if nothing sent after one was delivered its round waited the timer),
         then this round's waits and suspects (``rack_kernel.revealed`` and ``settle``)."""
@@ -154,7 +154,8 @@ class _Layout(NamedTuple):
     def of(cls, nic: Nic, a: HostSends) -> "_Layout":
         k = a.connections
         base, extra = np.divmod(a.packets, k)
-        starts = (np.arange(k + 1)[:, None] * base + np.minimum(np.arange(k + 1)[:, None], extra)).T
+        c = np.arange(k + 1)[:, None]
+        starts = (c * base + np.minimum(c, extra)).T                   # [send, connection + 1]
         firsts, ends = starts[:, :-1], starts[:, 1:] - 1
         tau = a.tau * k                                 # a connection's packets, at its share of the link
         window = np.repeat((a.rtt / tau)[:, None], k, axis=1)
@@ -163,6 +164,5 @@ class _Layout(NamedTuple):
 
 
 _NONE, _NONE_F = np.zeros(0, dtype=np.int64), np.zeros(0)
-_NO_LATE = (0.0, 0)      # (each later round sets them)
 _NO_SUSPECTS = rack_kernel.Suspects.first(0, _NONE, _NONE, _NONE_F, _NONE, np.zeros(0, dtype=bool),
                                           np.zeros(1, dtype=np.int64), _NONE)
