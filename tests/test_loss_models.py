@@ -17,7 +17,7 @@ import torch
 from scipy import stats
 
 from lossysim.loss import Bernoulli, FourState, GilbertElliott, NoLoss, Trace, load_trace, parse_loss_model
-from lossysim.loss import sampling
+from lossysim.loss import kernels, sampling
 from lossysim.loss.sampling import _alternating, _bernoulli_positions
 
 GE = GilbertElliott
@@ -418,10 +418,10 @@ def test_masks_expand_the_drawn_sojourns_exactly(name, n):
 
 
 def test_the_walk_marks_the_packets_in_ranges_indexes():
-    """``_walk_ranges`` (compiled, and as Python) marks the very packets ``_in_ranges`` indexes, empty
+    """``walk_ranges`` (compiled, and as Python) marks the very packets ``_in_ranges`` indexes, empty
     ranges, dense and sparse positions included."""
     rng = np.random.default_rng(0)
-    walks = [sampling._walk_ranges, sampling._walk()]
+    walks = [kernels.walk_ranges, kernels.compiled("walk_ranges")]
     assert walks[1] is not None, "the dev extra installs numba"
     for trial in range(200):
         lengths = rng.integers(0, 6, size=int(rng.integers(1, 40)))
@@ -442,15 +442,37 @@ def test_the_walk_marks_the_packets_in_ranges_indexes():
 def test_the_compiled_walk_gives_numpys_masks(name, monkeypatch):
     """General Gilbert-Elliott's masks with the losses written by the compiled walk (numba, the fast
     extra) and by numpy's index arrays: the same, packet for packet, in short and long calls."""
-    walk = sampling._walk()
+    walk = kernels.compiled("walk_ranges")
     assert walk is not None, "the dev extra installs numba"
     for shape in [(2, 5000), (3, LONG_CALL + 77), (4 * LONG_CALL,)]:
         drawn = []
         for which in (None, walk):
-            monkeypatch.setitem(sampling._compiled, "walk", which)
+            monkeypatch.setitem(kernels._compiled, "walk_ranges", which)
             drawn.append(MODELS[name].sample_with_states(shape, generator(5)))
         for numpy_mask, walked in zip(*drawn):
             assert torch.equal(numpy_mask, walked)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_repeat_into_is_numpys_repeat_and_stops_at_the_buffers_end(compiled):
+    """``repeat_into`` (compiled, and as Python) writes ``np.repeat``'s runs, empty, short and long ones,
+    and refuses counts that do not fit, leaving the spare bytes and everything past them alone."""
+    fill = kernels.compiled("repeat_into") if compiled else kernels.repeat_into
+    assert fill is not None, "the dev extra installs numba"
+    rng = np.random.default_rng(1)
+    for trial in range(60):
+        counts = rng.geometric([0.9, 0.3, 0.02][trial % 3], size=int(rng.integers(1, 300))) - 1
+        values = rng.integers(0, 4, size=len(counts)).astype(np.uint8)
+        total = int(counts.sum())
+        out = np.full(total + 8 + 5, 255, dtype=np.uint8)
+        assert fill(out[:total + 8], values, counts) == total
+        assert np.array_equal(out[:total], np.repeat(values, counts))
+        assert (out[total + 8:] == 255).all()
+        short = np.full(total + 8, 255, dtype=np.uint8)
+        if total:
+            assert fill(short[:total + 7], values, counts) == -1
+            assert short[-1] == 255
+    assert fill(np.zeros(9, np.uint8), np.ones(2, np.uint8), np.array([1, -1])) == -1
 
 
 def reference_chain(u, p_gb, p_bg, start):
@@ -1134,14 +1156,37 @@ def test_four_state_masks_are_the_first_algorithms_bit_for_bit(name, shape):
 def test_four_state_block_in_torch_equals_numpy(name, monkeypatch):
     """A GPU runs the 4-state block's arithmetic in torch, a CPU in numpy: the same masks, next state and
     generator state from the same draws (torch's path run here on the CPU)."""
-    import lossysim.loss.markov as markov
+    import lossysim.loss.four_state as four_state
     model, shape = FOUR_STATE_REFERENCE_MODELS[name], (3, 20_000)
     used = torch.tensor([0, 7_777, 20_000])
     g = generator(1)
     got = model.sample_with_states(shape, g, None, used=used)
-    monkeypatch.setattr(markov, "_array_module", lambda device: torch)
+    monkeypatch.setattr(four_state, "_array_module", lambda device: torch)
     g_torch = generator(1)
     want = model.sample_with_states(shape, g_torch, None, used=used)
     for x, y in zip(got, want):
         assert x.dtype == y.dtype and torch.equal(x, y)
     assert torch.equal(g.get_state(), g_torch.get_state())
+
+
+@pytest.mark.parametrize("slot", [None, 3])
+@pytest.mark.parametrize("name", list(FOUR_STATE_REFERENCE_MODELS))
+def test_four_states_compiled_slots_give_numpys_masks(name, slot, monkeypatch):
+    """The 4-state blocks in one compiled pass (numba, the fast extra) and in numpy's arithmetic: the same
+    masks, next state and generator state, in one block or in many (3 slots a block)."""
+    model, shape = FOUR_STATE_REFERENCE_MODELS[name], (3, 20_000)
+    compiled = kernels.compiled("four_state_slots")
+    assert compiled is not None, "the dev extra installs numba"
+    if slot is not None:
+        monkeypatch.setattr(FourState, "_slot_size", lambda self, cover: slot)
+    drawn, generators = [], []
+    for which in (None, compiled):
+        monkeypatch.setitem(kernels._compiled, "four_state_slots", which)
+        g = generator(2)
+        drawn.append([model.sample_with_states(shape, g, state, used=torch.tensor([0, 7_777, 20_000]))
+                      for state in (None, torch.tensor([1, 2, 4]), torch.tensor([3, 3, 2]))])
+        generators.append(g.get_state())
+    for numpy_draw, compiled_draw in zip(*drawn):
+        for x, y in zip(numpy_draw, compiled_draw):
+            assert x.dtype == y.dtype and torch.equal(x, y)
+    assert torch.equal(*generators)

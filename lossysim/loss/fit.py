@@ -23,7 +23,8 @@ from typing import Optional
 import numpy as np
 from scipy import stats
 
-from .markov import FourState, GilbertElliott
+from .four_state import FourState
+from .gilbert_elliott import GilbertElliott
 from .models import Bernoulli, LossModel
 from .traces import load_trace, trace_runs
 

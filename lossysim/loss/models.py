@@ -12,7 +12,7 @@ the stationary distribution, so statistics hold from the first packet. The same
 generator state and chain state give the same mask, bit for bit.
 
 Masks are drawn per loss *event*, not per packet (``sampling.py``); the Markov-chain models are in
-``markov.py``.
+``gilbert_elliott.py`` and ``four_state.py``.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The draw kernels behind the loss models (``models.py``, ``markov.py``): masks drawn per loss *event*.
+"""The draws behind the loss models (``models.py``, ``gilbert_elliott.py``, ``four_state.py``): masks drawn
+per loss *event*.
 
 The gaps between independent losses and the sojourn times of a Markov chain are geometric, so they are
 drawn directly (inverse CDF of float64 uniforms) and written into a zero mask. The work grows with the
@@ -12,6 +13,8 @@ from typing import Sequence, Union
 
 import numpy as np
 import torch
+
+from . import kernels
 
 Shape = Union[int, Sequence[int]]
 
@@ -135,13 +138,20 @@ _DENSE_SEGMENTS = 16  # with a segment per 16 packets or more, masks are written
 
 
 def _repeat(values, counts, total: int):
-    """values[j] repeated counts[j] times, concatenated (numpy's repeat on a CPU: faster); numpy
-    arrays give a numpy array."""
-    if isinstance(values, np.ndarray):
+    """values[j] repeated counts[j] times, concatenated, ``total`` in all; numpy arrays give a numpy
+    array. On a CPU through numpy (faster than torch's), byte values through the compiled
+    ``kernels.repeat_into`` where numba is (faster again on short runs)."""
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            return torch.repeat_interleave(values, counts, output_size=total)
+        return torch.from_numpy(_repeat(values.numpy(), counts.numpy(), total))
+    fill = kernels.compiled("repeat_into") if values.itemsize == 1 else None
+    if fill is None:
         return np.repeat(values, counts)
-    if values.device.type == "cpu":
-        return torch.from_numpy(np.repeat(values.numpy(), counts.numpy()))
-    return torch.repeat_interleave(values, counts, output_size=total)
+    out = np.empty(total + 8, dtype=values.dtype)
+    if fill(out, values, counts) != total:
+        raise ValueError(f"the counts do not sum to {total}")
+    return out[:total]
 
 
 def _range_indices(base: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -176,38 +186,12 @@ def _mark(lost, base, lengths, total: int, pos, value: bool, xp) -> None:
     """``lost[_in_ranges(base, lengths, total, pos)] = value``; on a CPU with numba (the ``fast``
     extra) in one compiled walk along the positions and the ranges, with no index array (the same
     packets)."""
-    walk = _walk() if xp is np else None
+    walk = kernels.compiled("walk_ranges") if xp is np else None
     if walk is None:
         lost[_in_ranges(base, lengths, total, pos, xp)] = value
     else:
         ends = lengths.cumsum(0)
         walk(lost, ends, base - ends + lengths, pos, value)
-
-
-def _walk_ranges(lost, ends, shift, pos, value):
-    """``lost[shift[j] + p] = value`` for each of the sorted positions ``p``, ``j`` its range (the first
-    whose end is past it: ``searchsorted(ends, p, side="right")``)."""
-    j = 0
-    for i in range(len(pos)):
-        p = pos[i]
-        while ends[j] <= p:
-            j += 1
-        lost[shift[j] + p] = value
-
-
-_compiled: dict = {}
-
-
-def _walk():
-    """``_walk_ranges`` compiled, or None where numba is not installed (``_in_ranges`` stands in)."""
-    if "walk" not in _compiled:
-        try:
-            import numba
-        except ImportError:
-            _compiled["walk"] = None
-        else:
-            _compiled["walk"] = numba.njit(cache=True)(_walk_ranges)
-    return _compiled["walk"]
 
 
 def _sojourn_masks(ends: torch.Tensor, state: torch.Tensor, packets: int, loss_bad: float, loss_good: float,

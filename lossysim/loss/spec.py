@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Union
 
-from .markov import FourState, GilbertElliott
+from .four_state import FourState
+from .gilbert_elliott import GilbertElliott
 from .models import Bernoulli, LossModel, NoLoss, _check_probability
 from .traces import Trace
 
