@@ -103,11 +103,15 @@ def test_loss_free_sim_and_dist_agree(tmp_path):
     assert _drop_timings(dist["packets"]) == _drop_timings(sim["packets"])
 
 
-def test_checkpoint_reloads_with_identical_predictions(tmp_path):
+def test_checkpoint_reloads_with_identical_predictions(tmp_path, capfd):
+    """The exported model predicts as the trained one; exporting it draws no transformers progress bar
+    of its own (shards written, weights loaded back) in a run without progress bars."""
     from transformers import GPT2ForSequenceClassification
     config = tiny(tmp_path, loss="none", save_checkpoint=True)
     summary = run_experiment(config, config.out, progress=False)
     assert summary["status"] == "completed", summary.get("error")
+    err = capfd.readouterr().err
+    assert "Writing model shards" not in err and "Loading weights" not in err, err[-500:]
     checkpoint = Path(config.out) / "checkpoint"
     model = GPT2ForSequenceClassification.from_pretrained(checkpoint).eval()
     data = prepare_data(config, Path(os.environ["LOSSYSIM_CACHE"]) / "data")

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from .. import axes
 from ..config import NON_SEMANTIC, ExperimentConfig, upgrade
 from ..io import atomic_write_json
+from ..models.pretrained import quiet_transformers
 from ..pp.stages import stage_layout
 from ..tp import gather_full_model
 from .state import TrainState, Window
@@ -236,9 +237,10 @@ def export_model(parts: "Parts", run_dir: Path, is_main: bool) -> None:
     final = run_dir / "checkpoint"
     tmp = run_dir / ".checkpoint.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    full.save_pretrained(tmp)
-    parts.data.tokenizer.save_pretrained(tmp)
-    reloaded = type(full).from_pretrained(tmp)
+    with quiet_transformers():   # its shard-writing and weight-loading bars, whatever --no-progress says
+        full.save_pretrained(tmp)
+        parts.data.tokenizer.save_pretrained(tmp)
+        reloaded = type(full).from_pretrained(tmp)
     for name, tensor in full.state_dict().items():
         if not torch.equal(reloaded.state_dict()[name].to(tensor.device), tensor):
             raise RuntimeError(f"saved checkpoint differs from the trained model at {name}")
