@@ -13,7 +13,6 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
-import networkx as nx
 
 NIC = re.compile(r"^node(\d+)\.nic(\d+)$")
 
@@ -63,6 +62,7 @@ class Fabric:
         self._out = {end: tuple(ids) for end, ids in out.items()}
         self._far: dict[tuple[str, ...], dict[str, int]] = {}
         self._hops: dict[tuple[str, str], tuple[int, ...]] = {}   # next_hops, once per (switch, NIC)
+        import networkx as nx   # here: a run without a fabric never builds one, and never pays its import
         self._graph = nx.Graph()
         self._graph.add_nodes_from(self.switches)
         self._graph.add_edges_from((c.src, c.dst) for c in cables if c.src in known and c.dst in known)
@@ -135,6 +135,7 @@ class Fabric:
     def _distances(self, targets: tuple[str, ...]) -> dict[str, int]:
         """Hops from each switch to the nearest of ``targets`` (a NIC's switches), kept per target set."""
         if targets not in self._far:
+            import networkx as nx
             self._far[targets] = nx.multi_source_dijkstra_path_length(self._graph, set(targets))
         return self._far[targets]
 

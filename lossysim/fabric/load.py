@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
-from scipy import stats
 
 from .graph import Fabric
 from .routes import Routes
@@ -194,6 +193,7 @@ def max_flows_pmf(k: int, u: int) -> np.ndarray:
         raise ValueError(f"k={k!r} flows over u={u!r} cables: need k >= 0 and u >= 1")
     if k == 0:
         return np.array([1.0])
+    from scipy import stats   # here: scipy.stats costs every process that imports this module 0.6 s
     n = np.arange(k + 1)
     below = np.zeros(k + 1)
     for m in range(k + 1):
