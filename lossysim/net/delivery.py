@@ -119,10 +119,13 @@ def _patch(x: torch.Tensor, final: torch.Tensor, delivery: Delivery, per_packet:
         patch = patch[:-1]
     if len(patch):
         # Gathered as bits in numpy, a few times cheaper than torch's index on dim 1 of the [ranks, packets,
-        # length] view (index_select would first copy a non-contiguous ``parts``). Made contiguous: numpy
-        # lays the gather out packet-major, and a sum over dim 0 of that adds in another order.
-        parts = np.ascontiguousarray(
-            _bits(x.detach())[:, :whole * per_packet].reshape(x.shape[0], whole, per_packet)[:, patch])
+        # length] view (index_select would first copy a non-contiguous ``parts``), rank by rank into one
+        # contiguous [ranks, patched, length] (numpy's gather on dim 1 lays it out packet-major, and a sum
+        # over dim 0 of that adds in another order: it would be copied again).
+        bits = _bits(x.detach())
+        parts = np.empty((x.shape[0], len(patch), per_packet), dtype=bits.dtype)
+        for rank, row in enumerate(bits):
+            np.take(row[:whole * per_packet].reshape(whole, per_packet), patch, axis=0, out=parts[rank])
         coef = delivery.coef
         if coef.dtype == torch.bool:  # ``parts`` is a copy: zero what was lost in it, as _weighted would
             rank, packet = np.nonzero(~coef.numpy()[:, patch])
