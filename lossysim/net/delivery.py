@@ -86,17 +86,23 @@ def all_reduce(x: torch.Tensor, delivery: Delivery, receivers: Sequence[int], pe
     else:
         torch.sum(x, 0, out=final)
         _patch(x, final, delivery, per_packet)
+    every = receivers == list(range(len(delivery.holes)))
+    holes = delivery.holes if every else delivery.holes[receivers]
     if rescale:
         gain = delivery.gain[receivers].to(x.dtype)
         for (held, span), (total, _) in zip(packets(out, per_packet), packets(final, per_packet)):
             torch.mul(total, gain[:, span].unsqueeze(-1), out=held)
     elif given:
         out.copy_(final.expand(len(receivers), n))
-    elif len(receivers) > 1:
+    elif dense:
         out[1:].copy_(final.expand(len(receivers) - 1, n))
+    else:   # each receiver's copy has its holes zeroed while it is still in cache (a few MB a receiver)
+        for row in range(1, len(receivers)):
+            out[row].copy_(final)
+            zero_holes(out[row], holes[row], per_packet, dense)
+        holes = holes[:1]
     watch(final)  # receivers hold it or zeros: a cheaper check than all of them
-    every = receivers == list(range(len(delivery.holes)))
-    zero_holes(out, delivery.holes if every else delivery.holes[receivers], per_packet, dense)
+    zero_holes(out[:len(holes)], holes, per_packet, dense)
     return out
 
 
