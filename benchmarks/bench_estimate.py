@@ -97,7 +97,7 @@ def numba_start_up() -> float:
     rack = _Rack(NIC_PRESETS["tcp"], HostSends(np.array([10]), 10, np.array([1e-6]), np.array([1e-5]),
                                                np.array([True]), None, True, one), None)
     rack.first(one, np.array([9]))
-    rack.resent(one, np.array([9]), np.array([False]), 1)
+    rack.resent(one, np.array([9]), np.array([False]))
     return time.perf_counter() - start
 
 
