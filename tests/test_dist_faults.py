@@ -47,9 +47,16 @@ def test_peer_fault_ends_the_run(tmp_path, fault):
         victim = rank_pids(proc.pid, rank=1)
         assert len(victim) == 1, victim
         started_processes = descendants(proc.pid)
+        survivor = rank_pids(proc.pid, rank=0)
         os.kill(victim[0], fault)
         started = time.time()
-        # torchrun's own grace period (SIGTERM, then SIGKILL after ~30 s) bounds the stopped rank.
+        if fault == signal.SIGSTOP:
+            # lossysim's part: rank 0 finds its peer silent within timeout_s, records why and exits. The
+            # stopped rank is then torchrun's to end (SIGTERM, SIGKILL 30 s later): continued, it takes
+            # the SIGTERM at once.
+            while alive(survivor) and time.time() < started + TIMEOUT_S + 60:
+                time.sleep(0.2)
+            os.kill(victim[0], signal.SIGCONT)
         proc.wait(timeout=TIMEOUT_S + 60)
         elapsed = time.time() - started
     finally:
