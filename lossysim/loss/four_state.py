@@ -204,13 +204,13 @@ class FourState(LossModel):
         leave_gap = self.p13 / q_gap if q_gap > 0 else 0.0
         leave_burst = self.p31 / q_burst if q_burst > 0 else 0.0
         cover = packets + 1                      # steps -1 .. packets - 1
+        rates = _Rates.of(self, device)
         lead = torch.where(state == 4, 1, 0)
         e = _exponentials(chains, generator)
-        lead = torch.where(state == 2, _geometric(e, _hazard(self.p23), cover) + 1, lead)
+        lead = torch.where(state == 2, _geometric(e, rates.lam_2, cover) + 1, lead)
         burst = (state == 2) | (state == 3)
         slot = self._slot_size(cover)
         # A segment is a sojourn: its length, its code and its end (exclusive, steps from -1), ``_block``.
-        rates = _Rates.of(self, device)
         xp = _array_module(device)
         if xp is np:
             burst, lead, state_code = burst.numpy(), lead.numpy(), _CODE_OF_STATE.numpy()[state.numpy()]
