@@ -54,6 +54,21 @@ def lazy_exports(package: str, exports: dict[str, str]):
     return __getattr__
 
 
+def numba_compiled(cache: dict, key: str, *functions, **options):
+    """``functions`` compiled by numba once (``cache=True`` and ``options``), kept in ``cache[key]`` (the
+    module's own, where a test puts its Python loop instead): one function, or a tuple of several; None
+    where numba is not installed (the ``fast`` extra), whose callers keep their numpy or Python path."""
+    if key not in cache:
+        try:
+            import numba
+        except ImportError:
+            cache[key] = None
+        else:
+            made = tuple(numba.njit(cache=True, **options)(f) for f in functions)
+            cache[key] = made[0] if len(made) == 1 else made
+    return cache[key]
+
+
 _MAPPED_FROM = 1 << 20   # bytes; below, a mapping's system calls cost more than clearing the memory
 
 

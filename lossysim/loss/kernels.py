@@ -5,20 +5,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..util import numba_compiled
+
 _compiled: dict = {}
 
 
 def compiled(name: str):
     """The loop ``name`` of this module compiled (once), or None where numba is not installed."""
-    if name not in _compiled:
-        try:
-            import numba
-        except ImportError:
-            _compiled[name] = None
-        else:
-            # numpy's error model: a float divided by zero is inf or nan (IEEE), as in numpy's path
-            _compiled[name] = numba.njit(cache=True, error_model="numpy")(globals()[name])
-    return _compiled[name]
+    # numpy's error model: a float divided by zero is inf or nan (IEEE), as in numpy's path
+    return numba_compiled(_compiled, name, globals()[name], error_model="numpy")
 
 
 def walk_ranges(lost, ends, shift, pos, value):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..util import numba_compiled
+
 
 def count(row, position, bounds, phase, slot, bad, used, link_ids, open_run, max_burst, links,
           sent, lost, sent_bad, bursts, hist, after):
@@ -118,11 +120,4 @@ _compiled: dict = {}
 
 def compiled():
     """``count`` compiled, or None where numba is not installed (``stats.Counters`` counts in numpy)."""
-    if "count" not in _compiled:
-        try:
-            import numba
-        except ImportError:
-            _compiled["count"] = None
-        else:
-            _compiled["count"] = numba.njit(cache=True)(count)
-    return _compiled["count"]
+    return numba_compiled(_compiled, "count", count)

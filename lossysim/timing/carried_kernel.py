@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 
+from ..util import numba_compiled
 from .congestion import CUBIC_C, LINE, PIPE
 
 DONE, CARRY = 0, 1                # a connection's outcome: carried here, or left to ``carry``
@@ -308,12 +309,8 @@ def connections():
     from its cache, or compiled once) on first use: an estimate without TCP never pays for it."""
     global _compiled_connection, _compiled_events
     if "all" not in _compiled:
-        try:
-            import numba
-        except ImportError:           # the Python loop stands in
-            _compiled["all"] = None
-        else:
-            _compiled_connection = numba.njit(cache=True)(connection)
-            _compiled_events = numba.njit(cache=True)(events)
-            _compiled["all"] = numba.njit(cache=True)(_all)
+        parts = numba_compiled(_compiled, "parts", connection, events)   # None: the Python loop stands in
+        if parts is not None:   # before ``_all`` compiles, which reads them as globals
+            _compiled_connection, _compiled_events = parts
+        _compiled["all"] = parts and numba_compiled(_compiled, "_all", _all)
     return _compiled["all"]

@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ...util import numba_compiled
+
 AFTER_TIMER = 1e12   # a position after a timer: behind everything the connection sent before it
 TIE = 1e-7           # resends marked lost together go out in sequence order
 PROBE, RTO = 0, 1    # a suspect's timer
@@ -306,11 +308,4 @@ def kernels():
     ``COMPILED`` is off)."""
     if not COMPILED:
         return first, revealed, settle, charge
-    if "all" not in _compiled:
-        try:
-            import numba
-        except ImportError:
-            _compiled["all"] = (first, revealed, settle, charge)
-        else:
-            _compiled["all"] = tuple(numba.njit(cache=True)(f) for f in (first, revealed, settle, charge))
-    return _compiled["all"]
+    return numba_compiled(_compiled, "all", first, revealed, settle, charge) or (first, revealed, settle, charge)

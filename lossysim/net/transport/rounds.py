@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...util import numba_compiled
+
 def went(lost, width, to_send):
     """``(row, column)`` of the round's losses (flat ``row * width + column``, sorted) that went out:
     ``column < to_send[row]``."""
@@ -121,11 +123,4 @@ _compiled: dict = {}
 
 def kernels():
     """``(went, advance, wait, repairs)`` compiled, or None where numba is not installed."""
-    if "all" not in _compiled:
-        try:
-            import numba
-        except ImportError:
-            _compiled["all"] = None
-        else:
-            _compiled["all"] = tuple(numba.njit(cache=True)(f) for f in (went, advance, wait, repairs))
-    return _compiled["all"]
+    return numba_compiled(_compiled, "all", went, advance, wait, repairs)
