@@ -17,7 +17,7 @@ import sys
 
 SUBCOMMANDS = {
     "demo": ("lossysim.loss.demo", "sample each loss model: configured vs observed statistics"),
-    "train": ("lossysim.run.experiment", "train one tensor-parallel model under packet loss"),
+    "train": ("lossysim.run.command", "train one tensor-parallel model under packet loss"),
     "sweep": ("lossysim.run.sweep", "run a grid of experiments (resumable, shardable)"),
     "report": ("lossysim.results.report", "plots and a markdown table from a results folder"),
     "fit": ("lossysim.loss.fit", "fit loss models to a measured loss trace and recommend one"),

@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from unittest import mock
@@ -203,6 +206,16 @@ def test_command_line_mistakes_are_one_line(tmp_path, capsys):
         assert code == 2 and f"--iterations {iterations}" in err and "at least 1" in err
     code, err = _cli(["estimate", "tiny", "--dtype", "int8"], capsys)
     assert code == 2 and "'int8'" in err and "bf16" in err and "lossysim estimate --help" in err
+
+
+def test_a_mistyped_train_flag_is_refused_before_the_training_path_loads():
+    probe = ("import sys\nfrom lossysim import cli\ntry:\n    cli.main(['train', '--stpes', '3'])\n"
+             "except SystemExit as done:\n    print(done.code, sorted(m for m in sys.modules if m.startswith("
+             "('transformers', 'lossysim.run.experiment', 'lossysim.run.build'))))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.stdout.split() == ["2", "[]"], done.stdout + done.stderr[-2000:]
+    assert "unrecognized arguments: --stpes" in done.stderr
 
 
 @pytest.mark.parametrize("settings, message", [

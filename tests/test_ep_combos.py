@@ -146,8 +146,8 @@ PHASES = [[("pp-lossy", 0, 4), ("pp-resumed", 0, 4), ("fsdp-edp-resumed", 0, 4),
 
 def _untied() -> None:
     """tiny-moe with a head of its own: a dist pipeline's first and last stage cannot share one."""
-    config_class, shape = NAMED_SHAPES["tiny-moe"]
-    NAMED_SHAPES["tiny-moe"] = (config_class, {**shape, "tie_word_embeddings": False})
+    model_type, shape = NAMED_SHAPES["tiny-moe"]
+    NAMED_SHAPES["tiny-moe"] = (model_type, {**shape, "tie_word_embeddings": False})
 
 
 def _settings(name: str) -> dict:
@@ -165,8 +165,8 @@ def runs(tmp_path_factory):
 @pytest.fixture
 def sim(runs, monkeypatch):
     """A case's uninterrupted run on sim, in this process, with the same untied head."""
-    config_class, shape = NAMED_SHAPES["tiny-moe"]
-    monkeypatch.setitem(NAMED_SHAPES, "tiny-moe", (config_class, {**shape, "tie_word_embeddings": False}))
+    model_type, shape = NAMED_SHAPES["tiny-moe"]
+    monkeypatch.setitem(NAMED_SHAPES, "tiny-moe", (model_type, {**shape, "tie_word_embeddings": False}))
 
     def run(name: str) -> Path:
         run_dir = runs / name / "sim"

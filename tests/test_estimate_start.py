@@ -70,6 +70,9 @@ def test_the_counts_kept_are_the_models(name):
             assert getattr(built.config, key) == value, key
 
 
-def test_the_runner_shapes_are_named_once():
-    assert shapes.RUNNER == tuple(NAMED_SHAPES)
-    assert set(shapes.COUNTS) == set(shapes.PUBLISHED)
+def test_the_runner_shapes_are_named_without_transformers():
+    probe = "import sys, lossysim.models.shapes; print(any(m.startswith('transformers') for m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False"], done.stderr[-2000:]
+    assert shapes.RUNNER == tuple(NAMED_SHAPES) and set(shapes.COUNTS) == set(shapes.PUBLISHED)

@@ -57,12 +57,12 @@ QWEN3_MOE = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads
 
 @pytest.fixture
 def qwen3_moe(monkeypatch):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForSequenceClassification
+    from transformers import Qwen3MoeForSequenceClassification
 
     from lossysim.models import build as models_build
     from lossysim.models.shapes import NAMED_SHAPES
-    monkeypatch.setitem(NAMED_SHAPES, "tiny-qwen3-moe", (Qwen3MoeConfig, QWEN3_MOE))
-    monkeypatch.setitem(models_build._CLASSES["classification"], Qwen3MoeConfig, Qwen3MoeForSequenceClassification)
+    monkeypatch.setitem(NAMED_SHAPES, "tiny-qwen3-moe", ("qwen3_moe", QWEN3_MOE))
+    monkeypatch.setitem(models_build._CLASSES["classification"], "qwen3_moe", Qwen3MoeForSequenceClassification)
 
 
 @pytest.mark.parametrize("model,tp,dp,ep", [

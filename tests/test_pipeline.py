@@ -34,8 +34,8 @@ pytestmark = pytest.mark.usefixtures("private_cache")
 @pytest.fixture
 def four_blocks(monkeypatch):
     """The tiny GPT-2 with 4 blocks instead of 2."""
-    config_class, shape = NAMED_SHAPES["tiny"]
-    monkeypatch.setitem(NAMED_SHAPES, "tiny", (config_class, {**shape, "n_layer": 4}))
+    model_type, shape = NAMED_SHAPES["tiny"]
+    monkeypatch.setitem(NAMED_SHAPES, "tiny", (model_type, {**shape, "n_layer": 4}))
 
 
 def _config(tmp_path, name="run", steps=3, **changes) -> ExperimentConfig:

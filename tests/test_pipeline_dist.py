@@ -53,8 +53,8 @@ PHASES = [[("tp2-exact", 0, 4), ("tp2-lossy", 0, 4), ("pp4-lossy", 0, 4), ("3d-l
 
 
 def _four_blocks() -> None:
-    config_class, shape = NAMED_SHAPES["tiny"]
-    NAMED_SHAPES["tiny"] = (config_class, {**shape, "n_layer": 4})
+    model_type, shape = NAMED_SHAPES["tiny"]
+    NAMED_SHAPES["tiny"] = (model_type, {**shape, "n_layer": 4})
 
 
 def _settings(name: str) -> dict:
@@ -71,10 +71,10 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def four_blocks_here():
-    config_class, shape = NAMED_SHAPES["tiny"]
+    model_type, shape = NAMED_SHAPES["tiny"]
     _four_blocks()
     yield
-    NAMED_SHAPES["tiny"] = (config_class, shape)
+    NAMED_SHAPES["tiny"] = (model_type, shape)
 
 
 @pytest.fixture

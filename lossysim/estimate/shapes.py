@@ -18,6 +18,7 @@ import torch
 
 from ..axes import AXES
 from ..models import cost
+from ..models.shapes import NAMED_SHAPES, named_config
 from ..tp.parallelize import head_counts
 from ..tp.plans import PLANS, ShardingPlan, plan_for
 from .shape_counts import COUNTS, READ
@@ -109,10 +110,8 @@ PUBLISHED = {
 SIZE_FIELDS = ("num_hidden_layers", "n_layer", "hidden_size", "n_embd", "num_attention_heads", "n_head",
                "num_key_value_heads", "intermediate_size", "n_inner", "head_dim", "vocab_size",
                "max_position_embeddings", "n_positions")
-# The runner's random-weight CPU shapes (models/shapes.py's NAMED_SHAPES, whose transformers config classes
-# cost a second to import: named here, tests/test_estimate_start.py holds the two equal), so an estimate can
-# be held against a training run.
-RUNNER = ("tiny", "small", "tiny-moe", "tiny-deepseek-v3", "tiny-llama", "llama-1b-shape", "smollm2-135m-shape")
+# The runner's random-weight CPU shapes, so an estimate can be held against a training run.
+RUNNER = tuple(NAMED_SHAPES)
 NAMES = tuple(PUBLISHED) + RUNNER
 
 
@@ -180,9 +179,7 @@ def config_of(name: str) -> "PretrainedConfig":
         model_type, values = PUBLISHED[name]
         return AutoConfig.for_model(model_type, **values)
     if name in RUNNER:
-        from ..models.shapes import NAMED_SHAPES
-        config_class, values = NAMED_SHAPES[name]
-        return config_class(**values)
+        return named_config(name)
     path = Path(name)
     if not path.exists():
         raise ValueError(f"unknown model {name!r}: name one of {', '.join(NAMES)}, or a config.json or "

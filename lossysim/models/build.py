@@ -11,23 +11,22 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GPT2Config,
-                          GPT2ForSequenceClassification, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                          LlamaForSequenceClassification, MixtralConfig, MixtralForCausalLM,
-                          MixtralForSequenceClassification, DeepseekV3Config, DeepseekV3ForCausalLM,
-                          DeepseekV3ForSequenceClassification)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
+                          GPT2ForSequenceClassification, GPT2LMHeadModel, LlamaForCausalLM,
+                          LlamaForSequenceClassification, MixtralForCausalLM, MixtralForSequenceClassification,
+                          DeepseekV3ForCausalLM, DeepseekV3ForSequenceClassification)
 
 from ..hub import hub_reachable, why_unavailable
 from ..tp.plans import plan_for
 from .pretrained import PACKAGED, is_packaged, quiet_transformers, resolve
-from .shapes import NAMED_MAX_POSITIONS, NAMED_SHAPES
+from .shapes import NAMED_MAX_POSITIONS, NAMED_SHAPES, named_config
 from .upcycle import base, is_upcycled, parse, upcycle
 
-_CLASSES = {"classification": {GPT2Config: GPT2ForSequenceClassification, LlamaConfig: LlamaForSequenceClassification,
-                               MixtralConfig: MixtralForSequenceClassification,
-                               DeepseekV3Config: DeepseekV3ForSequenceClassification},
-            "lm": {GPT2Config: GPT2LMHeadModel, LlamaConfig: LlamaForCausalLM, MixtralConfig: MixtralForCausalLM,
-                   DeepseekV3Config: DeepseekV3ForCausalLM}}
+_CLASSES = {"classification": {"gpt2": GPT2ForSequenceClassification, "llama": LlamaForSequenceClassification,
+                               "mixtral": MixtralForSequenceClassification,
+                               "deepseek_v3": DeepseekV3ForSequenceClassification},
+            "lm": {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM, "mixtral": MixtralForCausalLM,
+                   "deepseek_v3": DeepseekV3ForCausalLM}}
 _AUTO = {"classification": AutoModelForSequenceClassification, "lm": AutoModelForCausalLM}
 
 
@@ -40,10 +39,9 @@ def max_positions(name: str) -> Optional[int]:
     from its config alone; None when the config cannot be read here (build_model checks later)."""
     name = base(name)
     if not is_pretrained(name):
-        config_class, shape = NAMED_SHAPES[name]
-        if config_class is GPT2Config:
+        if NAMED_SHAPES[name][0] == "gpt2":
             return NAMED_MAX_POSITIONS
-        return shape.get("max_position_embeddings", config_class().max_position_embeddings)
+        return named_config(name).max_position_embeddings
     _use_hub(name)
     path = resolve(name)  # a packaged model that is not installed says so here, before any data work
     try:
@@ -77,14 +75,13 @@ def build_model(name: str, *, vocab_size: int, pad_token_id: int, num_labels: in
     from_pretrained (HF name or local dir)."""
     torch.manual_seed(seed)
     if not is_pretrained(name):
-        config_class, shape = NAMED_SHAPES[name]
-        positions = "n_positions" if config_class is GPT2Config else "max_position_embeddings"
-        shape = {**shape, positions: max(max_length, shape.get(positions, 64))}
-        config = config_class(**shape, vocab_size=vocab_size, num_labels=num_labels, pad_token_id=pad_token_id,
-                              bos_token_id=pad_token_id, eos_token_id=pad_token_id,
-                              **_dropout_overrides(config_class.model_type, dropout))
+        model_type, shape = NAMED_SHAPES[name]
+        positions = "n_positions" if model_type == "gpt2" else "max_position_embeddings"
+        config = named_config(name, **{positions: max(max_length, shape.get(positions, 64))}, vocab_size=vocab_size,
+                              num_labels=num_labels, pad_token_id=pad_token_id, bos_token_id=pad_token_id,
+                              eos_token_id=pad_token_id, **_dropout_overrides(model_type, dropout))
         config._attn_implementation = attn_implementation
-        return _CLASSES[task][config_class](config)
+        return _CLASSES[task][model_type](config)
     if is_upcycled(name):
         if task != "lm":
             raise ValueError(f"model {name!r}: an upcycled model is a causal LM; use task=lm")

@@ -232,11 +232,10 @@ def _check(args) -> None:
 def _depth(name: str) -> int:
     """Model ``name``'s layers, from its config alone."""
     from transformers import AutoConfig
-    from ..models import NAMED_SHAPES
     from ..models.pretrained import resolve
+    from ..models.shapes import NAMED_SHAPES, named_config
     if name in NAMED_SHAPES:
-        config_class, shape = NAMED_SHAPES[name]
-        return config_class(**shape).num_hidden_layers
+        return named_config(name).num_hidden_layers
     return AutoConfig.from_pretrained(resolve(name)).num_hidden_layers
 
 
