@@ -108,6 +108,8 @@ def test_the_command_writes_its_table_and_resumes_without_training(pretrained, t
     argv = ["budget", "--out", str(out), "--model", str(pretrained), "--families", "dp", "--policies",
             "zero,rescale", "--steps", "2", "--seeds", "3", "--grid", "0.3", "--refine", "0", "--no-progress", "--nics", "irn",
             "--set", "max_eval_samples=8", "--set", "max_train_samples=32", "--set", "max_length=32"]
+    assert main([*argv, "--dry-run"]) == 0 and not out.exists()   # 2 searches x 1 rate x 3 seeds, 3 loss-free
+    assert capsys.readouterr().out.splitlines()[-1].startswith("at most 9 runs still to train")
     assert main(argv) == 0
     table = pd.read_csv(out / "budgets.csv")
     assert set(table["policy"]) == {"zero", "rescale"} and set(table["family"]) == {"dp"}
@@ -123,6 +125,15 @@ def test_the_command_writes_its_table_and_resumes_without_training(pretrained, t
     assert sorted(p.name for p in (out / "runs").iterdir()) == runs
     assert {p: (out / "runs" / p / "summary.json").stat().st_mtime_ns for p in runs} == mtimes
     assert pd.read_csv(out / "budgets.csv").equals(table)
+    capsys.readouterr()
+    wider = [a if a != "0.3" else "0.3,0.5" for a in argv]   # each search replayed over the runs it made
+    assert main([*wider, "--dry-run"]) == 0
+    plan = capsys.readouterr().out.splitlines()
+    passed = table.set_index("policy")["budget_rate"].notna()
+    for policy in ("zero", "rescale"):
+        row = next(line.split() for line in plan if line.split()[:2] == ["dp", policy])
+        assert row[2:] == (["2", "1", "50%", "1", "rates"] if passed[policy] else ["2", "1", "done", "0", "rates"])
+    assert plan[-1].startswith(f"at most {3 * passed.sum()} runs still to train")
 
 
 def test_runs_side_by_side_give_the_same_budgets(pretrained, tmp_path, capsys):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import pandas as pd
@@ -55,6 +54,9 @@ class Runner:
         name = run_name(config, key)
         return Run(config=config.replace(name=name, out=str(self.out / "runs" / name)), key=key, dir_name=name)
 
+    def completed(self, config: ExperimentConfig) -> bool:
+        return (read_summary(self._run(config).run_dir) or {}).get("status") == "completed"
+
     def summary(self, config: ExperimentConfig) -> tuple[dict, Path]:
         run = self._run(config)
         summary = read_summary(run.run_dir)
@@ -72,8 +74,7 @@ class Runner:
         """Train those of ``configs`` not completed yet, ``jobs`` at a time side by side (``run/pool.py``, as
         ``lossysim sweep --jobs`` does: a run's result never depends on what ran beside it); dist runs one at
         a time (torchrun's ranks take the machine)."""
-        todo = {run.dir_name: run for run in map(self._run, configs)
-                if (read_summary(run.run_dir) or {}).get("status") != "completed"}
+        todo = {run.dir_name: run for run in map(self._run, configs) if not self.completed(run.config)}
         jobs = side_by_side(list(todo.values()), jobs)
         if jobs <= 1:
             for run in todo.values():
@@ -116,13 +117,47 @@ def policies_for(runner: Runner, family: Family, steps: int, wanted) -> list[str
     return [p for p in wanted if p == "zero" or probe.accepts(recovery=p)]
 
 
+def searches_of(runner: Runner, families, steps_list, policies) -> list[tuple[Family, int, str]]:
+    """Every (family, length, policy) a budget table searches."""
+    return [(family, steps, policy) for family in families for steps in steps_list
+            for policy in policies_for(runner, family, steps, policies)]
+
+
+def plan(out: Path, families, steps_list, policies, seeds: int, grid, refine: int, base: dict) -> str:
+    """What ``budgets`` would train, training nothing: each search replayed over the runs already completed
+    in ``out`` (as a resumed budget reads them), its next rate and the most rates it may still measure (the
+    rest of the grid and every bisection), and the loss-free runs apart."""
+    runner = Runner(out, base, seeds, progress=False)
+    lines = [f"{'family':<13} {'policy':<17} {'steps':>5} {'measured':>8}  {'next':<8} {'at most still':>13}"]
+    lossy = 0
+    for family, steps, policy in searches_of(runner, families, steps_list, policies):
+        coroutine, measured = search(grid, refine), 0
+        rate = next(coroutine)
+        try:
+            while all(map(runner.completed, runner.configs(family, policy, steps, rate))):
+                point, _ = runner.measure(family, policy, steps, rate)
+                measured += 1
+                rate = coroutine.send(point)
+        except StopIteration:
+            rate = None
+        left = 0 if rate is None else len(grid) + refine - measured
+        lossy += left * seeds
+        lines.append(f"{family.name:<13} {policy:<17} {steps:>5} {measured:>8}  "
+                     f"{'done' if rate is None else f'{100 * rate:.3g}%':<8} {f'{left} rates':>13}")
+    free = [runner.config(family, steps, seed) for family in families for steps in steps_list
+            for seed in range(seeds)]
+    free_left = sum(not runner.completed(c) for c in free)
+    lines.append(f"at most {lossy + free_left} runs still to train in {out} ({lossy} lossy, {seeds} a rate; "
+                 f"{free_left} of the {len(free)} loss-free); trains nothing")
+    return "\n".join(lines)
+
+
 def budgets(out: Path, families, steps_list, policies, seeds: int, grid, refine: int, base: dict,
             nics=NICS, progress: bool = True, jobs: int = 1) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Every (family, length, policy)'s search, advanced side by side: each round trains the runs every
     search asks for next together (``jobs`` at a time), then hands each search its point."""
     runner = Runner(out, base, seeds, progress)
-    searches = [(family, steps, policy) for family in families for steps in steps_list
-                for policy in policies_for(runner, family, steps, policies)]
+    searches = searches_of(runner, families, steps_list, policies)
     coroutines = [search(grid, refine) for _ in searches]
     asked = {i: next(c) for i, c in enumerate(coroutines)}
     gaps: list[dict] = [{} for _ in searches]
@@ -224,6 +259,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=None, metavar="N",
                         help=f"runs side by side (default: the cores available here, {default_jobs()}); each "
                              "run's result is the same at any N")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="each search's rates measured so far in --out, its next, and the most runs still "
+                             "to train; train nothing")
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -249,6 +287,9 @@ def run(args) -> int:
     jobs = check_jobs(default_jobs() if args.jobs is None else args.jobs)
     base = {**BASE, "model": args.model, **parse_overrides(args.set)}
     out = Path(args.out)
+    if args.dry_run:
+        print(plan(out, families, steps_list, policies, args.seeds, grid, args.refine, base))
+        return 0
     check_writable(out)
     table, points = budgets(out, families, steps_list, policies, args.seeds, grid, args.refine, base, nics,
                             progress=not args.no_progress, jobs=jobs)
