@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import importlib
 import logging
 import os
@@ -47,7 +48,10 @@ def main(argv=None) -> int:
                 from .config.execution import DEFAULT_THREADS
                 sub_parser.add_argument("--threads", type=int, metavar="N",
                                         help=f"torch's intra-op threads (default {DEFAULT_THREADS})")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:   # said by the subcommand, with the nearest of its flags (argparse says "lossysim: error")
+        chosen = sub.choices[args.command]
+        chosen.error(f"unrecognized arguments: {' '.join(unknown)}{_nearest(unknown, chosen)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     from .hub import quiet_retries
@@ -84,6 +88,17 @@ def _tell_launcher(line: str) -> None:
 def _one_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+def _nearest(unknown: list[str], parser: argparse.ArgumentParser) -> str:
+    """`` (did you mean --steps?)`` for the first mistyped flag that is close to one of ``parser``'s."""
+    names = [flag[2:] for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+    for word in unknown:
+        if word.startswith("--"):   # compared without the dashes, which every flag shares
+            close = difflib.get_close_matches(word[2:].split("=")[0], names, n=1, cutoff=0.75)
+            if close:
+                return f" (did you mean --{close[0]}?)"
+    return ""
 
 
 def _chosen(argv) -> str:
