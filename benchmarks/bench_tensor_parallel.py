@@ -28,7 +28,8 @@ alike; the plain ratio of medians is printed next to it. ``hf`` and ``sim tp2`` 
 timed again with 1 thread, the fair baseline for the 2 x 1-thread ``dist`` runs. Peak
 memory (RSS high-water mark over 2 steps) of ``hf`` and ``sim tp4`` comes from separate
 subprocesses. ``--device cuda`` runs the in-process variants on the GPU (``dist`` and
-memory stay on the CPU, and are skipped there).
+memory stay on the CPU, and are skipped there). The models, batches and PyTorch's own tensor parallelism
+are built by ``tp_models.py``.
 
     python benchmarks/bench_tensor_parallel.py [--quick] [--repeats N] [--device cpu|cuda] [--profile VARIANT]
 """
@@ -51,19 +52,12 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-from transformers import (GPT2Config, GPT2ForSequenceClassification, LlamaConfig,  # noqa: E402
-                          LlamaForSequenceClassification)
 
 from lossysim import LossyNetwork, parallelize  # noqa: E402
-from lossysim.models import NAMED_SHAPES  # noqa: E402
+from tp_models import (BATCH, SEQ, SHAPES, describe, make_batch, make_model, pytorch_tensor_parallel,  # noqa: E402
+                       train_step)
 
-SHAPES = {  # name -> (config class, shape)
-    "tiny": (GPT2Config, dict(n_layer=2, n_head=4, n_embd=128, vocab_size=8192)),
-    "tiny-llama": (LlamaConfig, dict(NAMED_SHAPES["tiny-llama"][1], vocab_size=8192)),
-    "small": (GPT2Config, dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257)),
-}
 DEVICE = torch.device("cpu")  # of the in-process variants (--device)
-BATCH, SEQ, LABELS = 8, 128, 3
 SIM_VARIANTS = {  # name -> (tp_size, loss spec); tp 0 = unmodified HF
     "hf": (0, None),
     "sim tp2": (2, "none"),
@@ -78,43 +72,7 @@ TARGETS = (  # (label, numerator, denominator, limit)
 )
 
 
-# -- models and steps ------------------------------------------------------------------
-
-def make_model(shape: str, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    config_class, spec = SHAPES[shape]
-    common = dict(num_labels=LABELS, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    if config_class is GPT2Config:
-        config = GPT2Config(**spec, n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
-        model_class = GPT2ForSequenceClassification
-    else:
-        config = LlamaConfig(**spec, max_position_embeddings=1024, attention_dropout=0.0, **common)
-        model_class = LlamaForSequenceClassification
-    config._attn_implementation = "sdpa"
-    return model_class(config)
-
-
-def describe(shape: str) -> str:
-    config = make_model_config(shape)
-    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return (f"{type(config).__name__[:-6]}, {config.num_hidden_layers} layers, {config.num_attention_heads} heads "
-            f"({kv} kv), width {config.hidden_size}, vocab {config.vocab_size}")
-
-
-def make_model_config(shape: str):
-    config_class, spec = SHAPES[shape]
-    return config_class(**spec)
-
-
-def make_batch(vocab: int, seed: int = 0) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (BATCH, SEQ), generator=gen)
-    lengths = torch.randint(SEQ // 2, SEQ + 1, (BATCH,), generator=gen)
-    lengths[0] = SEQ
-    mask = (torch.arange(SEQ)[None] < lengths[:, None]).long()
-    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask,
-            "labels": torch.randint(0, LABELS, (BATCH,), generator=gen)}
-
+# -- variants and timed rounds --------------------------------------------------------
 
 def make_variant(name: str, base: nn.Module):
     tp, spec = SIM_VARIANTS[name]
@@ -122,15 +80,6 @@ def make_variant(name: str, base: nn.Module):
     if tp:
         model = parallelize(model, tp, LossyNetwork(tp, spec, seed=0))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-
-def train_step(model, optimizer, batch) -> float:
-    """One step; ``loss.item()`` waits for the device, so wall time covers the whole step."""
-    optimizer.zero_grad(set_to_none=True)
-    loss = model(**batch).loss
-    loss.backward()
-    optimizer.step()
-    return loss.item()
 
 
 def timed_rounds(steps: dict, warmup: int, repeats: int, barrier=None) -> dict:
@@ -193,44 +142,7 @@ def summarise(times: dict) -> dict:
     return {name: {"median": statistics.median(t), "min": min(t), "n": len(t)} for name, t in times.items()}
 
 
-# -- PyTorch's own tensor parallelism -----------------------------------------------------
-
-def conv_to_linear(conv) -> nn.Linear:
-    """transformers' Conv1D (weight [in, out], y = x W + b) as an nn.Linear (weight [out, in])."""
-    linear = nn.Linear(conv.weight.shape[0], conv.weight.shape[1])
-    with torch.no_grad():
-        linear.weight.copy_(conv.weight.t())
-        linear.bias.copy_(conv.bias)
-    return linear
-
-
-def pytorch_tensor_parallel(model, mesh):
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    tp = mesh.size()
-    if isinstance(model, LlamaForSequenceClassification):  # nn.Linear already; views infer local heads
-        for block in model.model.layers:
-            parallelize_module(block, mesh, {
-                "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel()})
-        return model
-    for block in model.transformer.h:
-        attn, mlp = block.attn, block.mlp
-        width = attn.embed_dim
-        c_attn = conv_to_linear(attn.c_attn)
-        # Output rows [Q | K | V] -> [Q_0 K_0 V_0 | Q_1 K_1 V_1 ...]: rank r's contiguous shard = its heads.
-        order = torch.arange(3 * width).reshape(3, tp, width // tp).permute(1, 0, 2).reshape(-1)
-        with torch.no_grad():
-            c_attn.weight.copy_(c_attn.weight[order].clone())
-            c_attn.bias.copy_(c_attn.bias[order].clone())
-        attn.c_attn, attn.split_size = c_attn, width // tp  # GPT2Attention infers local heads (-1)
-        attn.c_proj = conv_to_linear(attn.c_proj)
-        mlp.c_fc, mlp.c_proj = conv_to_linear(mlp.c_fc), conv_to_linear(mlp.c_proj)
-        parallelize_module(block, mesh, {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
-                                         "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
-    return model
-
+# -- PyTorch's own tensor parallelism, in 2 gloo processes -------------------------------------
 
 def dist_worker(rank: int, world: int, shape: str, warmup: int, repeats: int, out_dir: str) -> None:
     import torch.distributed as dist
