@@ -123,11 +123,13 @@ def searches_of(runner: Runner, families, steps_list, policies) -> list[tuple[Fa
             for policy in policies_for(runner, family, steps, policies)]
 
 
-def plan(out: Path, families, steps_list, policies, seeds: int, grid, refine: int, base: dict) -> str:
+def plan(out: Path, families, steps_list, policies, seeds: int, grid, refine: int, base: dict, jobs: int = 1) -> str:
     """What ``budgets`` would train, training nothing: each search replayed over the runs already completed
     in ``out`` (as a resumed budget reads them), its next rate and the most rates it may still measure (the
-    rest of the grid and every bisection), and the loss-free runs apart."""
+    rest of the grid and every bisection), the loss-free runs apart, and, from the runs done, how long the
+    rest may take at ``jobs`` side by side."""
     runner = Runner(out, base, seeds, progress=False)
+    done: dict[str, float] = {}   # run directory -> its wall time
     lines = [f"{'family':<13} {'policy':<17} {'steps':>5} {'measured':>8}  {'next':<8} {'at most still':>13}"]
     lossy = 0
     for family, steps, policy in searches_of(runner, families, steps_list, policies):
@@ -135,6 +137,7 @@ def plan(out: Path, families, steps_list, policies, seeds: int, grid, refine: in
         rate = next(coroutine)
         try:
             while all(map(runner.completed, runner.configs(family, policy, steps, rate))):
+                done.update(_walls(runner, runner.configs(family, policy, steps, rate)))
                 point, _ = runner.measure(family, policy, steps, rate)
                 measured += 1
                 rate = coroutine.send(point)
@@ -147,9 +150,19 @@ def plan(out: Path, families, steps_list, policies, seeds: int, grid, refine: in
     free = [runner.config(family, steps, seed) for family in families for steps in steps_list
             for seed in range(seeds)]
     free_left = sum(not runner.completed(c) for c in free)
-    lines.append(f"at most {lossy + free_left} runs still to train in {out} ({lossy} lossy, {seeds} a rate; "
+    done.update(_walls(runner, [c for c in free if runner.completed(c)]))
+    left = lossy + free_left
+    lines.append(f"at most {left} runs still to train in {out} ({lossy} lossy, {seeds} a rate; "
                  f"{free_left} of the {len(free)} loss-free); trains nothing")
+    if done and left:
+        each = float(np.median(list(done.values())))
+        lines.append(f"the {len(done)} runs done there took {each:.0f} s each (median): the rest, {jobs} at a time, "
+                     f"up to about {left * each / jobs / 3600:.1f} h")
     return "\n".join(lines)
+
+
+def _walls(runner: Runner, configs) -> dict[str, float]:
+    return {run.dir_name: float(read_summary(run.run_dir).get("wall_time_s", math.nan)) for run in map(runner._run, configs)}
 
 
 def budgets(out: Path, families, steps_list, policies, seeds: int, grid, refine: int, base: dict,
@@ -288,7 +301,7 @@ def run(args) -> int:
     base = {**BASE, "model": args.model, **parse_overrides(args.set)}
     out = Path(args.out)
     if args.dry_run:
-        print(plan(out, families, steps_list, policies, args.seeds, grid, args.refine, base))
+        print(plan(out, families, steps_list, policies, args.seeds, grid, args.refine, base, jobs))
         return 0
     check_writable(out)
     table, points = budgets(out, families, steps_list, policies, args.seeds, grid, args.refine, base, nics,
