@@ -123,7 +123,8 @@ def searches_of(runner: Runner, families, steps_list, policies) -> list[tuple[Fa
             for policy in policies_for(runner, family, steps, policies)]
 
 
-def plan(out: Path, families, steps_list, policies, seeds: int, grid, refine: int, base: dict, jobs: int = 1) -> str:
+def plan(out: Path, families, steps_list, policies, seeds: int, grid, refine: int, base: dict,
+         jobs: int = 1) -> str:
     """What ``budgets`` would train, training nothing: each search replayed over the runs already completed
     in ``out`` (as a resumed budget reads them), its next rate and the most rates it may still measure (the
     rest of the grid and every bisection), the loss-free runs apart, and, from the runs done, how long the
@@ -136,8 +137,8 @@ def plan(out: Path, families, steps_list, policies, seeds: int, grid, refine: in
         coroutine, measured = search(grid, refine), 0
         rate = next(coroutine)
         try:
-            while all(map(runner.completed, runner.configs(family, policy, steps, rate))):
-                done.update(_walls(runner, runner.configs(family, policy, steps, rate)))
+            while all(map(runner.completed, configs := runner.configs(family, policy, steps, rate))):
+                done.update(_walls(runner, configs))
                 point, _ = runner.measure(family, policy, steps, rate)
                 measured += 1
                 rate = coroutine.send(point)
@@ -162,7 +163,9 @@ def plan(out: Path, families, steps_list, policies, seeds: int, grid, refine: in
 
 
 def _walls(runner: Runner, configs) -> dict[str, float]:
-    return {run.dir_name: float(read_summary(run.run_dir).get("wall_time_s", math.nan)) for run in map(runner._run, configs)}
+    """Each completed run's wall time, by its directory (a run two searches share counts once)."""
+    return {run.dir_name: float(read_summary(run.run_dir).get("wall_time_s", math.nan))
+            for run in map(runner._run, configs)}
 
 
 def budgets(out: Path, families, steps_list, policies, seeds: int, grid, refine: int, base: dict,
