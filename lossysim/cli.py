@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import importlib
 import logging
 import os
@@ -92,12 +91,13 @@ def _one_line(err: BaseException) -> str:
 
 def _nearest(unknown: list[str], parser: argparse.ArgumentParser) -> str:
     """`` (did you mean --steps?)`` for the first mistyped flag that is close to one of ``parser``'s."""
+    from .util import nearest
     names = [flag[2:] for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
     for word in unknown:
         if word.startswith("--"):   # compared without the dashes, which every flag shares
-            close = difflib.get_close_matches(word[2:].split("=")[0], names, n=1, cutoff=0.75)
+            close = nearest(word[2:].split("=")[0], names)
             if close:
-                return f" (did you mean --{close[0]}?)"
+                return f" (did you mean --{close}?)"
     return ""
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import importlib
 import mmap
@@ -28,6 +29,12 @@ def stream_seed(seed: int, site: str, direction: str) -> int:
     """A stable 63-bit seed for one (seed, site, direction) random stream."""
     digest = hashlib.blake2b(f"{seed}\0{site}\0{direction}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def nearest(word: str, names) -> str | None:
+    """The one of ``names`` a mistyped ``word`` most likely meant (difflib's ratio >= 0.75), or None."""
+    close = difflib.get_close_matches(word, list(names), n=1, cutoff=0.75)
+    return close[0] if close else None
 
 
 def one_of(values) -> str:

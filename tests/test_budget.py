@@ -60,6 +60,15 @@ def test_too_few_pairs_never_pass():
 def test_a_bad_grid_is_refused():
     with pytest.raises(ValueError, match="rates in"):
         find_budget(linear(1.0)[0], grid=[0.0, 0.1])
+    for refine in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="count of bisections"):
+            find_budget(linear(1.0)[0], refine=refine)
+
+
+def test_the_grid_is_scanned_from_its_lowest_rate_once_each():
+    measure, asked = linear(1.0)
+    find_budget(measure, grid=[0.1, 0.001, 0.01, 0.1], refine=0)
+    assert asked == sorted(set(asked)) and asked[0] == 0.001
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +169,9 @@ def test_runs_side_by_side_give_the_same_budgets(pretrained, tmp_path, capsys):
                                            (["--seeds", "2"], "at least 3 paired seeds"),
                                            (["--policies", "zero,magic"], "--policies magic"),
                                            (["--nics", "irn,carrier-pigeon"], "--nics carrier-pigeon"),
-                                           (["--jobs", "0"], "jobs=0 must be a whole number >= 1")])
+                                           (["--jobs", "0"], "jobs=0 must be a whole number >= 1"),
+                                           (["--refine", "-1"], "refine is a count of bisections, >= 0"),
+                                           (["--set", "batchsize=8"], "'batchsize' (did you mean batch_size?)")])
 def test_bad_input_is_one_line_and_exit_2(flags, message, tmp_path, capsys):
     assert main(["budget", "--out", str(tmp_path / "b"), *flags]) == 2
     err = capsys.readouterr().err

@@ -267,7 +267,7 @@ def test_bad_grid_point_fails_before_anything_trains(tmp_path, recorder, capsys)
     assert recorder.calls == [] and not out.exists()
     spec = write_spec(tmp_path / "typo.yaml", {"los": ["none"]})
     assert cli.main(["sweep", str(spec), "--out", str(out), "--no-progress"]) == 2
-    assert "unknown config key 'los'" in capsys.readouterr().err
+    assert "unknown config key 'los' (did you mean loss?)" in capsys.readouterr().err
     assert recorder.calls == [] and not out.exists()
 
 

@@ -265,7 +265,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", default="6", help="optimizer steps per run, several separated by commas "
                                                      "(a budget per length, side by side)")
     parser.add_argument("--seeds", type=int, default=3, help="paired seeds per rate (>= 3)")
-    parser.add_argument("--grid", default=",".join(f"{r:g}" for r in GRID), help="loss rates, ascending")
+    parser.add_argument("--grid", default=",".join(f"{r:g}" for r in GRID), help="loss rates (scanned from the lowest up)")
     parser.add_argument("--refine", type=int, default=2, help="bisections between the last pass and first failure")
     parser.add_argument("--model", default=BASE["model"], help="the pretrained model")
     parser.add_argument("--nics", default=",".join(NICS),

@@ -54,12 +54,14 @@ class Budget:
 
 def search(grid: Sequence[float] = GRID, refine: int = 2) -> Generator[float, Point, Budget]:
     """The search as a coroutine: it yields the next rate to measure, is sent that rate's ``Point`` and
-    returns the ``Budget`` (``StopIteration.value``). Scans ``grid`` (ascending) until a rate fails, then
+    returns the ``Budget`` (``StopIteration.value``). Scans ``grid`` from its lowest rate up until a rate fails, then
     ``refine`` bisections (geometric means) between the last pass and the first failure. Several searches
     can so be advanced side by side, their runs trained together (``budget/command.py``)."""
-    rates = sorted(float(r) for r in grid)
+    rates = sorted({float(r) for r in grid})
     if not rates or rates[0] <= 0 or rates[-1] >= 1:
         raise ValueError(f"a budget's grid needs rates in (0, 1), got {list(grid)}")
+    if isinstance(refine, bool) or int(refine) != refine or refine < 0:
+        raise ValueError(f"a budget's refine is a count of bisections, >= 0, got {refine!r}")
     return _search(rates, int(refine))
 
 

@@ -15,7 +15,7 @@ from ..mesh import DEFAULT_ORDER, Mesh, parse_order
 from ..net.spec import SETTINGS, NetworkSpec
 from ..timing import DEFAULT_NIC, parse_compute
 from ..traffic import BY_NAME, parse_kinds as traffic_kinds
-from ..util import stream_seed
+from ..util import nearest, stream_seed
 from .choices import BACKENDS, check_choice, parse_layout, parse_report_to
 from .execution import DEFAULT_THREADS, check_count
 from .fabric import check_fabric
@@ -328,7 +328,9 @@ def coerce(values: dict) -> dict:
     known = {f.name for f in fields(ExperimentConfig)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(f"unknown config key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        close = nearest(unknown[0], known)
+        hint = f"did you mean {close}?" if close else f"known: {', '.join(sorted(known))}"
+        raise ValueError(f"unknown config key {unknown[0]!r} ({hint})")
     return {k: _coerce(k, v) for k, v in values.items()}
 
 
