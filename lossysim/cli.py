@@ -90,12 +90,17 @@ def _one_line(err: BaseException) -> str:
 
 
 def _nearest(unknown: list[str], parser: argparse.ArgumentParser) -> str:
-    """`` (did you mean --steps?)`` for the first mistyped flag that is close to one of ``parser``'s."""
+    """`` (did you mean --steps?)`` for the first mistyped flag that is close to one of ``parser``'s, or how to
+    give a positional argument spelled as a flag."""
     from .util import nearest
     names = [flag[2:] for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+    positional = {action.dest.replace("_", "-") for action in parser._actions if not action.option_strings}
     for word in unknown:
         if word.startswith("--"):   # compared without the dashes, which every flag shares
-            close = nearest(word[2:].split("=")[0], names)
+            name = word[2:].split("=")[0]
+            if name in positional:   # `estimate --model X`, as `train --model X` is spelled
+                return f" ({name} takes no flag: {parser.prog} {name.upper()} ...)"
+            close = nearest(name, names)
             if close:
                 return f" (did you mean --{close}?)"
     return ""

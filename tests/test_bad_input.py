@@ -222,7 +222,8 @@ def test_a_mistyped_train_flag_is_refused_before_the_training_path_loads():
 @pytest.mark.parametrize("argv, said", [
     (["budget", "--out", "x", "--familes", "tp"], "--familes tp (did you mean --families?)"),
     (["train", "--tp_size", "2"], "--tp_size 2 (did you mean --tp-size?)"),
-    (["estimate", "tiny", "--bogus"], "--bogus")])
+    (["estimate", "tiny", "--bogus"], "--bogus"),
+    (["estimate", "--model", "tiny"], "--model (model takes no flag: lossysim estimate MODEL ...)")])
 def test_a_mistyped_flag_is_named_by_its_command_with_the_nearest_flag(argv, said, capsys):
     code, err = _cli(argv, capsys)
     assert (code, err) == (2, f"lossysim {argv[0]}: error: unrecognized arguments: {said} "
