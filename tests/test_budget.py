@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -124,6 +125,12 @@ def test_the_command_writes_its_table_and_resumes_without_training(pretrained, t
     assert set(table["policy"]) == {"zero", "rescale"} and set(table["family"]) == {"dp"}
     points = pd.read_csv(out / "points.csv")
     assert (points["pairs"] == 3).all() and points["train_loss_gap"].notna().all()
+    training = pd.read_csv(out / "training.csv")   # every seed's every step, at every rate measured
+    assert len(training) == len(points) * 3 * 2 and set(training["step"]) == {1, 2}
+    assert np.allclose(training["gap"], training["lossy_loss"] - training["loss_free_loss"])
+    mean_gap = training.groupby(["policy", "rate"])["gap"].mean()
+    assert np.allclose([mean_gap[p.policy, p.rate] for p in points.itertuples()], points["train_loss_gap"])
+    assert (out / "training.png").stat().st_size > 0
     priced = table[table["budget_rate"].notna()]
     assert (priced["retransmit_irn_pct"] > 0).all() and table.loc[table["budget_rate"].isna(), "retransmit_irn_pct"].isna().all()
     assert (out / "budget.png").stat().st_size > 0 and "| DP gradient buckets |" in (out / "budgets.md").read_text()

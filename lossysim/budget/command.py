@@ -9,8 +9,8 @@ reads them all. The settings default to the real profile's (``experiments/real.y
 Python's documentation text, 4 pieces of 64 tokens a step, lr 1e-4, evaluated loss-free once at the
 end on 48 held-out pieces (what training under loss left in the model). Writes ``budgets.csv`` (a row
 per family, policy and length), ``points.csv`` (every rate measured: the paired change, its interval,
-the training-loss gap), ``budget.png`` (perplexity change against loss rate, a line per family) and
-``budgets.md``.
+the mean training-loss gap), ``training.csv`` (every rate's training losses, lossy and loss-free, per seed
+and step) and, for reading (``budget/report.py``), ``budget.png``, ``training.png`` and ``budgets.md``.
 """
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ from ..results.perplexity import paired_change
 from ..run.pool import Pool, check_jobs
 from ..run.sweep import Run, config_key, execute, normalise, record_lost, run_name, side_by_side
 from .families import FAMILIES, POLICIES, Family, model_for, parse_families
-from .search import GRID, TOLERANCE_PCT, Budget, Point, search
-from .trade import NICS, SEQ, job, step_cost_pct
+from .report import markdown, plot, plot_training
+from .search import GRID, Budget, Point, search
+from .trade import NICS, step_cost_pct
 
 BASE = dict(model="smollm2-135m", dataset="pydoc", task="lm", tokenizer="auto", max_length=64,
             max_train_samples=None, max_eval_samples=48, eval_batch_size=16, dropout=0.0, eval_lossy=False,
@@ -97,18 +98,19 @@ class Runner:
                   if r.get("split") == "train" and "loss" in r}
         return math.exp(float(final[split]["loss"])), losses
 
-    def measure(self, family: Family, policy: str, steps: int, rate: float) -> tuple[Point, float]:
-        """The paired eval-perplexity change at ``rate`` and the mean training-loss gap (lossy minus
-        loss-free, over steps and seeds)."""
-        mine, theirs, gaps = [], [], []
+    def measure(self, family: Family, policy: str, steps: int, rate: float) -> tuple[Point, list[dict]]:
+        """The paired eval-perplexity change at ``rate``, and per seed and step the training losses, lossy
+        and loss-free, and their gap."""
+        mine, theirs, training = [], [], []
         for seed in range(self.seeds):
             free, free_losses = self.perplexity_and_losses(self.config(family, steps, seed))
             lossy, lossy_losses = self.perplexity_and_losses(self.config(family, steps, seed, policy, rate))
             mine.append(lossy)
             theirs.append(free)
-            gaps += [lossy_losses[s] - free_losses[s] for s in lossy_losses if s in free_losses]
+            training += [{"seed": seed, "step": s, "loss_free_loss": free_losses[s], "lossy_loss": loss,
+                          "gap": loss - free_losses[s]} for s, loss in lossy_losses.items() if s in free_losses]
         change, half, pairs, _ = paired_change(mine, theirs)
-        return Point(rate, change, half, pairs), float(np.mean(gaps)) if gaps else math.nan
+        return Point(rate, change, half, pairs), training
 
 
 def policies_for(runner: Runner, family: Family, steps: int, wanted) -> list[str]:
@@ -169,27 +171,28 @@ def _walls(runner: Runner, configs) -> dict[str, float]:
 
 
 def budgets(out: Path, families, steps_list, policies, seeds: int, grid, refine: int, base: dict,
-            nics=NICS, progress: bool = True, jobs: int = 1) -> tuple[pd.DataFrame, pd.DataFrame]:
+            nics=NICS, progress: bool = True, jobs: int = 1) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """Every (family, length, policy)'s search, advanced side by side: each round trains the runs every
-    search asks for next together (``jobs`` at a time), then hands each search its point."""
+    search asks for next together (``jobs`` at a time), then hands each search its point. Returns the
+    table, the points and every measured rate's training losses step by step."""
     runner = Runner(out, base, seeds, progress)
     searches = searches_of(runner, families, steps_list, policies)
     coroutines = [search(grid, refine) for _ in searches]
     asked = {i: next(c) for i, c in enumerate(coroutines)}
-    gaps: list[dict] = [{} for _ in searches]
+    training: list[dict] = [{} for _ in searches]   # rate -> that rate's rows of ``measure``
     found: dict[int, Budget] = {}
     while asked:
         runner.train([c for i, rate in asked.items() for c in runner.configs(searches[i][0], searches[i][2],
                                                                              searches[i][1], rate)], jobs)
         for i, rate in list(asked.items()):
             family, steps, policy = searches[i]
-            point, gaps[i][rate] = runner.measure(family, policy, steps, rate)
+            point, training[i][rate] = runner.measure(family, policy, steps, rate)
             try:
                 asked[i] = coroutines[i].send(point)
             except StopIteration as done:
                 found[i] = done.value
                 del asked[i]
-    rows, points = [], []
+    rows, points, steps_rows = [], [], []
     for i, (family, steps, policy) in enumerate(searches):
         budget = found[i]
         rows.append({"family": family.name, "traffic": family.label, "policy": policy, "steps": steps,
@@ -199,60 +202,16 @@ def budgets(out: Path, families, steps_list, policies, seeds: int, grid, refine:
                                                   if budget.rate is not None else math.nan) for nic in nics}})
         points += [{"family": family.name, "policy": policy, "steps": steps, "rate": p.rate,
                     "change_pct": p.change_pct, "change_pct_ci": p.half_width, "upper_pct": p.upper,
-                    "pairs": p.pairs, "passes": p.passes, "train_loss_gap": gaps[i].get(p.rate, math.nan)}
+                    "pairs": p.pairs, "passes": p.passes, "train_loss_gap": _mean_gap(training[i].get(p.rate))}
                    for p in budget.points]
-    return pd.DataFrame(rows), pd.DataFrame(points)
+        steps_rows += [{"family": family.name, "policy": policy, "steps": steps, "rate": rate, **row}
+                       for rate in sorted(training[i]) for row in training[i][rate]]
+    return pd.DataFrame(rows), pd.DataFrame(points), pd.DataFrame(steps_rows)
 
 
-def plot(points: pd.DataFrame, path: Path) -> None:
-    """Perplexity change against loss rate, a line per family and policy (log x, 95% intervals shaded and
-    barred), the 1% tolerance dashed; one panel per length."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import NullFormatter
-    lengths = sorted(points["steps"].unique())
-    fig = Figure(figsize=(6.5 * len(lengths), 4.5))
-    FigureCanvasAgg(fig)
-    for i, steps in enumerate(lengths):
-        ax = fig.add_subplot(1, len(lengths), i + 1)
-        for (family, policy), group in points[points["steps"] == steps].groupby(["family", "policy"], sort=False):
-            group = group.sort_values("rate")
-            x, y, h = 100 * group["rate"], group["change_pct"], group["change_pct_ci"].fillna(0)
-            line, = ax.plot(x, y, marker="o", label=f"{family} ({policy})")
-            ax.fill_between(x, y - h, y + h, color=line.get_color(), alpha=0.15)
-            # each point's interval as a bar too: a family measured at one rate has no band to shade
-            ax.errorbar(x, y, yerr=h, fmt="none", ecolor=line.get_color(), capsize=3, linewidth=1)
-        ax.axhline(TOLERANCE_PCT, color="k", linestyle="--", linewidth=1)
-        ax.set_xscale("log")
-        # the rates measured as the ticks, as printed in the table: a narrow log range's own ticks read
-        # "1.1x10^1" or go missing
-        rates = sorted(100 * points[points["steps"] == steps]["rate"].unique())
-        ax.set_xticks(rates, [f"{r:.3g}" for r in rates], fontsize=7, rotation=45 if len(rates) > 6 else 0)
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlabel("loss rate (%)")
-        ax.set_ylabel("eval perplexity vs loss-free, paired (%)")
-        ax.set_title(f"{steps} optimizer steps")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def markdown(table: pd.DataFrame, base: dict, seeds: int, nics) -> str:
-    cost = [f"retransmitting at it, {nic} (% of a step)" for nic in nics]
-    lines = [f"# Loss budgets: {base['model']}", "",
-             f"The largest loss rate (Bernoulli) at which fine-tuning keeps the eval perplexity within "
-             f"{TOLERANCE_PCT:g}% of the paired loss-free run (the 95% interval's upper end over {seeds} seeds); "
-             "evaluated loss-free. Beside it, what retransmitting that traffic at that rate adds to a real job's "
-             f"step (`lossysim estimate`, the family's axis at 2 across nodes, {SEQ}-token sequences: "
-             + ", ".join(f"{family.name} {job(family)[0]}" for family in FAMILIES) + ").", "",
-             "| " + " | ".join(["traffic", "policy", "steps", "budget", *cost]) + " |",
-             "| " + " | ".join(["---"] * (4 + len(cost))) + " |"]
-    for row in table.to_dict("records"):
-        cells = [row["traffic"], row["policy"], str(row["steps"]), row["budget"]]
-        cells += [f"{row[f'retransmit_{nic}_pct']:.3g}" if math.isfinite(row[f"retransmit_{nic}_pct"]) else "–"
-                  for nic in nics]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+def _mean_gap(rows) -> float:
+    """The training-loss gap over every step and seed of one rate."""
+    return float(np.mean([row["gap"] for row in rows])) if rows else math.nan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -307,12 +266,14 @@ def run(args) -> int:
         print(plan(out, families, steps_list, policies, args.seeds, grid, args.refine, base, jobs))
         return 0
     check_writable(out)
-    table, points = budgets(out, families, steps_list, policies, args.seeds, grid, args.refine, base, nics,
-                            progress=not args.no_progress, jobs=jobs)
+    table, points, training = budgets(out, families, steps_list, policies, args.seeds, grid, args.refine, base,
+                                      nics, progress=not args.no_progress, jobs=jobs)
     atomic_write_text(out / "budgets.csv", table.to_csv(index=False))
     atomic_write_text(out / "points.csv", points.to_csv(index=False))
+    atomic_write_text(out / "training.csv", training.to_csv(index=False))
     atomic_write_text(out / "budgets.md", markdown(table, base, args.seeds, nics))
     if not points.empty:
         plot(points, out / "budget.png")
+        plot_training(training, out / "training.png")
     print(markdown(table, base, args.seeds, nics))
     return 0
