@@ -131,6 +131,9 @@ def test_the_command_writes_its_table_and_resumes_without_training(pretrained, t
     mean_gap = training.groupby(["policy", "rate"])["gap"].mean()
     assert np.allclose([mean_gap[p.policy, p.rate] for p in points.itertuples()], points["train_loss_gap"])
     assert (out / "training.png").stat().st_size > 0
+    written = (out / "budgets.md").read_text()   # every point too, as measured
+    for p in points.itertuples():
+        assert f"| dp | {p.policy} | 2 | 30% | {p.change_pct:+.2f}% | +-{p.change_pct_ci:.2f} |" in written
     priced = table[table["budget_rate"].notna()]
     assert (priced["retransmit_irn_pct"] > 0).all() and table.loc[table["budget_rate"].isna(), "retransmit_irn_pct"].isna().all()
     assert (out / "budget.png").stat().st_size > 0 and "| DP gradient buckets |" in (out / "budgets.md").read_text()

@@ -271,9 +271,9 @@ def run(args) -> int:
     atomic_write_text(out / "budgets.csv", table.to_csv(index=False))
     atomic_write_text(out / "points.csv", points.to_csv(index=False))
     atomic_write_text(out / "training.csv", training.to_csv(index=False))
-    atomic_write_text(out / "budgets.md", markdown(table, base, args.seeds, nics))
+    atomic_write_text(out / "budgets.md", markdown(table, points, base, args.seeds, nics))
     if not points.empty:
         plot(points, out / "budget.png")
         plot_training(training, out / "training.png")
-    print(markdown(table, base, args.seeds, nics))
+    print(markdown(table, points, base, args.seeds, nics))
     return 0

@@ -1,7 +1,7 @@
 """What ``lossysim budget`` writes for people to read: ``budget.png`` (what the loss left behind: the eval
 perplexity change against loss rate, a line per family and policy), ``training.png`` (what it did while
 training: the training-loss gap to the loss-free run, step by step, a line per rate) and ``budgets.md``
-(the table, each budget beside what retransmitting at it costs)."""
+(the table, each budget beside what retransmitting at it costs, then every point measured)."""
 from __future__ import annotations
 
 import math
@@ -52,7 +52,8 @@ def plot(points: pd.DataFrame, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def markdown(table: pd.DataFrame, base: dict, seeds: int, nics) -> str:
+def markdown(table: pd.DataFrame, points: pd.DataFrame, base: dict, seeds: int, nics) -> str:
+    """The budgets, then every point the searches measured (as ``points.csv`` holds them)."""
     cost = [f"retransmitting at it, {nic} (% of a step)" for nic in nics]
     lines = [f"# Loss budgets: {base['model']}", "",
              f"The largest loss rate (Bernoulli) at which fine-tuning keeps the eval perplexity within "
@@ -67,6 +68,15 @@ def markdown(table: pd.DataFrame, base: dict, seeds: int, nics) -> str:
         cells += [f"{row[f'retransmit_{nic}_pct']:.3g}" if math.isfinite(row[f"retransmit_{nic}_pct"]) else "–"
                   for nic in nics]
         lines.append("| " + " | ".join(cells) + " |")
+    if not points.empty:
+        lines += ["", f"Every rate measured: the paired eval-perplexity change (mean over {seeds} seeds and its 95% "
+                  "interval), and the training-loss gap, lossy minus loss-free (nats, mean over steps and seeds).",
+                  "", "| family | policy | steps | loss | change | 95% interval | upper end | passes | "
+                  "training-loss gap |", "| " + " | ".join(["---"] * 9) + " |"]
+        for p in points.itertuples():
+            lines.append(f"| {p.family} | {p.policy} | {p.steps} | {100 * p.rate:.3g}% | {p.change_pct:+.2f}% | "
+                         f"+-{p.change_pct_ci:.2f} | {p.upper_pct:.2f}% | {'yes' if p.passes else 'no'} | "
+                         f"{p.train_loss_gap:.3g} |")
     return "\n".join(lines) + "\n"
 
 
