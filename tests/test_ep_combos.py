@@ -11,13 +11,10 @@ import pytest
 import torch
 
 from dist_workers import assert_keeps_first_rows, spawn_runs, written
-from lossysim.data import train_batches
-from lossysim.ep import ExpertParallel
 from lossysim.models import NAMED_SHAPES
-from lossysim.run.build import build
 from lossysim.run.experiment import run_experiment
-from test_data_parallel import GRAD_TOL, PARAM_TOL, assert_dist_is_sim, tiny
-from test_experts import LOGIT_TOL, _expected_grad, _hf, moe
+from test_data_parallel import PARAM_TOL, assert_dist_is_sim
+from test_experts import averaged_against_hf, assert_gradients_are_hf, moe
 from tiny_runs import assert_train_refuses, tiny_run, train_steps
 
 CPU = torch.device("cpu")
@@ -33,36 +30,11 @@ def test_loss_free_experts_in_stages_are_the_unsharded_model(model, tp, dp, ep, 
     after the dense buckets' and the experts' averages (each stage's over its own groups) every gradient is
     HF's on the whole batch, to the tolerance the unstaged experts meet."""
     config = moe(tmp_path, model=model, tp_size=tp, dp_size=dp, ep_size=ep, pp_size=pp, pp_layout=layout, microbatches=1)
-    parts = build(config, CPU, 0, True, None)
-    hf = _hf(config, parts)
-    batch = next(train_batches(parts.data, 8, 0))
-    hf.train()
-    out = hf(**batch)
-    out.loss.backward()
-    rows = 8 // dp
-
-    def forward_backward(r: int):
-        replica = parts.dp.replicas[r].model
-        replica.train()
-        got = replica(**{k: v[r * rows:(r + 1) * rows] for k, v in batch.items()})
-        got.loss.backward()
-        return got.logits.detach(), got.loss.detach()
-    results = parts.ep.run([lambda r=r: forward_backward(r) for r in range(dp)])
-    for r, (logits, _) in enumerate(results):
-        torch.testing.assert_close(logits, out.logits[r * rows:(r + 1) * rows].detach(), **LOGIT_TOL)
-    parts.dp.average_gradients()
-    parts.ep.average_gradients(parts.dp.replicas)
-    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    parts, _, _, hf_grads = averaged_against_hf(config)
     stages = {m.stage for m in parts.model.experts}
     dense_first = model == "tiny-deepseek-v3"      # its dense first block: stage 0 holds no experts
     assert stages == set(range(1 if dense_first else 0, pp))
-    for replica in parts.dp.replicas:
-        for module_name, module in replica.model.model.named_modules():
-            for leaf, param in module.named_parameters(recurse=False):
-                name = f"{module_name}.{leaf}"
-                assert param.grad is not None, name
-                torch.testing.assert_close(param.grad, _expected_grad(module, name, leaf, hf_grads), **GRAD_TOL,
-                                           msg=name)
+    assert_gradients_are_hf(parts, hf_grads)
     # every stage's experts all-to-all over that stage's groups, their streams apart
     sent = {row["sent"] > 0 for rows in parts.ep.summaries().values() for row in rows}
     assert sent == {True} and len(parts.ep.groups) == pp * tp * (dp // ep)

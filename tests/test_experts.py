@@ -37,6 +37,44 @@ def _hf(config, parts):
                        seed=config.seed, task=config.task)
 
 
+def averaged_against_hf(config):
+    """One forward and backward of the unsharded HF model on a batch and of every replica on its rows (each
+    replica's logits checked against HF's), then the dense buckets' and the experts' averages. Returns the
+    parts, the replicas' losses, HF's loss and HF's gradients by name."""
+    parts = build(config, CPU, 0, True, None)
+    hf = _hf(config, parts)
+    batch = next(train_batches(parts.data, 8, 0))
+    hf.train()
+    out = hf(**batch)
+    out.loss.backward()
+    rows = 8 // config.dp_size
+
+    def forward_backward(r: int):
+        replica = parts.dp.replicas[r].model
+        replica.train()
+        got = replica(**{k: v[r * rows:(r + 1) * rows] for k, v in batch.items()})
+        got.loss.backward()
+        return got.logits.detach(), got.loss.detach()
+    results = parts.ep.run([lambda r=r: forward_backward(r) for r in range(config.dp_size)])
+    for r, (logits, _) in enumerate(results):
+        torch.testing.assert_close(logits, out.logits[r * rows:(r + 1) * rows].detach(), **LOGIT_TOL)
+    parts.dp.average_gradients()
+    parts.ep.average_gradients(parts.dp.replicas)
+    return parts, [loss for _, loss in results], out.loss.detach(), {n: p.grad for n, p in hf.named_parameters()}
+
+
+def assert_gradients_are_hf(parts, hf_grads, expected=None) -> None:
+    """Every replica's every parameter holds its part (``expected``: by default ``_expected_grad``) of HF's
+    gradient, to GRAD_TOL."""
+    expected = expected or _expected_grad
+    for replica in parts.dp.replicas:
+        for module_name, module in replica.model.model.named_modules():
+            for leaf, param in module.named_parameters(recurse=False):
+                name = f"{module_name}.{leaf}"
+                assert param.grad is not None, name
+                torch.testing.assert_close(param.grad, expected(module, name, leaf, hf_grads), **GRAD_TOL, msg=name)
+
+
 def _expected_grad(module, name: str, leaf: str, hf: dict, tp_rank=None) -> torch.Tensor:
     """What a run's parameter ``name`` (``leaf`` of ``module``) holds of the HF gradient: a TP shard, an
     expert's block, or the whole of it."""
@@ -76,35 +114,12 @@ def test_loss_free_ep_is_the_unsharded_model(model, tp, dp, ep, tmp_path, qwen3_
     Qwen3-MoE's and DeepSeek-V3's (MLA attention by heads, its down-projections summed over TP ranks; a
     dense first block; group-limited routing; a shared expert)."""
     config = moe(tmp_path, model=model, tp_size=tp, dp_size=dp, ep_size=ep)
-    parts = build(config, CPU, 0, True, None)
-    hf = _hf(config, parts)
-    batch = next(train_batches(parts.data, 8, 0))
-    hf.train()
-    out = hf(**batch)
-    out.loss.backward()
-    rows = 8 // dp
-
-    def forward_backward(r: int):
-        model = parts.dp.replicas[r].model
-        model.train()
-        got = model(**{k: v[r * rows:(r + 1) * rows] for k, v in batch.items()})
-        got.loss.backward()
-        return got.logits.detach(), got.loss.detach()
-    results = parts.ep.run([lambda r=r: forward_backward(r) for r in range(dp)])
-    for r, (logits, loss) in enumerate(results):
-        torch.testing.assert_close(logits, out.logits[r * rows:(r + 1) * rows].detach(), **LOGIT_TOL)
-    torch.testing.assert_close(torch.stack([loss for _, loss in results]).mean(), out.loss.detach(), **LOGIT_TOL)
-    parts.dp.average_gradients()
-    parts.ep.average_gradients(parts.dp.replicas)
-    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    parts, losses, hf_loss, hf_grads = averaged_against_hf(config)
+    torch.testing.assert_close(torch.stack(losses).mean(), hf_loss, **LOGIT_TOL)
     for replica in parts.dp.replicas:
         experts = [m for m in replica.model.modules() if isinstance(m, ExpertParallel)]
         assert len(experts) == 2 and all(m.per_rank == 8 // ep for m in experts)   # (DeepSeek: 1 dense of 3)
-        for module_name, module in replica.model.model.named_modules():
-            for leaf, param in module.named_parameters(recurse=False):
-                name = f"{module_name}.{leaf}"
-                torch.testing.assert_close(param.grad, _expected_grad(module, name, leaf, hf_grads), **GRAD_TOL,
-                                           msg=name)
+    assert_gradients_are_hf(parts, hf_grads)
 
 
 def test_dist_equals_sim_under_loss(tmp_path):
