@@ -15,13 +15,16 @@ import time
 
 import numpy as np
 import torch
-from transformers import GPT2Config, GPT2ForSequenceClassification
+from transformers import GPT2ForSequenceClassification
 
 from lossysim import LossyNetwork, parallelize
+from lossysim.config.execution import use_threads
 from lossysim.data import train_batches
 from lossysim.models import NAMED_SHAPES
+from lossysim.models.shapes import named_config
 
 PAD = 0
+GPT2_SHAPES = sorted(name for name, (model_type, _) in NAMED_SHAPES.items() if model_type == "gpt2")
 
 
 def mnli_like_split(n: int, max_length: int, seed: int = 0) -> dict:
@@ -39,13 +42,17 @@ def mnli_like_split(n: int, max_length: int, seed: int = 0) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--model", default="tiny", choices=sorted(NAMED_SHAPES))
+    parser.add_argument("--model", default="tiny", choices=GPT2_SHAPES, help="a GPT-2 named shape")
     parser.add_argument("--tp-size", type=int, default=2)
     parser.add_argument("--loss", default="bernoulli:0.01")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch's intra-op threads (default 1, as every lossysim process)")
     args = parser.parse_args()
+    use_threads(args.threads)
+    print(f"threads: {args.threads} (torch intra-op, OMP_NUM_THREADS)")
     device = torch.device(args.device)
     split = mnli_like_split(20 * args.batch_size, args.max_length)
     lengths = split["attention_mask"].sum(1).float()
@@ -54,8 +61,8 @@ def main():
 
     def build():
         torch.manual_seed(0)
-        config = GPT2Config(**NAMED_SHAPES[args.model], vocab_size=50257, n_positions=args.max_length,
-                            num_labels=3, pad_token_id=PAD)
+        config = named_config(args.model, vocab_size=50257, n_positions=args.max_length, num_labels=3,
+                              pad_token_id=PAD)
         network = LossyNetwork(args.tp_size, args.loss, seed=0)
         model = parallelize(GPT2ForSequenceClassification(config).to(device), args.tp_size, network)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
