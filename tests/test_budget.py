@@ -85,6 +85,17 @@ def test_every_familys_runs_validate_and_name_their_traffic_alone(pretrained, tm
         assert runner.config(family, 2, 0).loss == "none"
 
 
+def test_a_layout_key_set_by_the_user_wins_over_every_familys_own(pretrained, tmp_path):
+    """``--set dp_size=4`` measures DP's budget at dp 4 (the family's own dp 2 would silently win otherwise);
+    BASE sets no layout key, which is how the runner tells the user's apart."""
+    assert not {key for family in FAMILIES for key in family.layout} & set(BASE)
+    runner = Runner(tmp_path, {**BASE, "model": str(pretrained), "dp_size": 4}, seeds=3)
+    by_name = {family.name: family for family in FAMILIES}
+    assert runner.config(by_name["dp"], 2, 0, "zero", 0.1).dp_size == 4
+    tp = runner.config(by_name["tp"], 2, 0, "zero", 0.1)
+    assert (tp.tp_size, tp.dp_size, tp.lossy_traffic) == (3, 4, by_name["tp"].lossy_traffic)
+
+
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda family: family.name)
 def test_every_familys_layout_trains_a_pretrained_model_from_files_under_loss(pretrained, tmp_path, family):
     """One lossy step of each family's layout on a model loaded as a pretrained one is (transformers 5
@@ -181,7 +192,8 @@ def test_runs_side_by_side_give_the_same_budgets(pretrained, tmp_path, capsys):
                                            (["--nics", "irn,carrier-pigeon"], "--nics carrier-pigeon"),
                                            (["--jobs", "0"], "jobs=0 must be a whole number >= 1"),
                                            (["--refine", "-1"], "refine is a count of bisections, >= 0"),
-                                           (["--set", "batchsize=8"], "'batchsize' (did you mean batch_size?)")])
+                                           (["--set", "batchsize=8"], "'batchsize' (did you mean batch_size?)"),
+                                           (["--set", "loss=bernoulli:0.1"], "--set loss: the budget sets it")])
 def test_bad_input_is_one_line_and_exit_2(flags, message, tmp_path, capsys):
     assert main(["budget", "--out", str(tmp_path / "b"), *flags]) == 2
     err = capsys.readouterr().err

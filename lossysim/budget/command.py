@@ -31,6 +31,8 @@ from .report import markdown, plot, plot_training
 from .search import GRID, Budget, Point, search
 from .trade import NICS, step_cost_pct
 
+# What the budget sets per run itself: --set cannot change them
+PER_RUN = ("loss", "recovery", "lossy_traffic", "steps", "seed", "eval_every", "log_every", "name", "out")
 BASE = dict(model="smollm2-135m", dataset="pydoc", task="lm", tokenizer="auto", max_length=64,
             max_train_samples=None, max_eval_samples=48, eval_batch_size=16, dropout=0.0, eval_lossy=False,
             link_inter="roce-200g", link_intra="nvlink4", compute="h100", backend="sim", ranks_per_node=1,
@@ -46,7 +48,9 @@ class Runner:
 
     def config(self, family: Family, steps: int, seed: int, policy: str = "zero", rate: float = 0.0) -> ExperimentConfig:
         loss = f"bernoulli:{rate:.6g}" if rate > 0 else "none"
-        return normalise(from_dict({**self.base, **family.layout, "model": model_for(family, self.base["model"]),
+        # BASE sets no layout key, so one in base is the user's (--set dp_size=4): it wins over the family's
+        layout = {k: v for k, v in family.layout.items() if k not in self.base}
+        return normalise(from_dict({**self.base, **layout, "model": model_for(family, self.base["model"]),
                                     "lossy_traffic": family.lossy_traffic, "recovery": policy, "loss": loss,
                                     "steps": steps, "eval_every": steps, "log_every": 1, "seed": seed}))
 
@@ -230,7 +234,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nics", default=",".join(NICS),
                         help="NIC presets whose retransmission cost is set beside each budget (none: skip)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="any run setting (device=cuda, batch_size=8, ...)")
+                        help="any run setting (device=cuda, batch_size=8, ...); a layout key (dp_size=4) over "
+                             "every family's own")
     parser.add_argument("--jobs", type=int, default=None, metavar="N",
                         help=f"runs side by side (default: the cores available here, {default_jobs()}); each "
                              "run's result is the same at any N")
@@ -260,7 +265,11 @@ def run(args) -> int:
     if bad:
         raise ValueError(f"--nics {','.join(bad)}: must be none or some of {', '.join(NIC_PRESETS)}")
     jobs = check_jobs(default_jobs() if args.jobs is None else args.jobs)
-    base = {**BASE, "model": args.model, **parse_overrides(args.set)}
+    settings = parse_overrides(args.set)
+    fixed = sorted(set(settings) & set(PER_RUN))
+    if fixed:
+        raise ValueError(f"--set {fixed[0]}: the budget sets it for each run (--grid, --policies, --steps, --seeds)")
+    base = {**BASE, "model": args.model, **settings}
     out = Path(args.out)
     if args.dry_run:
         print(plan(out, families, steps_list, policies, args.seeds, grid, args.refine, base, jobs))
