@@ -283,6 +283,7 @@ def run(args) -> int:
     atomic_write_text(out / "budgets.md", markdown(table, points, base, args.seeds, nics))
     if not points.empty:
         plot(points, out / "budget.png")
+    if not training.empty:
         plot_training(training, out / "training.png")
     print(markdown(table, points, base, args.seeds, nics))
     return 0
