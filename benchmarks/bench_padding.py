@@ -20,8 +20,7 @@ from transformers import GPT2ForSequenceClassification
 from lossysim import LossyNetwork, parallelize
 from lossysim.config.execution import use_threads
 from lossysim.data import train_batches
-from lossysim.models import NAMED_SHAPES
-from lossysim.models.shapes import named_config
+from lossysim.models.shapes import NAMED_SHAPES, named_config
 
 PAD = 0
 GPT2_SHAPES = sorted(name for name, (model_type, _) in NAMED_SHAPES.items() if model_type == "gpt2")

@@ -193,8 +193,10 @@ def test_runs_side_by_side_give_the_same_budgets(pretrained, tmp_path, capsys):
                                            (["--jobs", "0"], "jobs=0 must be a whole number >= 1"),
                                            (["--refine", "-1"], "refine is a count of bisections, >= 0"),
                                            (["--set", "batchsize=8"], "'batchsize' (did you mean batch_size?)"),
-                                           (["--set", "loss=bernoulli:0.1"], "--set loss: the budget sets it")])
+                                           (["--set", "loss=bernoulli:0.1"], "--set loss: the budget sets it"),
+                                           (["--grid", "0.1,2"], "a budget's grid needs rates in (0, 1)")])
 def test_bad_input_is_one_line_and_exit_2(flags, message, tmp_path, capsys):
     assert main(["budget", "--out", str(tmp_path / "b"), *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "b").exists()   # refused before anything is written

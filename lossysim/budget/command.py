@@ -270,6 +270,7 @@ def run(args) -> int:
     if fixed:
         raise ValueError(f"--set {fixed[0]}: the budget sets it for each run (--grid, --policies, --steps, --seeds)")
     base = {**BASE, "model": args.model, **settings}
+    search(grid, args.refine)   # a bad grid or refine refused here, before --out is made
     out = Path(args.out)
     if args.dry_run:
         print(plan(out, families, steps_list, policies, args.seeds, grid, args.refine, base, jobs))
