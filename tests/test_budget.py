@@ -148,6 +148,7 @@ def test_the_command_writes_its_table_and_resumes_without_training(pretrained, t
     priced = table[table["budget_rate"].notna()]
     assert (priced["retransmit_irn_pct"] > 0).all() and table.loc[table["budget_rate"].isna(), "retransmit_irn_pct"].isna().all()
     assert (out / "budget.png").stat().st_size > 0 and "| DP gradient buckets |" in (out / "budgets.md").read_text()
+    assert "on h100 over roce-200g (nvlink4 inside a node)" in (out / "budgets.md").read_text()   # the job's hardware
     runs = sorted(p.name for p in (out / "runs").iterdir())
     mtimes = {p: (out / "runs" / p / "summary.json").stat().st_mtime_ns for p in runs}
     capsys.readouterr()

@@ -11,7 +11,7 @@ import pandas as pd
 
 from .families import FAMILIES
 from .search import TOLERANCE_PCT
-from .trade import SEQ, job
+from .trade import HARDWARE, SEQ, job
 
 
 def _figure(width: float, height: float):
@@ -59,7 +59,9 @@ def markdown(table: pd.DataFrame, points: pd.DataFrame, base: dict, seeds: int, 
              f"The largest loss rate (Bernoulli) at which fine-tuning keeps the eval perplexity within "
              f"{TOLERANCE_PCT:g}% of the paired loss-free run (the 95% interval's upper end over {seeds} seeds); "
              "evaluated loss-free. Beside it, what retransmitting that traffic at that rate adds to a real job's "
-             f"step (`lossysim estimate`, the family's axis at 2 across nodes, {SEQ}-token sequences: "
+             f"step (`lossysim estimate`, the family's axis at 2 across nodes, on {HARDWARE['compute']} over "
+             f"{HARDWARE['link_inter']} ({HARDWARE['link_intra']} inside a node), `transport: retransmit` on each "
+             f"NIC preset, {SEQ}-token sequences: "
              + ", ".join(f"{family.name} {job(family)[0]}" for family in FAMILIES) + ").", "",
              "| " + " | ".join(["traffic", "policy", "steps", "budget", *cost]) + " |",
              "| " + " | ".join(["---"] * (4 + len(cost))) + " |"]

@@ -15,6 +15,7 @@ from .families import Family
 
 NICS = ("irn", "tcp")
 SEQ = 4096
+HARDWARE = dict(compute="h100", link_inter="roce-200g", link_intra="nvlink4")   # what the job runs on
 _DENSE, _MOE = "llama-3.1-8b", "mixtral-8x7b"
 
 
@@ -28,9 +29,8 @@ def step_cost_pct(family: Family, rate: float, nic: str, seed: int = 0) -> float
     from ..estimate.simulate import estimate
     from ..estimate.workload import Workload
     shape, layout = job(family)
-    config = from_dict({**layout, "compute": "h100", "link_inter": "roce-200g", "link_intra": "nvlink4",
-                        "ranks_per_node": 1, "lossy_links": "inter_node", "batch_size": 8, "seed": seed,
-                        "lossy_traffic": family.lossy_traffic, "loss": f"bernoulli:{rate:.6g}",
+    config = from_dict({**layout, **HARDWARE, "ranks_per_node": 1, "lossy_links": "inter_node", "batch_size": 8,
+                        "seed": seed, "lossy_traffic": family.lossy_traffic, "loss": f"bernoulli:{rate:.6g}",
                         "transport": "retransmit", "nic": nic})
     row = estimate(shape, config, Workload(seq=SEQ), steps=3)
     return 100.0 * (row["slowdown"] - 1.0)
