@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from lossysim.budget import FAMILIES, Point, find_budget
 from lossysim.budget.command import BASE, Runner, policies_for
@@ -201,3 +202,21 @@ def test_bad_input_is_one_line_and_exit_2(flags, message, tmp_path, capsys):
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "b").exists()   # refused before anything is written
+
+
+@pytest.mark.parametrize("ranks,algorithm", [(2, "ring"), (4, "ring"), (4, "direct")])
+def test_the_share_of_an_average_a_lossy_all_reduce_keeps_is_the_closed_form_the_docs_use(ranks, algorithm):
+    """docs/budgets.md's dp 4 reading: with q = 1 - p a ring keeps ((1 + q + ... + q^(n-1)) / n)^2 of each
+    element's contributions in expectation (a lost hop drops every upstream rank's partial sum, or the sum
+    for every rank downstream), the direct exchange (1 + (n - 1) q) / n. Tested over seeds with a t-test."""
+    from scipy import stats
+    from lossysim.net.network import LossyNetwork
+    q = 0.9
+    expected = (sum(q ** k for k in range(ranks)) / ranks) ** 2 if algorithm == "ring" else (1 + (ranks - 1) * q) / ranks
+    kept = []
+    for seed in range(6):
+        net = LossyNetwork(ranks, "bernoulli:0.1", seed=seed, algorithm=algorithm)
+        out = net.all_reduce("dp.bucket0", "bwd", torch.ones(ranks, 1_000_000), list(range(ranks)))
+        kept.append(float(out.double().mean()) / ranks)
+    assert stats.ttest_1samp(kept, expected).pvalue > 1e-3, (kept, expected)
+    assert abs(np.mean(kept) - expected) < 0.01   # and near it, not only within a wide spread
