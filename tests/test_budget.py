@@ -11,6 +11,7 @@ import torch
 
 from lossysim.budget import FAMILIES, Point, find_budget
 from lossysim.budget.command import BASE, Runner, policies_for
+from lossysim.budget.report import cost_text
 from lossysim.budget.search import MIN_PAIRS, TOLERANCE_PCT
 from lossysim.cli import main
 from tiny_pretrained import save_tiny_pretrained
@@ -125,7 +126,39 @@ def test_any_recovery_policy_is_tried_where_it_acts(pretrained, tmp_path):
     assert "hadamard" not in policies_for(runner, by_name["ep"], 2, ["zero", "hadamard"])
 
 
-def test_the_command_writes_its_table_and_resumes_without_training(pretrained, tmp_path, capsys):
+def test_the_trade_is_the_mean_step_over_its_steps_with_their_interval(monkeypatch):
+    """A budget's price is what ``estimate`` times over ``STEPS`` steps of the family's job: the mean step
+    over the loss-free one, and the mean's 95% interval, both in percent of the loss-free step."""
+    from lossysim.budget import trade
+    from lossysim.estimate import simulate
+    real, calls = simulate.estimate, []
+
+    def recording(*args, **kwargs):
+        calls.append((kwargs, real(*args, **kwargs)))
+        return calls[-1][1]
+    monkeypatch.setattr(simulate, "estimate", recording)
+    cost = trade.step_cost({f.name: f for f in FAMILIES}["pp"], 0.01, "tcp")
+    (kwargs, row), = calls
+    assert kwargs["steps"] == trade.STEPS >= 20   # TCP's step varies too much for a few
+    free = row["loss_free_step_s"]
+    assert math.isclose(cost.pct, 100 * (row["step_mean_s"] / free - 1), rel_tol=1e-12) and cost.pct > 0
+    assert math.isclose(cost.pct - cost.half_width, 100 * (row["step_mean_lo_s"] / free - 1), rel_tol=1e-9)
+    assert math.isclose(cost.pct + cost.half_width, 100 * (row["step_mean_hi_s"] / free - 1), rel_tol=1e-9)
+    assert 0 < cost.half_width < cost.pct
+
+
+@pytest.mark.parametrize("pct,half,printed", [(207.27, 10.2, "207 +-10"), (1779.3, 27.7, "1,779 +-28"),
+                                              (0.21, 0.0032, "0.210 +-0.003"), (0.00132, 6.35e-5, "0.00132 +-0.00006"),
+                                              (12.4, math.nan, "12.4"), (math.nan, math.nan, "–")])
+def test_a_price_is_printed_to_its_intervals_first_digit(pct, half, printed):
+    assert cost_text(pct, half) == printed
+
+
+def test_the_command_writes_its_table_and_resumes_without_training(pretrained, tmp_path, capsys, monkeypatch):
+    from lossysim.budget import command, trade
+    monkeypatch.setattr(trade, "STEPS", 3)   # the price's length is not what this test is about
+    priced_calls = []
+    monkeypatch.setattr(command, "step_cost", lambda *a: priced_calls.append(a) or trade.step_cost(*a))
     out = tmp_path / "budget"
     argv = ["budget", "--out", str(out), "--model", str(pretrained), "--families", "dp", "--policies",
             "zero,rescale", "--steps", "2", "--seeds", "3", "--grid", "0.3", "--refine", "0", "--no-progress", "--nics", "irn",
@@ -148,6 +181,11 @@ def test_the_command_writes_its_table_and_resumes_without_training(pretrained, t
         assert f"| dp | {p.policy} | 2 | 30% | {p.change_pct:+.2f}% | +-{p.change_pct_ci:.2f} |" in written
     priced = table[table["budget_rate"].notna()]
     assert (priced["retransmit_irn_pct"] > 0).all() and table.loc[table["budget_rate"].isna(), "retransmit_irn_pct"].isna().all()
+    price = priced[["retransmit_irn_pct", "retransmit_irn_pct_ci"]]
+    assert price.nunique().tolist() == [1, 1] and price["retransmit_irn_pct_ci"].gt(0).all()
+    assert [call[1:] for call in priced_calls] == [(0.3, "irn")]   # the two policies' one rate priced once
+    assert all(f"| {r.budget} | {cost_text(r.retransmit_irn_pct, r.retransmit_irn_pct_ci)} |" in written
+               for r in priced.itertuples())
     assert (out / "budget.png").stat().st_size > 0 and "| DP gradient buckets |" in (out / "budgets.md").read_text()
     assert "on h100 over roce-200g (nvlink4 inside a node)" in (out / "budgets.md").read_text()   # the job's hardware
     runs = sorted(p.name for p in (out / "runs").iterdir())

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from tqdm.auto import tqdm
 
 from ..config import ExperimentConfig, default_jobs, from_dict
 from ..io import atomic_write_text, check_writable, read_jsonl, read_summary
@@ -29,7 +30,7 @@ from ..run.sweep import Run, config_key, execute, normalise, record_lost, run_na
 from .families import FAMILIES, POLICIES, Family, model_for, parse_families
 from .report import markdown, plot, plot_training
 from .search import GRID, Budget, Point, search
-from .trade import NICS, step_cost_pct
+from .trade import NICS, Cost, step_cost
 
 # What the budget sets per run itself: --set cannot change them
 PER_RUN = ("loss", "recovery", "lossy_traffic", "steps", "seed", "eval_every", "log_every", "name", "out")
@@ -197,13 +198,16 @@ def budgets(out: Path, families, steps_list, policies, seeds: int, grid, refine:
                 found[i] = done.value
                 del asked[i]
     rows, points, steps_rows = [], [], []
-    for i, (family, steps, policy) in enumerate(searches):
+    prices: dict[tuple, Cost] = {}   # a family's policies often share a budget rate, and so a price
+    # pricing takes seconds a row, TCP's DP row half a minute
+    for i, (family, steps, policy) in enumerate(tqdm(searches, desc="pricing", disable=not progress or not nics)):
         budget = found[i]
+        costs = {nic: _price(prices, family, budget.rate, nic) for nic in nics}
         rows.append({"family": family.name, "traffic": family.label, "policy": policy, "steps": steps,
                      "budget_rate": budget.rate, "failed_at": budget.failed_at,
                      "bracketed": budget.bracketed, "budget": budget.describe(), "seeds": seeds,
-                     **{f"retransmit_{nic}_pct": (step_cost_pct(family, budget.rate, nic)
-                                                  if budget.rate is not None else math.nan) for nic in nics}})
+                     **{k: v for nic, cost in costs.items() for k, v in
+                        ((f"retransmit_{nic}_pct", cost.pct), (f"retransmit_{nic}_pct_ci", cost.half_width))}})
         points += [{"family": family.name, "policy": policy, "steps": steps, "rate": p.rate,
                     "change_pct": p.change_pct, "change_pct_ci": p.half_width, "upper_pct": p.upper,
                     "pairs": p.pairs, "passes": p.passes, "train_loss_gap": _mean_gap(training[i].get(p.rate))}
@@ -211,6 +215,16 @@ def budgets(out: Path, families, steps_list, policies, seeds: int, grid, refine:
         steps_rows += [{"family": family.name, "policy": policy, "steps": steps, "rate": rate, **row}
                        for rate in sorted(training[i]) for row in training[i][rate]]
     return pd.DataFrame(rows), pd.DataFrame(points), pd.DataFrame(steps_rows)
+
+
+def _price(prices: dict, family: Family, rate, nic: str) -> Cost:
+    """``step_cost`` once per family, rate and NIC; nothing to price without a rate."""
+    if rate is None:
+        return Cost(math.nan, math.nan)
+    key = (family.name, rate, nic)
+    if key not in prices:
+        prices[key] = step_cost(family, rate, nic)
+    return prices[key]
 
 
 def _mean_gap(rows) -> float:

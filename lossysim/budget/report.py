@@ -11,7 +11,7 @@ import pandas as pd
 
 from .families import FAMILIES
 from .search import TOLERANCE_PCT
-from .trade import HARDWARE, SEQ, job
+from .trade import HARDWARE, SEQ, STEPS, job
 
 
 def _figure(width: float, height: float):
@@ -61,14 +61,13 @@ def markdown(table: pd.DataFrame, points: pd.DataFrame, base: dict, seeds: int, 
              "evaluated loss-free. Beside it, what retransmitting that traffic at that rate adds to a real job's "
              f"step (`lossysim estimate`, the family's axis at 2 across nodes, on {HARDWARE['compute']} over "
              f"{HARDWARE['link_inter']} ({HARDWARE['link_intra']} inside a node), `transport: retransmit` on each "
-             f"NIC preset, {SEQ}-token sequences: "
+             f"NIC preset, {SEQ}-token sequences; the mean of {STEPS} steps and its 95% interval: "
              + ", ".join(f"{family.name} {job(family)[0]}" for family in FAMILIES) + ").", "",
              "| " + " | ".join(["traffic", "policy", "steps", "budget", *cost]) + " |",
              "| " + " | ".join(["---"] * (4 + len(cost))) + " |"]
     for row in table.to_dict("records"):
         cells = [row["traffic"], row["policy"], str(row["steps"]), row["budget"]]
-        cells += [f"{row[f'retransmit_{nic}_pct']:.3g}" if math.isfinite(row[f"retransmit_{nic}_pct"]) else "–"
-                  for nic in nics]
+        cells += [cost_text(row[f"retransmit_{nic}_pct"], row[f"retransmit_{nic}_pct_ci"]) for nic in nics]
         lines.append("| " + " | ".join(cells) + " |")
     if not points.empty:
         lines += ["", f"Every rate measured: the paired eval-perplexity change (mean over {seeds} seeds and its 95% "
@@ -80,6 +79,16 @@ def markdown(table: pd.DataFrame, points: pd.DataFrame, base: dict, seeds: int, 
                          f"+-{p.change_pct_ci:.2f} | {p.upper_pct:.2f}% | {'yes' if p.passes else 'no'} | "
                          f"{p.train_loss_gap:.3g} |")
     return "\n".join(lines) + "\n"
+
+
+def cost_text(pct: float, half_width: float) -> str:
+    """A step cost as the table prints it: the mean to its interval's first digit, then the interval."""
+    if not math.isfinite(pct):
+        return "–"
+    if not (math.isfinite(half_width) and half_width > 0):
+        return f"{pct:,.0f}" if abs(pct) >= 100 else f"{pct:.3g}"
+    decimals = max(0, -math.floor(math.log10(half_width)))
+    return f"{pct:,.{decimals}f} +-{half_width:.{decimals}f}"
 
 
 def plot_training(steps: pd.DataFrame, path: Path) -> None:
