@@ -294,6 +294,17 @@ def test_resume_keeps_what_a_recovery_policy_keeps(tmp_path, recovery):
     assert_resumes_exactly(config, tmp_path / "resumed")
 
 
+def test_a_checkpoint_is_read_onto_the_cpu_whatever_the_device(tmp_path, monkeypatch):
+    """A generator's state must be a CPU byte tensor (a CUDA generator's too): a resumed run reads its
+    checkpoint onto the CPU and each part copies its tensors to its device, so a GPU run resumes. Over TCP,
+    whose congestion windows (numpy) travel in it as well; resumed exactly."""
+    read, real = [], checkpoint.load
+    monkeypatch.setattr(checkpoint, "load", lambda *a, **k: read.append(k.get("map_location")) or real(*a, **k))
+    config = config_for(tmp_path / "full", steps=8, eval_every=4, transport="retransmit", nic="tcp")
+    assert_resumes_exactly(config, tmp_path / "resumed")
+    assert read == ["cpu"]
+
+
 def test_keep_last_k_checkpoints(tmp_path):
     config = config_for(tmp_path / "run", steps=6, checkpoint_every=2, keep_checkpoints=2,
                         save_checkpoint=False, eval_every=6)

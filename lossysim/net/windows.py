@@ -37,4 +37,4 @@ class Windows:
         if tuple(state.shape) != self.state.shape:
             raise ValueError(f"saved congestion windows have shape {tuple(state.shape)}, this network's "
                              f"{self.state.shape}")
-        self.state = state.numpy().astype(np.float64, copy=True)
+        self.state = state.cpu().numpy().astype(np.float64, copy=True)

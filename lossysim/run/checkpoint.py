@@ -153,16 +153,18 @@ def save_training(run_dir: Path, parts: "Parts", state: TrainState, window: Wind
                 barrier=barrier)
 
 
-def resume(run_dir: Path, parts: "Parts", window: Window, config: ExperimentConfig, rank: int = 0,
-           device: Optional[torch.device] = None) -> Optional[TrainState]:
-    """Load the newest complete checkpoint into ``parts`` and ``window``; its progress, None if there is none."""
+def resume(run_dir: Path, parts: "Parts", window: Window, config: ExperimentConfig,
+           rank: int = 0) -> Optional[TrainState]:
+    """Load the newest complete checkpoint into ``parts`` and ``window``; its progress, None if there is none.
+    It is read onto the CPU whatever the run's device: a generator's state must be a CPU byte tensor (CUDA's
+    too), and every part copies its own tensors to where they live (parameters, optimizer state, counters)."""
     found = [str(latest(run_dir) or "")]
     if config.backend == "dist":  # every rank loads the checkpoint rank 0 chose
         dist.broadcast_object_list(found, src=0)
     if not found[0]:
         log.info("no complete checkpoint in %s: starting from step 0", run_dir)
         return None
-    saved = load(Path(found[0]), rank, _world(config), map_location=device)
+    saved = load(Path(found[0]), rank, _world(config), map_location="cpu")
     check_same_experiment(saved["config"], config, found[0],
                           None if parts.pipeline is None else sum(parts.pipeline.layout))
     parts.model.load_state_dict(saved["model"])

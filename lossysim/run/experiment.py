@@ -106,7 +106,7 @@ def _setup(config: ExperimentConfig, run_dir: Path, resume: bool):
     state = TrainState(last_row=clock_mark(0, 0.0, parts.train_net, parts.pipeline))
     window = Window(runtime.device)
     if resume:
-        state = checkpoint.resume(run_dir, parts, window, config, runtime.rank, runtime.device) or state
+        state = checkpoint.resume(run_dir, parts, window, config, runtime.rank) or state
     return runtime, parts, state, window
 
 
