@@ -234,12 +234,25 @@ def test_runs_side_by_side_give_the_same_budgets(pretrained, tmp_path, capsys):
                                            (["--refine", "-1"], "refine is a count of bisections, >= 0"),
                                            (["--set", "batchsize=8"], "'batchsize' (did you mean batch_size?)"),
                                            (["--set", "loss=bernoulli:0.1"], "--set loss: the budget sets it"),
-                                           (["--grid", "0.1,2"], "a budget's grid needs rates in (0, 1)")])
+                                           (["--grid", "0.1,2"], "a budget's grid needs rates in (0, 1)"),
+                                           (["--grid", "0.01,1e-3x"], "--grid 1e-3x: loss rates in (0, 1)"),
+                                           (["--steps", "6,six"], "--steps six: optimizer steps, >= 1"),
+                                           (["--families", "ep", "--policies", "rescale,outliers"],
+                                            "none acts on the traffic of ep")])
 def test_bad_input_is_one_line_and_exit_2(flags, message, tmp_path, capsys):
     assert main(["budget", "--out", str(tmp_path / "b"), *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "b").exists()   # refused before anything is written
+
+
+def test_a_length_or_rate_given_twice_is_measured_once(tmp_path, capsys):
+    """Nor is a family trained loss-free where none of the policies asked for acts on its traffic."""
+    assert main(["budget", "--out", str(tmp_path / "b"), "--families", "ep,tp", "--policies", "rescale",
+                 "--steps", "6,6", "--grid", "0.01,0.01,0.1", "--refine", "1", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:3] for line in lines[1:-1]] == [["tp", "rescale", "6"]]
+    assert lines[-1].startswith("at most 12 runs still to train")   # (2 rates + a bisection) x 3, 3 loss-free
 
 
 @pytest.mark.parametrize("ranks,algorithm", [(2, "ring"), (4, "ring"), (4, "direct")])

@@ -155,8 +155,9 @@ def plan(out: Path, families, steps_list, policies, seeds: int, grid, refine: in
         lossy += left * seeds
         lines.append(f"{family.name:<13} {policy:<17} {steps:>5} {measured:>8}  "
                      f"{'done' if rate is None else f'{100 * rate:.3g}%':<8} {f'{left} rates':>13}")
+    searched = {(family.name, steps) for family, steps, _ in searches_of(runner, families, steps_list, policies)}
     free = [runner.config(family, steps, seed) for family in families for steps in steps_list
-            for seed in range(seeds)]
+            for seed in range(seeds) if (family.name, steps) in searched]
     free_left = sum(not runner.completed(c) for c in free)
     done.update(_walls(runner, [c for c in free if runner.completed(c)]))
     left = lossy + free_left
@@ -259,11 +260,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
+def _numbers(text: str, kind, flag: str, what: str) -> list:
+    """``text``'s numbers separated by commas, each read as ``kind``; a word that is none refused by name."""
+    out = []
+    for word in filter(None, (w.strip() for w in str(text).split(","))):
+        try:
+            out.append(kind(word))
+        except ValueError:
+            raise ValueError(f"{flag} {word}: {what}, separated by commas") from None
+    return out
+
+
 def run(args) -> int:
     from ..config.load import parse_overrides
     families = parse_families(args.families)
-    steps_list = [int(s) for s in str(args.steps).split(",") if s.strip()]
-    grid = [float(r) for r in str(args.grid).split(",") if r.strip()]
+    steps_list = list(dict.fromkeys(_numbers(args.steps, int, "--steps", "optimizer steps, >= 1")))
+    grid = sorted(set(_numbers(args.grid, float, "--grid", "loss rates in (0, 1)")))
     policies = [p.strip() for p in str(args.policies).split(",") if p.strip()]
     from ..net.recovery.registry import RECOVERY_POLICIES
     unknown = sorted(set(policies) - set(RECOVERY_POLICIES))
@@ -285,6 +297,9 @@ def run(args) -> int:
         raise ValueError(f"--set {fixed[0]}: the budget sets it for each run (--grid, --policies, --steps, --seeds)")
     base = {**BASE, "model": args.model, **settings}
     search(grid, args.refine)   # a bad grid or refine refused here, before --out is made
+    if not searches_of(Runner(Path(args.out), base, args.seeds, progress=False), families, steps_list, policies):
+        raise ValueError(f"--policies {','.join(policies)}: none acts on the traffic of "
+                         f"{', '.join(f.name for f in families)} (zero acts on every family's)")
     out = Path(args.out)
     if args.dry_run:
         print(plan(out, families, steps_list, policies, args.seeds, grid, args.refine, base, jobs))
