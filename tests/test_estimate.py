@@ -114,6 +114,8 @@ def test_bad_input_is_a_one_line_error(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert "holds no config.json" in _error(capsys, str(tmp_path / "empty"))
     assert "loss" in _error(capsys, "tiny", "--tp-size", "2", "--loss", "bernoulli:7")
+    assert main(["estimate", "tiny", "--steps", "0"]) == 2   # refused before its progress bar starts
+    assert capsys.readouterr().err.strip() == "lossysim estimate: error: --steps 0 must be >= 1"
 
 
 def test_the_grid_runs_every_setting_and_writes_its_files(tmp_path, capsys):

@@ -123,6 +123,14 @@ def test_report_of_an_empty_folder_fails_cleanly(tmp_path, capsys):
     assert "no finished runs" in capsys.readouterr().err
 
 
+def test_report_of_a_folder_that_is_not_there_says_so(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    for name, why in (("missing", "does not exist"), ("a-file", "is not a folder")):
+        assert cli.main(["report", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"results folder '{tmp_path / name}' {why}" in err and "\n" not in err
+
+
 def test_synthetic_data_is_labelled_synthetic():
     assert "synthetic" in table.dataset_display({"dataset": "nli-toy"}, {"dataset": "synthetic"})
     assert table.dataset_display({"dataset": "MNLI (GLUE)"}, {"dataset": "mnli"}) == "MNLI (GLUE)"

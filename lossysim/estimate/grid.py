@@ -201,6 +201,8 @@ def config_of(args) -> ExperimentConfig:
     for axis in axes.AXES:   # each axis's own checks of its flags (``Axis.estimate_check``)
         if axis.estimate_check is not None:
             axis.estimate_check(args)
+    if args.steps < 1:   # before any progress bar starts
+        raise ValueError(f"--steps {args.steps} must be >= 1")
     if args.microbatches is not None and args.microbatches < 1:   # before the batch it multiplies is refused
         raise ValueError(f"--microbatches {args.microbatches} must be >= 1 (or left out: from --global-batch, else "
                          "the pp size)")

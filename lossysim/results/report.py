@@ -88,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not Path(args.results).is_dir():
+        why = "is not a folder" if Path(args.results).exists() else "does not exist"
+        raise ValueError(f"results folder '{args.results}' {why} (a sweep's --out: its run directories)")
     report = write_report(args.results, args.out)
     print(f"Dataset: {dataset_title(report['runs'])}; accuracy = final {split_name(report['runs'])} "
           "accuracy (%), mean ± 95% CI over seeds; * differs from no loss (Welch's t-test, p < 0.05), "
