@@ -188,6 +188,8 @@ def test_the_command_writes_its_table_and_resumes_without_training(pretrained, t
                for r in priced.itertuples())
     assert (out / "budget.png").stat().st_size > 0 and "| DP gradient buckets |" in (out / "budgets.md").read_text()
     assert "on h100 over roce-200g (nvlink4 inside a node)" in (out / "budgets.md").read_text()   # the job's hardware
+    assert "Every run took `max_eval_samples=8`, `max_train_samples=32`, `max_length=32` (`--set`); the priced " \
+           "jobs did not" in written   # what the price does not follow, said
     runs = sorted(p.name for p in (out / "runs").iterdir())
     mtimes = {p: (out / "runs" / p / "summary.json").stat().st_mtime_ns for p in runs}
     capsys.readouterr()

@@ -310,10 +310,10 @@ def run(args) -> int:
     atomic_write_text(out / "budgets.csv", table.to_csv(index=False))
     atomic_write_text(out / "points.csv", points.to_csv(index=False))
     atomic_write_text(out / "training.csv", training.to_csv(index=False))
-    atomic_write_text(out / "budgets.md", markdown(table, points, base, args.seeds, nics))
+    atomic_write_text(out / "budgets.md", markdown(table, points, base, args.seeds, nics, settings))
     if not points.empty:
         plot(points, out / "budget.png")
     if not training.empty:
         plot_training(training, out / "training.png")
-    print(markdown(table, points, base, args.seeds, nics))
+    print(markdown(table, points, base, args.seeds, nics, settings))
     return 0

@@ -52,8 +52,10 @@ def plot(points: pd.DataFrame, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def markdown(table: pd.DataFrame, points: pd.DataFrame, base: dict, seeds: int, nics) -> str:
-    """The budgets, then every point the searches measured (as ``points.csv`` holds them)."""
+def markdown(table: pd.DataFrame, points: pd.DataFrame, base: dict, seeds: int, nics,
+             settings: dict | None = None) -> str:
+    """The budgets, then every point the searches measured (as ``points.csv`` holds them); ``settings``:
+    what ``--set`` gave every run, which the priced jobs do not take."""
     cost = [f"retransmitting at it, {nic} (% of a step)" for nic in nics]
     lines = [f"# Loss budgets: {base['model']}", "",
              f"The largest loss rate (Bernoulli) at which fine-tuning keeps the eval perplexity within "
@@ -63,6 +65,9 @@ def markdown(table: pd.DataFrame, points: pd.DataFrame, base: dict, seeds: int, 
              f"{HARDWARE['link_inter']} ({HARDWARE['link_intra']} inside a node), `transport: retransmit` on each "
              f"NIC preset, {SEQ}-token sequences; the mean of {STEPS} steps and its 95% interval: "
              + ", ".join(f"{family.name} {job(family)[0]}" for family in FAMILIES) + ").", "",
+             *([f"Every run took {', '.join(f'`{k}={v}`' for k, v in settings.items())} (`--set`); the priced "
+                "jobs did not: each keeps its family's own layout and the network's defaults.", ""]
+               if settings and nics else []),
              "| " + " | ".join(["traffic", "policy", "steps", "budget", *cost]) + " |",
              "| " + " | ".join(["---"] * (4 + len(cost))) + " |"]
     for row in table.to_dict("records"):
