@@ -145,6 +145,7 @@ def test_the_trade_is_the_mean_step_over_its_steps_with_their_interval(monkeypat
     assert math.isclose(cost.pct - cost.half_width, 100 * (row["step_mean_lo_s"] / free - 1), rel_tol=1e-9)
     assert math.isclose(cost.pct + cost.half_width, 100 * (row["step_mean_hi_s"] / free - 1), rel_tol=1e-9)
     assert 0 < cost.half_width < cost.pct
+    assert cost.failures_per_1000_steps == row["failures_per_1000_steps"] == 0   # TCP's 15 retries hold at 1%
 
 
 @pytest.mark.parametrize("pct,half,printed", [(207.27, 10.2, "207 +-10"), (1779.3, 27.7, "1,779 +-28"),
@@ -152,6 +153,9 @@ def test_the_trade_is_the_mean_step_over_its_steps_with_their_interval(monkeypat
                                               (12.4, math.nan, "12.4"), (math.nan, math.nan, "–")])
 def test_a_price_is_printed_to_its_intervals_first_digit(pct, half, printed):
     assert cost_text(pct, half) == printed
+    if math.isfinite(pct):   # and, where the transport gives collectives up, how often
+        assert cost_text(pct, half, 291.67) == f"{printed}, gives up 292 times per 1,000 steps"
+        assert cost_text(pct, half, 2458.3) == f"{printed}, gives up 2,458 times per 1,000 steps"
 
 
 def test_the_command_writes_its_table_and_resumes_without_training(pretrained, tmp_path, capsys, monkeypatch):
@@ -184,8 +188,10 @@ def test_the_command_writes_its_table_and_resumes_without_training(pretrained, t
     price = priced[["retransmit_irn_pct", "retransmit_irn_pct_ci"]]
     assert price.nunique().tolist() == [1, 1] and price["retransmit_irn_pct_ci"].gt(0).all()
     assert [call[1:] for call in priced_calls] == [(0.3, "irn")]   # the two policies' one rate priced once
-    assert all(f"| {r.budget} | {cost_text(r.retransmit_irn_pct, r.retransmit_irn_pct_ci)} |" in written
-               for r in priced.itertuples())
+    assert all(f"| {r.budget} | {cost_text(r.retransmit_irn_pct, r.retransmit_irn_pct_ci, failures)} |" in written
+               for r, failures in zip(priced.itertuples(), priced["retransmit_irn_failures_per_1000_steps"]))
+    # at 30% IRN's 7 retries run out: the job would stop, which its step time does not show; the table says so
+    assert (priced["retransmit_irn_failures_per_1000_steps"] > 0).all() and "gives up" in written
     assert (out / "budget.png").stat().st_size > 0 and "| DP gradient buckets |" in (out / "budgets.md").read_text()
     assert "on h100 over roce-200g (nvlink4 inside a node)" in (out / "budgets.md").read_text()   # the job's hardware
     assert "Every run took `max_eval_samples=8`, `max_train_samples=32`, `max_length=32` (`--set`); the priced " \

@@ -208,7 +208,8 @@ def budgets(out: Path, families, steps_list, policies, seeds: int, grid, refine:
                      "budget_rate": budget.rate, "failed_at": budget.failed_at,
                      "bracketed": budget.bracketed, "budget": budget.describe(), "seeds": seeds,
                      **{k: v for nic, cost in costs.items() for k, v in
-                        ((f"retransmit_{nic}_pct", cost.pct), (f"retransmit_{nic}_pct_ci", cost.half_width))}})
+                        ((f"retransmit_{nic}_pct", cost.pct), (f"retransmit_{nic}_pct_ci", cost.half_width),
+                         (f"retransmit_{nic}_failures_per_1000_steps", cost.failures_per_1000_steps))}})
         points += [{"family": family.name, "policy": policy, "steps": steps, "rate": p.rate,
                     "change_pct": p.change_pct, "change_pct_ci": p.half_width, "upper_pct": p.upper,
                     "pairs": p.pairs, "passes": p.passes, "train_loss_gap": _mean_gap(training[i].get(p.rate))}
@@ -221,7 +222,7 @@ def budgets(out: Path, families, steps_list, policies, seeds: int, grid, refine:
 def _price(prices: dict, family: Family, rate, nic: str) -> Cost:
     """``step_cost`` once per family, rate and NIC; nothing to price without a rate."""
     if rate is None:
-        return Cost(math.nan, math.nan)
+        return Cost(math.nan, math.nan, math.nan)
     key = (family.name, rate, nic)
     if key not in prices:
         prices[key] = step_cost(family, rate, nic)

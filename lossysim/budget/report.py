@@ -72,7 +72,8 @@ def markdown(table: pd.DataFrame, points: pd.DataFrame, base: dict, seeds: int, 
              "| " + " | ".join(["---"] * (4 + len(cost))) + " |"]
     for row in table.to_dict("records"):
         cells = [row["traffic"], row["policy"], str(row["steps"]), row["budget"]]
-        cells += [cost_text(row[f"retransmit_{nic}_pct"], row[f"retransmit_{nic}_pct_ci"]) for nic in nics]
+        cells += [cost_text(row[f"retransmit_{nic}_pct"], row[f"retransmit_{nic}_pct_ci"],
+                            row[f"retransmit_{nic}_failures_per_1000_steps"]) for nic in nics]
         lines.append("| " + " | ".join(cells) + " |")
     if not points.empty:
         lines += ["", f"Every rate measured: the paired eval-perplexity change (mean over {seeds} seeds and its 95% "
@@ -86,14 +87,24 @@ def markdown(table: pd.DataFrame, points: pd.DataFrame, base: dict, seeds: int, 
     return "\n".join(lines) + "\n"
 
 
-def cost_text(pct: float, half_width: float) -> str:
-    """A step cost as the table prints it: the mean to its interval's first digit, then the interval."""
+def cost_text(pct: float, half_width: float, failures_per_1000_steps: float = 0.0) -> str:
+    """A step cost as the table prints it: the mean to its interval's first digit, then the interval; and
+    where the transport gives collectives up, how often (the step time leaves the stopped job out)."""
     if not math.isfinite(pct):
         return "–"
     if not (math.isfinite(half_width) and half_width > 0):
-        return f"{pct:,.0f}" if abs(pct) >= 100 else f"{pct:.3g}"
-    decimals = max(0, -math.floor(math.log10(half_width)))
-    return f"{pct:,.{decimals}f} +-{half_width:.{decimals}f}"
+        text = _plain(pct)
+    else:
+        decimals = max(0, -math.floor(math.log10(half_width)))
+        text = f"{pct:,.{decimals}f} +-{half_width:.{decimals}f}"
+    if failures_per_1000_steps > 0:
+        text += f", gives up {_plain(failures_per_1000_steps)} times per 1,000 steps"
+    return text
+
+
+def _plain(x: float) -> str:
+    """Three significant digits, whole numbers from 100 up (1,779, not 1.78e+03)."""
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
 def plot_training(steps: pd.DataFrame, path: Path) -> None:
