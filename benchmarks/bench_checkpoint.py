@@ -17,7 +17,7 @@ import torch
 from transformers import GPT2Config, GPT2ForSequenceClassification
 
 from lossysim import LossyNetwork, parallelize
-from lossysim.config.execution import use_threads
+import threads_flag
 from lossysim.run import checkpoint
 
 
@@ -26,11 +26,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3, help="timed training steps")
     parser.add_argument("--repeats", type=int, default=3, help="timed saves and loads")
     parser.add_argument("--tp-size", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch's intra-op threads (default 1, as every lossysim process)")
-    args = parser.parse_args()
-    use_threads(args.threads)
-    print(f"threads: {args.threads} (torch intra-op, OMP_NUM_THREADS)")
+    args = threads_flag.parse_args(parser)
     torch.manual_seed(0)
     config = GPT2Config(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, n_positions=1024,
                         num_labels=3, pad_token_id=50256)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lossysim import data as D
 from lossysim.config import ExperimentConfig
-from lossysim.config.execution import use_threads
+import threads_flag
 
 WORDS = ("the a man woman child dog cat car house street city park river book letter table window "
          "walks runs sits reads writes sees holds opens closes near under over with without because "
@@ -75,11 +75,7 @@ def main() -> None:
     parser.add_argument("--eval-cap", type=int, default=1000)
     parser.add_argument("--caps", type=int, nargs="+", default=[1_000, 10_000, 100_000])
     parser.add_argument("--uncapped", action="store_true", help="also time max_train_samples=None")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch's intra-op threads (default 1, as every lossysim process)")
-    args = parser.parse_args()
-    use_threads(args.threads)
-    print(f"threads: {args.threads} (torch intra-op, OMP_NUM_THREADS)")
+    args = threads_flag.parse_args(parser)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         start = time.perf_counter()

@@ -29,7 +29,7 @@ from bench_collectives import paired, stepping  # noqa: E402
 
 from lossysim import LossyNetwork  # noqa: E402
 from lossysim.config import ExperimentConfig  # noqa: E402
-from lossysim.config.execution import use_threads  # noqa: E402
+import threads_flag  # noqa: E402
 from lossysim.dp import DataParallel, Replica  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -48,11 +48,7 @@ def stepper(per_replica: int, dp: int):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch's intra-op threads (default 1, as every lossysim process)")
-    args = parser.parse_args()
-    use_threads(args.threads)
-    print(f"threads: {args.threads} (torch intra-op, OMP_NUM_THREADS)")
+    args = threads_flag.parse_args(parser)
     os.environ.setdefault("LOSSYSIM_CACHE", tempfile.mkdtemp())
     torch.manual_seed(0)
 

@@ -18,7 +18,7 @@ import torch
 from transformers import GPT2ForSequenceClassification
 
 from lossysim import LossyNetwork, parallelize
-from lossysim.config.execution import use_threads
+import threads_flag
 from lossysim.data import train_batches
 from lossysim.models.shapes import NAMED_SHAPES, named_config
 
@@ -47,11 +47,7 @@ def main():
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch's intra-op threads (default 1, as every lossysim process)")
-    args = parser.parse_args()
-    use_threads(args.threads)
-    print(f"threads: {args.threads} (torch intra-op, OMP_NUM_THREADS)")
+    args = threads_flag.parse_args(parser)
     device = torch.device(args.device)
     split = mnli_like_split(20 * args.batch_size, args.max_length)
     lengths = split["attention_mask"].sum(1).float()

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_collectives import stepping, timed  # noqa: E402
 
 from lossysim.config import ExperimentConfig  # noqa: E402
-from lossysim.config.execution import use_threads  # noqa: E402
+import threads_flag  # noqa: E402
 
 BATCH = 32
 TARGET = 1.3
@@ -58,11 +58,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch's intra-op threads (default 1, as every lossysim process)")
-    args = parser.parse_args()
-    use_threads(args.threads)
-    print(f"threads: {args.threads} (torch intra-op, OMP_NUM_THREADS)")
+    args = threads_flag.parse_args(parser)
     os.environ.setdefault("LOSSYSIM_CACHE", tempfile.mkdtemp())
     device = torch.device(args.device)
     torch.manual_seed(0)

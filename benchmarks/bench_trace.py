@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from lossysim.config.execution import use_threads  # noqa: E402
+import threads_flag  # noqa: E402
 from lossysim.estimate import job_config  # noqa: E402
 from lossysim.estimate import trace as traces  # noqa: E402
 from lossysim.estimate.trace_replay import simulate_trace  # noqa: E402
@@ -50,11 +50,7 @@ def write(folder: Path, steps: int) -> Path:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2, help="traced steps, each replayed once")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch's intra-op threads (default 1, as every lossysim process)")
-    args = parser.parse_args()
-    use_threads(args.threads)
-    print(f"threads: {args.threads} (torch intra-op, OMP_NUM_THREADS)")
+    args = threads_flag.parse_args(parser)
     import scipy.stats  # noqa: F401  (the row's intervals import it once: not the replay's cost)
     with tempfile.TemporaryDirectory() as tmp:
         path = write(Path(tmp), args.steps)

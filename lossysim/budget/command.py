@@ -140,7 +140,8 @@ def plan(out: Path, families, steps_list, policies, seeds: int, grid, refine: in
     done: dict[str, float] = {}   # run directory -> its wall time
     lines = [f"{'family':<13} {'policy':<17} {'steps':>5} {'measured':>8}  {'next':<8} {'at most still':>13}"]
     lossy = 0
-    for family, steps, policy in searches_of(runner, families, steps_list, policies):
+    searches = searches_of(runner, families, steps_list, policies)
+    for family, steps, policy in searches:
         coroutine, measured = search(grid, refine), 0
         rate = next(coroutine)
         try:
@@ -155,7 +156,7 @@ def plan(out: Path, families, steps_list, policies, seeds: int, grid, refine: in
         lossy += left * seeds
         lines.append(f"{family.name:<13} {policy:<17} {steps:>5} {measured:>8}  "
                      f"{'done' if rate is None else f'{100 * rate:.3g}%':<8} {f'{left} rates':>13}")
-    searched = {(family.name, steps) for family, steps, _ in searches_of(runner, families, steps_list, policies)}
+    searched = {(family.name, steps) for family, steps, _ in searches}
     free = [runner.config(family, steps, seed) for family in families for steps in steps_list
             for seed in range(seeds) if (family.name, steps) in searched]
     free_left = sum(not runner.completed(c) for c in free)
